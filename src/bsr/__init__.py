@@ -1,0 +1,120 @@
+"""bsr: Bounded-State Restoration of LLM execution state.
+
+Restore an evicted KV cache (and its relatives) from storage tiers into a paged cache through a
+window of at most W chunk-sized staging slots, committing all-or-nothing across state groups and
+tensor-parallel ranks. See README.md and DESIGN.md.
+"""
+
+from __future__ import annotations
+
+from ._cache import PagedKVCache as PagedKVCache
+from ._coordinator import Coordinator as Coordinator
+from ._coordinator import InProcessCoordinator as InProcessCoordinator
+from ._coordinator import InProcessGroup as InProcessGroup
+from ._coordinator import LocalCoordinator as LocalCoordinator
+from ._coordinator import TorchDistributedCoordinator as TorchDistributedCoordinator
+from ._engine import EngineStatistics as EngineStatistics
+from ._engine import RestoreEngine as RestoreEngine
+from ._errors import BlockTableError as BlockTableError
+from ._errors import BsrError as BsrError
+from ._errors import ClosedError as ClosedError
+from ._errors import ConfigError as ConfigError
+from ._errors import CoordinatorError as CoordinatorError
+from ._errors import CorruptObjectError as CorruptObjectError
+from ._errors import ForeignObjectError as ForeignObjectError
+from ._errors import GuardRejectedError as GuardRejectedError
+from ._errors import IllegalTransitionError as IllegalTransitionError
+from ._errors import LayoutError as LayoutError
+from ._errors import ObjectError as ObjectError
+from ._errors import ObjectNotFoundError as ObjectNotFoundError
+from ._errors import StagingError as StagingError
+from ._errors import TierError as TierError
+from ._errors import TierFullError as TierFullError
+from ._errors import TierIOError as TierIOError
+from ._errors import TierTimeoutError as TierTimeoutError
+from ._errors import TokenError as TokenError
+from ._errors import TruncatedObjectError as TruncatedObjectError
+from ._errors import UnknownGroupError as UnknownGroupError
+from ._file_tier import FileTier as FileTier
+from ._host_tier import HostTier as HostTier
+from ._keys import FORMAT_VERSION as FORMAT_VERSION
+from ._keys import ChunkKey as ChunkKey
+from ._keys import Namespace as Namespace
+from ._keys import ObjectKey as ObjectKey
+from ._layout import StateGroup as StateGroup
+from ._layout import StateLayout as StateLayout
+from ._layout import kv_layout as kv_layout
+from ._lifecycle import Reason as Reason
+from ._lifecycle import RequestLifecycle as RequestLifecycle
+from ._lifecycle import RequestState as RequestState
+from ._lifecycle import TransitionRecord as TransitionRecord
+from ._readers import KvikioReader as KvikioReader
+from ._readers import PosixReader as PosixReader
+from ._results import Policy as Policy
+from ._results import Probe as Probe
+from ._results import RestoreResult as RestoreResult
+from ._results import SaveResult as SaveResult
+from ._results import Strategy as Strategy
+from ._results import Timings as Timings
+from ._staging import StagingPool as StagingPool
+from ._staging import StagingStatistics as StagingStatistics
+from ._tier import Tier as Tier
+from ._tier import TierStatistics as TierStatistics
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "BlockTableError",
+    "BsrError",
+    "ChunkKey",
+    "ClosedError",
+    "ConfigError",
+    "Coordinator",
+    "CoordinatorError",
+    "CorruptObjectError",
+    "EngineStatistics",
+    "FORMAT_VERSION",
+    "FileTier",
+    "ForeignObjectError",
+    "GuardRejectedError",
+    "HostTier",
+    "IllegalTransitionError",
+    "InProcessCoordinator",
+    "InProcessGroup",
+    "KvikioReader",
+    "LayoutError",
+    "LocalCoordinator",
+    "Namespace",
+    "ObjectError",
+    "ObjectKey",
+    "ObjectNotFoundError",
+    "PagedKVCache",
+    "Policy",
+    "PosixReader",
+    "Probe",
+    "Reason",
+    "RequestLifecycle",
+    "RequestState",
+    "RestoreEngine",
+    "RestoreResult",
+    "SaveResult",
+    "StagingError",
+    "StagingPool",
+    "StagingStatistics",
+    "StateGroup",
+    "StateLayout",
+    "Strategy",
+    "Tier",
+    "TierError",
+    "TierFullError",
+    "TierIOError",
+    "TierStatistics",
+    "TierTimeoutError",
+    "Timings",
+    "TokenError",
+    "TorchDistributedCoordinator",
+    "TruncatedObjectError",
+    "UnknownGroupError",
+    "TransitionRecord",
+    "kv_layout",
+)

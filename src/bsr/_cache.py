@@ -1,0 +1,179 @@
+"""PagedKVCache: the destination of a restore, a paged cache in the style of vLLM.
+
+Each state group owns one tensor of shape ``[num_layers, num_blocks, block_tokens, token_bytes]``
+(uint8 storage; :meth:`PagedKVCache.typed` gives a view in the group's dtype). A request's block
+table (``block_ids``) maps its token positions to blocks: token ``t`` lives in block
+``block_ids[t // block_tokens]`` at row ``t % block_tokens``. A chunk of ``chunk_tokens`` tokens
+therefore spans ``chunk_tokens // block_tokens`` blocks, which need not be contiguous.
+
+:func:`gather_chunk` and :func:`install_chunk` move one chunk of one group between the cache and
+a flat ``[num_layers, chunk_tokens, token_bytes]`` buffer (a staging slot region).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from ._errors import BlockTableError, ConfigError, LayoutError
+from ._layout import StateLayout
+
+
+class PagedKVCache:
+    """Paged per-group cache tensors on ``device`` ("cpu" or "cuda[:n]").
+
+    Args:
+        layout: the state layout; ``chunk_tokens`` must be a multiple of ``block_tokens``.
+        num_blocks: blocks per group.
+        block_tokens: tokens per block (e.g. 16).
+        device: where the tensors live.
+        tensors: optional existing per-group tensors (e.g. views of an engine's KV cache), each of
+            shape ``[num_layers, num_blocks, block_tokens, token_bytes]`` and dtype uint8.
+    """
+
+    def __init__(
+        self,
+        layout: StateLayout,
+        num_blocks: int,
+        block_tokens: int = 16,
+        device: str | torch.device = "cpu",
+        *,
+        tensors: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ConfigError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
+        if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1:
+            raise ConfigError(f"block_tokens must be an int >= 1, got {block_tokens!r}")
+        if layout.chunk_tokens % block_tokens:
+            raise LayoutError(
+                f"chunk_tokens={layout.chunk_tokens} is not a multiple of block_tokens="
+                f"{block_tokens}; choose a block size that divides the chunk size"
+            )
+        self.layout = layout
+        self.num_blocks = num_blocks
+        self.block_tokens = block_tokens
+        self.device = torch.device(device)
+        self._tensors: dict[str, torch.Tensor] = {}
+        for g in layout.groups:
+            shape = (g.num_layers, num_blocks, block_tokens, g.token_bytes)
+            if tensors is not None:
+                t = tensors.get(g.name)
+                if t is None:
+                    raise LayoutError(f"tensors lacks group {g.name!r}", group=g.name)
+                if tuple(t.shape) != shape or t.dtype != torch.uint8:
+                    raise LayoutError(
+                        f"tensor of group {g.name!r} must be uint8 {shape}, got {t.dtype} "
+                        f"{tuple(t.shape)}",
+                        group=g.name,
+                    )
+                self._tensors[g.name] = t
+            else:
+                self._tensors[g.name] = torch.zeros(shape, dtype=torch.uint8, device=self.device)
+
+    @property
+    def blocks_per_chunk(self) -> int:
+        return self.layout.chunk_tokens // self.block_tokens
+
+    def tensor(self, group: str) -> torch.Tensor:
+        """The uint8 tensor ``[num_layers, num_blocks, block_tokens, token_bytes]`` of a group."""
+        self.layout.group(group)
+        return self._tensors[group]
+
+    def typed(self, group: str) -> torch.Tensor:
+        """A view of the group's tensor in its dtype: ``[L, blocks, block_tokens, elems]``."""
+        g = self.layout.group(group)
+        return self._tensors[group].view(g.torch_dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() for t in self._tensors.values())
+
+    def block_table(self, block_ids: Any, num_tokens: int) -> torch.Tensor:
+        """Validate a block table for ``num_tokens`` tokens; return it as an int64 CPU tensor."""
+        if isinstance(block_ids, torch.Tensor):
+            if block_ids.dtype.is_floating_point or block_ids.dtype == torch.bool:
+                raise BlockTableError(f"block_ids must be integers, got {block_ids.dtype}")
+            ids = block_ids.detach().to("cpu", torch.int64).reshape(-1)
+        else:
+            try:
+                arr = np.asarray(block_ids)
+            except Exception:
+                raise BlockTableError("block_ids must be a sequence of ints") from None
+            if arr.size and arr.dtype.kind not in "iu":
+                raise BlockTableError(f"block_ids must be integers, got dtype {arr.dtype}")
+            ids = torch.from_numpy(arr.astype(np.int64).reshape(-1))
+        needed = -(-num_tokens // self.block_tokens)
+        if len(ids) < needed:
+            raise BlockTableError(
+                f"{num_tokens} tokens need {needed} blocks of {self.block_tokens} tokens, "
+                f"block_ids has {len(ids)}; pass the request's full block table",
+                needed=needed,
+                got=len(ids),
+            )
+        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= self.num_blocks):
+            raise BlockTableError(
+                f"block ids must be in [0, {self.num_blocks}), got range "
+                f"[{int(ids.min())}, {int(ids.max())}]"
+            )
+        return ids
+
+    def chunk_blocks(self, ids: torch.Tensor, chunk: int) -> torch.Tensor:
+        bpc = self.blocks_per_chunk
+        return ids[chunk * bpc : (chunk + 1) * bpc]
+
+    def check_layout(self, layout: StateLayout) -> None:
+        if layout.fingerprint != self.layout.fingerprint:
+            raise LayoutError(
+                "the cache was built for another layout than the engine's; build the "
+                "PagedKVCache with the engine's StateLayout"
+            )
+
+
+def chunk_view(region: torch.Tensor, num_layers: int, chunk_tokens: int, token_bytes: int) -> torch.Tensor:
+    """View a flat staging region as ``[num_layers, chunk_tokens, token_bytes]``."""
+    n = num_layers * chunk_tokens * token_bytes
+    return region[:n].view(num_layers, chunk_tokens, token_bytes)
+
+
+def gather_chunk(cache: PagedKVCache, group: str, blocks: torch.Tensor, out: torch.Tensor) -> None:
+    """Copy one chunk of ``group`` from the cache blocks ``blocks`` into flat ``out``."""
+    g = cache.layout.group(group)
+    src = cache.tensor(group)
+    dst = chunk_view(out, g.num_layers, cache.layout.chunk_tokens, g.token_bytes)
+    dst4 = dst.view(g.num_layers, len(blocks), cache.block_tokens, g.token_bytes)
+    idx = blocks.to(src.device)
+    if src.device == dst4.device:
+        torch.index_select(src, 1, idx, out=dst4)
+    else:
+        dst4.copy_(torch.index_select(src, 1, idx))
+
+
+def install_chunk(
+    cache: PagedKVCache,
+    group: str,
+    blocks: torch.Tensor,
+    region: torch.Tensor,
+    *,
+    non_blocking: bool = False,
+) -> None:
+    """Copy one staged chunk of ``group`` (flat ``region``) into the cache blocks ``blocks``."""
+    g = cache.layout.group(group)
+    dst = cache.tensor(group)
+    src = chunk_view(region, g.num_layers, cache.layout.chunk_tokens, g.token_bytes)
+    src4 = src.view(g.num_layers, len(blocks), cache.block_tokens, g.token_bytes)
+    if src4.device != dst.device:
+        src4 = src4.to(dst.device, non_blocking=non_blocking)
+    dst.index_copy_(1, blocks.to(dst.device, non_blocking=non_blocking), src4)
+
+
+def invalidate_blocks(cache: PagedKVCache, blocks: Sequence[int]) -> None:
+    """Zero the given blocks in every group (used by tests; engines usually just free them)."""
+    if not blocks:
+        return
+    idx = torch.as_tensor(list(blocks), dtype=torch.int64)
+    for g in cache.layout.groups:
+        t = cache.tensor(g.name)
+        t.index_fill_(1, idx.to(t.device), 0)

@@ -1,0 +1,808 @@
+"""RestoreEngine: probe, bounded windowed restore with all-or-nothing commit, and save.
+
+Where it runs: the serving process's event loop (any anyio backend); one engine per rank.
+The decision side (probe, plan, state machine, agreement) is synchronous or metadata-only; the
+transfer side is a small pipeline the engine owns::
+
+    dispatcher --(slot per chunk, FIFO from the W-slot pool)--> readers (io_depth reads in flight,
+    fallback ladder, verify) --(bounded stream)--> installer (slot -> paged cache) -> release
+
+Every slot a request takes is tracked in the request's ``held`` set and released exactly once,
+by the installer after the copy completed, or by the request's ``finally`` on failure, deadline
+and cancellation (invariant 4). Nothing is committed until every needed (chunk, group) is
+installed on this rank and every rank votes yes (invariants 1 and 2).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import anyio
+import torch
+from anyio.abc import ObjectReceiveStream, ObjectSendStream
+
+from ._cache import PagedKVCache, gather_chunk, install_chunk
+from ._coordinator import Coordinator, LocalCoordinator
+from ._errors import (
+    BsrError,
+    ClosedError,
+    ConfigError,
+    CoordinatorError,
+    CorruptObjectError,
+    LayoutError,
+    ObjectError,
+    ObjectNotFoundError,
+    TierTimeoutError,
+)
+from ._keys import ChunkKey, Namespace, ObjectKey, TokensLike, as_token_array, chunk_keys
+from ._layout import StateLayout
+from ._lifecycle import Reason, RequestLifecycle, RequestState
+from ._log import logger
+from ._plan import groups_by_chunk, longest_prefix, needed_objects, prefix_usable
+from ._results import Policy, Probe, RestoreResult, SaveResult, Strategy, Timings
+from ._staging import Slot, StagingAccount, StagingPool, StagingStatistics
+from ._tier import Tier, TierStatistics
+
+if sys.version_info < (3, 11):  # pragma: no cover
+    from exceptiongroup import BaseExceptionGroup
+
+
+@dataclass(frozen=True)
+class EngineStatistics:
+    """Snapshot of an engine: staging pool, tiers and request counters."""
+
+    staging: StagingStatistics
+    tiers: tuple[TierStatistics, ...]
+    restores: int
+    committed: int
+    invalidated: int
+    saves: int
+    quarantined: int
+
+
+class _ReadFailure(Exception):
+    def __init__(self, chunk: int, group: str, reason: Reason, errors: list[str]) -> None:
+        super().__init__(f"chunk {chunk} group {group}: {reason}")
+        self.chunk = chunk
+        self.group = group
+        self.reason = reason
+        self.errors = errors
+
+
+class _PrivateSlots:
+    """Whole-plan baseline: one private host buffer holding every chunk of the plan."""
+
+    def __init__(self, n: int, slot_bytes: int, pin: bool) -> None:
+        pin = pin and torch.cuda.is_available()
+        self.buffer = torch.empty(max(n, 1) * slot_bytes, dtype=torch.uint8, pin_memory=pin)
+        self.slot_bytes = slot_bytes
+        self._next = 0
+        self.peak_bytes = n * slot_bytes
+
+    async def acquire(self) -> Slot:
+        i = self._next
+        self._next += 1
+        await anyio.lowlevel.checkpoint()
+        return Slot(i, self.buffer[i * self.slot_bytes : (i + 1) * self.slot_bytes])
+
+    def release(self, slot: Slot) -> None:
+        pass
+
+
+class _Request:
+    """Per-restore mutable state shared by the pipeline tasks."""
+
+    def __init__(self, rid: str, target: int, layout: StateLayout, policy: Policy) -> None:
+        self.rid = rid
+        self.policy = policy
+        self.target = target
+        self.limit = target  # truncate: chunks >= limit are abandoned
+        self.needed = groups_by_chunk(layout, target)
+        self.installed: set[tuple[int, str]] = set()
+        self.touched_chunks: set[int] = set()
+        self.held: set[Slot] = set()
+        self.failure: _ReadFailure | None = None
+        self.bytes_by_tier: dict[str, int] = {}
+        self.fallbacks = 0
+        self.quarantined = 0
+        self.errors: list[str] = []
+
+
+class RestoreEngine:
+    """Restores and saves one rank's reusable state through a bounded staging window.
+
+    Args:
+        layout: the model's state layout.
+        tiers: tiers fastest first (e.g. ``[HostTier(...), FileTier(...)]``); restore falls back
+            down this list, save writes through to all of them.
+        window: W, staging slots (each ``layout.slot_bytes``); peak staging <= W x slot_bytes.
+        io_depth: reads in flight per restore (1 <= io_depth <= W).
+        namespace: model id, tp rank/size, salt; keys are disjoint across namespaces.
+        coordinator: cross-rank agreement (default: single rank).
+        policy: default commit policy (``"all_or_nothing"`` or ``"truncate"``).
+        deadline_s: default per-restore deadline (None: no deadline).
+        pin_staging: allocate pinned staging when CUDA is available.
+    """
+
+    def __init__(
+        self,
+        layout: StateLayout,
+        tiers: Sequence[Tier],
+        *,
+        window: int = 8,
+        io_depth: int = 4,
+        namespace: Namespace,
+        coordinator: Coordinator | None = None,
+        policy: Policy | str = Policy.ALL_OR_NOTHING,
+        deadline_s: float | None = None,
+        pin_staging: bool = True,
+    ) -> None:
+        if not isinstance(layout, StateLayout):
+            raise ConfigError(f"layout must be a StateLayout, got {type(layout).__name__}")
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ConfigError(f"window (W) must be an int >= 1, got {window!r}; e.g. window=8")
+        if isinstance(io_depth, bool) or not isinstance(io_depth, int) or not 1 <= io_depth <= window:
+            raise ConfigError(
+                f"io_depth must be an int in [1, window={window}], got {io_depth!r}; more reads "
+                "in flight than slots cannot help, raise window or lower io_depth"
+            )
+        tiers = list(tiers)
+        if not tiers or not all(isinstance(t, Tier) for t in tiers):
+            raise ConfigError("tiers must be a non-empty list of Tier objects, fastest first")
+        names = [t.name for t in tiers]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"tier names must be unique, got {names}; pass name=... to each tier")
+        if not isinstance(namespace, Namespace):
+            raise ConfigError("namespace must be a bsr.Namespace(model_id=...)")
+        if deadline_s is not None and deadline_s <= 0:
+            raise ConfigError(f"deadline_s must be > 0 or None, got {deadline_s}")
+        self.layout = layout
+        self.tiers = tiers
+        self.window = window
+        self.io_depth = io_depth
+        self.namespace = namespace
+        self.namespace_fp = namespace.fingerprint(layout)
+        self.coordinator: Coordinator = coordinator or LocalCoordinator()
+        if self.coordinator.world_size != namespace.tp_size or self.coordinator.rank != namespace.tp_rank:
+            raise ConfigError(
+                f"coordinator is rank {self.coordinator.rank} of {self.coordinator.world_size} but the "
+                f"namespace says tp_rank={namespace.tp_rank}, tp_size={namespace.tp_size}; make them agree"
+            )
+        self.policy = Policy(policy)
+        self.deadline_s = deadline_s
+        self.pin_staging = pin_staging
+        self._pool: StagingPool | None = None
+        self._state = "new"
+        self._quarantine: set[tuple[str, str]] = set()
+        self._ids = itertools.count()
+        self._counts = {"restores": 0, "committed": 0, "invalidated": 0, "saves": 0}
+        self._cuda_stream: Any = None
+        self._log = logger.bind(rank=namespace.tp_rank, model=namespace.model_id)
+
+    # ------------------------------------------------------------------ lifecycle
+    async def __aenter__(self) -> RestoreEngine:
+        await self.open()
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    async def open(self) -> None:
+        """Open every tier and allocate the staging window (once)."""
+        if self._state == "open":
+            return
+        if self._state == "closed":
+            raise ClosedError("this RestoreEngine is closed; create a new one")
+        for t in self.tiers:
+            await t.open()
+        self._pool = StagingPool(self.window, self.layout.slot_bytes, pin=self.pin_staging)
+        self._state = "open"
+        self._log.info(
+            "bsr.engine.opened", window=self.window, io_depth=self.io_depth,
+            slot_bytes=self.layout.slot_bytes, pinned=self._pool.pinned, tiers=[t.name for t in self.tiers],
+        )
+
+    async def aclose(self) -> None:
+        """Close every tier. Later calls raise :class:`~bsr.ClosedError`."""
+        if self._state == "closed":
+            return
+        self._state = "closed"
+        for t in self.tiers:
+            with anyio.CancelScope(shield=True):
+                await t.aclose()
+        self._log.info("bsr.engine.closed")
+
+    def _check_open(self) -> StagingPool:
+        if self._state != "open" or self._pool is None:
+            raise ClosedError(
+                "RestoreEngine is not open; use 'async with engine:' (or await engine.open())"
+                if self._state == "new"
+                else "RestoreEngine is closed; create a new one"
+            )
+        return self._pool
+
+    @property
+    def staging(self) -> StagingPool:
+        return self._check_open()
+
+    def statistics(self) -> EngineStatistics:
+        pool = self._check_open()
+        return EngineStatistics(
+            staging=pool.statistics(),
+            tiers=tuple(t.statistics() for t in self.tiers),
+            restores=self._counts["restores"],
+            committed=self._counts["committed"],
+            invalidated=self._counts["invalidated"],
+            saves=self._counts["saves"],
+            quarantined=len(self._quarantine),
+        )
+
+    def _check_cache(self, cache: PagedKVCache) -> None:
+        if not isinstance(cache, PagedKVCache):
+            raise ConfigError(f"cache must be a bsr.PagedKVCache, got {type(cache).__name__}")
+        if cache.layout.fingerprint != self.layout.fingerprint:
+            raise LayoutError(
+                "cache layout differs from the engine's layout; build the PagedKVCache with the "
+                "engine's StateLayout"
+            )
+
+    def keys(self, tokens: TokensLike) -> list[ChunkKey]:
+        """Chained keys of every full chunk of ``tokens`` in this engine's namespace."""
+        return chunk_keys(self.namespace_fp, tokens, self.layout.chunk_tokens)
+
+    # ------------------------------------------------------------------ probe
+    async def _holders(self, keys: Sequence[ChunkKey], n: int) -> list[dict[str, list[int]]]:
+        objs = [ObjectKey(keys[c], g.name) for c in range(n) for g in self.layout.groups]
+        holders: list[dict[str, list[int]]] = [{g.name: [] for g in self.layout.groups} for _ in range(n)]
+        for ti, tier in enumerate(self.tiers):
+            try:
+                present = await tier.contains_many(objs)
+            except BsrError as exc:
+                self._log.warning("bsr.probe.tier_failed", tier=tier.name, error=str(exc))
+                continue
+            for i, (o, p) in enumerate(zip(objs, present)):
+                if p and (tier.name, o.object_id) not in self._quarantine:
+                    holders[i // len(self.layout.groups)][o.group].append(ti)
+        return holders
+
+    async def _agree_prefix(self, local: int, usable: Any) -> int:
+        """Agree on the longest prefix usable on every rank.
+
+        Each round: MIN of the ranks' candidates, then AND of "usable here". A rank that cannot
+        use the agreed prefix (a sliding-window group may need other chunks for a shorter
+        prefix) makes every rank propose its longest usable prefix below it; candidates strictly
+        decrease, so this ends, at the latest at 0. Every rank runs the same number of rounds.
+        """
+        candidate = local
+        while True:
+            agreed = await self.coordinator.agree_min(candidate)
+            ok = agreed == 0 or bool(usable(agreed))
+            if await self.coordinator.agree_all(ok):
+                return agreed
+            candidate = longest_prefix_upto(usable, agreed - 1)
+
+    async def _probe(self, tokens: TokensLike, *, deadline: float | None) -> tuple[Probe, list[dict[str, list[int]]], bool]:
+        t0 = time.perf_counter()
+        keys = self.keys(tokens)
+        n = len(keys)
+        holders: list[dict[str, list[int]]] = [{g.name: [] for g in self.layout.groups} for _ in range(n)]
+        timed_out = False
+        with anyio.move_on_after(deadline if deadline is not None else math.inf) as scope:
+            holders = await self._holders(keys, n)
+        if scope.cancelled_caught:
+            timed_out = True
+            holders = [{g.name: [] for g in self.layout.groups} for _ in range(n)]
+
+        def have(c: int, g: str) -> bool:
+            return c < n and bool(holders[c][g])
+
+        local = longest_prefix(self.layout, n, have)
+        agreed = await self._agree_prefix(local, lambda p: prefix_usable(self.layout, p, have))
+        by_tier: dict[str, int] = {}
+        for c, g in needed_objects(self.layout, agreed):
+            name = self.tiers[holders[c][g][0]].name
+            by_tier[name] = by_tier.get(name, 0) + self.layout.group_chunk_bytes(g)
+        probe = Probe(
+            num_tokens=len(as_token_array(tokens)),
+            chunk_tokens=self.layout.chunk_tokens,
+            keys=tuple(keys),
+            holders=tuple(
+                {g: tuple(self.tiers[i].name for i in ts) for g, ts in h.items()} for h in holders
+            ),
+            local_chunks=local,
+            prefix_chunks=agreed,
+            bytes_by_tier=by_tier,
+            duration_s=time.perf_counter() - t0,
+        )
+        return probe, holders, timed_out
+
+    async def lookup(self, tokens: TokensLike) -> Probe:
+        """Find the reusable prefix of ``tokens`` across tiers, groups and ranks; moves no data.
+
+        With several ranks every rank must call ``lookup`` (it runs the agreement collectives).
+        """
+        self._check_open()
+        probe, _, _ = await self._probe(tokens, deadline=None)
+        self._log.debug("bsr.probe", tokens=probe.num_tokens, prefix_tokens=probe.prefix_tokens,
+                        local_chunks=probe.local_chunks, bytes_by_tier=probe.bytes_by_tier)
+        return probe
+
+    # ------------------------------------------------------------------ restore
+    async def restore(
+        self,
+        tokens: TokensLike,
+        cache: PagedKVCache,
+        block_ids: Any,
+        *,
+        policy: Policy | str | None = None,
+        deadline_s: float | None = None,
+        strategy: Strategy | str = Strategy.BOUNDED,
+        request_id: str | None = None,
+    ) -> RestoreResult:
+        """Restore the longest reusable prefix of ``tokens`` into ``cache`` at ``block_ids``.
+
+        Returns a result that is Committed (``committed_tokens`` tokens are valid in the cache) or
+        Invalidated (nothing is valid; recompute). Never raises for storage failures; raises
+        typed errors for bad arguments, and re-raises cancellation after releasing every slot.
+        With several ranks every rank must call ``restore`` for the same tokens.
+        """
+        pool = self._check_open()
+        self._check_cache(cache)
+        arr = as_token_array(tokens)
+        n_full = self.layout.num_chunks(len(arr))
+        ids = cache.block_table(block_ids, n_full * self.layout.chunk_tokens)
+        policy = Policy(policy or self.policy)
+        strategy = Strategy(strategy)
+        deadline_s = self.deadline_s if deadline_s is None else deadline_s
+        if deadline_s is not None and deadline_s <= 0:
+            raise ConfigError(f"deadline_s must be > 0, got {deadline_s}")
+        rid = request_id or f"r{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        life = RequestLifecycle(rid, rank=self.namespace.tp_rank)
+        log = self._log.bind(request_id=rid)
+        self._counts["restores"] += 1
+        t0 = time.perf_counter()
+        deadline_at = None if deadline_s is None else t0 + deadline_s
+
+        def remaining() -> float | None:
+            return None if deadline_at is None else max(0.0, deadline_at - time.perf_counter())
+
+        req: _Request | None = None
+        account: StagingAccount | _PrivateSlots | None = None
+        t_probe = t_install = t_commit = 0.0
+        committed_chunks = 0
+        probed_chunks = 0
+        try:
+            # ---------------------------------------------------------- Probing
+            try:
+                probe, holders, probe_timed_out = await self._probe(arr, deadline=remaining())
+            except CoordinatorError as exc:
+                life.invalidate(Reason.COORDINATOR_FAILED)
+                raise _Done(str(exc)) from None
+            t_probe = time.perf_counter() - t0
+            probed_chunks = probe.prefix_chunks
+            life.facts.prefix_chunks = probe.prefix_chunks
+            if probe_timed_out:
+                life.invalidate(Reason.DEADLINE)
+                raise _Done("probe deadline")
+            if probe.prefix_chunks == 0:
+                life.fire("probe_miss", Reason.EMPTY_PREFIX)
+                raise _Done("empty")
+            life.fire("probe_hit")
+            # ---------------------------------------------------------- Windowing
+            req = _Request(rid, probe.prefix_chunks, self.layout, policy)
+            life.facts.target_chunks = req.target
+            if strategy is Strategy.BOUNDED:
+                account = pool.account()
+            else:
+                account = _PrivateSlots(len(req.needed), self.layout.slot_bytes, self.pin_staging)
+            t1 = time.perf_counter()
+            timed_out = False
+            with anyio.move_on_after(remaining() if deadline_at is not None else math.inf) as scope:
+                await self._run_window(req, account, probe.keys, holders, cache, ids, policy, strategy)
+            if scope.cancelled_caught:
+                timed_out = True
+            t_install = time.perf_counter() - t1
+            # ---------------------------------------------------------- agree + commit
+            t2 = time.perf_counter()
+
+            def installed_usable(p: int) -> bool:
+                return prefix_usable(self.layout, p, lambda c, g: (c, g) in req.installed)
+
+            if timed_out:
+                local_best = 0
+            elif policy is Policy.TRUNCATE:
+                local_best = longest_prefix(
+                    self.layout, min(req.limit, req.target), lambda c, g: (c, g) in req.installed
+                )
+            else:
+                local_best = req.target if installed_usable(req.target) else 0
+            try:
+                agreed = await self._agree_prefix(local_best, installed_usable)
+                if agreed == req.target and installed_usable(agreed):
+                    life.facts.every_chunk_installed = True
+                    life.fire("chunks_installed")
+                elif agreed > 0 and policy is Policy.TRUNCATE and installed_usable(agreed):
+                    life.facts.every_chunk_installed = True
+                    life.facts.truncated_chunks = agreed
+                    life.fire("truncate")
+                vote = life.state is RequestState.INSTALLED
+                await self._sync_installs()
+                all_ok = await self.coordinator.agree_all(vote)
+            except CoordinatorError as exc:
+                req.errors.append(str(exc))
+                life.invalidate(Reason.COORDINATOR_FAILED)
+                raise _Done("coordinator") from None
+            t_commit = time.perf_counter() - t2
+            if life.state is RequestState.INSTALLED and all_ok:
+                life.facts.all_ranks_installed = True
+                committed_chunks = agreed
+                life.fire("commit", Reason.COMPLETE if agreed == req.target else Reason.TRUNCATED)
+            else:
+                if timed_out:
+                    reason = Reason.DEADLINE
+                elif req.failure is not None:
+                    reason = req.failure.reason
+                elif life.state is RequestState.INSTALLED or installed_usable(req.target):
+                    reason = Reason.RANK_FAILED
+                else:
+                    reason = Reason.READ_FAILED
+                life.invalidate(reason)
+        except _Done:
+            pass
+        except BaseException as exc:
+            # cancellation or a bug: never leave the request non-terminal
+            cancelled = isinstance(exc, anyio.get_cancelled_exc_class())
+            if not life.terminal:
+                life.invalidate(Reason.CANCELLED if cancelled else Reason.INTERNAL_ERROR)
+            self._counts["invalidated"] += 1
+            log.warning("bsr.restore.aborted", reason=str(life.reason), error=repr(exc))
+            raise
+        finally:
+            if req is not None and account is not None:
+                with anyio.CancelScope(shield=True):
+                    await self._sync_installs()
+                for slot in list(req.held):
+                    req.held.discard(slot)
+                    account.release(slot)
+        assert life.reason is not None
+        if life.state is RequestState.COMMITTED:
+            self._counts["committed"] += 1
+        else:
+            self._counts["invalidated"] += 1
+            committed_chunks = 0
+        invalid = self._invalid_blocks(req, committed_chunks, cache, ids)
+        result = RestoreResult(
+            request_id=rid,
+            state=life.state,
+            committed_tokens=committed_chunks * self.layout.chunk_tokens,
+            probed_tokens=probed_chunks * self.layout.chunk_tokens,
+            bytes_by_tier=dict(req.bytes_by_tier) if req else {},
+            rws_peak_bytes=(
+                0 if account is None
+                else account.peak_bytes
+            ),
+            timings=Timings(t_probe, t_install, t_commit, time.perf_counter() - t0),
+            reason=life.reason,
+            invalid_block_ids=invalid,
+            trace=tuple(life.trace),
+            strategy=strategy,
+            policy=policy,
+            fallbacks=req.fallbacks if req else 0,
+            quarantined=req.quarantined if req else 0,
+            errors=tuple(req.errors) if req else (),
+        )
+        log.info(
+            "bsr.restore.done", state=str(result.state), reason=str(result.reason),
+            committed_tokens=result.committed_tokens, probed_tokens=result.probed_tokens,
+            bytes_by_tier=result.bytes_by_tier, rws_peak_bytes=result.rws_peak_bytes,
+            total_s=round(result.timings.total_s, 6), strategy=str(strategy.value),
+        )
+        return result
+
+    def _invalid_blocks(
+        self, req: _Request | None, committed_chunks: int, cache: PagedKVCache, ids: torch.Tensor
+    ) -> tuple[int, ...]:
+        if req is None:
+            return ()
+        out: set[int] = set()
+        for c in req.touched_chunks:
+            if c >= committed_chunks:
+                out.update(int(b) for b in cache.chunk_blocks(ids, c).tolist())
+        return tuple(sorted(out))
+
+    async def _sync_installs(self) -> None:
+        if self._cuda_stream is not None:
+            await anyio.to_thread.run_sync(self._cuda_stream.synchronize)
+
+    async def _run_window(
+        self,
+        req: _Request,
+        slots: StagingAccount | _PrivateSlots,
+        keys: Sequence[ChunkKey],
+        holders: list[dict[str, list[int]]],
+        cache: PagedKVCache,
+        ids: torch.Tensor,
+        policy: Policy,
+        strategy: Strategy,
+    ) -> None:
+        """Stream every needed chunk through the slots into the cache (or stop on failure)."""
+        send: ObjectSendStream[tuple[int, Slot]]
+        recv: ObjectReceiveStream[tuple[int, Slot]]
+        chunks = sorted(req.needed)
+        buffer = self.window if strategy is Strategy.BOUNDED else max(1, len(chunks))
+        send, recv = anyio.create_memory_object_stream(buffer)
+        io_limit = anyio.CapacityLimiter(self.io_depth)
+        reads_done = anyio.Event()
+        use_cuda = cache.device.type == "cuda"
+        if use_cuda and self._cuda_stream is None:
+            self._cuda_stream = torch.cuda.Stream(device=cache.device)
+
+        async def read_chunk(c: int, slot: Slot, tx: ObjectSendStream[tuple[int, Slot]]) -> None:
+            async with tx:
+                for g in req.needed[c]:
+                    off = self.layout.slot_offset(g)
+                    size = self.layout.group_chunk_bytes(g)
+                    region = slot.tensor[off : off + (-(-size // 4096) * 4096)]
+                    await self._read_with_fallback(req, keys[c], c, g, holders[c][g], region, io_limit)
+                if c < req.limit:
+                    await tx.send((c, slot))
+                else:
+                    req.held.discard(slot)
+                    slots.release(slot)
+
+        async def dispatcher(tg: Any) -> None:
+            async with send:
+                for c in chunks:
+                    if c >= req.limit:
+                        break
+                    slot = await slots.acquire()
+                    req.held.add(slot)
+                    if c >= req.limit:
+                        req.held.discard(slot)
+                        slots.release(slot)
+                        break
+                    tg.start_soon(read_chunk, c, slot, send.clone())
+            # readers hold clones; the installer sees end-of-stream when the last one finishes
+
+        async def installer() -> None:
+            if strategy is Strategy.WHOLE_PLAN:
+                await reads_done.wait()
+            async with recv:
+                async for c, slot in recv:
+                    req.touched_chunks.add(c)
+                    blocks = cache.chunk_blocks(ids, c)
+                    groups = req.needed[c]
+                    if use_cuda:
+                        def _install_cuda() -> None:
+                            with torch.cuda.stream(self._cuda_stream):
+                                for g in groups:
+                                    off = self.layout.slot_offset(g)
+                                    install_chunk(cache, g, blocks, slot.tensor[off:], non_blocking=True)
+                            ev = torch.cuda.Event()
+                            ev.record(self._cuda_stream)
+                            ev.synchronize()
+
+                        await anyio.to_thread.run_sync(_install_cuda)
+                    else:
+                        def _install() -> None:
+                            for g in groups:
+                                off = self.layout.slot_offset(g)
+                                install_chunk(cache, g, blocks, slot.tensor[off:])
+
+                        await anyio.to_thread.run_sync(_install)
+                    for g in groups:
+                        req.installed.add((c, g))
+                    req.held.discard(slot)
+                    slots.release(slot)
+
+        async def reads(tg_outer: Any) -> None:
+            try:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(dispatcher, tg)
+            finally:
+                reads_done.set()
+
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(installer)
+                tg.start_soon(reads, tg)
+        except _ReadFailure:
+            pass
+        except BaseExceptionGroup as eg:
+            rest = eg.split(_ReadFailure)[1]
+            if rest is not None:
+                raise rest from None
+
+    async def _read_with_fallback(
+        self,
+        req: _Request,
+        key: ChunkKey,
+        chunk: int,
+        group: str,
+        tier_ids: list[int],
+        region: torch.Tensor,
+        io_limit: anyio.CapacityLimiter,
+    ) -> None:
+        """Read one (chunk, group) into ``region``, down the tier ladder; raise on total failure."""
+        errors: list[str] = []
+        reason = Reason.READ_FAILED
+        expected = self.layout.group_chunk_bytes(group)
+        okey = ObjectKey(key, group)
+        for attempt, ti in enumerate(tier_ids):
+            tier = self.tiers[ti]
+            if (tier.name, okey.object_id) in self._quarantine:
+                continue
+            try:
+                async with io_limit:
+                    n = await tier.read_into(key, group, region)
+                if n != expected:
+                    raise CorruptObjectError(
+                        f"payload is {n} bytes, the layout says {expected}", tier=tier.name, group=group
+                    )
+            except ObjectError as exc:
+                reason = Reason.CORRUPT
+                errors.append(f"{tier.name}: {exc}")
+                await self._quarantine_object(req, tier, key, group, type(exc).__name__)
+                continue
+            except ObjectNotFoundError as exc:
+                errors.append(f"{tier.name}: {exc}")
+                continue
+            except TierTimeoutError as exc:
+                errors.append(f"{tier.name}: {exc}")
+                continue
+            except (BsrError, OSError) as exc:
+                errors.append(f"{tier.name}: {exc}")
+                await self._quarantine_object(req, tier, key, group, "io_error")
+                continue
+            if attempt > 0:
+                req.fallbacks += 1
+            req.bytes_by_tier[tier.name] = req.bytes_by_tier.get(tier.name, 0) + n
+            return
+        # no tier could supply it
+        req.errors.extend(errors)
+        failure = _ReadFailure(chunk, group, reason, errors)
+        if req.failure is None or chunk < req.failure.chunk:
+            req.failure = failure
+        req.limit = min(req.limit, chunk)
+        self._log.warning("bsr.restore.read_failed", request_id=req.rid, chunk=chunk, group=group,
+                          reason=str(reason), errors=errors)
+        if req.limit == 0 or req.policy is Policy.ALL_OR_NOTHING:
+            raise failure
+
+    async def _quarantine_object(self, req: _Request, tier: Tier, key: ChunkKey, group: str, why: str) -> None:
+        oid = ObjectKey(key, group).object_id
+        if (tier.name, oid) in self._quarantine:
+            return
+        self._quarantine.add((tier.name, oid))
+        req.quarantined += 1
+        with anyio.CancelScope(shield=True):
+            try:
+                await tier.quarantine(key, group, why)
+            except Exception as exc:
+                self._log.warning("bsr.tier.quarantine_failed", tier=tier.name, error=repr(exc))
+
+    # ------------------------------------------------------------------ save
+    async def save(
+        self,
+        tokens: TokensLike,
+        cache: PagedKVCache,
+        block_ids: Any,
+        *,
+        tiers: Sequence[str] | None = None,
+    ) -> SaveResult:
+        """Store every full chunk of ``tokens`` held in ``cache`` at ``block_ids``.
+
+        Writes through to every tier (or the named ``tiers``), skipping objects a tier already
+        holds. Sliding-window groups store only the chunks their window needs at the end of the
+        saved prefix. Staging comes from the same W-slot pool as restores. A tier's write error is
+        counted in the result and logged; it does not stop the other tiers.
+        """
+        pool = self._check_open()
+        self._check_cache(cache)
+        arr = as_token_array(tokens)
+        n = self.layout.num_chunks(len(arr))
+        ids = cache.block_table(block_ids, n * self.layout.chunk_tokens)
+        targets = self.tiers if tiers is None else [self._tier(name) for name in tiers]
+        t0 = time.perf_counter()
+        keys = self.keys(arr)
+        written = {t.name: 0 for t in targets}
+        skipped = {t.name: 0 for t in targets}
+        nbytes = {t.name: 0 for t in targets}
+        errors = {t.name: 0 for t in targets}
+        wanted = needed_objects(self.layout, n)
+        objs = [ObjectKey(keys[c], g) for c, g in wanted]
+        missing: dict[tuple[int, str], list[Tier]] = {(c, g): [] for c, g in wanted}
+        for t in targets:
+            try:
+                present = await t.contains_many(objs)
+            except BsrError as exc:
+                errors[t.name] += 1
+                self._log.warning("bsr.save.probe_failed", tier=t.name, error=str(exc))
+                present = [False] * len(objs)
+            for (c, g), p in zip(wanted, present):
+                if p:
+                    skipped[t.name] += 1
+                else:
+                    missing[(c, g)].append(t)
+        todo: dict[int, list[str]] = {}
+        for (c, g), ts in missing.items():
+            if ts:
+                todo.setdefault(c, []).append(g)
+        account = pool.account()
+        limiter = anyio.CapacityLimiter(self.io_depth)
+
+        async def save_chunk(c: int, slot: Slot) -> None:
+            try:
+                blocks = cache.chunk_blocks(ids, c)
+
+                def _gather() -> None:
+                    for g in todo[c]:
+                        off = self.layout.slot_offset(g)
+                        gather_chunk(cache, g, blocks, slot.tensor[off:])
+
+                await anyio.to_thread.run_sync(_gather)
+                for g in todo[c]:
+                    off = self.layout.slot_offset(g)
+                    payload = slot.tensor[off : off + self.layout.group_chunk_bytes(g)]
+                    for t in missing[(c, g)]:
+                        try:
+                            async with limiter:
+                                ok = await t.write(keys[c], g, payload)
+                        except (BsrError, OSError) as exc:
+                            errors[t.name] += 1
+                            self._log.warning("bsr.save.write_failed", tier=t.name, chunk=c, group=g, error=str(exc))
+                            continue
+                        if ok:
+                            written[t.name] += 1
+                            nbytes[t.name] += payload.numel()
+                        else:
+                            skipped[t.name] += 1
+            finally:
+                account.release(slot)
+
+        async with anyio.create_task_group() as tg:
+            for c in sorted(todo):
+                slot = await account.acquire()
+                tg.start_soon(save_chunk, c, slot)
+        self._counts["saves"] += 1
+        result = SaveResult(
+            saved_tokens=n * self.layout.chunk_tokens,
+            chunks=n,
+            objects_written=written,
+            objects_skipped=skipped,
+            bytes_written=nbytes,
+            errors=errors,
+            rws_peak_bytes=account.peak_bytes,
+            duration_s=time.perf_counter() - t0,
+        )
+        self._log.info("bsr.save.done", tokens=result.saved_tokens, chunks=n, written=written,
+                       skipped=skipped, errors=errors, duration_s=round(result.duration_s, 6))
+        return result
+
+    def _tier(self, name: str) -> Tier:
+        for t in self.tiers:
+            if t.name == name:
+                return t
+        raise ConfigError(f"no tier named {name!r}; tiers are {[t.name for t in self.tiers]}")
+
+
+class _Done(Exception):
+    """Internal: the request reached a terminal state early."""
+
+
+def longest_prefix_upto(usable: Any, upper: int) -> int:
+    """Largest p <= upper with usable(p), or 0."""
+    for p in range(upper, 0, -1):
+        if usable(p):
+            return p
+    return 0

@@ -1,0 +1,110 @@
+"""The bsr error tree.
+
+Every error bsr raises derives from :class:`BsrError` and carries structured fields
+(``tier``, ``key``, ``group``, ``state`` ...) besides its message. Where a builtin fits, an
+error also subclasses it (``ValueError`` for bad input, ``FileNotFoundError`` for a missing
+object), so callers may catch either.
+
+Messages say what to change, not only what went wrong.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class BsrError(Exception):
+    """Root of every error raised by bsr."""
+
+    def __init__(self, message: str, **fields: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.fields: dict[str, Any] = fields
+        for name, value in fields.items():
+            setattr(self, name, value)
+
+    def __str__(self) -> str:
+        if not self.fields:
+            return self.message
+        extra = ", ".join(f"{k}={v!r}" for k, v in self.fields.items() if v is not None)
+        return f"{self.message} [{extra}]" if extra else self.message
+
+
+# --------------------------------------------------------------------- bad input
+class ConfigError(BsrError, ValueError):
+    """A layout, namespace, engine or cache argument is invalid."""
+
+
+class LayoutError(ConfigError):
+    """A StateLayout or StateGroup is invalid, or a cache does not match the engine's layout."""
+
+
+class TokenError(BsrError, TypeError):
+    """Tokens are of an unsupported type, dtype or value."""
+
+
+class BlockTableError(ConfigError):
+    """The block table (block_ids) is too short, out of range or not integer."""
+
+
+class UnknownGroupError(BsrError, KeyError):
+    """A state group name is not part of the layout."""
+
+
+class ClosedError(BsrError, RuntimeError):
+    """An engine or tier was used before ``async with`` / after ``aclose()``."""
+
+
+# --------------------------------------------------------------------- objects
+class ObjectError(BsrError):
+    """A stored object failed verification; it is never installed and is treated as a miss."""
+
+
+class CorruptObjectError(ObjectError):
+    """Checksum, magic or header mismatch: the bytes were damaged."""
+
+
+class TruncatedObjectError(ObjectError):
+    """The object is shorter (or longer) than its header says."""
+
+
+class ForeignObjectError(ObjectError):
+    """An intact object of another namespace, layout, format version, key or group."""
+
+
+# --------------------------------------------------------------------- tiers
+class TierError(BsrError):
+    """A tier operation failed (I/O error, unavailable store, timeout)."""
+
+
+class ObjectNotFoundError(TierError, FileNotFoundError):
+    """The tier does not hold the requested object (any more)."""
+
+
+class TierIOError(TierError, OSError):
+    """An I/O error inside a tier (short read, EIO, permission denied ...)."""
+
+
+class TierTimeoutError(TierError, TimeoutError):
+    """A tier call did not finish within its timeout."""
+
+
+class TierFullError(TierError):
+    """The object does not fit in the tier even after eviction."""
+
+
+# --------------------------------------------------------------------- lifecycle
+class IllegalTransitionError(BsrError, RuntimeError):
+    """A trigger is not allowed in the request's current state (the state is left unchanged)."""
+
+
+class GuardRejectedError(IllegalTransitionError):
+    """A trigger exists from this state but its guard does not hold (the state is left unchanged)."""
+
+
+class CoordinatorError(BsrError):
+    """A cross-rank agreement failed or timed out."""
+
+
+class StagingError(BsrError):
+    """Misuse of the staging pool (double release, foreign slot)."""

@@ -1,0 +1,52 @@
+"""Pure planning: which (chunk, group) objects a prefix needs, and the longest usable prefix.
+
+No I/O here; the engine asks these functions with a predicate ``have(chunk, group)`` that is
+"some tier holds it" during probing and "installed" after the window drains.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ._layout import StateLayout
+
+Have = Callable[[int, str], bool]
+
+
+def needed_objects(layout: StateLayout, prefix_chunks: int) -> list[tuple[int, str]]:
+    """Every (chunk, group) a prefix of ``prefix_chunks`` chunks needs, in chunk order."""
+    per_chunk: dict[int, list[str]] = {}
+    for g in layout.groups:
+        for c in layout.needed_chunks(g.name, prefix_chunks):
+            per_chunk.setdefault(c, []).append(g.name)
+    return [(c, name) for c in sorted(per_chunk) for name in per_chunk[c]]
+
+
+def groups_by_chunk(layout: StateLayout, prefix_chunks: int) -> dict[int, tuple[str, ...]]:
+    """For each chunk that a prefix needs, the groups needed from it."""
+    out: dict[int, list[str]] = {}
+    for c, g in needed_objects(layout, prefix_chunks):
+        out.setdefault(c, []).append(g)
+    return {c: tuple(gs) for c, gs in out.items()}
+
+
+def prefix_usable(layout: StateLayout, prefix_chunks: int, have: Have) -> bool:
+    """Whether every object the prefix needs is available."""
+    return all(have(c, g) for c, g in needed_objects(layout, prefix_chunks))
+
+
+def longest_prefix(layout: StateLayout, upper_chunks: int, have: Have) -> int:
+    """The longest prefix ``p <= upper_chunks`` whose needed objects are all available.
+
+    Full-attention groups make availability monotone up to the first gap; sliding-window groups
+    only need a suffix window, so candidates are checked from the longest down.
+    """
+    full = [g.name for g in layout.groups if g.window_tokens is None]
+    windowed = [g for g in layout.groups if g.window_tokens is not None]
+    limit = 0
+    while limit < upper_chunks and all(have(limit, g) for g in full):
+        limit += 1
+    for p in range(limit, 0, -1):
+        if all(have(c, g.name) for g in windowed for c in layout.needed_chunks(g.name, p)):
+            return p
+    return 0
