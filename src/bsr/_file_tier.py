@@ -41,6 +41,7 @@ from ._layout import align_up
 from ._object import (
     HEADER_SIZE,
     MAGIC,
+    PAYLOAD_LEN_OFFSET as _PLEN_OFFSET,
     decode_header,
     encode_header,
     object_size,
@@ -167,10 +168,10 @@ class FileTier(Tier):
         if size < HEADER_SIZE or size % 4096:
             return "truncated"
         with open(path, "rb") as fh:
-            head = fh.read(64)
+            head = fh.read(_PLEN_OFFSET + 8)
         if head[:8] != MAGIC:
             return "badmagic"
-        plen = int.from_bytes(head[8 + 2 + 2 + 16 + 32 + 16 + 8 : 8 + 2 + 2 + 16 + 32 + 16 + 16], "little")
+        plen = int.from_bytes(head[_PLEN_OFFSET : _PLEN_OFFSET + 8], "little")
         if object_size(plen) != size:
             return "truncated"
         return ""

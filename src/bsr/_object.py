@@ -37,6 +37,8 @@ MAGIC = b"BSR\x00OBJ\x01"
 HEADER_SIZE = 4096
 _FIELDS = struct.Struct("<8sHH16s32s16sQQQQ")
 _SUM_OFFSET = _FIELDS.size - 8
+#: byte offset of payload_len in the header (for cheap structural checks)
+PAYLOAD_LEN_OFFSET = 8 + 2 + 2 + 16 + 32 + 16 + 8
 
 
 def payload_checksum(payload: Any) -> int:

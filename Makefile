@@ -1,0 +1,42 @@
+# bsr: two commands on a fresh machine.
+#   make bench   - set up, then run the benchmark on built-in defaults (the main job)
+#   make test    - set up (packages + system tools), then run the whole test suite
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH_CPU ?= torch==2.13.0
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: setup system-deps test bench lint typecheck clean
+
+setup: $(VENV)/.bsr-installed
+
+$(VENV)/.bsr-installed: pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# a CPU torch build unless one is already there (an unpinned torch would pull a CUDA build)
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_CPU)"
+	$(BIN)/python -m pip install -q -e ".[dev,mooncake]"
+	touch $@
+
+# spin (model checker) and libibverbs (Mooncake's transfer engine) from Debian packages
+system-deps:
+	@if ! command -v spin >/dev/null || ! ldconfig -p | grep -q libibverbs.so.1; then \
+		$(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q spin libibverbs1 gcc; \
+	fi
+
+test: setup system-deps
+	$(BIN)/python -m pytest -q
+
+bench: setup
+	$(BIN)/bsr bench
+
+lint:
+	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff format --check src tests bench
+
+typecheck:
+	$(BIN)/mypy
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,0 +1,303 @@
+"""Fault and latency injection as tier wrappers, seeded and replayable.
+
+:class:`FaultyTier` wraps any tier and applies a :class:`FaultPlan`. Whether a fault fires is a
+pure function of ``(seed, operation, object id, attempt number on that object)``, so a run is
+replayed exactly by the same seed whatever the task interleaving. Corruption and truncation are
+done *to the stored object* where the wrapped tier allows it (HostTier, FileTier, or any tier
+with a ``corrupt_object(key, group, offset)`` / ``truncate_object(key, group, size)`` method),
+so detection is exercised for real; on other tiers they are simulated by raising the error a
+verifying tier would raise.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import numpy as np
+
+from .._errors import (
+    CorruptObjectError,
+    ObjectNotFoundError,
+    TierIOError,
+    TruncatedObjectError,
+)
+from .._file_tier import FileTier
+from .._host_tier import HostTier
+from .._keys import ChunkKey, ObjectKey
+from .._object import HEADER_SIZE
+from .._tier import Tier
+
+
+class FaultKind(str, enum.Enum):
+    READ_ERROR = "read_error"  #: read_into raises TierIOError
+    CORRUPT = "corrupt"  #: the stored payload gets a flipped byte before the read
+    TRUNCATE = "truncate"  #: the stored object is cut short before the read
+    DELAY = "delay"  #: the call sleeps delay_s first
+    HANG = "hang"  #: the call never returns (until cancelled)
+    LOST_WRITE = "lost_write"  #: write acknowledges, stores nothing, contains() still says yes
+    PROBE_ERROR = "probe_error"  #: contains_many raises TierIOError
+
+
+_OPS = {
+    FaultKind.READ_ERROR: "read",
+    FaultKind.CORRUPT: "read",
+    FaultKind.TRUNCATE: "read",
+    FaultKind.DELAY: "read",
+    FaultKind.HANG: "read",
+    FaultKind.LOST_WRITE: "write",
+    FaultKind.PROBE_ERROR: "contains",
+}
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One fault rule.
+
+    Args:
+        kind: what happens.
+        probability: chance per matching call (decided by the plan's seed).
+        group: only objects of this group (None: any).
+        chunks: only these chunk indices (None: any).
+        max_times: stop after firing this often (None: unlimited).
+        delay_s: for DELAY.
+    """
+
+    kind: FaultKind
+    probability: float = 1.0
+    group: str | None = None
+    chunks: frozenset[int] | None = None
+    max_times: int | None = None
+    delay_s: float = 0.01
+
+    @property
+    def op(self) -> str:
+        return _OPS[self.kind]
+
+
+@dataclass
+class FaultPlan:
+    """A seeded set of fault rules, optionally limited to some ranks."""
+
+    seed: int = 0
+    faults: tuple[Fault, ...] = ()
+    ranks: frozenset[int] | None = None
+    fired: dict[str, int] = field(default_factory=dict)
+
+    def _u(self, op: str, oid: str, attempt: int, rule: int) -> float:
+        h = hashlib.blake2b(f"{self.seed}|{op}|{oid}|{attempt}|{rule}".encode(), digest_size=8)
+        return int.from_bytes(h.digest(), "little") / 2**64
+
+    def decide(self, op: str, okey: ObjectKey, attempt: int, rank: int) -> list[Fault]:
+        """The faults that fire for this call (deterministic in the seed)."""
+        if self.ranks is not None and rank not in self.ranks:
+            return []
+        out = []
+        for i, f in enumerate(self.faults):
+            if f.op != op:
+                continue
+            if f.group is not None and f.group != okey.group:
+                continue
+            if f.chunks is not None and okey.chunk.index not in f.chunks:
+                continue
+            count = self.fired.get(f"{i}", 0)
+            if f.max_times is not None and count >= f.max_times:
+                continue
+            if self._u(op, okey.object_id, attempt, i) < f.probability:
+                self.fired[f"{i}"] = count + 1
+                self.fired[f.kind.value] = self.fired.get(f.kind.value, 0) + 1
+                out.append(f)
+        return out
+
+    @property
+    def total_fired(self) -> int:
+        return sum(v for k, v in self.fired.items() if not k.isdigit())
+
+
+def corrupt_stored(tier: Tier, key: ChunkKey, group: str, offset: int = HEADER_SIZE + 17) -> bool:
+    """Flip one stored byte of ``(key, group)`` in ``tier``; False when the tier cannot."""
+    hook = getattr(tier, "corrupt_object", None)
+    if callable(hook):
+        return bool(hook(key, group, offset))
+    if isinstance(tier, HostTier):
+        blob = tier._raw(key, group)
+        if blob is None or offset >= len(blob):
+            return False
+        blob[offset] ^= 0xFF
+        return True
+    if isinstance(tier, FileTier):
+        path = tier.object_path(key, group)
+        try:
+            with open(path, "r+b") as fh:
+                fh.seek(offset)
+                b = fh.read(1)
+                if not b:
+                    return False
+                fh.seek(offset)
+                fh.write(bytes([b[0] ^ 0xFF]))
+        except FileNotFoundError:
+            return False
+        return True
+    return False
+
+
+def truncate_stored(tier: Tier, key: ChunkKey, group: str, size: int = HEADER_SIZE + 100) -> bool:
+    """Cut the stored object of ``(key, group)`` to ``size`` bytes; False when the tier cannot."""
+    hook = getattr(tier, "truncate_object", None)
+    if callable(hook):
+        return bool(hook(key, group, size))
+    if isinstance(tier, HostTier):
+        entry = tier._objects.get(ObjectKey(key, group).object_id)
+        if entry is None:
+            return False
+        entry.blob = np.array(entry.blob[:size])
+        return True
+    if isinstance(tier, FileTier):
+        try:
+            os.truncate(tier.object_path(key, group), size)
+        except FileNotFoundError:
+            return False
+        return True
+    return False
+
+
+class FaultyTier(Tier):
+    """Wrap ``inner`` and inject the faults of ``plan`` (as rank ``rank``).
+
+    The wrapper takes the inner tier's name by default, so results and ``bytes_by_tier`` read
+    the same as without it.
+    """
+
+    def __init__(self, inner: Tier, plan: FaultPlan, *, rank: int = 0, name: str | None = None) -> None:
+        super().__init__(name or inner.name)
+        self.inner = inner
+        self.plan = plan
+        self.rank = rank
+        self._attempts: dict[tuple[str, str], int] = {}
+        self._lost: set[str] = set()
+        self.durable = inner.durable  # type: ignore[misc]
+
+    def _faults(self, op: str, okey: ObjectKey) -> list[Fault]:
+        k = (op, okey.object_id)
+        n = self._attempts.get(k, 0)
+        self._attempts[k] = n + 1
+        return self.plan.decide(op, okey, n, self.rank)
+
+    async def open(self) -> None:
+        await self.inner.open()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+        await super().aclose()
+
+    def _usage(self) -> tuple[int, int, int]:
+        s = self.inner.statistics()
+        return s.objects, s.bytes, s.capacity_bytes
+
+    def statistics(self) -> Any:
+        return self.inner.statistics()
+
+    async def contains_many(self, objects: Sequence[ObjectKey]) -> list[bool]:
+        for o in objects[:1]:
+            if any(f.kind is FaultKind.PROBE_ERROR for f in self._faults("contains", o)):
+                raise TierIOError("injected probe failure", tier=self.name)
+        got = await self.inner.contains_many(objects)
+        return [g or o.object_id in self._lost for g, o in zip(got, objects)]
+
+    async def read_into(self, key: ChunkKey, group: str, dst: Any) -> int:
+        okey = ObjectKey(key, group)
+        if okey.object_id in self._lost:
+            raise ObjectNotFoundError("object lost after acknowledged write", tier=self.name, group=group)
+        for f in self._faults("read", okey):
+            if f.kind is FaultKind.DELAY:
+                await anyio.sleep(f.delay_s)
+            elif f.kind is FaultKind.HANG:
+                await anyio.sleep_forever()
+            elif f.kind is FaultKind.READ_ERROR:
+                raise TierIOError("injected read error", tier=self.name, group=group)
+            elif f.kind is FaultKind.CORRUPT:
+                if not corrupt_stored(self.inner, key, group):
+                    raise CorruptObjectError("injected corruption", tier=self.name, group=group)
+            elif f.kind is FaultKind.TRUNCATE:
+                if not truncate_stored(self.inner, key, group):
+                    raise TruncatedObjectError("injected truncation", tier=self.name, group=group)
+        return await self.inner.read_into(key, group, dst)
+
+    async def write(self, key: ChunkKey, group: str, payload: Any) -> bool:
+        okey = ObjectKey(key, group)
+        if any(f.kind is FaultKind.LOST_WRITE for f in self._faults("write", okey)):
+            if await self.inner.contains(key, group):
+                return False
+            self._lost.add(okey.object_id)
+            return True
+        return await self.inner.write(key, group, payload)
+
+    async def delete(self, key: ChunkKey, group: str) -> bool:
+        okey = ObjectKey(key, group)
+        lost = okey.object_id in self._lost
+        self._lost.discard(okey.object_id)
+        return await self.inner.delete(key, group) or lost
+
+    async def quarantine(self, key: ChunkKey, group: str, reason: str) -> None:
+        self._lost.discard(ObjectKey(key, group).object_id)
+        await self.inner.quarantine(key, group, reason)
+
+
+class LatencyTier(Tier):
+    """Wrap ``inner`` adding a fixed latency (and optional bandwidth cap) to reads and probes."""
+
+    def __init__(
+        self,
+        inner: Tier,
+        *,
+        read_latency_s: float = 0.001,
+        probe_latency_s: float = 0.0,
+        bandwidth_bytes_per_s: float | None = None,
+        name: str | None = None,
+    ) -> None:
+        super().__init__(name or inner.name)
+        self.inner = inner
+        self.read_latency_s = read_latency_s
+        self.probe_latency_s = probe_latency_s
+        self.bandwidth = bandwidth_bytes_per_s
+        self.durable = inner.durable  # type: ignore[misc]
+
+    async def open(self) -> None:
+        await self.inner.open()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+        await super().aclose()
+
+    def _usage(self) -> tuple[int, int, int]:
+        s = self.inner.statistics()
+        return s.objects, s.bytes, s.capacity_bytes
+
+    def statistics(self) -> Any:
+        return self.inner.statistics()
+
+    async def contains_many(self, objects: Sequence[ObjectKey]) -> list[bool]:
+        if self.probe_latency_s:
+            await anyio.sleep(self.probe_latency_s)
+        return await self.inner.contains_many(objects)
+
+    async def read_into(self, key: ChunkKey, group: str, dst: Any) -> int:
+        await anyio.sleep(self.read_latency_s)
+        n = await self.inner.read_into(key, group, dst)
+        if self.bandwidth:
+            await anyio.sleep(n / self.bandwidth)
+        return n
+
+    async def write(self, key: ChunkKey, group: str, payload: Any) -> bool:
+        return await self.inner.write(key, group, payload)
+
+    async def delete(self, key: ChunkKey, group: str) -> bool:
+        return await self.inner.delete(key, group)
+
+    async def quarantine(self, key: ChunkKey, group: str, reason: str) -> None:
+        await self.inner.quarantine(key, group, reason)
