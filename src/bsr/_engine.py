@@ -545,7 +545,7 @@ class RestoreEngine:
         reads_done = anyio.Event()
         use_cuda = cache.device.type == "cuda"
         if use_cuda and self._cuda_stream is None:
-            self._cuda_stream = torch.cuda.Stream(device=cache.device)
+            self._cuda_stream = torch.cuda.Stream(device=cache.device)  # type: ignore[no-untyped-call]
 
         async def read_chunk(c: int, slot: Slot, tx: ObjectSendStream[tuple[int, Slot]]) -> None:
             async with tx:
@@ -588,7 +588,7 @@ class RestoreEngine:
                                 for g in groups:
                                     off = self.layout.slot_offset(g)
                                     install_chunk(cache, g, blocks, slot.tensor[off:], non_blocking=True)
-                            ev = torch.cuda.Event()
+                            ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
                             ev.record(self._cuda_stream)
                             ev.synchronize()
 

@@ -132,8 +132,8 @@ class FileTier(Tier):
         self._log.info("bsr.tier.opened", path=str(self.root), objects=len(self._index), bytes=self._bytes)
 
     def _scan(self) -> None:
-        for sub in ("objects", "tmp", "quarantine"):
-            (self.root / sub).mkdir(parents=True, exist_ok=True)
+        for name in ("objects", "tmp", "quarantine"):
+            (self.root / name).mkdir(parents=True, exist_ok=True)
         for tmp in (self.root / "tmp").iterdir():
             parts = tmp.name.split(".")
             pid = int(parts[1]) if len(parts) >= 4 and parts[1].isdigit() else -1
@@ -373,7 +373,12 @@ class FileTier(Tier):
         oid = ObjectKey(key, group).object_id
         self._drop(oid)
         path = self._obj_path(oid)
-        await anyio.to_thread.run_sync(lambda: path.exists() and self._move_to_quarantine(path, oid, reason))
+
+        def _move() -> None:
+            if path.exists():
+                self._move_to_quarantine(path, oid, reason)
+
+        await anyio.to_thread.run_sync(_move)
 
     # ------------------------------------------------------------------ inspection
     def object_path(self, key: ChunkKey, group: str) -> Path:
