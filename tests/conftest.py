@@ -33,7 +33,9 @@ def two_group_layout(chunk_tokens: int = 32) -> bsr.StateLayout:
     )
 
 
-def filled_cache(layout: bsr.StateLayout, num_blocks: int, block_tokens: int, seed: int = 0) -> bsr.PagedKVCache:
+def filled_cache(
+    layout: bsr.StateLayout, num_blocks: int, block_tokens: int, seed: int = 0
+) -> bsr.PagedKVCache:
     cache = bsr.PagedKVCache(layout, num_blocks, block_tokens)
     gen = torch.Generator().manual_seed(seed)
     for g in layout.groups:

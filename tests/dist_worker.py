@@ -22,7 +22,10 @@ def main() -> None:
     rank, world, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     workdir, fail_rank, out = Path(sys.argv[4]), int(sys.argv[5]), Path(sys.argv[6])
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
         timeout=timedelta(seconds=30),
     )
     layout = bsr.StateLayout(
@@ -36,13 +39,19 @@ def main() -> None:
         t.copy_(torch.randint(0, 256, t.shape, generator=gen, dtype=torch.uint8))
     tokens = list(range(1000, 1000 + 6 * 16 + 5))
     ids = torch.randperm(32, generator=torch.Generator().manual_seed(7))[:13]
-    plan = FaultPlan(seed=1, faults=(Fault(FaultKind.READ_ERROR, chunks=frozenset({2}), group="kv"),),
-                     ranks=frozenset({fail_rank}))
+    plan = FaultPlan(
+        seed=1,
+        faults=(Fault(FaultKind.READ_ERROR, chunks=frozenset({2}), group="kv"),),
+        ranks=frozenset({fail_rank}),
+    )
 
     async def run() -> dict[str, object]:
         tier = FaultyTier(bsr.FileTier(workdir / f"rank{rank}", 1 << 26), plan, rank=rank)
         engine = bsr.RestoreEngine(
-            layout, [tier], window=2, io_depth=2,
+            layout,
+            [tier],
+            window=2,
+            io_depth=2,
             namespace=bsr.Namespace("dist-model", tp_rank=rank, tp_size=world),
             coordinator=bsr.TorchDistributedCoordinator(),
         )
@@ -52,7 +61,10 @@ def main() -> None:
             dst = bsr.PagedKVCache(layout, 32, 8)
             res = await engine.restore(tokens, dst, ids)
             exact = all(
-                torch.equal(src.tensor(g.name)[:, ids[c * 2 : c * 2 + 2]], dst.tensor(g.name)[:, ids[c * 2 : c * 2 + 2]])
+                torch.equal(
+                    src.tensor(g.name)[:, ids[c * 2 : c * 2 + 2]],
+                    dst.tensor(g.name)[:, ids[c * 2 : c * 2 + 2]],
+                )
                 for g in layout.groups
                 for c in layout.needed_chunks(g.name, res.committed_tokens // 16)
             )

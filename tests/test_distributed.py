@@ -28,10 +28,25 @@ def run_ranks(tmp_path: Path, fail_rank: int) -> list[dict[str, object]]:
     for rank in range(2):
         out = tmp_path / f"out{rank}.json"
         procs.append(
-            (out, subprocess.Popen(
-                [sys.executable, str(WORKER), str(rank), "2", str(port), str(tmp_path), str(fail_rank), str(out)],
-                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            ))
+            (
+                out,
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        str(WORKER),
+                        str(rank),
+                        "2",
+                        str(port),
+                        str(tmp_path),
+                        str(fail_rank),
+                        str(out),
+                    ],
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                ),
+            )
         )
     results = []
     for out, p in procs:

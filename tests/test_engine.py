@@ -8,10 +8,10 @@ from pathlib import Path
 import anyio
 import pytest
 import torch
-from conftest import blocks_equal, filled_cache, shuffled_blocks, two_group_layout
 
 import bsr
 from bsr.testing import Fault, FaultKind, FaultPlan, FaultyTier, LatencyTier
+from conftest import blocks_equal, filled_cache, shuffled_blocks, two_group_layout
 
 
 def tokens_for(n_tokens: int, seed: int = 1) -> list[int]:
@@ -20,10 +20,20 @@ def tokens_for(n_tokens: int, seed: int = 1) -> list[int]:
 
 
 def make_engine(
-    layout: bsr.StateLayout, tiers: list[bsr.Tier], *, window: int = 2, io_depth: int = 2, **kw: object
+    layout: bsr.StateLayout,
+    tiers: list[bsr.Tier],
+    *,
+    window: int = 2,
+    io_depth: int = 2,
+    **kw: object,
 ) -> bsr.RestoreEngine:
     return bsr.RestoreEngine(
-        layout, tiers, window=window, io_depth=io_depth, namespace=bsr.Namespace("test-model"), **kw  # type: ignore[arg-type]
+        layout,
+        tiers,
+        window=window,
+        io_depth=io_depth,
+        namespace=bsr.Namespace("test-model"),
+        **kw,  # type: ignore[arg-type]
     )
 
 
@@ -74,7 +84,9 @@ def test_restore_from_file_tier_alone_after_reopen(tmp_path: Path) -> None:
             dst = bsr.PagedKVCache(layout, 64, 8)
             r = await eng2.restore(toks, dst, ids)
             assert r.committed and r.committed_tokens == n_tokens
-            assert r.bytes_by_tier == {"file": 5 * layout.group_chunk_bytes("kv") + 2 * layout.group_chunk_bytes("swa")}
+            assert r.bytes_by_tier == {
+                "file": 5 * layout.group_chunk_bytes("kv") + 2 * layout.group_chunk_bytes("swa")
+            }
             assert blocks_equal(layout, src, ids, dst, ids, 5)
 
     anyio.run(main)
@@ -116,7 +128,9 @@ def test_empty_probe_commits_zero_tokens(tmp_path: Path, layout: bsr.StateLayout
     anyio.run(main)
 
 
-def test_probe_reads_no_payload_and_takes_no_staging(tmp_path: Path, layout: bsr.StateLayout) -> None:
+def test_probe_reads_no_payload_and_takes_no_staging(
+    tmp_path: Path, layout: bsr.StateLayout
+) -> None:
     toks = tokens_for(4 * layout.chunk_tokens)
     src = filled_cache(layout, 32, 8)
 
@@ -130,7 +144,9 @@ def test_probe_reads_no_payload_and_takes_no_staging(tmp_path: Path, layout: bsr
             assert probe.prefix_chunks == 4 and probe.local_chunks == 4
             assert probe.holders[0]["kv"] == ("host", "file")
             assert probe.holders[0]["swa"] == ()  # outside the window
-            assert probe.bytes_by_tier == {"host": 4 * layout.group_chunk_bytes("kv") + 2 * layout.group_chunk_bytes("swa")}
+            assert probe.bytes_by_tier == {
+                "host": 4 * layout.group_chunk_bytes("kv") + 2 * layout.group_chunk_bytes("swa")
+            }
             for b, a in zip(before.tiers, after.tiers):
                 assert (a.reads, a.bytes_read) == (b.reads, b.bytes_read)
             assert after.staging.acquired == before.staging.acquired
@@ -141,14 +157,18 @@ def test_probe_reads_no_payload_and_takes_no_staging(tmp_path: Path, layout: bsr
 
 @pytest.mark.parametrize("window", [1, 3])
 def test_rws_is_flat_while_whole_plan_grows(tmp_path: Path, window: int) -> None:
-    layout = bsr.StateLayout(chunk_tokens=16, groups=(bsr.StateGroup("kv", 2, 128), bsr.StateGroup("idx", 1, 256)))
+    layout = bsr.StateLayout(
+        chunk_tokens=16, groups=(bsr.StateGroup("kv", 2, 128), bsr.StateGroup("idx", 1, 256))
+    )
     slot = layout.slot_bytes
     assert slot == layout.chunk_bytes  # 4 KiB-aligned groups: no padding
 
     async def main() -> None:
         bounded: list[int] = []
         whole: list[int] = []
-        async with make_engine(layout, [bsr.FileTier(tmp_path, 1 << 30)], window=window, io_depth=1) as eng:
+        async with make_engine(
+            layout, [bsr.FileTier(tmp_path, 1 << 30)], window=window, io_depth=1
+        ) as eng:
             for mult in (1, 10, 100):
                 n_chunks = mult * window
                 n_tok = n_chunks * 16
@@ -161,7 +181,9 @@ def test_rws_is_flat_while_whole_plan_grows(tmp_path: Path, window: int) -> None
                 assert r.committed_tokens == n_tok
                 assert blocks_equal(layout, src, ids, dst, ids, n_chunks)
                 bounded.append(r.rws_peak_bytes)
-                w = await eng.restore(toks, bsr.PagedKVCache(layout, n_chunks, 16), ids, strategy="whole_plan")
+                w = await eng.restore(
+                    toks, bsr.PagedKVCache(layout, n_chunks, 16), ids, strategy="whole_plan"
+                )
                 assert w.committed_tokens == n_tok
                 whole.append(w.rws_peak_bytes)
                 assert eng.statistics().staging.peak_in_use <= window
@@ -236,11 +258,15 @@ def test_failing_l1_read_falls_back_to_l2(tmp_path: Path, layout: bsr.StateLayou
     anyio.run(main)
 
 
-def test_failing_everywhere_invalidates_and_releases(tmp_path: Path, layout: bsr.StateLayout) -> None:
+def test_failing_everywhere_invalidates_and_releases(
+    tmp_path: Path, layout: bsr.StateLayout
+) -> None:
     toks = tokens_for(6 * layout.chunk_tokens)
     src = filled_cache(layout, 64, 8)
     ids = shuffled_blocks(64, 24, seed=1)
-    plan = FaultPlan(seed=2, faults=(Fault(FaultKind.READ_ERROR, chunks=frozenset({3}), group="kv"),))
+    plan = FaultPlan(
+        seed=2, faults=(Fault(FaultKind.READ_ERROR, chunks=frozenset({3}), group="kv"),)
+    )
 
     async def main() -> None:
         tiers: list[bsr.Tier] = [
@@ -257,8 +283,12 @@ def test_failing_everywhere_invalidates_and_releases(tmp_path: Path, layout: bsr
             assert [t.trigger for t in r.trace] == ["probe_hit", "invalidate"]
             # every block the restore wrote is reported invalid
             bpc = layout.chunk_tokens // 8
-            touched = {int(b) for c in range(6) for b in ids[c * bpc : (c + 1) * bpc]
-                       if dst.tensor("kv")[:, b].any()}
+            touched = {
+                int(b)
+                for c in range(6)
+                for b in ids[c * bpc : (c + 1) * bpc]
+                if dst.tensor("kv")[:, b].any()
+            }
             assert touched and touched <= set(r.invalid_block_ids)
             assert eng.staging.statistics().in_use == 0
 
@@ -328,7 +358,9 @@ def test_hung_tier_hits_the_deadline(tmp_path: Path, layout: bsr.StateLayout) ->
         async with make_engine(layout, [FaultyTier(bsr.HostTier(1 << 26), plan)]) as eng:
             await eng.save(toks, src, list(range(16)))
             t0 = time.monotonic()
-            r = await eng.restore(toks, bsr.PagedKVCache(layout, 32, 8), list(range(16)), deadline_s=0.3)
+            r = await eng.restore(
+                toks, bsr.PagedKVCache(layout, 32, 8), list(range(16)), deadline_s=0.3
+            )
             elapsed = time.monotonic() - t0
             assert r.state is bsr.RequestState.INVALIDATED and r.reason is bsr.Reason.DEADLINE
             assert r.committed_tokens == 0
@@ -361,7 +393,9 @@ def test_cancellation_mid_restore_returns_every_slot(tmp_path: Path) -> None:
     anyio.run(main)
 
 
-def test_whole_plan_and_bounded_install_the_same_bytes(tmp_path: Path, layout: bsr.StateLayout) -> None:
+def test_whole_plan_and_bounded_install_the_same_bytes(
+    tmp_path: Path, layout: bsr.StateLayout
+) -> None:
     toks = tokens_for(5 * layout.chunk_tokens + 3)
     src = filled_cache(layout, 64, 4)
     ids = shuffled_blocks(64, 41, seed=8)
@@ -389,12 +423,22 @@ def test_multi_rank_in_process_agrees(tmp_path: Path) -> None:
         engines = []
         srcs = []
         for r in range(2):
-            plan = FaultPlan(seed=6, faults=(Fault(FaultKind.READ_ERROR, chunks=frozenset({4})),),
-                             ranks=frozenset({fail_rank}) if fail_rank is not None else frozenset())
+            plan = FaultPlan(
+                seed=6,
+                faults=(Fault(FaultKind.READ_ERROR, chunks=frozenset({4})),),
+                ranks=frozenset({fail_rank}) if fail_rank is not None else frozenset(),
+            )
             tier = FaultyTier(bsr.FileTier(tmp_path / f"rank{r}", 1 << 26), plan, rank=r)
-            engines.append(bsr.RestoreEngine(layout, [tier], window=2, io_depth=1,
-                                             namespace=bsr.Namespace("m", tp_rank=r, tp_size=2),
-                                             coordinator=group.coordinator(r)))
+            engines.append(
+                bsr.RestoreEngine(
+                    layout,
+                    [tier],
+                    window=2,
+                    io_depth=1,
+                    namespace=bsr.Namespace("m", tp_rank=r, tp_size=2),
+                    coordinator=group.coordinator(r),
+                )
+            )
             srcs.append(filled_cache(layout, 8, 16, seed=r))
         out: list[bsr.RestoreResult | None] = [None, None]
         async with engines[0], engines[1]:

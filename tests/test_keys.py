@@ -87,10 +87,14 @@ def test_keys_are_deterministic_across_processes() -> None:
     outs = set()
     for seed in ("0", "1", "12345"):
         env = {**os.environ, "PYTHONHASHSEED": seed}
-        out = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, check=True
+        )
         outs.add(out.stdout.strip())
     assert len(outs) == 1
-    here = ",".join(k.hex for k in chunk_keys(bsr.Namespace("m", salt=b"s").fingerprint(LAYOUT), TOKENS, 4))
+    here = ",".join(
+        k.hex for k in chunk_keys(bsr.Namespace("m", salt=b"s").fingerprint(LAYOUT), TOKENS, 4)
+    )
     assert outs == {here}
 
 

@@ -21,7 +21,13 @@ def test_sizes_and_offsets() -> None:
 
 
 def test_unaligned_groups_are_padded_in_the_slot() -> None:
-    layout = bsr.StateLayout(chunk_tokens=4, groups=(bsr.StateGroup("a", 1, 10, dtype="uint8"), bsr.StateGroup("b", 1, 6, dtype="uint8")))
+    layout = bsr.StateLayout(
+        chunk_tokens=4,
+        groups=(
+            bsr.StateGroup("a", 1, 10, dtype="uint8"),
+            bsr.StateGroup("b", 1, 6, dtype="uint8"),
+        ),
+    )
     assert layout.chunk_bytes == 64
     assert layout.slot_offset("b") == 4096
     assert layout.slot_bytes == 8192
@@ -34,7 +40,10 @@ def test_llama3_8b_kv_layout() -> None:
 
 
 def test_window_chunks() -> None:
-    layout = bsr.StateLayout(chunk_tokens=16, groups=(bsr.StateGroup("kv", 1, 2), bsr.StateGroup("swa", 1, 2, window_tokens=20)))
+    layout = bsr.StateLayout(
+        chunk_tokens=16,
+        groups=(bsr.StateGroup("kv", 1, 2), bsr.StateGroup("swa", 1, 2, window_tokens=20)),
+    )
     assert list(layout.needed_chunks("kv", 5)) == [0, 1, 2, 3, 4]
     assert list(layout.needed_chunks("swa", 5)) == [3, 4]
     assert list(layout.needed_chunks("swa", 1)) == [0]
@@ -62,8 +71,14 @@ def test_fingerprint_tracks_everything_that_changes_bytes() -> None:
     "make, fragment",
     [
         (lambda: bsr.StateLayout(groups=()), "at least one StateGroup"),
-        (lambda: bsr.StateLayout(groups=(bsr.StateGroup("a", 1, 2), bsr.StateGroup("a", 1, 2))), "duplicate"),
-        (lambda: bsr.StateLayout(chunk_tokens=0, groups=(bsr.StateGroup("a", 1, 2),)), "chunk_tokens"),
+        (
+            lambda: bsr.StateLayout(groups=(bsr.StateGroup("a", 1, 2), bsr.StateGroup("a", 1, 2))),
+            "duplicate",
+        ),
+        (
+            lambda: bsr.StateLayout(chunk_tokens=0, groups=(bsr.StateGroup("a", 1, 2),)),
+            "chunk_tokens",
+        ),
         (lambda: bsr.StateGroup("a", 0, 2), "num_layers"),
         (lambda: bsr.StateGroup("a", 1, -2), "token_bytes"),
         (lambda: bsr.StateGroup("", 1, 2), "name"),

@@ -43,7 +43,9 @@ def test_happy_path() -> None:
     life.fire("commit", bsr.Reason.COMPLETE)
     assert life.state is bsr.RequestState.COMMITTED and life.terminal
     assert [(t.source, t.dest) for t in life.trace] == [
-        ("Probing", "Windowing"), ("Windowing", "Installed"), ("Installed", "Committed")
+        ("Probing", "Windowing"),
+        ("Windowing", "Installed"),
+        ("Installed", "Committed"),
     ]
 
 

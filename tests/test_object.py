@@ -18,7 +18,18 @@ KEY = bsr.ObjectKey(make_keys(2)[1], "kv")
 BLOB = encode_object(KEY, payload(1, 3 * 4096 + 100))
 
 # (name, offset, size) of every field of the header
-_NAMES = ["magic", "version", "flags", "namespace", "key", "group", "chunk_index", "payload_len", "payload_sum", "header_sum"]
+_NAMES = [
+    "magic",
+    "version",
+    "flags",
+    "namespace",
+    "key",
+    "group",
+    "chunk_index",
+    "payload_len",
+    "payload_sum",
+    "header_sum",
+]
 _SIZES = [8, 2, 2, 16, 32, 16, 8, 8, 8, 8]
 FIELDS = []
 _off = 0
@@ -35,7 +46,9 @@ def test_round_trip_and_padding() -> None:
 
 @pytest.mark.parametrize("name, offset, size", FIELDS)
 @pytest.mark.parametrize("bit", [0, 5])
-def test_a_flipped_bit_in_every_header_field_is_detected(name: str, offset: int, size: int, bit: int) -> None:
+def test_a_flipped_bit_in_every_header_field_is_detected(
+    name: str, offset: int, size: int, bit: int
+) -> None:
     for byte in {offset, offset + size - 1}:
         damaged = bytearray(BLOB)
         damaged[byte] ^= 1 << bit

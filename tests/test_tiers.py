@@ -10,15 +10,17 @@ import numpy as np
 import pytest
 
 import bsr
-from bsr.testing import TierConformance, corrupt_stored, make_keys, payload
 from bsr._object import HEADER_SIZE
+from bsr.testing import TierConformance, corrupt_stored, make_keys, payload
 
 
 class TestHostTierConformance(TierConformance):
     async def make_tier(self, tmp_path: Path, capacity_bytes: int) -> bsr.Tier:
         return bsr.HostTier(capacity_bytes)
 
-    async def corrupt_object(self, tier: bsr.Tier, key: bsr.ChunkKey, group: str, offset: int) -> bool:
+    async def corrupt_object(
+        self, tier: bsr.Tier, key: bsr.ChunkKey, group: str, offset: int
+    ) -> bool:
         return corrupt_stored(tier, key, group, offset)
 
 
@@ -29,7 +31,9 @@ class TestFileTierConformance(TierConformance):
     async def reopen_tier(self, tier: bsr.Tier, tmp_path: Path) -> bsr.Tier | None:
         return bsr.FileTier(tmp_path / "l2", self.capacity_bytes, reader="posix")
 
-    async def corrupt_object(self, tier: bsr.Tier, key: bsr.ChunkKey, group: str, offset: int) -> bool:
+    async def corrupt_object(
+        self, tier: bsr.Tier, key: bsr.ChunkKey, group: str, offset: int
+    ) -> bool:
         return corrupt_stored(tier, key, group, offset)
 
 

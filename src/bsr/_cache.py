@@ -132,7 +132,9 @@ class PagedKVCache:
             )
 
 
-def chunk_view(region: torch.Tensor, num_layers: int, chunk_tokens: int, token_bytes: int) -> torch.Tensor:
+def chunk_view(
+    region: torch.Tensor, num_layers: int, chunk_tokens: int, token_bytes: int
+) -> torch.Tensor:
     """View a flat staging region as ``[num_layers, chunk_tokens, token_bytes]``."""
     n = num_layers * chunk_tokens * token_bytes
     return region[:n].view(num_layers, chunk_tokens, token_bytes)

@@ -89,7 +89,9 @@ class InProcessGroup:
         if len(rnd.values) == self.world_size:
             ops = {o for o, _ in rnd.values.values()}
             if len(ops) != 1:
-                rnd.result = CoordinatorError(f"ranks called different collectives in round {n}: {ops}")
+                rnd.result = CoordinatorError(
+                    f"ranks called different collectives in round {n}: {ops}"
+                )
             elif op == "min":
                 rnd.result = min(v for _, v in rnd.values.values())
             else:
@@ -139,7 +141,9 @@ class TorchDistributedCoordinator:
             with ``init_process_group(..., timeout=timedelta(seconds=...))``.
     """
 
-    def __init__(self, group: Any = None, *, device: str | None = None, timeout_s: float = 60.0) -> None:
+    def __init__(
+        self, group: Any = None, *, device: str | None = None, timeout_s: float = 60.0
+    ) -> None:
         import torch.distributed as dist
 
         if not dist.is_available() or not dist.is_initialized():
@@ -165,7 +169,9 @@ class TorchDistributedCoordinator:
             try:
                 return await anyio.to_thread.run_sync(self._all_reduce, value, op)
             except Exception as exc:
-                raise CoordinatorError(f"torch.distributed all_reduce failed: {exc}", rank=self.rank) from exc
+                raise CoordinatorError(
+                    f"torch.distributed all_reduce failed: {exc}", rank=self.rank
+                ) from exc
 
     async def agree_min(self, value: int) -> int:
         return await self._run(int(value), self._dist.ReduceOp.MIN)

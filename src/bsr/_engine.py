@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import sys
 import time
 import uuid
 from collections.abc import Sequence
@@ -27,32 +26,20 @@ from typing import Any
 
 import anyio
 import torch
-from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
-from ._cache import PagedKVCache, gather_chunk, install_chunk
+from ._cache import PagedKVCache
 from ._coordinator import Coordinator, LocalCoordinator
-from ._errors import (
-    BsrError,
-    ClosedError,
-    ConfigError,
-    CoordinatorError,
-    CorruptObjectError,
-    LayoutError,
-    ObjectError,
-    ObjectNotFoundError,
-    TierTimeoutError,
-)
+from ._errors import ClosedError, ConfigError, CoordinatorError, LayoutError
 from ._keys import ChunkKey, Namespace, ObjectKey, TokensLike, as_token_array, chunk_keys
 from ._layout import StateLayout
 from ._lifecycle import Reason, RequestLifecycle, RequestState
 from ._log import logger
-from ._plan import groups_by_chunk, longest_prefix, needed_objects, prefix_usable
+from ._plan import longest_prefix, needed_objects, prefix_usable
 from ._results import Policy, Probe, RestoreResult, SaveResult, Strategy, Timings
-from ._staging import Slot, StagingAccount, StagingPool, StagingStatistics
+from ._save import save_chunks
+from ._staging import StagingPool, StagingStatistics
 from ._tier import Tier, TierStatistics
-
-if sys.version_info < (3, 11):  # pragma: no cover
-    from exceptiongroup import BaseExceptionGroup
+from ._window import RestoreRun, SlotSource, WholePlanBuffer, WindowPipeline
 
 
 @dataclass(frozen=True)
@@ -66,54 +53,6 @@ class EngineStatistics:
     invalidated: int
     saves: int
     quarantined: int
-
-
-class _ReadFailure(Exception):
-    def __init__(self, chunk: int, group: str, reason: Reason, errors: list[str]) -> None:
-        super().__init__(f"chunk {chunk} group {group}: {reason}")
-        self.chunk = chunk
-        self.group = group
-        self.reason = reason
-        self.errors = errors
-
-
-class _PrivateSlots:
-    """Whole-plan baseline: one private host buffer holding every chunk of the plan."""
-
-    def __init__(self, n: int, slot_bytes: int, pin: bool) -> None:
-        pin = pin and torch.cuda.is_available()
-        self.buffer = torch.empty(max(n, 1) * slot_bytes, dtype=torch.uint8, pin_memory=pin)
-        self.slot_bytes = slot_bytes
-        self._next = 0
-        self.peak_bytes = n * slot_bytes
-
-    async def acquire(self) -> Slot:
-        i = self._next
-        self._next += 1
-        await anyio.lowlevel.checkpoint()
-        return Slot(i, self.buffer[i * self.slot_bytes : (i + 1) * self.slot_bytes])
-
-    def release(self, slot: Slot) -> None:
-        pass
-
-
-class _Request:
-    """Per-restore mutable state shared by the pipeline tasks."""
-
-    def __init__(self, rid: str, target: int, layout: StateLayout, policy: Policy) -> None:
-        self.rid = rid
-        self.policy = policy
-        self.target = target
-        self.limit = target  # truncate: chunks >= limit are abandoned
-        self.needed = groups_by_chunk(layout, target)
-        self.installed: set[tuple[int, str]] = set()
-        self.touched_chunks: set[int] = set()
-        self.held: set[Slot] = set()
-        self.failure: _ReadFailure | None = None
-        self.bytes_by_tier: dict[str, int] = {}
-        self.fallbacks = 0
-        self.quarantined = 0
-        self.errors: list[str] = []
 
 
 class RestoreEngine:
@@ -149,7 +88,11 @@ class RestoreEngine:
             raise ConfigError(f"layout must be a StateLayout, got {type(layout).__name__}")
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ConfigError(f"window (W) must be an int >= 1, got {window!r}; e.g. window=8")
-        if isinstance(io_depth, bool) or not isinstance(io_depth, int) or not 1 <= io_depth <= window:
+        if (
+            isinstance(io_depth, bool)
+            or not isinstance(io_depth, int)
+            or not 1 <= io_depth <= window
+        ):
             raise ConfigError(
                 f"io_depth must be an int in [1, window={window}], got {io_depth!r}; more reads "
                 "in flight than slots cannot help, raise window or lower io_depth"
@@ -171,10 +114,14 @@ class RestoreEngine:
         self.namespace = namespace
         self.namespace_fp = namespace.fingerprint(layout)
         self.coordinator: Coordinator = coordinator or LocalCoordinator()
-        if self.coordinator.world_size != namespace.tp_size or self.coordinator.rank != namespace.tp_rank:
+        if (
+            self.coordinator.world_size != namespace.tp_size
+            or self.coordinator.rank != namespace.tp_rank
+        ):
             raise ConfigError(
-                f"coordinator is rank {self.coordinator.rank} of {self.coordinator.world_size} but the "
-                f"namespace says tp_rank={namespace.tp_rank}, tp_size={namespace.tp_size}; make them agree"
+                f"coordinator is rank {self.coordinator.rank} of {self.coordinator.world_size} "
+                f"but the namespace says tp_rank={namespace.tp_rank}, "
+                f"tp_size={namespace.tp_size}; make them agree"
             )
         self.policy = Policy(policy)
         self.deadline_s = deadline_s
@@ -184,7 +131,6 @@ class RestoreEngine:
         self._quarantine: set[tuple[str, str]] = set()
         self._ids = itertools.count()
         self._counts = {"restores": 0, "committed": 0, "invalidated": 0, "saves": 0}
-        self._cuda_stream: Any = None
         self._log = logger.bind(rank=namespace.tp_rank, model=namespace.model_id)
 
     # ------------------------------------------------------------------ lifecycle
@@ -208,8 +154,12 @@ class RestoreEngine:
         self._pool = StagingPool(self.window, self.layout.slot_bytes, pin=self.pin_staging)
         self._state = "open"
         self._log.info(
-            "bsr.engine.opened", window=self.window, io_depth=self.io_depth,
-            slot_bytes=self.layout.slot_bytes, pinned=self._pool.pinned, tiers=[t.name for t in self.tiers],
+            "bsr.engine.opened",
+            window=self.window,
+            io_depth=self.io_depth,
+            slot_bytes=self.layout.slot_bytes,
+            pinned=self._pool.pinned,
+            tiers=[t.name for t in self.tiers],
         )
 
     async def aclose(self) -> None:
@@ -263,11 +213,13 @@ class RestoreEngine:
     # ------------------------------------------------------------------ probe
     async def _holders(self, keys: Sequence[ChunkKey], n: int) -> list[dict[str, list[int]]]:
         objs = [ObjectKey(keys[c], g.name) for c in range(n) for g in self.layout.groups]
-        holders: list[dict[str, list[int]]] = [{g.name: [] for g in self.layout.groups} for _ in range(n)]
+        holders: list[dict[str, list[int]]] = [
+            {g.name: [] for g in self.layout.groups} for _ in range(n)
+        ]
         for ti, tier in enumerate(self.tiers):
             try:
                 present = await tier.contains_many(objs)
-            except BsrError as exc:
+            except Exception as exc:  # a tier that cannot answer holds nothing for this probe
                 self._log.warning("bsr.probe.tier_failed", tier=tier.name, error=str(exc))
                 continue
             for i, (o, p) in enumerate(zip(objs, present)):
@@ -291,11 +243,15 @@ class RestoreEngine:
                 return agreed
             candidate = longest_prefix_upto(usable, agreed - 1)
 
-    async def _probe(self, tokens: TokensLike, *, deadline: float | None) -> tuple[Probe, list[dict[str, list[int]]], bool]:
+    async def _probe(
+        self, tokens: TokensLike, *, deadline: float | None
+    ) -> tuple[Probe, list[dict[str, list[int]]], bool]:
         t0 = time.perf_counter()
         keys = self.keys(tokens)
         n = len(keys)
-        holders: list[dict[str, list[int]]] = [{g.name: [] for g in self.layout.groups} for _ in range(n)]
+        holders: list[dict[str, list[int]]] = [
+            {g.name: [] for g in self.layout.groups} for _ in range(n)
+        ]
         timed_out = False
         with anyio.move_on_after(deadline if deadline is not None else math.inf) as scope:
             holders = await self._holders(keys, n)
@@ -333,8 +289,13 @@ class RestoreEngine:
         """
         self._check_open()
         probe, _, _ = await self._probe(tokens, deadline=None)
-        self._log.debug("bsr.probe", tokens=probe.num_tokens, prefix_tokens=probe.prefix_tokens,
-                        local_chunks=probe.local_chunks, bytes_by_tier=probe.bytes_by_tier)
+        self._log.debug(
+            "bsr.probe",
+            tokens=probe.num_tokens,
+            prefix_tokens=probe.prefix_tokens,
+            local_chunks=probe.local_chunks,
+            bytes_by_tier=probe.bytes_by_tier,
+        )
         return probe
 
     # ------------------------------------------------------------------ restore
@@ -376,8 +337,9 @@ class RestoreEngine:
         def remaining() -> float | None:
             return None if deadline_at is None else max(0.0, deadline_at - time.perf_counter())
 
-        req: _Request | None = None
-        account: StagingAccount | _PrivateSlots | None = None
+        req: RestoreRun | None = None
+        account: SlotSource | None = None
+        pipeline = self._pipeline()
         t_probe = t_install = t_commit = 0.0
         committed_chunks = 0
         probed_chunks = 0
@@ -399,16 +361,16 @@ class RestoreEngine:
                 raise _Done("empty")
             life.fire("probe_hit")
             # ---------------------------------------------------------- Windowing
-            req = _Request(rid, probe.prefix_chunks, self.layout, policy)
+            req = RestoreRun(rid, probe.prefix_chunks, self.layout, policy)
             life.facts.target_chunks = req.target
             if strategy is Strategy.BOUNDED:
                 account = pool.account()
             else:
-                account = _PrivateSlots(len(req.needed), self.layout.slot_bytes, self.pin_staging)
+                account = WholePlanBuffer(len(req.needed), self.layout.slot_bytes, self.pin_staging)
             t1 = time.perf_counter()
             timed_out = False
             with anyio.move_on_after(remaining() if deadline_at is not None else math.inf) as scope:
-                await self._run_window(req, account, probe.keys, holders, cache, ids, policy, strategy)
+                await pipeline.run(req, account, probe.keys, holders, cache, ids, strategy)
             if scope.cancelled_caught:
                 timed_out = True
             t_install = time.perf_counter() - t1
@@ -436,7 +398,7 @@ class RestoreEngine:
                     life.facts.truncated_chunks = agreed
                     life.fire("truncate")
                 vote = life.state is RequestState.INSTALLED
-                await self._sync_installs()
+                await pipeline.synchronize()
                 all_ok = await self.coordinator.agree_all(vote)
             except CoordinatorError as exc:
                 req.errors.append(str(exc))
@@ -470,7 +432,7 @@ class RestoreEngine:
         finally:
             if req is not None and account is not None:
                 with anyio.CancelScope(shield=True):
-                    await self._sync_installs()
+                    await pipeline.synchronize()
                 for slot in list(req.held):
                     req.held.discard(slot)
                     account.release(slot)
@@ -487,10 +449,7 @@ class RestoreEngine:
             committed_tokens=committed_chunks * self.layout.chunk_tokens,
             probed_tokens=probed_chunks * self.layout.chunk_tokens,
             bytes_by_tier=dict(req.bytes_by_tier) if req else {},
-            rws_peak_bytes=(
-                0 if account is None
-                else account.peak_bytes
-            ),
+            rws_peak_bytes=(0 if account is None else account.peak_bytes),
             timings=Timings(t_probe, t_install, t_commit, time.perf_counter() - t0),
             reason=life.reason,
             invalid_block_ids=invalid,
@@ -502,15 +461,20 @@ class RestoreEngine:
             errors=tuple(req.errors) if req else (),
         )
         log.info(
-            "bsr.restore.done", state=str(result.state), reason=str(result.reason),
-            committed_tokens=result.committed_tokens, probed_tokens=result.probed_tokens,
-            bytes_by_tier=result.bytes_by_tier, rws_peak_bytes=result.rws_peak_bytes,
-            total_s=round(result.timings.total_s, 6), strategy=str(strategy.value),
+            "bsr.restore.done",
+            state=str(result.state),
+            reason=str(result.reason),
+            committed_tokens=result.committed_tokens,
+            probed_tokens=result.probed_tokens,
+            bytes_by_tier=result.bytes_by_tier,
+            rws_peak_bytes=result.rws_peak_bytes,
+            total_s=round(result.timings.total_s, 6),
+            strategy=str(strategy.value),
         )
         return result
 
     def _invalid_blocks(
-        self, req: _Request | None, committed_chunks: int, cache: PagedKVCache, ids: torch.Tensor
+        self, req: RestoreRun | None, committed_chunks: int, cache: PagedKVCache, ids: torch.Tensor
     ) -> tuple[int, ...]:
         if req is None:
             return ()
@@ -520,171 +484,25 @@ class RestoreEngine:
                 out.update(int(b) for b in cache.chunk_blocks(ids, c).tolist())
         return tuple(sorted(out))
 
-    async def _sync_installs(self) -> None:
-        if self._cuda_stream is not None:
-            await anyio.to_thread.run_sync(self._cuda_stream.synchronize)
+    def _pipeline(self) -> WindowPipeline:
+        return WindowPipeline(
+            self.layout,
+            self.tiers,
+            window=self.window,
+            io_depth=self.io_depth,
+            is_quarantined=lambda tier, oid: (tier, oid) in self._quarantine,
+            quarantine=self._quarantine_object,
+            log=self._log,
+        )
 
-    async def _run_window(
-        self,
-        req: _Request,
-        slots: StagingAccount | _PrivateSlots,
-        keys: Sequence[ChunkKey],
-        holders: list[dict[str, list[int]]],
-        cache: PagedKVCache,
-        ids: torch.Tensor,
-        policy: Policy,
-        strategy: Strategy,
+    async def _quarantine_object(
+        self, run: RestoreRun, tier: Tier, key: ChunkKey, group: str, why: str
     ) -> None:
-        """Stream every needed chunk through the slots into the cache (or stop on failure)."""
-        send: ObjectSendStream[tuple[int, Slot]]
-        recv: ObjectReceiveStream[tuple[int, Slot]]
-        chunks = sorted(req.needed)
-        buffer = self.window if strategy is Strategy.BOUNDED else max(1, len(chunks))
-        send, recv = anyio.create_memory_object_stream(buffer)
-        io_limit = anyio.CapacityLimiter(self.io_depth)
-        reads_done = anyio.Event()
-        use_cuda = cache.device.type == "cuda"
-        if use_cuda and self._cuda_stream is None:
-            self._cuda_stream = torch.cuda.Stream(device=cache.device)  # type: ignore[no-untyped-call]
-
-        async def read_chunk(c: int, slot: Slot, tx: ObjectSendStream[tuple[int, Slot]]) -> None:
-            async with tx:
-                for g in req.needed[c]:
-                    off = self.layout.slot_offset(g)
-                    size = self.layout.group_chunk_bytes(g)
-                    region = slot.tensor[off : off + (-(-size // 4096) * 4096)]
-                    await self._read_with_fallback(req, keys[c], c, g, holders[c][g], region, io_limit)
-                if c < req.limit:
-                    await tx.send((c, slot))
-                else:
-                    req.held.discard(slot)
-                    slots.release(slot)
-
-        async def dispatcher(tg: Any) -> None:
-            async with send:
-                for c in chunks:
-                    if c >= req.limit:
-                        break
-                    slot = await slots.acquire()
-                    req.held.add(slot)
-                    if c >= req.limit:
-                        req.held.discard(slot)
-                        slots.release(slot)
-                        break
-                    tg.start_soon(read_chunk, c, slot, send.clone())
-            # readers hold clones; the installer sees end-of-stream when the last one finishes
-
-        async def installer() -> None:
-            if strategy is Strategy.WHOLE_PLAN:
-                await reads_done.wait()
-            async with recv:
-                async for c, slot in recv:
-                    req.touched_chunks.add(c)
-                    blocks = cache.chunk_blocks(ids, c)
-                    groups = req.needed[c]
-                    if use_cuda:
-                        def _install_cuda() -> None:
-                            with torch.cuda.stream(self._cuda_stream):
-                                for g in groups:
-                                    off = self.layout.slot_offset(g)
-                                    install_chunk(cache, g, blocks, slot.tensor[off:], non_blocking=True)
-                            ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                            ev.record(self._cuda_stream)
-                            ev.synchronize()
-
-                        await anyio.to_thread.run_sync(_install_cuda)
-                    else:
-                        def _install() -> None:
-                            for g in groups:
-                                off = self.layout.slot_offset(g)
-                                install_chunk(cache, g, blocks, slot.tensor[off:])
-
-                        await anyio.to_thread.run_sync(_install)
-                    for g in groups:
-                        req.installed.add((c, g))
-                    req.held.discard(slot)
-                    slots.release(slot)
-
-        async def reads(tg_outer: Any) -> None:
-            try:
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(dispatcher, tg)
-            finally:
-                reads_done.set()
-
-        try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(installer)
-                tg.start_soon(reads, tg)
-        except _ReadFailure:
-            pass
-        except BaseExceptionGroup as eg:
-            rest = eg.split(_ReadFailure)[1]
-            if rest is not None:
-                raise rest from None
-
-    async def _read_with_fallback(
-        self,
-        req: _Request,
-        key: ChunkKey,
-        chunk: int,
-        group: str,
-        tier_ids: list[int],
-        region: torch.Tensor,
-        io_limit: anyio.CapacityLimiter,
-    ) -> None:
-        """Read one (chunk, group) into ``region``, down the tier ladder; raise on total failure."""
-        errors: list[str] = []
-        reason = Reason.READ_FAILED
-        expected = self.layout.group_chunk_bytes(group)
-        okey = ObjectKey(key, group)
-        for attempt, ti in enumerate(tier_ids):
-            tier = self.tiers[ti]
-            if (tier.name, okey.object_id) in self._quarantine:
-                continue
-            try:
-                async with io_limit:
-                    n = await tier.read_into(key, group, region)
-                if n != expected:
-                    raise CorruptObjectError(
-                        f"payload is {n} bytes, the layout says {expected}", tier=tier.name, group=group
-                    )
-            except ObjectError as exc:
-                reason = Reason.CORRUPT
-                errors.append(f"{tier.name}: {exc}")
-                await self._quarantine_object(req, tier, key, group, type(exc).__name__)
-                continue
-            except ObjectNotFoundError as exc:
-                errors.append(f"{tier.name}: {exc}")
-                continue
-            except TierTimeoutError as exc:
-                errors.append(f"{tier.name}: {exc}")
-                continue
-            except (BsrError, OSError) as exc:
-                errors.append(f"{tier.name}: {exc}")
-                await self._quarantine_object(req, tier, key, group, "io_error")
-                continue
-            if attempt > 0:
-                req.fallbacks += 1
-            req.bytes_by_tier[tier.name] = req.bytes_by_tier.get(tier.name, 0) + n
-            return
-        # no tier could supply it
-        req.errors.extend(errors)
-        failure = _ReadFailure(chunk, group, reason, errors)
-        if req.failure is None or chunk < req.failure.chunk:
-            req.failure = failure
-        req.limit = min(req.limit, chunk)
-        self._log.warning("bsr.restore.read_failed", request_id=req.rid, chunk=chunk, group=group,
-                          reason=str(reason), errors=errors)
-        if req.limit == 0 or req.policy is Policy.ALL_OR_NOTHING:
-            raise failure
-
-    async def _quarantine_object(self, req: _Request, tier: Tier, key: ChunkKey, group: str, why: str) -> None:
         oid = ObjectKey(key, group).object_id
         if (tier.name, oid) in self._quarantine:
             return
         self._quarantine.add((tier.name, oid))
-        req.quarantined += 1
+        run.quarantined += 1
         with anyio.CancelScope(shield=True):
             try:
                 await tier.quarantine(key, group, why)
@@ -713,80 +531,26 @@ class RestoreEngine:
         n = self.layout.num_chunks(len(arr))
         ids = cache.block_table(block_ids, n * self.layout.chunk_tokens)
         targets = self.tiers if tiers is None else [self._tier(name) for name in tiers]
-        t0 = time.perf_counter()
-        keys = self.keys(arr)
-        written = {t.name: 0 for t in targets}
-        skipped = {t.name: 0 for t in targets}
-        nbytes = {t.name: 0 for t in targets}
-        errors = {t.name: 0 for t in targets}
-        wanted = needed_objects(self.layout, n)
-        objs = [ObjectKey(keys[c], g) for c, g in wanted]
-        missing: dict[tuple[int, str], list[Tier]] = {(c, g): [] for c, g in wanted}
-        for t in targets:
-            try:
-                present = await t.contains_many(objs)
-            except BsrError as exc:
-                errors[t.name] += 1
-                self._log.warning("bsr.save.probe_failed", tier=t.name, error=str(exc))
-                present = [False] * len(objs)
-            for (c, g), p in zip(wanted, present):
-                if p:
-                    skipped[t.name] += 1
-                else:
-                    missing[(c, g)].append(t)
-        todo: dict[int, list[str]] = {}
-        for (c, g), ts in missing.items():
-            if ts:
-                todo.setdefault(c, []).append(g)
-        account = pool.account()
-        limiter = anyio.CapacityLimiter(self.io_depth)
-
-        async def save_chunk(c: int, slot: Slot) -> None:
-            try:
-                blocks = cache.chunk_blocks(ids, c)
-
-                def _gather() -> None:
-                    for g in todo[c]:
-                        off = self.layout.slot_offset(g)
-                        gather_chunk(cache, g, blocks, slot.tensor[off:])
-
-                await anyio.to_thread.run_sync(_gather)
-                for g in todo[c]:
-                    off = self.layout.slot_offset(g)
-                    payload = slot.tensor[off : off + self.layout.group_chunk_bytes(g)]
-                    for t in missing[(c, g)]:
-                        try:
-                            async with limiter:
-                                ok = await t.write(keys[c], g, payload)
-                        except (BsrError, OSError) as exc:
-                            errors[t.name] += 1
-                            self._log.warning("bsr.save.write_failed", tier=t.name, chunk=c, group=g, error=str(exc))
-                            continue
-                        if ok:
-                            written[t.name] += 1
-                            nbytes[t.name] += payload.numel()
-                        else:
-                            skipped[t.name] += 1
-            finally:
-                account.release(slot)
-
-        async with anyio.create_task_group() as tg:
-            for c in sorted(todo):
-                slot = await account.acquire()
-                tg.start_soon(save_chunk, c, slot)
-        self._counts["saves"] += 1
-        result = SaveResult(
-            saved_tokens=n * self.layout.chunk_tokens,
-            chunks=n,
-            objects_written=written,
-            objects_skipped=skipped,
-            bytes_written=nbytes,
-            errors=errors,
-            rws_peak_bytes=account.peak_bytes,
-            duration_s=time.perf_counter() - t0,
+        result = await save_chunks(
+            layout=self.layout,
+            tiers=targets,
+            account=pool.account(),
+            cache=cache,
+            ids=ids,
+            keys=self.keys(arr),
+            io_depth=self.io_depth,
+            log=self._log,
         )
-        self._log.info("bsr.save.done", tokens=result.saved_tokens, chunks=n, written=written,
-                       skipped=skipped, errors=errors, duration_s=round(result.duration_s, 6))
+        self._counts["saves"] += 1
+        self._log.info(
+            "bsr.save.done",
+            tokens=result.saved_tokens,
+            chunks=result.chunks,
+            written=result.objects_written,
+            skipped=result.objects_skipped,
+            errors=result.errors,
+            duration_s=round(result.duration_s, 6),
+        )
         return result
 
     def _tier(self, name: str) -> Tier:

@@ -99,7 +99,7 @@ class IllegalTransitionError(BsrError, RuntimeError):
 
 
 class GuardRejectedError(IllegalTransitionError):
-    """A trigger exists from this state but its guard does not hold (the state is left unchanged)."""
+    """A trigger exists from this state but its guard does not hold (state left unchanged)."""
 
 
 class CoordinatorError(BsrError):

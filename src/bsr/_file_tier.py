@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import numpy as np
 
 from ._errors import (
     ConfigError,
@@ -41,12 +40,14 @@ from ._layout import align_up
 from ._object import (
     HEADER_SIZE,
     MAGIC,
-    PAYLOAD_LEN_OFFSET as _PLEN_OFFSET,
     decode_header,
     encode_header,
     object_size,
     payload_checksum,
     verify_payload,
+)
+from ._object import (
+    PAYLOAD_LEN_OFFSET as _PLEN_OFFSET,
 )
 from ._readers import ObjectReader, aligned_buffer, default_reader
 from ._tier import Tier, as_byte_view
@@ -102,8 +103,14 @@ class FileTier(Tier):
         io_threads: int = 8,
     ) -> None:
         super().__init__(name)
-        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
-            raise ConfigError(f"FileTier.capacity_bytes must be a positive int, got {capacity_bytes!r}")
+        if (
+            isinstance(capacity_bytes, bool)
+            or not isinstance(capacity_bytes, int)
+            or capacity_bytes <= 0
+        ):
+            raise ConfigError(
+                f"FileTier.capacity_bytes must be a positive int, got {capacity_bytes!r}"
+            )
         if io_threads < 1:
             raise ConfigError(f"FileTier.io_threads must be >= 1, got {io_threads}")
         self.root = Path(path)
@@ -129,7 +136,9 @@ class FileTier(Tier):
             return
         await anyio.to_thread.run_sync(self._scan)
         self._opened = True
-        self._log.info("bsr.tier.opened", path=str(self.root), objects=len(self._index), bytes=self._bytes)
+        self._log.info(
+            "bsr.tier.opened", path=str(self.root), objects=len(self._index), bytes=self._bytes
+        )
 
     def _scan(self) -> None:
         for name in ("objects", "tmp", "quarantine"):
@@ -211,7 +220,9 @@ class FileTier(Tier):
         oid = okey.object_id
         if oid not in self._index:
             self._counters.misses += 1
-            raise ObjectNotFoundError("object not in file tier", tier=self.name, key=key.hex[:16], group=group)
+            raise ObjectNotFoundError(
+                "object not in file tier", tier=self.name, key=key.hex[:16], group=group
+            )
         self._index.move_to_end(oid)
         view = as_byte_view(dst)
         path = str(self._obj_path(oid))
@@ -232,8 +243,11 @@ class FileTier(Tier):
         except OSError as exc:
             self._counters.errors += 1
             raise TierIOError(
-                f"reading object failed: {exc.strerror or exc}", tier=self.name, key=key.hex[:16],
-                group=group, errno=exc.errno,
+                f"reading object failed: {exc.strerror or exc}",
+                tier=self.name,
+                key=key.hex[:16],
+                group=group,
+                errno=exc.errno,
             ) from exc
         finally:
             self._pins[oid] -= 1
@@ -259,7 +273,9 @@ class FileTier(Tier):
         if n != object_size(plen) and n < HEADER_SIZE + plen:
             raise TruncatedObjectError(
                 f"short read: {n} bytes, object needs {HEADER_SIZE + plen}",
-                tier=self.name, key=okey.chunk.hex[:16], group=okey.group,
+                tier=self.name,
+                key=okey.chunk.hex[:16],
+                group=okey.group,
             )
         verify_payload(view[:plen], plen, psum, okey, where=self.name)
         return plen
@@ -279,7 +295,8 @@ class FileTier(Tier):
         size = object_size(len(mv))
         if size > self.capacity_bytes:
             raise TierFullError(
-                f"object of {size} bytes exceeds capacity {self.capacity_bytes}; raise capacity_bytes",
+                f"object of {size} bytes exceeds capacity {self.capacity_bytes}; "
+                "raise capacity_bytes",
                 tier=self.name,
             )
         await self._make_room(size)
@@ -388,5 +405,3 @@ class FileTier(Tier):
     def object_paths(self) -> list[Path]:
         """Paths of every visible object, least recently used first."""
         return [self._obj_path(oid) for oid in self._index]
-
-

@@ -41,8 +41,14 @@ class HostTier(Tier):
 
     def __init__(self, capacity_bytes: int, *, name: str = "host") -> None:
         super().__init__(name)
-        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
-            raise ConfigError(f"HostTier.capacity_bytes must be a positive int, got {capacity_bytes!r}")
+        if (
+            isinstance(capacity_bytes, bool)
+            or not isinstance(capacity_bytes, int)
+            or capacity_bytes <= 0
+        ):
+            raise ConfigError(
+                f"HostTier.capacity_bytes must be a positive int, got {capacity_bytes!r}"
+            )
         self.capacity_bytes = capacity_bytes
         self._objects: OrderedDict[str, _Entry] = OrderedDict()
         self._bytes = 0
@@ -60,7 +66,9 @@ class HostTier(Tier):
         entry = self._objects.get(okey.object_id)
         if entry is None:
             self._counters.misses += 1
-            raise ObjectNotFoundError("object not in host tier", tier=self.name, key=key.hex[:16], group=group)
+            raise ObjectNotFoundError(
+                "object not in host tier", tier=self.name, key=key.hex[:16], group=group
+            )
         self._objects.move_to_end(okey.object_id)
         entry.pins += 1
         try:
@@ -97,11 +105,16 @@ class HostTier(Tier):
         if oid in self._objects:
             self._objects.move_to_end(oid)
             return False
-        mv = as_byte_view(payload) if not isinstance(payload, (bytes, memoryview)) else memoryview(payload).cast("B")
+        mv = (
+            as_byte_view(payload)
+            if not isinstance(payload, (bytes, memoryview))
+            else memoryview(payload).cast("B")
+        )
         size = HEADER_SIZE + len(mv)
         if size > self.capacity_bytes:
             raise TierFullError(
-                f"object of {size} bytes exceeds capacity {self.capacity_bytes}; raise capacity_bytes",
+                f"object of {size} bytes exceeds capacity {self.capacity_bytes}; "
+                "raise capacity_bytes",
                 tier=self.name,
             )
         self._make_room(size)

@@ -42,7 +42,9 @@ def _dtype_name(dtype: str | torch.dtype) -> str:
         for name, value in _DTYPES.items():
             if value == dtype:
                 return name
-        raise LayoutError(f"unsupported dtype {dtype}; use one of {sorted(_DTYPES)}", dtype=str(dtype))
+        raise LayoutError(
+            f"unsupported dtype {dtype}; use one of {sorted(_DTYPES)}", dtype=str(dtype)
+        )
     if dtype not in _DTYPES:
         raise LayoutError(f"unsupported dtype {dtype!r}; use one of {sorted(_DTYPES)}", dtype=dtype)
     return dtype
@@ -75,7 +77,9 @@ class StateGroup:
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or len(self.name.encode()) > 64:
-            raise LayoutError("a StateGroup needs a non-empty name of at most 64 bytes", group=self.name)
+            raise LayoutError(
+                "a StateGroup needs a non-empty name of at most 64 bytes", group=self.name
+            )
         for attr in ("num_layers", "token_bytes"):
             value = getattr(self, attr)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -88,7 +92,8 @@ class StateGroup:
             or self.window_tokens <= 0
         ):
             raise LayoutError(
-                f"StateGroup.window_tokens must be a positive int or None, got {self.window_tokens!r}",
+                "StateGroup.window_tokens must be a positive int or None, "
+                f"got {self.window_tokens!r}",
                 group=self.name,
             )
         object.__setattr__(self, "dtype", _dtype_name(self.dtype))
@@ -137,7 +142,10 @@ class StateLayout:
             raise LayoutError(f"chunk_tokens must be a positive int, got {ct!r}")
         groups = tuple(self.groups) if isinstance(self.groups, Iterable) else self.groups
         if not isinstance(groups, tuple) or not groups:
-            raise LayoutError("a StateLayout needs at least one StateGroup, e.g. groups=(StateGroup('kv', 32, 4096),)")
+            raise LayoutError(
+                "a StateLayout needs at least one StateGroup, "
+                "e.g. groups=(StateGroup('kv', 32, 4096),)"
+            )
         for g in groups:
             if not isinstance(g, StateGroup):
                 raise LayoutError(f"groups must hold StateGroup objects, got {type(g).__name__}")
@@ -245,7 +253,9 @@ def kv_layout(
     token_bytes = 2 * num_kv_heads * head_dim * itemsize
     return StateLayout(
         chunk_tokens=chunk_tokens,
-        groups=(StateGroup(name, num_layers, token_bytes, window_tokens=window_tokens, dtype=dtype),),
+        groups=(
+            StateGroup(name, num_layers, token_bytes, window_tokens=window_tokens, dtype=dtype),
+        ),
     )
 
 

@@ -111,7 +111,10 @@ class _Model:
         return self.facts.target_chunks > 0 and self.facts.every_chunk_installed
 
     def truncated_prefix_installed(self) -> bool:
-        return 0 < self.facts.truncated_chunks <= self.facts.target_chunks and self.facts.every_chunk_installed
+        return (
+            0 < self.facts.truncated_chunks <= self.facts.target_chunks
+            and self.facts.every_chunk_installed
+        )
 
     def all_ranks_installed(self) -> bool:
         return self.facts.all_ranks_installed
@@ -195,9 +198,16 @@ class RequestLifecycle:
         dest = self._model.state
         if reason is not None:
             self.reason = reason
-        self.trace.append(TransitionRecord(trigger, source, dest, str(reason) if reason else None, time.monotonic()))
+        self.trace.append(
+            TransitionRecord(
+                trigger, source, dest, str(reason) if reason else None, time.monotonic()
+            )
+        )
         self._log.debug(
-            "bsr.request.transition", trigger=trigger, from_state=source, to_state=dest,
+            "bsr.request.transition",
+            trigger=trigger,
+            from_state=source,
+            to_state=dest,
             reason=str(reason) if reason else None,
         )
         return RequestState(dest)

@@ -96,7 +96,8 @@ def decode_header(header: Any, okey: ObjectKey, *, where: str = "") -> tuple[int
         raise CorruptObjectError("object header checksum mismatch", **ctx)
     if version != FORMAT_VERSION or flags != 0:
         raise ForeignObjectError(
-            f"object format version {version} (flags {flags}), this bsr reads {FORMAT_VERSION}", **ctx
+            f"object format version {version} (flags {flags}), this bsr reads {FORMAT_VERSION}",
+            **ctx,
         )
     if ns != okey.chunk.namespace:
         raise ForeignObjectError("object belongs to another namespace or layout", **ctx)
@@ -107,14 +108,14 @@ def decode_header(header: Any, okey: ObjectKey, *, where: str = "") -> tuple[int
     return int(plen), int(psum)
 
 
-def verify_payload(payload: Any, payload_len: int, payload_sum: int, okey: ObjectKey, *, where: str = "") -> None:
+def verify_payload(
+    payload: Any, payload_len: int, payload_sum: int, okey: ObjectKey, *, where: str = ""
+) -> None:
     """Check the payload's length and checksum against its header."""
     mv = memoryview(payload).cast("B")
     ctx = {"key": okey.chunk.hex[:16], "group": okey.group, "where": where or None}
     if len(mv) != payload_len:
-        raise TruncatedObjectError(
-            f"payload is {len(mv)} bytes, header says {payload_len}", **ctx
-        )
+        raise TruncatedObjectError(f"payload is {len(mv)} bytes, header says {payload_len}", **ctx)
     if payload_checksum(mv) != payload_sum:
         raise CorruptObjectError("payload checksum mismatch", **ctx)
 

@@ -109,7 +109,9 @@ class KvikioReader:
             n_header = f.pread(np.frombuffer(header, dtype=np.uint8), len(header), 0).get()
             if n_header < len(header):
                 return int(n_header)
-            n_payload = f.pread(np.frombuffer(payload, dtype=np.uint8), len(payload), HEADER_SIZE).get()
+            n_payload = f.pread(
+                np.frombuffer(payload, dtype=np.uint8), len(payload), HEADER_SIZE
+            ).get()
             return int(n_header + n_payload)
 
 
@@ -127,7 +129,7 @@ def kvikio_usable() -> bool:
 
 
 def default_reader(kind: str = "auto", *, direct: bool = False) -> ObjectReader:
-    """Choose a reader: ``"auto"`` (kvikio with a CUDA driver, POSIX otherwise), ``"posix"``, ``"kvikio"``."""
+    """Choose a reader: ``"auto"`` (kvikio with a CUDA driver, else POSIX), ``"posix"``, ``"kvikio"``."""
     if kind == "posix" or (kind == "auto" and not kvikio_usable()):
         return PosixReader(direct=direct)
     if kind in ("kvikio", "auto"):

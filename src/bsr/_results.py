@@ -38,7 +38,7 @@ class Probe:
         local_chunks: longest reusable prefix on this rank, in chunks.
         prefix_chunks: the prefix agreed by all ranks, in chunks.
         prefix_tokens: ``prefix_chunks * chunk_tokens``.
-        bytes_by_tier: bytes a restore of the agreed prefix would read from each tier (first choice).
+        bytes_by_tier: bytes a restore of the agreed prefix would read per tier (first choice).
         duration_s: wall time of the probe.
     """
 

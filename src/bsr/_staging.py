@@ -50,7 +50,7 @@ class StagingStatistics:
 class Slot:
     """One staging slot: a flat uint8 tensor of ``slot_bytes`` (pinned with CUDA)."""
 
-    __slots__ = ("index", "tensor", "_owner")
+    __slots__ = ("_owner", "index", "tensor")
 
     def __init__(self, index: int, tensor: torch.Tensor) -> None:
         self.index = index

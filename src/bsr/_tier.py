@@ -47,8 +47,16 @@ class TierStatistics:
 
 class _Counters:
     __slots__ = (
-        "hits", "misses", "evictions", "errors", "reads", "writes",
-        "bytes_read", "bytes_written", "quarantined", "peak_bytes",
+        "bytes_read",
+        "bytes_written",
+        "errors",
+        "evictions",
+        "hits",
+        "misses",
+        "peak_bytes",
+        "quarantined",
+        "reads",
+        "writes",
     )
 
     def __init__(self) -> None:
@@ -61,7 +69,9 @@ def as_byte_view(dst: Any) -> memoryview:
     """A writable flat byte view of a CPU buffer (uint8 tensor, numpy array, bytearray...)."""
     if isinstance(dst, torch.Tensor):
         if dst.device.type != "cpu":
-            raise ConfigError("this tier reads into host buffers; pass a CPU tensor", device=str(dst.device))
+            raise ConfigError(
+                "this tier reads into host buffers; pass a CPU tensor", device=str(dst.device)
+            )
         if not dst.is_contiguous():
             raise ConfigError("read_into needs a contiguous destination tensor")
         dst = dst.view(torch.uint8).reshape(-1).numpy()
@@ -160,7 +170,9 @@ class Tier(abc.ABC):
         try:
             await self.delete(key, group)
         except Exception as exc:  # a tier that cannot delete must still not fail the caller
-            self._log.warning("bsr.tier.quarantine_failed", key=key.hex[:16], group=group, error=repr(exc))
+            self._log.warning(
+                "bsr.tier.quarantine_failed", key=key.hex[:16], group=group, error=repr(exc)
+            )
 
     def statistics(self) -> TierStatistics:
         objects, nbytes, capacity = self._usage()

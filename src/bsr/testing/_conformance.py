@@ -77,7 +77,13 @@ class TierConformance:
         return False
 
     # ------------------------------------------------------------------ harness
-    def run(self, tmp_path: Path, body: Callable[[Tier], Awaitable[None]], *, capacity: int | None = None) -> None:
+    def run(
+        self,
+        tmp_path: Path,
+        body: Callable[[Tier], Awaitable[None]],
+        *,
+        capacity: int | None = None,
+    ) -> None:
         async def main() -> None:
             tier = await self.make_tier(tmp_path, capacity or self.capacity_bytes)
             async with tier:
@@ -119,8 +125,13 @@ class TierConformance:
             await tier.write(keys[2], "aux", payload(2, 4096))
             before = tier.statistics()
             got = await tier.contains_many(
-                [ObjectKey(keys[0], "kv"), ObjectKey(keys[0], "aux"), ObjectKey(keys[1], "kv"),
-                 ObjectKey(keys[2], "aux"), ObjectKey(keys[3], "kv")]
+                [
+                    ObjectKey(keys[0], "kv"),
+                    ObjectKey(keys[0], "aux"),
+                    ObjectKey(keys[1], "kv"),
+                    ObjectKey(keys[2], "aux"),
+                    ObjectKey(keys[3], "kv"),
+                ]
             )
             assert got == [True, False, False, True, False]
             after = tier.statistics()
@@ -174,7 +185,9 @@ class TierConformance:
             await tier.write(keys[1], "kv", payload(1))
             assert await tier.delete(keys[0], "kv") is True
             assert await tier.delete(keys[0], "kv") is False
-            assert await tier.contains_many([ObjectKey(keys[0], "kv"), ObjectKey(keys[1], "kv")]) == [False, True]
+            assert await tier.contains_many(
+                [ObjectKey(keys[0], "kv"), ObjectKey(keys[1], "kv")]
+            ) == [False, True]
             with pytest.raises(ObjectNotFoundError):
                 await tier.read_into(keys[0], "kv", np.zeros(PAYLOAD_BYTES, dtype=np.uint8))
 

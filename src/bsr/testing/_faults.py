@@ -173,7 +173,9 @@ class FaultyTier(Tier):
     the same as without it.
     """
 
-    def __init__(self, inner: Tier, plan: FaultPlan, *, rank: int = 0, name: str | None = None) -> None:
+    def __init__(
+        self, inner: Tier, plan: FaultPlan, *, rank: int = 0, name: str | None = None
+    ) -> None:
         super().__init__(name or inner.name)
         self.inner = inner
         self.plan = plan
@@ -212,7 +214,9 @@ class FaultyTier(Tier):
     async def read_into(self, key: ChunkKey, group: str, dst: Any) -> int:
         okey = ObjectKey(key, group)
         if okey.object_id in self._lost:
-            raise ObjectNotFoundError("object lost after acknowledged write", tier=self.name, group=group)
+            raise ObjectNotFoundError(
+                "object lost after acknowledged write", tier=self.name, group=group
+            )
         for f in self._faults("read", okey):
             if f.kind is FaultKind.DELAY:
                 await anyio.sleep(f.delay_s)
@@ -220,12 +224,10 @@ class FaultyTier(Tier):
                 await anyio.sleep_forever()
             elif f.kind is FaultKind.READ_ERROR:
                 raise TierIOError("injected read error", tier=self.name, group=group)
-            elif f.kind is FaultKind.CORRUPT:
-                if not corrupt_stored(self.inner, key, group):
-                    raise CorruptObjectError("injected corruption", tier=self.name, group=group)
-            elif f.kind is FaultKind.TRUNCATE:
-                if not truncate_stored(self.inner, key, group):
-                    raise TruncatedObjectError("injected truncation", tier=self.name, group=group)
+            elif f.kind is FaultKind.CORRUPT and not corrupt_stored(self.inner, key, group):
+                raise CorruptObjectError("injected corruption", tier=self.name, group=group)
+            elif f.kind is FaultKind.TRUNCATE and not truncate_stored(self.inner, key, group):
+                raise TruncatedObjectError("injected truncation", tier=self.name, group=group)
         return await self.inner.read_into(key, group, dst)
 
     async def write(self, key: ChunkKey, group: str, payload: Any) -> bool:
