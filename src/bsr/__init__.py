@@ -48,6 +48,7 @@ from ._lifecycle import Reason as Reason
 from ._lifecycle import RequestLifecycle as RequestLifecycle
 from ._lifecycle import RequestState as RequestState
 from ._lifecycle import TransitionRecord as TransitionRecord
+from ._mooncake_tier import MooncakeTier as MooncakeTier
 from ._readers import KvikioReader as KvikioReader
 from ._readers import PosixReader as PosixReader
 from ._results import Policy as Policy
@@ -84,6 +85,7 @@ __all__ = (
     "KvikioReader",
     "LayoutError",
     "LocalCoordinator",
+    "MooncakeTier",
     "Namespace",
     "ObjectError",
     "ObjectKey",
