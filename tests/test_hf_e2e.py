@@ -1,0 +1,489 @@
+"""End to end with a real transformers model: evict the KV cache, restore it through bsr, decode.
+
+A small random Llama (GQA) prefills a prompt of five 32-token chunks plus a partial chunk. Its
+KV cache is written into a paged cache (8-token blocks at shuffled block ids), saved through a
+:class:`bsr.RestoreEngine` (window W=2, smaller than the five chunks) into a HostTier and a
+FileTier, restored into a fresh paged cache at other shuffled block ids, rebuilt into a
+``DynamicCache`` for the committed prefix; the model then prefills the partial chunk and decodes.
+Every next-token logit vector must be bit-identical (``torch.equal``) to the never-evicted run's
+(one full prefill of the prompt, then greedy decoding).
+
+Negative controls show the comparison can fail: a corrupt object with no fallback tier
+invalidates the restore (zero reuse), and corrupting or permuting restored cache bytes changes
+the logits. A hybrid model (Qwen2 with full and sliding-window layers) runs the same round trip
+through two state groups (``kv`` and ``swa_kv``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+import bsr
+from bsr import hf
+from bsr.testing import corrupt_stored
+
+transformers = pytest.importorskip("transformers")
+
+CHUNK = 32
+BLOCK = 8
+PROMPT_TOKENS = 5 * CHUNK + 13  # five full chunks and a partial one
+PREFIX = 5 * CHUNK  # what bsr stores and restores
+PROMPT_BLOCKS = -(-PROMPT_TOKENS // BLOCK)
+DECODE_STEPS = 4
+NUM_BLOCKS = 64
+VOCAB = 512
+WINDOW = 2  # staging slots: fewer than the chunks restored, so slots are reused
+COMMITTED = bsr.RequestState.COMMITTED
+INVALIDATED = bsr.RequestState.INVALIDATED
+
+
+# --------------------------------------------------------------------------- model plumbing
+def _forward(model: Any, ids: torch.Tensor, past: Any) -> tuple[torch.Tensor, Any]:
+    """One forward with a cache; transformers 5.x names the argument ``cache``, 4.x
+    ``past_key_values``."""
+    params = inspect.signature(model.forward).parameters
+    kw = "cache" if "cache" in params else "past_key_values"
+    out = model(input_ids=ids, use_cache=True, **{kw: past})
+    new_past = getattr(out, "cache", None)
+    if new_past is None:
+        new_past = out.past_key_values
+    return out.logits[:, -1].clone(), new_past
+
+
+def decode(
+    model: Any, last: torch.Tensor, past: Any, steps: int = DECODE_STEPS
+) -> list[torch.Tensor]:
+    """Greedy decoding from ``last`` logits: the logits after each decoded token."""
+    out = []
+    with torch.no_grad():
+        for _ in range(steps):
+            last, past = _forward(model, last.argmax(-1, keepdim=True), past)
+            out.append(last)
+    return out
+
+
+def continue_decoding(
+    model: Any, prompt: torch.Tensor, start: int, past: Any
+) -> list[torch.Tensor]:
+    """Prefill ``prompt[start:]`` on top of ``past`` (None: a fresh cache), then decode.
+
+    Returns the next-token logits after the prompt and after each decoded token.
+    """
+    with torch.no_grad():
+        last, past = _forward(model, prompt[:, start:], past)
+    return [last, *decode(model, last, past)]
+
+
+def assert_same_logits(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    assert len(got) == len(want) == DECODE_STEPS + 1
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert torch.equal(g, w), f"step {step}: max |diff| {(g - w).abs().max().item()}"
+
+
+def assert_matches_never_evicted(
+    model: Any, prompt: torch.Tensor, start: int, got: list[torch.Tensor], full: list[torch.Tensor]
+) -> None:
+    """``got`` (continued from a restored ``start``-token prefix) must equal, bit for bit:
+
+    1. the never-evicted run with the same prefill split (prefill ``prompt[:start]``, then the
+       rest on the same cache): same kernels on same shapes, so only bsr can make them differ;
+    2. the never-evicted run with one full prefill (``full``). On CPU the GEMMs here give the
+       same bits whatever the number of query rows, so 1 and 2 agree; if only 2 fails on some
+       platform, its kernels are not row-count invariant, which is no bsr defect.
+    """
+    with torch.no_grad():
+        _, past = _forward(model, prompt[:, :start], None)
+    assert_same_logits(got, continue_decoding(model, prompt, start, past))
+    assert_same_logits(got, full)
+
+
+def max_diff(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    return max((g - w).abs().max().item() for g, w in zip(got, want))
+
+
+def shuffled(n: int, seed: int) -> torch.Tensor:
+    return torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(seed))[:n]
+
+
+def make_prompt(seed: int = 7) -> torch.Tensor:
+    return torch.randint(
+        0, VOCAB, (1, PROMPT_TOKENS), generator=torch.Generator().manual_seed(seed)
+    )
+
+
+def make_engine(layout: bsr.StateLayout, root: Path, **kw: Any) -> bsr.RestoreEngine:
+    """A fresh engine (empty host tier) over the file tier at ``root``."""
+    tiers = [bsr.HostTier(1 << 26), bsr.FileTier(root, 1 << 28, reader="posix")]
+    return bsr.RestoreEngine(
+        layout,
+        tiers,
+        window=WINDOW,
+        io_depth=2,
+        namespace=bsr.Namespace(model_id="tiny-llama"),
+        **kw,
+    )
+
+
+async def save_all(
+    engine: bsr.RestoreEngine, prompt: torch.Tensor, src: bsr.PagedKVCache, ids: torch.Tensor
+) -> bsr.SaveResult:
+    result = await engine.save(prompt[0], src, ids)
+    assert result.ok, result
+    assert result.saved_tokens == PREFIX
+    return result
+
+
+# --------------------------------------------------------------------------- fixtures
+@dataclass
+class Llama:
+    model: Any
+    prompt: torch.Tensor
+    layout: bsr.StateLayout
+    src: bsr.PagedKVCache  # the serving engine's paged cache holding the whole prompt
+    src_ids: torch.Tensor
+    reference: list[torch.Tensor]  # the never-evicted run
+
+
+@pytest.fixture(scope="module")
+def llama() -> Llama:
+    torch.manual_seed(1234)
+    config = transformers.LlamaConfig(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=512,
+        attn_implementation="eager",
+    )
+    model = transformers.LlamaForCausalLM(config).eval()
+    assert model.config._attn_implementation == "eager"
+    assert model.dtype == torch.float32
+    prompt = make_prompt()
+    layout = hf.layout_for_config(model.config, chunk_tokens=CHUNK)
+    src_ids = shuffled(PROMPT_BLOCKS, seed=1)
+    src = bsr.PagedKVCache(layout, NUM_BLOCKS, BLOCK)
+    # the never-evicted run: one full prefill (its KV goes to the paged cache), then decoding
+    with torch.no_grad():
+        last, past = _forward(model, prompt, None)
+    hf.write_kv_to_cache(past, src, src_ids, PROMPT_TOKENS)
+    reference = [last, *decode(model, last, past)]
+    return Llama(model, prompt, layout, src, src_ids, reference)
+
+
+def restored_logits(
+    s: Llama, dst: bsr.PagedKVCache, dst_ids: torch.Tensor, tokens: int
+) -> list[torch.Tensor]:
+    rebuilt = hf.read_kv_from_cache(dst, dst_ids, tokens, s.model.config)
+    assert rebuilt.get_seq_length() == tokens
+    return continue_decoding(s.model, s.prompt, tokens, rebuilt)
+
+
+def prefix_blocks_equal(
+    s: Llama, dst: bsr.PagedKVCache, dst_ids: torch.Tensor, tokens: int
+) -> bool:
+    n = tokens // BLOCK
+    a = s.src.tensor("kv")[:, s.src_ids[:n]]
+    b = dst.tensor("kv")[:, dst_ids[:n]]
+    return torch.equal(a, b)
+
+
+# --------------------------------------------------------------------------- the round trip
+@pytest.mark.parametrize("source", ["host", "file"])
+def test_restored_prefix_decodes_bit_identically(llama: Llama, tmp_path: Path, source: str) -> None:
+    """Evict, restore into a fresh cache at other blocks, continue: the logits are identical."""
+    s = llama
+    dst_ids = shuffled(PROMPT_BLOCKS, seed=2)
+    assert not torch.equal(dst_ids, s.src_ids)
+    dst = bsr.PagedKVCache(s.layout, NUM_BLOCKS, BLOCK)
+
+    async def main() -> bsr.RestoreResult:
+        async with make_engine(s.layout, tmp_path / "l2") as engine:
+            saved = await save_all(engine, s.prompt, s.src, s.src_ids)
+            assert saved.objects_written == {"host": 5, "file": 5}
+            if source == "host":
+                return await engine.restore(s.prompt[0], dst, dst_ids)
+        # "file": the process restarted; host DRAM is gone, only the file tier remains
+        async with make_engine(s.layout, tmp_path / "l2") as engine:
+            probe = await engine.lookup(s.prompt[0])
+            assert probe.prefix_tokens == PREFIX
+            return await engine.restore(s.prompt[0], dst, dst_ids)
+
+    result = anyio.run(main)
+    assert result.state is COMMITTED, result
+    assert result.reason is bsr.Reason.COMPLETE
+    assert result.committed_tokens == PREFIX
+    assert result.bytes_by_tier == {source: 5 * s.layout.chunk_bytes}
+    assert 0 < result.rws_peak_bytes <= WINDOW * s.layout.slot_bytes
+    assert prefix_blocks_equal(s, dst, dst_ids, PREFIX)
+    got = restored_logits(s, dst, dst_ids, result.committed_tokens)
+    assert_matches_never_evicted(s.model, s.prompt, PREFIX, got, s.reference)
+
+
+def test_corrupt_object_without_fallback_invalidates_then_retry_commits_shorter(
+    llama: Llama, tmp_path: Path
+) -> None:
+    """Host tier gone + one corrupt file object: zero reuse; the retry commits the valid prefix."""
+    s = llama
+    dst_ids = shuffled(PROMPT_BLOCKS, seed=3)
+    dst = bsr.PagedKVCache(s.layout, NUM_BLOCKS, BLOCK)
+
+    async def main() -> tuple[bsr.RestoreResult, bsr.RestoreResult]:
+        async with make_engine(s.layout, tmp_path / "l2") as engine:
+            await save_all(engine, s.prompt, s.src, s.src_ids)
+            key = engine.keys(s.prompt[0])[2]
+            file_tier = engine.tiers[1]
+            assert corrupt_stored(file_tier, key, "kv")
+        async with make_engine(s.layout, tmp_path / "l2") as engine:  # host dropped
+            first = await engine.restore(s.prompt[0], dst, dst_ids)
+            # the corrupt object is quarantined: a retry probes the two chunks before it
+            second = await engine.restore(s.prompt[0], dst, dst_ids)
+        return first, second
+
+    first, second = anyio.run(main)
+    assert first.state is INVALIDATED, first
+    assert first.committed_tokens == 0
+    assert first.probed_tokens == PREFIX
+    assert first.reason is bsr.Reason.CORRUPT
+    assert first.quarantined == 1
+    assert set(first.invalid_block_ids) <= {int(b) for b in dst_ids}
+    assert second.state is COMMITTED, second
+    assert second.committed_tokens == 2 * CHUNK
+    got = restored_logits(s, dst, dst_ids, second.committed_tokens)
+    assert_matches_never_evicted(s.model, s.prompt, 2 * CHUNK, got, s.reference)
+
+
+def test_truncate_policy_commits_prefix_before_corrupt_chunk(llama: Llama, tmp_path: Path) -> None:
+    s = llama
+    dst_ids = shuffled(PROMPT_BLOCKS, seed=4)
+    dst = bsr.PagedKVCache(s.layout, NUM_BLOCKS, BLOCK)
+
+    async def main() -> bsr.RestoreResult:
+        async with make_engine(s.layout, tmp_path / "l2") as engine:
+            await save_all(engine, s.prompt, s.src, s.src_ids)
+            assert corrupt_stored(engine.tiers[1], engine.keys(s.prompt[0])[3], "kv")
+        async with make_engine(s.layout, tmp_path / "l2") as engine:
+            return await engine.restore(s.prompt[0], dst, dst_ids, policy="truncate")
+
+    result = anyio.run(main)
+    assert result.state is COMMITTED, result
+    assert result.reason is bsr.Reason.TRUNCATED
+    assert result.committed_tokens == 3 * CHUNK
+    got = restored_logits(s, dst, dst_ids, result.committed_tokens)
+    assert_matches_never_evicted(s.model, s.prompt, 3 * CHUNK, got, s.reference)
+
+
+@pytest.mark.parametrize("damage", ["value", "stale_block", "block_order"])
+def test_damaged_restored_cache_changes_logits(llama: Llama, tmp_path: Path, damage: str) -> None:
+    """The comparison is sensitive to damage in the restored cache.
+
+    ``value``: one K element of one token in layer 0 changed. ``stale_block``: one block-table
+    entry points at a block holding nothing. ``block_order``: two blocks of the prefix swapped;
+    K carries its rotary position, so attention over the prefix is a permutation-invariant sum
+    and only the rounding changes (about 3e-7 here): a tolerance would miss a scrambled block
+    table, which is why the round-trip tests demand bit equality.
+    """
+    s = llama
+    dst_ids = shuffled(PROMPT_BLOCKS, seed=5)
+    dst = bsr.PagedKVCache(s.layout, NUM_BLOCKS, BLOCK)
+
+    async def main() -> bsr.RestoreResult:
+        async with make_engine(s.layout, tmp_path / "l2") as engine:
+            await save_all(engine, s.prompt, s.src, s.src_ids)
+            return await engine.restore(s.prompt[0], dst, dst_ids)
+
+    result = anyio.run(main)
+    assert result.state is COMMITTED
+    assert_same_logits(restored_logits(s, dst, dst_ids, PREFIX), s.reference)  # undamaged
+    read_ids = dst_ids.clone()
+    if damage == "value":
+        token = 37  # layer 0, K of head 0, element 0
+        dst.typed("kv")[0, dst_ids[token // BLOCK], token % BLOCK, 0] += 0.5
+    elif damage == "stale_block":
+        unused = sorted(set(range(NUM_BLOCKS)) - {int(b) for b in dst_ids})[0]
+        read_ids[4] = unused
+    else:
+        read_ids[[4, 9]] = read_ids[[9, 4]]
+    got = restored_logits(s, dst, read_ids, PREFIX)
+    diff = max_diff(got, s.reference)
+    assert diff > 0
+    if damage != "block_order":
+        assert diff > 1e-4
+
+
+# --------------------------------------------------------------------------- adapter details
+def test_layout_for_llama_gqa(llama: Llama) -> None:
+    layout = hf.layout_for_config(llama.model.config, chunk_tokens=CHUNK)
+    # 2 KV heads x head_dim 32 x (K, V) x 4 bytes
+    assert layout.groups == (bsr.StateGroup("kv", num_layers=4, token_bytes=512, dtype="float32"),)
+    bf16 = hf.layout_for_config(llama.model.config, dtype=torch.bfloat16)
+    assert bf16.chunk_tokens == 256
+    assert bf16.groups == (bsr.StateGroup("kv", num_layers=4, token_bytes=256, dtype="bfloat16"),)
+
+
+def test_layout_for_sliding_configs() -> None:
+    mistral = transformers.MistralConfig(
+        hidden_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        sliding_window=64,
+    )
+    (g,) = hf.layout_for_config(mistral, dtype="float16").groups
+    assert (g.name, g.num_layers, g.token_bytes, g.window_tokens) == ("swa_kv", 3, 2 * 16 * 2, 64)
+    gemma3 = transformers.Gemma3TextConfig(
+        hidden_size=64,
+        num_hidden_layers=12,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        sliding_window=128,
+    )
+    kv, swa = hf.layout_for_config(gemma3, dtype="bfloat16").groups
+    assert (kv.name, kv.num_layers, kv.window_tokens) == ("kv", 2, None)  # layers 5 and 11
+    assert (swa.name, swa.num_layers, swa.window_tokens) == ("swa_kv", 10, 128)
+    assert kv.token_bytes == swa.token_bytes == 2 * 2 * 32 * 2
+    qwen_full = transformers.Qwen2Config(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, use_sliding_window=False
+    )
+    assert hf.layout_for_config(qwen_full).group_names == ("kv",)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"layer_types": ["full_attention", "chunked_attention"]},
+        {"layer_types": ["full_attention", "linear_attention"]},
+        {"kv_lora_rank": 512},
+    ],
+)
+def test_unsupported_configs_raise(extra: dict[str, Any]) -> None:
+    cfg = SimpleNamespace(num_hidden_layers=2, num_attention_heads=2, hidden_size=64, **extra)
+    with pytest.raises(bsr.LayoutError):
+        hf.layout_for_config(cfg)
+
+
+def test_write_rejects_mismatched_cache(llama: Llama) -> None:
+    with torch.no_grad():
+        _, past = _forward(llama.model, llama.prompt[:, :40], None)
+    bf16 = bsr.PagedKVCache(
+        hf.layout_for_config(llama.model.config, chunk_tokens=CHUNK, dtype="bfloat16"), 8, BLOCK
+    )
+    with pytest.raises(bsr.LayoutError):
+        hf.write_kv_to_cache(past, bf16, range(5), 40)
+    cache = bsr.PagedKVCache(llama.layout, 8, BLOCK)
+    with pytest.raises(bsr.ConfigError):
+        hf.write_kv_to_cache(past, cache, range(8), 41)  # the model saw only 40 tokens
+    with pytest.raises(bsr.BlockTableError):
+        hf.write_kv_to_cache(past, cache, range(4), 40)
+
+
+def test_write_read_round_trip_partial_block(llama: Llama) -> None:
+    """45 tokens (not block aligned): DynamicCache and legacy tuples write the same bytes; the
+    rebuilt cache holds exactly the model's K/V; rows past the tokens stay untouched."""
+    n = 45
+    with torch.no_grad():
+        _, past = _forward(llama.model, llama.prompt[:, :n], None)
+    ids = shuffled(6, seed=9)
+    a = bsr.PagedKVCache(llama.layout, NUM_BLOCKS, BLOCK)
+    b = bsr.PagedKVCache(llama.layout, NUM_BLOCKS, BLOCK)
+    hf.write_kv_to_cache(past, a, ids, n)
+    legacy = tuple((layer.keys, layer.values) for layer in past.layers)
+    hf.write_kv_to_cache(legacy, b, ids, n, config=llama.model.config)
+    assert torch.equal(a.tensor("kv"), b.tensor("kv"))
+    # the documented layout: token t of layer l at block ids[t // BLOCK], row t % BLOCK, as
+    # [K head 0, K head 1, V head 0, V head 1] of head_dim floats each
+    typed = a.typed("kv")
+    for layer, t in [(0, 0), (1, 9), (3, 44)]:
+        row = typed[layer, ids[t // BLOCK], t % BLOCK].view(2, 2, 32)
+        assert torch.equal(row[0], past.layers[layer].keys[0, :, t])
+        assert torch.equal(row[1], past.layers[layer].values[0, :, t])
+    assert not a.tensor("kv")[:, ids[-1], n % BLOCK :].any()
+    rebuilt = hf.read_kv_from_cache(a, ids, n, llama.model.config)
+    for src, got in zip(past.layers, rebuilt.layers):
+        assert torch.equal(src.keys, got.keys) and torch.equal(src.values, got.values)
+    empty = hf.read_kv_from_cache(a, ids, 0, llama.model.config)
+    assert empty.get_seq_length() == 0
+
+
+# --------------------------------------------------------------------------- hybrid model
+def test_hybrid_sliding_model_round_trip(tmp_path: Path) -> None:
+    """Qwen2 with interleaved sliding-window and full layers: groups "kv" and "swa_kv".
+
+    Layer 0 is a sliding layer, as in Gemma 2/3 and Mistral: transformers takes the position of
+    the next token from layer 0's token count, so a rebuilt sliding layer must report all
+    ``PREFIX`` tokens, not just the ``window - 1`` it holds.
+    """
+    torch.manual_seed(99)
+    window = 40
+    layer_types = ["sliding_attention", "full_attention"] * 2
+    config = transformers.Qwen2Config(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=512,
+        use_sliding_window=True,
+        sliding_window=window,
+        layer_types=layer_types,
+        attn_implementation="eager",
+    )
+    assert config.layer_types == layer_types
+    model = transformers.Qwen2ForCausalLM(config).eval()
+    prompt = make_prompt(seed=11)
+    layout = hf.layout_for_config(config, chunk_tokens=CHUNK)
+    assert layout.group_names == ("kv", "swa_kv")
+    assert layout.group("swa_kv").window_tokens == window
+    src_ids = shuffled(PROMPT_BLOCKS, seed=12)
+    src = bsr.PagedKVCache(layout, NUM_BLOCKS, BLOCK)
+
+    # a sliding layer keeps only its last window-1 tokens: after the full prompt the ones the
+    # 160-token prefix needs are gone, and the adapter refuses instead of writing zeros
+    with torch.no_grad():
+        _, full_past = _forward(model, prompt, None)
+    with pytest.raises(bsr.ConfigError, match="window"):
+        hf.write_kv_to_cache(full_past, src, src_ids, PREFIX, config=config)
+
+    # the never-evicted run, written at the prefix end: prefill the prefix, write, continue
+    with torch.no_grad():
+        _, past = _forward(model, prompt[:, :PREFIX], None)
+    hf.write_kv_to_cache(past, src, src_ids, PREFIX, config=config)
+    split_reference = continue_decoding(model, prompt, PREFIX, past)
+    full_reference = continue_decoding(model, prompt, 0, None)
+
+    dst_ids = shuffled(PROMPT_BLOCKS, seed=13)
+    dst = bsr.PagedKVCache(layout, NUM_BLOCKS, BLOCK)
+
+    async def main() -> tuple[bsr.SaveResult, bsr.RestoreResult]:
+        async with make_engine(layout, tmp_path / "l2") as engine:
+            saved = await save_all(engine, prompt, src, src_ids)
+        async with make_engine(layout, tmp_path / "l2") as engine:  # from the file tier
+            return saved, await engine.restore(prompt[0], dst, dst_ids)
+
+    saved, result = anyio.run(main)
+    # kv: all 5 chunks; swa_kv: the 2 chunks covering the last 40 tokens of the prefix
+    assert list(layout.needed_chunks("swa_kv", 5)) == [3, 4]
+    assert saved.objects_written == {"host": 7, "file": 7}
+    assert result.state is COMMITTED, result
+    assert result.committed_tokens == PREFIX
+    rebuilt = hf.read_kv_from_cache(dst, dst_ids, PREFIX, config)
+    assert rebuilt.get_seq_length() == PREFIX
+    full_layers = [1, 3]
+    for i in full_layers:
+        assert torch.equal(past.layers[i].keys[:, :, :PREFIX], rebuilt.layers[i].keys)
+    for i in (0, 2):  # sliding: the last window - 1 tokens before the prefix end
+        assert rebuilt.layers[i].keys.shape[-2] == window - 1
+    got = continue_decoding(model, prompt, PREFIX, rebuilt)
+    assert_same_logits(got, split_reference)
+    assert_same_logits(got, full_reference)  # see assert_matches_never_evicted
