@@ -462,3 +462,27 @@ def test_multi_rank_in_process_agrees(tmp_path: Path) -> None:
     assert [r.state for r in bad] == [bsr.RequestState.INVALIDATED] * 2
     assert [r.committed_tokens for r in bad] == [0, 0]
     assert bad[0].reason is bsr.Reason.RANK_FAILED and bad[1].reason is bsr.Reason.READ_FAILED
+
+
+def test_in_process_round_that_times_out_fails_for_every_rank() -> None:
+    """A rank that gives up on a round makes the round fail for a rank arriving later too."""
+
+    async def main() -> None:
+        group = bsr.InProcessGroup(2, timeout_s=0.05)
+        c0, c1 = group.coordinator(0), group.coordinator(1)
+        with pytest.raises(bsr.CoordinatorError, match="timed out"):
+            await c0.agree_all(True)  # rank 1 is late
+        with pytest.raises(bsr.CoordinatorError, match="timed out"):
+            await c1.agree_all(True)  # arrives after rank 0 gave up: must not see "yes"
+        # the ranks stay in step for the next round
+        async with anyio.create_task_group() as tg:
+            out: list[int] = []
+
+            async def vote(c: bsr.InProcessCoordinator, v: int) -> None:
+                out.append(await c.agree_min(v))
+
+            tg.start_soon(vote, c0, 5)
+            tg.start_soon(vote, c1, 3)
+        assert out == [3, 3]
+
+    anyio.run(main)

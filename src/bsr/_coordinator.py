@@ -59,13 +59,16 @@ class _Round:
         self.values: dict[int, Any] = {}
         self.done = anyio.Event()
         self.result: Any = None
+        self.consumed = 0
 
 
 class InProcessGroup:
     """Ranks living in one process and one event loop; ``group.coordinator(rank)`` per rank.
 
     Rounds are matched by call order per rank (the n-th call of every rank meets the n-th call
-    of the others), like a real collective. ``timeout_s`` bounds each wait.
+    of the others), like a real collective. ``timeout_s`` bounds each wait; a round that times
+    out on any rank fails on every rank (also on a rank that arrives later), so no rank can
+    commit on a vote another rank gave up on (found by the spin model, spec/README.md).
     """
 
     def __init__(self, world_size: int, *, timeout_s: float = 30.0) -> None:
@@ -85,31 +88,35 @@ class InProcessGroup:
         n = self._calls[rank]
         self._calls[rank] += 1
         rnd = self._rounds.setdefault(n, _Round(self.world_size))
-        rnd.values[rank] = (op, value)
-        if len(rnd.values) == self.world_size:
-            ops = {o for o, _ in rnd.values.values()}
-            if len(ops) != 1:
-                rnd.result = CoordinatorError(
-                    f"ranks called different collectives in round {n}: {ops}"
-                )
-            elif op == "min":
-                rnd.result = min(v for _, v in rnd.values.values())
-            else:
-                rnd.result = all(v for _, v in rnd.values.values())
-            rnd.done.set()
+        if not rnd.done.is_set():
+            rnd.values[rank] = (op, value)
+            if len(rnd.values) == self.world_size:
+                ops = {o for o, _ in rnd.values.values()}
+                if len(ops) != 1:
+                    rnd.result = CoordinatorError(
+                        f"ranks called different collectives in round {n}: {ops}"
+                    )
+                elif op == "min":
+                    rnd.result = min(v for _, v in rnd.values.values())
+                else:
+                    rnd.result = all(v for _, v in rnd.values.values())
+                rnd.done.set()
         try:
             with anyio.fail_after(self.timeout_s):
                 await rnd.done.wait()
         except TimeoutError:
-            raise CoordinatorError(
-                f"rank {rank} waited {self.timeout_s}s for round {n} ({op}); another rank is stuck",
-                rank=rank,
-            ) from None
+            if not rnd.done.is_set():
+                # the round fails for EVERY rank, also one arriving later: no rank may commit
+                # on a round another rank gave up on
+                rnd.result = CoordinatorError(
+                    f"round {n} ({op}) timed out after {self.timeout_s}s; a rank is stuck",
+                    rank=rank,
+                )
+                rnd.done.set()
         finally:
-            if rnd.done.is_set():
-                rnd.values.pop(rank, None)
-                if not rnd.values:
-                    self._rounds.pop(n, None)
+            rnd.consumed += 1
+            if rnd.consumed >= self.world_size:
+                self._rounds.pop(n, None)
         if isinstance(rnd.result, Exception):
             raise rnd.result
         return rnd.result

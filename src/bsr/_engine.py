@@ -380,6 +380,13 @@ class RestoreEngine:
             def installed_usable(p: int) -> bool:
                 return prefix_usable(self.layout, p, lambda c, g: (c, g) in req.installed)
 
+            # every device copy must have landed before this rank may vote yes; a failure here
+            # is a "no" vote, never a skipped collective (the other ranks would wait for it)
+            try:
+                await pipeline.synchronize()
+            except Exception as exc:
+                req.errors.append(f"synchronize: {exc!r}")
+                req.installed.clear()
             if timed_out:
                 local_best = 0
             elif policy is Policy.TRUNCATE:
@@ -398,7 +405,6 @@ class RestoreEngine:
                     life.facts.truncated_chunks = agreed
                     life.fire("truncate")
                 vote = life.state is RequestState.INSTALLED
-                await pipeline.synchronize()
                 all_ok = await self.coordinator.agree_all(vote)
             except CoordinatorError as exc:
                 req.errors.append(str(exc))
