@@ -140,17 +140,35 @@ def chunk_view(
     return region[:n].view(num_layers, chunk_tokens, token_bytes)
 
 
+def _wide_dtype(row: int, *tensors: torch.Tensor) -> torch.dtype:
+    """The widest element type dividing ``row`` that every (contiguous) tensor is aligned to.
+
+    CPU ``index_copy_``/``index_select`` on uint8 move one byte per element (about 0.5 GB/s on a
+    small CPU); the same bytes as int64 move several times faster. Bytes are unchanged.
+    """
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        size = dtype.itemsize
+        if row % size == 0 and all(t.data_ptr() % size == 0 for t in tensors):
+            return dtype
+    return torch.uint8
+
+
 def gather_chunk(cache: PagedKVCache, group: str, blocks: torch.Tensor, out: torch.Tensor) -> None:
     """Copy one chunk of ``group`` from the cache blocks ``blocks`` into flat ``out``."""
     g = cache.layout.group(group)
     src = cache.tensor(group)
-    dst = chunk_view(out, g.num_layers, cache.layout.chunk_tokens, g.token_bytes)
-    dst4 = dst.view(g.num_layers, len(blocks), cache.block_tokens, g.token_bytes)
+    row = cache.block_tokens * g.token_bytes
+    dst3 = out[: g.num_layers * len(blocks) * row].view(g.num_layers, len(blocks), row)
     idx = blocks.to(src.device)
-    if src.device == dst4.device:
-        torch.index_select(src, 1, idx, out=dst4)
+    if not src.is_contiguous():
+        dst3.copy_(torch.index_select(src, 1, idx).reshape(g.num_layers, len(blocks), row))
+        return
+    dtype = _wide_dtype(row, src, dst3)
+    src3 = src.view(g.num_layers, cache.num_blocks, row).view(dtype)
+    if src.device == out.device:
+        torch.index_select(src3, 1, idx, out=dst3.view(dtype))
     else:
-        dst4.copy_(torch.index_select(src, 1, idx))
+        dst3.view(dtype).copy_(torch.index_select(src3, 1, idx))
 
 
 def install_chunk(
@@ -164,11 +182,19 @@ def install_chunk(
     """Copy one staged chunk of ``group`` (flat ``region``) into the cache blocks ``blocks``."""
     g = cache.layout.group(group)
     dst = cache.tensor(group)
-    src = chunk_view(region, g.num_layers, cache.layout.chunk_tokens, g.token_bytes)
-    src4 = src.view(g.num_layers, len(blocks), cache.block_tokens, g.token_bytes)
-    if src4.device != dst.device:
-        src4 = src4.to(dst.device, non_blocking=non_blocking)
-    dst.index_copy_(1, blocks.to(dst.device, non_blocking=non_blocking), src4)
+    row = cache.block_tokens * g.token_bytes
+    src3 = region[: g.num_layers * len(blocks) * row].view(g.num_layers, len(blocks), row)
+    if src3.device != dst.device:
+        src3 = src3.to(dst.device, non_blocking=non_blocking)
+    idx = blocks.to(dst.device, non_blocking=non_blocking)
+    if not dst.is_contiguous():
+        dst.index_copy_(
+            1, idx, src3.view(g.num_layers, len(blocks), cache.block_tokens, g.token_bytes)
+        )
+        return
+    dtype = _wide_dtype(row, dst, src3)
+    dst3 = dst.view(g.num_layers, cache.num_blocks, row).view(dtype)
+    dst3.index_copy_(1, idx, src3.view(dtype))
 
 
 def invalidate_blocks(cache: PagedKVCache, blocks: Sequence[int]) -> None:

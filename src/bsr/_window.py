@@ -185,14 +185,20 @@ class WindowPipeline:
                 run.held.discard(slot)
                 slots.release(slot)
 
+        async def read_group(c: int, g: str, slot: Slot) -> None:
+            off = self.layout.slot_offset(g)
+            region = slot.tensor[off : off + align_up(self.layout.group_chunk_bytes(g))]
+            await self.read_with_fallback(run, keys[c], c, g, holders[c][g], region, io_limit)
+
         async def read_chunk(c: int, slot: Slot, tx: ObjectSendStream[tuple[int, Slot]]) -> None:
             async with tx:
-                for g in run.needed[c]:
-                    off = self.layout.slot_offset(g)
-                    region = slot.tensor[off : off + align_up(self.layout.group_chunk_bytes(g))]
-                    await self.read_with_fallback(
-                        run, keys[c], c, g, holders[c][g], region, io_limit
-                    )
+                groups = run.needed[c]
+                if len(groups) == 1:
+                    await read_group(c, groups[0], slot)
+                else:  # the groups of a chunk share io_depth like any other reads
+                    async with anyio.create_task_group() as tg:
+                        for g in groups:
+                            tg.start_soon(read_group, c, g, slot)
                 if c < run.limit:
                     await tx.send((c, slot))
                 else:

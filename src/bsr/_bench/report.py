@@ -1,0 +1,286 @@
+"""The run's outputs: the JSON document (validated against schema.json), tables and plots.
+
+The tables are rendered from the same point dictionaries that go into the JSON, so what the
+terminal shows is what the document says.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Sequence
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from .stats import BenchError
+
+SCHEMA_VERSION = 1
+
+
+# ---------------------------------------------------------------------- formatting
+def fmt_bytes(n: float) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}" if unit == "GiB" else f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def fmt_bw(bps: float) -> str:
+    return f"{bps / 1e9:.2f}"
+
+
+def fmt_s(s: float) -> str:
+    return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
+
+
+TABLE_COLUMNS = (
+    "layout",
+    "tokens",
+    "state",
+    "probe",
+    "raw GB/s",
+    "BSR TTFT",
+    "BSR GB/s",
+    "BSR/raw",
+    "WP TTFT",
+    "BSR/WP",
+    "BSR RWS",
+    "WP RWS",
+    "BSR dRSS",
+    "WP dRSS",
+    "recompute",
+    "recomp/BSR",
+)
+
+
+def point_row(p: dict[str, Any]) -> list[str]:
+    """One table row (medians) of a result point."""
+    r = p["ratios"]
+    rec = p.get("recompute")
+    return [
+        p["layout"],
+        str(p["tokens"]),
+        fmt_bytes(p["state_bytes"]),
+        f"{p['probe_s']['median'] * 1e3:.2f} ms",
+        fmt_bw(p["raw"]["best_bandwidth_Bps"]),
+        fmt_s(p["bsr"]["ttft_s"]["median"]),
+        fmt_bw(p["bsr"]["bandwidth_Bps"]["median"]),
+        f"{r['bsr_vs_raw_bandwidth']:.2f}",
+        fmt_s(p["whole_plan"]["ttft_s"]["median"]),
+        f"{r['bsr_vs_whole_plan_ttft']:.2f}",
+        fmt_bytes(p["bsr"]["rws_peak_bytes"]),
+        fmt_bytes(p["whole_plan"]["rws_peak_bytes"]),
+        fmt_bytes(p["bsr"]["rss_growth_bytes"]["median"]),
+        fmt_bytes(p["whole_plan"]["rss_growth_bytes"]["median"]),
+        fmt_s(rec["prefill_s"]["median"]) if rec else "-",
+        f"{r['recompute_vs_bsr_ttft']:.1f}x" if "recompute_vs_bsr_ttft" in r else "-",
+    ]
+
+
+def results_table(points: Iterable[dict[str, Any]], title: str = "bsr bench") -> Any:
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left", header_style="bold")
+    for i, col in enumerate(TABLE_COLUMNS):
+        table.add_column(col, justify="left" if i == 0 else "right", no_wrap=True)
+    for p in points:
+        table.add_row(*point_row(p))
+    return table
+
+
+def sweep_table(sweep: Sequence[dict[str, Any]]) -> Any:
+    from rich.table import Table
+
+    first = sweep[0] if sweep else {"layout": "?", "tokens": 0}
+    table = Table(
+        title=f"W x io_depth sweep ({first['layout']}, {first['tokens']} tokens)",
+        title_justify="left",
+        header_style="bold",
+    )
+    for col in ("W", "io_depth", "TTFT", "GB/s", "BSR/raw", "RWS", "dRSS"):
+        table.add_column(col, justify="right")
+    for s in sweep:
+        table.add_row(
+            str(s["window"]),
+            str(s["io_depth"]),
+            fmt_s(s["ttft_s"]["median"]),
+            fmt_bw(s["bandwidth_Bps"]["median"]),
+            f"{s['bsr_vs_raw_bandwidth']:.2f}",
+            fmt_bytes(s["rws_peak_bytes"]),
+            fmt_bytes(s["rss_growth_bytes"]["median"]),
+        )
+    return table
+
+
+# ---------------------------------------------------------------------- JSON
+def load_schema() -> dict[str, Any]:
+    text = resources.files("bsr._bench").joinpath("schema.json").read_text("utf-8")
+    schema: dict[str, Any] = json.loads(text)
+    return schema
+
+
+def _check_finite(obj: Any, where: str = "$") -> None:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        raise BenchError(f"non-finite number at {where}")
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            _check_finite(v, f"{where}.{k}")
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            _check_finite(v, f"{where}[{i}]")
+
+
+def validate(doc: dict[str, Any]) -> None:
+    """Raise :class:`BenchError` unless ``doc`` satisfies schema.json and holds no NaN/inf."""
+    import jsonschema
+
+    _check_finite(doc)
+    try:
+        jsonschema.validate(doc, load_schema())
+    except jsonschema.ValidationError as exc:
+        path = "/".join(str(x) for x in exc.absolute_path)
+        raise BenchError(
+            f"bench JSON does not match schema.json at /{path}: {exc.message}"
+        ) from exc
+
+
+def write_json(doc: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=2, allow_nan=False) + "\n", "utf-8")
+    tmp.replace(path)
+
+
+# ---------------------------------------------------------------------- plots
+def _by_layout(points: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    out: dict[str, list[dict[str, Any]]] = {}
+    for p in points:
+        out.setdefault(p["layout"], []).append(p)
+    for pts in out.values():
+        pts.sort(key=lambda p: p["tokens"])
+    return out
+
+
+def _err(
+    dists: Sequence[dict[str, Any]], scale: float = 1.0
+) -> tuple[list[float], list[list[float]]]:
+    med = [d["median"] * scale for d in dists]
+    lo = [(d["median"] - d["min"]) * scale for d in dists]
+    hi = [(d["max"] - d["median"]) * scale for d in dists]
+    return med, [lo, hi]
+
+
+def plots(doc: dict[str, Any], directory: Path) -> list[str]:
+    """Write rws_vs_state.png, ttft_vs_state.png and bandwidth_vs_window.png; return paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    directory.mkdir(parents=True, exist_ok=True)
+    groups = _by_layout(doc["results"])
+    n = max(1, len(groups))
+    written: list[str] = []
+    mib = float(1 << 20)
+    per_token = {lay["name"]: lay["token_bytes"] for lay in doc["layouts"]}
+
+    def title(ax: Any, name: str) -> None:
+        ax.set_title(f"{name} ({fmt_bytes(per_token.get(name, 0))}/token)", fontsize=10)
+        ax.set_xlabel("restored tokens")
+
+    # RWS vs state size
+    fig, axes = plt.subplots(1, n, figsize=(4.6 * n, 3.8), squeeze=False)
+    for ax, (name, pts) in zip(axes[0], groups.items()):
+        x = [p["tokens"] for p in pts]
+        ax.plot(x, [p["bsr"]["rws_peak_bytes"] / mib for p in pts], "o-", label="BSR RWS")
+        ax.plot(
+            x, [p["whole_plan"]["rws_peak_bytes"] / mib for p in pts], "s--", label="whole-plan RWS"
+        )
+        ax.plot(
+            x,
+            [p["bsr"]["rss_growth_bytes"]["median"] / mib for p in pts],
+            "o:",
+            alpha=0.6,
+            label="BSR RSS growth",
+        )
+        ax.plot(
+            x,
+            [p["whole_plan"]["rss_growth_bytes"]["median"] / mib for p in pts],
+            "s:",
+            alpha=0.6,
+            label="whole-plan RSS growth",
+        )
+        title(ax, name)
+        ax.set_ylabel("MiB")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"Restoration working set (W={doc['config']['window']})")
+    fig.tight_layout()
+    path = directory / "rws_vs_state.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(str(path))
+
+    # TTFT vs state size
+    fig, axes = plt.subplots(1, n, figsize=(4.6 * n, 3.8), squeeze=False)
+    for ax, (name, pts) in zip(axes[0], groups.items()):
+        x = [p["tokens"] for p in pts]
+        y, e = _err([p["bsr"]["ttft_s"] for p in pts])
+        ax.errorbar(x, y, yerr=e, fmt="o-", capsize=3, label="BSR restore")
+        y, e = _err([p["whole_plan"]["ttft_s"] for p in pts])
+        ax.errorbar(x, y, yerr=e, fmt="s--", capsize=3, label="whole-plan restore")
+        rec = [p for p in pts if p.get("recompute")]
+        if rec:
+            y, e = _err([p["recompute"]["prefill_s"] for p in rec])
+            ax.errorbar(
+                [p["tokens"] for p in rec],
+                y,
+                yerr=e,
+                fmt="^-.",
+                capsize=3,
+                label="recompute (prefill)",
+            )
+            ax.set_yscale("log")
+        title(ax, name)
+        ax.set_ylabel("TTFT (s)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("Time to restored state (median, min-max bars)")
+    fig.tight_layout()
+    path = directory / "ttft_vs_state.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(str(path))
+
+    # bandwidth vs W
+    sweep = doc.get("sweep") or []
+    if sweep:
+        fig, ax = plt.subplots(figsize=(5.5, 3.8))
+        for depth in sorted({s["io_depth"] for s in sweep}):
+            pts = sorted((s for s in sweep if s["io_depth"] == depth), key=lambda s: s["window"])
+            y, e = _err([s["bandwidth_Bps"] for s in pts], 1e-9)
+            ax.errorbar(
+                [s["window"] for s in pts],
+                y,
+                yerr=e,
+                fmt="o-",
+                capsize=3,
+                label=f"BSR io_depth={depth}",
+            )
+        raw = sweep[0]["raw_bandwidth_Bps"] / 1e9
+        ax.axhline(raw, color="k", ls="--", lw=1, label="raw read (same files)")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted({s["window"] for s in sweep}))
+        ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.set_xlabel("window W (slots)")
+        ax.set_ylabel("GB/s")
+        ax.set_title(f"Restore bandwidth vs W ({sweep[0]['layout']}, {sweep[0]['tokens']} tokens)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = directory / "bandwidth_vs_window.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(str(path))
+    return written
