@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
@@ -53,6 +54,7 @@ from ._readers import ObjectReader, aligned_buffer, default_reader
 from ._tier import Tier, as_byte_view
 
 _ID_RE = re.compile(r"^[0-9a-f]{40}$")
+_THREAD = threading.local()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -259,7 +261,9 @@ class FileTier(Tier):
         return plen
 
     def _read_verify(self, path: str, okey: ObjectKey, view: memoryview) -> int:
-        header = aligned_buffer(HEADER_SIZE)
+        header = getattr(_THREAD, "header", None)
+        if header is None:  # one aligned header buffer per worker thread, reused
+            header = _THREAD.header = aligned_buffer(HEADER_SIZE)
         # read into as much of dst as is 4 KiB aligned; objects are padded to 4 KiB
         room = len(view) - len(view) % 4096
         n = self.reader.read(path, header, view[:room])

@@ -73,7 +73,9 @@ def _allocate(nbytes: int, pin: bool) -> tuple[torch.Tensor, bool, object]:
     if pin and torch.cuda.is_available():
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), True, None
     buf = mmap.mmap(-1, max(nbytes, 1))
-    return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes), False, buf
+    tensor = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes)
+    tensor.fill_(0)  # fault every page in now, not during the first restore
+    return tensor, False, buf
 
 
 class StagingPool:
