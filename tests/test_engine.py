@@ -486,3 +486,27 @@ def test_in_process_round_that_times_out_fails_for_every_rank() -> None:
         assert out == [3, 3]
 
     anyio.run(main)
+
+
+def test_saving_again_after_quarantine_makes_the_object_visible(tmp_path: Path) -> None:
+    layout = bsr.StateLayout(chunk_tokens=16, groups=(bsr.StateGroup("kv", 2, 128),))
+    toks = tokens_for(4 * 16)
+    src = filled_cache(layout, 8, 16)
+    ids = torch.arange(4)
+    plan = FaultPlan(seed=4, faults=(Fault(FaultKind.CORRUPT, chunks=frozenset({2}), max_times=1),))
+
+    async def main() -> None:
+        async with make_engine(layout, [FaultyTier(bsr.FileTier(tmp_path, 1 << 26), plan)]) as eng:
+            await eng.save(toks, src, ids)
+            r = await eng.restore(toks, bsr.PagedKVCache(layout, 8, 16), ids)
+            assert r.reason is bsr.Reason.CORRUPT and r.quarantined == 1
+            assert (await eng.lookup(toks)).prefix_chunks == 2
+            saved = await eng.save(toks, src, ids)  # writes a fresh copy of chunk 2
+            assert saved.objects_written == {"file": 1}
+            assert (await eng.lookup(toks)).prefix_chunks == 4
+            dst = bsr.PagedKVCache(layout, 8, 16)
+            r2 = await eng.restore(toks, dst, ids)
+            assert r2.committed_tokens == 4 * 16
+            assert blocks_equal(layout, src, ids, dst, ids, 4)
+
+    anyio.run(main)

@@ -546,6 +546,8 @@ class RestoreEngine:
             keys=self.keys(arr),
             io_depth=self.io_depth,
             log=self._log,
+            # a fresh copy replaces a quarantined one: probes may see it again
+            on_written=lambda tier, okey: self._quarantine.discard((tier.name, okey.object_id)),
         )
         self._counts["saves"] += 1
         self._log.info(

@@ -11,7 +11,7 @@ logged; the other tiers still get the object.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import anyio
@@ -37,8 +37,12 @@ async def save_chunks(
     keys: Sequence[ChunkKey],
     io_depth: int,
     log: Any,
+    on_written: Callable[[Tier, ObjectKey], None] | None = None,
 ) -> SaveResult:
-    """Store every object a prefix of ``len(keys)`` chunks needs into every tier lacking it."""
+    """Store every object a prefix of ``len(keys)`` chunks needs into every tier lacking it.
+
+    ``on_written(tier, object_key)`` is called after each object a tier newly stored.
+    """
     t0 = time.perf_counter()
     n = len(keys)
     written = {t.name: 0 for t in tiers}
@@ -90,6 +94,8 @@ async def save_chunks(
                     if ok:
                         written[t.name] += 1
                         nbytes[t.name] += payload.numel()
+                        if on_written is not None:
+                            on_written(t, ObjectKey(keys[c], g))
                     else:
                         skipped[t.name] += 1
         finally:
