@@ -35,7 +35,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -326,8 +326,13 @@ def start_cluster(
     client_ttl_s: int = 10,
     ready_timeout_s: float = 30.0,
     log_dir: Path | None = None,
+    master_flags: Sequence[str] = (),
 ) -> Iterator[MooncakeCluster]:
-    """Start master, memory holder and gateway on 127.0.0.1; stop them on exit."""
+    """Start master, memory holder and gateway on 127.0.0.1; stop them on exit.
+
+    ``segment_bytes`` is the memory holder's store segment (Mooncake needs at least 16 MiB);
+    ``master_flags`` are extra ``mooncake_master`` flags, e.g. eviction settings.
+    """
     bins = find_mooncake()
     shim = loopback_shim()
     with contextlib.ExitStack() as stack:
@@ -355,6 +360,7 @@ def start_cluster(
                 "--enable_http_metadata_server=false",
                 f"--client_ttl={client_ttl_s}",
                 "--logtostderr",
+                *master_flags,
             ],
             mport,
             log_dir,

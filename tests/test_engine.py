@@ -510,3 +510,29 @@ def test_saving_again_after_quarantine_makes_the_object_visible(tmp_path: Path) 
             assert blocks_equal(layout, src, ids, dst, ids, 4)
 
     anyio.run(main)
+
+
+def test_a_hanging_tier_quarantine_cannot_hold_the_deadline(tmp_path: Path) -> None:
+    """Taking a corrupt object out of a tier is bounded by the request's deadline."""
+    layout = bsr.StateLayout(chunk_tokens=16, groups=(bsr.StateGroup("kv", 2, 128),))
+    toks = tokens_for(4 * 16)
+    src = filled_cache(layout, 8, 16)
+    plan = FaultPlan(seed=9, faults=(Fault(FaultKind.CORRUPT, chunks=frozenset({1})),))
+
+    class StuckQuarantine(FaultyTier):
+        async def quarantine(self, key: bsr.ChunkKey, group: str, reason: str) -> None:
+            await anyio.sleep(30)  # a store that never answers the delete
+
+    async def main() -> None:
+        tier = StuckQuarantine(bsr.HostTier(1 << 26), plan)
+        async with make_engine(layout, [tier], deadline_s=0.3) as eng:
+            await eng.save(toks, src, torch.arange(4))
+            t0 = time.monotonic()
+            r = await eng.restore(toks, bsr.PagedKVCache(layout, 8, 16), torch.arange(4))
+            assert time.monotonic() - t0 < 0.3 + 0.5
+            assert r.state is bsr.RequestState.INVALIDATED and r.committed_tokens == 0
+            assert r.reason in (bsr.Reason.DEADLINE, bsr.Reason.CORRUPT)
+            assert eng.staging.statistics().in_use == 0
+            assert (await eng.lookup(toks)).prefix_chunks == 1  # retired in the engine anyway
+
+    anyio.run(main)

@@ -36,6 +36,7 @@ from ._errors import TokenError as TokenError
 from ._errors import TruncatedObjectError as TruncatedObjectError
 from ._errors import UnknownGroupError as UnknownGroupError
 from ._file_tier import FileTier as FileTier
+from ._health import BreakerState as BreakerState
 from ._host_tier import HostTier as HostTier
 from ._keys import FORMAT_VERSION as FORMAT_VERSION
 from ._keys import ChunkKey as ChunkKey
@@ -66,6 +67,7 @@ __version__ = "0.1.0"
 
 __all__ = (
     "BlockTableError",
+    "BreakerState",
     "BsrError",
     "ChunkKey",
     "ClosedError",

@@ -30,6 +30,7 @@ import torch
 from ._cache import PagedKVCache
 from ._coordinator import Coordinator, LocalCoordinator
 from ._errors import ClosedError, ConfigError, CoordinatorError, LayoutError
+from ._health import BreakerState, TierHealth
 from ._keys import ChunkKey, Namespace, ObjectKey, TokensLike, as_token_array, chunk_keys
 from ._layout import StateLayout
 from ._lifecycle import Reason, RequestLifecycle, RequestState
@@ -53,6 +54,7 @@ class EngineStatistics:
     invalidated: int
     saves: int
     quarantined: int
+    breakers: tuple[BreakerState, ...] = ()
 
 
 class RestoreEngine:
@@ -69,6 +71,9 @@ class RestoreEngine:
         policy: default commit policy (``"all_or_nothing"`` or ``"truncate"``).
         deadline_s: default per-restore deadline (None: no deadline).
         pin_staging: allocate pinned staging when CUDA is available.
+        breaker_threshold: consecutive I/O failures or timeouts after which a tier is skipped
+            for ``breaker_cooldown_s`` (None: never skip a tier).
+        breaker_cooldown_s: how long a tripped tier is skipped before it is tried again.
     """
 
     def __init__(
@@ -83,6 +88,8 @@ class RestoreEngine:
         policy: Policy | str = Policy.ALL_OR_NOTHING,
         deadline_s: float | None = None,
         pin_staging: bool = True,
+        breaker_threshold: int | None = 3,
+        breaker_cooldown_s: float = 5.0,
     ) -> None:
         if not isinstance(layout, StateLayout):
             raise ConfigError(f"layout must be a StateLayout, got {type(layout).__name__}")
@@ -126,6 +133,7 @@ class RestoreEngine:
         self.policy = Policy(policy)
         self.deadline_s = deadline_s
         self.pin_staging = pin_staging
+        self.health = TierHealth(names, threshold=breaker_threshold, cooldown_s=breaker_cooldown_s)
         self._pool: StagingPool | None = None
         self._state = "new"
         self._quarantine: set[tuple[str, str]] = set()
@@ -195,6 +203,7 @@ class RestoreEngine:
             invalidated=self._counts["invalidated"],
             saves=self._counts["saves"],
             quarantined=len(self._quarantine),
+            breakers=tuple(self.health.state(t.name) for t in self.tiers),
         )
 
     def _check_cache(self, cache: PagedKVCache) -> None:
@@ -217,11 +226,15 @@ class RestoreEngine:
             {g.name: [] for g in self.layout.groups} for _ in range(n)
         ]
         for ti, tier in enumerate(self.tiers):
+            if not self.health.available(tier.name):
+                continue  # circuit breaker open: the tier holds nothing for this probe
             try:
                 present = await tier.contains_many(objs)
             except Exception as exc:  # a tier that cannot answer holds nothing for this probe
+                self.health.failure(tier.name)
                 self._log.warning("bsr.probe.tier_failed", tier=tier.name, error=str(exc))
                 continue
+            self.health.success(tier.name)
             for i, (o, p) in enumerate(zip(objs, present)):
                 if p and (tier.name, o.object_id) not in self._quarantine:
                     holders[i // len(self.layout.groups)][o.group].append(ti)
@@ -362,6 +375,7 @@ class RestoreEngine:
             life.fire("probe_hit")
             # ---------------------------------------------------------- Windowing
             req = RestoreRun(rid, probe.prefix_chunks, self.layout, policy)
+            req.deadline_at = deadline_at
             life.facts.target_chunks = req.target
             if strategy is Strategy.BOUNDED:
                 account = pool.account()
@@ -371,8 +385,8 @@ class RestoreEngine:
             timed_out = False
             with anyio.move_on_after(remaining() if deadline_at is not None else math.inf) as scope:
                 await pipeline.run(req, account, probe.keys, holders, cache, ids, strategy)
-            if scope.cancelled_caught:
-                timed_out = True
+            # the deadline fired, even if the window ended another way while shielded
+            timed_out = scope.cancel_called
             t_install = time.perf_counter() - t1
             # ---------------------------------------------------------- agree + commit
             t2 = time.perf_counter()
@@ -499,17 +513,30 @@ class RestoreEngine:
             is_quarantined=lambda tier, oid: (tier, oid) in self._quarantine,
             quarantine=self._quarantine_object,
             log=self._log,
+            health=self.health,
         )
 
     async def _quarantine_object(
-        self, run: RestoreRun, tier: Tier, key: ChunkKey, group: str, why: str
+        self, run: RestoreRun, tier: Tier, key: ChunkKey, group: str, why: str, physical: bool
     ) -> None:
+        """Stop using an object: always in this engine, and in the tier when ``physical``.
+
+        The tier call is bounded by the request's remaining deadline (a dead tier's delete
+        must not hold a request past its deadline); if it does not finish, the engine-level
+        quarantine still makes later probes miss the object.
+        """
         oid = ObjectKey(key, group).object_id
         if (tier.name, oid) in self._quarantine:
             return
         self._quarantine.add((tier.name, oid))
         run.quarantined += 1
-        with anyio.CancelScope(shield=True):
+        if not physical:
+            self._log.warning(
+                "bsr.engine.quarantine", tier=tier.name, key=key.hex[:16], group=group, reason=why
+            )
+            return
+        budget = math.inf if run.deadline_at is None else run.deadline_at - time.perf_counter()
+        with anyio.CancelScope(shield=True), anyio.move_on_after(max(0.0, budget)):
             try:
                 await tier.quarantine(key, group, why)
             except Exception as exc:

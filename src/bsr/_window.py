@@ -33,6 +33,7 @@ from ._errors import (
     ObjectNotFoundError,
     TierTimeoutError,
 )
+from ._health import TierHealth
 from ._keys import ChunkKey, ObjectKey
 from ._layout import StateLayout, align_up
 from ._lifecycle import Reason
@@ -96,6 +97,7 @@ class RestoreRun:
         self.fallbacks = 0
         self.quarantined = 0
         self.errors: list[str] = []
+        self.deadline_at: float | None = None  # time.perf_counter() deadline of the request
 
     def fail(self, failure: ChunkFailure) -> None:
         """Record a failure; chunks from it on will not be used."""
@@ -112,7 +114,7 @@ class RestoreRun:
         )
 
 
-Quarantine = Callable[[RestoreRun, Tier, ChunkKey, str, str], Any]
+Quarantine = Callable[[RestoreRun, Tier, ChunkKey, str, str, bool], Any]
 
 
 class WindowPipeline:
@@ -124,8 +126,10 @@ class WindowPipeline:
         window: W (bounds the stream between readers and installer).
         io_depth: reads in flight for this run.
         is_quarantined: whether (tier name, object id) is out of service.
-        quarantine: coroutine taking an object out of service after a failed read.
+        quarantine: coroutine ``(run, tier, key, group, why, physical)`` taking an object out of
+            service after a failed read (``physical``: also remove it from the tier).
         log: structlog logger.
+        health: per-tier circuit breakers (tiers whose breaker is open are skipped).
     """
 
     def __init__(
@@ -138,6 +142,7 @@ class WindowPipeline:
         is_quarantined: Callable[[str, str], bool],
         quarantine: Quarantine,
         log: Any,
+        health: TierHealth | None = None,
     ) -> None:
         self.layout = layout
         self.tiers = tiers
@@ -146,6 +151,7 @@ class WindowPipeline:
         self.is_quarantined = is_quarantined
         self.quarantine = quarantine
         self.log = log
+        self.health = health or TierHealth([t.name for t in tiers], threshold=None)
         self.cuda_stream: Any = None
 
     async def synchronize(self) -> None:
@@ -307,9 +313,13 @@ class WindowPipeline:
         reason = Reason.READ_FAILED
         expected = self.layout.group_chunk_bytes(group)
         oid = ObjectKey(key, group).object_id
+        health = self.health
         for attempt, ti in enumerate(tier_ids):
             tier = self.tiers[ti]
             if self.is_quarantined(tier.name, oid):
+                continue
+            if not health.available(tier.name):
+                errors.append(f"{tier.name}: skipped, circuit breaker open")
                 continue
             try:
                 async with io_limit:
@@ -321,23 +331,37 @@ class WindowPipeline:
                         group=group,
                     )
             except ObjectError as exc:
+                # verified bad bytes: the object's fault; take it out of the tier too
+                health.success(tier.name)
                 reason = Reason.CORRUPT
                 errors.append(f"{tier.name}: {exc}")
-                await self.quarantine(run, tier, key, group, type(exc).__name__)
+                await self.quarantine(run, tier, key, group, type(exc).__name__, True)
                 continue
-            except (ObjectNotFoundError, TierTimeoutError) as exc:
-                # gone since the probe, or slow: not the object's fault, no quarantine
+            except ObjectNotFoundError as exc:
+                # gone since the probe (evicted, lost): a miss, the tier answered
+                health.success(tier.name)
+                errors.append(f"{tier.name}: {exc}")
+                continue
+            except TierTimeoutError as exc:
+                # slow or dead tier: not the object's fault, no quarantine
+                health.failure(tier.name)
                 errors.append(f"{tier.name}: {exc}")
                 continue
             except (BsrError, OSError) as exc:
+                # an I/O error on this object: never use it again in this engine, but do not
+                # ask a possibly dead tier to delete it
+                health.failure(tier.name)
                 errors.append(f"{tier.name}: {exc}")
-                await self.quarantine(run, tier, key, group, "io_error")
+                await self.quarantine(run, tier, key, group, "io_error", False)
                 continue
             except Exception as exc:  # a tier's own bug: treat as a failed read, go lower
+                health.failure(tier.name)
                 errors.append(f"{tier.name}: unexpected {exc!r}")
                 continue
-            if attempt > 0:
+            health.success(tier.name)
+            if attempt > 0 or errors:
                 run.fallbacks += 1
+                run.errors.extend(errors)
             run.bytes_by_tier[tier.name] = run.bytes_by_tier.get(tier.name, 0) + n
             return
         failure = ChunkFailure(chunk, group, reason, errors or ["no tier holds it"])
