@@ -6,11 +6,11 @@ from pathlib import Path
 
 import anyio
 import torch
-from conftest import blocks_equal, filled_cache
 
 import bsr
 from bsr._health import TierHealth
 from bsr.testing import Fault, FaultKind, FaultPlan, FaultyTier
+from conftest import blocks_equal, filled_cache
 
 
 class Clock:

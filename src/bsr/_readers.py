@@ -129,7 +129,7 @@ def kvikio_usable() -> bool:
 
 
 def default_reader(kind: str = "auto", *, direct: bool = False) -> ObjectReader:
-    """Choose a reader: ``"auto"`` (kvikio with a CUDA driver, else POSIX), ``"posix"``, ``"kvikio"``."""
+    """Choose a reader: ``"auto"`` (kvikio with a CUDA driver, else POSIX), "posix", "kvikio"."""
     if kind == "posix" or (kind == "auto" and not kvikio_usable()):
         return PosixReader(direct=direct)
     if kind in ("kvikio", "auto"):
