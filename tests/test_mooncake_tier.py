@@ -606,7 +606,7 @@ def test_timed_out_read_never_writes_into_the_destination() -> None:
 
 
 def test_store_calls_do_not_block_the_event_loop() -> None:
-    tier, store = fake_tier(timeout_s=0.5)
+    tier, store = fake_tier(timeout_s=1.0)
     ticks = 0
 
     async def ticker() -> None:
@@ -622,7 +622,9 @@ def test_store_calls_do_not_block_the_event_loop() -> None:
             with pytest.raises(TierTimeoutError):
                 await tier.contains_many([ObjectKey(make_keys(1)[0], "kv")])
             tg.cancel_scope.cancel()
-        assert ticks >= 20  # the loop kept running while the store call was frozen
+        # the loop kept running while the store call was frozen (a blocked loop ticks once or
+        # twice; ~100 ticks on an idle machine, the bound leaves room for a loaded CI box)
+        assert ticks >= 5
         store.gate.set()
         await _wait_unstuck(tier)
         await tier.aclose()

@@ -198,6 +198,8 @@ class MooncakeTier(Tier):
         local_buffer_size: client-side transfer buffer bytes (embedded mode) or shared-memory
             pool bytes (standalone-client mode).
         timeout_s: deadline of every tier call, store round trips and verification included.
+        open_timeout_s: deadline of :meth:`open` (connecting a client can take longer than one
+            call; default ``max(timeout_s, 30)``).
         capacity_bytes: advisory capacity reported by ``statistics()`` (the store enforces its
             own capacity and eviction; default 0 = unknown).
         key_prefix: prefix of every store key (separates bsr's objects from other users').
@@ -224,6 +226,7 @@ class MooncakeTier(Tier):
         global_segment_size: int = 0,
         local_buffer_size: int = 64 * 1024 * 1024,
         timeout_s: float = 5.0,
+        open_timeout_s: float | None = None,
         capacity_bytes: int | None = None,
         key_prefix: str = "bsr/",
         max_inflight: int = 16,
@@ -276,6 +279,7 @@ class MooncakeTier(Tier):
         self.global_segment_size = global_segment_size
         self.local_buffer_size = local_buffer_size
         self.timeout_s = float(timeout_s)
+        self.open_timeout_s = float(open_timeout_s) if open_timeout_s else max(self.timeout_s, 30.0)
         self.capacity_bytes = capacity_bytes or 0
         self.key_prefix = key_prefix
         self.max_stuck_calls = max_stuck_calls
@@ -336,9 +340,12 @@ class MooncakeTier(Tier):
         return TierIOError(f"Mooncake {op} failed: {_code_name(rc)}", **ctx)
 
     @contextlib.contextmanager
-    def _deadline(self, op: str, okey: ObjectKey | None = None) -> Iterator[None]:
+    def _deadline(
+        self, op: str, okey: ObjectKey | None = None, *, timeout_s: float | None = None
+    ) -> Iterator[None]:
+        limit = self.timeout_s if timeout_s is None else timeout_s
         try:
-            with anyio.fail_after(self.timeout_s):
+            with anyio.fail_after(limit):
                 yield
         except TierError:
             raise
@@ -346,7 +353,7 @@ class MooncakeTier(Tier):
             self._counters.errors += 1
             ctx = self._ctx(okey) if okey is not None else {"tier": self.name}
             raise TierTimeoutError(
-                f"Mooncake {op} did not finish within {self.timeout_s:g} s; check that the master "
+                f"Mooncake {op} did not finish within {limit:g} s; check that the master "
                 f"and the memory-holding clients are alive, or raise timeout_s",
                 **ctx,
             ) from None
@@ -472,7 +479,7 @@ class MooncakeTier(Tier):
             raise ConfigError(
                 f"MooncakeTier needs the Mooncake store package: {exc}; {_INSTALL_HINT}"
             ) from exc
-        with self._deadline("open"):
+        with self._deadline("open", timeout_s=self.open_timeout_s):
             try:
                 stream = await anyio.connect_tcp(self._host, self._port)
             except OSError as exc:
