@@ -36,7 +36,7 @@ from ._layout import StateLayout
 from ._lifecycle import Reason, RequestLifecycle, RequestState
 from ._log import logger
 from ._plan import longest_prefix, needed_objects, prefix_usable
-from ._results import Policy, Probe, RestoreResult, SaveResult, Strategy, Timings
+from ._results import Policy, Probe, RestoreResult, SaveResult, Strategy, Timings, choice
 from ._save import save_chunks
 from ._staging import StagingPool, StagingStatistics
 from ._tier import Tier, TierStatistics
@@ -130,7 +130,7 @@ class RestoreEngine:
                 f"but the namespace says tp_rank={namespace.tp_rank}, "
                 f"tp_size={namespace.tp_size}; make them agree"
             )
-        self.policy = Policy(policy)
+        self.policy = choice(Policy, policy, "policy")
         self.deadline_s = deadline_s
         self.pin_staging = pin_staging
         self.health = TierHealth(names, threshold=breaker_threshold, cooldown_s=breaker_cooldown_s)
@@ -335,8 +335,8 @@ class RestoreEngine:
         arr = as_token_array(tokens)
         n_full = self.layout.num_chunks(len(arr))
         ids = cache.block_table(block_ids, n_full * self.layout.chunk_tokens)
-        policy = Policy(policy or self.policy)
-        strategy = Strategy(strategy)
+        policy = self.policy if policy is None else choice(Policy, policy, "policy")
+        strategy = choice(Strategy, strategy, "strategy")
         deadline_s = self.deadline_s if deadline_s is None else deadline_s
         if deadline_s is not None and deadline_s <= 0:
             raise ConfigError(f"deadline_s must be > 0, got {deadline_s}")
@@ -575,6 +575,7 @@ class RestoreEngine:
             log=self._log,
             # a fresh copy replaces a quarantined one: probes may see it again
             on_written=lambda tier, okey: self._quarantine.discard((tier.name, okey.object_id)),
+            is_retired=lambda tier, okey: (tier.name, okey.object_id) in self._quarantine,
         )
         self._counts["saves"] += 1
         self._log.info(

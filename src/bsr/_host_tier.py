@@ -15,7 +15,7 @@ from typing import Any
 import anyio
 import numpy as np
 
-from ._errors import ConfigError, ObjectNotFoundError, TierFullError
+from ._errors import ConfigError, ObjectNotFoundError, TierFullError, TruncatedObjectError
 from ._keys import ChunkKey, ObjectKey
 from ._object import HEADER_SIZE, decode_header, encode_header, payload_checksum, verify_payload
 from ._tier import Tier, as_byte_view
@@ -75,6 +75,13 @@ class HostTier(Tier):
             view = as_byte_view(dst)
             try:
                 plen, psum = decode_header(entry.blob[:HEADER_SIZE], okey, where=self.name)
+                if len(entry.blob) < HEADER_SIZE + plen:
+                    raise TruncatedObjectError(
+                        f"object is {len(entry.blob)} bytes, header says {HEADER_SIZE + plen}",
+                        tier=self.name,
+                        key=key.hex[:16],
+                        group=group,
+                    )
                 if plen > len(view):
                     raise ConfigError(
                         f"destination holds {len(view)} bytes, object payload is {plen}",

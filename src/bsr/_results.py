@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TypeVar
 
+from ._errors import ConfigError
 from ._keys import ChunkKey
 from ._lifecycle import Reason, RequestState, TransitionRecord
+
+E = TypeVar("E", bound=enum.Enum)
 
 
 class Policy(str, enum.Enum):
@@ -25,6 +29,17 @@ class Strategy(str, enum.Enum):
     BOUNDED = "bounded"
     #: LMCache-style baseline: read every hit chunk into host memory, then install (RWS = |S|)
     WHOLE_PLAN = "whole_plan"
+
+
+def choice(enum_type: type[E], value: object, what: str) -> E:
+    """``enum_type(value)`` with a :class:`~bsr.ConfigError` that lists the choices."""
+    try:
+        return enum_type(value)
+    except ValueError:
+        options = ", ".join(repr(m.value) for m in enum_type)  # type: ignore[attr-defined]
+        raise ConfigError(
+            f"unknown {what} {value!r}; use one of {options}", **{what: value}
+        ) from None
 
 
 @dataclass(frozen=True)

@@ -38,10 +38,12 @@ async def save_chunks(
     io_depth: int,
     log: Any,
     on_written: Callable[[Tier, ObjectKey], None] | None = None,
+    is_retired: Callable[[Tier, ObjectKey], bool] | None = None,
 ) -> SaveResult:
     """Store every object a prefix of ``len(keys)`` chunks needs into every tier lacking it.
 
-    ``on_written(tier, object_key)`` is called after each object a tier newly stored.
+    ``on_written(tier, object_key)`` is called after each object a tier newly stored. A copy the
+    engine retired (``is_retired``: it failed a read) is replaced: deleted, then written again.
     """
     t0 = time.perf_counter()
     n = len(keys)
@@ -52,6 +54,7 @@ async def save_chunks(
     wanted = needed_objects(layout, n)
     objs = [ObjectKey(keys[c], g) for c, g in wanted]
     missing: dict[tuple[int, str], list[Tier]] = {(c, g): [] for c, g in wanted}
+    replace: set[tuple[str, int, str]] = set()
     for t in tiers:
         try:
             present = await t.contains_many(objs)
@@ -59,8 +62,11 @@ async def save_chunks(
             errors[t.name] += 1
             log.warning("bsr.save.probe_failed", tier=t.name, error=str(exc))
             present = [False] * len(objs)
-        for (c, g), p in zip(wanted, present):
-            if p:
+        for (c, g), okey, p in zip(wanted, objs, present):
+            if p and is_retired is not None and is_retired(t, okey):
+                replace.add((t.name, c, g))
+                missing[(c, g)].append(t)
+            elif p:
                 skipped[t.name] += 1
             else:
                 missing[(c, g)].append(t)
@@ -84,6 +90,8 @@ async def save_chunks(
                 for t in missing[(c, g)]:
                     try:
                         async with limiter:
+                            if (t.name, c, g) in replace:
+                                await t.delete(keys[c], g)
                             ok = await t.write(keys[c], g, payload)
                     except (BsrError, OSError) as exc:
                         errors[t.name] += 1
