@@ -4,11 +4,21 @@
 - :class:`FaultyTier` / :class:`FaultPlan` / :class:`Fault` / :class:`FaultKind`: seeded,
   replayable fault injection around any tier.
 - :class:`LatencyTier`: latency and bandwidth shaping around any tier.
+- :class:`RestoreMachine` / :class:`MultiRankRestoreMachine`: Hypothesis state machines that
+  drive a real engine (or one per rank) beside a model and check the all-or-nothing invariants;
+  :class:`CampaignStats` collects their figures.
+- Hypothesis strategies: :func:`layouts`, :func:`token_streams`, :func:`derived_tokens`,
+  :func:`faults`, :func:`fault_plans`.
 
-Importing this module needs pytest (``pip install bsr[test]``).
+Importing this module needs pytest (``pip install bsr[test]``). The state machines and the
+strategies need Hypothesis (also in the ``test`` extra); they are imported lazily, on first use
+of one of their names, so ``import bsr.testing`` works without Hypothesis.
 """
 
 from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from ._conformance import TierConformance as TierConformance
 from ._conformance import flip_file_byte as flip_file_byte
@@ -22,16 +32,77 @@ from ._faults import LatencyTier as LatencyTier
 from ._faults import corrupt_stored as corrupt_stored
 from ._faults import truncate_stored as truncate_stored
 
+if TYPE_CHECKING:
+    from ._machine import CampaignStats as CampaignStats
+    from ._machine import InvariantViolation as InvariantViolation
+    from ._machine import MultiRankRestoreMachine as MultiRankRestoreMachine
+    from ._machine import RecordingFaultyTier as RecordingFaultyTier
+    from ._machine import RestoreMachine as RestoreMachine
+    from ._machine import Status as Status
+    from ._machine import TierFactory as TierFactory
+    from ._machine import default_tier_factory as default_tier_factory
+    from ._strategies import LayoutCase as LayoutCase
+    from ._strategies import derived_tokens as derived_tokens
+    from ._strategies import fault_plans as fault_plans
+    from ._strategies import faults as faults
+    from ._strategies import layouts as layouts
+    from ._strategies import state_groups as state_groups
+    from ._strategies import token_streams as token_streams
+
+# names that need Hypothesis, loaded on first access
+_LAZY = {
+    "CampaignStats": "._machine",
+    "InvariantViolation": "._machine",
+    "MultiRankRestoreMachine": "._machine",
+    "RecordingFaultyTier": "._machine",
+    "RestoreMachine": "._machine",
+    "Status": "._machine",
+    "TierFactory": "._machine",
+    "default_tier_factory": "._machine",
+    "LayoutCase": "._strategies",
+    "derived_tokens": "._strategies",
+    "fault_plans": "._strategies",
+    "faults": "._strategies",
+    "layouts": "._strategies",
+    "state_groups": "._strategies",
+    "token_streams": "._strategies",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'bsr.testing' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
 __all__ = (
+    "CampaignStats",
     "Fault",
     "FaultKind",
     "FaultPlan",
     "FaultyTier",
+    "InvariantViolation",
     "LatencyTier",
+    "LayoutCase",
+    "MultiRankRestoreMachine",
+    "RecordingFaultyTier",
+    "RestoreMachine",
+    "Status",
     "TierConformance",
+    "TierFactory",
     "corrupt_stored",
+    "default_tier_factory",
+    "derived_tokens",
+    "fault_plans",
+    "faults",
     "flip_file_byte",
+    "layouts",
     "make_keys",
     "payload",
+    "state_groups",
+    "token_streams",
     "truncate_stored",
 )
