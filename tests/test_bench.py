@@ -127,3 +127,63 @@ def test_restored_bytes_verified_and_outputs_written(
     for p in doc["plots"]:
         assert Path(p).stat().st_size > 1000
     assert "bsr bench" in stdout and "llama3-8b" in stdout
+
+
+def test_quick_remote_mooncake(tmp_path: Path) -> None:
+    """`--remote mooncake`: every point also restores from a MooncakeTier on a loopback cluster.
+
+    Skipped when Mooncake is missing (a failure under CI=true, as in test_mooncake_tier.py).
+    """
+    try:
+        from mooncake_server import require_mooncake
+    except ImportError:  # tests/ imported as a package
+        from tests.mooncake_server import require_mooncake  # type: ignore[no-redef]
+
+    require_mooncake()
+    json_path = tmp_path / "bench.json"
+    env = {**os.environ, "COLUMNS": "200"}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bsr.cli",
+            "bench",
+            "--quick",
+            "--remote",
+            "mooncake",
+            "--no-sweep",
+            "--no-recompute",
+            "--json",
+            str(json_path),
+            "--plots",
+            str(tmp_path / "plots"),
+            "--seed",
+            "7",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert proc.returncode == 0, (
+        f"bsr bench --remote mooncake failed:\n{proc.stdout}\n{proc.stderr}"
+    )
+    doc = json.loads(json_path.read_text())
+    jsonschema.validate(doc, load_schema())
+    assert doc["args"]["remote"] == "mooncake" and doc["remote"]["tier"] == "mooncake"
+    window = doc["config"]["window"]
+    assert {p["layout"] for p in doc["results"]} == {"llama3-8b", "dsv4-flash"}
+    for p in doc["results"]:
+        r = p["remote"]
+        assert r["tier"] == "mooncake"
+        assert r["bsr"]["rws_peak_bytes"] == window * p["slot_bytes"], p["layout"]
+        assert set(r["bsr"]["rws_peak_bytes_values"]) == {window * p["slot_bytes"]}
+        assert r["whole_plan"]["rws_peak_bytes"] == p["chunks"] * p["slot_bytes"]
+        assert r["bsr"]["bytes_read"] == p["bsr"]["bytes_read"]
+        for name, value in r["ratios"].items():
+            assert isinstance(value, float) and math.isfinite(value) and value > 0, (name, value)
+    # committed and byte-exact: the full-size restores from the store were verified
+    for name in ("llama3-8b", "dsv4-flash"):
+        assert doc["verified"][f"{name} (remote mooncake)"] is True
+    assert "remote tier (Mooncake, loopback" in proc.stdout
+    assert "ttft_vs_state.png" in {Path(x).name for x in doc["plots"]}

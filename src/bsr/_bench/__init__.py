@@ -9,6 +9,7 @@ JSON document (checked against ``schema.json``), PNG plots and tables. See ``ben
 Modules: :mod:`.options` (flags), :mod:`.layouts` (built-in and custom layouts),
 :mod:`.restore` (saved state and engine measurements), :mod:`.raw` (raw reads),
 :mod:`.pagecache` (page-cache modes), :mod:`.memory` (peak RSS), :mod:`.recompute` (HF prefill),
+:mod:`.remote` (``--remote mooncake``: a loopback Mooncake cluster per layout),
 :mod:`.machine` (machine, commit, filesystem), :mod:`.stats` (distributions, ratios),
 :mod:`.ui` (progress and live table).
 """

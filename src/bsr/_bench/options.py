@@ -13,6 +13,7 @@ from typing import Any
 
 from .layouts import BUILTIN
 from .recompute import PRESETS
+from .remote import REMOTE_CHOICES, check_available
 from .stats import BenchError
 
 DEFAULT_SIZES = (2048, 4096, 8192)
@@ -58,6 +59,7 @@ class BenchOptions:
     no_plots: bool
     seed: int
     log_level: str
+    remote: str = "none"
 
     def to_dict(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
@@ -145,6 +147,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--plots", default=None, help="directory for PNG plots (default bench/results)")
     p.add_argument("--no-plots", action="store_true", help="do not write plots")
+    p.add_argument(
+        "--remote",
+        choices=REMOTE_CHOICES,
+        default="none",
+        help="also restore every layout and size from a remote tier: 'mooncake' saves the state "
+        "into a MooncakeTier on a loopback Mooncake Store cluster started for the run "
+        "(needs the mooncake package; default none)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of tokens, bytes and model weights")
     p.add_argument(
         "--log-level",
@@ -180,6 +190,7 @@ def resolve(ns: argparse.Namespace) -> BenchOptions:
         no_plots=bool(ns.no_plots),
         seed=int(ns.seed),
         log_level=ns.log_level,
+        remote=getattr(ns, "remote", None) or "none",
     )
     if opts.repeats < 1:
         raise BenchError("--repeats must be >= 1")
@@ -187,4 +198,5 @@ def resolve(ns: argparse.Namespace) -> BenchOptions:
         raise BenchError(f"--io-depth must be in [1, W={opts.window}], got {opts.io_depth}")
     if opts.sweep_tokens is not None and opts.sweep_tokens not in opts.sizes:
         raise BenchError(f"--sweep-tokens {opts.sweep_tokens} must be one of --sizes {opts.sizes}")
+    check_available(opts.remote)
     return opts

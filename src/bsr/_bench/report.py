@@ -89,6 +89,59 @@ def results_table(points: Iterable[dict[str, Any]], title: str = "bsr bench") ->
     return table
 
 
+REMOTE_COLUMNS = (
+    "layout",
+    "tokens",
+    "state",
+    "probe",
+    "BSR TTFT",
+    "BSR GB/s",
+    "WP TTFT",
+    "BSR/WP",
+    "BSR RWS",
+    "WP RWS",
+    "BSR/file",
+    "WP/file",
+)
+
+
+def remote_row(p: dict[str, Any]) -> list[str]:
+    """One row (medians) of a point's remote-tier figures (``point["remote"]``)."""
+    r = p["remote"]
+    q = r["ratios"]
+    return [
+        p["layout"],
+        str(p["tokens"]),
+        fmt_bytes(p["state_bytes"]),
+        f"{r['probe_s']['median'] * 1e3:.2f} ms",
+        fmt_s(r["bsr"]["ttft_s"]["median"]),
+        fmt_bw(r["bsr"]["bandwidth_Bps"]["median"]),
+        fmt_s(r["whole_plan"]["ttft_s"]["median"]),
+        f"{q['bsr_vs_whole_plan_ttft']:.2f}",
+        fmt_bytes(r["bsr"]["rws_peak_bytes"]),
+        fmt_bytes(r["whole_plan"]["rws_peak_bytes"]),
+        f"{q['remote_vs_file_bsr_ttft']:.2f}x",
+        f"{q['remote_vs_file_whole_plan_ttft']:.2f}x",
+    ]
+
+
+def remote_table(points: Iterable[dict[str, Any]]) -> Any:
+    """The remote-tier figures beside the FileTier ones ("/file": remote TTFT / FileTier TTFT)."""
+    from rich.table import Table
+
+    table = Table(
+        title="remote tier (Mooncake, loopback; medians over repeats)",
+        title_justify="left",
+        header_style="bold",
+    )
+    for i, col in enumerate(REMOTE_COLUMNS):
+        table.add_column(col, justify="left" if i == 0 else "right", no_wrap=True)
+    for p in points:
+        if p.get("remote"):
+            table.add_row(*remote_row(p))
+    return table
+
+
 def sweep_table(sweep: Sequence[dict[str, Any]]) -> Any:
     from rich.table import Table
 
@@ -230,6 +283,13 @@ def plots(doc: dict[str, Any], directory: Path) -> list[str]:
         ax.errorbar(x, y, yerr=e, fmt="o-", capsize=3, label="BSR restore")
         y, e = _err([p["whole_plan"]["ttft_s"] for p in pts])
         ax.errorbar(x, y, yerr=e, fmt="s--", capsize=3, label="whole-plan restore")
+        rem = [p for p in pts if p.get("remote")]
+        if rem:
+            xr = [p["tokens"] for p in rem]
+            y, e = _err([p["remote"]["bsr"]["ttft_s"] for p in rem])
+            ax.errorbar(xr, y, yerr=e, fmt="D-", capsize=3, label="BSR restore (Mooncake)")
+            y, e = _err([p["remote"]["whole_plan"]["ttft_s"] for p in rem])
+            ax.errorbar(xr, y, yerr=e, fmt="v--", capsize=3, label="whole-plan (Mooncake)")
         rec = [p for p in pts if p.get("recompute")]
         if rec:
             y, e = _err([p["recompute"]["prefill_s"] for p in rec])

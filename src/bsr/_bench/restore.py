@@ -8,6 +8,10 @@ figures show staging, not the destination). Each engine gets a fresh :class:`~bs
 the same directory; a BSR engine's W-slot staging buffer is touched once when the engine opens
 (a server allocates it at start-up), and RSS growth is measured against the process RSS before
 that engine existed.
+
+With ``--remote`` the state is also saved into a second tier (a :class:`~bsr.MooncakeTier`, see
+:mod:`.remote`) right after the FileTier save, and engines opened on that tier alone restore
+from it; :meth:`SavedState.restore` takes ``files=None`` for them (no page cache to prepare).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from .._keys import ChunkKey, Namespace, chunk_keys
 from .._plan import needed_objects
 from .._readers import PosixReader
 from .._results import SaveResult, Strategy
+from .._tier import Tier
 from .layouts import NamedLayout
 from .memory import PeakRss, current_rss, release_free_memory
 from .pagecache import CacheMode, prepare
@@ -73,7 +78,7 @@ class RestoreSample:
 @dataclass
 class OpenEngine:
     engine: RestoreEngine
-    tier: FileTier
+    tier: Tier
     rss_baseline: int
     window: int
     io_depth: int
@@ -112,6 +117,7 @@ class SavedState:
         self._gen = torch.Generator(device=device).manual_seed(seed)
         self._digest: dict[str, int] = {}
         self.save_result: SaveResult | None = None
+        self.remote_save_result: SaveResult | None = None
         self.direct_active: bool | None = None
 
     @property
@@ -119,14 +125,18 @@ class SavedState:
         return 2 * self.max_tokens * self.layout.token_bytes + (64 << 20)
 
     # ------------------------------------------------------------------ engines
-    async def open_engine(self, window: int, io_depth: int, *, prefault: bool) -> OpenEngine:
+    async def open_engine(
+        self, window: int, io_depth: int, *, prefault: bool, tier: Tier | None = None
+    ) -> OpenEngine:
+        """An engine on a fresh FileTier over the state's directory, or on ``tier`` alone."""
         baseline = await settled_rss()
-        tier = FileTier(
-            self.root,
-            self.capacity_bytes,
-            reader="posix",
-            direct_io=self.mode is CacheMode.DIRECT,
-        )
+        if tier is None:
+            tier = FileTier(
+                self.root,
+                self.capacity_bytes,
+                reader="posix",
+                direct_io=self.mode is CacheMode.DIRECT,
+            )
         engine = RestoreEngine(
             self.layout,
             [tier],
@@ -154,8 +164,12 @@ class SavedState:
         for g in self.layout.groups:
             self.cache.tensor(g.name).zero_()
 
-    async def save(self) -> SaveResult:
-        """Fill the cache with random bytes, save every chunk, remember its digest, clear it."""
+    async def save(self, remote: Tier | None = None) -> SaveResult:
+        """Fill the cache with random bytes, save every chunk, remember its digest, clear it.
+
+        With ``remote``, the same state is then saved into that tier too (an engine on it
+        alone; ``remote_save_result``), before the cache is cleared.
+        """
         for g in self.layout.groups:
             t = self.cache.tensor(g.name)
             flat = t.view(-1)
@@ -172,6 +186,15 @@ class SavedState:
         if not result.ok or result.chunks != self.max_tokens // self.layout.chunk_tokens:
             raise BenchError(f"saving {self.named.name} failed: {result}")
         self.save_result = result
+        if remote is not None:
+            opened = await self.open_engine(8, 4, prefault=False, tier=remote)
+            try:
+                rres = await opened.engine.save(self.tokens, self.cache, self.block_ids)
+            finally:
+                await opened.engine.aclose()
+            if not rres.ok or rres.chunks != self.max_tokens // self.layout.chunk_tokens:
+                raise BenchError(f"saving {self.named.name} into {remote.name} failed: {rres}")
+            self.remote_save_result = rres
         self.clear_cache()
         return result
 
@@ -207,9 +230,10 @@ class SavedState:
         return dt
 
     async def restore(
-        self, opened: OpenEngine, tokens: int, strategy: Strategy, files: list[str]
+        self, opened: OpenEngine, tokens: int, strategy: Strategy, files: list[str] | None
     ) -> RestoreSample:
-        resident = prepare(self.mode, files)
+        """One restore; ``files`` (None for a remote tier) are put in the run's cache mode."""
+        resident = None if files is None else prepare(self.mode, files)
         release_free_memory()
         with PeakRss() as peak:
             t0 = time.perf_counter()
@@ -222,7 +246,7 @@ class SavedState:
                 f"{self.named.name}: {strategy.value} restore of {tokens} tokens ended "
                 f"{result.state} ({result.reason}): {list(result.errors)[:3]}"
             )
-        reader = opened.tier.reader
+        reader = opened.tier.reader if isinstance(opened.tier, FileTier) else None
         if isinstance(reader, PosixReader):
             self.direct_active = reader.direct_active
             if self.mode is CacheMode.DIRECT and not reader.direct_active:

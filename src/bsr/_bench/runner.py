@@ -9,7 +9,10 @@ How it works, per layout (largest state saved once, smaller sizes are its prefix
 3. on the first layout, a W x io_depth sweep of BSR restores at one size;
 4. the recompute baseline: a random-weight Llama prefills the same token counts, and the bench
    restores that model's own KV layout at those counts, so restore and recompute hold the same
-   state.
+   state;
+5. with ``--remote mooncake`` (:mod:`.remote`), the state is also saved into a MooncakeTier on a
+   loopback cluster started for the layout, and every size's rotation also probes and runs BSR
+   and whole-plan restores from it (``results[].remote``); the cluster stops with the layout.
 
 Everything lands in one JSON document (validated against ``schema.json``), PNG plots and tables.
 """
@@ -26,7 +29,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +47,17 @@ from .options import BenchOptions, add_arguments, resolve
 from .pagecache import CacheMode, prepare, resolve_mode
 from .raw import RawRead, RawReader
 from .recompute import Recompute
-from .report import SCHEMA_VERSION, plots, results_table, sweep_table, validate, write_json
-from .restore import RestoreSample, SavedState
+from .remote import RemoteCluster, RemoteSizing, start_remote
+from .report import (
+    SCHEMA_VERSION,
+    plots,
+    remote_table,
+    results_table,
+    sweep_table,
+    validate,
+    write_json,
+)
+from .restore import OpenEngine, RestoreSample, SavedState
 from .stats import BenchError, Dist, ratio
 from .ui import BenchUI
 
@@ -108,6 +120,8 @@ class _Run:
         self.mode = CacheMode.DIRECT
         self.root = Path(".")
         self.phases: dict[str, float] = {}
+        self.remote_info: dict[str, Any] | None = None
+        self.remote_segment_bytes = 0
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -158,42 +172,81 @@ class _Run:
                     f"{named.name}: {t} tokens are {t // lay.chunk_tokens} chunks < W="
                     f"{o.window}; BSR RWS there is the whole state, not W x chunk"
                 )
-        self.ui.step(f"save {named.name} ({state.max_tokens} tokens)", 1)
-        with self.phase(f"save {named.name}"):
-            save = await state.save()
-        self.ui.advance()
-        max_file = max(_sizes(state.files(lay.chunk_tokens)))
-        direct = self.mode is CacheMode.DIRECT
-        seq_reader = RawReader(max_file, 1, direct=direct)
-        par_reader = RawReader(max_file, o.io_depth, direct=direct)
-        bsr = await state.open_engine(o.window, o.io_depth, prefault=True)
-        wp = await state.open_engine(o.window, o.io_depth, prefault=False)
+        stack = ExitStack()
+        opened: list[OpenEngine] = []
+        seq_reader: RawReader | None = None
+        par_reader: RawReader | None = None
         try:
+            remote: RemoteCluster | None = None
+            if o.remote == "mooncake":
+                self.ui.log(f"starting a loopback Mooncake cluster for {named.name}")
+                with self.phase(f"start remote {named.name}"):
+                    sizing = RemoteSizing.for_state(lay, state.max_tokens, o.io_depth)
+                    remote = stack.enter_context(start_remote(sizing))
+                self.remote_info = remote.describe()
+                self.remote_segment_bytes = sizing.segment_bytes
+            self.ui.step(f"save {named.name} ({state.max_tokens} tokens)", 1)
+            with self.phase(f"save {named.name}"):
+                save = await state.save(remote.tier() if remote is not None else None)
+            self.ui.advance()
+            max_file = max(_sizes(state.files(lay.chunk_tokens)))
+            direct = self.mode is CacheMode.DIRECT
+            seq_reader = RawReader(max_file, 1, direct=direct)
+            par_reader = RawReader(max_file, o.io_depth, direct=direct)
+            bsr = await state.open_engine(o.window, o.io_depth, prefault=True)
+            opened.append(bsr)
+            wp = await state.open_engine(o.window, o.io_depth, prefault=False)
+            opened.append(wp)
+            remote_engines: tuple[OpenEngine, OpenEngine] | None = None
+            if remote is not None:
+                rb = await state.open_engine(
+                    o.window, o.io_depth, prefault=True, tier=remote.tier()
+                )
+                opened.append(rb)
+                rw = await state.open_engine(
+                    o.window, o.io_depth, prefault=False, tier=remote.tier()
+                )
+                opened.append(rw)
+                remote_engines = (rb, rw)
             for tokens in sizes:
                 self.ui.step(f"{named.name} {tokens} tokens", o.repeats)
                 with self.phase(f"measure {named.name}"):
                     point = await self._measure_size(
-                        state, tokens, bsr, wp, seq_reader, par_reader, save.duration_s
+                        state,
+                        tokens,
+                        bsr,
+                        wp,
+                        seq_reader,
+                        par_reader,
+                        save.duration_s,
+                        remote_engines,
                     )
                 if recompute is not None and tokens in recompute:
                     self._attach_recompute(point, recompute[tokens])
                 self.points.append(point)
                 self.ui.add_point(point)
-            await bsr.engine.aclose()
-            await wp.engine.aclose()
+            for e in opened:
+                await e.engine.aclose()
+            opened.clear()
             if sweep:
                 with self.phase("sweep"):
                     await self._sweep(state, sizes)
         finally:
-            await bsr.engine.aclose()
-            await wp.engine.aclose()
-            seq_reader.close()
-            par_reader.close()
+            for e in opened:
+                await e.engine.aclose()
+            if seq_reader is not None:
+                seq_reader.close()
+            if par_reader is not None:
+                par_reader.close()
             if state.direct_active is not None:
                 self.direct_active = state.direct_active
             del state
-            if not o.keep:
-                shutil.rmtree(self.root / named.name, ignore_errors=True)
+            try:
+                with self.phase("stop remote"):
+                    stack.close()  # the cluster, if one was started (stopped by PID)
+            finally:
+                if not o.keep:
+                    shutil.rmtree(self.root / named.name, ignore_errors=True)
 
     async def _measure_size(
         self,
@@ -204,6 +257,7 @@ class _Run:
         seq: RawReader,
         par: RawReader,
         save_s: float,
+        remote: tuple[OpenEngine, OpenEngine] | None = None,
     ) -> dict[str, Any]:
         o = self.opts
         files = state.files(tokens)
@@ -239,7 +293,31 @@ class _Run:
             if verify and len(ok) == 1:
                 ok.append(state.verify())
 
+        r_probes: list[float] = []
+        r_bsr: list[RestoreSample] = []
+        r_wp: list[RestoreSample] = []
+        r_ok: list[bool] = []
+
+        async def do_remote_bsr() -> None:
+            assert remote is not None
+            r_probes.append(await state.probe(remote[0], tokens))
+            if verify and not r_ok:
+                state.clear_cache()
+            r_bsr.append(await state.restore(remote[0], tokens, Strategy.BOUNDED, None))
+            if verify and len(r_ok) == 0:
+                r_ok.append(state.verify())
+
+        async def do_remote_wp() -> None:
+            assert remote is not None
+            if verify and len(r_ok) == 1:
+                state.clear_cache()
+            r_wp.append(await state.restore(remote[1], tokens, Strategy.WHOLE_PLAN, None))
+            if verify and len(r_ok) == 1:
+                r_ok.append(state.verify())
+
         steps: list[Callable[[], Any]] = [do_raw, do_bsr, do_wp]
+        if remote is not None:
+            steps += [do_remote_bsr, do_remote_wp]
         for r in range(o.repeats):
             k = r % len(steps)
             for fn in steps[k:] + steps[:k]:
@@ -249,6 +327,14 @@ class _Run:
             self.verified[state.named.name] = all(ok) and len(ok) == 2
             if not self.verified[state.named.name]:
                 raise BenchError(f"{state.named.name}: restored bytes differ from the saved ones")
+            if remote is not None:
+                key = f"{state.named.name} (remote {o.remote})"
+                self.verified[key] = all(r_ok) and len(r_ok) == 2
+                if not self.verified[key]:
+                    raise BenchError(
+                        f"{state.named.name}: bytes restored from {o.remote} differ from the "
+                        "saved ones"
+                    )
 
         raw = {"sequential": _raw_json(raw_seq, res_seq), "parallel": _raw_json(raw_par, res_par)}
         seq_bw = raw["sequential"]["bandwidth_Bps"]["median"]
@@ -287,6 +373,52 @@ class _Run:
                 ),
             },
             "recompute": None,
+            **(
+                {}
+                if remote is None
+                else {"remote": self._remote_json(state, file_bytes, b, w, r_probes, r_bsr, r_wp)}
+            ),
+        }
+
+    def _remote_json(
+        self,
+        state: SavedState,
+        file_bytes: int,
+        local_bsr: dict[str, Any],
+        local_wp: dict[str, Any],
+        probes: Sequence[float],
+        bsr_s: Sequence[RestoreSample],
+        wp_s: Sequence[RestoreSample],
+    ) -> dict[str, Any]:
+        o = self.opts
+        rb = _restore_json(bsr_s, file_bytes, o.window, o.io_depth)
+        rw = _restore_json(wp_s, file_bytes, o.window, o.io_depth)
+        saved = state.remote_save_result
+        return {
+            "tier": o.remote,
+            "segment_bytes": self.remote_segment_bytes,
+            "save_s": saved.duration_s if saved is not None else None,
+            "probe_s": _dist(probes),
+            "bsr": rb,
+            "whole_plan": rw,
+            "ratios": {
+                "bsr_vs_whole_plan_ttft": ratio(
+                    rb["ttft_s"]["median"], rw["ttft_s"]["median"], "remote bsr_vs_whole_plan_ttft"
+                ),
+                "whole_plan_vs_bsr_rws": ratio(
+                    rw["rws_peak_bytes"], rb["rws_peak_bytes"], "remote whole_plan_vs_bsr_rws"
+                ),
+                "remote_vs_file_bsr_ttft": ratio(
+                    rb["ttft_s"]["median"],
+                    local_bsr["ttft_s"]["median"],
+                    "remote_vs_file_bsr_ttft",
+                ),
+                "remote_vs_file_whole_plan_ttft": ratio(
+                    rw["ttft_s"]["median"],
+                    local_wp["ttft_s"]["median"],
+                    "remote_vs_file_whole_plan_ttft",
+                ),
+            },
         }
 
     @staticmethod
@@ -384,7 +516,12 @@ def _memory_needed(layouts: Sequence[NamedLayout], opts: BenchOptions) -> int:
         state = max(opts.sizes) // lay.chunk_tokens * lay.chunk_tokens * lay.token_bytes
         staging = (2 * opts.window + max(opts.windows)) * lay.slot_bytes
         raw = (1 + opts.io_depth) * (lay.slot_bytes + 4096)
-        need = max(need, 2 * state + staging + raw)
+        remote = (
+            RemoteSizing.for_state(lay, max(opts.sizes), opts.io_depth).host_bytes
+            if opts.remote != "none"
+            else 0
+        )
+        need = max(need, 2 * state + staging + raw + remote)
     return need
 
 
@@ -584,6 +721,9 @@ async def _run_async(opts: BenchOptions, ui: BenchUI) -> dict[str, Any]:
         "sweep": run.sweep,
         "sweep_skipped": run.sweep_skipped,
         "recompute": recompute_doc,
+        "remote": (
+            None if run.remote_info is None else {**run.remote_info, "reference_tier": "file"}
+        ),
         "verified": run.verified,
         "summary": _summary(run.points, layouts[0].name),
         "targets": _targets(run, run.points),
@@ -621,6 +761,9 @@ def run(opts: BenchOptions, console: Any = None) -> dict[str, Any]:
 
 def _print_summary(doc: dict[str, Any], console: Any) -> None:
     console.print(results_table(doc["results"], "bsr bench (medians over repeats)"))
+    remote = [p for p in doc["results"] if p.get("remote")]
+    if remote:
+        console.print(remote_table(remote))
     if doc["sweep"]:
         console.print(sweep_table(doc["sweep"]))
     st = doc["storage"]
