@@ -71,6 +71,8 @@ class RestoreEngine:
         policy: default commit policy (``"all_or_nothing"`` or ``"truncate"``).
         deadline_s: default per-restore deadline (None: no deadline).
         pin_staging: allocate pinned staging when CUDA is available.
+        prefault_staging: touch the staging window at open (no page faults in the first
+            restore; the window is resident from the start).
         breaker_threshold: consecutive I/O failures or timeouts after which a tier is skipped
             for ``breaker_cooldown_s`` (None: never skip a tier).
         breaker_cooldown_s: how long a tripped tier is skipped before it is tried again.
@@ -88,6 +90,7 @@ class RestoreEngine:
         policy: Policy | str = Policy.ALL_OR_NOTHING,
         deadline_s: float | None = None,
         pin_staging: bool = True,
+        prefault_staging: bool = True,
         breaker_threshold: int | None = 3,
         breaker_cooldown_s: float = 5.0,
     ) -> None:
@@ -133,6 +136,7 @@ class RestoreEngine:
         self.policy = choice(Policy, policy, "policy")
         self.deadline_s = deadline_s
         self.pin_staging = pin_staging
+        self.prefault_staging = prefault_staging
         self.health = TierHealth(names, threshold=breaker_threshold, cooldown_s=breaker_cooldown_s)
         self._pool: StagingPool | None = None
         self._state = "new"
@@ -159,7 +163,12 @@ class RestoreEngine:
             raise ClosedError("this RestoreEngine is closed; create a new one")
         for t in self.tiers:
             await t.open()
-        self._pool = StagingPool(self.window, self.layout.slot_bytes, pin=self.pin_staging)
+        self._pool = StagingPool(
+            self.window,
+            self.layout.slot_bytes,
+            pin=self.pin_staging,
+            prefault=self.prefault_staging,
+        )
         self._state = "open"
         self._log.info(
             "bsr.engine.opened",

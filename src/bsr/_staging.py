@@ -69,12 +69,13 @@ class _Waiter:
         self.slot: Slot | None = None
 
 
-def _allocate(nbytes: int, pin: bool) -> tuple[torch.Tensor, bool, object]:
+def _allocate(nbytes: int, pin: bool, prefault: bool) -> tuple[torch.Tensor, bool, object]:
     if pin and torch.cuda.is_available():
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), True, None
     buf = mmap.mmap(-1, max(nbytes, 1))
     tensor = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes)
-    tensor.fill_(0)  # fault every page in now, not during the first restore
+    if prefault:
+        tensor.fill_(0)  # fault every page in now, not during the first restore
     return tensor, False, buf
 
 
@@ -85,15 +86,19 @@ class StagingPool:
         slots: W, the number of slots (>= 1).
         slot_bytes: bytes per slot (``layout.slot_bytes``).
         pin: use pinned host memory when CUDA is available (ignored otherwise).
+        prefault: touch every page at allocation, so the first restore pays no page faults
+            (pinned memory is always resident).
     """
 
-    def __init__(self, slots: int, slot_bytes: int, *, pin: bool = True) -> None:
+    def __init__(
+        self, slots: int, slot_bytes: int, *, pin: bool = True, prefault: bool = True
+    ) -> None:
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
             raise ConfigError(f"window W must be an int >= 1, got {slots!r}")
         if slot_bytes < 1:
             raise ConfigError(f"slot_bytes must be >= 1, got {slot_bytes}")
         self.slot_bytes = slot_bytes
-        self._buffer, self.pinned, self._mmap = _allocate(slots * slot_bytes, pin)
+        self._buffer, self.pinned, self._mmap = _allocate(slots * slot_bytes, pin, prefault)
         self._slots = [
             Slot(i, self._buffer[i * slot_bytes : (i + 1) * slot_bytes]) for i in range(slots)
         ]

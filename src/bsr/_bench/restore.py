@@ -143,10 +143,10 @@ class SavedState:
             window=window,
             io_depth=io_depth,
             namespace=self.namespace,
+            # a whole-plan engine never touches its window: keep it out of the RSS figures
+            prefault_staging=prefault,
         )
         await engine.open()
-        if prefault:
-            engine.staging.buffer.fill_(0)
         return OpenEngine(engine, tier, baseline, window, io_depth)
 
     # ------------------------------------------------------------------ save
