@@ -62,6 +62,7 @@ from ._staging import StagingPool as StagingPool
 from ._staging import StagingStatistics as StagingStatistics
 from ._tier import Tier as Tier
 from ._tier import TierStatistics as TierStatistics
+from ._tier import TierWrapper as TierWrapper
 
 __version__ = "0.1.0"
 
@@ -114,6 +115,7 @@ __all__ = (
     "TierIOError",
     "TierStatistics",
     "TierTimeoutError",
+    "TierWrapper",
     "Timings",
     "TokenError",
     "TorchDistributedCoordinator",

@@ -51,7 +51,7 @@ from ._object import (
     PAYLOAD_LEN_OFFSET as _PLEN_OFFSET,
 )
 from ._readers import ObjectReader, aligned_buffer, default_reader
-from ._tier import Tier, as_byte_view
+from ._tier import Tier, as_byte_view, positive_int
 
 _ID_RE = re.compile(r"^[0-9a-f]{40}$")
 _THREAD = threading.local()
@@ -105,14 +105,7 @@ class FileTier(Tier):
         io_threads: int = 8,
     ) -> None:
         super().__init__(name)
-        if (
-            isinstance(capacity_bytes, bool)
-            or not isinstance(capacity_bytes, int)
-            or capacity_bytes <= 0
-        ):
-            raise ConfigError(
-                f"FileTier.capacity_bytes must be a positive int, got {capacity_bytes!r}"
-            )
+        positive_int(capacity_bytes, "FileTier.capacity_bytes")
         if io_threads < 1:
             raise ConfigError(f"FileTier.io_threads must be >= 1, got {io_threads}")
         self.root = Path(path)

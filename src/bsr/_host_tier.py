@@ -18,7 +18,7 @@ import numpy as np
 from ._errors import ConfigError, ObjectNotFoundError, TierFullError, TruncatedObjectError
 from ._keys import ChunkKey, ObjectKey
 from ._object import HEADER_SIZE, decode_header, encode_header, payload_checksum, verify_payload
-from ._tier import Tier, as_byte_view
+from ._tier import Tier, as_byte_view, positive_int
 
 
 @dataclass
@@ -41,14 +41,7 @@ class HostTier(Tier):
 
     def __init__(self, capacity_bytes: int, *, name: str = "host") -> None:
         super().__init__(name)
-        if (
-            isinstance(capacity_bytes, bool)
-            or not isinstance(capacity_bytes, int)
-            or capacity_bytes <= 0
-        ):
-            raise ConfigError(
-                f"HostTier.capacity_bytes must be a positive int, got {capacity_bytes!r}"
-            )
+        positive_int(capacity_bytes, "HostTier.capacity_bytes")
         self.capacity_bytes = capacity_bytes
         self._objects: OrderedDict[str, _Entry] = OrderedDict()
         self._bytes = 0

@@ -197,3 +197,53 @@ class Tier(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
+
+
+class TierWrapper(Tier):
+    """A tier that adds behaviour around another tier (latency, faults, logging...).
+
+    Every method delegates to ``inner``; a wrapper overrides only what it changes. The wrapper
+    takes the inner tier's name by default, so results and ``bytes_by_tier`` read the same as
+    without it.
+    """
+
+    def __init__(self, inner: Tier, *, name: str | None = None) -> None:
+        super().__init__(name or inner.name)
+        self.inner = inner
+        self.durable = inner.durable  # type: ignore[misc]
+
+    async def open(self) -> None:
+        await self.inner.open()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+        await super().aclose()
+
+    def _usage(self) -> tuple[int, int, int]:
+        s = self.inner.statistics()
+        return s.objects, s.bytes, s.capacity_bytes
+
+    def statistics(self) -> TierStatistics:
+        return self.inner.statistics()
+
+    async def contains_many(self, objects: Sequence[ObjectKey]) -> list[bool]:
+        return await self.inner.contains_many(objects)
+
+    async def read_into(self, key: ChunkKey, group: str, dst: Any) -> int:
+        return await self.inner.read_into(key, group, dst)
+
+    async def write(self, key: ChunkKey, group: str, payload: Any) -> bool:
+        return await self.inner.write(key, group, payload)
+
+    async def delete(self, key: ChunkKey, group: str) -> bool:
+        return await self.inner.delete(key, group)
+
+    async def quarantine(self, key: ChunkKey, group: str, reason: str) -> None:
+        await self.inner.quarantine(key, group, reason)
+
+
+def positive_int(value: Any, what: str) -> int:
+    """``value`` if it is a positive int (not a bool), else a ConfigError naming ``what``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{what} must be a positive int, got {value!r}")
+    return value

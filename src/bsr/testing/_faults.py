@@ -31,7 +31,7 @@ from .._file_tier import FileTier
 from .._host_tier import HostTier
 from .._keys import ChunkKey, ObjectKey
 from .._object import HEADER_SIZE
-from .._tier import Tier
+from .._tier import Tier, TierWrapper
 
 
 class FaultKind(str, enum.Enum):
@@ -166,7 +166,7 @@ def truncate_stored(tier: Tier, key: ChunkKey, group: str, size: int = HEADER_SI
     return False
 
 
-class FaultyTier(Tier):
+class FaultyTier(TierWrapper):
     """Wrap ``inner`` and inject the faults of ``plan`` (as rank ``rank``).
 
     The wrapper takes the inner tier's name by default, so results and ``bytes_by_tier`` read
@@ -176,33 +176,17 @@ class FaultyTier(Tier):
     def __init__(
         self, inner: Tier, plan: FaultPlan, *, rank: int = 0, name: str | None = None
     ) -> None:
-        super().__init__(name or inner.name)
-        self.inner = inner
+        super().__init__(inner, name=name)
         self.plan = plan
         self.rank = rank
         self._attempts: dict[tuple[str, str], int] = {}
         self._lost: set[str] = set()
-        self.durable = inner.durable  # type: ignore[misc]
 
     def _faults(self, op: str, okey: ObjectKey) -> list[Fault]:
         k = (op, okey.object_id)
         n = self._attempts.get(k, 0)
         self._attempts[k] = n + 1
         return self.plan.decide(op, okey, n, self.rank)
-
-    async def open(self) -> None:
-        await self.inner.open()
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
-        await super().aclose()
-
-    def _usage(self) -> tuple[int, int, int]:
-        s = self.inner.statistics()
-        return s.objects, s.bytes, s.capacity_bytes
-
-    def statistics(self) -> Any:
-        return self.inner.statistics()
 
     async def contains_many(self, objects: Sequence[ObjectKey]) -> list[bool]:
         for o in objects[:1]:
@@ -250,7 +234,7 @@ class FaultyTier(Tier):
         await self.inner.quarantine(key, group, reason)
 
 
-class LatencyTier(Tier):
+class LatencyTier(TierWrapper):
     """Wrap ``inner`` adding a fixed latency (and optional bandwidth cap) to reads and probes."""
 
     def __init__(
@@ -262,26 +246,10 @@ class LatencyTier(Tier):
         bandwidth_bytes_per_s: float | None = None,
         name: str | None = None,
     ) -> None:
-        super().__init__(name or inner.name)
-        self.inner = inner
+        super().__init__(inner, name=name)
         self.read_latency_s = read_latency_s
         self.probe_latency_s = probe_latency_s
         self.bandwidth = bandwidth_bytes_per_s
-        self.durable = inner.durable  # type: ignore[misc]
-
-    async def open(self) -> None:
-        await self.inner.open()
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
-        await super().aclose()
-
-    def _usage(self) -> tuple[int, int, int]:
-        s = self.inner.statistics()
-        return s.objects, s.bytes, s.capacity_bytes
-
-    def statistics(self) -> Any:
-        return self.inner.statistics()
 
     async def contains_many(self, objects: Sequence[ObjectKey]) -> list[bool]:
         if self.probe_latency_s:
@@ -294,12 +262,3 @@ class LatencyTier(Tier):
         if self.bandwidth:
             await anyio.sleep(n / self.bandwidth)
         return n
-
-    async def write(self, key: ChunkKey, group: str, payload: Any) -> bool:
-        return await self.inner.write(key, group, payload)
-
-    async def delete(self, key: ChunkKey, group: str) -> bool:
-        return await self.inner.delete(key, group)
-
-    async def quarantine(self, key: ChunkKey, group: str, reason: str) -> None:
-        await self.inner.quarantine(key, group, reason)
