@@ -205,6 +205,7 @@ def test_corrupt_values_are_detected(mooncake_cluster: MooncakeCluster) -> None:
     async def main() -> None:
         tier = make_tier(mooncake_cluster)
         async with tier:
+
             def good(k: ChunkKey) -> bytes:
                 return encode_object(ObjectKey(k, "kv"), payload(0, 8192))[: HEADER_SIZE + 8192]
 
@@ -677,4 +678,3 @@ def test_open_without_mooncake_package_is_a_config_error(monkeypatch: pytest.Mon
             await tier.open()
 
     run(main)
-

@@ -12,7 +12,6 @@ a flat ``[num_layers, chunk_tokens, token_bytes]`` buffer (a staging slot region
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -125,10 +124,11 @@ class PagedKVCache:
         return ids[chunk * bpc : (chunk + 1) * bpc]
 
     def check_layout(self, layout: StateLayout) -> None:
+        """Raise unless this cache was built for ``layout`` (the engine's)."""
         if layout.fingerprint != self.layout.fingerprint:
             raise LayoutError(
-                "the cache was built for another layout than the engine's; build the "
-                "PagedKVCache with the engine's StateLayout"
+                "cache layout differs from the engine's layout; build the PagedKVCache with the "
+                "engine's StateLayout"
             )
 
 
@@ -195,13 +195,3 @@ def install_chunk(
     dtype = _wide_dtype(row, dst, src3)
     dst3 = dst.view(g.num_layers, cache.num_blocks, row).view(dtype)
     dst3.index_copy_(1, idx, src3.view(dtype))
-
-
-def invalidate_blocks(cache: PagedKVCache, blocks: Sequence[int]) -> None:
-    """Zero the given blocks in every group (used by tests; engines usually just free them)."""
-    if not blocks:
-        return
-    idx = torch.as_tensor(list(blocks), dtype=torch.int64)
-    for g in cache.layout.groups:
-        t = cache.tensor(g.name)
-        t.index_fill_(1, idx.to(t.device), 0)

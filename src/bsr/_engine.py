@@ -29,13 +29,13 @@ import torch
 
 from ._cache import PagedKVCache
 from ._coordinator import Coordinator, LocalCoordinator
-from ._errors import ClosedError, ConfigError, CoordinatorError, LayoutError
+from ._errors import ClosedError, ConfigError, CoordinatorError
 from ._health import BreakerState, TierHealth
 from ._keys import ChunkKey, Namespace, ObjectKey, TokensLike, as_token_array, chunk_keys
 from ._layout import StateLayout
 from ._lifecycle import Reason, RequestLifecycle, RequestState
 from ._log import logger
-from ._plan import longest_prefix, needed_objects, prefix_usable
+from ._plan import longest_prefix, longest_prefix_upto, needed_objects, prefix_usable
 from ._results import Policy, Probe, RestoreResult, SaveResult, Strategy, Timings, choice
 from ._save import save_chunks
 from ._staging import StagingPool, StagingStatistics
@@ -144,6 +144,17 @@ class RestoreEngine:
         self._ids = itertools.count()
         self._counts = {"restores": 0, "committed": 0, "invalidated": 0, "saves": 0}
         self._log = logger.bind(rank=namespace.tp_rank, model=namespace.model_id)
+        # the transfer side; one per engine, so its CUDA side stream is made once
+        self._window = WindowPipeline(
+            self.layout,
+            self.tiers,
+            window=self.window,
+            io_depth=self.io_depth,
+            is_quarantined=lambda tier, oid: (tier, oid) in self._quarantine,
+            quarantine=self._quarantine_object,
+            log=self._log,
+            health=self.health,
+        )
 
     # ------------------------------------------------------------------ lifecycle
     async def __aenter__(self) -> RestoreEngine:
@@ -218,11 +229,7 @@ class RestoreEngine:
     def _check_cache(self, cache: PagedKVCache) -> None:
         if not isinstance(cache, PagedKVCache):
             raise ConfigError(f"cache must be a bsr.PagedKVCache, got {type(cache).__name__}")
-        if cache.layout.fingerprint != self.layout.fingerprint:
-            raise LayoutError(
-                "cache layout differs from the engine's layout; build the PagedKVCache with the "
-                "engine's StateLayout"
-            )
+        cache.check_layout(self.layout)
 
     def keys(self, tokens: TokensLike) -> list[ChunkKey]:
         """Chained keys of every full chunk of ``tokens`` in this engine's namespace."""
@@ -269,7 +276,8 @@ class RestoreEngine:
         self, tokens: TokensLike, *, deadline: float | None
     ) -> tuple[Probe, list[dict[str, list[int]]], bool]:
         t0 = time.perf_counter()
-        keys = self.keys(tokens)
+        arr = as_token_array(tokens)
+        keys = self.keys(arr)
         n = len(keys)
         holders: list[dict[str, list[int]]] = [
             {g.name: [] for g in self.layout.groups} for _ in range(n)
@@ -291,7 +299,7 @@ class RestoreEngine:
             name = self.tiers[holders[c][g][0]].name
             by_tier[name] = by_tier.get(name, 0) + self.layout.group_chunk_bytes(g)
         probe = Probe(
-            num_tokens=len(as_token_array(tokens)),
+            num_tokens=len(arr),
             chunk_tokens=self.layout.chunk_tokens,
             keys=tuple(keys),
             holders=tuple(
@@ -361,7 +369,7 @@ class RestoreEngine:
 
         req: RestoreRun | None = None
         account: SlotSource | None = None
-        pipeline = self._pipeline()
+        pipeline = self._window
         t_probe = t_install = t_commit = 0.0
         committed_chunks = 0
         probed_chunks = 0
@@ -513,18 +521,6 @@ class RestoreEngine:
                 out.update(int(b) for b in cache.chunk_blocks(ids, c).tolist())
         return tuple(sorted(out))
 
-    def _pipeline(self) -> WindowPipeline:
-        return WindowPipeline(
-            self.layout,
-            self.tiers,
-            window=self.window,
-            io_depth=self.io_depth,
-            is_quarantined=lambda tier, oid: (tier, oid) in self._quarantine,
-            quarantine=self._quarantine_object,
-            log=self._log,
-            health=self.health,
-        )
-
     async def _quarantine_object(
         self, run: RestoreRun, tier: Tier, key: ChunkKey, group: str, why: str, physical: bool
     ) -> None:
@@ -607,11 +603,3 @@ class RestoreEngine:
 
 class _Done(Exception):
     """Internal: the request reached a terminal state early."""
-
-
-def longest_prefix_upto(usable: Any, upper: int) -> int:
-    """Largest p <= upper with usable(p), or 0."""
-    for p in range(upper, 0, -1):
-        if usable(p):
-            return p
-    return 0

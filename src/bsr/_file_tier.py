@@ -35,6 +35,7 @@ from ._errors import (
     TierFullError,
     TierIOError,
     TruncatedObjectError,
+    positive_int,
 )
 from ._keys import ChunkKey, ObjectKey
 from ._layout import align_up
@@ -51,7 +52,7 @@ from ._object import (
     PAYLOAD_LEN_OFFSET as _PLEN_OFFSET,
 )
 from ._readers import ObjectReader, aligned_buffer, default_reader
-from ._tier import Tier, as_byte_view, positive_int
+from ._tier import Tier, as_byte_view, as_payload_view
 
 _ID_RE = re.compile(r"^[0-9a-f]{40}$")
 _THREAD = threading.local()
@@ -284,11 +285,7 @@ class FileTier(Tier):
         if oid in self._index:
             self._index.move_to_end(oid)
             return False
-        mv = (
-            memoryview(payload).cast("B")
-            if isinstance(payload, (bytes, bytearray, memoryview))
-            else as_byte_view(payload)
-        )
+        mv = as_payload_view(payload)
         size = object_size(len(mv))
         if size > self.capacity_bytes:
             raise TierFullError(

@@ -15,10 +15,16 @@ from typing import Any
 import anyio
 import numpy as np
 
-from ._errors import ConfigError, ObjectNotFoundError, TierFullError, TruncatedObjectError
+from ._errors import (
+    ConfigError,
+    ObjectNotFoundError,
+    TierFullError,
+    TruncatedObjectError,
+    positive_int,
+)
 from ._keys import ChunkKey, ObjectKey
 from ._object import HEADER_SIZE, decode_header, encode_header, payload_checksum, verify_payload
-from ._tier import Tier, as_byte_view, positive_int
+from ._tier import Tier, as_byte_view, as_payload_view
 
 
 @dataclass
@@ -105,11 +111,7 @@ class HostTier(Tier):
         if oid in self._objects:
             self._objects.move_to_end(oid)
             return False
-        mv = (
-            as_byte_view(payload)
-            if not isinstance(payload, (bytes, memoryview))
-            else memoryview(payload).cast("B")
-        )
+        mv = as_payload_view(payload)
         size = HEADER_SIZE + len(mv)
         if size > self.capacity_bytes:
             raise TierFullError(

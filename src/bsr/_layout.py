@@ -15,13 +15,13 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ._errors import LayoutError, UnknownGroupError
+from ._errors import LayoutError, UnknownGroupError, positive_int
 
 #: Byte alignment of group regions inside a staging slot (and of O_DIRECT I/O).
 ALIGNMENT = 4096
@@ -81,11 +81,9 @@ class StateGroup:
                 "a StateGroup needs a non-empty name of at most 64 bytes", group=self.name
             )
         for attr in ("num_layers", "token_bytes"):
-            value = getattr(self, attr)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise LayoutError(
-                    f"StateGroup.{attr} must be a positive int, got {value!r}", group=self.name
-                )
+            positive_int(
+                getattr(self, attr), f"StateGroup.{attr}", error=LayoutError, group=self.name
+            )
         if self.window_tokens is not None and (
             isinstance(self.window_tokens, bool)
             or not isinstance(self.window_tokens, int)
@@ -137,9 +135,7 @@ class StateLayout:
     _offsets: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        ct = self.chunk_tokens
-        if isinstance(ct, bool) or not isinstance(ct, int) or ct <= 0:
-            raise LayoutError(f"chunk_tokens must be a positive int, got {ct!r}")
+        ct = positive_int(self.chunk_tokens, "chunk_tokens", error=LayoutError)
         groups = tuple(self.groups) if isinstance(self.groups, Iterable) else self.groups
         if not isinstance(groups, tuple) or not groups:
             raise LayoutError(
@@ -257,8 +253,3 @@ def kv_layout(
             StateGroup(name, num_layers, token_bytes, window_tokens=window_tokens, dtype=dtype),
         ),
     )
-
-
-def validate_group_names(layout: StateLayout, names: Sequence[str]) -> None:
-    for n in names:
-        layout.group(n)

@@ -89,7 +89,7 @@ from ._errors import (
 from ._keys import ChunkKey, ObjectKey
 from ._layout import align_up
 from ._object import HEADER_SIZE, decode_header, encode_header, payload_checksum, verify_payload
-from ._tier import Tier, as_byte_view
+from ._tier import Tier, as_byte_view, as_payload_view
 
 T = TypeVar("T")
 
@@ -150,13 +150,6 @@ def _parse_address(what: str, address: str) -> tuple[str, int]:
             f"MooncakeTier.{what} must be 'host:port', e.g. '127.0.0.1:50051', got {address!r}"
         )
     return host.strip("[]"), int(port)
-
-
-def _readable_view(payload: Any) -> memoryview:
-    if isinstance(payload, (bytes, bytearray, memoryview)):
-        mv = memoryview(payload)
-        return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
-    return as_byte_view(payload)
 
 
 @dataclass(eq=False)
@@ -672,7 +665,7 @@ class MooncakeTier(Tier):
         store = self._require_store()
         okey = ObjectKey(key, group)
         skey = self.key_prefix + okey.object_id
-        mv = _readable_view(payload)
+        mv = as_payload_view(payload)
         nbytes = len(mv)
         size = HEADER_SIZE + nbytes
         with self._deadline("write", okey):

@@ -50,3 +50,11 @@ def longest_prefix(layout: StateLayout, upper_chunks: int, have: Have) -> int:
         if all(have(c, g.name) for g in windowed for c in layout.needed_chunks(g.name, p)):
             return p
     return 0
+
+
+def longest_prefix_upto(usable: Callable[[int], bool], upper: int) -> int:
+    """The largest ``p <= upper`` with ``usable(p)``, or 0."""
+    for p in range(upper, 0, -1):
+        if usable(p):
+            return p
+    return 0

@@ -81,6 +81,14 @@ def as_byte_view(dst: Any) -> memoryview:
     return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
 
 
+def as_payload_view(payload: Any) -> memoryview:
+    """A flat byte view of a payload to store (bytes-likes as they are, else as_byte_view)."""
+    if isinstance(payload, (bytes, bytearray, memoryview)):
+        mv = memoryview(payload)
+        return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+    return as_byte_view(payload)
+
+
 class Tier(abc.ABC):
     """Abstract async tier. Use as ``async with tier:`` or call :meth:`aclose`.
 
@@ -240,10 +248,3 @@ class TierWrapper(Tier):
 
     async def quarantine(self, key: ChunkKey, group: str, reason: str) -> None:
         await self.inner.quarantine(key, group, reason)
-
-
-def positive_int(value: Any, what: str) -> int:
-    """``value`` if it is a positive int (not a bool), else a ConfigError naming ``what``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{what} must be a positive int, got {value!r}")
-    return value

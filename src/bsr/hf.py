@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ._cache import PagedKVCache
-from ._errors import ConfigError, LayoutError
+from ._errors import ConfigError, LayoutError, positive_int
 from ._layout import StateGroup, StateLayout, _dtype_name
 
 if TYPE_CHECKING:
@@ -98,9 +98,7 @@ def _text_config(config: Any) -> Any:
 
 
 def _positive_int(value: Any, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise LayoutError(f"config.{what} must be a positive int, got {value!r}")
-    return value
+    return positive_int(value, f"config.{what}", error=LayoutError)
 
 
 def layer_placements(config: Any) -> tuple[LayerPlacement, ...]:
