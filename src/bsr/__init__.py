@@ -7,14 +7,6 @@ tensor-parallel ranks. See README.md and DESIGN.md.
 
 from __future__ import annotations
 
-from ._cache import PagedKVCache as PagedKVCache
-from ._coordinator import Coordinator as Coordinator
-from ._coordinator import InProcessCoordinator as InProcessCoordinator
-from ._coordinator import InProcessGroup as InProcessGroup
-from ._coordinator import LocalCoordinator as LocalCoordinator
-from ._coordinator import TorchDistributedCoordinator as TorchDistributedCoordinator
-from ._engine import EngineStatistics as EngineStatistics
-from ._engine import RestoreEngine as RestoreEngine
 from ._errors import BlockTableError as BlockTableError
 from ._errors import BsrError as BsrError
 from ._errors import ClosedError as ClosedError
@@ -35,34 +27,42 @@ from ._errors import TierTimeoutError as TierTimeoutError
 from ._errors import TokenError as TokenError
 from ._errors import TruncatedObjectError as TruncatedObjectError
 from ._errors import UnknownGroupError as UnknownGroupError
-from ._file_tier import FileTier as FileTier
-from ._health import BreakerState as BreakerState
-from ._host_tier import HostTier as HostTier
-from ._keys import FORMAT_VERSION as FORMAT_VERSION
-from ._keys import ChunkKey as ChunkKey
-from ._keys import Namespace as Namespace
-from ._keys import ObjectKey as ObjectKey
-from ._layout import StateGroup as StateGroup
-from ._layout import StateLayout as StateLayout
-from ._layout import kv_layout as kv_layout
-from ._lifecycle import Reason as Reason
-from ._lifecycle import RequestLifecycle as RequestLifecycle
-from ._lifecycle import RequestState as RequestState
-from ._lifecycle import TransitionRecord as TransitionRecord
-from ._mooncake_tier import MooncakeTier as MooncakeTier
-from ._readers import KvikioReader as KvikioReader
-from ._readers import PosixReader as PosixReader
-from ._results import Policy as Policy
-from ._results import Probe as Probe
-from ._results import RestoreResult as RestoreResult
-from ._results import SaveResult as SaveResult
-from ._results import Strategy as Strategy
-from ._results import Timings as Timings
-from ._staging import StagingPool as StagingPool
-from ._staging import StagingStatistics as StagingStatistics
-from ._tier import Tier as Tier
-from ._tier import TierStatistics as TierStatistics
-from ._tier import TierWrapper as TierWrapper
+from .core._keys import FORMAT_VERSION as FORMAT_VERSION
+from .core._keys import ChunkKey as ChunkKey
+from .core._keys import Namespace as Namespace
+from .core._keys import ObjectKey as ObjectKey
+from .core._layout import StateGroup as StateGroup
+from .core._layout import StateLayout as StateLayout
+from .core._layout import kv_layout as kv_layout
+from .core._lifecycle import Reason as Reason
+from .core._lifecycle import RequestLifecycle as RequestLifecycle
+from .core._lifecycle import RequestState as RequestState
+from .core._lifecycle import TransitionRecord as TransitionRecord
+from .core._results import Policy as Policy
+from .core._results import Probe as Probe
+from .core._results import RestoreResult as RestoreResult
+from .core._results import SaveResult as SaveResult
+from .core._results import Strategy as Strategy
+from .core._results import Timings as Timings
+from .engine._coordinator import Coordinator as Coordinator
+from .engine._coordinator import InProcessCoordinator as InProcessCoordinator
+from .engine._coordinator import InProcessGroup as InProcessGroup
+from .engine._coordinator import LocalCoordinator as LocalCoordinator
+from .engine._coordinator import TorchDistributedCoordinator as TorchDistributedCoordinator
+from .engine._engine import EngineStatistics as EngineStatistics
+from .engine._engine import RestoreEngine as RestoreEngine
+from .engine._health import BreakerState as BreakerState
+from .tiers._base import Tier as Tier
+from .tiers._base import TierStatistics as TierStatistics
+from .tiers._base import TierWrapper as TierWrapper
+from .tiers._file import FileTier as FileTier
+from .tiers._host import HostTier as HostTier
+from .tiers._mooncake import MooncakeTier as MooncakeTier
+from .tiers._readers import KvikioReader as KvikioReader
+from .tiers._readers import PosixReader as PosixReader
+from .transfer._cache import PagedKVCache as PagedKVCache
+from .transfer._staging import StagingPool as StagingPool
+from .transfer._staging import StagingStatistics as StagingStatistics
 
 __version__ = "0.1.0"
 

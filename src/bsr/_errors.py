@@ -108,12 +108,3 @@ class CoordinatorError(BsrError):
 
 class StagingError(BsrError):
     """Misuse of the staging pool (double release, foreign slot)."""
-
-
-def positive_int(
-    value: Any, what: str, *, error: type[ConfigError] = ConfigError, **fields: Any
-) -> int:
-    """``value`` if it is a positive int (not a bool), else ``error`` naming ``what``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise error(f"{what} must be a positive int, got {value!r}", **fields)
-    return value

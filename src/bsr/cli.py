@@ -21,7 +21,7 @@ def _cmd_bench(ns: argparse.Namespace) -> int:
 
 
 def _cmd_spec_diagram(ns: argparse.Namespace) -> int:
-    from ._lifecycle import mermaid
+    from .core._lifecycle import mermaid
 
     text = mermaid()
     if ns.write:

@@ -29,9 +29,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._cache import PagedKVCache
 from ._errors import ConfigError, LayoutError
-from ._layout import StateGroup, StateLayout, _dtype_name
+from .core._layout import StateGroup, StateLayout, _dtype_name
+from .transfer._cache import PagedKVCache
 
 if TYPE_CHECKING:
     from transformers import DynamicCache

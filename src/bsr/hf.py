@@ -40,9 +40,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._cache import PagedKVCache
-from ._errors import ConfigError, LayoutError, positive_int
-from ._layout import StateGroup, StateLayout, _dtype_name
+from ._check import positive_int
+from ._errors import ConfigError, LayoutError
+from .core._layout import StateGroup, StateLayout, _dtype_name
+from .transfer._cache import PagedKVCache
 
 if TYPE_CHECKING:
     from transformers import DynamicCache

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .._layout import StateGroup, StateLayout, kv_layout
+from ..core._layout import StateGroup, StateLayout, kv_layout
 from .stats import BenchError
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._layout import kv_layout
+from ..core._layout import kv_layout
 from .layouts import NamedLayout
 from .stats import BenchError
 

@@ -16,8 +16,8 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from .._layout import StateLayout
-from .._mooncake_tier import MooncakeTier
+from ..core._layout import StateLayout
+from ..tiers._mooncake import MooncakeTier
 from .stats import BenchError
 
 REMOTE_CHOICES = ("none", "mooncake")

@@ -25,14 +25,14 @@ import numpy as np
 import torch
 import xxhash
 
-from .._cache import PagedKVCache
-from .._engine import RestoreEngine
-from .._file_tier import FileTier
-from .._keys import ChunkKey, Namespace, chunk_keys
-from .._plan import needed_objects
-from .._readers import PosixReader
-from .._results import SaveResult, Strategy
-from .._tier import Tier
+from ..core._keys import ChunkKey, Namespace, chunk_keys
+from ..core._plan import needed_objects
+from ..core._results import SaveResult, Strategy
+from ..engine._engine import RestoreEngine
+from ..tiers._base import Tier
+from ..tiers._file import FileTier
+from ..tiers._readers import PosixReader
+from ..transfer._cache import PagedKVCache
 from .layouts import NamedLayout
 from .memory import PeakRss, current_rss, release_free_memory
 from .pagecache import CacheMode, prepare

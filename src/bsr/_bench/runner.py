@@ -39,7 +39,7 @@ import psutil
 import structlog
 import torch
 
-from .._results import Strategy
+from ..core._results import Strategy
 from .layouts import NamedLayout, resolve_layout
 from .machine import commit_info, filesystem_info, machine_info
 from .memory import current_rss

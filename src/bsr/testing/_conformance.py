@@ -32,9 +32,9 @@ from .._errors import (
     ObjectError,
     ObjectNotFoundError,
 )
-from .._keys import ChunkKey, Namespace, ObjectKey, chunk_keys
-from .._layout import StateGroup, StateLayout
-from .._tier import Tier
+from ..core._keys import ChunkKey, Namespace, ObjectKey, chunk_keys
+from ..core._layout import StateGroup, StateLayout
+from ..tiers._base import Tier
 
 #: payload size used by the suite (a multiple of 4 KiB, like real chunks)
 PAYLOAD_BYTES = 16 * 4096

@@ -27,11 +27,11 @@ from .._errors import (
     TierIOError,
     TruncatedObjectError,
 )
-from .._file_tier import FileTier
-from .._host_tier import HostTier
-from .._keys import ChunkKey, ObjectKey
-from .._object import HEADER_SIZE
-from .._tier import Tier, TierWrapper
+from ..core._keys import ChunkKey, ObjectKey
+from ..core._object import HEADER_SIZE
+from ..tiers._base import Tier, TierWrapper
+from ..tiers._file import FileTier
+from ..tiers._host import HostTier
 
 
 class FaultKind(str, enum.Enum):

@@ -66,17 +66,17 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from .._cache import PagedKVCache
-from .._coordinator import Coordinator, InProcessGroup
-from .._engine import RestoreEngine
-from .._file_tier import FileTier
-from .._host_tier import HostTier
-from .._keys import ChunkKey, Namespace, ObjectKey, chunk_keys
-from .._layout import StateGroup, StateLayout
-from .._lifecycle import RequestState
-from .._object import HEADER_SIZE
-from .._results import Policy, RestoreResult
-from .._tier import Tier
+from ..core._keys import ChunkKey, Namespace, ObjectKey, chunk_keys
+from ..core._layout import StateGroup, StateLayout
+from ..core._lifecycle import RequestState
+from ..core._object import HEADER_SIZE
+from ..core._results import Policy, RestoreResult
+from ..engine._coordinator import Coordinator, InProcessGroup
+from ..engine._engine import RestoreEngine
+from ..tiers._base import Tier
+from ..tiers._file import FileTier
+from ..tiers._host import HostTier
+from ..transfer._cache import PagedKVCache
 from ._faults import Fault, FaultKind, FaultPlan, FaultyTier, corrupt_stored, truncate_stored
 from ._strategies import LayoutCase, derived_tokens, fault_plans, layouts, token_streams
 

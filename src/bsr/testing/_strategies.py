@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from hypothesis import strategies as st
 
-from .._layout import StateGroup, StateLayout
+from ..core._layout import StateGroup, StateLayout
 from ._faults import Fault, FaultKind, FaultPlan
 
 #: chunk sizes the strategies draw from (small, so that objects are small)

@@ -1,0 +1,254 @@
+"""The request state machine, loaded from the spec table.
+
+How it works: ``spec/request_lifecycle.json`` (shipped inside the package as
+``bsr/_spec/request_lifecycle.json``) is the only place where states, triggers, guards and
+invalidation reasons are written down. :class:`RequestLifecycle` loads it into a
+``transitions.Machine`` (synchronous, so it runs under any anyio backend). The engine records
+facts (``prefix_chunks``, ``installed``...) and fires triggers; guards read those facts. A trigger
+not in the table raises :class:`~bsr.IllegalTransitionError`, a failing guard raises
+:class:`~bsr.GuardRejectedError`; both leave the state unchanged. Nothing else changes a
+request's state. Every transition emits a ``bsr.request.transition`` event.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
+from typing import Any
+
+from transitions import Machine, MachineError
+
+from .._errors import GuardRejectedError, IllegalTransitionError
+from .._log import logger
+
+
+class RequestState(str, enum.Enum):
+    """States of a restore request (see spec/request_lifecycle.json)."""
+
+    PROBING = "Probing"
+    WINDOWING = "Windowing"
+    INSTALLED = "Installed"
+    COMMITTED = "Committed"
+    INVALIDATED = "Invalidated"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (RequestState.COMMITTED, RequestState.INVALIDATED)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Reason(str, enum.Enum):
+    """Why a request ended where it did (see spec/request_lifecycle.json)."""
+
+    EMPTY_PREFIX = "empty_prefix"
+    COMPLETE = "complete"
+    TRUNCATED = "truncated"
+    READ_FAILED = "read_failed"
+    CORRUPT = "corrupt"
+    INSTALL_FAILED = "install_failed"
+    DEADLINE = "deadline"
+    CANCELLED = "cancelled"
+    RANK_FAILED = "rank_failed"
+    COORDINATOR_FAILED = "coordinator_failed"
+    ENGINE_CLOSED = "engine_closed"
+    INTERNAL_ERROR = "internal_error"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@lru_cache(maxsize=1)
+def load_spec() -> dict[str, Any]:
+    """The lifecycle table as shipped with the package."""
+    text = resources.files("bsr").joinpath("_spec/request_lifecycle.json").read_text("utf-8")
+    spec: dict[str, Any] = json.loads(text)
+    return spec
+
+
+@dataclass(frozen=True)
+class TransitionRecord:
+    """One step of a request's trace."""
+
+    trigger: str
+    source: str
+    dest: str
+    reason: str | None
+    at: float
+
+
+@dataclass
+class RequestFacts:
+    """What the guards look at; the engine updates these, the table decides."""
+
+    prefix_chunks: int = 0
+    target_chunks: int = 0
+    every_chunk_installed: bool = False
+    truncated_chunks: int = 0
+    all_ranks_installed: bool = False
+
+
+class _Model:
+    """The object ``transitions`` drives; guards are its methods."""
+
+    state: str
+
+    def __init__(self, facts: RequestFacts) -> None:
+        self.facts = facts
+
+    def prefix_nonempty(self) -> bool:
+        return self.facts.prefix_chunks > 0
+
+    def prefix_empty(self) -> bool:
+        return self.facts.prefix_chunks == 0
+
+    def every_chunk_installed(self) -> bool:
+        return self.facts.target_chunks > 0 and self.facts.every_chunk_installed
+
+    def truncated_prefix_installed(self) -> bool:
+        return (
+            0 < self.facts.truncated_chunks <= self.facts.target_chunks
+            and self.facts.every_chunk_installed
+        )
+
+    def all_ranks_installed(self) -> bool:
+        return self.facts.all_ranks_installed
+
+
+def _machine_kwargs() -> dict[str, Any]:
+    spec = load_spec()
+    transitions = []
+    for t in spec["transitions"]:
+        entry: dict[str, Any] = {"trigger": t["trigger"], "source": t["source"], "dest": t["dest"]}
+        if t.get("guard"):
+            entry["conditions"] = [t["guard"]]
+        transitions.append(entry)
+    return {
+        "states": [s["name"] for s in spec["states"]],
+        "transitions": transitions,
+        "initial": spec["initial"],
+        "auto_transitions": False,
+        "ignore_invalid_triggers": False,
+        "send_event": False,
+        "queued": False,
+    }
+
+
+class RequestLifecycle:
+    """The authority on one request's state.
+
+    Args:
+        request_id: used in events and traces.
+        rank: tensor-parallel rank, for events.
+    """
+
+    def __init__(self, request_id: str, *, rank: int = 0) -> None:
+        self.request_id = request_id
+        self.rank = rank
+        self.facts = RequestFacts()
+        self._model = _Model(self.facts)
+        self._machine = Machine(model=self._model, **_machine_kwargs())
+        self.trace: list[TransitionRecord] = []
+        self.reason: Reason | None = None
+        self._log = logger.bind(request_id=request_id, rank=rank)
+
+    @property
+    def state(self) -> RequestState:
+        return RequestState(self._model.state)
+
+    @property
+    def terminal(self) -> bool:
+        return self.state.terminal
+
+    def allowed(self) -> list[str]:
+        """Triggers defined from the current state (guards not evaluated)."""
+        return sorted(self._machine.get_triggers(self._model.state))
+
+    def fire(self, trigger: str, reason: Reason | None = None) -> RequestState:
+        """Fire ``trigger``; raise (state unchanged) when the table does not allow it."""
+        source = self._model.state
+        if trigger not in self._machine.get_triggers(source):
+            raise IllegalTransitionError(
+                f"trigger {trigger!r} is not allowed in state {source}; allowed: {self.allowed()}",
+                state=source,
+                trigger=trigger,
+                request_id=self.request_id,
+            )
+        try:
+            ok = self._model.trigger(trigger)  # type: ignore[attr-defined]
+        except MachineError as exc:
+            raise IllegalTransitionError(
+                f"trigger {trigger!r} is not allowed in state {source}: {exc.value}",
+                state=source,
+                trigger=trigger,
+                request_id=self.request_id,
+            ) from None
+        if not ok:
+            raise GuardRejectedError(
+                f"guard of {trigger!r} does not hold in state {source} (facts: {self.facts})",
+                state=source,
+                trigger=trigger,
+                request_id=self.request_id,
+            )
+        dest = self._model.state
+        if reason is not None:
+            self.reason = reason
+        self.trace.append(
+            TransitionRecord(
+                trigger, source, dest, str(reason) if reason else None, time.monotonic()
+            )
+        )
+        self._log.debug(
+            "bsr.request.transition",
+            trigger=trigger,
+            from_state=source,
+            to_state=dest,
+            reason=str(reason) if reason else None,
+        )
+        return RequestState(dest)
+
+    def invalidate(self, reason: Reason) -> RequestState:
+        """Move to Invalidated from any non-terminal state (no-op if already Invalidated)."""
+        if self.state is RequestState.INVALIDATED:
+            return self.state
+        return self.fire("invalidate", reason)
+
+
+@dataclass(frozen=True)
+class _Edge:
+    source: str
+    trigger: str
+    dest: str
+    guard: str | None
+
+
+def table_edges() -> list[_Edge]:
+    """Every (source, trigger, dest, guard) of the table, sources expanded."""
+    edges = []
+    for t in load_spec()["transitions"]:
+        sources = t["source"] if isinstance(t["source"], list) else [t["source"]]
+        for s in sources:
+            edges.append(_Edge(s, t["trigger"], t["dest"], t.get("guard")))
+    return edges
+
+
+def mermaid() -> str:
+    """A mermaid state diagram generated from the table (spec/request_lifecycle.mmd)."""
+    spec = load_spec()
+    lines = [
+        "%% generated from spec/request_lifecycle.json by `bsr spec diagram`; do not edit",
+        "stateDiagram-v2",
+        f"    [*] --> {spec['initial']}",
+    ]
+    for e in table_edges():
+        label = e.trigger + (f" [{e.guard}]" if e.guard else "")
+        lines.append(f"    {e.source} --> {e.dest}: {label}")
+    for s in spec["states"]:
+        if s["terminal"]:
+            lines.append(f"    {s['name']} --> [*]")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,146 @@
+"""Records returned by the engine: Probe, SaveResult, RestoreResult, and the option enums."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from .._errors import ConfigError
+from ._keys import ChunkKey
+from ._lifecycle import Reason, RequestState, TransitionRecord
+
+E = TypeVar("E", bound=enum.Enum)
+
+
+class Policy(str, enum.Enum):
+    """What a restore may commit when part of the prefix cannot be installed."""
+
+    #: full reuse of the agreed prefix or zero external reuse (default)
+    ALL_OR_NOTHING = "all_or_nothing"
+    #: commit the longest agreed prefix of fully installed chunks (never a partial chunk/group)
+    TRUNCATE = "truncate"
+
+
+class Strategy(str, enum.Enum):
+    """How bytes move during a restore."""
+
+    #: stream through the engine's W staging slots (RWS <= W x slot_bytes)
+    BOUNDED = "bounded"
+    #: LMCache-style baseline: read every hit chunk into host memory, then install (RWS = |S|)
+    WHOLE_PLAN = "whole_plan"
+
+
+def choice(enum_type: type[E], value: object, what: str) -> E:
+    """``enum_type(value)`` with a :class:`~bsr.ConfigError` that lists the choices."""
+    try:
+        return enum_type(value)
+    except ValueError:
+        options = ", ".join(repr(m.value) for m in enum_type)  # type: ignore[attr-defined]
+        raise ConfigError(
+            f"unknown {what} {value!r}; use one of {options}", **{what: value}
+        ) from None
+
+
+@dataclass(frozen=True)
+class Probe:
+    """Where the reusable prefix of a token sequence is, found without moving data.
+
+    Attributes:
+        num_tokens: tokens looked up.
+        keys: chained keys of every full chunk.
+        holders: ``holders[c][group]`` = names of the tiers holding that object, fastest first.
+        local_chunks: longest reusable prefix on this rank, in chunks.
+        prefix_chunks: the prefix agreed by all ranks, in chunks.
+        prefix_tokens: ``prefix_chunks * chunk_tokens``.
+        bytes_by_tier: bytes a restore of the agreed prefix would read per tier (first choice).
+        duration_s: wall time of the probe.
+    """
+
+    num_tokens: int
+    chunk_tokens: int
+    keys: tuple[ChunkKey, ...]
+    holders: tuple[dict[str, tuple[str, ...]], ...]
+    local_chunks: int
+    prefix_chunks: int
+    bytes_by_tier: dict[str, int]
+    duration_s: float
+
+    @property
+    def prefix_tokens(self) -> int:
+        return self.prefix_chunks * self.chunk_tokens
+
+    @property
+    def hit(self) -> bool:
+        return self.prefix_chunks > 0
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    """Outcome of :meth:`RestoreEngine.save`."""
+
+    saved_tokens: int
+    chunks: int
+    objects_written: dict[str, int]
+    objects_skipped: dict[str, int]
+    bytes_written: dict[str, int]
+    errors: dict[str, int]
+    rws_peak_bytes: int
+    duration_s: float
+
+    @property
+    def ok(self) -> bool:
+        return not any(self.errors.values())
+
+
+@dataclass(frozen=True)
+class Timings:
+    probe_s: float
+    install_s: float
+    commit_s: float
+    total_s: float
+
+
+@dataclass(frozen=True)
+class RestoreResult:
+    """Outcome of :meth:`RestoreEngine.restore`.
+
+    Attributes:
+        state: Committed or Invalidated.
+        committed_tokens: tokens now reusable in the cache (0 unless Committed).
+        probed_tokens: tokens of the agreed probed prefix.
+        bytes_by_tier: payload bytes actually read from each tier.
+        rws_peak_bytes: this request's peak staging bytes (its restoration working set).
+        timings: probe, install (windowing), commit and total seconds.
+        reason: why it ended there.
+        invalid_block_ids: blocks written by this restore that hold no valid state (every touched
+            block when Invalidated; blocks past the committed prefix under ``truncate``).
+        trace: the request's transitions.
+        strategy, policy: what was asked for.
+        fallbacks: reads served by a lower tier after a higher one failed.
+        quarantined: objects taken out of service during this restore.
+    """
+
+    request_id: str
+    state: RequestState
+    committed_tokens: int
+    probed_tokens: int
+    bytes_by_tier: dict[str, int]
+    rws_peak_bytes: int
+    timings: Timings
+    reason: Reason
+    invalid_block_ids: tuple[int, ...]
+    trace: tuple[TransitionRecord, ...]
+    strategy: Strategy
+    policy: Policy
+    fallbacks: int = 0
+    quarantined: int = 0
+    errors: tuple[str, ...] = field(default=())
+
+    @property
+    def committed(self) -> bool:
+        return self.state is RequestState.COMMITTED
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(self.bytes_by_tier.values())

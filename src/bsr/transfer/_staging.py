@@ -1,0 +1,241 @@
+"""StagingPool: the W chunk-sized slots that are the only host staging memory of a restore.
+
+How it works: one buffer of ``W x slot_bytes`` is allocated once (pinned with CUDA, page-aligned
+anonymous memory otherwise) and cut into W slots. ``acquire()`` hands out a free slot or queues
+the caller FIFO; ``release()`` gives a slot straight to the oldest waiter. The pool is shared by
+every concurrent restore (and save) of one engine: it is a global budget, not a lock, so staging
+in use can never exceed ``W x slot_bytes`` (invariant 3). Each request draws through a
+:class:`StagingAccount` that records the request's own peak (its RWS).
+"""
+
+from __future__ import annotations
+
+import mmap
+from collections import deque
+from dataclasses import dataclass
+
+import anyio
+import torch
+
+from .._errors import ConfigError, StagingError
+
+
+@dataclass(frozen=True)
+class StagingStatistics:
+    """Snapshot of a staging pool (or of one request's account)."""
+
+    slots: int
+    slot_bytes: int
+    in_use: int
+    peak_in_use: int
+    waits: int
+    acquired: int
+    released: int
+    waiting: int
+    pinned: bool
+
+    @property
+    def in_use_bytes(self) -> int:
+        return self.in_use * self.slot_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.peak_in_use * self.slot_bytes
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.slots * self.slot_bytes
+
+
+class Slot:
+    """One staging slot: a flat uint8 tensor of ``slot_bytes`` (pinned with CUDA)."""
+
+    __slots__ = ("_owner", "index", "tensor")
+
+    def __init__(self, index: int, tensor: torch.Tensor) -> None:
+        self.index = index
+        self.tensor = tensor
+        self._owner: StagingAccount | None = None
+
+    def __repr__(self) -> str:
+        return f"Slot({self.index})"
+
+
+class _Waiter:
+    __slots__ = ("event", "slot")
+
+    def __init__(self) -> None:
+        self.event = anyio.Event()
+        self.slot: Slot | None = None
+
+
+def _allocate(nbytes: int, pin: bool, prefault: bool) -> tuple[torch.Tensor, bool, object]:
+    if pin and torch.cuda.is_available():
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), True, None
+    buf = mmap.mmap(-1, max(nbytes, 1))
+    tensor = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes)
+    if prefault:
+        tensor.fill_(0)  # fault every page in now, not during the first restore
+    return tensor, False, buf
+
+
+class StagingPool:
+    """W chunk-sized staging slots shared by every restore of an engine.
+
+    Args:
+        slots: W, the number of slots (>= 1).
+        slot_bytes: bytes per slot (``layout.slot_bytes``).
+        pin: use pinned host memory when CUDA is available (ignored otherwise).
+        prefault: touch every page at allocation, so the first restore pays no page faults
+            (pinned memory is always resident).
+    """
+
+    def __init__(
+        self, slots: int, slot_bytes: int, *, pin: bool = True, prefault: bool = True
+    ) -> None:
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+            raise ConfigError(f"window W must be an int >= 1, got {slots!r}")
+        if slot_bytes < 1:
+            raise ConfigError(f"slot_bytes must be >= 1, got {slot_bytes}")
+        self.slot_bytes = slot_bytes
+        self._buffer, self.pinned, self._mmap = _allocate(slots * slot_bytes, pin, prefault)
+        self._slots = [
+            Slot(i, self._buffer[i * slot_bytes : (i + 1) * slot_bytes]) for i in range(slots)
+        ]
+        for s in self._slots:
+            s._owner = _RELEASED
+        self._free: deque[Slot] = deque(self._slots)
+        self._waiters: deque[_Waiter] = deque()
+        self._in_use = 0
+        self._peak = 0
+        self._waits = 0
+        self._acquired = 0
+        self._released = 0
+
+    @property
+    def size(self) -> int:
+        return len(self._slots)
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The whole staging buffer (for registering with a store or a DMA engine)."""
+        return self._buffer
+
+    def account(self) -> StagingAccount:
+        """A per-request view that tracks the request's own use and peak."""
+        return StagingAccount(self)
+
+    # ------------------------------------------------------------------ acquire/release
+    def _take(self, slot: Slot, owner: StagingAccount | None) -> Slot:
+        slot._owner = owner
+        self._in_use += 1
+        self._acquired += 1
+        self._peak = max(self._peak, self._in_use)
+        if owner is not None:
+            owner._on_take()
+        return slot
+
+    def acquire_nowait(self, owner: StagingAccount | None = None) -> Slot:
+        """Take a free slot or raise :class:`anyio.WouldBlock` (queued waiters go first)."""
+        if self._free and not self._waiters:
+            return self._take(self._free.popleft(), owner)
+        raise anyio.WouldBlock
+
+    async def acquire(self, owner: StagingAccount | None = None) -> Slot:
+        """Take a slot, waiting FIFO behind earlier callers when none is free."""
+        await anyio.lowlevel.checkpoint_if_cancelled()
+        try:
+            slot = self.acquire_nowait(owner)
+        except anyio.WouldBlock:
+            pass
+        else:
+            await anyio.lowlevel.cancel_shielded_checkpoint()
+            return slot
+        waiter = _Waiter()
+        self._waiters.append(waiter)
+        self._waits += 1
+        try:
+            await waiter.event.wait()
+        except BaseException:
+            if waiter.slot is not None:  # handed a slot as we were cancelled: give it back
+                self._give(waiter.slot)
+            else:
+                self._waiters.remove(waiter)
+            raise
+        assert waiter.slot is not None
+        return self._take(waiter.slot, owner)
+
+    def release(self, slot: Slot) -> None:
+        """Give a slot back; exactly once per acquire."""
+        if slot not in self._slots or slot._owner is _RELEASED:
+            raise StagingError(f"{slot!r} is not held from this pool (double release?)")
+        owner = slot._owner
+        slot._owner = _RELEASED
+        self._in_use -= 1
+        self._released += 1
+        if owner is not None:
+            owner._on_give()
+        self._give(slot)
+
+    def _give(self, slot: Slot) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            waiter.slot = slot
+            waiter.event.set()
+            return
+        self._free.append(slot)
+
+    def statistics(self) -> StagingStatistics:
+        return StagingStatistics(
+            slots=len(self._slots),
+            slot_bytes=self.slot_bytes,
+            in_use=self._in_use,
+            peak_in_use=self._peak,
+            waits=self._waits,
+            acquired=self._acquired,
+            released=self._released,
+            waiting=len(self._waiters),
+            pinned=self.pinned,
+        )
+
+    def reset_peak(self) -> None:
+        """Start a new peak measurement from the current use."""
+        self._peak = self._in_use
+
+
+class StagingAccount:
+    """One request's draw on a :class:`StagingPool`; its peak is the request's RWS."""
+
+    def __init__(self, pool: StagingPool) -> None:
+        self.pool = pool
+        self.in_use = 0
+        self.peak_in_use = 0
+        self.acquired = 0
+
+    def _on_take(self) -> None:
+        self.in_use += 1
+        self.acquired += 1
+        self.peak_in_use = max(self.peak_in_use, self.in_use)
+
+    def _on_give(self) -> None:
+        self.in_use -= 1
+
+    async def acquire(self) -> Slot:
+        return await self.pool.acquire(self)
+
+    def acquire_nowait(self) -> Slot:
+        return self.pool.acquire_nowait(self)
+
+    def release(self, slot: Slot) -> None:
+        self.pool.release(slot)
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.peak_in_use * self.pool.slot_bytes
+
+
+class _Released:
+    pass
+
+
+_RELEASED: StagingAccount | None = _Released()  # type: ignore[assignment]

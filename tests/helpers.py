@@ -1,0 +1,78 @@
+"""Shared test helpers: small layouts, filled source caches, engines over real tiers.
+
+Import with ``from helpers import ...`` (``tests/`` is on pytest's ``pythonpath``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import bsr
+
+
+def two_group_layout(chunk_tokens: int = 32) -> bsr.StateLayout:
+    """Full-attention KV plus a sliding-window group; every group chunk is 4 KiB aligned."""
+    return bsr.StateLayout(
+        chunk_tokens=chunk_tokens,
+        groups=(
+            bsr.StateGroup("kv", num_layers=2, token_bytes=256),
+            bsr.StateGroup("swa", num_layers=1, token_bytes=128, window_tokens=chunk_tokens + 8),
+        ),
+    )
+
+
+def filled_cache(
+    layout: bsr.StateLayout, num_blocks: int, block_tokens: int, seed: int = 0
+) -> bsr.PagedKVCache:
+    cache = bsr.PagedKVCache(layout, num_blocks, block_tokens)
+    gen = torch.Generator().manual_seed(seed)
+    for g in layout.groups:
+        t = cache.tensor(g.name)
+        t.copy_(torch.randint(0, 256, t.shape, generator=gen, dtype=torch.uint8))
+    return cache
+
+
+def shuffled_blocks(num_blocks: int, n: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randperm(num_blocks, generator=gen)[:n]
+
+
+def blocks_equal(
+    layout: bsr.StateLayout,
+    src: bsr.PagedKVCache,
+    src_ids: torch.Tensor,
+    dst: bsr.PagedKVCache,
+    dst_ids: torch.Tensor,
+    prefix_chunks: int,
+) -> bool:
+    """Whether every block a prefix needs (per group, window-aware) matches."""
+    bpc = layout.chunk_tokens // src.block_tokens
+    for g in layout.groups:
+        for c in layout.needed_chunks(g.name, prefix_chunks):
+            a = src.tensor(g.name)[:, src_ids[c * bpc : (c + 1) * bpc]]
+            b = dst.tensor(g.name)[:, dst_ids[c * bpc : (c + 1) * bpc]]
+            if not torch.equal(a, b):
+                return False
+    return True
+
+
+def tokens_for(n_tokens: int, seed: int = 1) -> list[int]:
+    """Deterministic pseudo-random token ids."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 50_000, (n_tokens,), generator=gen).tolist()
+
+
+def make_engine(
+    layout: bsr.StateLayout,
+    tiers: list[bsr.Tier],
+    *,
+    window: int = 2,
+    io_depth: int = 2,
+    model_id: str = "test-model",
+    **kw: Any,
+) -> bsr.RestoreEngine:
+    """An engine with a small window over ``tiers`` (extra options pass through)."""
+    kw.setdefault("namespace", bsr.Namespace(model_id))
+    return bsr.RestoreEngine(layout, tiers, window=window, io_depth=io_depth, **kw)

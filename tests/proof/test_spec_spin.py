@@ -1,0 +1,488 @@
+"""The Promela model spec/bsr.pml: verified by spin, and kept in step with the lifecycle table.
+
+(a) exhaustive spin runs (safety, invalid end states, no infinite executions);
+(b) the states and (source, trigger, dest) transitions of the model agree with
+    spec/request_lifecycle.json, statically and by reachability under spin;
+(c) deliberate mutations of the model are caught, so a green run means something.
+
+The spin tests skip when spin (or a C compiler) is not on PATH, except under CI=true, where
+they fail: CI must run them.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = ROOT / "spec" / "bsr.pml"
+TABLE = ROOT / "spec" / "request_lifecycle.json"
+
+# Table transitions the model deliberately leaves out, each with the reason. Empty: the model
+# exercises every transition of the table, including the opt-in `truncate` policy (init picks
+# the policy nondeterministically). Add an entry here, with a reason, before dropping one.
+NOT_MODELLED: dict[tuple[str, str, str], str] = {}
+
+Triple = tuple[str, str, str]
+
+SPIN_TIMEOUT_S = 60.0
+CC_TIMEOUT_S = 120.0
+PAN_TIMEOUT_S = 120.0
+
+
+# ---------------------------------------------------------------------------------------------
+# tools
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() == "true"
+
+
+@dataclass(frozen=True)
+class Tools:
+    spin: str
+    cc: str
+
+
+@functools.cache
+def _find_tools() -> Tools | None:
+    spin = shutil.which("spin")
+    cc = shutil.which("gcc") or shutil.which("cc")
+    return None if spin is None or cc is None else Tools(spin=spin, cc=cc)
+
+
+def _tools() -> Tools:
+    """spin and a C compiler, or skip the test; under CI=true, fail it instead of skipping."""
+    found = _find_tools()
+    if found is None:
+        msg = (
+            "spin or gcc/cc not on PATH: the Promela model spec/bsr.pml cannot be verified "
+            "(install spin, e.g. `apt-get install spin`, and a C compiler)"
+        )
+        if _in_ci():
+            pytest.fail(f"CI=true, so this is a failure, not a skip: {msg}")
+        pytest.skip(msg)
+    return found
+
+
+@dataclass(frozen=True)
+class PanRun:
+    output: str
+    seconds: float
+
+    @property
+    def errors(self) -> int:
+        m = re.search(r"errors: (\d+)", self.output)
+        assert m is not None, f"no 'errors:' line in pan output:\n{self.output}"
+        return int(m.group(1))
+
+    def stat(self, name: str) -> int:
+        m = re.search(rf"(\d+) {name}", self.output)
+        assert m is not None, f"no '{name}' in pan output"
+        return int(m.group(1))
+
+    @property
+    def depth(self) -> int:
+        m = re.search(r"depth reached (\d+)", self.output)
+        assert m is not None, "no depth in pan output"
+        return int(m.group(1))
+
+
+def _run(argv: Sequence[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+    try:
+        return subprocess.run(
+            list(argv), cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False
+        )
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{' '.join(argv)} ran over {timeout:.0f} s: {exc}")
+
+
+def _build_pan(tools: Tools, model_text: str, workdir: Path, cflags: Sequence[str]) -> Path:
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "bsr.pml").write_text(model_text)
+    gen = _run([tools.spin, "-a", "bsr.pml"], workdir, SPIN_TIMEOUT_S)
+    assert gen.returncode == 0 and (workdir / "pan.c").exists(), (
+        f"spin -a failed:\n{gen.stdout}\n{gen.stderr}"
+    )
+    # -w: pan.c trips gcc's -Wstringop-overflow on array indexing; harmless.
+    cc = _run([tools.cc, "-w", *cflags, "-o", "pan", "pan.c"], workdir, CC_TIMEOUT_S)
+    assert cc.returncode == 0, f"compiling pan.c failed:\n{cc.stdout}\n{cc.stderr}"
+    return workdir / "pan"
+
+
+def _pan(
+    tools: Tools,
+    model_text: str,
+    workdir: Path,
+    cflags: Sequence[str],
+    args: Sequence[str] = (),
+) -> PanRun:
+    pan = _build_pan(tools, model_text, workdir, cflags)
+    start = time.monotonic()
+    proc = _run([str(pan), *args], workdir, PAN_TIMEOUT_S)
+    return PanRun(output=proc.stdout + proc.stderr, seconds=time.monotonic() - start)
+
+
+def _model_text() -> str:
+    return MODEL.read_text()
+
+
+# ---------------------------------------------------------------------------------------------
+# (a) exhaustive verification
+
+# -O1: at this model size pan searches as fast as with -O2 and compiles in half the time.
+VERIFY_MODES: dict[str, tuple[list[str], list[str]]] = {
+    # assertions (invariants 1-4) and invalid end states, no cycle machinery
+    "safety": (["-O1", "-DSAFETY"], []),
+    # the full (non-SAFETY) verifier: assertions and invalid end states (deadlock)
+    "full": (["-O1"], []),
+    # non-progress cycles with no progress label: any cycle at all is reported, so errors: 0
+    # means every execution is finite, i.e. every request terminates (invariant 5)
+    "termination": (["-O1", "-DNP"], ["-l"]),
+}
+
+
+@pytest.mark.parametrize("mode", list(VERIFY_MODES))
+def test_model_verifies_exhaustively(tmp_path: Path, mode: str) -> None:
+    tools = _tools()
+    cflags, args = VERIFY_MODES[mode]
+    run = _pan(tools, _model_text(), tmp_path, cflags, args)
+    out = run.output
+    assert "Full statespace search" in out, out
+    assert "Search not completed" not in out, out
+    assert not re.search(r"pan:\d+: ", out), f"pan reported a violation:\n{out}"
+    assert run.errors == 0, out
+    assert "invalid end state (" not in out, out
+    if mode == "termination":
+        assert re.search(r"non-progress cycles\s+\+", out), out
+    else:
+        # end-state checking was on (a never claim would switch it off)
+        assert re.search(r"invalid end states\s+\+", out), out
+        assert re.search(r"assertion violations\s+\+", out), out
+    if mode == "safety":
+        # every statement of the model is reachable (the observer's loop never exits)
+        unreached = [
+            line
+            for line in out.splitlines()
+            if re.match(r"\s*bsr\.pml:\d+, state \d+,", line) and '"-end-"' not in line
+        ]
+        assert not unreached, "unreached code in the model:\n" + "\n".join(unreached)
+    print(
+        f"\nspin {mode}: {run.stat('states, stored')} states stored, depth {run.depth}, "
+        f"pan {run.seconds:.2f} s"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# (b) the model and the table agree
+
+
+def _strip_comments(text: str) -> str:
+    text = re.sub(r"/\*.*?\*/", " ", text, flags=re.S)
+    return re.sub(r"//[^\n]*", " ", text)
+
+
+@dataclass(frozen=True)
+class Inline:
+    name: str
+    params: tuple[str, ...]
+    body: str
+    start: int  # offset of `inline` in the comment-free text
+    end: int  # offset just past the closing brace
+
+
+def _inlines(code: str) -> Iterator[Inline]:
+    for m in re.finditer(r"\binline\s+(\w+)\s*\(([^)]*)\)\s*\{", code):
+        depth, i = 1, m.end()
+        while depth:
+            assert i < len(code), f"unbalanced braces in inline {m.group(1)}"
+            depth += {"{": 1, "}": -1}.get(code[i], 0)
+            i += 1
+        params = tuple(p.strip() for p in m.group(2).split(",") if p.strip())
+        yield Inline(m.group(1), params, code[m.end() : i - 1], m.start(), i)
+
+
+def _mtypes(code: str) -> set[str]:
+    names: set[str] = set()
+    for body in re.findall(r"\bmtype\s*(?::\s*\w+\s*)?=\s*\{([^}]*)\}", code):
+        names.update(n.strip() for n in body.split(",") if n.strip())
+    return names
+
+
+def _table() -> dict[str, object]:
+    data: dict[str, object] = json.loads(TABLE.read_text())
+    return data
+
+
+def _table_states() -> list[str]:
+    states = _table()["states"]
+    assert isinstance(states, list)
+    return [str(s["name"]) for s in states]
+
+
+def _table_triples() -> set[Triple]:
+    transitions = _table()["transitions"]
+    assert isinstance(transitions, list)
+    triples: set[Triple] = set()
+    for t in transitions:
+        sources = t["source"] if isinstance(t["source"], list) else [t["source"]]
+        triples.update((str(s), str(t["trigger"]), str(t["dest"])) for s in sources)
+    return triples
+
+
+def _table_triggers() -> set[str]:
+    return {trigger for _, trigger, _ in _table_triples()}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    code: str  # comment-free model text
+    mtypes: set[str]
+    initial: str
+    triggers: dict[str, Inline]
+    triples: set[Triple]
+
+
+STATE_ASSIGN = re.compile(r"\bstate\s*\[[^\]]*\]\s*=(?!=)\s*(\w+)")
+STATE_TEST = re.compile(r"\bstate\s*\[[^\]]*\]\s*==\s*(\w+)\b(?!\s*\[)")
+
+
+def _parse_model(text: str) -> ModelSpec:
+    code = _strip_comments(text)
+    decl = re.search(r"\bmtype\s+state\s*\[\s*\w+\s*\]\s*=\s*(\w+)\s*;", code)
+    assert decl is not None, "the model must declare `mtype state[NR] = <initial>;`"
+    triggers: dict[str, Inline] = {}
+    triples: set[Triple] = set()
+    for inl in _inlines(code):
+        dests = STATE_ASSIGN.findall(inl.body)
+        if not dests:
+            continue
+        assert len(dests) == 1, f"inline {inl.name} changes state[] more than once: {dests}"
+        first = re.match(r"\s*assert\s*\((.*?)\)\s*;", inl.body, flags=re.S)
+        assert first is not None, f"inline {inl.name} must start with assert(state[r] == ...)"
+        sources = STATE_TEST.findall(first.group(1))
+        assert sources, f"inline {inl.name}: its first assert names no source state"
+        triggers[inl.name] = inl
+        triples.update((src, inl.name, dests[0]) for src in sources)
+    return ModelSpec(code, _mtypes(code), decl.group(1), triggers, triples)
+
+
+def test_model_states_and_transitions_match_table() -> None:
+    model = _parse_model(_model_text())
+    table_states = _table_states()
+    table_triples = _table_triples()
+
+    # the request states are the table's states, under the same names
+    missing_states = set(table_states) - model.mtypes
+    assert not missing_states, f"states of the table missing from the model: {missing_states}"
+    used = set(STATE_TEST.findall(model.code)) | set(STATE_ASSIGN.findall(model.code))
+    assert used <= set(table_states), f"state values not in the table: {used - set(table_states)}"
+    assert model.initial == _table()["initial"]
+
+    # state[] changes only inside the inlines named after the triggers
+    assert set(model.triggers) <= _table_triggers(), (
+        f"inlines that change state[] but are no trigger of the table: "
+        f"{set(model.triggers) - _table_triggers()}"
+    )
+    outside = model.code
+    for inl in sorted(model.triggers.values(), key=lambda i: i.start, reverse=True):
+        outside = outside[: inl.start] + outside[inl.end :]
+    outside = re.sub(r"\bmtype\s+state\s*\[\s*\w+\s*\]\s*=\s*\w+\s*;", " ", outside)
+    stray = STATE_ASSIGN.findall(outside)
+    assert not stray, f"state[] assigned outside the trigger inlines: {stray}"
+
+    # every trigger inline is used by the model
+    for name in model.triggers:
+        assert re.search(rf"\b{name}\s*\(", outside), f"trigger inline {name} is never called"
+
+    # (source, trigger, dest): every model transition is in the table, every table transition
+    # is in the model unless explicitly allow-listed
+    assert model.triples <= table_triples, (
+        f"model transitions not in the table: {sorted(model.triples - table_triples)}"
+    )
+    assert set(NOT_MODELLED) <= table_triples, "NOT_MODELLED names transitions not in the table"
+    assert not (set(NOT_MODELLED) & model.triples), "NOT_MODELLED lists modelled transitions"
+    uncovered = table_triples - model.triples - set(NOT_MODELLED)
+    assert not uncovered, f"table transitions the model does not have: {sorted(uncovered)}"
+
+
+def test_model_is_big_enough_to_mean_something() -> None:
+    """2 ranks, 2 groups, 3 chunks, a window of 2 chunk slots that the reader can fill."""
+    code = _strip_comments(_model_text())
+    sizes = {k: int(v) for k, v in re.findall(r"#define\s+(NR|NG|NC|W)\s+(\d+)\b", code)}
+    assert sizes.keys() == {"NR", "NG", "NC", "W"}, sizes
+    assert sizes["NR"] >= 2 and sizes["NG"] >= 2 and sizes["NC"] >= 3, sizes
+    assert 1 <= sizes["W"] < sizes["NC"], "the window must be able to fill up"
+
+
+def test_model_reasons_are_table_reasons() -> None:
+    model = _parse_model(_model_text())
+    reasons = _table()["reasons"]
+    assert isinstance(reasons, list)
+    table_reasons = {str(r["name"]) for r in reasons}
+    # lower-case mtype names are reasons; states are CamelCase, messages UPPER_CASE
+    model_reasons = {name for name in model.mtypes if name.islower()}
+    assert model_reasons, "the model declares no reasons"
+    assert model_reasons <= table_reasons, f"unknown reasons: {model_reasons - table_reasons}"
+    assert "empty_prefix" in model_reasons  # a zero-length probe commits 0 tokens
+
+
+def _reach_var(triple: Triple) -> str:
+    src, trigger, _ = triple
+    return f"reach_{trigger}_{src}"
+
+
+def _instrument_for_reachability(text: str, triples: set[Triple]) -> str:
+    """Set a bit for each (source, trigger) as the trigger fires; one never claim per bit."""
+    model = _parse_model(text)
+    out = text
+    # work on the original text: find each trigger inline's opening brace there
+    for name, inl in model.triggers.items():
+        r = inl.params[0]
+        branches = "".join(
+            f"  :: state[{r}] == {src} -> {_reach_var((src, trig, dst))} = 1\n"
+            for src, trig, dst in sorted(triples)
+            if trig == name
+        )
+        probe = f"\n  if\n{branches}  :: else -> skip\n  fi;\n"
+        head = re.search(rf"\binline\s+{name}\s*\([^)]*\)\s*\{{", out)
+        assert head is not None
+        out = out[: head.end()] + probe + out[head.end() :]
+    decls = "".join(f"bit {_reach_var(t)};\n" for t in sorted(triples))
+    claims = "".join(f"ltl p_{_reach_var(t)} {{ [] !{_reach_var(t)} }}\n" for t in sorted(triples))
+    return decls + out + "\n" + claims
+
+
+def test_every_modelled_transition_is_reachable(tmp_path: Path) -> None:
+    """Exhaustively, not just textually: spin finds a run firing each (source, trigger)."""
+    tools = _tools()
+    model = _parse_model(_model_text())
+    triples = model.triples
+    text = _instrument_for_reachability(_model_text(), triples)
+    pan = _build_pan(tools, text, tmp_path, ["-O0", "-DSAFETY"])
+    unreachable: list[Triple] = []
+    for triple in sorted(triples):
+        proc = _run([str(pan), "-N", f"p_{_reach_var(triple)}"], tmp_path, PAN_TIMEOUT_S)
+        out = proc.stdout + proc.stderr
+        hit = re.search(rf"pan:1: assertion violated .*\b{_reach_var(triple)}\b", out)
+        if not hit:
+            assert "errors: 0" in out, f"unexpected pan output for {triple}:\n{out}"
+            unreachable.append(triple)
+    assert not unreachable, f"transitions no run of the model takes: {unreachable}"
+
+
+# ---------------------------------------------------------------------------------------------
+# (c) the check can fail
+
+
+@dataclass(frozen=True)
+class Mutation:
+    edits: tuple[tuple[str, str], ...]  # (exact text, replacement), each text unique
+    expect: str  # regex the first violation pan reports must match
+    doc: str
+
+
+I1 = r"assertion violated \(\(\(\(j/2\)%3\)>=\w+\)\|\|\(inst\[j\]&&ver\[j\]\)\)"  # commit/reader
+I1_OBSERVER = I1.replace(r"\w+", "pub")  # the reader process
+I2 = r"assertion violated .*committed\["  # end of run: one outcome, the agreed prefix or 0
+I2_BLOCKS = r"assertion violated \(inst\[j\]=="  # end of run: exactly the committed blocks valid
+I3 = r"assertion violated \(slots\[r\]<=2\)"
+I4 = r"assertion violated \(\(slots\[r\]==0\)&&\(q_len\(staged\[r\]\)==0\)\)"
+DEADLOCK = r"invalid end state"
+
+VOTE = "  agree_all(R_VOTE, (state[r] == Installed && !sync_failed), best);\n"
+OWN_VOTE = "  best = ((state[r] == Installed && !sync_failed) -> 1 : 0);\n"
+COMMIT_CHECK = "  assert_prefix_installed(n);         /* nothing partial becomes reusable */\n"
+END_CHECKS = "nfinished == NR;"
+
+MUTATIONS: dict[str, Mutation] = {
+    "commit_without_agree_all": Mutation(
+        ((VOTE, OWN_VOTE),),
+        f"{I1}|{I2}",
+        "an installed rank commits on its own vote, without agree_all",
+    ),
+    "observer_sees_early_commit": Mutation(
+        ((VOTE, OWN_VOTE), (COMMIT_CHECK, ""), (END_CHECKS, "end0: false;")),
+        I1_OBSERVER,
+        "same, with the commit-time and end-of-run checks removed: the reader process alone "
+        "catches the exposed prefix",
+    ),
+    "agree_all_ignores_votes": Mutation(
+        (("  collective(rd, res, res)\n", "  collective(rd, 1, res)\n"),),
+        f"{I1}|{I2}",
+        "agree_all answers yes whatever the votes",
+    ),
+    "timed_out_vote_still_counts": Mutation(
+        (("failed[rd] = true; done[rd] = true; res = FAILED }", "res = FAILED }"),),
+        f"{I1}|{I2}",
+        "a rank that timed out in a collective leaves its value in the round, so a later rank "
+        "completes the round with it (the time-out does not fail the round for everyone)",
+    ),
+    "own_probe_instead_of_agreed_min": Mutation(
+        (("target = m; probe_hit(r)", "target = NC; probe_hit(r)"),),
+        I2,
+        "a rank restores the prefix it probed instead of the agreed MIN",
+    ),
+    "forward_unverified_chunk": Mutation(
+        ((":: g == NG -> staged[r] ! STAGED, c;", ":: g > 0 -> staged[r] ! STAGED, c;"),),
+        I1,
+        "the reader hands over a chunk when only some of its groups were read and verified",
+    ),
+    "truncate_keeps_blocks_past_prefix": Mutation(
+        (("       drop_from(r, m);                       /* never a partial chunk */\n", ""),),
+        I2_BLOCKS,
+        "truncate leaves the blocks past the agreed prefix valid",
+    ),
+    "window_overrun": Mutation(
+        (("slots[r] < W) ->", "slots[r] <= W) ->"),),
+        I3,
+        "the reader takes a slot when all W are in use",
+    ),
+    "leak_slot_on_failed_read": Mutation(
+        (("slots[r]--;                                   /* give the slot back */", ""),),
+        I4,
+        "a failed read keeps its staging slot",
+    ),
+    "deadline_without_drain": Mutation(
+        (("late = true; cancel[r] = true }", "late = true; cancel[r] = true; break }"),),
+        I4,
+        "on deadline the request stops without draining the staged chunks",
+    ),
+    "reader_ignores_cancel": Mutation(
+        (("(c == n || cancel[r])", "(c == n)"),),
+        DEADLOCK,
+        "a cancelled reader never ends its stream: the request waits forever",
+    ),
+}
+
+
+def _mutate(text: str, mutation: Mutation) -> str:
+    for old, new in mutation.edits:
+        count = text.count(old)
+        assert count == 1, f"mutation anchor found {count} times (model changed?): {old!r}"
+        text = text.replace(old, new)
+    return text
+
+
+@pytest.mark.parametrize("name", list(MUTATIONS))
+def test_mutation_is_caught(tmp_path: Path, name: str) -> None:
+    tools = _tools()
+    mutation = MUTATIONS[name]
+    # -O0: the compile dominates, and pan stops at the first violation
+    run = _pan(tools, _mutate(_model_text(), mutation), tmp_path, ["-O0", "-DSAFETY"])
+    assert run.errors >= 1, f"{name} ({mutation.doc}) was not caught:\n{run.output}"
+    first = re.search(r"pan:1: (.*)", run.output)
+    assert first is not None, run.output
+    assert re.search(mutation.expect, first.group(1)), (
+        f"{name}: expected /{mutation.expect}/, pan reported: {first.group(1)}"
+    )

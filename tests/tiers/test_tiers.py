@@ -1,0 +1,153 @@
+"""Tier conformance for HostTier and FileTier, plus FileTier's durability behaviour."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import anyio
+import numpy as np
+import pytest
+
+import bsr
+from bsr.core._object import HEADER_SIZE
+from bsr.testing import TierConformance, corrupt_stored, make_keys, payload
+
+
+class TestHostTierConformance(TierConformance):
+    async def make_tier(self, tmp_path: Path, capacity_bytes: int) -> bsr.Tier:
+        return bsr.HostTier(capacity_bytes)
+
+    async def corrupt_object(
+        self, tier: bsr.Tier, key: bsr.ChunkKey, group: str, offset: int
+    ) -> bool:
+        return corrupt_stored(tier, key, group, offset)
+
+
+class TestFileTierConformance(TierConformance):
+    async def make_tier(self, tmp_path: Path, capacity_bytes: int) -> bsr.Tier:
+        return bsr.FileTier(tmp_path / "l2", capacity_bytes, reader="posix")
+
+    async def reopen_tier(self, tier: bsr.Tier, tmp_path: Path) -> bsr.Tier | None:
+        return bsr.FileTier(tmp_path / "l2", self.capacity_bytes, reader="posix")
+
+    async def corrupt_object(
+        self, tier: bsr.Tier, key: bsr.ChunkKey, group: str, offset: int
+    ) -> bool:
+        return corrupt_stored(tier, key, group, offset)
+
+
+class TestFileTierDirectIO(TestFileTierConformance):
+    """The same suite with O_DIRECT requested (falls back where the filesystem refuses it)."""
+
+    async def make_tier(self, tmp_path: Path, capacity_bytes: int) -> bsr.Tier:
+        return bsr.FileTier(tmp_path / "l2", capacity_bytes, reader="posix", direct_io=True)
+
+
+def test_leftover_temp_file_is_never_visible_and_is_removed(tmp_path: Path) -> None:
+    keys = make_keys(2)
+
+    async def main() -> None:
+        async with bsr.FileTier(tmp_path, 1 << 26) as tier:
+            await tier.write(keys[0], "kv", payload(0))
+            # a crashed writer leaves a temp file holding a complete-looking object
+            src = tier.object_path(keys[0], "kv")
+            oid = bsr.ObjectKey(keys[1], "kv").object_id
+            dead_pid = 2**22 + 12345
+            tmp = tmp_path / "tmp" / f"{oid}.{dead_pid}.abcdef.tmp"
+            tmp.write_bytes(src.read_bytes())
+        async with bsr.FileTier(tmp_path, 1 << 26) as again:
+            assert await again.contains_many([bsr.ObjectKey(keys[1], "kv")]) == [False]
+            assert await again.contains_many([bsr.ObjectKey(keys[0], "kv")]) == [True]
+            assert not tmp.exists()
+
+    anyio.run(main)
+
+
+def test_reopen_quarantines_truncated_files(tmp_path: Path) -> None:
+    keys = make_keys(2)
+
+    async def main() -> None:
+        async with bsr.FileTier(tmp_path, 1 << 26) as tier:
+            for i, k in enumerate(keys):
+                await tier.write(k, "kv", payload(i))
+            victim = tier.object_path(keys[0], "kv")
+        os.truncate(victim, HEADER_SIZE + 10)
+        async with bsr.FileTier(tmp_path, 1 << 26) as again:
+            present = await again.contains_many([bsr.ObjectKey(k, "kv") for k in keys])
+            assert present == [False, True]
+            assert again.statistics().quarantined == 1
+            assert any((tmp_path / "quarantine").iterdir())
+            assert again.statistics().objects == 1
+
+    anyio.run(main)
+
+
+def test_reopen_restores_lru_order_and_capacity(tmp_path: Path) -> None:
+    keys = make_keys(4)
+    per = PAYLOAD = len(payload(0)) + HEADER_SIZE
+
+    async def main() -> None:
+        async with bsr.FileTier(tmp_path, 10 * per) as tier:
+            for i, k in enumerate(keys[:3]):
+                await tier.write(k, "kv", payload(i))
+                os.utime(tier.object_path(k, "kv"), (1000 + i, 1000 + i))
+        async with bsr.FileTier(tmp_path, 3 * PAYLOAD) as again:
+            await again.write(keys[3], "kv", payload(3))  # evicts the oldest (keys[0])
+            present = await again.contains_many([bsr.ObjectKey(k, "kv") for k in keys])
+            assert present == [False, True, True, True]
+
+    anyio.run(main)
+
+
+def test_file_names_derive_only_from_hex_digests(tmp_path: Path) -> None:
+    keys = make_keys(1)
+
+    async def main() -> None:
+        async with bsr.FileTier(tmp_path, 1 << 26) as tier:
+            await tier.write(keys[0], "weird group/../name", payload(0, 4096))
+            files = [p for p in (tmp_path / "objects").rglob("*") if p.is_file()]
+            assert len(files) == 1
+            stem = files[0].name.removesuffix(".bsr")
+            assert all(c in "0123456789abcdef" for c in stem) and len(stem) == 40
+
+    anyio.run(main)
+
+
+def test_unreadable_object_gives_typed_error(tmp_path: Path) -> None:
+    if os.geteuid() == 0:
+        # root ignores permissions: make the path a directory instead, which read() refuses
+        pass
+    keys = make_keys(1)
+
+    async def main() -> None:
+        async with bsr.FileTier(tmp_path, 1 << 26) as tier:
+            await tier.write(keys[0], "kv", payload(0))
+            path = tier.object_path(keys[0], "kv")
+            path.unlink()
+            path.mkdir()
+            with pytest.raises(bsr.TierIOError):
+                await tier.read_into(keys[0], "kv", np.zeros(len(payload(0)), dtype=np.uint8))
+
+    anyio.run(main)
+
+
+def test_vanished_file_is_a_miss(tmp_path: Path) -> None:
+    keys = make_keys(1)
+
+    async def main() -> None:
+        async with bsr.FileTier(tmp_path, 1 << 26) as tier:
+            await tier.write(keys[0], "kv", payload(0))
+            tier.object_path(keys[0], "kv").unlink()
+            with pytest.raises(bsr.ObjectNotFoundError):
+                await tier.read_into(keys[0], "kv", np.zeros(len(payload(0)), dtype=np.uint8))
+            assert await tier.contains(keys[0], "kv") is False
+
+    anyio.run(main)
+
+
+def test_capacity_must_be_positive(tmp_path: Path) -> None:
+    with pytest.raises(bsr.ConfigError, match="capacity_bytes"):
+        bsr.FileTier(tmp_path, 0)
+    with pytest.raises(bsr.ConfigError, match="capacity_bytes"):
+        bsr.HostTier(-1)
