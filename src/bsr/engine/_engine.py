@@ -157,6 +157,22 @@ class RestoreEngine:
             health=self.health,
         )
 
+    @classmethod
+    def from_config(
+        cls,
+        config: Any,
+        *,
+        layout: StateLayout,
+        namespace: Namespace | None = None,
+        coordinator: Coordinator | None = None,
+    ) -> RestoreEngine:
+        """Build an engine and its tiers from a :class:`~bsr.EngineConfig` (see there)."""
+        from ._config import engine_from_config
+
+        return engine_from_config(
+            config, layout=layout, namespace=namespace, coordinator=coordinator
+        )
+
     # ------------------------------------------------------------------ lifecycle
     async def __aenter__(self) -> RestoreEngine:
         await self.open()
