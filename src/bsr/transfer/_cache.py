@@ -1,22 +1,32 @@
 """PagedKVCache: the destination of a restore, a paged cache in the style of vLLM.
 
-Each state group owns one tensor of shape ``[num_layers, num_blocks, block_tokens, token_bytes]``
-(uint8 storage; :meth:`PagedKVCache.typed` gives a view in the group's dtype). A request's block
+Where it runs: the serving process, over CPU or CUDA tensors; no I/O.
+
+How it works: each state group is either one *stacked* tensor of shape
+``[num_layers, num_blocks, block_tokens, token_bytes]`` (uint8 storage; :meth:`PagedKVCache.typed`
+gives a view in the group's dtype), or, built with :meth:`PagedKVCache.from_layer_tensors`, one
+no-copy uint8 view ``[num_blocks, block_tokens, token_bytes]`` per layer over a serving engine's
+own per-layer tensors (any dtype and shape whose bytes per block are contiguous, such as vLLM's
+``[num_blocks, 2, block_size, heads * head_dim]``). Only whole blocks are moved, so the bytes of a
+block are opaque: a "token row" of such a view need not hold one token's values. A request's block
 table (``block_ids``) maps its token positions to blocks: token ``t`` lives in block
 ``block_ids[t // block_tokens]`` at row ``t % block_tokens``. A chunk of ``chunk_tokens`` tokens
 therefore spans ``chunk_tokens // block_tokens`` blocks, which need not be contiguous.
 
 :func:`gather_chunk` and :func:`install_chunk` move one chunk of one group between the cache and
-a flat ``[num_layers, chunk_tokens, token_bytes]`` buffer (a staging slot region).
+a flat ``[num_layers, chunk_tokens, token_bytes]`` buffer (a staging slot region): one indexed
+copy over the stacked tensor, or one per layer over per-layer views.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
+from .._check import positive_int
 from .._errors import BlockTableError, ConfigError, LayoutError
 from ..core._layout import StateLayout
 
@@ -56,8 +66,11 @@ class PagedKVCache:
         self.block_tokens = block_tokens
         self.device = torch.device(device)
         self._tensors: dict[str, torch.Tensor] = {}
+        self._layers: dict[str, tuple[torch.Tensor, ...]] = {}
         for g in layout.groups:
             shape = (g.num_layers, num_blocks, block_tokens, g.token_bytes)
+            if tensors is _NO_TENSORS:
+                continue  # from_layer_tensors sets the per-layer views
             if tensors is not None:
                 t = tensors.get(g.name)
                 if t is None:
@@ -72,30 +85,120 @@ class PagedKVCache:
             else:
                 self._tensors[g.name] = torch.zeros(shape, dtype=torch.uint8, device=self.device)
 
+    @classmethod
+    def from_layer_tensors(
+        cls,
+        layout: StateLayout,
+        layers: Mapping[str, Sequence[torch.Tensor]],
+        block_tokens: int,
+    ) -> PagedKVCache:
+        """A cache viewing an engine's own per-layer tensors, with no copy.
+
+        Args:
+            layout: the state layout; group ``g`` has ``g.num_layers`` entries in ``layers[g]``.
+            layers: per group, one tensor per layer. Each is any dtype and shape whose first
+                dimension is the block index and whose bytes per block are contiguous, e.g.
+                vLLM's ``[num_blocks, 2, block_size, kv_heads * head_dim]`` bfloat16; its bytes
+                per block must equal ``block_tokens * token_bytes`` of the group. Every tensor has
+                the same number of blocks and lives on the same device.
+            block_tokens: tokens per block.
+
+        Raises:
+            LayoutError: a group is missing, a layer count, block size or device differs, or a
+                tensor's block bytes are not contiguous (split such a tensor into parts that are,
+                e.g. the K and V halves of a ``[2, num_blocks, ...]`` tensor, and count each part
+                as a layer).
+        """
+        positive_int(block_tokens, "block_tokens")
+        if not isinstance(layout, StateLayout):
+            raise ConfigError(f"layout must be a StateLayout, got {type(layout).__name__}")
+        views: dict[str, tuple[torch.Tensor, ...]] = {}
+        num_blocks: int | None = None
+        device: torch.device | None = None
+        for g in layout.groups:
+            ts = layers.get(g.name)
+            if ts is None:
+                raise LayoutError(f"layers lacks group {g.name!r}", group=g.name)
+            ts = list(ts)
+            if len(ts) != g.num_layers:
+                raise LayoutError(
+                    f"group {g.name!r} has num_layers={g.num_layers} but {len(ts)} tensors were "
+                    "given; pass one tensor per layer",
+                    group=g.name,
+                )
+            out = []
+            for i, t in enumerate(ts):
+                v = _block_view(t, block_tokens, g.token_bytes, f"{g.name}[{i}]")
+                if num_blocks is None:
+                    num_blocks, device = v.shape[0], v.device
+                elif v.shape[0] != num_blocks or v.device != device:
+                    raise LayoutError(
+                        f"tensor {g.name}[{i}] has {v.shape[0]} blocks on {v.device}, the first "
+                        f"has {num_blocks} on {device}; every layer must share blocks and device",
+                        group=g.name,
+                    )
+                out.append(v)
+            views[g.name] = tuple(out)
+        assert num_blocks is not None and device is not None
+        cache = cls.__new__(cls)
+        cls.__init__(cache, layout, num_blocks, block_tokens, device, tensors=_NO_TENSORS)
+        cache._layers = views
+        return cache
+
     @property
     def blocks_per_chunk(self) -> int:
         return self.layout.chunk_tokens // self.block_tokens
 
+    @property
+    def per_layer(self) -> bool:
+        """Whether this cache views per-layer tensors (:meth:`from_layer_tensors`)."""
+        return bool(self._layers)
+
     def tensor(self, group: str) -> torch.Tensor:
-        """The uint8 tensor ``[num_layers, num_blocks, block_tokens, token_bytes]`` of a group."""
+        """The uint8 tensor ``[num_layers, num_blocks, block_tokens, token_bytes]`` of a group.
+
+        Raises:
+            LayoutError: the cache views per-layer tensors (use :meth:`layers`).
+        """
         self.layout.group(group)
+        if self._layers:
+            raise LayoutError(
+                "this cache views per-layer tensors and has no stacked tensor; "
+                "use cache.layers(group)",
+                group=group,
+            )
         return self._tensors[group]
+
+    def layers(self, group: str) -> tuple[torch.Tensor, ...]:
+        """One uint8 view ``[num_blocks, block_tokens, token_bytes]`` per layer of a group."""
+        self.layout.group(group)
+        if self._layers:
+            return self._layers[group]
+        return tuple(self._tensors[group].unbind(0))
 
     def typed(self, group: str) -> torch.Tensor:
         """A view of the group's tensor in its dtype: ``[L, blocks, block_tokens, elems]``."""
         g = self.layout.group(group)
-        return self._tensors[group].view(g.torch_dtype)
+        return self.tensor(group).view(g.torch_dtype)
 
     @property
     def nbytes(self) -> int:
+        if self._layers:
+            return sum(v.numel() for vs in self._layers.values() for v in vs)
         return sum(t.numel() for t in self._tensors.values())
 
     def block_table(self, block_ids: Any, num_tokens: int) -> torch.Tensor:
-        """Validate a block table for ``num_tokens`` tokens; return it as an int64 CPU tensor."""
+        """Validate a block table for ``num_tokens`` tokens; return it as an int64 CPU tensor.
+
+        Raises:
+            BlockTableError: not a 1-D integer sequence, too short, out of range, or a block id
+                repeated among the blocks the ``num_tokens`` tokens occupy (two chunks would
+                alias one block, so a restore would commit, or a save store, wrong bytes).
+        """
         if isinstance(block_ids, torch.Tensor):
             if block_ids.dtype.is_floating_point or block_ids.dtype == torch.bool:
                 raise BlockTableError(f"block_ids must be integers, got {block_ids.dtype}")
-            ids = block_ids.detach().to("cpu", torch.int64).reshape(-1)
+            ndim = block_ids.dim()
         else:
             try:
                 arr = np.asarray(block_ids)
@@ -103,7 +206,17 @@ class PagedKVCache:
                 raise BlockTableError("block_ids must be a sequence of ints") from None
             if arr.size and arr.dtype.kind not in "iu":
                 raise BlockTableError(f"block_ids must be integers, got dtype {arr.dtype}")
-            ids = torch.from_numpy(arr.astype(np.int64).reshape(-1))
+            ndim = arr.ndim
+        if ndim != 1:
+            raise BlockTableError(
+                f"block_ids must be one request's 1-D block table, got {ndim} dimensions; "
+                "pass block_table[i] for request i, not the batch's 2-D table",
+                ndim=ndim,
+            )
+        if isinstance(block_ids, torch.Tensor):
+            ids = block_ids.detach().to("cpu", torch.int64)
+        else:
+            ids = torch.from_numpy(arr.astype(np.int64))
         needed = -(-num_tokens // self.block_tokens)
         if len(ids) < needed:
             raise BlockTableError(
@@ -116,6 +229,15 @@ class PagedKVCache:
             raise BlockTableError(
                 f"block ids must be in [0, {self.num_blocks}), got range "
                 f"[{int(ids.min())}, {int(ids.max())}]"
+            )
+        used = ids[:needed]
+        if len(torch.unique(used)) != len(used):
+            values, counts = torch.unique(used, return_counts=True)
+            dupes = values[counts > 1].tolist()
+            raise BlockTableError(
+                f"block ids {dupes} occur more than once among the {needed} blocks of "
+                f"{num_tokens} tokens; every token position needs its own block",
+                duplicates=dupes,
             )
         return ids
 
@@ -130,6 +252,32 @@ class PagedKVCache:
                 "cache layout differs from the engine's layout; build the PagedKVCache with the "
                 "engine's StateLayout"
             )
+
+
+#: Sentinel for ``__init__``: build no tensors (``from_layer_tensors`` supplies views).
+_NO_TENSORS: dict[str, torch.Tensor] = {}
+
+
+def _block_view(t: Any, block_tokens: int, token_bytes: int, what: str) -> torch.Tensor:
+    """A uint8 ``[num_blocks, block_tokens, token_bytes]`` view sharing ``t``'s storage."""
+    if not isinstance(t, torch.Tensor) or t.dim() < 1:
+        raise LayoutError(f"tensor {what} must be a torch.Tensor with a block dimension first")
+    per_block = t[0].numel() * t.element_size() if t.shape[0] else 0
+    if per_block != block_tokens * token_bytes:
+        raise LayoutError(
+            f"tensor {what} holds {per_block} bytes per block ({t.dtype} {tuple(t.shape)}); the "
+            f"layout needs block_tokens x token_bytes = {block_tokens} x {token_bytes}",
+        )
+    if not t[0].is_contiguous():
+        raise LayoutError(
+            f"tensor {what} ({tuple(t.shape)}, strides {t.stride()}) does not keep each block's "
+            "bytes contiguous; pass parts that do (e.g. K and V halves) as separate layers",
+        )
+    flat = t.reshape(t.shape[0], -1) if t.dim() > 1 else t.reshape(t.shape[0], 1)
+    v = flat.view(torch.uint8).view(t.shape[0], block_tokens, token_bytes)
+    if v.data_ptr() != t.data_ptr():  # pragma: no cover - reshape of a contiguous block is a view
+        raise LayoutError(f"tensor {what} cannot be viewed without a copy")
+    return v
 
 
 def chunk_view(
@@ -153,12 +301,36 @@ def _wide_dtype(row: int, *tensors: torch.Tensor) -> torch.dtype:
     return torch.uint8
 
 
+def _layer_rows(layer: torch.Tensor, row: int, other: torch.Tensor) -> torch.Tensor:
+    """One layer ``[num_blocks, block_tokens, token_bytes]`` as ``[num_blocks, row]`` words.
+
+    The widest word that ``row``, both base addresses and the layer's block stride allow (the
+    block stride of an engine's tensor may be larger than ``row`` when blocks are padded).
+    """
+    rows = layer.view(layer.shape[0], row)
+    dtype = _wide_dtype(row, rows, other)
+    while dtype != torch.uint8 and rows.stride(0) % dtype.itemsize:
+        dtype = {torch.int64: torch.int32, torch.int32: torch.int16}.get(dtype, torch.uint8)
+    return rows.view(dtype)
+
+
 def gather_chunk(cache: PagedKVCache, group: str, blocks: torch.Tensor, out: torch.Tensor) -> None:
     """Copy one chunk of ``group`` from the cache blocks ``blocks`` into flat ``out``."""
     g = cache.layout.group(group)
-    src = cache.tensor(group)
     row = cache.block_tokens * g.token_bytes
     dst3 = out[: g.num_layers * len(blocks) * row].view(g.num_layers, len(blocks), row)
+    if cache.per_layer:
+        layers = cache.layers(group)
+        idx = blocks.to(layers[0].device)
+        for i, layer in enumerate(layers):
+            src2 = _layer_rows(layer, row, dst3)
+            dst2 = dst3[i].view(src2.dtype)
+            if layer.device == out.device:
+                torch.index_select(src2, 0, idx, out=dst2)
+            else:
+                dst2.copy_(torch.index_select(src2, 0, idx))
+        return
+    src = cache.tensor(group)
     idx = blocks.to(src.device)
     if not src.is_contiguous():
         dst3.copy_(torch.index_select(src, 1, idx).reshape(g.num_layers, len(blocks), row))
@@ -181,9 +353,18 @@ def install_chunk(
 ) -> None:
     """Copy one staged chunk of ``group`` (flat ``region``) into the cache blocks ``blocks``."""
     g = cache.layout.group(group)
-    dst = cache.tensor(group)
     row = cache.block_tokens * g.token_bytes
     src3 = region[: g.num_layers * len(blocks) * row].view(g.num_layers, len(blocks), row)
+    if cache.per_layer:
+        layers = cache.layers(group)
+        if src3.device != layers[0].device:
+            src3 = src3.to(layers[0].device, non_blocking=non_blocking)
+        idx = blocks.to(layers[0].device, non_blocking=non_blocking)
+        for i, layer in enumerate(layers):
+            dst2 = _layer_rows(layer, row, src3)
+            dst2.index_copy_(0, idx, src3[i].view(dst2.dtype))
+        return
+    dst = cache.tensor(group)
     if src3.device != dst.device:
         src3 = src3.to(dst.device, non_blocking=non_blocking)
     idx = blocks.to(dst.device, non_blocking=non_blocking)
