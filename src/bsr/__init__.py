@@ -48,6 +48,10 @@ from .engine._coordinator import Coordinator as Coordinator
 from .engine._coordinator import InProcessCoordinator as InProcessCoordinator
 from .engine._coordinator import InProcessGroup as InProcessGroup
 from .engine._coordinator import LocalCoordinator as LocalCoordinator
+from .engine._config import EngineConfig as EngineConfig
+from .engine._config import FileTierConfig as FileTierConfig
+from .engine._config import HostTierConfig as HostTierConfig
+from .engine._config import MooncakeTierConfig as MooncakeTierConfig
 from .engine._coordinator import TorchDistributedCoordinator as TorchDistributedCoordinator
 from .engine._engine import EngineStatistics as EngineStatistics
 from .engine._engine import RestoreEngine as RestoreEngine
@@ -76,12 +80,15 @@ __all__ = (
     "Coordinator",
     "CoordinatorError",
     "CorruptObjectError",
+    "EngineConfig",
     "EngineStatistics",
     "FORMAT_VERSION",
     "FileTier",
+    "FileTierConfig",
     "ForeignObjectError",
     "GuardRejectedError",
     "HostTier",
+    "HostTierConfig",
     "IllegalTransitionError",
     "InProcessCoordinator",
     "InProcessGroup",
@@ -89,6 +96,7 @@ __all__ = (
     "LayoutError",
     "LocalCoordinator",
     "MooncakeTier",
+    "MooncakeTierConfig",
     "Namespace",
     "ObjectError",
     "ObjectKey",

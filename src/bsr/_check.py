@@ -19,3 +19,48 @@ def positive_int(
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise error(f"{what} must be a positive int, got {value!r}", **fields)
     return value
+
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
+
+
+def byte_size(
+    value: Any, what: str, *, error: type[ConfigError] = ConfigError, **fields: Any
+) -> int:
+    """A positive byte count from an int or a string such as ``"64GiB"``, ``"500 MB"``, ``"4096"``.
+
+    Binary units (KiB, MiB, GiB, TiB) are powers of 1024, decimal ones (KB, MB, GB, TB) powers of
+    1000; case does not matter and ``_`` may group digits.
+    """
+    if isinstance(value, str):
+        import re
+
+        m = re.fullmatch(r"\s*([0-9][0-9_]*(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", value)
+        unit = m.group(2).lower() if m else ""
+        if m is None or unit not in _SIZE_UNITS:
+            raise error(
+                f"{what} must be a byte count like 4096, '64GiB' or '500MB', got {value!r}",
+                **fields,
+            )
+        number = float(m.group(1).replace("_", "")) * _SIZE_UNITS[unit]
+        if number != int(number):
+            raise error(f"{what} must be a whole number of bytes, got {value!r}", **fields)
+        value = int(number)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise error(
+            f"{what} must be a positive byte count (an int or a string like '64GiB'), "
+            f"got {value!r}",
+            **fields,
+        )
+    return value
