@@ -133,11 +133,11 @@ def test_from_env() -> None:
     assert c.tiers == (bsr.HostTierConfig(8 << 30),)
     with pytest.raises(bsr.ConfigError, match="BSR_CAMPAIGN"):
         bsr.EngineConfig.from_env(environ=env, strict=True)
-    with pytest.raises(bsr.ConfigError, match="BSR_TIERS.*JSON"):
+    with pytest.raises(bsr.ConfigError, match=r"BSR_TIERS.*JSON"):
         bsr.EngineConfig.from_env(environ={"BSR_TIERS": "host"})
     with pytest.raises(bsr.ConfigError, match="BSR_WINDOW: window"):
         bsr.EngineConfig.from_env(environ={**env, "BSR_WINDOW": "eight"})
-    with pytest.raises(bsr.ConfigError, match="BSR_TIERS: tiers\\[0\\].capacity_bytes"):
+    with pytest.raises(bsr.ConfigError, match=r"BSR_TIERS: tiers\[0\]\.capacity_bytes"):
         bsr.EngineConfig.from_env(environ={"BSR_TIERS": '[{"kind": "host", "capacity_bytes": 0}]'})
     mine = bsr.EngineConfig.from_env(
         prefix="APP_BSR_", environ={"APP_BSR_TIERS": '[{"kind": "host", "capacity_bytes": 4096}]'}
@@ -184,7 +184,7 @@ def test_engine_from_config_namespace_rules(tmp_path: Path) -> None:
         bsr.EngineConfig.from_dict(no_model), layout=layout, namespace=bsr.Namespace("x")
     )
     assert eng.namespace.model_id == "x"
-    with pytest.raises(bsr.ConfigError, match="namespace.model_id"):
+    with pytest.raises(bsr.ConfigError, match=r"namespace\.model_id"):
         bsr.RestoreEngine.from_config(
             bsr.EngineConfig.from_dict(base), layout=layout, namespace=bsr.Namespace("x")
         )
