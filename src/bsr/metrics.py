@@ -1,0 +1,264 @@
+"""Prometheus metrics for a RestoreEngine (optional extra: ``pip install bsr[metrics]``).
+
+Where it runs: the serving process, beside the engine. ``engine.statistics()`` stays the
+dependency-free source of truth; this module only exports it and the engine's results.
+
+How it works: :class:`PrometheusMetrics` does two things.
+
+- It subscribes to the engine (``engine.subscribe``): every lookup's :class:`~bsr.Probe`, every
+  :class:`~bsr.RestoreResult` and every :class:`~bsr.SaveResult` updates counters and
+  histograms right away (restores by outcome and reason, bytes by tier, latencies, fallbacks,
+  quarantines, per-request staging peak).
+- It registers a collector that reads ``engine.statistics()`` at scrape time for what is a level,
+  not an event: staging pool occupancy, tier occupancy and counters, breaker state per tier.
+  A closed (or not yet opened) engine exports no level metrics.
+
+Metric names (prefix ``bsr`` by default; one engine per registry and prefix):
+
+======================================  =======================================================
+``bsr_restores_total{outcome,reason}``  restores by ``committed``/``invalidated`` and reason
+``bsr_restored_tokens_total``           tokens committed by restores
+``bsr_restored_bytes_total{tier}``      payload bytes restores read from each tier
+``bsr_restore_fallbacks_total``         reads served by a lower tier after a higher one failed
+``bsr_restore_quarantined_total``       objects taken out of service during restores
+``bsr_restore_duration_seconds``        histogram of restore wall time, label ``outcome``
+``bsr_restore_rws_bytes``               histogram of each restore's peak staging (its RWS)
+``bsr_lookups_total{result}``           lookups by ``hit``/``miss``
+``bsr_probe_duration_seconds``          histogram of lookup wall time
+``bsr_saves_total``                     saves
+``bsr_saved_bytes_total{tier}``         payload bytes written per tier
+``bsr_save_errors_total{tier}``         write errors per tier
+``bsr_save_duration_seconds``           histogram of save wall time
+``bsr_staging_slots``                   W, and ``_in_use``, ``_peak`` (slots), ``_waiting``
+``bsr_staging_in_use_bytes``            staging bytes in use now (and ``_peak_bytes``)
+``bsr_tier_objects{tier}``              objects, ``bsr_tier_bytes``, ``bsr_tier_capacity_bytes``
+``bsr_tier_hits_total{tier}``           and ``misses``, ``evictions``, ``errors``, ``quarantined``
+``bsr_engine_quarantined_objects``      objects the engine refuses to read (until re-saved)
+``bsr_breaker_open{tier}``              1 while the tier's breaker is open, else 0
+``bsr_breaker_trips_total{tier}``       times the breaker opened
+======================================  =======================================================
+
+Example::
+
+    from prometheus_client import start_http_server
+    metrics = bsr.metrics.PrometheusMetrics(engine)
+    start_http_server(9400)  # scrape http://host:9400/metrics
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from ._errors import ClosedError, ConfigError
+from .core._lifecycle import RequestState
+from .core._results import Probe, RestoreResult, SaveResult
+
+if TYPE_CHECKING:
+    from .engine._engine import RestoreEngine
+
+try:
+    import prometheus_client
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    from prometheus_client.registry import Collector
+except ModuleNotFoundError as exc:  # pragma: no cover - exercised only without the extra
+    raise ModuleNotFoundError(
+        "bsr.metrics needs prometheus_client; install the extra: pip install 'bsr[metrics]'",
+        name=exc.name,
+    ) from exc
+
+__all__ = ("LATENCY_BUCKETS", "RWS_BUCKETS", "PrometheusMetrics")
+
+#: seconds; probes are sub-millisecond, restores of large states take seconds
+LATENCY_BUCKETS: tuple[float, ...] = (
+    0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+#: bytes; powers of four from 64 KiB to 16 GiB
+RWS_BUCKETS: tuple[float, ...] = tuple(float(1 << (16 + 2 * i)) for i in range(10))
+
+
+class PrometheusMetrics:
+    """Export one engine's results and statistics to a Prometheus registry.
+
+    Args:
+        engine: the engine to observe (open or not yet open).
+        registry: where to register (default: ``prometheus_client.REGISTRY``, what
+            ``start_http_server`` serves). Use one registry or one prefix per engine.
+        prefix: metric name prefix.
+        latency_buckets: histogram buckets (seconds) for probe, restore and save times.
+        rws_buckets: histogram buckets (bytes) for each restore's staging peak.
+
+    Call :meth:`close` to unsubscribe and unregister every metric.
+    """
+
+    def __init__(
+        self,
+        engine: RestoreEngine,
+        registry: prometheus_client.CollectorRegistry | None = None,
+        prefix: str = "bsr",
+        *,
+        latency_buckets: Sequence[float] = LATENCY_BUCKETS,
+        rws_buckets: Sequence[float] = RWS_BUCKETS,
+    ) -> None:
+        if not hasattr(engine, "subscribe") or not hasattr(engine, "statistics"):
+            raise ConfigError(f"engine must be a bsr.RestoreEngine, got {type(engine).__name__}")
+        if not isinstance(prefix, str) or not prefix.replace("_", "").isalnum():
+            raise ConfigError(f"prefix must be letters, digits and '_', got {prefix!r}")
+        self.engine = engine
+        self.registry = prometheus_client.REGISTRY if registry is None else registry
+        self.prefix = prefix
+        p, reg = prefix, self.registry
+        C, H = prometheus_client.Counter, prometheus_client.Histogram
+        lat, rws = tuple(latency_buckets), tuple(rws_buckets)
+        self._metrics: list[Any] = []
+
+        def add(metric: Any) -> Any:
+            self._metrics.append(metric)
+            return metric
+
+        try:
+            self.restores = add(
+                C(f"{p}_restores", "Restores by outcome and reason", ["outcome", "reason"],
+                  registry=reg)
+            )  # fmt: skip
+            self.restored_tokens = add(
+                C(f"{p}_restored_tokens", "Tokens committed by restores", registry=reg)
+            )
+            self.restored_bytes = add(
+                C(f"{p}_restored_bytes", "Payload bytes read by restores", ["tier"], registry=reg)
+            )
+            self.fallbacks = add(
+                C(f"{p}_restore_fallbacks", "Reads served by a lower tier", registry=reg)
+            )
+            self.quarantined = add(
+                C(f"{p}_restore_quarantined", "Objects quarantined by restores", registry=reg)
+            )
+            self.restore_seconds = add(
+                H(f"{p}_restore_duration_seconds", "Restore wall time", ["outcome"],
+                  buckets=lat, registry=reg)
+            )  # fmt: skip
+            self.restore_rws = add(
+                H(f"{p}_restore_rws_bytes", "Peak staging bytes of each restore",
+                  buckets=rws, registry=reg)
+            )  # fmt: skip
+            self.lookups = add(C(f"{p}_lookups", "Lookups by result", ["result"], registry=reg))
+            self.probe_seconds = add(
+                H(f"{p}_probe_duration_seconds", "Lookup wall time", buckets=lat, registry=reg)
+            )
+            self.saves = add(C(f"{p}_saves", "Saves", registry=reg))
+            self.saved_bytes = add(
+                C(f"{p}_saved_bytes", "Payload bytes written by saves", ["tier"], registry=reg)
+            )
+            self.save_errors = add(
+                C(f"{p}_save_errors", "Write errors during saves", ["tier"], registry=reg)
+            )
+            self.save_seconds = add(
+                H(f"{p}_save_duration_seconds", "Save wall time", buckets=lat, registry=reg)
+            )
+            self._collector = add(_EngineCollector(engine, p))
+            reg.register(self._collector)
+        except BaseException:
+            self._unregister()
+            raise
+        self._unsubscribe: Callable[[], None] | None = engine.subscribe(self.observe)
+
+    # ------------------------------------------------------------------ events
+    def observe(self, record: Probe | RestoreResult | SaveResult) -> None:
+        """Count one engine record (called by the engine for every lookup, restore, save)."""
+        if isinstance(record, RestoreResult):
+            outcome = "committed" if record.state is RequestState.COMMITTED else "invalidated"
+            self.restores.labels(outcome, str(record.reason.value)).inc()
+            self.restored_tokens.inc(record.committed_tokens)
+            for tier, n in record.bytes_by_tier.items():
+                self.restored_bytes.labels(tier).inc(n)
+            self.fallbacks.inc(record.fallbacks)
+            self.quarantined.inc(record.quarantined)
+            self.restore_seconds.labels(outcome).observe(record.timings.total_s)
+            self.restore_rws.observe(record.rws_peak_bytes)
+        elif isinstance(record, Probe):
+            self.lookups.labels("hit" if record.hit else "miss").inc()
+            self.probe_seconds.observe(record.duration_s)
+        elif isinstance(record, SaveResult):
+            self.saves.inc()
+            for tier, n in record.bytes_written.items():
+                self.saved_bytes.labels(tier).inc(n)
+            for tier, n in record.errors.items():
+                self.save_errors.labels(tier).inc(n)
+            self.save_seconds.observe(record.duration_s)
+
+    def close(self) -> None:
+        """Stop observing the engine and remove every metric from the registry."""
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
+        self._unregister()
+
+    def _unregister(self) -> None:
+        for m in self._metrics:
+            try:
+                self.registry.unregister(m)
+            except KeyError:
+                pass
+        self._metrics.clear()
+
+
+class _EngineCollector(Collector):
+    """Level metrics read from ``engine.statistics()`` at scrape time."""
+
+    def __init__(self, engine: RestoreEngine, prefix: str) -> None:
+        self.engine = engine
+        self.prefix = prefix
+
+    def describe(self) -> list[Any]:
+        return []  # dynamic: no name clash checks at register time beyond the event metrics
+
+    def collect(self) -> Iterator[Any]:
+        try:
+            st = self.engine.statistics()
+        except ClosedError:
+            return
+        p = self.prefix
+        s = st.staging
+        for name, doc, value in (
+            ("staging_slots", "Staging slots (W)", s.slots),
+            ("staging_slots_in_use", "Staging slots in use", s.in_use),
+            ("staging_slots_peak", "Most staging slots ever in use at once", s.peak_in_use),
+            ("staging_slots_waiting", "Requests waiting for a staging slot", s.waiting),
+            ("staging_in_use_bytes", "Staging bytes in use", s.in_use_bytes),
+            ("staging_peak_bytes", "Peak staging bytes in use at once", s.peak_bytes),
+            ("staging_capacity_bytes", "Staging bytes allocated (W x slot)", s.capacity_bytes),
+            ("engine_quarantined_objects", "Objects the engine refuses to read", st.quarantined),
+        ):
+            yield GaugeMetricFamily(f"{p}_{name}", doc, value=value)
+        gauges = {
+            "objects": ("Objects stored in the tier", "objects"),
+            "bytes": ("Bytes stored in the tier", "bytes"),
+            "capacity_bytes": ("Tier capacity in bytes", "capacity_bytes"),
+        }
+        for name, (doc, attr) in gauges.items():
+            g = GaugeMetricFamily(f"{p}_tier_{name}", doc, labels=["tier"])
+            for t in st.tiers:
+                g.add_metric([t.name], getattr(t, attr))
+            yield g
+        counters = {
+            "hits": "Verified reads served by the tier",
+            "misses": "Reads of objects the tier did not hold",
+            "evictions": "Objects evicted for capacity",
+            "errors": "Failed tier operations",
+            "quarantined": "Objects the tier moved aside after failed verification",
+        }
+        for name, doc in counters.items():
+            c = CounterMetricFamily(f"{p}_tier_{name}", doc, labels=["tier"])
+            for t in st.tiers:
+                c.add_metric([t.name], getattr(t, name))
+            yield c
+        bo = GaugeMetricFamily(f"{p}_breaker_open", "1 while the breaker is open", labels=["tier"])
+        bt = CounterMetricFamily(f"{p}_breaker_trips", "Times the breaker opened", labels=["tier"])
+        bf = GaugeMetricFamily(
+            f"{p}_breaker_consecutive_failures", "Consecutive failures", labels=["tier"]
+        )
+        for b in st.breakers:
+            bo.add_metric([b.tier], 1.0 if b.open else 0.0)
+            bt.add_metric([b.tier], b.trips)
+            bf.add_metric([b.tier], b.consecutive_failures)
+        yield from (bo, bt, bf)
