@@ -9,9 +9,11 @@ import sys
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import bsr
-from bsr.core._keys import chunk_keys
+from bsr.core._keys import OFFLOAD_TOKENS, as_token_array, chunk_keys, prepare_tokens, token_count
 
 LAYOUT = bsr.StateLayout(chunk_tokens=4, groups=(bsr.StateGroup("kv", 2, 64),))
 TOKENS = list(range(10, 30))
@@ -128,3 +130,135 @@ def test_bad_tokens_raise_typed_errors(bad: object, fragment: str) -> None:
 def test_bad_namespace(kw: dict[str, object], fragment: str) -> None:
     with pytest.raises(bsr.ConfigError, match=fragment):
         bsr.Namespace(**kw)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------- array-speed keys
+# An independent reference of the key chain (the definition in the module docstring), written
+# the slow obvious way: one hashlib object per chunk, token by token packed with struct.
+
+
+def reference_keys(ns: bytes, tokens: list[int], chunk_tokens: int) -> list[bytes]:
+    import hashlib
+    import struct
+
+    out: list[bytes] = []
+    prev = ns
+    for i in range(len(tokens) // chunk_tokens):
+        h = hashlib.blake2b(prev, digest_size=32, person=b"bsr-chunk")
+        for t in tokens[i * chunk_tokens : (i + 1) * chunk_tokens]:
+            h.update(struct.pack("<q", t))
+        prev = h.digest()
+        out.append(prev)
+    return out
+
+
+token_lists = st.lists(st.integers(0, 2**63 - 1), max_size=80)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    tokens=token_lists,
+    chunk=st.integers(1, 9),
+    ns=st.binary(min_size=16, max_size=16),
+    form=st.sampled_from(["list", "tuple", "numpy", "torch", "numpy-2d", "strided", "generator"]),
+)
+def test_keys_match_the_reference_chain_for_every_input_form(
+    tokens: list[int], chunk: int, ns: bytes, form: str
+) -> None:
+    given_tokens: object = {
+        "list": lambda: tokens,
+        "tuple": lambda: tuple(tokens),
+        "numpy": lambda: np.asarray(tokens, dtype=np.int64),
+        "torch": lambda: torch.tensor(tokens, dtype=torch.int64),
+        "numpy-2d": lambda: np.asarray([tokens], dtype=np.uint64),
+        "strided": lambda: np.repeat(np.asarray(tokens, dtype=np.int64), 2)[::2],
+        "generator": lambda: (t for t in tokens),
+    }[form]()
+    keys = chunk_keys(ns, given_tokens, chunk)  # type: ignore[arg-type]
+    assert [k.digest for k in keys] == reference_keys(ns, tokens, chunk)
+    assert [k.index for k in keys] == list(range(len(tokens) // chunk))
+    assert all(k.namespace == ns for k in keys)
+
+
+@settings(max_examples=60, deadline=None)
+@given(tokens=token_lists, cap=st.integers(-2, 12))
+def test_max_chunks_is_a_prefix_of_the_chain(tokens: list[int], cap: int) -> None:
+    full = chunk_keys(b"n" * 16, tokens, 3)
+    assert chunk_keys(b"n" * 16, tokens, 3, max_chunks=cap) == full[: max(0, cap)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(tokens=token_lists, ns=st.binary(min_size=16, max_size=16), n=st.integers(0, 90))
+def test_prepare_tokens_converts_once_and_carries_the_keys(
+    tokens: list[int], ns: bytes, n: int
+) -> None:
+    kt = prepare_tokens(ns, tokens, 4)
+    assert kt.tokens.dtype == np.dtype("<i8") and kt.tokens.tolist() == tokens
+    assert [k.digest for k in kt.keys] == reference_keys(ns, tokens, 4)
+    assert kt.keys_for(n) == tuple(chunk_keys(ns, tokens[:n], 4))
+    assert as_token_array(kt.tokens) is kt.tokens  # converting again is a no-op
+
+
+def test_token_count_needs_no_conversion() -> None:
+    assert token_count(list(range(70))) == 70
+    assert token_count(np.zeros((1, 33), dtype=np.int32)) == 33
+    assert token_count(torch.zeros(1, 12, dtype=torch.long)) == 12
+    assert token_count(42) == 0  # type: ignore[arg-type]
+    assert OFFLOAD_TOKENS > 0
+
+
+@pytest.mark.parametrize(
+    "bad, fragment",
+    [
+        ([5, 7, True, 9], "found bool True"),  # a bool among ints, at a 0/1 position
+        ([5, 7, False], "found bool False"),
+        ([5, np.float64(1.0)], "found float64"),
+        ([5, np.bool_(True)], "found bool"),
+        ([5, "6"], "found str"),
+        ([5, None], "found NoneType"),
+        ([2**63], "does not fit in int64"),
+        (np.array([2**63], dtype=np.uint64), "does not fit in int64"),
+        ([3, -1], ">= 0"),
+    ],
+)
+def test_fast_path_refuses_what_the_slow_walk_refused(bad: object, fragment: str) -> None:
+    with pytest.raises(bsr.TokenError, match=fragment):
+        as_token_array(bad)  # type: ignore[arg-type]
+
+
+def test_zero_and_one_tokens_are_not_mistaken_for_bools() -> None:
+    toks = [0, 1, 1, 0, 5, 1, 0, 2]
+    assert as_token_array(toks).tolist() == toks
+    assert [k.digest for k in chunk_keys(b"z" * 16, toks, 4)] == reference_keys(b"z" * 16, toks, 4)
+
+
+def test_object_ids_are_unchanged() -> None:
+    key = chunk_keys(fp(), TOKENS, 4)[2]
+    # object_id / group_digest are cached now; the values are the definition's
+    import hashlib
+
+    oid = hashlib.blake2b(key.digest, digest_size=20, person=b"bsr-object")
+    oid.update(b"kv")
+    okey = bsr.ObjectKey(key, "kv")
+    assert okey.object_id == oid.hexdigest() == bsr.ObjectKey(key, "kv").object_id
+    assert okey.group_digest == hashlib.blake2b(b"kv", digest_size=16, person=b"bsr-group").digest()
+
+
+# ---------------------------------------------------------------------- names that are not text
+SURROGATE = "model-\udcff"
+
+
+def test_lone_surrogate_in_model_id_is_a_config_error() -> None:
+    with pytest.raises(bsr.ConfigError, match=r"Namespace.model_id .*cannot be encoded as UTF-8"):
+        bsr.Namespace(SURROGATE)
+
+
+def test_lone_surrogate_in_a_string_salt_is_a_config_error() -> None:
+    with pytest.raises(bsr.ConfigError, match=r"Namespace.salt .*lone surrogate"):
+        bsr.Namespace("m", salt="tenant-\ud800")  # type: ignore[arg-type]
+
+
+def test_lone_surrogate_in_an_object_key_group_is_a_layout_error() -> None:
+    key = chunk_keys(fp(), TOKENS, 4)[0]
+    with pytest.raises(bsr.LayoutError, match="state group name"):
+        _ = bsr.ObjectKey(key, "kv\udc80").object_id

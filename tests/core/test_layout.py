@@ -99,3 +99,47 @@ def test_unknown_group() -> None:
         layout.group("nope")
     with pytest.raises(KeyError):
         layout.group_chunk_bytes("nope")
+
+
+def test_lone_surrogate_in_a_group_name_is_a_layout_error() -> None:
+    with pytest.raises(bsr.LayoutError, match=r"StateGroup.name 'kv\\udcff' cannot be encoded"):
+        bsr.StateGroup("kv\udcff", 1, 64)
+
+
+def test_group_name_limit_counts_utf8_bytes() -> None:
+    bsr.StateGroup("é" * 32, 1, 64)  # 64 bytes
+    with pytest.raises(bsr.LayoutError, match="longer than 64 bytes"):
+        bsr.StateGroup("é" * 33, 1, 64)
+
+
+def _reference_needed(layout: bsr.StateLayout, prefix_chunks: int) -> list[tuple[int, str]]:
+    out = []
+    for c in range(prefix_chunks):
+        for g in layout.groups:
+            w = g.window_tokens
+            first = 0 if w is None else max(0, prefix_chunks - -(-w // layout.chunk_tokens))
+            if c >= first:
+                out.append((c, g.name))
+    return out
+
+
+@pytest.mark.parametrize("prefix_chunks", [0, 1, 2, 3, 7, 20])
+def test_needed_objects_lists_every_object_a_prefix_reads(prefix_chunks: int) -> None:
+    layout = bsr.StateLayout(
+        chunk_tokens=16,
+        groups=(
+            bsr.StateGroup("kv", 2, 64),
+            bsr.StateGroup("swa", 1, 32, window_tokens=40),  # 3 chunks of 16 cover 40 tokens
+            bsr.StateGroup("idx", 1, 8, dtype="uint8"),
+        ),
+    )
+    got = layout.needed_objects(prefix_chunks)
+    assert got == _reference_needed(layout, prefix_chunks)
+    assert sum(1 for _, g in got if g == "swa") == min(prefix_chunks, 3)
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "3"])
+def test_needed_objects_refuses_bad_counts(bad: object) -> None:
+    layout = bsr.StateLayout(chunk_tokens=16, groups=(bsr.StateGroup("kv", 2, 64),))
+    with pytest.raises(bsr.LayoutError, match="prefix_chunks must be an int >= 0"):
+        layout.needed_objects(bad)  # type: ignore[arg-type]

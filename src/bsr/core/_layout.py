@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from .._check import positive_int
-from .._errors import LayoutError, UnknownGroupError
+from .._errors import ConfigError, LayoutError, UnknownGroupError
 
 #: Byte alignment of group regions inside a staging slot (and of O_DIRECT I/O).
 ALIGNMENT = 4096
@@ -51,6 +51,24 @@ def _dtype_name(dtype: str | torch.dtype) -> str:
     return dtype
 
 
+def utf8_name(value: str, what: str, *, error: type[ConfigError] = LayoutError) -> bytes:
+    """``value`` encoded as UTF-8, or ``error`` saying which character cannot be encoded.
+
+    Names and ids are hashed into fingerprints and object ids as UTF-8, so a string that has no
+    UTF-8 form (a lone surrogate, e.g. from bytes decoded with ``errors="surrogateescape"``) is
+    refused here with a message instead of a ``UnicodeEncodeError`` deep inside a save.
+    """
+    try:
+        return value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = value[exc.start : exc.end]
+        raise error(
+            f"{what} {value!r} cannot be encoded as UTF-8: {bad!r} at position {exc.start} is a "
+            "lone surrogate; use valid text (e.g. decode the original bytes with "
+            "errors='replace') or choose another name"
+        ) from None
+
+
 def align_up(n: int, alignment: int = ALIGNMENT) -> int:
     """Round ``n`` up to a multiple of ``alignment``."""
     return -(-n // alignment) * alignment
@@ -77,9 +95,14 @@ class StateGroup:
     dtype: str = "bfloat16"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name or len(self.name.encode()) > 64:
+        if not isinstance(self.name, str) or not self.name:
             raise LayoutError(
                 "a StateGroup needs a non-empty name of at most 64 bytes", group=self.name
+            )
+        if len(utf8_name(self.name, "StateGroup.name")) > 64:
+            raise LayoutError(
+                f"StateGroup name {self.name!r} is longer than 64 bytes in UTF-8; shorten it",
+                group=self.name,
             )
         for attr in ("num_layers", "token_bytes"):
             positive_int(
@@ -216,6 +239,25 @@ class StateLayout:
             return range(prefix_chunks)
         first = max(0, prefix_chunks - math.ceil(g.window_tokens / self.chunk_tokens))
         return range(first, prefix_chunks)
+
+    def needed_objects(self, prefix_chunks: int) -> list[tuple[int, str]]:
+        """Every ``(chunk, group)`` object a prefix of ``prefix_chunks`` chunks reads, in chunk
+        order (groups in layout order inside a chunk).
+
+        With the chunk keys of the prefix (``bsr.chunk_keys``) this names exactly the stored
+        objects a restore reads, e.g. ``FileTier.object_path(keys[c], g)`` for each pair.
+        """
+        if (
+            isinstance(prefix_chunks, bool)
+            or not isinstance(prefix_chunks, int)
+            or prefix_chunks < 0
+        ):
+            raise LayoutError(f"prefix_chunks must be an int >= 0, got {prefix_chunks!r}")
+        per_chunk: dict[int, list[str]] = {}
+        for g in self.groups:
+            for c in self.needed_chunks(g.name, prefix_chunks):
+                per_chunk.setdefault(c, []).append(g.name)
+        return [(c, name) for c in sorted(per_chunk) for name in per_chunk[c]]
 
     # ------------------------------------------------------------------ identity
     def to_dict(self) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from .._check import byte_size
 from .._errors import ConfigError
 from ..core._keys import Namespace
-from ..core._layout import StateLayout
+from ..core._layout import StateLayout, utf8_name
 from ..core._results import Policy
 from ..tiers._base import Tier
 
@@ -474,7 +474,7 @@ class EngineConfig:
                 "(e.g. model_id = 'llama-3-8b@rev1') or pass namespace=bsr.Namespace(...)",
                 key="model_id",
             )
-        salt = b"" if self.tenant is None else self.tenant.encode()
+        salt = b"" if self.tenant is None else utf8_name(self.tenant, "tenant", error=ConfigError)
         return Namespace(self.model_id, tp_rank=tp_rank, tp_size=tp_size, salt=salt)
 
 
