@@ -29,8 +29,11 @@ from ._errors import TruncatedObjectError as TruncatedObjectError
 from ._errors import UnknownGroupError as UnknownGroupError
 from .core._keys import FORMAT_VERSION as FORMAT_VERSION
 from .core._keys import ChunkKey as ChunkKey
+from .core._keys import KeyedTokens as KeyedTokens
 from .core._keys import Namespace as Namespace
 from .core._keys import ObjectKey as ObjectKey
+from .core._keys import chunk_keys as chunk_keys
+from .core._keys import prepare_tokens as prepare_tokens
 from .core._layout import StateGroup as StateGroup
 from .core._layout import StateLayout as StateLayout
 from .core._layout import kv_layout as kv_layout
@@ -92,6 +95,7 @@ __all__ = (
     "IllegalTransitionError",
     "InProcessCoordinator",
     "InProcessGroup",
+    "KeyedTokens",
     "KvikioReader",
     "LayoutError",
     "LocalCoordinator",
@@ -130,5 +134,7 @@ __all__ = (
     "TruncatedObjectError",
     "UnknownGroupError",
     "TransitionRecord",
+    "chunk_keys",
     "kv_layout",
+    "prepare_tokens",
 )
