@@ -162,6 +162,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=("debug", "info", "warning", "error"),
         help="level of bsr's structlog events printed during the run",
     )
+    from .ladder import add_ladder_arguments  # paper scale: --l1-ladder, --tp
+
+    add_ladder_arguments(p)
 
 
 def resolve(ns: argparse.Namespace) -> BenchOptions:

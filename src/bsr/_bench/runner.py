@@ -800,6 +800,10 @@ def build_parser(prog: str = "bsr bench") -> argparse.ArgumentParser:
 
 def run_from_namespace(ns: argparse.Namespace) -> int:
     """Entry point once arguments are parsed (used by ``bsr bench``)."""
+    if getattr(ns, "l1_ladder", False) or getattr(ns, "tp", None):  # paper scale
+        from .paper import run_paper_from_namespace
+
+        return run_paper_from_namespace(ns)
     try:
         opts = resolve(ns)
         run(opts)
