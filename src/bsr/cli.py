@@ -1,15 +1,22 @@
-"""The ``bsr`` command: ``bsr bench`` (the main job), ``bsr spec diagram``, ``bsr demo``.
+"""The ``bsr`` command: ``bsr bench`` (the main job), ``bsr store``, ``bsr spec``, ``bsr demo``.
 
 Heavy imports (torch, rich, transformers) happen inside the subcommand that needs them, so
-``bsr --help`` and ``bsr spec diagram`` stay fast.
+``bsr --help`` and ``bsr spec diagram`` stay fast. ``python -m bsr`` runs the same command.
+
+Exit codes: 0 success; 1 the command worked and found a problem (``store verify`` found bad
+objects, ``spec diagram --check`` found a stale diagram); 2 usage or I/O error (bad arguments,
+a path that is not a bsr store).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 DEFAULT_DIAGRAM = "spec/request_lifecycle.mmd"
 
@@ -119,6 +126,209 @@ async def _demo(num_tokens: int, window: int) -> None:
             print(f"probe of other tokens: {miss.prefix_tokens} tokens reusable (a miss)")
 
 
+# --------------------------------------------------------------------- bsr store
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _when(ts: float) -> str:
+    return datetime.datetime.fromtimestamp(ts).isoformat(sep=" ", timespec="seconds")
+
+
+def _jsonable(obj: Any) -> Any:
+    import dataclasses
+
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: _jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(x) for x in obj]
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, Path):
+        return str(obj)
+    return obj
+
+
+def _emit_json(obj: Any) -> None:
+    print(json.dumps(_jsonable(obj), indent=2, sort_keys=True))
+
+
+def _store_stats(ns: argparse.Namespace) -> int:
+    from .tiers._store import store_stats
+
+    st = store_stats(ns.path)
+    if ns.json:
+        _emit_json(st)
+        return 0
+    print(f"store      {st.root}")
+    print(
+        f"objects    {st.objects} ({_human(st.bytes)} on disk, {_human(st.payload_bytes)} payload)"
+    )
+    print(f"quarantine {st.quarantined} files ({_human(st.quarantined_bytes)})")
+    if st.temp_files:
+        print(f"temp files {st.temp_files} (writes in progress, or left by a dead writer)")
+    if st.unreadable:
+        print(f"unreadable {st.unreadable} objects whose header cannot be parsed (run verify)")
+    if st.namespaces:
+        print("per namespace (fingerprint of model, rank, tenant salt, layout, format version):")
+        for n in st.namespaces:
+            groups = ", ".join(f"{g}: {c}" for g, c in n.groups.items())
+            print(
+                f"  {n.namespace}  {n.objects} objects, {_human(n.bytes)}, "
+                f"chunks 0..{n.max_chunk_index}, groups {{{groups}}}"
+            )
+    return 0
+
+
+def _store_ls(ns: argparse.Namespace) -> int:
+    from .tiers._store import list_objects
+
+    objs = list_objects(ns.path)
+    if ns.json:
+        _emit_json(objs)
+        return 0
+    for o in objs:
+        ns_hex = (o.namespace or "?")[:16]
+        print(
+            f"{o.object_id}  {o.size:>12}  {_when(o.mtime)}  ns={ns_hex}  group={o.group or '?'}"
+            f"  chunk={'?' if o.chunk_index is None else o.chunk_index}"
+        )
+    return 0
+
+
+def _progress(total: int) -> Any:
+    """A rich progress bar on a TTY (stderr), else nothing; returns (callback, stop)."""
+    if not sys.stderr.isatty():
+        return None, lambda: None
+    try:
+        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
+    except ModuleNotFoundError:
+        return None, lambda: None
+    bar = Progress(
+        TextColumn("verify"), BarColumn(), DownloadColumn(), TextColumn("{task.fields[name]}"),
+        transient=True,
+    )  # fmt: skip
+    bar.start()
+    task = bar.add_task("verify", total=total, name="")
+    return (lambda o: bar.update(task, advance=o.size, name=o.object_id[:12])), bar.stop
+
+
+def _store_verify(ns: argparse.Namespace) -> int:
+    from .tiers._store import list_objects, verify_store
+
+    objs = list_objects(ns.path)
+    advance, stop = _progress(sum(o.size for o in objs))
+    try:
+        report = verify_store(ns.path, quarantine=ns.quarantine, progress=advance, objects=objs)
+    finally:
+        stop()
+    if ns.json:
+        _emit_json({"checked": report.checked, "bytes": report.bytes, "bad": report.bad})
+    else:
+        for b in report.bad:
+            moved = f" -> {b.quarantined_to}" if b.quarantined_to else ""
+            print(f"BAD {b.object_id} {b.reason}: {b.detail}{moved}")
+        verdict = "clean" if report.clean else f"{len(report.bad)} bad"
+        hint = "" if report.clean or ns.quarantine else " (rerun with --quarantine to move them)"
+        print(f"verified {report.checked} objects ({_human(report.bytes)}): {verdict}{hint}")
+    return 0 if report.clean else 1
+
+
+def _store_gc(ns: argparse.Namespace) -> int:
+    from ._check import byte_size
+    from .tiers._store import gc_store
+
+    limit = 0 if ns.max_bytes.strip() == "0" else byte_size(ns.max_bytes, "--max-bytes")
+    report = gc_store(ns.path, limit, dry_run=ns.dry_run)
+    if ns.json:
+        _emit_json(report)
+        return 0
+    verb = "would remove" if ns.dry_run else "removed"
+    print(
+        f"{verb} {len(report.removed)} objects ({_human(report.freed_bytes)}), oldest first; "
+        f"{report.remaining_objects} objects ({_human(report.remaining_bytes)}) remain"
+    )
+    return 0
+
+
+def _store_quarantine(ns: argparse.Namespace) -> int:
+    from .tiers._store import list_quarantine, purge_quarantine
+
+    if ns.action == "list":
+        files = list_quarantine(ns.path)
+        if ns.json:
+            _emit_json(files)
+            return 0
+        for q in files:
+            print(f"{q.object_id}  {q.reason:<12}  {q.size:>12}  {_when(q.mtime)}  {q.path.name}")
+        print(f"{len(files)} quarantined files ({_human(sum(q.size for q in files))})")
+        return 0
+    files = purge_quarantine(ns.path, dry_run=ns.dry_run)
+    verb = "would delete" if ns.dry_run else "deleted"
+    print(f"{verb} {len(files)} quarantined files ({_human(sum(q.size for q in files))})")
+    return 0
+
+
+def _store_command(func: Any) -> Any:
+    """Run a store subcommand; bsr errors and OS errors become exit code 2 with a message."""
+
+    def run(ns: argparse.Namespace) -> int:
+        from ._errors import BsrError
+
+        try:
+            code: int = func(ns)
+        except (BsrError, OSError) as exc:
+            print(f"bsr store: error: {exc}", file=sys.stderr)
+            return 2
+        return code
+
+    return run
+
+
+def _add_store(sub: Any) -> None:
+    store = sub.add_parser(
+        "store",
+        help="inspect, verify and clean a FileTier directory",
+        description="Administer a FileTier directory offline. stats, ls, verify and "
+        "'quarantine list' only read; gc, 'verify --quarantine' and 'quarantine purge' change "
+        "files, so run them while no engine has the tier open. Exit codes: 0 ok, 1 verify "
+        "found bad objects, 2 usage or I/O error (e.g. not a bsr store).",
+    )
+    ssub = store.add_subparsers(dest="store_command", metavar="STORE_COMMAND")
+
+    def cmd(name: str, help: str, func: Any) -> argparse.ArgumentParser:
+        p: argparse.ArgumentParser = ssub.add_parser(name, help=help, description=help)
+        p.add_argument("path", metavar="PATH", help="the FileTier directory")
+        p.add_argument("--json", action="store_true", help="print JSON instead of text")
+        p.set_defaults(func=_store_command(func))
+        return p
+
+    cmd("stats", "objects and bytes, in total and per namespace", _store_stats)
+    cmd("ls", "list objects, oldest first (the LRU order)", _store_ls)
+    verify = cmd(
+        "verify",
+        "checksum-scrub every object; exit 1 if any is bad (progress bar on a TTY)",
+        _store_verify,
+    )
+    verify.add_argument("--quarantine", action="store_true", help="move bad objects to quarantine/")
+    gc = cmd("gc", "delete least recently modified objects down to --max-bytes", _store_gc)
+    gc.add_argument(
+        "--max-bytes", required=True, metavar="N", help="bytes to keep, e.g. 500GiB or 1000000"
+    )
+    gc.add_argument("--dry-run", action="store_true", help="only report what would go")
+    q = ssub.add_parser("quarantine", help="list or purge quarantine/")
+    q.add_argument("action", choices=("list", "purge"))
+    q.add_argument("path", metavar="PATH", help="the FileTier directory")
+    q.add_argument("--json", action="store_true", help="print JSON instead of text (list)")
+    q.add_argument("--dry-run", action="store_true", help="purge: only report")
+    q.set_defaults(func=_store_command(_store_quarantine))
+    store.set_defaults(func=lambda ns: _missing(store))
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
@@ -159,6 +369,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     diagram.set_defaults(func=_cmd_spec_diagram)
     spec.set_defaults(func=lambda ns: _missing(spec))
+
+    _add_store(sub)
 
     demo = sub.add_parser("demo", help="a short save / probe / restore demo in a temp directory")
     demo.add_argument("--tokens", type=int, default=4096, help="tokens to save and restore")
