@@ -39,6 +39,11 @@ class LayoutError(ConfigError):
     """A StateLayout or StateGroup is invalid, or a cache does not match the engine's layout."""
 
 
+class UnsupportedModelError(ConfigError):
+    """A model cannot be restored this way exactly (e.g. hidden-state rebuild for an architecture
+    whose K/V it cannot reproduce); the message names the missing piece."""
+
+
 class TokenError(BsrError, TypeError):
     """Tokens are of an unsupported type, dtype or value."""
 
@@ -91,6 +96,10 @@ class TierTimeoutError(TierError, TimeoutError):
 
 class TierFullError(TierError):
     """The object does not fit in the tier even after eviction."""
+
+
+class TierRootError(TierError):
+    """A tier's root directory is not one bsr owns, or cannot be used as one (names the path)."""
 
 
 # --------------------------------------------------------------------- lifecycle

@@ -329,8 +329,12 @@ def write_kv_to_cache(
     *,
     config: Any = None,
     batch_index: int = 0,
+    start: int = 0,
 ) -> None:
-    """Copy the K/V of tokens ``[0, num_tokens)`` of a model cache into paged cache blocks.
+    """Copy the K/V of tokens ``[start, num_tokens)`` of a model cache into paged cache blocks.
+
+    A multi-turn server appends: after each turn it writes only the new tokens
+    (``start`` = the tokens already written), so the history is never rewritten.
 
     Args:
         past_key_values: the model's cache after a forward pass (a transformers ``DynamicCache``,
@@ -342,18 +346,25 @@ def write_kv_to_cache(
         config: the model's config; needed when the layout has a sliding-window group (without it
             every layer is taken as full attention in a single ``"kv"`` group).
         batch_index: which batch row of the model cache to copy.
+        start: first token to write (tokens before it are left as they are in the paged cache);
+            the model cache still counts tokens from 0 (as a ``DynamicCache`` does).
 
     Raises:
         LayoutError: the cache layout, dtype or shapes do not match the model cache.
-        ConfigError: ``num_tokens`` exceeds what the model cache holds, or a sliding layer already
-            dropped tokens its window needs at ``num_tokens``.
+        ConfigError: ``num_tokens`` exceeds what the model cache holds, ``start`` is outside
+            ``[0, num_tokens]``, or a layer already dropped tokens ``[start, num_tokens)`` needs.
     """
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
         raise ConfigError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+    if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= num_tokens:
+        raise ConfigError(
+            f"start must be an int in [0, num_tokens={num_tokens}], got {start!r}; pass the "
+            "number of tokens already written"
+        )
     layers = _model_layers(past_key_values)
     placements = _placements_for(config, cache, len(layers))
     ids = cache.block_table(block_ids, num_tokens)
-    if num_tokens == 0:
+    if num_tokens == start:
         return
     for p, (k, v, seen) in zip(placements, layers):
         g = cache.layout.group(p.group)
@@ -388,10 +399,11 @@ def write_kv_to_cache(
                 f"layer {p.layer} has seen {seen} tokens, cannot write {num_tokens}", layer=p.layer
             )
         need_from = 0 if p.window is None else max(0, num_tokens - (p.window - 1))
+        need_from = max(need_from, start)
         if first_held > need_from:
             raise ConfigError(
-                f"layer {p.layer} (window {p.window}) holds tokens [{first_held}, {seen}) but a "
-                f"prefix of {num_tokens} tokens needs [{need_from}, {num_tokens}); write the "
+                f"layer {p.layer} (window {p.window}) holds tokens [{first_held}, {seen}) but "
+                f"writing up to {num_tokens} tokens needs [{need_from}, {num_tokens}); write the "
                 "cache right after prefilling the prefix, before later tokens push them out",
                 layer=p.layer,
             )

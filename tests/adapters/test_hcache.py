@@ -140,7 +140,7 @@ def test_rejects_unsupported_models_and_mismatches() -> None:
         num_attention_heads=4,
         num_key_value_heads=4,
     )
-    with pytest.raises(bsr.LayoutError, match="sliding_window"):
+    with pytest.raises(hcache.UnsupportedModelError, match="sliding_window"):
         hcache.hidden_layout(cfg)
     model = llama(4)
     layout = hcache.hidden_layout(model.config, chunk_tokens=CHUNK, dtype=torch.float16)

@@ -1,0 +1,470 @@
+"""Which models HCache can rebuild exactly, and the per-layer K/V projection for those it can.
+
+Where it runs: the serving process, next to a Hugging Face ``transformers`` model.
+
+How it works: a layer's K/V is a function of the hidden state entering it. For the decoder layers
+in :data:`SUPPORTED_ARCHITECTURES` that function is ``K = RoPE(k_norm(W_k norm(h) + b_k))``,
+``V = W_v norm(h) + b_v``, where ``norm`` is the layer's input norm (OLMo2 has none: its norms
+follow the sublayers) and ``k_norm`` is Qwen3's per-head or OLMo2's full-width key norm.
+:class:`ModelAdapter` holds, per layer, the input norm, one fused ``[W_k; W_v]`` weight (for Phi3 a
+slice of the fused ``qkv_proj``) and the key norm, so one GEMM yields a token's cache row
+``[K heads..., V heads...]`` (the row layout of :mod:`bsr.hf`). RoPE is applied by
+:func:`apply_rope` with cos/sin computed once per restore.
+
+The table alone proves nothing about a particular checkpoint, so :func:`check_model` also
+compares, on a sample of tokens, the K/V rebuilt from captured hidden states with the model's own
+K/V (tolerance by dtype); a model that fails is refused with :class:`UnsupportedModelError`.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .._errors import UnsupportedModelError
+
+__all__ = (
+    "SUPPORTED_ARCHITECTURES",
+    "ArchSupport",
+    "CheckReport",
+    "ModelAdapter",
+    "ModelShape",
+    "apply_rope",
+    "check_config",
+    "check_model",
+    "model_shape",
+)
+
+
+@dataclass(frozen=True)
+class ArchSupport:
+    """One row of the supported-architecture table.
+
+    Attributes:
+        model_type: the config's ``model_type``.
+        supported: whether hidden-state rebuild is implemented for it.
+        projection: where K/V come from.
+        norm: what the hidden state passes through before the projection.
+        key_norm: the norm applied to K before RoPE, if any.
+        note: conditions, or why it is refused.
+    """
+
+    model_type: str
+    supported: bool
+    projection: str
+    norm: str
+    key_norm: str
+    note: str = ""
+
+
+SUPPORTED_ARCHITECTURES: dict[str, ArchSupport] = {
+    a.model_type: a
+    for a in (
+        ArchSupport("llama", True, "k_proj, v_proj", "input_layernorm", "-", "MHA and GQA"),
+        ArchSupport(
+            "mistral", True, "k_proj, v_proj", "input_layernorm", "-", "sliding_window=None only"
+        ),
+        ArchSupport(
+            "qwen2", True, "k_proj, v_proj (+bias)", "input_layernorm", "-", "no sliding layers"
+        ),
+        ArchSupport("gemma", True, "k_proj, v_proj", "input_layernorm (1 + w)", "-"),
+        ArchSupport(
+            "qwen3", True, "k_proj, v_proj", "input_layernorm", "k_norm per head", "no sliding"
+        ),
+        ArchSupport(
+            "phi3",
+            True,
+            "qkv_proj rows [q_dim, q_dim + 2 kv_dim)",
+            "input_layernorm",
+            "-",
+            "partial rotary supported; longrope refused",
+        ),
+        ArchSupport(
+            "olmo2", True, "k_proj, v_proj", "none (post-sublayer norms)", "k_norm over all heads"
+        ),
+        ArchSupport(
+            "deepseek_v3",
+            False,
+            "-",
+            "-",
+            "-",
+            "MLA: K/V are decompressed from a latent (kv_lora_rank) with a decoupled RoPE key; "
+            "store the latent with a custom StateLayout instead",
+        ),
+        ArchSupport("gemma2", False, "-", "-", "-", "alternating sliding-window layers"),
+        ArchSupport("gemma3_text", False, "-", "-", "-", "sliding layers with their own RoPE base"),
+    )
+}
+
+#: RoPE variants whose cos/sin depend only on the position (not on the sequence length seen)
+_STATIC_ROPE = frozenset({"default", "linear", "llama3", "yarn"})
+
+
+def _text_config(config: Any) -> Any:
+    get = getattr(config, "get_text_config", None)
+    if callable(get):
+        try:
+            return get(decoder=True)
+        except TypeError:
+            return get()
+    return config
+
+
+def _config_dtype(cfg: Any) -> torch.dtype:
+    for attr in ("dtype", "torch_dtype"):
+        value = getattr(cfg, attr, None)
+        if isinstance(value, torch.dtype):
+            return value
+        if (
+            isinstance(value, str)
+            and value != "auto"
+            and isinstance(getattr(torch, value, None), torch.dtype)
+        ):
+            return getattr(torch, value)  # type: ignore[no-any-return]
+    return torch.get_default_dtype()
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes HCache needs from a config.
+
+    Attributes:
+        model_type: the config's ``model_type``.
+        num_layers: decoder layers.
+        hidden: hidden size (values per token of a layer's input hidden state).
+        num_heads: attention (query) heads.
+        kv_heads: KV heads.
+        head_dim: values per head.
+        dtype: the config's dtype.
+    """
+
+    model_type: str
+    num_layers: int
+    hidden: int
+    num_heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def kv_dim(self) -> int:
+        """Values of K (or of V) per token and layer."""
+        return self.kv_heads * self.head_dim
+
+
+def _refuse(model_type: str, missing: str) -> UnsupportedModelError:
+    return UnsupportedModelError(
+        f"bsr.hcache cannot rebuild K/V exactly for model_type={model_type!r}: {missing}; store "
+        "K/V for this model (bsr.hf.layout_for_config)",
+        model_type=model_type,
+    )
+
+
+def check_config(config: Any) -> ModelShape:
+    """Check a config against :data:`SUPPORTED_ARCHITECTURES`; return its sizes.
+
+    Raises:
+        UnsupportedModelError: naming the missing piece (architecture not in the table, sliding
+            window layers, MLA, a RoPE variant whose cos/sin depend on the sequence length).
+    """
+    cfg = _text_config(config)
+    mt = str(getattr(cfg, "model_type", "") or "")
+    arch = SUPPORTED_ARCHITECTURES.get(mt)
+    if getattr(cfg, "kv_lora_rank", None):
+        raise _refuse(mt, "MLA (latent) attention has no per-head K/V to project")
+    if arch is None:
+        known = ", ".join(k for k, a in SUPPORTED_ARCHITECTURES.items() if a.supported)
+        raise _refuse(mt, f"the architecture is not in the supported table ({known})")
+    if not arch.supported:
+        raise _refuse(mt, arch.note)
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types and any(t != "full_attention" for t in layer_types):
+        raise _refuse(mt, f"non-full-attention layers {sorted(set(layer_types))}")
+    sw = getattr(cfg, "sliding_window", None)
+    if sw and getattr(cfg, "use_sliding_window", True) and not layer_types:
+        raise _refuse(mt, f"sliding_window={sw} (a windowed cache drops tokens)")
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    rope_type = str(rope.get("rope_type", rope.get("type", "default")) or "default")
+    if rope_type not in _STATIC_ROPE:
+        raise _refuse(mt, f"rope_type={rope_type!r} (cos/sin depend on the sequence length)")
+    layers = int(cfg.num_hidden_layers)
+    heads = int(cfg.num_attention_heads)
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    hidden = int(cfg.hidden_size)
+    head_dim = int(getattr(cfg, "head_dim", None) or hidden // heads)
+    return ModelShape(mt, layers, hidden, heads, kv_heads, head_dim, _config_dtype(cfg))
+
+
+def model_shape(config: Any) -> ModelShape:
+    """:func:`check_config` (kept as the name the planner and layouts use)."""
+    return check_config(config)
+
+
+def apply_rope(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate ``k`` ``[n, heads, head_dim]`` in place with HF's ``rotate_half`` convention.
+
+    ``cos``/``sin`` are ``[n, rot_dim]`` (computed once per restore by the model's rotary
+    module); dims past ``rot_dim`` pass through (partial rotary). Same arithmetic as
+    ``apply_rotary_pos_emb``: ``x1 c1 - x2 s1`` and ``x2 c2 + x1 s2``.
+    """
+    rd = cos.shape[-1]
+    half = rd // 2
+    c = cos.unsqueeze(1)
+    s = sin.unsqueeze(1)
+    x1 = k[..., :half]
+    x2 = k[..., half:rd]
+    first = x1 * c[..., :half]
+    first -= x2 * s[..., :half]
+    second = x2 * c[..., half:]
+    second += x1 * s[..., half:]
+    x1.copy_(first)
+    x2.copy_(second)
+
+
+@dataclass
+class _LayerProj:
+    norm: Callable[[torch.Tensor], torch.Tensor] | None
+    weight: torch.Tensor  # [2 kv_dim, hidden]
+    bias: torch.Tensor | None
+    key_norm: Callable[[torch.Tensor], torch.Tensor] | None
+    key_norm_per_head: bool
+
+
+class ModelAdapter:
+    """Per-layer K/V projection of one supported model (see the module docstring).
+
+    Args:
+        model: a ``transformers`` causal LM (or its inner model) whose config passes
+            :func:`check_config`.
+
+    Raises:
+        UnsupportedModelError: the config is refused, or a module the rebuild needs is missing.
+    """
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.shape = check_config(model.config)
+        inner = getattr(model, "model", model)
+        layers = getattr(inner, "layers", None)
+        rotary = getattr(inner, "rotary_emb", None)
+        mt = self.shape.model_type
+        if layers is None or rotary is None:
+            raise _refuse(mt, "the model has no model.layers / model.rotary_emb")
+        self.layers: Any = layers
+        self.rotary: Any = rotary
+        self._proj: list[_LayerProj] = [self._layer(i) for i in range(self.shape.num_layers)]
+        param = next(model.parameters())
+        self.device = param.device
+        self.dtype = param.dtype
+
+    def _layer(self, i: int) -> _LayerProj:
+        s = self.shape
+        layer = self.layers[i]
+        attn = getattr(layer, "self_attn", None)
+        if attn is None:
+            raise _refuse(s.model_type, f"layer {i} has no self_attn")
+        kd = s.kv_dim
+        if s.model_type == "phi3":
+            qkv = getattr(attn, "qkv_proj", None)
+            if qkv is None:
+                raise _refuse(s.model_type, f"layer {i} has no fused qkv_proj")
+            q = s.num_heads * s.head_dim
+            if qkv.weight.shape[0] != q + 2 * kd:
+                raise _refuse(s.model_type, f"layer {i} qkv_proj has an unexpected shape")
+            weight = qkv.weight.detach()[q : q + 2 * kd]
+            bias = None if qkv.bias is None else qkv.bias.detach()[q : q + 2 * kd]
+        else:
+            kp, vp = getattr(attn, "k_proj", None), getattr(attn, "v_proj", None)
+            if kp is None or vp is None:
+                raise _refuse(s.model_type, f"layer {i} has no k_proj/v_proj")
+            weight = torch.cat((kp.weight.detach(), vp.weight.detach()), 0)
+            bias = None
+            if kp.bias is not None or vp.bias is not None:
+                zeros = torch.zeros(kd, dtype=weight.dtype, device=weight.device)
+                kb = kp.bias.detach() if kp.bias is not None else zeros
+                vb = vp.bias.detach() if vp.bias is not None else zeros
+                bias = torch.cat((kb, vb))
+        if weight.shape != (2 * kd, s.hidden):
+            raise _refuse(s.model_type, f"layer {i} K/V projections are not [{kd}, {s.hidden}]")
+        if s.model_type == "olmo2":
+            norm = None
+        else:
+            norm = getattr(layer, "input_layernorm", None)
+            if norm is None:
+                raise _refuse(s.model_type, f"layer {i} has no input_layernorm")
+        key_norm = getattr(attn, "k_norm", None)
+        if s.model_type in ("qwen3", "olmo2") and key_norm is None:
+            raise _refuse(s.model_type, f"layer {i} has no k_norm")
+        if s.model_type not in ("qwen3", "olmo2") and key_norm is not None:
+            raise _refuse(s.model_type, f"layer {i} has a k_norm this table does not expect")
+        return _LayerProj(norm, weight.contiguous(), bias, key_norm, s.model_type == "qwen3")
+
+    @property
+    def row_elems(self) -> int:
+        """Values of one token's cache row ``[K heads..., V heads...]``."""
+        return 2 * self.shape.kv_dim
+
+    def rope(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[stop - start, rot_dim]`` of positions ``[start, stop)`` (model dtype)."""
+        pos = torch.arange(start, stop, device=self.device).unsqueeze(0)
+        probe = torch.empty(1, stop - start, 1, dtype=self.dtype, device=self.device)
+        cos, sin = self.rotary(probe, pos)
+        return cos[0], sin[0]
+
+    def project(
+        self,
+        layer: int,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Cache rows ``[n, 2 kv_dim]`` (``[K | V]``) of ``layer`` from its input hidden states.
+
+        Args:
+            layer: model layer index.
+            h: ``[n, hidden]`` input hidden states of the layer.
+            cos: from :meth:`rope` for the tokens of ``h``.
+            sin: likewise.
+            out: optional destination ``[n, 2 kv_dim]`` (contiguous).
+        """
+        p = self._proj[layer]
+        x = p.norm(h) if p.norm is not None else h
+        if p.bias is not None:
+            rows = torch.addmm(p.bias, x, p.weight.t(), out=out)
+        else:
+            rows = torch.mm(x, p.weight.t(), out=out)
+        s = self.shape
+        n = h.shape[0]
+        k = rows[:, : s.kv_dim]
+        if p.key_norm is not None:
+            if p.key_norm_per_head:
+                k.copy_(p.key_norm(k.view(n, s.kv_heads, s.head_dim)).view(n, s.kv_dim))
+            else:
+                k.copy_(p.key_norm(k))
+        apply_rope(k.view(n, s.kv_heads, s.head_dim), cos, sin)
+        return rows
+
+
+# ---------------------------------------------------------------- numeric self-check
+_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-9, torch.bfloat16: 3e-2, torch.float16: 4e-3}
+
+
+@dataclass(frozen=True)
+class CheckReport:
+    """Outcome of :func:`check_model`.
+
+    Attributes:
+        model_type: the config's ``model_type``.
+        max_error: largest ``|rebuilt - model| / max|model|`` over layers and K/V.
+        tolerance: the dtype's bound.
+        worst_layer: the layer of ``max_error``.
+        tokens: tokens sampled.
+    """
+
+    model_type: str
+    max_error: float
+    tolerance: float
+    worst_layer: int
+    tokens: int
+
+    @property
+    def ok(self) -> bool:
+        return self.max_error <= self.tolerance
+
+
+def compare_rows(
+    adapter: ModelAdapter,
+    hidden: list[torch.Tensor],
+    positions: torch.Tensor,
+    model_kv: list[tuple[torch.Tensor, torch.Tensor]],
+    layers: Sequence[int] | None = None,
+) -> CheckReport:
+    """Rebuild rows at ``positions`` from ``hidden[j]`` ``[n, hidden]`` and compare with the model.
+
+    ``model_kv[j]`` is ``(K, V)`` of model layer ``layers[j]`` (default ``j``), each
+    ``[kv_heads, n, head_dim]`` for the same ``n`` tokens (positions are absolute; rows of
+    ``hidden`` and ``model_kv`` follow them).
+    """
+    s = adapter.shape
+    worst, worst_layer = 0.0, 0
+    layer_ids = list(range(len(hidden))) if layers is None else list(layers)
+    with torch.no_grad():
+        cos, sin = adapter.rope(0, int(positions.max()) + 1)
+        cos, sin = cos[positions], sin[positions]
+        for i, h in zip(layer_ids, hidden):
+            rows = adapter.project(i, h.to(adapter.device, adapter.dtype), cos, sin)
+            k, v = model_kv[layer_ids.index(i)]
+            ref = torch.cat(
+                (k.transpose(0, 1).reshape(-1, s.kv_dim), v.transpose(0, 1).reshape(-1, s.kv_dim)),
+                1,
+            ).to(rows.device, torch.float64)
+            err = (rows.double() - ref).abs().max().item() / max(ref.abs().max().item(), 1e-30)
+            if err > worst or err != err:  # NaN is a failure
+                worst, worst_layer = (float("inf") if err != err else err), i
+    return CheckReport(
+        s.model_type, worst, _TOLERANCE.get(adapter.dtype, 1e-2), worst_layer, len(positions)
+    )
+
+
+_VERDICTS: weakref.WeakKeyDictionary[Any, CheckReport] = weakref.WeakKeyDictionary()
+
+
+def check_model(
+    model: Any, *, tokens: int = 24, seed: int = 0, refresh: bool = False
+) -> CheckReport:
+    """Prove on ``tokens`` random tokens that the rebuild reproduces this model's own K/V.
+
+    Runs one forward with hooks that capture each layer's input hidden state and compares the
+    rebuilt K/V with the K/V the model cached. The verdict is cached per model object.
+
+    Raises:
+        UnsupportedModelError: the architecture is refused, or the rebuilt K/V differ (the
+            message gives the error, the tolerance and the layer).
+    """
+    if not refresh and model in _VERDICTS:
+        report = _VERDICTS[model]
+    else:
+        adapter = ModelAdapter(model)
+        vocab = int(getattr(_text_config(model.config), "vocab_size", 32) or 32)
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, vocab, (1, tokens), generator=g).to(adapter.device)
+        captured: dict[int, torch.Tensor] = {}
+        handles = []
+        for i in range(adapter.shape.num_layers):
+
+            def hook(_m: Any, args: Any, kwargs: Any, i: int = i) -> None:
+                h = args[0] if args else kwargs["hidden_states"]
+                captured[i] = h[0].detach().clone()
+
+            handles.append(adapter.layers[i].register_forward_pre_hook(hook, with_kwargs=True))
+        try:
+            with torch.no_grad():
+                out = model(input_ids=ids, use_cache=True)
+        finally:
+            for hd in handles:
+                hd.remove()
+        from ..hf import _model_layers
+
+        past = getattr(out, "cache", None) or out.past_key_values
+        kv = [(k[0], v[0]) for k, v, _ in _model_layers(past)]
+        report = compare_rows(
+            adapter,
+            [captured[i] for i in range(adapter.shape.num_layers)],
+            torch.arange(tokens, device=adapter.device),
+            kv,
+        )
+        _VERDICTS[model] = report
+    if not report.ok:
+        raise UnsupportedModelError(
+            f"hidden-state rebuild of this {report.model_type} model differs from its own K/V "
+            f"(relative error {report.max_error:.3g} > {report.tolerance:g} at layer "
+            f"{report.worst_layer}); hidden-state saving is refused, store K/V instead",
+            model_type=report.model_type,
+            layer=report.worst_layer,
+        )
+    return report

@@ -1,0 +1,455 @@
+"""HCache's per-layer partition: recompute, hidden-state restore or KV restore for each layer.
+
+Where it runs: the serving process, once per model and device (calibration), then per restore
+size (planning, microseconds).
+
+How it works: a restore of ``n`` tokens has two resources, the storage path (bytes / measured
+read bandwidth) and the compute device (tokens x layers x measured seconds per token-layer).
+A KV layer costs only I/O (``2 kv_dim`` values per token), a hidden-state layer I/O
+(``hidden`` values) *and* a projection, a recomputed layer (always the first layers: recompute
+runs the model from the embeddings) only compute. :func:`plan_layers` tries every split
+``recompute [0, r) | hidden [r, r + h) | kv [r + h, L)`` and keeps the fastest under the
+executor's timing model:
+
+* ``overlap=False`` (what :class:`~bsr.hcache.HCache` does with today's engine, which reports a
+  restore only when it is complete): recompute runs beside the reads, the projection after them:
+  ``max(io, recompute) + project``;
+* ``overlap=True`` (the paper's bubble-free pipeline, possible once the engine reports each
+  installed chunk): ``max(io, recompute + project)`` plus the read of the first hidden-state
+  layer group, which nothing can hide.
+
+Rates come from :func:`calibrate` (measured once per model, device and tier, cached in-process)
+or from the caller (:class:`Rates`), so a plan can be reproduced and a measured machine can be
+described to another.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .._errors import ConfigError
+from ..core._layout import StateGroup, StateLayout, _dtype_name
+from ._arch import ModelShape, check_config
+
+RECOMPUTE = "recompute"
+HIDDEN = "hidden"
+KV = "kv"
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Measured (or given) speeds of this machine for one model.
+
+    Attributes:
+        read_bytes_per_s: restore bandwidth of the tier into the cache (read, verify, install).
+        project_s_per_token_layer: seconds to rebuild one token's K/V of one layer from its
+            hidden state (norm, GEMM, key norm, RoPE, scatter).
+        recompute_s_per_token_layer: seconds of a prefill per token and layer (measured at
+            ``calibrated_tokens``; attention grows with the prefix, so longer prefixes cost more).
+        calibrated_tokens: the prefix length the compute rates were measured at.
+        source: ``"measured"`` or ``"given"``.
+    """
+
+    read_bytes_per_s: float
+    project_s_per_token_layer: float
+    recompute_s_per_token_layer: float
+    calibrated_tokens: int = 0
+    source: str = "given"
+
+    def __post_init__(self) -> None:
+        for name in (
+            "read_bytes_per_s",
+            "project_s_per_token_layer",
+            "recompute_s_per_token_layer",
+        ):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not v > 0 or math.isinf(v):
+                raise ConfigError(f"Rates.{name} must be a finite number > 0, got {v!r}")
+
+
+@dataclass(frozen=True)
+class PlanCost:
+    """Predicted seconds of one split.
+
+    Attributes:
+        io_s: storage reads of hidden and KV layers.
+        project_s: rebuilding the hidden-state layers.
+        recompute_s: recomputing the first layers.
+        total_s: under the plan's timing model.
+        bytes: bytes read.
+    """
+
+    io_s: float
+    project_s: float
+    recompute_s: float
+    total_s: float
+    bytes: int
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """A per-layer restore plan (print it for a table).
+
+    Attributes:
+        methods: per model layer, ``"recompute"``, ``"hidden"`` or ``"kv"``.
+        num_tokens: the restore size the plan was made for.
+        shape: the model's sizes.
+        rates: the rates used.
+        overlap: the timing model (see the module docstring).
+        cost: predicted cost of this plan.
+        pure: predicted cost of the pure plans (``"kv"``, ``"hidden"``, ``"recompute"``).
+        group_layers: hidden-state layers per state group (restored and rebuilt group by group).
+        dtype: the dtype of the stored state.
+    """
+
+    methods: tuple[str, ...]
+    num_tokens: int
+    shape: ModelShape
+    rates: Rates
+    overlap: bool
+    cost: PlanCost
+    pure: dict[str, PlanCost] = field(default_factory=dict)
+    group_layers: int = 4
+    dtype: torch.dtype = torch.float32
+
+    def layers(self, method: str) -> tuple[int, ...]:
+        """Model layers restored by ``method``."""
+        return tuple(i for i, m in enumerate(self.methods) if m == method)
+
+    @property
+    def hidden_groups(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """``(group name, model layers)`` of each hidden-state group, in layer order."""
+        hidden = self.layers(HIDDEN)
+        g = self.group_layers
+        return tuple(
+            (f"hidden.{j}", hidden[a : a + g]) for j, a in enumerate(range(0, len(hidden), g))
+        )
+
+    @property
+    def hidden_bytes(self) -> int:
+        return self.shape.hidden * self.dtype.itemsize
+
+    @property
+    def kv_bytes(self) -> int:
+        return 2 * self.shape.kv_dim * self.dtype.itemsize
+
+    def layout(self, chunk_tokens: int = 256) -> StateLayout:
+        """The mixed layout: a ``"kv"`` group for the KV layers, ``"hidden.j"`` groups after it.
+
+        Recomputed layers store nothing. Raises :class:`~bsr.ConfigError` for an all-recompute
+        plan (there is nothing to save; prefill instead).
+        """
+        name = _dtype_name(self.dtype)
+        groups = []
+        kv = self.layers(KV)
+        if kv:
+            groups.append(StateGroup(KV, len(kv), self.kv_bytes, dtype=name))
+        for gname, layers in self.hidden_groups:
+            groups.append(StateGroup(gname, len(layers), self.hidden_bytes, dtype=name))
+        if not groups:
+            raise ConfigError("an all-recompute plan stores nothing; prefill instead")
+        return StateLayout(chunk_tokens=chunk_tokens, groups=tuple(groups))
+
+    def __str__(self) -> str:
+        runs: list[str] = []
+        for m in (RECOMPUTE, HIDDEN, KV):
+            ls = self.layers(m)
+            if ls:
+                runs.append(f"{m} {ls[0]}-{ls[-1]}" if len(ls) > 1 else f"{m} {ls[0]}")
+        r = self.rates
+        lines = [
+            f"HCache plan for {self.num_tokens} tokens, {self.shape.model_type} "
+            f"{self.shape.num_layers} layers ({'overlapped' if self.overlap else 'sequential'}"
+            f" rebuild): " + ", ".join(runs),
+            f"  rates: read {r.read_bytes_per_s / 1e9:.2f} GB/s, project "
+            f"{r.project_s_per_token_layer * 1e6:.2f} us/token-layer, recompute "
+            f"{r.recompute_s_per_token_layer * 1e6:.2f} us/token-layer ({r.source})",
+            f"  {'plan':<10}{'io s':>9}{'project s':>11}{'recompute s':>13}{'total s':>10}"
+            f"{'MB':>9}",
+        ]
+        for name, c in (("this", self.cost), *self.pure.items()):
+            lines.append(
+                f"  {name:<10}{c.io_s:>9.4f}{c.project_s:>11.4f}{c.recompute_s:>13.4f}"
+                f"{c.total_s:>10.4f}{c.bytes / 1e6:>9.1f}"
+            )
+        return "\n".join(lines)
+
+
+def _cost(
+    s: ModelShape, n: int, r: int, h: int, rates: Rates, overlap: bool, itemsize: int, g: int
+) -> PlanCost:
+    k = s.num_layers - r - h
+    hb, kb = s.hidden * itemsize, 2 * s.kv_dim * itemsize
+    nbytes = n * (h * hb + k * kb)
+    io = nbytes / rates.read_bytes_per_s
+    proj = n * h * rates.project_s_per_token_layer
+    rec = n * r * rates.recompute_s_per_token_layer
+    if overlap:
+        bubble = n * min(g, h) * hb / rates.read_bytes_per_s
+        total = max(io, rec + proj + bubble)
+    else:
+        total = max(io, rec) + proj
+    return PlanCost(io, proj, rec, total, nbytes)
+
+
+def plan_layers(
+    config: Any,
+    num_tokens: int,
+    rates: Rates,
+    *,
+    overlap: bool = False,
+    allow_recompute: bool = True,
+    allow_hidden: bool = True,
+    group_layers: int = 4,
+    dtype: torch.dtype | None = None,
+) -> LayerPlan:
+    """Choose recompute / hidden-state / KV restore per layer so I/O and compute finish together.
+
+    Args:
+        config: the model's config (``model.config``); refused configs raise
+            :class:`~bsr.hcache.UnsupportedModelError` when hidden layers would be needed.
+        num_tokens: the restore size (tokens).
+        rates: from :func:`calibrate`, or given.
+        overlap: the timing model (see the module docstring); ``False`` matches the executor.
+        allow_recompute: whether the first layers may be recomputed.
+        allow_hidden: whether hidden-state layers may be used.
+        group_layers: hidden-state layers per state group.
+        dtype: the stored dtype (default the config's).
+
+    Returns:
+        The fastest plan; ties go to fewer bytes, then to fewer recomputed layers.
+    """
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
+        raise ConfigError(f"num_tokens must be an int >= 1, got {num_tokens!r}")
+    if isinstance(group_layers, bool) or not isinstance(group_layers, int) or group_layers < 1:
+        raise ConfigError(f"group_layers must be an int >= 1, got {group_layers!r}")
+    if not isinstance(rates, Rates):
+        raise ConfigError("rates must be a bsr.hcache.Rates (see bsr.hcache.calibrate)")
+    s = check_config(config)
+    dt = dtype or s.dtype
+    L, n, item = s.num_layers, num_tokens, dt.itemsize
+    best: tuple[tuple[float, int, int], int, int] | None = None
+    for r in range(L if allow_recompute else 1):  # at least one stored layer
+        for h in range(L - r + 1 if allow_hidden else 1):
+            c = _cost(s, n, r, h, rates, overlap, item, group_layers)
+            rank = (round(c.total_s, 12), c.bytes, r)
+            if best is None or rank < best[0]:
+                best = (rank, r, h)
+    assert best is not None
+    _, r, h = best
+    methods = (RECOMPUTE,) * r + (HIDDEN,) * h + (KV,) * (L - r - h)
+    pure = {
+        "all kv": _cost(s, n, 0, 0, rates, overlap, item, group_layers),
+        "all hidden": _cost(s, n, 0, L, rates, overlap, item, group_layers),
+        "recompute": PlanCost(
+            0.0,
+            0.0,
+            n * L * rates.recompute_s_per_token_layer,
+            n * L * rates.recompute_s_per_token_layer,
+            0,
+        ),
+    }
+    return LayerPlan(
+        methods,
+        n,
+        s,
+        rates,
+        overlap,
+        _cost(s, n, r, h, rates, overlap, item, group_layers),
+        pure,
+        group_layers,
+        dt,
+    )
+
+
+def fixed_plan(
+    config: Any,
+    methods: Sequence[str],
+    rates: Rates | None = None,
+    *,
+    group_layers: int = 4,
+    num_tokens: int = 1,
+    dtype: torch.dtype | None = None,
+) -> LayerPlan:
+    """A plan with the given per-layer methods (e.g. all ``"hidden"``), for tests and benches.
+
+    Methods must be ordered recompute, hidden, kv.
+    """
+    s = check_config(config)
+    order = {RECOMPUTE: 0, HIDDEN: 1, KV: 2}
+    ms = tuple(methods)
+    if len(ms) != s.num_layers or any(m not in order for m in ms):
+        raise ConfigError(
+            f"methods must give one of {sorted(order)} for each of the {s.num_layers} layers"
+        )
+    if [order[m] for m in ms] != sorted(order[m] for m in ms):
+        raise ConfigError("methods must list recompute layers first, then hidden, then kv")
+    rates = rates or Rates(1e9, 1e-9, 1e-9)
+    r, h = ms.count(RECOMPUTE), ms.count(HIDDEN)
+    dt = dtype or s.dtype
+    cost = _cost(s, num_tokens, r, h, rates, False, dt.itemsize, group_layers)
+    return LayerPlan(ms, num_tokens, s, rates, False, cost, {}, group_layers, dt)
+
+
+# ---------------------------------------------------------------- calibration
+_RATES: dict[tuple[Any, ...], Rates] = {}
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
+
+
+def measure_compute(model: Any, *, tokens: int = 512, repeats: int = 3) -> tuple[float, float]:
+    """(project, recompute) seconds per token and layer of ``model`` on its device.
+
+    Projection: :func:`~bsr.hcache._state.rebuild_rows` of every layer from random hidden
+    states into a scratch paged cache. Recompute: one prefill of ``tokens`` random tokens.
+    """
+    from ..transfer._cache import PagedKVCache
+    from ._arch import ModelAdapter
+    from ._state import rebuild_rows
+
+    a = ModelAdapter(model)
+    s = a.shape
+    bt = 16
+    tokens = max(bt, tokens // bt * bt)
+    nb = tokens // bt
+    name = _dtype_name(a.dtype)
+    item = a.dtype.itemsize
+    hl = StateLayout(tokens, (StateGroup("h", s.num_layers, s.hidden * item, dtype=name),))
+    kl = StateLayout(tokens, (StateGroup(KV, s.num_layers, 2 * s.kv_dim * item, dtype=name),))
+    src = PagedKVCache(hl, nb, bt, device=a.device)
+    src.typed("h").normal_()
+    dst = PagedKVCache(kl, nb, bt, device=a.device)
+    ids = torch.arange(nb)
+    proj: list[float] = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        rope = a.rope(0, tokens)
+        rebuild_rows(a, src, "h", range(s.num_layers), dst, ids, tokens, rope)
+        _sync(a.device)
+        proj.append(time.perf_counter() - t0)
+    vocab = int(getattr(model.config, "vocab_size", 32) or 32)
+    ids_in = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(0))
+    rec: list[float] = []
+    with torch.no_grad():
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            model(input_ids=ids_in.to(a.device), use_cache=True)
+            _sync(a.device)
+            rec.append(time.perf_counter() - t0)
+    per = tokens * s.num_layers
+    return _median(proj[1:]) / per, _median(rec[1:]) / per
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":  # pragma: no cover - no GPU in CI
+        torch.cuda.synchronize(device)
+
+
+def measure_read(
+    tier_factory: Any = None, *, mib: int = 64, window: int = 4, repeats: int = 3
+) -> float:
+    """Restore bandwidth (bytes/s) of a tier through a :class:`~bsr.RestoreEngine`.
+
+    Saves ``mib`` MiB of a scratch KV layout and restores it ``repeats`` times into a CPU paged
+    cache (the same path, verification and install as a real restore); returns the median.
+
+    Args:
+        tier_factory: ``callable(path) -> Tier``; default a :class:`~bsr.FileTier` in a
+            temporary directory.
+    """
+    import anyio
+
+    from ..core._keys import Namespace
+    from ..engine._engine import RestoreEngine
+    from ..tiers._file import FileTier
+    from ..transfer._cache import PagedKVCache
+
+    chunk, bt, row = 256, 16, 16384
+    n_chunks = max(1, (mib << 20) // (chunk * row))
+    layout = StateLayout(chunk, (StateGroup(KV, 1, row),))
+    n = n_chunks * chunk
+    cache = PagedKVCache(layout, n // bt, bt)
+    cache.tensor(KV).random_(0, 255)
+    ids = torch.arange(n // bt)
+    tokens = torch.arange(n)
+    with tempfile.TemporaryDirectory(prefix="bsr-calib-") as tmp:
+        tier = tier_factory(tmp) if tier_factory else FileTier(tmp, capacity_bytes=(mib + 16) << 20)
+
+        async def run() -> list[float]:
+            engine = RestoreEngine(
+                layout,
+                [tier],
+                window=window,
+                io_depth=min(window, 4),
+                namespace=Namespace("bsr-calibrate"),
+            )
+            out = []
+            async with engine:
+                await engine.save(tokens, cache, ids)
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    res = await engine.restore(tokens, cache, ids)
+                    out.append(time.perf_counter() - t0)
+                    if res.committed_tokens != n:
+                        raise ConfigError("calibration restore did not commit; check the tier")
+            return out
+
+        times = anyio.run(run)
+    return n * row / _median(times)
+
+
+def calibrate(
+    model: Any,
+    *,
+    tier_factory: Any = None,
+    tier_name: str = "file",
+    tokens: int = 512,
+    refresh: bool = False,
+    read_bytes_per_s: float | None = None,
+) -> Rates:
+    """Measure (once; cached per model, device and tier name) the rates :func:`plan_layers` needs.
+
+    Args:
+        model: the model (its device is where projections and recompute run).
+        tier_factory: ``callable(path) -> Tier`` for the read measurement (default FileTier).
+        tier_name: the cache key for the tier.
+        tokens: prefix length of the compute measurements.
+        refresh: measure again.
+        read_bytes_per_s: skip the read measurement and use this bandwidth.
+    """
+    from ._arch import ModelAdapter
+
+    dev = ModelAdapter(model).device
+    key = (id(model), str(dev), tier_name, tokens, read_bytes_per_s)
+    if not refresh and key in _RATES:
+        return _RATES[key]
+    proj, rec = measure_compute(model, tokens=tokens)
+    read = read_bytes_per_s if read_bytes_per_s is not None else measure_read(tier_factory)
+    rates = Rates(read, proj, rec, tokens, "measured")
+    _RATES[key] = rates
+    return rates
+
+
+__all__ = (
+    "HIDDEN",
+    "KV",
+    "RECOMPUTE",
+    "LayerPlan",
+    "PlanCost",
+    "Rates",
+    "calibrate",
+    "fixed_plan",
+    "measure_compute",
+    "measure_read",
+    "plan_layers",
+)

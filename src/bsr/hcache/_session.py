@@ -1,0 +1,432 @@
+"""HCache for a serving engine: capture while serving, save and restore a mixed plan.
+
+Where it runs: the serving process; :meth:`HCache.save` and :meth:`HCache.restore` on the event
+loop of a :class:`~bsr.RestoreEngine`, projections and recompute in worker threads.
+
+How it works: a :class:`~bsr.hcache.LayerPlan` splits the model's layers into recompute
+``[0, r)``, hidden-state ``[r, r + h)`` and KV ``[r + h, L)``. The serving K/V live in one
+:class:`~bsr.PagedKVCache` with the :mod:`bsr.hf` layout (group ``"kv"``, every layer). Captured
+hidden states of the hidden-state layers live in a second cache (:meth:`HCache.hidden_store`, the
+same block table), filled by :class:`HiddenCapture` forward pre-hooks during prefill and decode
+(no second forward) at each token's position.
+
+The engine sees the plan's mixed layout (:meth:`LayerPlan.layout`): its ``"kv"`` group is a view
+of the KV layers of the serving cache, its ``"hidden.j"`` groups are views of the hidden store
+(save) or, on restore, of the first ``hidden`` bytes of the hidden layers' own K/V rows when they
+fit (MHA: a hidden state is half a K/V row), so restored hidden states need no memory of their
+own; they are projected in place, block by block, into full K/V rows. Reads go through the
+engine's bounded window like any group. A restore is all-or-nothing for the whole request: the
+engine commits every group or none, and a failed projection or recompute turns a committed
+engine restore into an invalidated HCache restore (every block of the prefix reported invalid).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import torch
+
+from .._errors import ConfigError, LayoutError, UnsupportedModelError
+from ..core._layout import StateGroup, StateLayout, _dtype_name
+from ..core._results import RestoreResult, SaveResult
+from ..transfer._cache import PagedKVCache
+from ._arch import CheckReport, ModelAdapter, check_model, compare_rows
+from ._plan import HIDDEN, KV, RECOMPUTE, LayerPlan
+from ._state import rebuild_rows, token_rows
+
+#: the hidden store's group
+STORE_GROUP = "hidden"
+
+
+@dataclass(frozen=True)
+class HCacheRestore:
+    """Outcome of :meth:`HCache.restore`.
+
+    Attributes:
+        committed_tokens: tokens whose K/V are valid in the serving cache for every layer.
+        engine: the engine's result for the stored layers.
+        invalid_block_ids: blocks holding nothing valid (free them or prefill into them).
+        reason: why nothing was committed, or ``None``.
+        io_s: the engine restore.
+        rebuild_s: projections of the hidden-state layers.
+        recompute_s: recompute of the first layers (runs beside the reads).
+        total_s: wall time.
+    """
+
+    committed_tokens: int
+    engine: RestoreResult | None
+    invalid_block_ids: tuple[int, ...]
+    reason: str | None
+    io_s: float
+    rebuild_s: float
+    recompute_s: float
+    total_s: float
+
+    @property
+    def committed(self) -> bool:
+        return self.committed_tokens > 0
+
+
+class _StopForward(Exception):
+    pass
+
+
+class HCache:
+    """HCache restore for one model and plan.
+
+    Args:
+        model: a ``transformers`` causal LM of a supported architecture.
+        plan: the per-layer plan (:func:`~bsr.hcache.plan_layers` or
+            :func:`~bsr.hcache.fixed_plan`).
+        chunk_tokens: the engine layout's chunk size.
+        check: run :func:`~bsr.hcache.check_model` now (hidden-state layers are refused for a
+            model whose rebuilt K/V differ from its own).
+
+    Raises:
+        UnsupportedModelError: the plan uses hidden-state layers and the model is refused.
+    """
+
+    def __init__(
+        self, model: Any, plan: LayerPlan, *, chunk_tokens: int = 256, check: bool = True
+    ) -> None:
+        if not isinstance(plan, LayerPlan):
+            raise ConfigError("plan must be a bsr.hcache.LayerPlan (see plan_layers)")
+        self.model = model
+        self.plan = plan
+        self.adapter = ModelAdapter(model)
+        if plan.shape.num_layers != self.adapter.shape.num_layers:
+            raise LayoutError(
+                f"the plan is for {plan.shape.num_layers} layers, the model has "
+                f"{self.adapter.shape.num_layers}"
+            )
+        if plan.dtype != self.adapter.dtype:
+            raise LayoutError(
+                f"the plan stores {plan.dtype}, the model runs in {self.adapter.dtype}; make the "
+                "plan with dtype=model dtype"
+            )
+        self.report: CheckReport | None = None
+        self.refused: str | None = None
+        if check and plan.layers(HIDDEN):
+            self.report = check_model(model)
+        self.layout = plan.layout(chunk_tokens)
+        self._landing: torch.Tensor | None = None
+
+    # ------------------------------------------------------------- caches
+    @property
+    def kv_layout(self) -> StateLayout:
+        """The serving cache's layout (:func:`bsr.hf.layout_for_config`, one ``"kv"`` group)."""
+        s, name = self.adapter.shape, _dtype_name(self.adapter.dtype)
+        g = StateGroup(KV, s.num_layers, self.plan.kv_bytes, dtype=name)
+        return StateLayout(chunk_tokens=self.layout.chunk_tokens, groups=(g,))
+
+    def hidden_store(
+        self, num_blocks: int, block_tokens: int = 16, device: str | torch.device | None = None
+    ) -> PagedKVCache:
+        """A cache for the captured hidden states of the plan's hidden-state layers."""
+        n = max(1, len(self.plan.layers(HIDDEN)))
+        g = StateGroup(STORE_GROUP, n, self.plan.hidden_bytes, dtype=_dtype_name(self.plan.dtype))
+        layout = StateLayout(chunk_tokens=self.layout.chunk_tokens, groups=(g,))
+        return PagedKVCache(layout, num_blocks, block_tokens, device or self.adapter.device)
+
+    def _check_kv(self, kv_cache: PagedKVCache) -> torch.Tensor:
+        if not isinstance(kv_cache, PagedKVCache):
+            raise ConfigError("kv_cache must be a bsr.PagedKVCache with the bsr.hf layout")
+        try:
+            g = kv_cache.layout.group(KV)
+        except KeyError:
+            raise LayoutError(
+                "kv_cache has no 'kv' group; build it with HCache.kv_layout"
+            ) from None
+        if g.num_layers != self.adapter.shape.num_layers or g.token_bytes != self.plan.kv_bytes:
+            raise LayoutError(
+                f"kv_cache group 'kv' is {g.num_layers} layers x {g.token_bytes} B/token, the "
+                f"model needs {self.adapter.shape.num_layers} x {self.plan.kv_bytes}; build it "
+                "with HCache.kv_layout"
+            )
+        return kv_cache.tensor(KV)
+
+    def _view(self, kv_cache: PagedKVCache, hidden: dict[str, torch.Tensor]) -> PagedKVCache:
+        kv = self._check_kv(kv_cache)
+        tensors = dict(hidden)
+        kv_layers = self.plan.layers(KV)
+        if kv_layers:
+            tensors[KV] = kv[kv_layers[0] : kv_layers[-1] + 1]
+        return PagedKVCache(
+            self.layout, kv_cache.num_blocks, kv_cache.block_tokens, tensors=tensors
+        )
+
+    def save_view(self, kv_cache: PagedKVCache, store: PagedKVCache) -> PagedKVCache:
+        """The engine-layout cache to save from: KV layers of ``kv_cache``, hidden of ``store``.
+
+        Raises:
+            UnsupportedModelError: the capture self-check failed for this model.
+        """
+        if self.refused:
+            raise UnsupportedModelError(self.refused)
+        src = store.tensor(STORE_GROUP)
+        if store.num_blocks != kv_cache.num_blocks or store.block_tokens != kv_cache.block_tokens:
+            raise LayoutError(
+                "the hidden store and kv_cache must share num_blocks and block_tokens"
+            )
+        hidden: dict[str, torch.Tensor] = {}
+        j0 = 0
+        for name, layers in self.plan.hidden_groups:
+            hidden[name] = src[j0 : j0 + len(layers)]
+            j0 += len(layers)
+        return self._view(kv_cache, hidden)
+
+    def restore_view(self, kv_cache: PagedKVCache) -> PagedKVCache:
+        """The engine-layout cache to restore into (hidden states land inside the K/V rows)."""
+        kv = self._check_kv(kv_cache)
+        hb = self.plan.hidden_bytes
+        hidden: dict[str, torch.Tensor] = {}
+        if hb <= self.plan.kv_bytes:
+            for name, layers in self.plan.hidden_groups:
+                hidden[name] = kv[layers[0] : layers[-1] + 1, :, :, :hb]
+        else:  # GQA: a hidden state is larger than the K/V row; land it beside
+            n = len(self.plan.layers(HIDDEN))
+            shape = (n, kv_cache.num_blocks, kv_cache.block_tokens, hb)
+            if self._landing is None or tuple(self._landing.shape) != shape:
+                self._landing = torch.zeros(shape, dtype=torch.uint8, device=kv.device)
+            j0 = 0
+            for name, layers in self.plan.hidden_groups:
+                hidden[name] = self._landing[j0 : j0 + len(layers)]
+                j0 += len(layers)
+        return self._view(kv_cache, hidden)
+
+    # ------------------------------------------------------------- capture
+    def capture(self, store: PagedKVCache, block_ids: Any, *, verify: bool = True) -> HiddenCapture:
+        """Hooks that write the hidden-state layers' inputs into ``store`` while the model runs."""
+        return HiddenCapture(self, store, block_ids, verify=verify)
+
+    async def save(
+        self,
+        engine: Any,
+        tokens: Any,
+        kv_cache: PagedKVCache,
+        store: PagedKVCache,
+        block_ids: Any,
+    ) -> SaveResult:
+        """Save ``tokens``' state: KV layers from ``kv_cache``, hidden from ``store``."""
+        result: SaveResult = await engine.save(tokens, self.save_view(kv_cache, store), block_ids)
+        return result
+
+    # ------------------------------------------------------------- restore
+    def recompute(
+        self, tokens: Any, kv_cache: PagedKVCache, block_ids: Any, num_tokens: int
+    ) -> None:
+        """Prefill layers ``[0, r)`` of the plan on ``tokens[:num_tokens]``; write their K/V."""
+        from transformers import DynamicCache
+
+        r = len(self.plan.layers(RECOMPUTE))
+        if r == 0 or num_tokens == 0:
+            return
+        kv = self._check_kv(kv_cache)
+        ids = kv_cache.block_table(block_ids, num_tokens)
+        a = self.adapter
+        s = a.shape
+        inp = torch.as_tensor(tokens[:num_tokens], dtype=torch.int64).view(1, -1).to(a.device)
+        past = DynamicCache(config=self.model.config)
+
+        def stop(_m: Any, _a: Any) -> None:
+            raise _StopForward
+
+        handle = a.layers[r].register_forward_pre_hook(stop) if r < s.num_layers else None
+        try:
+            with torch.no_grad():
+                self.model(input_ids=inp, use_cache=True, past_key_values=past)
+        except _StopForward:
+            pass
+        finally:
+            if handle is not None:
+                handle.remove()
+        from ..hf import _model_layers
+
+        blocks, rows = token_rows(kv_cache, ids, 0, num_tokens)
+        typed = kv.view(self.plan.dtype)
+        for i, (k, v, _) in enumerate(_model_layers(past)[:r]):
+            data = torch.cat(
+                (
+                    k[0].transpose(0, 1).reshape(num_tokens, -1),
+                    v[0].transpose(0, 1).reshape(num_tokens, -1),
+                ),
+                1,
+            )
+            typed[i][blocks, rows] = data.to(typed.device)
+
+    def rebuild(
+        self, view: PagedKVCache, kv_cache: PagedKVCache, ids: torch.Tensor, n: int
+    ) -> None:
+        """Project every hidden-state group of ``view`` into ``kv_cache``, group by group."""
+        rope = self.adapter.rope(0, n)  # once per restore, shared by every layer
+        for name, layers in self.plan.hidden_groups:
+            rebuild_rows(self.adapter, view, name, layers, kv_cache, ids, n, rope)
+
+    async def restore(
+        self, engine: Any, tokens: Any, kv_cache: PagedKVCache, block_ids: Any, **kw: Any
+    ) -> HCacheRestore:
+        """Restore the longest stored prefix of ``tokens`` into ``kv_cache``, every layer.
+
+        Recompute of the first layers runs in a worker thread beside the engine's reads; the
+        hidden-state groups are projected after the engine committed (it reports nothing
+        earlier). Any failure leaves nothing reported reusable.
+        """
+        t0 = time.perf_counter()
+        view = self.restore_view(kv_cache)
+        r_layers = self.plan.layers(RECOMPUTE)
+        rec_s = 0.0
+        rec_n = 0
+        rec_err: BaseException | None = None
+
+        async def run_recompute(n: int) -> None:
+            nonlocal rec_s, rec_n, rec_err
+            t = time.perf_counter()
+            try:
+                await anyio.to_thread.run_sync(self.recompute, tokens, kv_cache, block_ids, n)
+                rec_n = n
+            except Exception as exc:  # reported as an invalidated restore
+                rec_err = exc
+            rec_s += time.perf_counter() - t
+
+        result: RestoreResult | None = None
+        async with anyio.create_task_group() as tg:
+            if r_layers:
+                probe = await engine.lookup(tokens)
+                if probe.prefix_tokens:
+                    tg.start_soon(run_recompute, probe.prefix_tokens)
+            result = await engine.restore(tokens, view, block_ids, **kw)
+        assert result is not None
+        io_s = result.timings.total_s
+        n = result.committed_tokens
+        ids = kv_cache.block_table(block_ids, n)
+        reason: str | None = None if n else (str(result.reason) if result.reason else "miss")
+        rebuild_s = 0.0
+        if n and r_layers and rec_err is None and rec_n < n:
+            await run_recompute(n)
+        if n and rec_err is not None:
+            reason = f"recompute failed: {rec_err!r}"
+        if n and reason is None and self.plan.layers(HIDDEN):
+            t = time.perf_counter()
+            try:
+                await anyio.to_thread.run_sync(self.rebuild, view, kv_cache, ids, n)
+            except Exception as exc:
+                reason = f"projection failed: {exc!r}"
+            rebuild_s = time.perf_counter() - t
+        if reason is not None:
+            touched = -(-n // kv_cache.block_tokens)
+            invalid = tuple(sorted(set(result.invalid_block_ids) | set(ids[:touched].tolist())))
+            return HCacheRestore(
+                0, result, invalid, reason, io_s, rebuild_s, rec_s, time.perf_counter() - t0
+            )
+        return HCacheRestore(n, result, (), None, io_s, rebuild_s, rec_s, time.perf_counter() - t0)
+
+
+class HiddenCapture:
+    """Forward pre-hooks that copy the plan's hidden-state layers' inputs into a store.
+
+    Use as a context manager around prefill and decode forwards of one request (batch row 0).
+    Each call writes the rows at the tokens' positions (``position_ids``, else a running count),
+    so a decode step appends one row per layer and a new turn appends its tokens: no second
+    forward pass and no rewrite of the history. On the first forward with ``verify=True`` the
+    K/V rebuilt from the captured rows are compared with the model's own cache on a sample of
+    tokens; a mismatch marks the :class:`HCache` refused (``save_view`` raises).
+
+    Attributes:
+        tokens: one past the last position written.
+        report: the capture-time self-check, once it ran.
+    """
+
+    def __init__(
+        self, hc: HCache, store: PagedKVCache, block_ids: Any, *, verify: bool = True
+    ) -> None:
+        self.hc = hc
+        self.store = store
+        self.set_block_ids(block_ids)
+        self.layers: tuple[int, ...] = hc.plan.layers(HIDDEN)
+        self.tokens = 0
+        self.report: CheckReport | None = None
+        self._verify = verify
+        self._sample: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._handles: list[Any] = []
+        self._typed = store.typed(STORE_GROUP)
+
+    def set_block_ids(self, block_ids: Any) -> None:
+        """Replace the request's block table (it grows as the request does)."""
+        self.ids = torch.as_tensor(block_ids, dtype=torch.int64).reshape(-1)
+
+    def __enter__(self) -> HiddenCapture:
+        a = self.hc.adapter
+        for j, layer in enumerate(self.layers):
+            self._handles.append(
+                a.layers[layer].register_forward_pre_hook(self._hook(j, layer), with_kwargs=True)
+            )
+        if self._verify and self.layers:
+            self._handles.append(self.hc.model.register_forward_hook(self._after, with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _hook(self, j: int, layer: int) -> Any:
+        bt = self.store.block_tokens
+
+        def hook(_m: Any, args: Any, kwargs: Any) -> None:
+            h = args[0] if args else kwargs["hidden_states"]
+            seq = h.shape[1]
+            pos = kwargs.get("position_ids")
+            if pos is not None:
+                p = pos.reshape(-1)[-seq:].to("cpu", torch.int64)
+            else:
+                start = self.tokens if j == 0 else self.tokens - seq
+                p = torch.arange(start, start + seq)
+            top = int(p.max()) + 1
+            if top > len(self.ids) * bt:
+                raise ConfigError(
+                    f"position {top - 1} is past the block table ({len(self.ids)} blocks of "
+                    f"{bt}); call set_block_ids with the grown table before this forward"
+                )
+            blocks = self.ids[p // bt].to(self.store.device)
+            rows = (p % bt).to(self.store.device)
+            self._typed[j][blocks, rows] = h[0].detach().to(self._typed.device, self._typed.dtype)
+            if j == 0:
+                self.tokens = max(self.tokens, top)
+            if self._verify and self.report is None and seq >= 2:
+                pick = torch.linspace(0, seq - 1, min(seq, 8)).long()
+                self._sample[layer] = (h[0, pick.to(h.device)].detach().clone(), p[pick])
+
+        return hook
+
+    def _after(self, _m: Any, _args: Any, _kwargs: Any, out: Any) -> None:
+        if self.report is not None or not self._sample:
+            return
+        from ..hf import _model_layers
+
+        past = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+        if past is None:
+            return
+        model_layers = _model_layers(past)
+        hidden, kv = [], []
+        pos = next(iter(self._sample.values()))[1]
+        adapter = self.hc.adapter
+        for layer in self.layers:
+            h, _ = self._sample[layer]
+            k, v, seen = model_layers[layer]
+            first = seen - k.shape[-2]
+            sel = (pos - first).to(k.device)
+            hidden.append(h)
+            kv.append((k[0][:, sel], v[0][:, sel]))
+        report = compare_rows(adapter, hidden, pos.to(adapter.device), kv, self.layers)
+        self.report = report
+        self._sample.clear()
+        if not report.ok:
+            self.hc.refused = (
+                f"capture self-check: hidden-state rebuild of this {report.model_type} model "
+                f"differs from its own K/V (relative error {report.max_error:.3g} > "
+                f"{report.tolerance:g} at layer {report.worst_layer}); hidden-state saving is "
+                "refused, store K/V for it"
+            )

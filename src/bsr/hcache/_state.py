@@ -1,0 +1,239 @@
+"""Hidden-state groups: their layouts, writing captured hidden states, rebuilding K/V.
+
+Where it runs: the serving process, next to a Hugging Face ``transformers`` model.
+
+How it works: a hidden-state group is an ordinary :class:`~bsr.StateGroup` whose token row is
+one layer's input hidden state (``hidden_size`` values). :func:`write_hidden_to_cache` copies
+captured hidden states into such a group at a token offset (appending, as a server does turn by
+turn); :func:`rebuild_rows` projects a group's rows into the ``"kv"`` group of a destination
+:class:`~bsr.PagedKVCache` (the :mod:`bsr.hf` layout), whole blocks at a time, with RoPE cos/sin
+computed once by the caller for the whole restore. :func:`rebuild_kv` is the older entry point
+that returns a ``DynamicCache``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .._errors import ConfigError, LayoutError
+from ..core._layout import StateGroup, StateLayout, _dtype_name
+from ..transfer._cache import PagedKVCache
+from ._arch import ModelAdapter, check_config
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache
+
+#: name of the hidden-state group of :func:`hidden_layout` (every layer)
+HIDDEN_GROUP = "hidden"
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes per token per layer of each way to store a model's reusable state."""
+
+    kv_bytes: int
+    hidden_bytes: int
+
+    @property
+    def hidden_to_kv(self) -> float:
+        """hidden / K+V bytes: < 1 means HCache moves fewer bytes."""
+        return self.hidden_bytes / self.kv_bytes
+
+    @property
+    def prefer_hidden(self) -> bool:
+        return self.hidden_bytes < self.kv_bytes
+
+    @property
+    def method(self) -> str:
+        return "hidden" if self.prefer_hidden else "kv"
+
+
+def compare_state_bytes(config: Any, *, dtype: torch.dtype | None = None) -> StateBytes:
+    """Bytes per token per layer of K+V and of the layer's input hidden state.
+
+    Bytes only: which is *faster* depends on the read bandwidth and the projection throughput,
+    which :func:`bsr.hcache.plan_layers` weighs.
+    """
+    s = check_config(config)
+    item = (dtype or s.dtype).itemsize
+    return StateBytes(kv_bytes=2 * s.kv_dim * item, hidden_bytes=s.hidden * item)
+
+
+def hidden_layout(
+    config: Any, *, chunk_tokens: int = 256, dtype: torch.dtype | None = None
+) -> StateLayout:
+    """A layout with one group ``"hidden"``: every layer's input hidden state per token."""
+    s = check_config(config)
+    dt = dtype or s.dtype
+    return StateLayout(
+        chunk_tokens=chunk_tokens,
+        groups=(
+            StateGroup(HIDDEN_GROUP, s.num_layers, s.hidden * dt.itemsize, dtype=_dtype_name(dt)),
+        ),
+    )
+
+
+def _int_arg(value: Any, what: str, low: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"{what} must be an int >= {low}, got {value!r}")
+    return value
+
+
+def token_rows(
+    cache: PagedKVCache, ids: torch.Tensor, lo: int, hi: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block, row) of tokens ``[lo, hi)`` for the validated block table ``ids``."""
+    t = torch.arange(lo, hi, dtype=torch.int64)
+    return ids[t // cache.block_tokens].to(cache.device), (t % cache.block_tokens).to(cache.device)
+
+
+def write_hidden_to_cache(
+    hidden_states: Sequence[torch.Tensor],
+    cache: PagedKVCache,
+    block_ids: Any,
+    num_tokens: int,
+    *,
+    batch_index: int = 0,
+    start: int = 0,
+    group: str = HIDDEN_GROUP,
+    offset: int | None = None,
+) -> None:
+    """Copy each layer's input hidden state for tokens ``[start, num_tokens)`` into the cache.
+
+    Args:
+        hidden_states: one tensor ``[batch, seq, hidden]`` per layer of ``group``, the input of
+            that layer: with ``model(..., output_hidden_states=True)`` that is
+            ``out.hidden_states[:L]`` (``hidden_states[i]`` enters layer ``i``).
+        cache: a cache with the hidden-state group ``group``.
+        block_ids: the request's block table.
+        num_tokens: the end of the tokens to write.
+        batch_index: which batch row to copy.
+        start: the first token to write; tokens before it are left as they are (a server appends
+            each turn's or decode step's tokens).
+        group: the hidden-state group to write.
+        offset: the token index of row 0 of ``hidden_states`` (default ``start``: a forward over
+            just the new tokens); pass 0 when the tensors hold the whole history.
+    """
+    num_tokens = _int_arg(num_tokens, "num_tokens")
+    start = _int_arg(start, "start")
+    if start > num_tokens:
+        raise ConfigError(f"start={start} is past num_tokens={num_tokens}")
+    first = start if offset is None else _int_arg(offset, "offset")
+    if first > start:
+        raise ConfigError(f"offset={first} is after start={start}: rows before it are missing")
+    g = cache.layout.group(group)
+    if len(hidden_states) < g.num_layers:
+        raise ConfigError(
+            f"need {g.num_layers} per-layer hidden states, got {len(hidden_states)}; pass "
+            "out.hidden_states[:num_layers] from a forward with output_hidden_states=True"
+        )
+    ids = cache.block_table(block_ids, num_tokens)
+    if num_tokens == start:
+        return
+    blocks, rows = token_rows(cache, ids, start, num_tokens)
+    typed = cache.typed(group)
+    for i in range(g.num_layers):
+        h = hidden_states[i][batch_index, start - first : num_tokens - first]
+        if h.shape[0] < num_tokens - start:
+            raise ConfigError(
+                f"layer {i} hidden state holds tokens [{first}, "
+                f"{first + hidden_states[i].shape[1]}), need [{start}, {num_tokens})"
+            )
+        if h.dtype != typed.dtype or h.shape[-1] != typed.shape[-1]:
+            raise LayoutError(
+                f"layer {i} hidden state is {h.dtype} x {h.shape[-1]}, the cache holds "
+                f"{typed.dtype} x {typed.shape[-1]}; build the layout with hidden_layout(config)"
+            )
+        typed[i][blocks, rows] = h.to(typed.device)
+
+
+def rebuild_rows(
+    adapter: ModelAdapter,
+    src: PagedKVCache,
+    group: str,
+    layers: Sequence[int],
+    dst: PagedKVCache,
+    ids: torch.Tensor,
+    num_tokens: int,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    *,
+    dst_group: str = "kv",
+    piece_tokens: int = 2048,
+) -> None:
+    """Project the hidden states of ``group`` (model layers ``layers``) into ``dst``'s K/V rows.
+
+    Works on whole blocks: ``index_select`` the hidden rows of up to ``piece_tokens`` tokens, one
+    GEMM into a reusable buffer, key norm and RoPE in place, ``index_copy_`` into the layer's
+    K/V blocks; a trailing partial block is written row by row. ``src`` may alias ``dst`` (the
+    hidden rows of layer ``i`` living in the first bytes of layer ``i``'s K/V rows): each piece is
+    read into a private buffer before its K/V are written.
+
+    Args:
+        rope: ``(cos, sin)`` for positions ``[0, num_tokens)`` from :meth:`ModelAdapter.rope`.
+    """
+    if num_tokens == 0:
+        return
+    bt = src.block_tokens
+    hid = src.typed(group)
+    out = dst.typed(dst_group)
+    cos, sin = rope
+    full = num_tokens // bt
+    per = max(1, piece_tokens // bt)
+    dev = adapter.device
+    buf = torch.empty(min(full, per) * bt or bt, adapter.row_elems, dtype=adapter.dtype, device=dev)
+    with torch.no_grad():
+        for j, layer in enumerate(layers):
+            src_l, dst_l = hid[j], out[layer]
+            for b0 in range(0, full, per):
+                b1 = min(full, b0 + per)
+                idx = ids[b0:b1].to(src.device)
+                h = torch.index_select(src_l, 0, idx).view(-1, hid.shape[-1]).to(dev)
+                lo, hi = b0 * bt, b1 * bt
+                rows = adapter.project(layer, h, cos[lo:hi], sin[lo:hi], out=buf[: hi - lo])
+                dst_l.index_copy_(0, idx.to(dst.device), rows.view(b1 - b0, bt, -1).to(dst.device))
+            if full * bt < num_tokens:
+                blocks, r = token_rows(src, ids, full * bt, num_tokens)
+                h = src_l[blocks, r].to(dev)
+                lo = full * bt
+                rows = adapter.project(layer, h, cos[lo:num_tokens], sin[lo:num_tokens])
+                dst_l[blocks.to(dst.device), r.to(dst.device)] = rows.to(dst.device)
+
+
+def rebuild_kv(
+    model: Any,
+    cache: PagedKVCache,
+    block_ids: Any,
+    num_tokens: int,
+    *,
+    device: str | torch.device | None = None,
+) -> DynamicCache:
+    """Recompute every layer's K/V from the ``"hidden"`` group; return a ``DynamicCache``.
+
+    For a paged engine prefer :class:`bsr.hcache.HCache`, which projects straight into the
+    destination :class:`~bsr.PagedKVCache` without this copy.
+    """
+    from transformers import DynamicCache
+
+    adapter = ModelAdapter(model)
+    s = adapter.shape
+    num_tokens = _int_arg(num_tokens, "num_tokens")
+    out = DynamicCache(config=model.config)
+    if num_tokens == 0:
+        return out
+    ids = cache.block_table(block_ids, num_tokens)
+    blocks, rows = token_rows(cache, ids, 0, num_tokens)
+    typed = cache.typed(HIDDEN_GROUP)
+    target = torch.device(device) if device is not None else adapter.device
+    cos, sin = adapter.rope(0, num_tokens)
+    with torch.no_grad():
+        for i in range(s.num_layers):
+            h = typed[i][blocks, rows].to(adapter.device)
+            kv = adapter.project(i, h, cos, sin).view(num_tokens, 2, s.kv_heads, s.head_dim)
+            k = kv[:, 0].transpose(0, 1).unsqueeze(0).contiguous().to(target)
+            v = kv[:, 1].transpose(0, 1).unsqueeze(0).contiguous().to(target)
+            out.update(k, v, i)
+    return out
