@@ -55,9 +55,15 @@ def chunk_digest(cache: PagedKVCache, ids: torch.Tensor, chunk: int) -> int:
 
 
 def _fill_random(t: torch.Tensor, gen: torch.Generator) -> None:
-    flat = t.reshape(-1)
-    n8 = flat.numel() // 8 * 8
-    flat[:n8].view(torch.int64).random_(generator=gen)
+    """Fill ``t`` in place (a block-range view is not contiguous: fill it layer by layer)."""
+    if not t.is_contiguous():
+        for sub in t:
+            _fill_random(sub, gen)
+        return
+    flat = t.view(-1)
+    n8 = flat.numel() // 8 * 8 if flat.storage_offset() % 8 == 0 else 0
+    if n8:
+        flat[:n8].view(torch.int64).random_(generator=gen)
     if n8 < flat.numel():
         flat[n8:].random_(0, 256, generator=gen)
 
