@@ -60,6 +60,12 @@ def store(tmp_path: Path) -> tuple[Path, bsr.SaveResult, bsr.SaveResult]:
     return root, saves[0], saves[1]
 
 
+def _has_marker_kind() -> bool:
+    from bsr.tiers import _file
+
+    return hasattr(_file, "MARKER_KIND")
+
+
 def _objects(root: Path) -> list[Path]:
     return sorted((root / "objects").glob("*/*.bsr"))
 
@@ -176,6 +182,10 @@ def test_usage_and_not_a_store(tmp_path: Path) -> None:
         assert p.returncode == 2, (args, p.stdout, p.stderr)
         assert "not a" in p.stderr and "FileTier" in p.stderr
     assert (tmp_path / "plain" / "notes.txt").exists()
+    other = tmp_path / "other"
+    (other / "objects").mkdir(parents=True)
+    (other / ".bsr-tier").write_text('{"kind": "something.Else", "version": 1}')
+    assert bsr_main("store", "ls", str(other)).returncode == (2 if _has_marker_kind() else 0)
     assert bsr_main("store").returncode == 2
     assert bsr_main("store", "gc", str(tmp_path)).returncode == 2  # --max-bytes missing
     bad_size = bsr_main("store", "gc", str(tmp_path), "--max-bytes", "lots")

@@ -19,8 +19,10 @@ evicts oldest modification time first, the order a FileTier rebuilds its LRU in 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import secrets
+import stat
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -119,49 +121,62 @@ class QuarantinedFile:
 
 
 # --------------------------------------------------------------------- the directory
-def _marker_names() -> tuple[str, ...]:
-    names = [".bsr-tier"]
-    for attr in ("MARKER", "MARKER_NAME", "ROOT_MARKER"):
-        value = getattr(_file, attr, None)
-        if isinstance(value, str) and value not in names:
-            names.insert(0, value)
-    return tuple(names)
+def _marker_name() -> str:
+    name = getattr(_file, "MARKER_NAME", ".bsr-tier")
+    return name if isinstance(name, str) else ".bsr-tier"
 
 
 def open_store(path: str | os.PathLike[str]) -> Path:
-    """The store root, after checking it is one (a root marker, or FileTier's subdirectories).
+    """The store root, after checking it is one: FileTier's root marker, or (a store written
+    before the marker existed) nothing but its ``objects/``, ``tmp/`` and ``quarantine/``.
 
     Raises:
-        NotAStoreError: missing, not a directory, or not laid out by a FileTier.
+        NotAStoreError: missing, not a directory, or not a FileTier root.
     """
     root = Path(path)
+    hint = "pass the directory given to FileTier(path, ...)"
     if not root.is_dir():
+        raise NotAStoreError(f"{str(root)!r} is not a directory; {hint}", path=str(root))
+    marker = root / _marker_name()
+    if marker.is_file() and not marker.is_symlink():
+        kind = getattr(_file, "MARKER_KIND", None)
+        try:
+            found = json.loads(marker.read_text("utf-8")).get("kind")
+        except (OSError, ValueError, AttributeError):
+            found = None
+        if kind is None or found == kind:
+            return root
         raise NotAStoreError(
-            f"{str(root)!r} is not a directory; pass the path given to FileTier(path, ...)",
+            f"{str(root)!r} has a {marker.name} marker of kind {found!r}, not {kind!r}; {hint}",
             path=str(root),
         )
-    if any((root / m).exists() for m in _marker_names()):
-        return root
-    if (root / "objects").is_dir() and (root / "quarantine").is_dir():
+    entries = {e.name for e in root.iterdir()}
+    if "objects" in entries and entries <= {"objects", "tmp", "quarantine"}:
         return root
     raise NotAStoreError(
-        f"{str(root)!r} is not a bsr FileTier store (no {_marker_names()[0]} marker and no "
-        "objects/ and quarantine/ directories); pass the path given to FileTier(path, ...)",
+        f"{str(root)!r} is not a bsr FileTier store (no {marker.name} marker, and it holds "
+        f"more than objects/, tmp/ and quarantine/); {hint}",
         path=str(root),
     )
 
 
 def _object_files(root: Path) -> Iterator[tuple[Path, str]]:
+    """Regular files named like objects, in their fan-out directory; nothing is followed."""
     objects = root / "objects"
-    if not objects.is_dir():
+    if objects.is_symlink() or not objects.is_dir():
         return
     for sub in sorted(objects.iterdir()):
-        if not sub.is_dir():
+        if sub.is_symlink() or not sub.is_dir():
             continue
         for f in sorted(sub.iterdir()):
-            oid = f.name[:-4] if f.name.endswith(".bsr") else ""
-            if _file._ID_RE.match(oid) and sub.name == oid[:2]:
-                yield f, oid
+            oid = f.name[: -len(".bsr")] if f.name.endswith(".bsr") else ""
+            if not _file._ID_RE.match(oid) or sub.name != oid[:2]:
+                continue
+            try:
+                if stat.S_ISREG(os.lstat(f).st_mode):
+                    yield f, oid
+            except FileNotFoundError:
+                continue
 
 
 def _group_names() -> dict[bytes, str]:
@@ -214,7 +229,7 @@ def list_quarantine(path: str | os.PathLike[str]) -> list[QuarantinedFile]:
     out = []
     if q.is_dir():
         for f in q.iterdir():
-            if not f.is_file():
+            if f.is_symlink() or not f.is_file():
                 continue
             parts = f.name.split(".")
             reason = (
