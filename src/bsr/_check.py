@@ -64,3 +64,71 @@ def byte_size(
             **fields,
         )
     return value
+
+
+def optional_positive_int(
+    value: Any, what: str, *, error: type[ConfigError] = ConfigError, **fields: Any
+) -> int | None:
+    """``None`` or a positive int (not a bool)."""
+    return None if value is None else positive_int(value, what, error=error, **fields)
+
+
+def finite_float(
+    value: Any,
+    what: str,
+    *,
+    minimum: float | None = None,
+    strict: bool = False,
+    none_ok: bool = False,
+    error: type[ConfigError] = ConfigError,
+    **fields: Any,
+) -> float:
+    """A finite real number (int or float, never a bool, a string, NaN or infinity).
+
+    Args:
+        value: the option's value.
+        what: its name, for the message.
+        minimum: lowest accepted value (inclusive, or exclusive when ``strict``).
+        strict: ``value`` must be strictly greater than ``minimum``.
+        none_ok: the option also accepts None (said in the message; the caller handles None).
+    """
+    import math
+
+    alt = " or None" if none_ok else ""
+
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise error(
+            f"{what} must be an int or float{alt}, got {type(value).__name__} {value!r}",
+            **fields,
+        )
+    if not math.isfinite(value):
+        raise error(f"{what} must be a finite number{alt}, got {value!r}", **fields)
+    if minimum is not None and (value <= minimum if strict else value < minimum):
+        bound = f"> {minimum:g}" if strict else f">= {minimum:g}"
+        raise error(f"{what} must be {bound}{alt}, got {value!r}", **fields)
+    return float(value)
+
+
+def positive_float(
+    value: Any, what: str, *, error: type[ConfigError] = ConfigError, **fields: Any
+) -> float:
+    """A finite number > 0."""
+    return finite_float(value, what, minimum=0.0, strict=True, error=error, **fields)
+
+
+def non_negative_float(
+    value: Any, what: str, *, error: type[ConfigError] = ConfigError, **fields: Any
+) -> float:
+    """A finite number >= 0."""
+    return finite_float(value, what, minimum=0.0, error=error, **fields)
+
+
+def optional_positive_float(
+    value: Any, what: str, *, error: type[ConfigError] = ConfigError, **fields: Any
+) -> float | None:
+    """``None`` or a finite number > 0 (e.g. an optional deadline)."""
+    if value is None:
+        return None
+    return finite_float(
+        value, what, minimum=0.0, strict=True, none_ok=True, error=error, **fields
+    )

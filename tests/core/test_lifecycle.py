@@ -31,15 +31,35 @@ def test_mermaid_diagram_is_not_stale() -> None:
     assert on_disk == mermaid(), "regenerate with: bsr spec diagram --write"
 
 
+LAYOUT = bsr.StateLayout(chunk_tokens=16, groups=(bsr.StateGroup("kv", 1, 64),))
+
+
+def installed(n: int) -> set[tuple[int, str]]:
+    return {(c, "kv") for c in range(n)}
+
+
+def windowing(prefix: int = 3, policy: bsr.Policy = bsr.Policy.ALL_OR_NOTHING) -> RequestLifecycle:
+    """A request in Windowing whose facts are the records of a run (nothing installed yet)."""
+    life = RequestLifecycle("r")
+    life.facts.layout = LAYOUT
+    life.facts.policy = policy
+    life.facts.prefix_chunks = prefix
+    life.fire("probe_hit")
+    life.facts.target_chunks = prefix
+    return life
+
+
 def test_happy_path() -> None:
     life = RequestLifecycle("r")
     assert life.state is bsr.RequestState.PROBING
+    life.facts.layout = LAYOUT
     life.facts.prefix_chunks = 3
     life.fire("probe_hit")
     life.facts.target_chunks = 3
-    life.facts.every_chunk_installed = True
+    life.facts.installed = installed(3)
+    life.facts.agreed_chunks = 3
     life.fire("chunks_installed")
-    life.facts.all_ranks_installed = True
+    life.facts.all_ranks_voted_yes = True
     life.fire("commit", bsr.Reason.COMPLETE)
     assert life.state is bsr.RequestState.COMMITTED and life.terminal
     assert [(t.source, t.dest) for t in life.trace] == [
@@ -67,17 +87,59 @@ def test_illegal_trigger_raises_and_changes_nothing(trigger: str) -> None:
 
 
 def test_guards_block_commit_before_every_chunk_is_installed() -> None:
-    life = RequestLifecycle("r")
-    life.facts.prefix_chunks = 2
-    life.fire("probe_hit")
-    life.facts.target_chunks = 2
+    life = windowing(2)
+    life.facts.agreed_chunks = 2
     with pytest.raises(bsr.GuardRejectedError):
         life.fire("chunks_installed")
     assert life.state is bsr.RequestState.WINDOWING
-    life.facts.every_chunk_installed = True
+    life.facts.installed = installed(2)
     life.fire("chunks_installed")
     with pytest.raises(bsr.GuardRejectedError):
         life.fire("commit")  # other ranks have not agreed
+    assert life.state is bsr.RequestState.INSTALLED
+
+
+def test_guard_evaluates_the_installed_set_not_a_flag() -> None:
+    """Every object but one installed: the guard computes that and rejects."""
+    life = windowing(3)
+    life.facts.agreed_chunks = 3
+    life.facts.installed = installed(3) - {(1, "kv")}
+    with pytest.raises(bsr.GuardRejectedError):
+        life.fire("chunks_installed")
+    assert life.state is bsr.RequestState.WINDOWING and life.trace[-1].dest == "Windowing"
+
+
+def test_guard_rejects_a_prefix_the_ranks_did_not_agree_on() -> None:
+    life = windowing(3)
+    life.facts.installed = installed(3)
+    life.facts.agreed_chunks = 2  # another rank has less
+    with pytest.raises(bsr.GuardRejectedError):
+        life.fire("chunks_installed")
+    with pytest.raises(bsr.GuardRejectedError):
+        life.fire("truncate")  # all_or_nothing never truncates
+    assert life.state is bsr.RequestState.WINDOWING
+
+
+def test_truncate_guard_needs_the_truncate_policy_and_the_shorter_prefix() -> None:
+    life = windowing(3, bsr.Policy.TRUNCATE)
+    life.facts.installed = installed(2)
+    life.facts.agreed_chunks = 3
+    with pytest.raises(bsr.GuardRejectedError):
+        life.fire("truncate")  # agreed == target: not a truncation
+    life.facts.agreed_chunks = 2
+    life.fire("truncate")
+    assert life.state is bsr.RequestState.INSTALLED
+
+
+def test_commit_guard_rechecks_the_installed_prefix() -> None:
+    life = windowing(2)
+    life.facts.installed = set(installed(2))
+    life.facts.agreed_chunks = 2
+    life.fire("chunks_installed")
+    life.facts.all_ranks_voted_yes = True
+    life.facts.installed.discard((0, "kv"))  # e.g. a failed device sync cleared it
+    with pytest.raises(bsr.GuardRejectedError):
+        life.fire("commit")
     assert life.state is bsr.RequestState.INSTALLED
 
 

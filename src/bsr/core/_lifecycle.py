@@ -15,7 +15,8 @@ from __future__ import annotations
 import enum
 import json
 import time
-from dataclasses import dataclass
+from collections.abc import Collection
+from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
 from typing import Any
@@ -24,6 +25,9 @@ from transitions import Machine, MachineError
 
 from .._errors import GuardRejectedError, IllegalTransitionError
 from .._log import logger
+from ._layout import StateLayout
+from ._options import Policy
+from ._plan import prefix_usable
 
 
 class RequestState(str, enum.Enum):
@@ -58,6 +62,7 @@ class Reason(str, enum.Enum):
     COORDINATOR_FAILED = "coordinator_failed"
     ENGINE_CLOSED = "engine_closed"
     INTERNAL_ERROR = "internal_error"
+    STAGING_BUDGET = "staging_budget"
 
     def __str__(self) -> str:
         return self.value
@@ -84,17 +89,31 @@ class TransitionRecord:
 
 @dataclass
 class RequestFacts:
-    """What the guards look at; the engine updates these, the table decides."""
+    """What the guards look at: records of the run, never verdicts set before firing.
 
+    The engine records what happened (the agreed probe prefix, the window's target, the set of
+    installed (chunk, group) objects, the prefix the ranks agreed on, the ranks' AND vote); each
+    guard evaluates its condition from these records when a trigger fires, so a trigger whose
+    condition does not hold is rejected and the state stays unchanged.
+    """
+
+    layout: StateLayout | None = None
+    policy: Policy = Policy.ALL_OR_NOTHING
     prefix_chunks: int = 0
     target_chunks: int = 0
-    every_chunk_installed: bool = False
-    truncated_chunks: int = 0
-    all_ranks_installed: bool = False
+    installed: Collection[tuple[int, str]] = field(default_factory=frozenset)
+    agreed_chunks: int = 0
+    all_ranks_voted_yes: bool = False
+
+    def installed_through(self, prefix_chunks: int) -> bool:
+        """Whether every object a prefix of ``prefix_chunks`` chunks needs is installed."""
+        if self.layout is None or prefix_chunks <= 0:
+            return False
+        return prefix_usable(self.layout, prefix_chunks, lambda c, g: (c, g) in self.installed)
 
 
 class _Model:
-    """The object ``transitions`` drives; guards are its methods."""
+    """The object ``transitions`` drives; guards are its methods, evaluated from the facts."""
 
     state: str
 
@@ -108,16 +127,24 @@ class _Model:
         return self.facts.prefix_chunks == 0
 
     def every_chunk_installed(self) -> bool:
-        return self.facts.target_chunks > 0 and self.facts.every_chunk_installed
+        f = self.facts
+        return (
+            f.target_chunks > 0
+            and f.agreed_chunks == f.target_chunks
+            and f.installed_through(f.target_chunks)
+        )
 
     def truncated_prefix_installed(self) -> bool:
+        f = self.facts
         return (
-            0 < self.facts.truncated_chunks <= self.facts.target_chunks
-            and self.facts.every_chunk_installed
+            f.policy is Policy.TRUNCATE
+            and 0 < f.agreed_chunks < f.target_chunks
+            and f.installed_through(f.agreed_chunks)
         )
 
     def all_ranks_installed(self) -> bool:
-        return self.facts.all_ranks_installed
+        f = self.facts
+        return f.all_ranks_voted_yes and f.installed_through(f.agreed_chunks)
 
 
 def _machine_kwargs() -> dict[str, Any]:

@@ -2,44 +2,20 @@
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Protocol
 
-from .._errors import ConfigError
 from ._keys import ChunkKey
 from ._lifecycle import Reason, RequestState, TransitionRecord
-
-E = TypeVar("E", bound=enum.Enum)
-
-
-class Policy(str, enum.Enum):
-    """What a restore may commit when part of the prefix cannot be installed."""
-
-    #: full reuse of the agreed prefix or zero external reuse (default)
-    ALL_OR_NOTHING = "all_or_nothing"
-    #: commit the longest agreed prefix of fully installed chunks (never a partial chunk/group)
-    TRUNCATE = "truncate"
+from ._options import Policy as Policy
+from ._options import Strategy as Strategy
+from ._options import choice as choice
 
 
-class Strategy(str, enum.Enum):
-    """How bytes move during a restore."""
+class Releasable(Protocol):
+    """Something held that must be given back (a probe's tier leases)."""
 
-    #: stream through the engine's W staging slots (RWS <= W x slot_bytes)
-    BOUNDED = "bounded"
-    #: LMCache-style baseline: read every hit chunk into host memory, then install (RWS = |S|)
-    WHOLE_PLAN = "whole_plan"
-
-
-def choice(enum_type: type[E], value: object, what: str) -> E:
-    """``enum_type(value)`` with a :class:`~bsr.ConfigError` that lists the choices."""
-    try:
-        return enum_type(value)
-    except ValueError:
-        options = ", ".join(repr(m.value) for m in enum_type)  # type: ignore[attr-defined]
-        raise ConfigError(
-            f"unknown {what} {value!r}; use one of {options}", **{what: value}
-        ) from None
+    def release(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -65,6 +41,17 @@ class Probe:
     prefix_chunks: int
     bytes_by_tier: dict[str, int]
     duration_s: float
+    #: digest of (namespace, tokens) so ``restore(..., probe=probe)`` can check it was made
+    #: for the same tokens by an engine of the same namespace
+    digest: bytes = b""
+    #: the tier leases taken by ``lookup(..., lease_ttl_s=...)`` (released by the restore that
+    #: uses this probe, by :meth:`release`, or when their TTL passes)
+    lease: Releasable | None = field(default=None, compare=False, repr=False)
+
+    def release(self) -> None:
+        """Give back the leases this probe holds (idempotent; a restore does it for you)."""
+        if self.lease is not None:
+            self.lease.release()
 
     @property
     def prefix_tokens(self) -> int:

@@ -1,51 +1,89 @@
 """RestoreEngine: probe, bounded windowed restore with all-or-nothing commit, and save.
 
 Where it runs: the serving process's event loop (any anyio backend); one engine per rank.
-The decision side (probe, plan, state machine, agreement) is synchronous or metadata-only; the
-transfer side is a small pipeline the engine owns::
 
-    dispatcher --(slot per chunk, FIFO from the W-slot pool)--> readers (io_depth reads in flight,
-    fallback ladder, verify) --(bounded stream)--> installer (slot -> paged cache) -> release
+How it works: a restore is a sequence of named phases, each a method below::
 
-Every slot a request takes is tracked in the request's ``held`` set and released exactly once,
-by the installer after the copy completed, or by the request's ``finally`` on failure, deadline
-and cancellation (invariant 4). Nothing is committed until every needed (chunk, group) is
+    probe   (Probing)     keys + metadata-only tier queries under the deadline, then agreement
+    window  (Windowing)   the transfer pipeline streams the agreed chunks through the W slots
+    settle               device copies landed; corrupt objects moved out of their tiers (bounded)
+    agree   (Installed)   local vote -> MIN/AND across ranks -> commit or invalidate
+    release  (finally)    every slot still held goes back (or is parked), leases are released
+
+The decision side lives here and in :mod:`bsr.engine._decisions`: the transfer side reports an
+outcome per read attempt and the engine's gate decides quarantine and tier health. The commit
+rule is the pure functions of :mod:`bsr.core._commit`; the lifecycle's guards check the same
+facts again, computed from the run. Nothing is committed until every needed (chunk, group) is
 installed on this rank and every rank votes yes (invariants 1 and 2).
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any
 
 import anyio
-import torch
 
+from .._check import (
+    byte_size,
+    non_negative_float,
+    optional_positive_float,
+    optional_positive_int,
+    positive_float,
+    positive_int,
+)
 from .._errors import ClosedError, ConfigError, CoordinatorError
 from .._log import logger
-from ..core._keys import ChunkKey, Namespace, ObjectKey, TokensLike, as_token_array, chunk_keys
+from ..core._commit import (
+    choose_trigger,
+    commit_reason,
+    installed_usable,
+    invalidation_reason,
+    local_vote,
+)
+from ..core._keys import ChunkKey, Namespace, ObjectKey, TokensLike, chunk_keys, token_count
 from ..core._layout import StateLayout
 from ..core._lifecycle import Reason, RequestLifecycle, RequestState
-from ..core._plan import longest_prefix, longest_prefix_upto, needed_objects, prefix_usable
-from ..core._results import Policy, Probe, RestoreResult, SaveResult, Strategy, Timings, choice
-from ..tiers._base import Tier, TierStatistics
+from ..core._options import Policy, Strategy, choice
+from ..core._plan import needed_objects
+from ..core._results import Probe, RestoreResult, SaveResult
+from ..tiers._base import Tier, TierLease, TierStatistics
 from ..transfer._cache import PagedKVCache
-from ..transfer._pipeline import RestoreRun, SlotSource, WholePlanBuffer, WindowPipeline
+from ..transfer._pipeline import ChunkFailure, RestoreRun, WholePlanBuffer, WindowPipeline
 from ..transfer._save import save_chunks
 from ..transfer._staging import StagingPool, StagingStatistics
 from ._coordinator import Coordinator, LocalCoordinator
+from ._decisions import Quarantine, RestoreGate
 from ._health import BreakerState, TierHealth
+from ._probe import Prober, digest
+from ._request import RestoreRequest
+
+Record = Probe | RestoreResult | SaveResult
+
+#: after a deadline or cancellation, how long a restore waits for its worker threads to return
+#: before it abandons them (their slots stay parked until they do)
+ABANDON_GRACE_S = 0.25
 
 
 @dataclass(frozen=True)
 class EngineStatistics:
-    """Snapshot of an engine: staging pool, tiers and request counters."""
+    """Snapshot of an engine.
+
+    Attributes:
+        staging: the shared W-slot pool.
+        tiers: each tier's counters, fastest first.
+        restores, committed, invalidated, saves: request counters.
+        quarantined: objects this engine no longer uses (corrupt or unreadable).
+        breakers: each tier's circuit breaker.
+        abandoned_workers: worker threads left running after their request ended (a read stuck
+            in the kernel); their slots are parked until they return.
+        leases: probe leases currently held.
+    """
 
     staging: StagingStatistics
     tiers: tuple[TierStatistics, ...]
@@ -55,6 +93,23 @@ class EngineStatistics:
     saves: int
     quarantined: int
     breakers: tuple[BreakerState, ...] = ()
+    abandoned_workers: int = 0
+    leases: int = 0
+
+
+class _ProbeLease:
+    """The tier leases of one lookup; released once, by the restore or by the caller."""
+
+    def __init__(self, leases: list[TierLease], owner: set[_ProbeLease]) -> None:
+        self._leases = leases
+        self._owner = owner
+        owner.add(self)
+
+    def release(self) -> None:
+        self._owner.discard(self)
+        leases, self._leases = self._leases, []
+        for lease in leases:
+            lease.release()
 
 
 class RestoreEngine:
@@ -75,7 +130,14 @@ class RestoreEngine:
             restore; the window is resident from the start).
         breaker_threshold: consecutive I/O failures or timeouts after which a tier is skipped
             for ``breaker_cooldown_s`` (None: never skip a tier).
-        breaker_cooldown_s: how long a tripped tier is skipped before it is tried again.
+        breaker_cooldown_s: how long a tripped tier is skipped before one trial call.
+        shield_timeout_s: the bound on every call bsr must finish even when the request is
+            cancelled (moving a corrupt object out of its tier, waiting for device copies,
+            closing a tier): such a call is shielded from cancellation but never waits longer
+            than this (default 5 s), and a request's deadline shortens it further.
+        staging_budget_bytes: host staging the engine may use. The bounded window must fit in
+            it (else ConfigError); a whole-plan restore whose plan exceeds it ends Invalidated
+            with reason ``staging_budget`` before allocating anything. None: no budget.
     """
 
     def __init__(
@@ -93,69 +155,53 @@ class RestoreEngine:
         prefault_staging: bool = True,
         breaker_threshold: int | None = 3,
         breaker_cooldown_s: float = 5.0,
+        shield_timeout_s: float = 5.0,
+        staging_budget_bytes: int | str | None = None,
     ) -> None:
         if not isinstance(layout, StateLayout):
             raise ConfigError(f"layout must be a StateLayout, got {type(layout).__name__}")
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ConfigError(f"window (W) must be an int >= 1, got {window!r}; e.g. window=8")
-        if (
-            isinstance(io_depth, bool)
-            or not isinstance(io_depth, int)
-            or not 1 <= io_depth <= window
-        ):
+        self.window = window
+        if isinstance(io_depth, bool) or not isinstance(io_depth, int) or not 1 <= io_depth <= window:
             raise ConfigError(
                 f"io_depth must be an int in [1, window={window}], got {io_depth!r}; more reads "
                 "in flight than slots cannot help, raise window or lower io_depth"
             )
-        tiers = list(tiers)
-        if not tiers or not all(isinstance(t, Tier) for t in tiers):
-            raise ConfigError("tiers must be a non-empty list of Tier objects, fastest first")
-        names = [t.name for t in tiers]
-        if len(set(names)) != len(names):
-            raise ConfigError(f"tier names must be unique, got {names}; pass name=... to each tier")
+        self.io_depth = io_depth
+        self.tiers = self._check_tiers(tiers)
         if not isinstance(namespace, Namespace):
             raise ConfigError("namespace must be a bsr.Namespace(model_id=...)")
-        if deadline_s is not None and deadline_s <= 0:
-            raise ConfigError(f"deadline_s must be > 0 or None, got {deadline_s}")
         self.layout = layout
-        self.tiers = tiers
-        self.window = window
-        self.io_depth = io_depth
         self.namespace = namespace
         self.namespace_fp = namespace.fingerprint(layout)
         self.coordinator: Coordinator = coordinator or LocalCoordinator()
-        if (
-            self.coordinator.world_size != namespace.tp_size
-            or self.coordinator.rank != namespace.tp_rank
-        ):
-            raise ConfigError(
-                f"coordinator is rank {self.coordinator.rank} of {self.coordinator.world_size} "
-                f"but the namespace says tp_rank={namespace.tp_rank}, "
-                f"tp_size={namespace.tp_size}; make them agree"
-            )
+        self._check_coordinator()
         self.policy = choice(Policy, policy, "policy")
-        self.deadline_s = deadline_s
-        self.pin_staging = pin_staging
-        self.prefault_staging = prefault_staging
-        self.health = TierHealth(names, threshold=breaker_threshold, cooldown_s=breaker_cooldown_s)
+        self.deadline_s = optional_positive_float(deadline_s, "deadline_s")
+        self.pin_staging = _flag(pin_staging, "pin_staging")
+        self.prefault_staging = _flag(prefault_staging, "prefault_staging")
+        self.shield_timeout_s = positive_float(shield_timeout_s, "shield_timeout_s")
+        self.staging_budget_bytes = self._check_budget(staging_budget_bytes)
+        self.health = TierHealth(
+            [t.name for t in self.tiers],
+            threshold=optional_positive_int(breaker_threshold, "breaker_threshold"),
+            cooldown_s=non_negative_float(breaker_cooldown_s, "breaker_cooldown_s"),
+        )
         self._pool: StagingPool | None = None
         self._state = "new"
-        self._quarantine: set[tuple[str, str]] = set()
+        self._quarantine = Quarantine()
+        self._leases: set[_ProbeLease] = set()
         self._ids = itertools.count()
         self._counts = {"restores": 0, "committed": 0, "invalidated": 0, "saves": 0}
         self._log = logger.bind(rank=namespace.tp_rank, model=namespace.model_id)
-        self._listeners: list[Callable[[Probe | RestoreResult | SaveResult], None]] = []
+        self._listeners: list[Callable[[Record], None]] = []
+        self._prober = Prober(
+            layout, self.tiers, self.namespace_fp, self.health, self._quarantine,
+            self.coordinator, self._log,
+        )  # fmt: skip
         # the transfer side; one per engine, so its CUDA side stream is made once
-        self._window = WindowPipeline(
-            self.layout,
-            self.tiers,
-            window=self.window,
-            io_depth=self.io_depth,
-            is_quarantined=lambda tier, oid: (tier, oid) in self._quarantine,
-            quarantine=self._quarantine_object,
-            log=self._log,
-            health=self.health,
-        )
+        self._window = WindowPipeline(layout, self.tiers, window=window, io_depth=io_depth)
 
     @classmethod
     def from_config(
@@ -172,6 +218,38 @@ class RestoreEngine:
         return engine_from_config(
             config, layout=layout, namespace=namespace, coordinator=coordinator
         )
+
+    @staticmethod
+    def _check_tiers(tiers: Sequence[Tier]) -> list[Tier]:
+        tiers = list(tiers)
+        if not tiers or not all(isinstance(t, Tier) for t in tiers):
+            raise ConfigError("tiers must be a non-empty list of Tier objects, fastest first")
+        names = [t.name for t in tiers]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"tier names must be unique, got {names}; pass name=... to each tier")
+        return tiers
+
+    def _check_coordinator(self) -> None:
+        c, ns = self.coordinator, self.namespace
+        if c.world_size != ns.tp_size or c.rank != ns.tp_rank:
+            raise ConfigError(
+                f"coordinator is rank {c.rank} of {c.world_size} but the namespace says "
+                f"tp_rank={ns.tp_rank}, tp_size={ns.tp_size}; make them agree"
+            )
+
+    def _check_budget(self, budget: int | str | None) -> int | None:
+        if budget is None:
+            return None
+        nbytes = byte_size(budget, "staging_budget_bytes")
+        window_bytes = self.window * self.layout.slot_bytes
+        if window_bytes > nbytes:
+            raise ConfigError(
+                f"the window needs {window_bytes} bytes of staging ({self.window} slots of "
+                f"{self.layout.slot_bytes}) but staging_budget_bytes is {nbytes}; lower window "
+                f"to at most {nbytes // self.layout.slot_bytes} or raise the budget",
+                window=self.window,
+            )
+        return nbytes
 
     # ------------------------------------------------------------------ lifecycle
     async def __aenter__(self) -> RestoreEngine:
@@ -192,29 +270,34 @@ class RestoreEngine:
         for t in self.tiers:
             await t.open()
         self._pool = StagingPool(
-            self.window,
-            self.layout.slot_bytes,
-            pin=self.pin_staging,
+            self.window, self.layout.slot_bytes, pin=self.pin_staging,
             prefault=self.prefault_staging,
-        )
+        )  # fmt: skip
         self._state = "open"
         self._log.info(
-            "bsr.engine.opened",
-            window=self.window,
-            io_depth=self.io_depth,
-            slot_bytes=self.layout.slot_bytes,
-            pinned=self._pool.pinned,
+            "bsr.engine.opened", window=self.window, io_depth=self.io_depth,
+            slot_bytes=self.layout.slot_bytes, pinned=self._pool.pinned,
             tiers=[t.name for t in self.tiers],
-        )
+        )  # fmt: skip
 
     async def aclose(self) -> None:
-        """Close every tier. Later calls raise :class:`~bsr.ClosedError`."""
+        """Release leases and close every tier (each bounded by ``shield_timeout_s``).
+
+        Later calls raise :class:`~bsr.ClosedError`.
+        """
         if self._state == "closed":
             return
         self._state = "closed"
+        for lease in list(self._leases):
+            lease.release()
         for t in self.tiers:
-            with anyio.CancelScope(shield=True):
-                await t.aclose()
+            with anyio.CancelScope(shield=True), anyio.move_on_after(self.shield_timeout_s) as sc:
+                try:
+                    await t.aclose()
+                except Exception as exc:
+                    self._log.warning("bsr.tier.close_failed", tier=t.name, error=repr(exc))
+            if sc.cancelled_caught:
+                self._log.warning("bsr.tier.close_timeout", tier=t.name)
         self._log.info("bsr.engine.closed")
 
     def _check_open(self) -> StagingPool:
@@ -235,17 +318,14 @@ class RestoreEngine:
         return EngineStatistics(
             staging=pool.statistics(),
             tiers=tuple(t.statistics() for t in self.tiers),
-            restores=self._counts["restores"],
-            committed=self._counts["committed"],
-            invalidated=self._counts["invalidated"],
-            saves=self._counts["saves"],
+            **self._counts,
             quarantined=len(self._quarantine),
             breakers=tuple(self.health.state(t.name) for t in self.tiers),
+            abandoned_workers=self._window.abandoned_workers,
+            leases=len(self._leases),
         )
 
-    def subscribe(
-        self, listener: Callable[[Probe | RestoreResult | SaveResult], None]
-    ) -> Callable[[], None]:
+    def subscribe(self, listener: Callable[[Record], None]) -> Callable[[], None]:
         """Call ``listener`` with every Probe (lookups), RestoreResult and SaveResult.
 
         Listeners run synchronously on the event loop right after the operation finished (keep
@@ -255,7 +335,7 @@ class RestoreEngine:
         self._listeners.append(listener)
         return lambda: self._listeners.remove(listener) if listener in self._listeners else None
 
-    def _notify(self, record: Probe | RestoreResult | SaveResult) -> None:
+    def _notify(self, record: Record) -> None:
         for listener in list(self._listeners):
             try:
                 listener(record)
@@ -271,99 +351,48 @@ class RestoreEngine:
         """Chained keys of every full chunk of ``tokens`` in this engine's namespace."""
         return chunk_keys(self.namespace_fp, tokens, self.layout.chunk_tokens)
 
-    # ------------------------------------------------------------------ probe
-    async def _holders(self, keys: Sequence[ChunkKey], n: int) -> list[dict[str, list[int]]]:
-        objs = [ObjectKey(keys[c], g.name) for c in range(n) for g in self.layout.groups]
-        holders: list[dict[str, list[int]]] = [
-            {g.name: [] for g in self.layout.groups} for _ in range(n)
+    def objects(self, probe: Probe) -> list[tuple[str, ObjectKey]]:
+        """``(tier name, object)`` of every object a restore of ``probe`` reads first."""
+        return [
+            (probe.holders[c][g][0], ObjectKey(probe.keys[c], g))
+            for c, g in needed_objects(self.layout, probe.prefix_chunks)
         ]
-        for ti, tier in enumerate(self.tiers):
-            if not self.health.available(tier.name):
-                continue  # circuit breaker open: the tier holds nothing for this probe
-            try:
-                present = await tier.contains_many(objs)
-            except Exception as exc:  # a tier that cannot answer holds nothing for this probe
-                self.health.failure(tier.name)
-                self._log.warning("bsr.probe.tier_failed", tier=tier.name, error=str(exc))
-                continue
-            self.health.success(tier.name)
-            for i, (o, p) in enumerate(zip(objs, present)):
-                if p and (tier.name, o.object_id) not in self._quarantine:
-                    holders[i // len(self.layout.groups)][o.group].append(ti)
-        return holders
 
-    async def _agree_prefix(self, local: int, usable: Any) -> int:
-        """Agree on the longest prefix usable on every rank.
-
-        Each round: MIN of the ranks' candidates, then AND of "usable here". A rank that cannot
-        use the agreed prefix (a sliding-window group may need other chunks for a shorter
-        prefix) makes every rank propose its longest usable prefix below it; candidates strictly
-        decrease, so this ends, at the latest at 0. Every rank runs the same number of rounds.
-        """
-        candidate = local
-        while True:
-            agreed = await self.coordinator.agree_min(candidate)
-            ok = agreed == 0 or bool(usable(agreed))
-            if await self.coordinator.agree_all(ok):
-                return agreed
-            candidate = longest_prefix_upto(usable, agreed - 1)
-
-    async def _probe(
-        self, tokens: TokensLike, *, deadline: float | None
-    ) -> tuple[Probe, list[dict[str, list[int]]], bool]:
-        t0 = time.perf_counter()
-        arr = as_token_array(tokens)
-        keys = self.keys(arr)
-        n = len(keys)
-        holders: list[dict[str, list[int]]] = [
-            {g.name: [] for g in self.layout.groups} for _ in range(n)
-        ]
-        timed_out = False
-        with anyio.move_on_after(deadline if deadline is not None else math.inf) as scope:
-            holders = await self._holders(keys, n)
-        if scope.cancelled_caught:
-            timed_out = True
-            holders = [{g.name: [] for g in self.layout.groups} for _ in range(n)]
-
-        def have(c: int, g: str) -> bool:
-            return c < n and bool(holders[c][g])
-
-        local = longest_prefix(self.layout, n, have)
-        agreed = await self._agree_prefix(local, lambda p: prefix_usable(self.layout, p, have))
-        by_tier: dict[str, int] = {}
-        for c, g in needed_objects(self.layout, agreed):
-            name = self.tiers[holders[c][g][0]].name
-            by_tier[name] = by_tier.get(name, 0) + self.layout.group_chunk_bytes(g)
-        probe = Probe(
-            num_tokens=len(arr),
-            chunk_tokens=self.layout.chunk_tokens,
-            keys=tuple(keys),
-            holders=tuple(
-                {g: tuple(self.tiers[i].name for i in ts) for g, ts in h.items()} for h in holders
-            ),
-            local_chunks=local,
-            prefix_chunks=agreed,
-            bytes_by_tier=by_tier,
-            duration_s=time.perf_counter() - t0,
-        )
-        return probe, holders, timed_out
-
-    async def lookup(self, tokens: TokensLike) -> Probe:
+    # ------------------------------------------------------------------ lookup
+    async def lookup(self, tokens: TokensLike, *, lease_ttl_s: float | None = None) -> Probe:
         """Find the reusable prefix of ``tokens`` across tiers, groups and ranks; moves no data.
 
-        With several ranks every rank must call ``lookup`` (it runs the agreement collectives).
+        With ``lease_ttl_s`` the objects found are pinned against eviction (HostTier, FileTier)
+        until a restore given this probe ends, :meth:`Probe.release` is called, or the TTL
+        passes. With several ranks every rank must call ``lookup`` (it runs collectives).
         """
         self._check_open()
-        probe, _, _ = await self._probe(tokens, deadline=None)
+        ttl = optional_positive_float(lease_ttl_s, "lease_ttl_s")
+        probe, _ = await self._prober.probe(tokens, deadline_s=None)
+        if ttl is not None and probe.prefix_chunks:
+            probe = replace(probe, lease=await self._lease(probe, ttl))
         self._log.debug(
-            "bsr.probe",
-            tokens=probe.num_tokens,
-            prefix_tokens=probe.prefix_tokens,
-            local_chunks=probe.local_chunks,
-            bytes_by_tier=probe.bytes_by_tier,
-        )
+            "bsr.probe", tokens=probe.num_tokens, prefix_tokens=probe.prefix_tokens,
+            local_chunks=probe.local_chunks, bytes_by_tier=probe.bytes_by_tier,
+        )  # fmt: skip
         self._notify(probe)
         return probe
+
+    async def _lease(self, probe: Probe, ttl_s: float) -> _ProbeLease:
+        by_tier: dict[str, list[ObjectKey]] = {}
+        for c, g in needed_objects(self.layout, probe.prefix_chunks):
+            for name in probe.holders[c][g]:
+                by_tier.setdefault(name, []).append(ObjectKey(probe.keys[c], g))
+        leases: list[TierLease] = []
+        try:
+            for tier in self.tiers:
+                if tier.name in by_tier:
+                    leases.append(await tier.lease(by_tier[tier.name], ttl_s))
+        except BaseException:
+            for lease in leases:
+                lease.release()
+            raise
+        return _ProbeLease(leases, self._leases)
 
     # ------------------------------------------------------------------ restore
     async def restore(
@@ -376,214 +405,230 @@ class RestoreEngine:
         deadline_s: float | None = None,
         strategy: Strategy | str = Strategy.BOUNDED,
         request_id: str | None = None,
+        probe: Probe | None = None,
     ) -> RestoreResult:
         """Restore the longest reusable prefix of ``tokens`` into ``cache`` at ``block_ids``.
 
         Returns a result that is Committed (``committed_tokens`` tokens are valid in the cache) or
         Invalidated (nothing is valid; recompute). Never raises for storage failures; raises
         typed errors for bad arguments, and re-raises cancellation after releasing every slot.
-        With several ranks every rank must call ``restore`` for the same tokens.
+        ``probe``: a :meth:`lookup` result for the same tokens, reused instead of probing again
+        (its leases are released when the restore ends). With several ranks every rank must
+        call ``restore`` for the same tokens, all with a probe or all without.
         """
-        pool = self._check_open()
-        self._check_cache(cache)
-        arr = as_token_array(tokens)
-        n_full = self.layout.num_chunks(len(arr))
-        ids = cache.block_table(block_ids, n_full * self.layout.chunk_tokens)
-        policy = self.policy if policy is None else choice(Policy, policy, "policy")
-        strategy = choice(Strategy, strategy, "strategy")
-        deadline_s = self.deadline_s if deadline_s is None else deadline_s
-        if deadline_s is not None and deadline_s <= 0:
-            raise ConfigError(f"deadline_s must be > 0, got {deadline_s}")
-        rid = request_id or f"r{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        life = RequestLifecycle(rid, rank=self.namespace.tp_rank)
-        log = self._log.bind(request_id=rid)
-        self._counts["restores"] += 1
-        t0 = time.perf_counter()
-        deadline_at = None if deadline_s is None else t0 + deadline_s
-
-        def remaining() -> float | None:
-            return None if deadline_at is None else max(0.0, deadline_at - time.perf_counter())
-
-        req: RestoreRun | None = None
-        account: SlotSource | None = None
-        pipeline = self._window
-        t_probe = t_install = t_commit = 0.0
-        committed_chunks = 0
-        probed_chunks = 0
+        req = self._admit(tokens, cache, block_ids, policy, deadline_s, strategy, request_id)
         try:
-            # ---------------------------------------------------------- Probing
-            try:
-                probe, holders, probe_timed_out = await self._probe(arr, deadline=remaining())
-            except CoordinatorError as exc:
-                life.invalidate(Reason.COORDINATOR_FAILED)
-                raise _Done(str(exc)) from None
-            t_probe = time.perf_counter() - t0
-            probed_chunks = probe.prefix_chunks
-            life.facts.prefix_chunks = probe.prefix_chunks
-            if probe_timed_out:
-                life.invalidate(Reason.DEADLINE)
-                raise _Done("probe deadline")
-            if probe.prefix_chunks == 0:
-                life.fire("probe_miss", Reason.EMPTY_PREFIX)
-                raise _Done("empty")
-            life.fire("probe_hit")
-            # ---------------------------------------------------------- Windowing
-            req = RestoreRun(rid, probe.prefix_chunks, self.layout, policy)
-            req.deadline_at = deadline_at
-            life.facts.target_chunks = req.target
-            if strategy is Strategy.BOUNDED:
-                account = pool.account()
-            else:
-                account = WholePlanBuffer(len(req.needed), self.layout.slot_bytes, self.pin_staging)
-            t1 = time.perf_counter()
-            timed_out = False
-            with anyio.move_on_after(remaining() if deadline_at is not None else math.inf) as scope:
-                await pipeline.run(req, account, probe.keys, holders, cache, ids, strategy)
-            # the deadline fired, even if the window ended another way while shielded
-            timed_out = scope.cancel_called
-            t_install = time.perf_counter() - t1
-            # ---------------------------------------------------------- agree + commit
-            t2 = time.perf_counter()
-
-            def installed_usable(p: int) -> bool:
-                return prefix_usable(self.layout, p, lambda c, g: (c, g) in req.installed)
-
-            # every device copy must have landed before this rank may vote yes; a failure here
-            # is a "no" vote, never a skipped collective (the other ranks would wait for it)
-            try:
-                await pipeline.synchronize()
-            except Exception as exc:
-                req.errors.append(f"synchronize: {exc!r}")
-                req.installed.clear()
-            if timed_out:
-                local_best = 0
-            elif policy is Policy.TRUNCATE:
-                local_best = longest_prefix(
-                    self.layout, min(req.limit, req.target), lambda c, g: (c, g) in req.installed
-                )
-            else:
-                local_best = req.target if installed_usable(req.target) else 0
-            try:
-                agreed = await self._agree_prefix(local_best, installed_usable)
-                if agreed == req.target and installed_usable(agreed):
-                    life.facts.every_chunk_installed = True
-                    life.fire("chunks_installed")
-                elif agreed > 0 and policy is Policy.TRUNCATE and installed_usable(agreed):
-                    life.facts.every_chunk_installed = True
-                    life.facts.truncated_chunks = agreed
-                    life.fire("truncate")
-                vote = life.state is RequestState.INSTALLED
-                all_ok = await self.coordinator.agree_all(vote)
-            except CoordinatorError as exc:
-                req.errors.append(str(exc))
-                life.invalidate(Reason.COORDINATOR_FAILED)
-                raise _Done("coordinator") from None
-            t_commit = time.perf_counter() - t2
-            if life.state is RequestState.INSTALLED and all_ok:
-                life.facts.all_ranks_installed = True
-                committed_chunks = agreed
-                life.fire("commit", Reason.COMPLETE if agreed == req.target else Reason.TRUNCATED)
-            else:
-                if timed_out:
-                    reason = Reason.DEADLINE
-                elif req.failure is not None:
-                    reason = req.failure.reason
-                elif life.state is RequestState.INSTALLED or installed_usable(req.target):
-                    reason = Reason.RANK_FAILED
-                else:
-                    reason = Reason.READ_FAILED
-                life.invalidate(reason)
-        except _Done:
-            pass
+            await self._probe_phase(req, probe)
+            if req.life.state is RequestState.WINDOWING:
+                await self._window_phase(req)
+                await self._settle_phase(req)
+                await self._agree_phase(req)
         except BaseException as exc:
-            # cancellation or a bug: never leave the request non-terminal
-            cancelled = isinstance(exc, anyio.get_cancelled_exc_class())
-            if not life.terminal:
-                life.invalidate(Reason.CANCELLED if cancelled else Reason.INTERNAL_ERROR)
-            self._counts["invalidated"] += 1
-            log.warning("bsr.restore.aborted", reason=str(life.reason), error=repr(exc))
+            self._abort(req, exc)
             raise
         finally:
-            if req is not None and account is not None:
-                with anyio.CancelScope(shield=True):
-                    await pipeline.synchronize()
-                for slot in list(req.held):
-                    req.held.discard(slot)
-                    account.release(slot)
-        assert life.reason is not None
-        if life.state is RequestState.COMMITTED:
-            self._counts["committed"] += 1
+            await self._release_phase(req, probe)
+        return self._finish(req)
+
+    def _admit(
+        self,
+        tokens: TokensLike,
+        cache: PagedKVCache,
+        block_ids: Any,
+        policy: Policy | str | None,
+        deadline_s: float | None,
+        strategy: Strategy | str,
+        request_id: str | None,
+    ) -> RestoreRequest:
+        """Check the arguments and open the request's record (no I/O)."""
+        self._check_open()
+        self._check_cache(cache)
+        n_full = self.layout.num_chunks(token_count(tokens))
+        ids = cache.block_table(block_ids, n_full * self.layout.chunk_tokens)
+        deadline = optional_positive_float(deadline_s, "deadline_s")
+        deadline = self.deadline_s if deadline is None else deadline
+        rid = request_id or f"r{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        life = RequestLifecycle(rid, rank=self.namespace.tp_rank)
+        life.facts.layout = self.layout
+        life.facts.policy = self.policy if policy is None else choice(Policy, policy, "policy")
+        self._counts["restores"] += 1
+        return RestoreRequest(
+            rid=rid, life=life, log=self._log.bind(request_id=rid), tokens=tokens, cache=cache,
+            ids=ids, policy=life.facts.policy, strategy=choice(Strategy, strategy, "strategy"),
+            deadline_at=None if deadline is None else time.perf_counter() + deadline,
+        )  # fmt: skip
+
+    async def _probe_phase(self, req: RestoreRequest, given: Probe | None) -> None:
+        """Probing: find (or reuse) the agreed prefix, then Windowing or a terminal state."""
+        t = time.perf_counter()
+        try:
+            if given is None:
+                req.probe, timed_out = await self._prober.probe(
+                    req.tokens, deadline_s=req.remaining()
+                )
+            else:
+                req.probe, timed_out = await self._reuse_probe(req, given)
+        except CoordinatorError:
+            req.life.invalidate(Reason.COORDINATOR_FAILED)
+            return
+        finally:
+            req.timed("probe", t)
+        req.life.facts.prefix_chunks = req.probe.prefix_chunks
+        if timed_out:
+            req.life.invalidate(Reason.DEADLINE)
+        elif req.probe.prefix_chunks == 0:
+            req.life.fire("probe_miss", Reason.EMPTY_PREFIX)
         else:
-            self._counts["invalidated"] += 1
-            committed_chunks = 0
-        invalid = self._invalid_blocks(req, committed_chunks, cache, ids)
-        result = RestoreResult(
-            request_id=rid,
-            state=life.state,
-            committed_tokens=committed_chunks * self.layout.chunk_tokens,
-            probed_tokens=probed_chunks * self.layout.chunk_tokens,
-            bytes_by_tier=dict(req.bytes_by_tier) if req else {},
-            rws_peak_bytes=(0 if account is None else account.peak_bytes),
-            timings=Timings(t_probe, t_install, t_commit, time.perf_counter() - t0),
-            reason=life.reason,
-            invalid_block_ids=invalid,
-            trace=tuple(life.trace),
-            strategy=strategy,
-            policy=policy,
-            fallbacks=req.fallbacks if req else 0,
-            quarantined=req.quarantined if req else 0,
-            errors=tuple(req.errors) if req else (),
+            req.life.fire("probe_hit")
+
+    async def _reuse_probe(self, req: RestoreRequest, probe: Probe) -> tuple[Probe, bool]:
+        if not isinstance(probe, Probe):
+            raise ConfigError(f"probe must be a bsr.Probe from lookup(), got {type(probe)}")
+        with anyio.move_on_after(req.remaining()) as scope:
+            keyed = await self._prober.keyed(req.tokens)
+        if scope.cancelled_caught:
+            return replace(probe, prefix_chunks=0), True
+        if probe.chunk_tokens != self.layout.chunk_tokens or probe.digest != digest(
+            self.namespace_fp, keyed
+        ):
+            raise ConfigError(
+                "probe was made for other tokens or by an engine of another namespace; pass "
+                "the Probe that lookup() returned for these tokens (or no probe)"
+            )
+        return probe, False
+
+    async def _window_phase(self, req: RestoreRequest) -> None:
+        """Windowing: stream the agreed chunks into the cache through the slots."""
+        assert req.probe is not None
+        run = RestoreRun(
+            req.rid, req.probe.prefix_chunks, self.layout, req.policy, deadline_at=req.deadline_at
         )
-        log.info(
-            "bsr.restore.done",
-            state=str(result.state),
-            reason=str(result.reason),
-            committed_tokens=result.committed_tokens,
-            probed_tokens=result.probed_tokens,
-            bytes_by_tier=result.bytes_by_tier,
-            rws_peak_bytes=result.rws_peak_bytes,
-            total_s=round(result.timings.total_s, 6),
-            strategy=str(strategy.value),
+        req.run = run
+        req.life.facts.target_chunks = run.target
+        req.life.facts.installed = run.installed  # the live record the guards evaluate
+        req.gate = RestoreGate(run, self.health, self._quarantine, req.log)
+        if req.strategy is Strategy.BOUNDED:
+            req.slots = self._check_open().account()
+        else:
+            need = len(run.needed) * self.layout.slot_bytes
+            if self.staging_budget_bytes is not None and need > self.staging_budget_bytes:
+                why = f"plan needs {need} bytes of staging, budget {self.staging_budget_bytes}"
+                run.fail(ChunkFailure(0, self.layout.groups[0].name, Reason.STAGING_BUDGET, [why]))
+                return
+            req.slots = WholePlanBuffer(len(run.needed), self.layout.slot_bytes, self.pin_staging)
+        t = time.perf_counter()
+        with anyio.move_on_after(req.remaining()) as scope:
+            await self._window.run(
+                run, req.slots, req.probe, req.cache, req.ids, req.strategy, req.gate
+            )
+        # the deadline fired, even if the window ended another way while shielded
+        req.timed_out = scope.cancel_called
+        req.timed("window", t)
+
+    async def _settle_phase(self, req: RestoreRequest) -> None:
+        """Device copies landed (or this rank votes no); corrupt objects leave their tiers."""
+        assert req.run is not None
+        t = time.perf_counter()
+        # a failure here is a "no" vote, never a skipped collective (the other ranks wait for it)
+        with anyio.move_on_after(self.shield_timeout_s) as scope:
+            try:
+                await self._window.synchronize()
+            except Exception as exc:
+                req.run.errors.append(f"synchronize: {exc!r}")
+                req.run.installed.clear()
+        if scope.cancelled_caught:
+            req.run.errors.append("synchronize: device copies did not finish in time")
+            req.run.installed.clear()
+        await self._quarantine_in_tiers(req)
+        req.timed("commit", t)
+
+    async def _quarantine_in_tiers(self, req: RestoreRequest) -> None:
+        """Move the corrupt objects this restore found out of their tiers, bounded."""
+        pending = req.gate.take_pending() if req.gate is not None else []
+        if not pending:
+            return
+        budget = min(req.remaining(), self.shield_timeout_s)
+        with anyio.CancelScope(shield=True), anyio.move_on_after(budget):
+            for q in pending:
+                try:
+                    await self._tier(q.tier).quarantine(q.key, q.group, q.why)
+                except Exception as exc:
+                    req.log.warning("bsr.tier.quarantine_failed", tier=q.tier, error=repr(exc))
+
+    async def _agree_phase(self, req: RestoreRequest) -> None:
+        """Installed -> Committed, or Invalidated: the commit rule, agreed across ranks."""
+        run, life = req.run, req.life
+        assert run is not None
+        t = time.perf_counter()
+        vote = local_vote(
+            self.layout, req.policy, target=run.target, limit=run.limit,
+            installed=run.installed, timed_out=req.timed_out,
+        )  # fmt: skip
+        try:
+            agreed = await self._prober.agree(
+                vote, lambda p: installed_usable(self.layout, p, run.installed)
+            )
+            life.facts.agreed_chunks = agreed
+            trigger = choose_trigger(
+                self.layout, req.policy, target=run.target, agreed=agreed, installed=run.installed
+            )
+            if trigger is not None:
+                life.fire(trigger)
+            yes = await self.coordinator.agree_all(life.state is RequestState.INSTALLED)
+        except CoordinatorError as exc:
+            run.errors.append(str(exc))
+            life.invalidate(Reason.COORDINATOR_FAILED)
+            return
+        finally:
+            req.timed("commit", t)
+        life.facts.all_ranks_voted_yes = yes
+        if life.state is RequestState.INSTALLED and yes:
+            req.committed_chunks = agreed
+            life.fire("commit", commit_reason(agreed=agreed, target=run.target))
+            return
+        installed_here = life.state is RequestState.INSTALLED or installed_usable(
+            self.layout, run.target, run.installed
         )
+        failure = run.failure.reason if run.failure is not None else None
+        life.invalidate(
+            invalidation_reason(
+                timed_out=req.timed_out, failure=failure, installed_here=installed_here
+            )
+        )
+
+    def _abort(self, req: RestoreRequest, exc: BaseException) -> None:
+        """Cancellation or a bug: never leave the request non-terminal."""
+        cancelled = isinstance(exc, anyio.get_cancelled_exc_class())
+        if not req.life.terminal:
+            req.life.invalidate(Reason.CANCELLED if cancelled else Reason.INTERNAL_ERROR)
+        self._counts["invalidated"] += 1
+        req.log.warning("bsr.restore.aborted", reason=str(req.life.reason), error=repr(exc))
+
+    async def _release_phase(self, req: RestoreRequest, given: Probe | None) -> None:
+        """Every slot still held goes back (or is parked); the probe's leases are released."""
+        try:
+            if req.run is not None and req.slots is not None:
+                if self._window.cuda_stream is not None:
+                    with anyio.CancelScope(shield=True):
+                        with anyio.move_on_after(self.shield_timeout_s):
+                            await self._window.synchronize()
+                await self._window.drain(req.run, min(ABANDON_GRACE_S, self.shield_timeout_s))
+                self._window.release_all(req.run, req.slots)
+        finally:
+            if given is not None:
+                given.release()
+
+    def _finish(self, req: RestoreRequest) -> RestoreResult:
+        result = req.result(self.layout.chunk_tokens)
+        self._counts["committed" if result.committed else "invalidated"] += 1
+        req.log.info(
+            "bsr.restore.done", state=str(result.state), reason=str(result.reason),
+            committed_tokens=result.committed_tokens, probed_tokens=result.probed_tokens,
+            bytes_by_tier=result.bytes_by_tier, rws_peak_bytes=result.rws_peak_bytes,
+            total_s=round(result.timings.total_s, 6), strategy=str(result.strategy.value),
+        )  # fmt: skip
         self._notify(result)
         return result
-
-    def _invalid_blocks(
-        self, req: RestoreRun | None, committed_chunks: int, cache: PagedKVCache, ids: torch.Tensor
-    ) -> tuple[int, ...]:
-        if req is None:
-            return ()
-        out: set[int] = set()
-        for c in req.touched_chunks:
-            if c >= committed_chunks:
-                out.update(int(b) for b in cache.chunk_blocks(ids, c).tolist())
-        return tuple(sorted(out))
-
-    async def _quarantine_object(
-        self, run: RestoreRun, tier: Tier, key: ChunkKey, group: str, why: str, physical: bool
-    ) -> None:
-        """Stop using an object: always in this engine, and in the tier when ``physical``.
-
-        The tier call is bounded by the request's remaining deadline (a dead tier's delete
-        must not hold a request past its deadline); if it does not finish, the engine-level
-        quarantine still makes later probes miss the object.
-        """
-        oid = ObjectKey(key, group).object_id
-        if (tier.name, oid) in self._quarantine:
-            return
-        self._quarantine.add((tier.name, oid))
-        run.quarantined += 1
-        if not physical:
-            self._log.warning(
-                "bsr.engine.quarantine", tier=tier.name, key=key.hex[:16], group=group, reason=why
-            )
-            return
-        budget = math.inf if run.deadline_at is None else run.deadline_at - time.perf_counter()
-        with anyio.CancelScope(shield=True), anyio.move_on_after(max(0.0, budget)):
-            try:
-                await tier.quarantine(key, group, why)
-            except Exception as exc:
-                self._log.warning("bsr.tier.quarantine_failed", tier=tier.name, error=repr(exc))
 
     # ------------------------------------------------------------------ save
     async def save(
@@ -603,33 +648,23 @@ class RestoreEngine:
         """
         pool = self._check_open()
         self._check_cache(cache)
-        arr = as_token_array(tokens)
-        n = self.layout.num_chunks(len(arr))
-        ids = cache.block_table(block_ids, n * self.layout.chunk_tokens)
+        keyed = await self._prober.keyed(tokens)
+        ids = cache.block_table(block_ids, len(keyed.keys) * self.layout.chunk_tokens)
         targets = self.tiers if tiers is None else [self._tier(name) for name in tiers]
+        quarantine = self._quarantine
         result = await save_chunks(
-            layout=self.layout,
-            tiers=targets,
-            account=pool.account(),
-            cache=cache,
-            ids=ids,
-            keys=self.keys(arr),
-            io_depth=self.io_depth,
-            log=self._log,
+            layout=self.layout, tiers=targets, account=pool.account(), cache=cache, ids=ids,
+            keys=list(keyed.keys), io_depth=self.io_depth, log=self._log,
             # a fresh copy replaces a quarantined one: probes may see it again
-            on_written=lambda tier, okey: self._quarantine.discard((tier.name, okey.object_id)),
-            is_retired=lambda tier, okey: (tier.name, okey.object_id) in self._quarantine,
-        )
+            on_written=lambda tier, okey: quarantine.lift(tier.name, okey.object_id),
+            is_retired=lambda tier, okey: (tier.name, okey.object_id) in quarantine,
+        )  # fmt: skip
         self._counts["saves"] += 1
         self._log.info(
-            "bsr.save.done",
-            tokens=result.saved_tokens,
-            chunks=result.chunks,
-            written=result.objects_written,
-            skipped=result.objects_skipped,
-            errors=result.errors,
-            duration_s=round(result.duration_s, 6),
-        )
+            "bsr.save.done", tokens=result.saved_tokens, chunks=result.chunks,
+            written=result.objects_written, skipped=result.objects_skipped,
+            errors=result.errors, duration_s=round(result.duration_s, 6),
+        )  # fmt: skip
         self._notify(result)
         return result
 
@@ -640,5 +675,7 @@ class RestoreEngine:
         raise ConfigError(f"no tier named {name!r}; tiers are {[t.name for t in self.tiers]}")
 
 
-class _Done(Exception):
-    """Internal: the request reached a terminal state early."""
+def _flag(value: Any, what: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{what} must be True or False, got {value!r}")
+    return value

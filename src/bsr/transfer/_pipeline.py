@@ -1,60 +1,66 @@
 """The transfer side of a restore: stream chunks tier -> staging slot -> paged cache.
 
-Where it runs: the engine's event loop; blocking reads and copies run in worker threads.
+Where it runs: the engine's event loop; blocking reads, checksum verification and host copies run
+in worker threads, a whole batch of chunks per thread call.
 
 How it works::
 
-    dispatcher --(one slot per chunk, FIFO from the shared W-slot pool)--> chunk readers
-    (io_depth reads in flight, each down the tier ladder, verified by the tier)
-    --(bounded stream)--> installer (slot -> cache blocks; with CUDA a non-blocking copy on a side
-    stream, the slot released when its event completes) -> release
+    chunk queue --(batches of consecutive chunks)--> W workers, each:
+        acquire one slot (FIFO from the shared W-slot pool; so a run holds up to W slots)
+        -> wait for one of io_depth transfer turns
+        -> one worker-thread call: for each chunk of the batch, read + verify every group down the
+           tier ladder into the slot, then copy the slot into the cache blocks (host destination)
+        -> release the slot (installer completion)
+    CUDA destination: one chunk per slot; the copy is enqueued on a side stream and the slot is
+    released when its event completes, so up to W slots are in flight.
+    whole-plan baseline: every chunk is read into its own region of one private buffer first,
+    then everything is installed (RWS = |S|).
 
-Ownership of a slot moves dispatcher -> reader -> installer; whoever holds it last releases it.
-Every slot a run takes is also in ``run.held``, and the engine's ``finally`` releases whatever is
-still there, so a slot is given back exactly once on success, failure, deadline and cancellation.
-This module decides nothing about commit: it records what was installed in ``run.installed``.
+The pipeline opens exactly one task group per run. It decides nothing: every read attempt is
+reported to the engine's :class:`~bsr.transfer._ladder.ReadGate` (which owns quarantine and tier
+health), and what was installed is recorded in the :class:`RestoreRun`, which the engine's commit
+rule reads. A slot is released in exactly two places: here when the install that used it
+completed, and in the engine's ``finally`` for whatever the run still holds (failure, deadline,
+cancellation). A slot whose worker thread was abandoned (a read stuck in the kernel) is parked, not
+released, until that thread returns, so no late write can reach a reused slot; a worker checks
+:attr:`RestoreRun.abandoned` under the install lock before every copy into the cache, so no late
+write reaches blocks the caller was told are invalid.
 """
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable, Sequence
+import math
+import threading
+from collections.abc import Sequence
 from typing import Any
 
 import anyio
 import torch
-from anyio.abc import ObjectReceiveStream, ObjectSendStream
+from anyio.abc import TaskGroup
 
-from .._errors import (
-    BsrError,
-    CorruptObjectError,
-    ObjectError,
-    ObjectNotFoundError,
-    TierTimeoutError,
-)
-from ..core._keys import ChunkKey, ObjectKey
 from ..core._layout import StateLayout, align_up
 from ..core._lifecycle import Reason
+from ..core._options import Policy, Strategy
 from ..core._plan import groups_by_chunk
-from ..core._results import Policy, Strategy
-from ..engine._health import TierHealth
+from ..core._results import Probe
 from ..tiers._base import Tier
 from ._cache import PagedKVCache, install_chunk
+from ._ladder import LadderResult, ReadGate, TierLadder
 from ._staging import Slot, StagingAccount
 
-if sys.version_info < (3, 11):  # pragma: no cover
-    from exceptiongroup import BaseExceptionGroup
+#: aim for about this many payload bytes per worker-thread call on the host path
+BATCH_BYTES = 4 << 20
 
 
 class ChunkFailure(Exception):
     """A (chunk, group) could not be read or installed from any tier."""
 
-    def __init__(self, chunk: int, group: str, reason: Reason, errors: list[str]) -> None:
+    def __init__(self, chunk: int, group: str, reason: Reason, errors: Sequence[str]) -> None:
         super().__init__(f"chunk {chunk} group {group}: {reason}")
         self.chunk = chunk
         self.group = group
         self.reason = reason
-        self.errors = errors
+        self.errors = list(errors)
 
 
 class WholePlanBuffer:
@@ -76,14 +82,30 @@ class WholePlanBuffer:
     def release(self, slot: Slot) -> None:
         """Nothing to give back: the buffer lives as long as the request."""
 
+    def park(self, slot: Slot, done: threading.Event) -> None:
+        """Nothing to park: the buffer is private to the request."""
+
 
 SlotSource = StagingAccount | WholePlanBuffer
 
 
 class RestoreRun:
-    """Per-restore mutable state shared by the pipeline tasks and read by the engine."""
+    """One restore's transfer record, shared by the pipeline's tasks and worker threads.
 
-    def __init__(self, rid: str, target: int, layout: StateLayout, policy: Policy) -> None:
+    The engine reads it after the window: ``installed`` feeds the commit rule, ``failure`` the
+    invalidation reason, ``held``/``busy`` its ``finally``. Mutations from worker threads go
+    through the methods below, which take one lock.
+    """
+
+    def __init__(
+        self,
+        rid: str,
+        target: int,
+        layout: StateLayout,
+        policy: Policy,
+        *,
+        deadline_at: float | None = None,
+    ) -> None:
         self.rid = rid
         self.policy = policy
         self.target = target
@@ -92,29 +114,96 @@ class RestoreRun:
         self.installed: set[tuple[int, str]] = set()
         self.touched_chunks: set[int] = set()
         self.held: set[Slot] = set()
+        self.busy: dict[Slot, threading.Event] = {}
         self.failure: ChunkFailure | None = None
         self.bytes_by_tier: dict[str, int] = {}
         self.fallbacks = 0
         self.quarantined = 0
         self.errors: list[str] = []
-        self.deadline_at: float | None = None  # time.perf_counter() deadline of the request
+        self.deadline_at = deadline_at
+        self.abandoned = False
+        self.install_lock = threading.Lock()
+        self._lock = threading.Lock()
 
     def fail(self, failure: ChunkFailure) -> None:
         """Record a failure; chunks from it on will not be used."""
-        self.errors.extend(failure.errors)
-        if self.failure is None or failure.chunk < self.failure.chunk:
-            self.failure = failure
-        self.limit = min(self.limit, failure.chunk)
+        with self._lock:
+            self.errors.extend(failure.errors)
+            if self.failure is None or failure.chunk < self.failure.chunk:
+                self.failure = failure
+            self.limit = min(self.limit, failure.chunk)
+
+    def record_read(self, result: LadderResult) -> None:
+        with self._lock:
+            assert result.tier is not None
+            self.bytes_by_tier[result.tier] = self.bytes_by_tier.get(result.tier, 0) + result.nbytes
+            if result.fell_back:
+                self.fallbacks += 1
+                self.errors.extend(result.errors)
+
+    def record_installed(self, chunk: int, groups: Sequence[str]) -> None:
+        with self._lock:
+            self.installed.update((chunk, g) for g in groups)
+
+    def abandon(self) -> None:
+        """The request is over: no worker may copy into the cache from now on."""
+        with self.install_lock:
+            self.abandoned = True
 
     @property
     def must_stop(self) -> bool:
         """Whether nothing more can be committed, so the window should stop now."""
-        return self.failure is not None and (
-            self.limit == 0 or self.policy is Policy.ALL_OR_NOTHING
+        return self.abandoned or (
+            self.failure is not None and (self.limit == 0 or self.policy is Policy.ALL_OR_NOTHING)
         )
 
+    def wanted(self, chunk: int) -> bool:
+        return not self.must_stop and chunk < self.limit
 
-Quarantine = Callable[[RestoreRun, Tier, ChunkKey, str, str, bool], Any]
+
+class _Batches:
+    """Hands out consecutive runs of chunks to the workers, in chunk order."""
+
+    def __init__(self, chunks: Sequence[int], size: int) -> None:
+        self._chunks = list(chunks)
+        self._size = max(1, size)
+        self._next = 0
+
+    def take(self, run: RestoreRun) -> list[int]:
+        out: list[int] = []
+        while self._next < len(self._chunks) and len(out) < self._size:
+            c = self._chunks[self._next]
+            if not run.wanted(c):
+                self._next = len(self._chunks)
+                break
+            out.append(c)
+            self._next += 1
+        return out
+
+
+class _Job:
+    """What one run needs to know, bundled so the methods below stay short."""
+
+    def __init__(
+        self,
+        run: RestoreRun,
+        slots: SlotSource,
+        probe: Probe,
+        cache: PagedKVCache,
+        ids: torch.Tensor,
+        gate: ReadGate,
+        whole_plan: bool,
+    ) -> None:
+        self.run = run
+        self.slots = slots
+        self.probe = probe
+        self.cache = cache
+        self.ids = ids
+        self.gate = gate
+        self.whole_plan = whole_plan
+        self.cuda = cache.device.type == "cuda"
+        self.staged: dict[int, Slot] = {}  # whole-plan: chunks read, waiting for the install
+        self.turns = anyio.CapacityLimiter(1)  # io_depth transfer turns (set by the pipeline)
 
 
 class WindowPipeline:
@@ -122,257 +211,261 @@ class WindowPipeline:
 
     Args:
         layout: the state layout.
-        tiers: the engine's tiers, fastest first (indices in ``holders`` refer to it).
-        window: W (bounds the stream between readers and installer).
-        io_depth: reads in flight for this run.
-        is_quarantined: whether (tier name, object id) is out of service.
-        quarantine: coroutine ``(run, tier, key, group, why, physical)`` taking an object out of
-            service after a failed read (``physical``: also remove it from the tier).
-        log: structlog logger.
-        health: per-tier circuit breakers (tiers whose breaker is open are skipped).
+        tiers: the engine's tiers, fastest first.
+        window: W, the most slots one run holds (one per worker).
+        io_depth: transfer turns per run: worker-thread calls (or async reads) in flight.
     """
 
     def __init__(
-        self,
-        layout: StateLayout,
-        tiers: Sequence[Tier],
-        *,
-        window: int,
-        io_depth: int,
-        is_quarantined: Callable[[str, str], bool],
-        quarantine: Quarantine,
-        log: Any,
-        health: TierHealth | None = None,
+        self, layout: StateLayout, tiers: Sequence[Tier], *, window: int, io_depth: int
     ) -> None:
         self.layout = layout
-        self.tiers = tiers
+        self.ladder = TierLadder({t.name: t for t in tiers})
         self.window = window
         self.io_depth = io_depth
-        self.is_quarantined = is_quarantined
-        self.quarantine = quarantine
-        self.log = log
-        self.health = health or TierHealth([t.name for t in tiers], threshold=None)
         self.cuda_stream: Any = None
+        self._limiter = anyio.CapacityLimiter(max(2 * io_depth, 4))
+        self._abandoned_workers = 0
+
+    @property
+    def abandoned_workers(self) -> int:
+        """Worker threads left running after their request ended (stuck reads)."""
+        return self._abandoned_workers
 
     async def synchronize(self) -> None:
         """Wait for every device copy this pipeline enqueued."""
         if self.cuda_stream is not None:
             await anyio.to_thread.run_sync(self.cuda_stream.synchronize)
 
+    async def drain(self, run: RestoreRun, grace_s: float) -> None:
+        """Give ``run``'s worker threads up to ``grace_s`` to return (shielded, bounded).
+
+        Reads normally finish within milliseconds of a cancellation; only a read stuck in the
+        kernel outlives the grace, and its slot is then parked by :meth:`release_all`.
+        """
+        if not any(not done.is_set() for done in run.busy.values()):
+            return
+        with anyio.CancelScope(shield=True), anyio.move_on_after(grace_s):
+            while any(not done.is_set() for done in list(run.busy.values())):
+                await anyio.sleep(0.001)
+
+    def release_all(self, run: RestoreRun, slots: SlotSource) -> None:
+        """Give back (or park, while a worker thread may still write) every slot ``run`` holds.
+
+        Called by the engine's ``finally`` only.
+        """
+        run.abandon()
+        for slot in list(run.held):
+            run.held.discard(slot)
+            done = run.busy.pop(slot, None)
+            if done is not None and not done.is_set():
+                self._abandoned_workers += 1
+                slots.park(slot, done)
+            else:
+                slots.release(slot)
+
+    # ------------------------------------------------------------------ run
     async def run(
         self,
         run: RestoreRun,
         slots: SlotSource,
-        keys: Sequence[ChunkKey],
-        holders: list[dict[str, list[int]]],
+        probe: Probe,
         cache: PagedKVCache,
         ids: torch.Tensor,
         strategy: Strategy,
+        gate: ReadGate,
     ) -> None:
         """Stream every needed chunk into the cache, or stop early on failure.
 
         Failures are recorded in ``run`` (never raised); cancellation propagates.
         """
-        send: ObjectSendStream[tuple[int, Slot]]
-        recv: ObjectReceiveStream[tuple[int, Slot]]
-        chunks = sorted(run.needed)
-        whole_plan = strategy is Strategy.WHOLE_PLAN
-        send, recv = anyio.create_memory_object_stream(
-            max(1, len(chunks)) if whole_plan else self.window
-        )
-        io_limit = anyio.CapacityLimiter(self.io_depth)
-        reads_done = anyio.Event()
-        use_cuda = cache.device.type == "cuda"
-        if use_cuda and self.cuda_stream is None:
+        job = _Job(run, slots, probe, cache, ids, gate, strategy is Strategy.WHOLE_PLAN)
+        job.turns = anyio.CapacityLimiter(self.io_depth)
+        if job.cuda and self.cuda_stream is None:
             self.cuda_stream = torch.cuda.Stream(device=cache.device)  # type: ignore[no-untyped-call]
+        chunks = sorted(run.needed)
+        batches = _Batches(chunks, self._batch_size(job, len(chunks)))
+        async with anyio.create_task_group() as tg:
+            for _ in range(min(self.window, max(1, len(chunks)))):
+                tg.start_soon(self._worker, job, batches, tg)
+        if job.whole_plan and job.staged:
+            await self._install_staged(job)
 
-        def give_back(slot: Slot) -> None:
-            if slot in run.held:
-                run.held.discard(slot)
-                slots.release(slot)
+    def _batch_size(self, job: _Job, n: int) -> int:
+        if job.cuda or job.whole_plan:
+            return 1  # one slot per chunk: each stays busy until its copy is done
+        # several batches per worker, so chunks move roughly in chunk order across workers
+        per_worker = math.ceil(n / (4 * self.window))
+        return max(1, min(per_worker, BATCH_BYTES // max(1, self.layout.chunk_bytes)))
 
-        async def read_group(c: int, g: str, slot: Slot) -> None:
-            off = self.layout.slot_offset(g)
-            region = slot.tensor[off : off + align_up(self.layout.group_chunk_bytes(g))]
-            await self.read_with_fallback(run, keys[c], c, g, holders[c][g], region, io_limit)
-
-        async def read_chunk(c: int, slot: Slot, tx: ObjectSendStream[tuple[int, Slot]]) -> None:
-            async with tx:
-                groups = run.needed[c]
-                if len(groups) == 1:
-                    await read_group(c, groups[0], slot)
-                else:  # the groups of a chunk share io_depth like any other reads
-                    async with anyio.create_task_group() as tg:
-                        for g in groups:
-                            tg.start_soon(read_group, c, g, slot)
-                if c < run.limit:
-                    await tx.send((c, slot))
+    async def _worker(self, job: _Job, batches: _Batches, tg: TaskGroup) -> None:
+        run = job.run
+        while True:
+            batch = batches.take(run)
+            if not batch:
+                return
+            slot = await job.slots.acquire()
+            run.held.add(slot)
+            run.touched_chunks.update(batch)
+            async with job.turns:
+                if self._blocking(job, batch):
+                    await self._thread(job, slot, self._batch_blocking, job, batch, slot)
                 else:
-                    give_back(slot)
+                    await self._batch_async(job, batch, slot)
+            if job.whole_plan:
+                if batch[0] in job.staged:
+                    continue  # the slot's region stays staged until the install
+            elif job.cuda and run.wanted(batch[0]):
+                event = await self._thread(job, slot, self._enqueue_cuda, job, batch[0], slot)
+                tg.start_soon(self._await_device, job, batch[0], slot, event)
+                continue
+            self._installed(job, slot)
 
-        async def dispatcher(tg: Any) -> None:
-            async with send:
-                for c in chunks:
-                    if c >= run.limit:
-                        break
-                    slot = await slots.acquire()
-                    run.held.add(slot)
-                    if c >= run.limit:
-                        give_back(slot)
-                        break
-                    tg.start_soon(read_chunk, c, slot, send.clone())
+    def _blocking(self, job: _Job, batch: Sequence[int]) -> bool:
+        holders = job.probe.holders
+        return all(
+            self.ladder.all_blocking(holders[c][g]) for c in batch for g in job.run.needed[c]
+        )
 
-        async def reads() -> None:
+    async def _thread(self, job: _Job, slot: Slot, fn: Any, *args: Any) -> Any:
+        """Run ``fn`` in a worker thread that may outlive a cancelled request (then parked)."""
+        done = threading.Event()
+        job.run.busy[slot] = done
+
+        def call() -> Any:
             try:
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(dispatcher, tg)
+                return fn(*args)
             finally:
-                reads_done.set()
+                done.set()
 
-        async def await_device(c: int, slot: Slot, event: Any) -> None:
-            # the slot may be reused only once its host-to-device copy has completed
-            while not event.query():  # noqa: ASYNC110 - polling a CUDA event, not an anyio one
-                await anyio.sleep(0.0005)
+        result = await anyio.to_thread.run_sync(call, abandon_on_cancel=True, limiter=self._limiter)
+        job.run.busy.pop(slot, None)
+        return result
+
+    def _installed(self, job: _Job, slot: Slot) -> None:
+        """Installer completion: the copy out of ``slot`` is done; give the slot back."""
+        if slot in job.run.held:
+            job.run.held.discard(slot)
+            job.slots.release(slot)
+
+    # ------------------------------------------------------------------ reading
+    def _region(self, slot: Slot, group: str) -> torch.Tensor:
+        off = self.layout.slot_offset(group)
+        return slot.tensor[off : off + align_up(self.layout.group_chunk_bytes(group))]
+
+    def _read_failed(self, job: _Job, chunk: int, group: str, result: LadderResult) -> None:
+        reason = Reason.CORRUPT if result.corrupt else Reason.READ_FAILED
+        job.run.fail(ChunkFailure(chunk, group, reason, result.errors))
+
+    def _batch_blocking(self, job: _Job, batch: Sequence[int], slot: Slot) -> None:
+        """Worker thread: read, verify and (host destination) install each chunk of ``batch``."""
+        run = job.run
+        for c in batch:
+            if not run.wanted(c) or not self._read_chunk_blocking(job, c, slot):
+                return
+            if not job.whole_plan and not job.cuda:
+                if not self._install_host(job, c, slot):
+                    return
+            elif job.whole_plan:
+                job.staged[c] = slot
+
+    def _read_chunk_blocking(self, job: _Job, c: int, slot: Slot) -> bool:
+        key = job.probe.keys[c]
+        for g in job.run.needed[c]:
+            result = self.ladder.read_blocking(
+                job.gate, key, c, g, job.probe.holders[c][g], self._region(slot, g),
+                self.layout.group_chunk_bytes(g),
+            )  # fmt: skip
+            if not result.ok:
+                self._read_failed(job, c, g, result)
+                return False
+            job.run.record_read(result)
+        return True
+
+    async def _batch_async(self, job: _Job, batch: Sequence[int], slot: Slot) -> None:
+        """Event loop: read each chunk with the tiers' async reads, install in a thread."""
+        run = job.run
+        for c in batch:
+            if not run.wanted(c):
+                return
+            key = job.probe.keys[c]
             for g in run.needed[c]:
-                run.installed.add((c, g))
-            give_back(slot)
+                result = await self.ladder.read(
+                    job.gate, key, c, g, job.probe.holders[c][g], self._region(slot, g),
+                    self.layout.group_chunk_bytes(g),
+                )  # fmt: skip
+                if not result.ok:
+                    self._read_failed(job, c, g, result)
+                    return
+                run.record_read(result)
+            if job.whole_plan:
+                job.staged[c] = slot
+            elif not job.cuda and not await self._thread(
+                job, slot, self._install_host, job, c, slot
+            ):
+                return
 
-        async def installer(tg: Any) -> None:
-            if whole_plan:
-                await reads_done.wait()
-            async with recv:
-                async for c, slot in recv:
-                    run.touched_chunks.add(c)
-                    blocks = cache.chunk_blocks(ids, c)
-                    groups = run.needed[c]
-                    try:
-                        if use_cuda:
-                            event = await anyio.to_thread.run_sync(
-                                self._install_cuda, cache, groups, blocks, slot
-                            )
-                            tg.start_soon(await_device, c, slot, event)
-                            continue
-                        await anyio.to_thread.run_sync(
-                            self._install_host, cache, groups, blocks, slot
-                        )
-                    except Exception as exc:  # a failed copy is a failed chunk, never a raise
-                        run.fail(ChunkFailure(c, groups[0], Reason.INSTALL_FAILED, [repr(exc)]))
-                        give_back(slot)
-                        if run.must_stop:
-                            raise run.failure from None  # type: ignore[misc]
-                        continue
-                    for g in groups:
-                        run.installed.add((c, g))
-                    give_back(slot)
+    # ------------------------------------------------------------------ installing
+    def _install_host(self, job: _Job, c: int, slot: Slot) -> bool:
+        """Copy chunk ``c`` from ``slot`` into the cache (any thread); False if it failed."""
+        run = job.run
+        groups = run.needed[c]
+        with run.install_lock:
+            if run.abandoned:
+                return False
+            try:
+                blocks = job.cache.chunk_blocks(job.ids, c)
+                for g in groups:
+                    install_chunk(job.cache, g, blocks, slot.tensor[self.layout.slot_offset(g) :])
+            except Exception as exc:  # a failed copy is a failed chunk, never a raise
+                run.fail(ChunkFailure(c, groups[0], Reason.INSTALL_FAILED, [repr(exc)]))
+                return False
+        run.record_installed(c, groups)
+        return True
 
-        try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(installer, tg)
-                tg.start_soon(reads)
-        except ChunkFailure:
-            pass
-        except BaseExceptionGroup as eg:
-            _, rest = eg.split(ChunkFailure)
-            if rest is not None:
-                raise rest from None
+    async def _install_staged(self, job: _Job) -> None:
+        """Whole-plan: install every staged chunk, in order, in one worker-thread call."""
 
-    def _install_host(
-        self, cache: PagedKVCache, groups: Sequence[str], blocks: torch.Tensor, slot: Slot
-    ) -> None:
-        for g in groups:
-            install_chunk(cache, g, blocks, slot.tensor[self.layout.slot_offset(g) :])
+        def install_all() -> None:
+            for c in sorted(job.staged):
+                if not job.run.wanted(c) or not self._install_host(job, c, job.staged[c]):
+                    return
 
-    def _install_cuda(
-        self, cache: PagedKVCache, groups: Sequence[str], blocks: torch.Tensor, slot: Slot
-    ) -> Any:
-        with torch.cuda.stream(self.cuda_stream):
-            for g in groups:
-                install_chunk(
-                    cache, g, blocks, slot.tensor[self.layout.slot_offset(g) :], non_blocking=True
-                )
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record(self.cuda_stream)
+        if job.cuda:
+            for c in sorted(job.staged):
+                if job.run.wanted(c):
+                    event = await anyio.to_thread.run_sync(
+                        self._enqueue_cuda, job, c, job.staged[c]
+                    )
+                    while not event.query():  # noqa: ASYNC110 - polling a CUDA event
+                        await anyio.sleep(0.0005)
+                    job.run.record_installed(c, job.run.needed[c])
+            return
+        # abandonable: a late copy is stopped by run.abandoned under the install lock
+        await anyio.to_thread.run_sync(install_all, abandon_on_cancel=True, limiter=self._limiter)
+
+    def _enqueue_cuda(self, job: _Job, c: int, slot: Slot) -> Any:
+        """Enqueue chunk ``c``'s host-to-device copy on the side stream; return its event."""
+        run = job.run
+        with run.install_lock:
+            if run.abandoned:
+                return None
+            blocks = job.cache.chunk_blocks(job.ids, c)
+            with torch.cuda.stream(self.cuda_stream):
+                for g in run.needed[c]:
+                    install_chunk(
+                        job.cache, g, blocks, slot.tensor[self.layout.slot_offset(g) :],
+                        non_blocking=True,
+                    )  # fmt: skip
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                event.record(self.cuda_stream)
         return event
 
-    async def read_with_fallback(
-        self,
-        run: RestoreRun,
-        key: ChunkKey,
-        chunk: int,
-        group: str,
-        tier_ids: list[int],
-        region: torch.Tensor,
-        io_limit: anyio.CapacityLimiter,
-    ) -> None:
-        """Read one (chunk, group) into ``region`` down the tier ladder.
-
-        Raises :class:`ChunkFailure` when no tier can supply it and the run must stop; under
-        ``truncate`` with chunks below still usable it records the failure and returns.
-        """
-        errors: list[str] = []
-        reason = Reason.READ_FAILED
-        expected = self.layout.group_chunk_bytes(group)
-        oid = ObjectKey(key, group).object_id
-        health = self.health
-        for attempt, ti in enumerate(tier_ids):
-            tier = self.tiers[ti]
-            if self.is_quarantined(tier.name, oid):
-                continue
-            if not health.available(tier.name):
-                errors.append(f"{tier.name}: skipped, circuit breaker open")
-                continue
-            try:
-                async with io_limit:
-                    n = await tier.read_into(key, group, region)
-                if n != expected:
-                    raise CorruptObjectError(
-                        f"payload is {n} bytes, the layout says {expected}",
-                        tier=tier.name,
-                        group=group,
-                    )
-            except ObjectError as exc:
-                # verified bad bytes: the object's fault; take it out of the tier too
-                health.success(tier.name)
-                reason = Reason.CORRUPT
-                errors.append(f"{tier.name}: {exc}")
-                await self.quarantine(run, tier, key, group, type(exc).__name__, True)
-                continue
-            except ObjectNotFoundError as exc:
-                # gone since the probe (evicted, lost): a miss, the tier answered
-                health.success(tier.name)
-                errors.append(f"{tier.name}: {exc}")
-                continue
-            except TierTimeoutError as exc:
-                # slow or dead tier: not the object's fault, no quarantine
-                health.failure(tier.name)
-                errors.append(f"{tier.name}: {exc}")
-                continue
-            except (BsrError, OSError) as exc:
-                # an I/O error on this object: never use it again in this engine, but do not
-                # ask a possibly dead tier to delete it
-                health.failure(tier.name)
-                errors.append(f"{tier.name}: {exc}")
-                await self.quarantine(run, tier, key, group, "io_error", False)
-                continue
-            except Exception as exc:  # a tier's own bug: treat as a failed read, go lower
-                health.failure(tier.name)
-                errors.append(f"{tier.name}: unexpected {exc!r}")
-                continue
-            health.success(tier.name)
-            if attempt > 0 or errors:
-                run.fallbacks += 1
-                run.errors.extend(errors)
-            run.bytes_by_tier[tier.name] = run.bytes_by_tier.get(tier.name, 0) + n
-            return
-        failure = ChunkFailure(chunk, group, reason, errors or ["no tier holds it"])
-        run.fail(failure)
-        self.log.warning(
-            "bsr.restore.read_failed",
-            request_id=run.rid,
-            chunk=chunk,
-            group=group,
-            reason=str(reason),
-            errors=errors,
-        )
-        if run.must_stop:
-            raise failure
+    async def _await_device(self, job: _Job, c: int, slot: Slot, event: Any) -> None:
+        """The slot may be reused only once its host-to-device copy has completed."""
+        if event is None:
+            return  # abandoned before the copy was enqueued; the engine's finally releases
+        while not event.query():  # noqa: ASYNC110 - polling a CUDA event, not an anyio one
+            await anyio.sleep(0.0005)
+        job.run.record_installed(c, job.run.needed[c])
+        self._installed(job, slot)

@@ -27,6 +27,77 @@ from ._cache import PagedKVCache, gather_chunk
 from ._staging import Slot, StagingAccount
 
 
+class _SavePlan:
+    """Which tiers lack which objects of the prefix, and the counters of one save."""
+
+    def __init__(self, layout: StateLayout, tiers: Sequence[Tier], keys: Sequence[ChunkKey]):
+        self.layout = layout
+        self.tiers = list(tiers)
+        self.keys = keys
+        self.wanted = needed_objects(layout, len(keys))
+        self.written = {t.name: 0 for t in tiers}
+        self.skipped = {t.name: 0 for t in tiers}
+        self.nbytes = {t.name: 0 for t in tiers}
+        self.errors = {t.name: 0 for t in tiers}
+        self.missing: dict[tuple[int, str], list[Tier]] = {(c, g): [] for c, g in self.wanted}
+        self.replace: set[tuple[str, int, str]] = set()
+
+    async def find_missing(
+        self, log: Any, is_retired: Callable[[Tier, ObjectKey], bool] | None
+    ) -> dict[int, list[str]]:
+        """Ask every tier what it holds; return, per chunk, the groups some tier lacks."""
+        objs = [ObjectKey(self.keys[c], g) for c, g in self.wanted]
+        for t in self.tiers:
+            try:
+                present = await t.contains_many(objs)
+            except (BsrError, OSError) as exc:
+                self.errors[t.name] += 1
+                log.warning("bsr.save.probe_failed", tier=t.name, error=str(exc))
+                present = [False] * len(objs)
+            for (c, g), okey, p in zip(self.wanted, objs, present):
+                if p and is_retired is not None and is_retired(t, okey):
+                    self.replace.add((t.name, c, g))  # a retired copy is written again
+                    self.missing[(c, g)].append(t)
+                elif p:
+                    self.skipped[t.name] += 1
+                else:
+                    self.missing[(c, g)].append(t)
+        todo: dict[int, list[str]] = {}
+        for (c, g), ts in self.missing.items():
+            if ts:
+                todo.setdefault(c, []).append(g)
+        return todo
+
+    async def write(
+        self,
+        t: Tier,
+        c: int,
+        g: str,
+        payload: torch.Tensor,
+        limiter: anyio.CapacityLimiter,
+        log: Any,
+        on_written: Callable[[Tier, ObjectKey], None] | None,
+    ) -> None:
+        """Write one object to one tier, counting the outcome (a failure is not raised)."""
+        key = self.keys[c]
+        try:
+            async with limiter:
+                if (t.name, c, g) in self.replace:
+                    await t.delete(key, g)
+                ok = await t.write(key, g, payload)
+        except (BsrError, OSError) as exc:
+            self.errors[t.name] += 1
+            log.warning("bsr.save.write_failed", tier=t.name, chunk=c, group=g, error=str(exc))
+            return
+        if not ok:
+            self.skipped[t.name] += 1
+            return
+        self.written[t.name] += 1
+        self.nbytes[t.name] += payload.numel()
+        if on_written is not None:
+            on_written(t, ObjectKey(key, g))
+
+
 async def save_chunks(
     *,
     layout: StateLayout,
@@ -46,34 +117,8 @@ async def save_chunks(
     engine retired (``is_retired``: it failed a read) is replaced: deleted, then written again.
     """
     t0 = time.perf_counter()
-    n = len(keys)
-    written = {t.name: 0 for t in tiers}
-    skipped = {t.name: 0 for t in tiers}
-    nbytes = {t.name: 0 for t in tiers}
-    errors = {t.name: 0 for t in tiers}
-    wanted = needed_objects(layout, n)
-    objs = [ObjectKey(keys[c], g) for c, g in wanted]
-    missing: dict[tuple[int, str], list[Tier]] = {(c, g): [] for c, g in wanted}
-    replace: set[tuple[str, int, str]] = set()
-    for t in tiers:
-        try:
-            present = await t.contains_many(objs)
-        except (BsrError, OSError) as exc:
-            errors[t.name] += 1
-            log.warning("bsr.save.probe_failed", tier=t.name, error=str(exc))
-            present = [False] * len(objs)
-        for (c, g), okey, p in zip(wanted, objs, present):
-            if p and is_retired is not None and is_retired(t, okey):
-                replace.add((t.name, c, g))
-                missing[(c, g)].append(t)
-            elif p:
-                skipped[t.name] += 1
-            else:
-                missing[(c, g)].append(t)
-    todo: dict[int, list[str]] = {}
-    for (c, g), ts in missing.items():
-        if ts:
-            todo.setdefault(c, []).append(g)
+    plan = _SavePlan(layout, tiers, keys)
+    todo = await plan.find_missing(log, is_retired)
     limiter = anyio.CapacityLimiter(io_depth)
 
     def gather(c: int, slot: Slot) -> None:
@@ -87,25 +132,8 @@ async def save_chunks(
             for g in todo[c]:
                 off = layout.slot_offset(g)
                 payload = slot.tensor[off : off + layout.group_chunk_bytes(g)]
-                for t in missing[(c, g)]:
-                    try:
-                        async with limiter:
-                            if (t.name, c, g) in replace:
-                                await t.delete(keys[c], g)
-                            ok = await t.write(keys[c], g, payload)
-                    except (BsrError, OSError) as exc:
-                        errors[t.name] += 1
-                        log.warning(
-                            "bsr.save.write_failed", tier=t.name, chunk=c, group=g, error=str(exc)
-                        )
-                        continue
-                    if ok:
-                        written[t.name] += 1
-                        nbytes[t.name] += payload.numel()
-                        if on_written is not None:
-                            on_written(t, ObjectKey(keys[c], g))
-                    else:
-                        skipped[t.name] += 1
+                for t in plan.missing[(c, g)]:
+                    await plan.write(t, c, g, payload, limiter, log, on_written)
         finally:
             account.release(slot)
 
@@ -114,12 +142,12 @@ async def save_chunks(
             slot = await account.acquire()
             tg.start_soon(save_chunk, c, slot)
     return SaveResult(
-        saved_tokens=n * layout.chunk_tokens,
-        chunks=n,
-        objects_written=written,
-        objects_skipped=skipped,
-        bytes_written=nbytes,
-        errors=errors,
+        saved_tokens=len(keys) * layout.chunk_tokens,
+        chunks=len(keys),
+        objects_written=plan.written,
+        objects_skipped=plan.skipped,
+        bytes_written=plan.nbytes,
+        errors=plan.errors,
         rws_peak_bytes=account.peak_bytes,
         duration_s=time.perf_counter() - t0,
     )

@@ -11,18 +11,34 @@ in use can never exceed ``W x slot_bytes`` (invariant 3). Each request draws thr
 from __future__ import annotations
 
 import mmap
+import threading
 from collections import deque
 from dataclasses import dataclass
 
 import anyio
 import torch
 
-from .._errors import ConfigError, StagingError
+from .._check import positive_int
+from .._errors import StagingError
 
 
 @dataclass(frozen=True)
 class StagingStatistics:
-    """Snapshot of a staging pool (or of one request's account)."""
+    """Snapshot of a staging pool (or of one request's account).
+
+    Attributes:
+        slots: W, the number of slots.
+        slot_bytes: bytes per slot.
+        in_use: slots held now (parked ones included).
+        peak_in_use: the most slots held at once since creation or :meth:`StagingPool.reset_peak`.
+        waits: acquires that had to queue.
+        acquired: slots handed out in total.
+        released: slots given back in total.
+        waiting: callers queued now.
+        pinned: the buffer is pinned (page-locked) host memory.
+        parked: slots held back because a worker thread that may still write into them was
+            abandoned by its request; each returns to the pool when its thread ends.
+    """
 
     slots: int
     slot_bytes: int
@@ -33,6 +49,7 @@ class StagingStatistics:
     released: int
     waiting: int
     pinned: bool
+    parked: int = 0
 
     @property
     def in_use_bytes(self) -> int:
@@ -93,10 +110,8 @@ class StagingPool:
     def __init__(
         self, slots: int, slot_bytes: int, *, pin: bool = True, prefault: bool = True
     ) -> None:
-        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
-            raise ConfigError(f"window W must be an int >= 1, got {slots!r}")
-        if slot_bytes < 1:
-            raise ConfigError(f"slot_bytes must be >= 1, got {slot_bytes}")
+        positive_int(slots, "window W")
+        positive_int(slot_bytes, "slot_bytes")
         self.slot_bytes = slot_bytes
         self._buffer, self.pinned, self._mmap = _allocate(slots * slot_bytes, pin, prefault)
         self._slots = [
@@ -111,6 +126,7 @@ class StagingPool:
         self._waits = 0
         self._acquired = 0
         self._released = 0
+        self._parked: list[tuple[Slot, threading.Event]] = []
 
     @property
     def size(self) -> int:
@@ -135,8 +151,30 @@ class StagingPool:
             owner._on_take()
         return slot
 
+    def park(self, slot: Slot, done: threading.Event) -> None:
+        """Hold ``slot`` back until ``done`` is set (a worker thread may still write into it).
+
+        The slot counts as in use until then; it is released by the first pool call after.
+        """
+        if slot not in self._slots or slot._owner is _RELEASED:
+            raise StagingError(f"{slot!r} is not held from this pool (cannot park it)")
+        self._parked.append((slot, done))
+
+    def _reap(self) -> None:
+        """Release parked slots whose worker thread has ended."""
+        if not self._parked:
+            return
+        still = []
+        for slot, done in self._parked:
+            if done.is_set():
+                self.release(slot)
+            else:
+                still.append((slot, done))
+        self._parked = still
+
     def acquire_nowait(self, owner: StagingAccount | None = None) -> Slot:
         """Take a free slot or raise :class:`anyio.WouldBlock` (queued waiters go first)."""
+        self._reap()
         if self._free and not self._waiters:
             return self._take(self._free.popleft(), owner)
         raise anyio.WouldBlock
@@ -155,6 +193,11 @@ class StagingPool:
         self._waiters.append(waiter)
         self._waits += 1
         try:
+            while self._parked and not waiter.event.is_set():
+                # a parked slot comes back when its thread ends; nobody is told, so look
+                with anyio.move_on_after(0.05):
+                    await waiter.event.wait()
+                self._reap()
             await waiter.event.wait()
         except BaseException:
             if waiter.slot is not None:  # handed a slot as we were cancelled: give it back
@@ -186,6 +229,7 @@ class StagingPool:
         self._free.append(slot)
 
     def statistics(self) -> StagingStatistics:
+        self._reap()
         return StagingStatistics(
             slots=len(self._slots),
             slot_bytes=self.slot_bytes,
@@ -196,6 +240,7 @@ class StagingPool:
             released=self._released,
             waiting=len(self._waiters),
             pinned=self.pinned,
+            parked=len(self._parked),
         )
 
     def reset_peak(self) -> None:
@@ -228,6 +273,9 @@ class StagingAccount:
 
     def release(self, slot: Slot) -> None:
         self.pool.release(slot)
+
+    def park(self, slot: Slot, done: threading.Event) -> None:
+        self.pool.park(slot, done)
 
     @property
     def peak_bytes(self) -> int:

@@ -1,0 +1,167 @@
+"""Probing and agreement: the longest reusable prefix across tiers, groups and ranks.
+
+Where it runs: the engine's event loop; tier calls are metadata only (``contains_many``).
+
+How it works: the tokens are converted and keyed once (in a worker thread when the prompt is long,
+so the event loop is never held for long). Every tier whose breaker admits it is asked which
+(chunk, group) objects it holds; quarantined objects count as absent. The plan that comes out is
+``holders[chunk][group] -> tier names, fastest first``, the one shape that both the public
+:class:`~bsr.Probe` and the transfer pipeline read. The ranks then agree on a prefix: the MIN of
+their longest local prefixes, re-proposed shorter until every rank can use it (sliding-window
+groups may need other chunks for a shorter prefix). Candidates strictly decrease, so it ends.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import anyio
+import xxhash
+
+from ..core._keys import ChunkKey, KeyedTokens, ObjectKey, TokensLike, prepare_tokens, token_count
+from ..core._layout import StateLayout
+from ..core._plan import longest_prefix, longest_prefix_upto, needed_objects, prefix_usable
+from ..core._results import Probe
+from ..tiers._base import Tier
+from ._coordinator import Coordinator
+from ._decisions import Quarantine
+from ._health import TierHealth
+
+#: prompts longer than this are converted and keyed in a worker thread
+OFFLOAD_TOKENS = 32_768
+
+Holders = list[dict[str, tuple[str, ...]]]
+
+
+def digest(namespace_fp: bytes, keyed: KeyedTokens) -> bytes:
+    """A digest of (namespace, tokens): a probe made for other tokens is refused by restore."""
+    h = xxhash.xxh3_128(namespace_fp)
+    h.update(keyed.tokens.tobytes() if not keyed.tokens.flags.c_contiguous else keyed.tokens.data)
+    return h.digest()
+
+
+class Prober:
+    """Finds and agrees on the reusable prefix for one engine.
+
+    Args:
+        layout: the state layout.
+        tiers: the engine's tiers, fastest first.
+        namespace_fp: the engine's namespace fingerprint.
+        health: circuit breakers (a tier whose breaker is open holds nothing for a probe).
+        quarantine: objects this engine no longer uses.
+        coordinator: cross-rank agreement.
+        log: the engine's logger.
+    """
+
+    def __init__(
+        self,
+        layout: StateLayout,
+        tiers: Sequence[Tier],
+        namespace_fp: bytes,
+        health: TierHealth,
+        quarantine: Quarantine,
+        coordinator: Coordinator,
+        log: Any,
+    ) -> None:
+        self.layout = layout
+        self.tiers = list(tiers)
+        self.namespace_fp = namespace_fp
+        self.health = health
+        self.quarantine = quarantine
+        self.coordinator = coordinator
+        self.log = log
+
+    async def keyed(self, tokens: TokensLike) -> KeyedTokens:
+        """Convert and key ``tokens`` (off the event loop when the prompt is long)."""
+        args = (self.namespace_fp, tokens, self.layout.chunk_tokens)
+        if token_count(tokens) > OFFLOAD_TOKENS:
+            return await anyio.to_thread.run_sync(prepare_tokens, *args)
+        return prepare_tokens(*args)
+
+    def empty(self, n: int) -> Holders:
+        return [{g.name: () for g in self.layout.groups} for _ in range(n)]
+
+    async def holders(self, keys: Sequence[ChunkKey]) -> Holders:
+        """Which tiers hold each (chunk, group) of ``keys``, by tier name, fastest first."""
+        groups = [g.name for g in self.layout.groups]
+        objs = [ObjectKey(k, g) for k in keys for g in groups]
+        found: list[dict[str, list[str]]] = [{g: [] for g in groups} for _ in keys]
+        for tier in self.tiers:
+            if not self.health.admit(tier.name):
+                continue  # circuit breaker open: the tier holds nothing for this probe
+            try:
+                present = await tier.contains_many(objs)
+            except Exception as exc:  # a tier that cannot answer holds nothing for this probe
+                self.health.failure(tier.name)
+                self.log.warning("bsr.probe.tier_failed", tier=tier.name, error=str(exc))
+                continue
+            except BaseException:
+                self.health.release(tier.name)
+                raise
+            self.health.success(tier.name)
+            for i, (o, p) in enumerate(zip(objs, present)):
+                if p and (tier.name, o.object_id) not in self.quarantine:
+                    found[i // len(groups)][o.group].append(tier.name)
+        return [{g: tuple(names) for g, names in h.items()} for h in found]
+
+    async def agree(self, local: int, usable: Callable[[int], bool]) -> int:
+        """Agree with every rank on the longest prefix all of them can use (runs collectives)."""
+        candidate = local
+        while True:
+            agreed = await self.coordinator.agree_min(candidate)
+            ok = agreed == 0 or bool(usable(agreed))
+            if await self.coordinator.agree_all(ok):
+                return agreed
+            candidate = longest_prefix_upto(usable, agreed - 1)
+
+    async def probe(self, tokens: TokensLike, *, deadline_s: float | None) -> tuple[Probe, bool]:
+        """Probe ``tokens``; return the probe and whether the deadline fired.
+
+        Key derivation and tier queries run under ``deadline_s``; the agreement always runs
+        (every rank must take part in it), with an empty local prefix when the deadline fired.
+        """
+        t0 = time.perf_counter()
+        keyed: KeyedTokens | None = None
+        holders: Holders = []
+        with anyio.move_on_after(math.inf if deadline_s is None else deadline_s) as scope:
+            keyed = await self.keyed(tokens)
+            holders = await self.holders(keyed.keys)
+        timed_out = scope.cancelled_caught
+        if timed_out or keyed is None:
+            n = 0 if keyed is None else len(keyed.keys)
+            holders = self.empty(n)
+
+        def have(c: int, g: str) -> bool:
+            return c < len(holders) and bool(holders[c][g])
+
+        local = longest_prefix(self.layout, len(holders), have)
+        agreed = await self.agree(local, lambda p: prefix_usable(self.layout, p, have))
+        return self._record(tokens, keyed, holders, local, agreed, t0), timed_out
+
+    def _record(
+        self,
+        tokens: TokensLike,
+        keyed: KeyedTokens | None,
+        holders: Holders,
+        local: int,
+        agreed: int,
+        t0: float,
+    ) -> Probe:
+        by_tier: dict[str, int] = {}
+        for c, g in needed_objects(self.layout, agreed):
+            name = holders[c][g][0]
+            by_tier[name] = by_tier.get(name, 0) + self.layout.group_chunk_bytes(g)
+        return Probe(
+            num_tokens=token_count(tokens) if keyed is None else len(keyed.tokens),
+            chunk_tokens=self.layout.chunk_tokens,
+            keys=() if keyed is None else keyed.keys,
+            holders=tuple(holders),
+            local_chunks=local,
+            prefix_chunks=agreed,
+            bytes_by_tier=by_tier,
+            duration_s=time.perf_counter() - t0,
+            digest=b"" if keyed is None else digest(self.namespace_fp, keyed),
+        )

@@ -1,0 +1,224 @@
+"""The tier ladder: read one (chunk, group) from the first tier that can supply it.
+
+Where it runs: the restore pipeline, on the event loop (:meth:`TierLadder.read`) or inside one of
+its worker-thread calls (:meth:`TierLadder.read_blocking`, for tiers with ``blocking_reads``).
+
+How it works: the probe lists, per (chunk, group), the tiers that hold the object, fastest first.
+The ladder walks that list. Before each attempt it asks the decision side's :class:`ReadGate`
+whether the tier may be tried (an open circuit breaker or a quarantined object says no); after
+each attempt it reports a :class:`ReadOutcome` (ok, miss, corrupt, io_error, timeout, error) to
+the same gate. It decides nothing itself: quarantine and tier health are the engine's.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from .._errors import (
+    BsrError,
+    CorruptObjectError,
+    ObjectError,
+    ObjectNotFoundError,
+    TierTimeoutError,
+)
+from ..core._keys import ChunkKey, ObjectKey
+from ..tiers._base import Tier
+
+
+class Outcome(str, enum.Enum):
+    """What one read attempt of one (chunk, group) on one tier came to."""
+
+    #: payload read and verified
+    OK = "ok"
+    #: the tier no longer holds it (evicted or lost since the probe)
+    MISS = "miss"
+    #: the bytes failed verification (checksum, header, length, foreign object)
+    CORRUPT = "corrupt"
+    #: an I/O error reading this object
+    IO_ERROR = "io_error"
+    #: the tier did not answer in time
+    TIMEOUT = "timeout"
+    #: the tier raised something unexpected (a bug in the tier)
+    ERROR = "error"
+    #: not attempted: the decision side refused the tier (breaker open, object quarantined)
+    SKIPPED = "skipped"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class ReadOutcome:
+    """One read attempt, as reported to the decision side."""
+
+    tier: str
+    key: ChunkKey
+    group: str
+    chunk: int
+    outcome: Outcome
+    nbytes: int = 0
+    error: str = ""
+    #: the exception class the tier raised (e.g. ``CorruptObjectError``), if any
+    error_type: str = ""
+
+    @property
+    def object_id(self) -> str:
+        return ObjectKey(self.key, self.group).object_id
+
+
+class ReadGate(Protocol):
+    """The decision side of a read; the engine implements it. Thread-safe."""
+
+    def admit(self, tier: str, key: ChunkKey, group: str) -> str | None:
+        """None if ``tier`` may be asked for the object now, else why it is skipped."""
+
+    def report(self, outcome: ReadOutcome) -> None:
+        """Record what an admitted attempt came to (exactly once per admitted attempt)."""
+
+    def withdraw(self, tier: str) -> None:
+        """An admitted attempt was cancelled before it came to anything."""
+
+
+def classify(exc: BaseException) -> Outcome:
+    """The outcome a tier's exception stands for."""
+    if isinstance(exc, ObjectError):
+        return Outcome.CORRUPT
+    if isinstance(exc, ObjectNotFoundError):
+        return Outcome.MISS
+    if isinstance(exc, TierTimeoutError):
+        return Outcome.TIMEOUT
+    if isinstance(exc, (BsrError, OSError)):
+        return Outcome.IO_ERROR
+    return Outcome.ERROR
+
+
+@dataclass
+class LadderResult:
+    """The result of reading one (chunk, group) down the ladder."""
+
+    tier: str | None = None
+    nbytes: int = 0
+    attempts: int = 0
+    corrupt: bool = False
+    errors: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return self.tier is not None
+
+    @property
+    def fell_back(self) -> bool:
+        """Served, but not by the first tier the probe listed (or after an error)."""
+        return self.ok and (self.attempts > 1 or bool(self.errors))
+
+
+class TierLadder:
+    """Reads objects down the tiers that hold them, reporting every attempt to a gate.
+
+    Args:
+        tiers: the engine's tiers by name.
+    """
+
+    def __init__(self, tiers: Mapping[str, Tier]) -> None:
+        self.tiers = dict(tiers)
+
+    def all_blocking(self, names: Sequence[str]) -> bool:
+        """Whether every named tier supports :meth:`~bsr.Tier.read_into_blocking`."""
+        return all(getattr(self.tiers[n], "blocking_reads", False) for n in names)
+
+    def _expect(self, n: int, expected: int, tier: str, group: str) -> None:
+        if n != expected:
+            raise CorruptObjectError(
+                f"payload is {n} bytes, the layout says {expected}", tier=tier, group=group
+            )
+
+    def _finish(
+        self,
+        gate: ReadGate,
+        result: LadderResult,
+        errors: list[str],
+        name: str,
+        key: ChunkKey,
+        group: str,
+        chunk: int,
+        exc: BaseException | None,
+        n: int,
+    ) -> bool:
+        """Report one attempt; return whether it succeeded."""
+        if exc is None:
+            gate.report(ReadOutcome(name, key, group, chunk, Outcome.OK, n))
+            result.tier, result.nbytes = name, n
+            result.errors = tuple(errors)
+            return True
+        outcome = classify(exc)
+        text = f"{name}: {exc}" if outcome is not Outcome.ERROR else f"{name}: unexpected {exc!r}"
+        errors.append(text)
+        result.corrupt = result.corrupt or outcome is Outcome.CORRUPT
+        gate.report(ReadOutcome(name, key, group, chunk, outcome, 0, text, type(exc).__name__))
+        return False
+
+    def read_blocking(
+        self,
+        gate: ReadGate,
+        key: ChunkKey,
+        chunk: int,
+        group: str,
+        holders: Sequence[str],
+        region: Any,
+        expected: int,
+    ) -> LadderResult:
+        """Read ``(key, group)`` into ``region`` in the calling (worker) thread."""
+        result, errors = LadderResult(), []
+        for name in holders:
+            why = gate.admit(name, key, group)
+            if why is not None:
+                errors.append(f"{name}: skipped, {why}")
+                continue
+            result.attempts += 1
+            exc: BaseException | None = None
+            n = 0
+            try:
+                n = self.tiers[name].read_into_blocking(key, group, region)
+                self._expect(n, expected, name, group)
+            except Exception as e:
+                exc = e
+            if self._finish(gate, result, errors, name, key, group, chunk, exc, n):
+                return result
+        result.errors = tuple(errors or ["no tier holds it"])
+        return result
+
+    async def read(
+        self,
+        gate: ReadGate,
+        key: ChunkKey,
+        chunk: int,
+        group: str,
+        holders: Sequence[str],
+        region: Any,
+        expected: int,
+    ) -> LadderResult:
+        """Read ``(key, group)`` into ``region`` with each tier's async ``read_into``."""
+        result, errors = LadderResult(), []
+        for name in holders:
+            why = gate.admit(name, key, group)
+            if why is not None:
+                errors.append(f"{name}: skipped, {why}")
+                continue
+            result.attempts += 1
+            exc: BaseException | None = None
+            n = 0
+            try:
+                n = await self.tiers[name].read_into(key, group, region)
+                self._expect(n, expected, name, group)
+            except Exception as e:
+                exc = e
+            except BaseException:  # cancelled: the attempt came to nothing
+                gate.withdraw(name)
+                raise
+            if self._finish(gate, result, errors, name, key, group, chunk, exc, n):
+                return result
+        result.errors = tuple(errors or ["no tier holds it"])
+        return result
