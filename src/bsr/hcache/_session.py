@@ -22,6 +22,7 @@ engine restore into an invalidated HCache restore (every block of the prefix rep
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -230,6 +231,8 @@ class HCache:
         s = a.shape
         inp = torch.as_tensor(tokens[:num_tokens], dtype=torch.int64).view(1, -1).to(a.device)
         past = DynamicCache(config=self.model.config)
+        params = inspect.signature(self.model.forward).parameters
+        cache_kw = "cache" if "cache" in params else "past_key_values"
 
         def stop(_m: Any, _a: Any) -> None:
             raise _StopForward
@@ -237,21 +240,21 @@ class HCache:
         handle = a.layers[r].register_forward_pre_hook(stop) if r < s.num_layers else None
         try:
             with torch.no_grad():
-                self.model(input_ids=inp, use_cache=True, past_key_values=past)
+                self.model(input_ids=inp, use_cache=True, **{cache_kw: past})
         except _StopForward:
             pass
         finally:
             if handle is not None:
                 handle.remove()
-        from ..hf import _model_layers
-
         blocks, rows = token_rows(kv_cache, ids, 0, num_tokens)
         typed = kv.view(self.plan.dtype)
-        for i, (k, v, _) in enumerate(_model_layers(past)[:r]):
+        for i in range(r):
+            layer: Any = past.layers[i]
+            k, v = layer.keys[0], layer.values[0]  # [kv_heads, n, head_dim]
             data = torch.cat(
                 (
-                    k[0].transpose(0, 1).reshape(num_tokens, -1),
-                    v[0].transpose(0, 1).reshape(num_tokens, -1),
+                    k.transpose(0, 1).reshape(num_tokens, -1),
+                    v.transpose(0, 1).reshape(num_tokens, -1),
                 ),
                 1,
             )
@@ -278,11 +281,12 @@ class HCache:
         view = self.restore_view(kv_cache)
         r_layers = self.plan.layers(RECOMPUTE)
         rec_s = 0.0
-        rec_n = 0
+        rec_n = rec_tried = 0
         rec_err: BaseException | None = None
 
         async def run_recompute(n: int) -> None:
-            nonlocal rec_s, rec_n, rec_err
+            nonlocal rec_s, rec_n, rec_err, rec_tried
+            rec_tried = max(rec_tried, n)
             t = time.perf_counter()
             try:
                 await anyio.to_thread.run_sync(self.recompute, tokens, kv_cache, block_ids, n)
@@ -316,8 +320,10 @@ class HCache:
                 reason = f"projection failed: {exc!r}"
             rebuild_s = time.perf_counter() - t
         if reason is not None:
-            touched = -(-n // kv_cache.block_tokens)
-            invalid = tuple(sorted(set(result.invalid_block_ids) | set(ids[:touched].tolist())))
+            # every block this restore may have written: the engine's, the recomputed prefix's
+            written = max(n, rec_tried)
+            wids = kv_cache.block_table(block_ids, written)[: -(-written // kv_cache.block_tokens)]
+            invalid = tuple(sorted(set(result.invalid_block_ids) | set(wids.tolist())))
             return HCacheRestore(
                 0, result, invalid, reason, io_s, rebuild_s, rec_s, time.perf_counter() - t0
             )

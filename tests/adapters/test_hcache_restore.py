@@ -1,0 +1,166 @@
+"""Every kind of HCache restore decodes like the never-evicted run; failures leave nothing.
+
+A 4-layer random Llama (MHA and GQA) serves a prompt and two decode steps with capture hooks on
+(the hidden states are appended step by step, no second forward). The plan's state is saved
+through a RestoreEngine over a FileTier and restored into a fresh serving cache: pure KV, pure
+hidden states, recompute + hidden + KV, recompute + KV. Decoding from the restored cache must
+match the never-evicted run. A failed read of one hidden-state object, and a projection that
+raises, must both end with nothing reported reusable.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+import bsr
+from adapters.hcache_kit import (
+    build,
+    decode_from,
+    forward,
+    max_diff,
+    next_cache,
+    prompt,
+    same_tokens,
+    shuffled,
+)
+from bsr import hcache, hf
+from bsr.testing import Fault, FaultKind, FaultPlan, FaultyTier
+
+pytest.importorskip("transformers")
+
+CHUNK, BLOCK, NUM_BLOCKS = 32, 8, 64
+PREFIX = 4 * CHUNK
+PROMPT = PREFIX + 7
+
+
+class Served:
+    """A request served with capture on: serving cache, hidden store, block table."""
+
+    def __init__(self, model: Any, methods: list[str]) -> None:
+        self.model = model
+        self.hc = hcache.HCache(
+            model, hcache.fixed_plan(model.config, methods, group_layers=1), chunk_tokens=CHUNK
+        )
+        self.toks = prompt(PROMPT + 2)
+        n_blocks = -(-(PROMPT + 2) // BLOCK)
+        self.src_ids = shuffled(NUM_BLOCKS, n_blocks, 1)
+        self.dst_ids = shuffled(NUM_BLOCKS, n_blocks, 2)
+        self.kv = bsr.PagedKVCache(self.hc.kv_layout, NUM_BLOCKS, BLOCK)
+        self.store = self.hc.hidden_store(NUM_BLOCKS, BLOCK)
+        with torch.no_grad(), self.hc.capture(self.store, self.src_ids) as cap:
+            past = next_cache(forward(model, self.toks[:, :PROMPT], None))
+            for t in range(PROMPT, PROMPT + 2):  # decode steps: capture appends one row each
+                past = next_cache(forward(model, self.toks[:, t : t + 1], past))
+        assert cap.tokens == (PROMPT + 2 if "hidden" in methods else 0)  # nothing to capture
+        hf.write_kv_to_cache(past, self.kv, self.src_ids, PROMPT + 2, config=model.config)
+
+    def engine(self, root: Path, tier: Any = None) -> bsr.RestoreEngine:
+        return bsr.RestoreEngine(
+            self.hc.layout,
+            [tier or bsr.FileTier(root, 1 << 26)],
+            window=2,
+            io_depth=2,
+            namespace=bsr.Namespace("hcache-restore"),
+        )
+
+    def save_restore(
+        self, root: Path, tier: Any = None
+    ) -> tuple[bsr.PagedKVCache, hcache.HCacheRestore]:
+        dst = bsr.PagedKVCache(self.hc.kv_layout, NUM_BLOCKS, BLOCK)
+
+        async def main() -> hcache.HCacheRestore:
+            async with self.engine(root, tier) as engine:
+                await self.hc.save(engine, self.toks[0, :PREFIX], self.kv, self.store, self.src_ids)
+                return await self.hc.restore(engine, self.toks[0, :PROMPT], dst, self.dst_ids)
+
+        return dst, anyio.run(main)
+
+
+PLANS = {
+    "kv": ["kv"] * 4,
+    "hidden": ["hidden"] * 4,
+    "recompute+hidden+kv": ["recompute", "hidden", "hidden", "kv"],
+    "recompute+kv": ["recompute", "kv", "kv", "kv"],
+}
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+@pytest.mark.parametrize("plan", list(PLANS))
+def test_every_plan_decodes_like_the_never_evicted_run(
+    plan: str, kv_heads: int, tmp_path: Path
+) -> None:
+    model = build("llama", layers=4, kv_heads=kv_heads)
+    served = Served(model, PLANS[plan])
+    dst, res = served.save_restore(tmp_path)
+    assert res.committed_tokens == PREFIX and res.reason is None and res.invalid_block_ids == ()
+    assert res.engine is not None and res.engine.committed_tokens == PREFIX
+    # bytes read: exactly the plan's groups
+    layout = served.hc.layout
+    assert sum(res.engine.bytes_by_tier.values()) == 4 * layout.chunk_bytes
+    # the restored K/V rows equal the served ones for every layer, recompute and rebuild included
+    n = torch.arange(PREFIX)
+    a = served.kv.typed("kv")[:, served.src_ids[n // BLOCK], n % BLOCK]
+    b = dst.typed("kv")[:, served.dst_ids[n // BLOCK], n % BLOCK]
+    assert torch.allclose(a, b, atol=1e-5, rtol=0), (a - b).abs().max()
+    rebuilt = hf.read_kv_from_cache(dst, served.dst_ids, PREFIX, model.config)
+    toks = served.toks[:, :PROMPT]
+    want = decode_from(model, toks, 0, None)
+    got = decode_from(model, toks, PREFIX, rebuilt)
+    assert max_diff(got, want) <= 1e-5 and same_tokens(got, want)
+
+
+def test_hidden_states_land_inside_the_kv_rows_for_mha() -> None:
+    """Restored MHA hidden states need no memory of their own: the groups alias the K/V rows."""
+    model = build("llama", layers=4, kv_heads=4)
+    hc = hcache.HCache(model, hcache.fixed_plan(model.config, ["hidden"] * 4), chunk_tokens=CHUNK)
+    kv = bsr.PagedKVCache(hc.kv_layout, NUM_BLOCKS, BLOCK)
+    view = hc.restore_view(kv)
+    assert view.tensor("hidden.0").data_ptr() == kv.tensor("kv").data_ptr()
+    gqa = build("llama", layers=4, kv_heads=1)
+    hg = hcache.HCache(gqa, hcache.fixed_plan(gqa.config, ["hidden"] * 4), chunk_tokens=CHUNK)
+    kvg = bsr.PagedKVCache(hg.kv_layout, NUM_BLOCKS, BLOCK)
+    assert hg.restore_view(kvg).tensor("hidden.0").data_ptr() != kvg.tensor("kv").data_ptr()
+
+
+def test_a_failed_hidden_read_invalidates_the_whole_request(tmp_path: Path) -> None:
+    model = build("llama", layers=4, kv_heads=4)
+    served = Served(model, ["hidden", "hidden", "kv", "kv"])
+    plan = FaultPlan(
+        seed=1, faults=(Fault(FaultKind.READ_ERROR, chunks=frozenset({2}), group="hidden.1"),)
+    )
+    tier = FaultyTier(bsr.FileTier(tmp_path, 1 << 26), plan)
+    _, res = served.save_restore(tmp_path, tier)
+    assert res.committed_tokens == 0 and not res.committed
+    assert res.engine is not None and res.engine.state is bsr.RequestState.INVALIDATED
+    # what the engine touched, nothing outside the request's prefix
+    assert set(res.engine.invalid_block_ids) <= set(res.invalid_block_ids)
+    assert set(res.invalid_block_ids) <= set(served.dst_ids[: PREFIX // BLOCK].tolist())
+
+
+def test_a_failed_read_also_reports_the_recomputed_blocks(tmp_path: Path) -> None:
+    model = build("llama", layers=4, kv_heads=4)
+    served = Served(model, ["recompute", "hidden", "kv", "kv"])
+    plan = FaultPlan(
+        seed=1, faults=(Fault(FaultKind.READ_ERROR, chunks=frozenset({3}), group="kv"),)
+    )
+    _, res = served.save_restore(tmp_path, FaultyTier(bsr.FileTier(tmp_path, 1 << 26), plan))
+    assert res.committed_tokens == 0 and res.recompute_s > 0
+    assert set(res.invalid_block_ids) == set(served.dst_ids[: PREFIX // BLOCK].tolist())
+
+
+def test_a_failed_projection_invalidates_the_whole_request(tmp_path: Path) -> None:
+    model = build("llama", layers=4, kv_heads=4)
+    served = Served(model, ["hidden", "hidden", "kv", "kv"])
+    served.hc.adapter._proj[1].weight = torch.zeros(3, 3)  # the GEMM of layer 1 now raises
+    _, res = served.save_restore(tmp_path)
+    assert res.engine is not None and res.engine.committed_tokens == PREFIX  # the reads were fine
+    assert (
+        res.committed_tokens == 0 and res.reason is not None and "projection failed" in res.reason
+    )
+    prefix_blocks = set(served.dst_ids[: PREFIX // BLOCK].tolist())
+    assert set(res.invalid_block_ids) == prefix_blocks
