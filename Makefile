@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH_CPU ?= torch==2.13.0
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup system-deps test bench lint typecheck clean
+.PHONY: setup system-deps test lint-imports bench lint typecheck clean
 
 setup: $(VENV)/.bsr-installed
 
@@ -25,8 +25,12 @@ system-deps:
 		$(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q spin libibverbs1 gcc; \
 	fi
 
-test: setup system-deps
+test: setup system-deps lint-imports
 	$(BIN)/python -m pytest -q
+
+# the layering contracts in pyproject.toml ([tool.importlinter])
+lint-imports: setup
+	$(BIN)/lint-imports
 
 bench: setup
 	$(BIN)/bsr bench
