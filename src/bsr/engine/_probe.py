@@ -21,7 +21,15 @@ from typing import Any
 import anyio
 import xxhash
 
-from ..core._keys import ChunkKey, KeyedTokens, ObjectKey, TokensLike, prepare_tokens, token_count
+from ..core._keys import (
+    OFFLOAD_TOKENS,
+    ChunkKey,
+    KeyedTokens,
+    ObjectKey,
+    TokensLike,
+    prepare_tokens,
+    token_count,
+)
 from ..core._layout import StateLayout
 from ..core._plan import longest_prefix, longest_prefix_upto, needed_objects, prefix_usable
 from ..core._results import Probe
@@ -29,9 +37,6 @@ from ..tiers._base import Tier
 from ._coordinator import Coordinator
 from ._decisions import Quarantine
 from ._health import TierHealth
-
-#: prompts longer than this are converted and keyed in a worker thread
-OFFLOAD_TOKENS = 32_768
 
 Holders = list[dict[str, tuple[str, ...]]]
 
@@ -78,7 +83,8 @@ class Prober:
         """Convert and key ``tokens`` (off the event loop when the prompt is long)."""
         args = (self.namespace_fp, tokens, self.layout.chunk_tokens)
         if token_count(tokens) > OFFLOAD_TOKENS:
-            return await anyio.to_thread.run_sync(prepare_tokens, *args)
+            # pure work: abandoning it on cancellation (a deadline) is safe
+            return await anyio.to_thread.run_sync(prepare_tokens, *args, abandon_on_cancel=True)
         return prepare_tokens(*args)
 
     def empty(self, n: int) -> Holders:
@@ -129,6 +135,7 @@ class Prober:
         with anyio.move_on_after(math.inf if deadline_s is None else deadline_s) as scope:
             keyed = await self.keyed(tokens)
             holders = await self.holders(keyed.keys)
+            await anyio.lowlevel.checkpoint()  # a deadline passed during the probe counts
         timed_out = scope.cancelled_caught
         if timed_out or keyed is None:
             n = 0 if keyed is None else len(keyed.keys)
