@@ -96,9 +96,9 @@ def batch(seed: int) -> list[int]:
 
 
 async def run_batch(directory: Path, seed: int) -> None:
-    acked = os.open(directory / "acked", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    try:
-        async with engine(directory) as eng:
+    async with engine(directory) as eng:  # opened first: the tier claims an empty root
+        acked = os.open(directory / "acked", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
             for i in batch(seed):
                 cache, ids = source(i)
                 res = await eng.save(prompt(i), cache, ids)
@@ -106,8 +106,8 @@ async def run_batch(directory: Path, seed: int) -> None:
                     raise SystemExit(f"save of prompt {i} failed: {res.errors}")
                 os.write(acked, f"{i}\n".encode())
                 os.fsync(acked)
-    finally:
-        os.close(acked)
+        finally:
+            os.close(acked)
 
 
 def serve() -> None:

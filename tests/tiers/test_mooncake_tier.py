@@ -42,7 +42,7 @@ from bsr._errors import (
 )
 from bsr.core._keys import ChunkKey, ObjectKey
 from bsr.core._object import HEADER_SIZE, encode_object
-from bsr.testing import TierConformance, corrupt_stored, make_keys, payload
+from bsr.testing import TierConformance, make_keys, payload, put_raw_stored
 from bsr.tiers._base import Tier
 from bsr.tiers._mooncake import MooncakeTier
 
@@ -98,9 +98,6 @@ class TestMooncakeConformance(TierConformance):
 
     async def make_tier(self, tmp_path: Path, capacity_bytes: int) -> Tier:
         return make_tier(self.cluster, capacity_bytes=capacity_bytes)
-
-    async def corrupt_object(self, tier: Tier, key: ChunkKey, group: str, offset: int) -> bool:
-        return corrupt_stored(tier, key, group, offset)
 
 
 # ---------------------------------------------------------------------- behaviour
@@ -212,20 +209,20 @@ def test_corrupt_values_are_detected(mooncake_cluster: MooncakeCluster) -> None:
             # a flipped payload byte, written directly through the store client
             bad = bytearray(good(keys[0]))
             bad[HEADER_SIZE + 100] ^= 0x01
-            assert tier.put_raw(keys[0], "kv", bytes(bad)) == 0
+            assert put_raw_stored(tier, keys[0], "kv", bytes(bad))
             # junk without a bsr header
-            assert tier.put_raw(keys[1], "kv", os.urandom(HEADER_SIZE + 8192)) == 0
+            assert put_raw_stored(tier, keys[1], "kv", os.urandom(HEADER_SIZE + 8192))
             # a flipped header byte (header checksum)
             bad = bytearray(good(keys[2]))
             bad[40] ^= 0x80
-            assert tier.put_raw(keys[2], "kv", bytes(bad)) == 0
+            assert put_raw_stored(tier, keys[2], "kv", bytes(bad))
             for k in keys[:3]:
                 dst = np.zeros(8192, dtype=np.uint8)
                 with pytest.raises(CorruptObjectError):
                     await tier.read_into(k, "kv", dst)
                 assert not dst.any()  # nothing unverified reached the destination
             # a truncated object (header intact, half the payload)
-            assert tier.put_raw(keys[3], "kv", good(keys[3])[: HEADER_SIZE + 4096]) == 0
+            assert put_raw_stored(tier, keys[3], "kv", good(keys[3])[: HEADER_SIZE + 4096])
             with pytest.raises(TruncatedObjectError):
                 await tier.read_into(keys[3], "kv", np.zeros(8192, dtype=np.uint8))
             assert tier.statistics().errors == 4
@@ -244,7 +241,7 @@ def test_foreign_namespace_object_is_detected(mooncake_cluster: MooncakeCluster)
         async with tier:
             blob = encode_object(ObjectKey(theirs, "kv"), payload(5, 4096))
             assert tier.store_key(mine, "kv") == tier.store_key(theirs, "kv")
-            assert tier.put_raw(mine, "kv", blob) == 0
+            assert put_raw_stored(tier, mine, "kv", blob)
             assert await tier.contains_many([ObjectKey(mine, "kv")]) == [True]
             with pytest.raises(ForeignObjectError):
                 await tier.read_into(mine, "kv", np.zeros(4096, dtype=np.uint8))

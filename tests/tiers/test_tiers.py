@@ -11,30 +11,23 @@ import pytest
 
 import bsr
 from bsr.core._object import HEADER_SIZE
-from bsr.testing import TierConformance, corrupt_stored, make_keys, payload
+from bsr.testing import FaultPlan, FaultyTier, LatencyTier, TierConformance, make_keys, payload
 
 
 class TestHostTierConformance(TierConformance):
     async def make_tier(self, tmp_path: Path, capacity_bytes: int) -> bsr.Tier:
         return bsr.HostTier(capacity_bytes)
 
-    async def corrupt_object(
-        self, tier: bsr.Tier, key: bsr.ChunkKey, group: str, offset: int
-    ) -> bool:
-        return corrupt_stored(tier, key, group, offset)
-
 
 class TestFileTierConformance(TierConformance):
+    hostile_store = True
+
     async def make_tier(self, tmp_path: Path, capacity_bytes: int) -> bsr.Tier:
         return bsr.FileTier(tmp_path / "l2", capacity_bytes, reader="posix")
 
     async def reopen_tier(self, tier: bsr.Tier, tmp_path: Path) -> bsr.Tier | None:
-        return bsr.FileTier(tmp_path / "l2", self.capacity_bytes, reader="posix")
-
-    async def corrupt_object(
-        self, tier: bsr.Tier, key: bsr.ChunkKey, group: str, offset: int
-    ) -> bool:
-        return corrupt_stored(tier, key, group, offset)
+        capacity = tier.statistics().capacity_bytes
+        return bsr.FileTier(tmp_path / "l2", capacity, reader="posix")
 
 
 class TestFileTierDirectIO(TestFileTierConformance):
@@ -42,6 +35,36 @@ class TestFileTierDirectIO(TestFileTierConformance):
 
     async def make_tier(self, tmp_path: Path, capacity_bytes: int) -> bsr.Tier:
         return bsr.FileTier(tmp_path / "l2", capacity_bytes, reader="posix", direct_io=True)
+
+
+# every wrapper tier runs the suite too (an empty fault plan injects nothing)
+class TestFaultyHostTierConformance(TierConformance):
+    async def make_tier(self, tmp_path: Path, capacity_bytes: int) -> bsr.Tier:
+        return FaultyTier(bsr.HostTier(capacity_bytes), FaultPlan())
+
+
+class TestFaultyFileTierConformance(TestFileTierConformance):
+    async def make_tier(self, tmp_path: Path, capacity_bytes: int) -> bsr.Tier:
+        return FaultyTier(await super().make_tier(tmp_path, capacity_bytes), FaultPlan())
+
+    async def reopen_tier(self, tier: bsr.Tier, tmp_path: Path) -> bsr.Tier | None:
+        inner = await super().reopen_tier(tier, tmp_path)
+        return None if inner is None else FaultyTier(inner, FaultPlan())
+
+
+class TestLatencyFileTierConformance(TestFileTierConformance):
+    async def make_tier(self, tmp_path: Path, capacity_bytes: int) -> bsr.Tier:
+        inner = await super().make_tier(tmp_path, capacity_bytes)
+        return LatencyTier(inner, read_latency_s=0.0, name="slow-file")
+
+    async def reopen_tier(self, tier: bsr.Tier, tmp_path: Path) -> bsr.Tier | None:
+        inner = await super().reopen_tier(tier, tmp_path)
+        return None if inner is None else LatencyTier(inner, read_latency_s=0.0, name="slow-file")
+
+
+class TestPlainWrapperHostTierConformance(TierConformance):
+    async def make_tier(self, tmp_path: Path, capacity_bytes: int) -> bsr.Tier:
+        return bsr.TierWrapper(bsr.HostTier(capacity_bytes))
 
 
 def test_leftover_temp_file_is_never_visible_and_is_removed(tmp_path: Path) -> None:
@@ -54,7 +77,9 @@ def test_leftover_temp_file_is_never_visible_and_is_removed(tmp_path: Path) -> N
             src = tier.object_path(keys[0], "kv")
             oid = bsr.ObjectKey(keys[1], "kv").object_id
             dead_pid = 2**22 + 12345
-            tmp = tmp_path / "tmp" / f"{oid}.{dead_pid}.abcdef.tmp"
+            tmp = (
+                tmp_path / "tmp" / f"{oid}.{dead_pid}.abcdef012345.tmp"
+            )  # the writer's exact grammar
             tmp.write_bytes(src.read_bytes())
         async with bsr.FileTier(tmp_path, 1 << 26) as again:
             assert await again.contains_many([bsr.ObjectKey(keys[1], "kv")]) == [False]
@@ -114,10 +139,10 @@ def test_file_names_derive_only_from_hex_digests(tmp_path: Path) -> None:
     anyio.run(main)
 
 
-def test_unreadable_object_gives_typed_error(tmp_path: Path) -> None:
-    if os.geteuid() == 0:
-        # root ignores permissions: make the path a directory instead, which read() refuses
-        pass
+def test_directory_in_place_of_object_is_a_corrupt_object(tmp_path: Path) -> None:
+    # not a regular file bsr wrote: a corrupt object (the engine quarantines it), not an I/O
+    # error (which would trip the breaker); permission errors are covered in
+    # test_file_tier_hostile.py
     keys = make_keys(1)
 
     async def main() -> None:
@@ -126,7 +151,7 @@ def test_unreadable_object_gives_typed_error(tmp_path: Path) -> None:
             path = tier.object_path(keys[0], "kv")
             path.unlink()
             path.mkdir()
-            with pytest.raises(bsr.TierIOError):
+            with pytest.raises(bsr.CorruptObjectError):
                 await tier.read_into(keys[0], "kv", np.zeros(len(payload(0)), dtype=np.uint8))
 
     anyio.run(main)

@@ -29,7 +29,13 @@ from ._faults import FaultKind as FaultKind
 from ._faults import FaultPlan as FaultPlan
 from ._faults import FaultyTier as FaultyTier
 from ._faults import LatencyTier as LatencyTier
+from ._conformance import fifo_unblocker as fifo_unblocker
+from ._conformance import remount_read_only as remount_read_only
+from ._conformance import tmpfs_mount as tmpfs_mount
 from ._faults import corrupt_stored as corrupt_stored
+from ._faults import peek_stored as peek_stored
+from ._faults import put_raw_stored as put_raw_stored
+from ._faults import storage_tier as storage_tier
 from ._faults import truncate_stored as truncate_stored
 
 if TYPE_CHECKING:
@@ -98,11 +104,17 @@ __all__ = (
     "derived_tokens",
     "fault_plans",
     "faults",
+    "fifo_unblocker",
     "flip_file_byte",
     "layouts",
     "make_keys",
     "payload",
+    "peek_stored",
+    "put_raw_stored",
+    "remount_read_only",
     "state_groups",
+    "storage_tier",
+    "tmpfs_mount",
     "token_streams",
     "truncate_stored",
 )

@@ -1,22 +1,45 @@
 """A generic conformance suite every Tier implementation must pass.
 
 Subclass :class:`TierConformance` in a pytest module and implement :meth:`make_tier`; pytest
-collects the inherited ``test_*`` methods. Optional hooks (:meth:`corrupt_object`) enable the
-tests that need to reach behind the tier's API; capability attributes switch off tests that do
-not apply (``supports_capacity``). Each test runs its body with ``anyio.run`` (asyncio backend),
-so no async pytest plugin is needed.
+collects the inherited ``test_*`` methods. Each test runs its body with ``anyio.run`` (asyncio
+backend), so no async pytest plugin is needed.
+
+Seed and damage hooks (:meth:`~TierConformance.corrupt_object`,
+:meth:`~TierConformance.truncate_object`, :meth:`~TierConformance.put_raw`) reach behind the tier
+under test into its storage; their defaults use :mod:`bsr.testing`'s storage functions, which
+know HostTier, FileTier and MooncakeTier (and any wrapper around them); a tier they do not know
+returns False and the tests that need the hook skip. Capability attributes switch off tests that
+do not apply (``supports_capacity``, ``hostile_store``).
 
 Example::
 
     class TestMyTier(TierConformance):
-        async def make_tier(self, tmp_path):
-            return MyTier(tmp_path, capacity_bytes=self.capacity_bytes)
+        async def make_tier(self, tmp_path, capacity_bytes):
+            return MyTier(tmp_path, capacity_bytes=capacity_bytes)
+
+The hostile-store section (``test_hostile_*``) is for tiers that keep their objects as files
+under ``tmp_path``: set ``hostile_store = True`` and implement :meth:`object_file` (where the
+bytes of one object live) and :meth:`reopen_tier`. It plants junk (foreign files, a temp name
+with an overflowing pid, directories, dangling symlinks, FIFOs) in every directory of the store,
+replaces objects with a FIFO, a symlink to a FIFO, a symlink out of the store and a directory,
+denies access to an object, fills a small filesystem and remounts it read-only, and checks that
+the tier never hangs, never follows a link out of its root, never deletes or moves what it did
+not write, and answers every case with a typed :class:`~bsr.BsrError`. The filesystem cases
+mount a tmpfs (root with ``CAP_SYS_ADMIN``) and skip where ``mount`` is refused; the permission
+case skips as root (root ignores permission bits). A FIFO is unblocked by the suite after a
+few seconds, so a tier that blocks on it fails the test instead of hanging it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
-from collections.abc import Awaitable, Callable
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,14 +50,20 @@ import pytest
 from .._errors import (
     BsrError,
     ClosedError,
+    ConfigError,
     CorruptObjectError,
     ForeignObjectError,
     ObjectError,
     ObjectNotFoundError,
+    TierError,
+    TruncatedObjectError,
 )
 from ..core._keys import ChunkKey, Namespace, ObjectKey, chunk_keys
 from ..core._layout import StateGroup, StateLayout
+from ..core._object import HEADER_SIZE, encode_header, encode_object
 from ..tiers._base import Tier
+from ..tiers._file import FileTier
+from ._faults import corrupt_stored, put_raw_stored, storage_tier, truncate_stored
 
 #: payload size used by the suite (a multiple of 4 KiB, like real chunks)
 PAYLOAD_BYTES = 16 * 4096
@@ -72,9 +101,28 @@ class TierConformance:
     async def corrupt_object(self, tier: Tier, key: ChunkKey, group: str, offset: int) -> bool:
         """Flip a stored byte at ``offset`` of the stored object (header included).
 
-        Return False when the tier offers no way to do that (the test is skipped).
+        Return False when the tier offers no way to do that (the test is skipped). Default:
+        :func:`bsr.testing.corrupt_stored`.
         """
-        return False
+        return corrupt_stored(tier, key, group, offset)
+
+    async def truncate_object(self, tier: Tier, key: ChunkKey, group: str, size: int) -> bool:
+        """Cut the stored object to ``size`` bytes; False when impossible (test skipped)."""
+        return truncate_stored(tier, key, group, size)
+
+    async def put_raw(self, tier: Tier, key: ChunkKey, group: str, blob: bytes) -> bool:
+        """Store ``blob`` verbatim as ``(key, group)`` so the tier holds it, bypassing its write
+        path; False when impossible (test skipped). Default: :func:`bsr.testing.put_raw_stored`.
+        """
+        return put_raw_stored(tier, key, group, blob)
+
+    #: the tier keeps objects as files under tmp_path: run the hostile-store section
+    hostile_store: bool = False
+
+    def object_file(self, tier: Tier, key: ChunkKey, group: str) -> Path | None:
+        """The file holding ``(key, group)``'s bytes (for the hostile-store section)."""
+        inner = storage_tier(tier)
+        return inner.object_path(key, group) if isinstance(inner, FileTier) else None
 
     # ------------------------------------------------------------------ harness
     def run(
@@ -343,6 +391,478 @@ class TierConformance:
                     assert np.array_equal(dst, payload(i))
 
         anyio.run(main)
+
+    # ------------------------------------------------------------------ seeded damage
+    def test_raw_seeded_damage_is_an_object_error(self, tmp_path: Path) -> None:
+        keys = make_keys(6)
+        okeys = [ObjectKey(k, "kv") for k in keys]
+        good = encode_object(okeys[0], payload(0))
+        forged = bytearray(encode_object(okeys[4], payload(4, 4096)))
+        # a header with a valid checksum claiming a 1 TiB payload over a 4 KiB file
+        forged[:HEADER_SIZE] = _forged_header(okeys[4], 1 << 40)
+        seeds = {
+            1: b"",  # an empty object
+            2: good[: HEADER_SIZE // 2],  # shorter than a header
+            3: encode_object(okeys[3], payload(3))[: HEADER_SIZE + 4096],  # half a payload
+            4: bytes(forged),
+            5: os.urandom(HEADER_SIZE + 4096),  # no bsr header at all
+        }
+
+        async def body(tier: Tier) -> None:
+            if not await self.put_raw(tier, keys[0], "kv", good):
+                pytest.skip("tier offers no raw seeding hook")
+            refused = {
+                i for i, blob in seeds.items() if not await self.put_raw(tier, keys[i], "kv", blob)
+            }
+            dst = np.zeros(PAYLOAD_BYTES, dtype=np.uint8)
+            assert await tier.read_into(keys[0], "kv", dst) == PAYLOAD_BYTES
+            assert np.array_equal(dst, payload(0))
+            for i in set(seeds) - refused:  # a store may refuse e.g. an empty value
+                # a valid read first: no buffer may keep its header for the damaged one
+                await tier.read_into(keys[0], "kv", np.zeros(PAYLOAD_BYTES, dtype=np.uint8))
+                with pytest.raises(ObjectError) as info:
+                    await tier.read_into(keys[i], "kv", np.zeros(PAYLOAD_BYTES, dtype=np.uint8))
+                assert not isinstance(info.value, ConfigError), (i, info.value)
+                if i in (1, 2, 3, 4):
+                    assert isinstance(info.value, TruncatedObjectError), (i, info.value)
+
+        self.run(tmp_path, body)
+
+    def test_truncated_object_is_detected(self, tmp_path: Path) -> None:
+        keys = make_keys(2)
+
+        async def body(tier: Tier) -> None:
+            await tier.write(keys[0], "kv", payload(0))
+            await tier.write(keys[1], "kv", payload(1))
+            if not await self.truncate_object(tier, keys[0], "kv", HEADER_SIZE + 100):
+                pytest.skip("tier offers no truncation hook")
+            emptied = await self.truncate_object(tier, keys[1], "kv", 0)  # a store may refuse
+            for k in keys if emptied else keys[:1]:
+                with pytest.raises(TruncatedObjectError):
+                    await tier.read_into(k, "kv", np.zeros(PAYLOAD_BYTES, dtype=np.uint8))
+
+        self.run(tmp_path, body)
+
+    # ------------------------------------------------------------------ leases and capacity
+    def test_lease_release_is_idempotent_and_ttl_checked(self, tmp_path: Path) -> None:
+        keys = make_keys(2)
+
+        async def body(tier: Tier) -> None:
+            await tier.write(keys[0], "kv", payload(0))
+            objs = [ObjectKey(k, "kv") for k in keys]
+            lease = await tier.lease(objs, 10.0)
+            lease.release()
+            lease.release()
+            with await tier.lease(objs, 10.0):
+                dst = np.zeros(PAYLOAD_BYTES, dtype=np.uint8)
+                await tier.read_into(keys[0], "kv", dst)
+                assert np.array_equal(dst, payload(0))
+            for bad in (0, -1.0, float("nan"), float("inf"), True, "1"):
+                with pytest.raises(ConfigError):
+                    await tier.lease(objs, bad)  # type: ignore[arg-type]
+
+        self.run(tmp_path, body)
+
+    def test_lease_pins_against_eviction_until_release(self, tmp_path: Path) -> None:
+        if not self.supports_capacity:
+            pytest.skip("tier does not enforce capacity")
+        keys = make_keys(5)
+        capacity = 3 * (PAYLOAD_BYTES + 4096)
+
+        async def body(tier: Tier) -> None:
+            for i in range(3):
+                await tier.write(keys[i], "kv", payload(i))
+            lease = await tier.lease([ObjectKey(keys[0], "kv")], 60.0)
+            await tier.write(keys[3], "kv", payload(3))  # 0 is leased: 1 goes
+            present = await tier.contains_many([ObjectKey(k, "kv") for k in keys[:4]])
+            assert present == [True, False, True, True]
+            lease.release()
+            await tier.write(keys[4], "kv", payload(4))  # released: 0 is the LRU again
+            assert await tier.contains(keys[0], "kv") is False
+
+        self.run(tmp_path, body, capacity=capacity)
+
+    def test_expired_lease_stops_pinning(self, tmp_path: Path) -> None:
+        if not self.supports_capacity:
+            pytest.skip("tier does not enforce capacity")
+        keys = make_keys(3)
+        capacity = 2 * (PAYLOAD_BYTES + 4096)
+
+        async def body(tier: Tier) -> None:
+            await tier.write(keys[0], "kv", payload(0))
+            await tier.write(keys[1], "kv", payload(1))
+            await tier.lease([ObjectKey(keys[0], "kv")], 0.05)  # never released
+            await anyio.sleep(0.1)
+            await tier.write(keys[2], "kv", payload(2))
+            assert await tier.contains(keys[0], "kv") is False
+
+        self.run(tmp_path, body, capacity=capacity)
+
+    def test_fully_leased_tier_refuses_writes_typed(self, tmp_path: Path) -> None:
+        if not self.supports_capacity:
+            pytest.skip("tier does not enforce capacity")
+        keys = make_keys(3)
+        capacity = 2 * (PAYLOAD_BYTES + 4096)
+
+        async def body(tier: Tier) -> None:
+            await tier.write(keys[0], "kv", payload(0))
+            await tier.write(keys[1], "kv", payload(1))
+            with await tier.lease([ObjectKey(k, "kv") for k in keys[:2]], 60.0):
+                with pytest.raises(TierError):
+                    await tier.write(keys[2], "kv", payload(2))
+                assert await tier.contains_many([ObjectKey(k, "kv") for k in keys[:2]]) == [
+                    True,
+                    True,
+                ]
+            assert await tier.write(keys[2], "kv", payload(2)) is True
+
+        self.run(tmp_path, body, capacity=capacity)
+
+    def test_concurrent_writes_never_exceed_capacity(self, tmp_path: Path) -> None:
+        if not self.supports_capacity:
+            pytest.skip("tier does not enforce capacity")
+        keys = make_keys(48)
+        capacity = 5 * (PAYLOAD_BYTES + 4096)
+
+        async def main() -> None:
+            tier = await self.make_tier(tmp_path, capacity)
+            async with tier:
+                async with anyio.create_task_group() as tg:
+                    for i, k in enumerate(keys):
+                        tg.start_soon(tier.write, k, "kv", payload(i))
+                s = tier.statistics()
+                assert s.bytes <= capacity, s
+                assert s.peak_bytes <= capacity, s
+            again = await self.reopen_tier(tier, tmp_path)
+            if again is not None:
+                async with again:
+                    assert again.statistics().bytes <= capacity
+
+        anyio.run(main)
+
+    # ------------------------------------------------------------------ hostile store
+    def _hostile_file(self, tier: Tier, key: ChunkKey, group: str = "kv") -> Path:
+        if not self.hostile_store:
+            pytest.skip("hostile_store is False: the tier keeps no files under tmp_path")
+        path = self.object_file(tier, key, group)
+        if path is None:
+            pytest.skip("object_file() does not know where this tier keeps an object")
+        return path
+
+    def test_hostile_fifo_in_place_of_object_never_blocks(self, tmp_path: Path) -> None:
+        keys = make_keys(3)
+
+        async def main() -> None:
+            tier = await self.make_tier(tmp_path, self.capacity_bytes)
+            async with tier:
+                for i, k in enumerate(keys):
+                    await tier.write(k, "kv", payload(i))
+                fifo = self._hostile_file(tier, keys[0])
+                fifo.unlink()
+                os.mkfifo(fifo)
+                link = self._hostile_file(tier, keys[1])
+                target = tmp_path / "outside.fifo"
+                os.mkfifo(target)
+                link.unlink()
+                link.symlink_to(target)
+                for k, pipe in ((keys[0], fifo), (keys[1], target)):
+                    await _read_fails_promptly(tier, k, pipe)
+            again = await self.reopen_tier(tier, tmp_path)
+            if again is None:
+                return
+            with fifo_unblocker(fifo), fifo_unblocker(target):
+                with anyio.fail_after(5):
+                    await again.open()
+            async with again:
+                for k, pipe in ((keys[0], fifo), (keys[1], target)):
+                    if await again.contains(k, "kv"):
+                        await _read_fails_promptly(again, k, pipe)
+                dst = np.zeros(PAYLOAD_BYTES, dtype=np.uint8)
+                await again.read_into(keys[2], "kv", dst)
+                assert np.array_equal(dst, payload(2))
+            assert fifo.is_fifo() and link.is_symlink()  # not ours: left where they are
+
+        anyio.run(main)
+
+    def test_hostile_symlink_out_of_the_store_is_never_followed(self, tmp_path: Path) -> None:
+        keys = make_keys(2)
+        outside = tmp_path / "outside"
+        outside.mkdir()
+
+        async def main() -> None:
+            tier = await self.make_tier(tmp_path, self.capacity_bytes)
+            async with tier:
+                await tier.write(keys[0], "kv", payload(0))
+                await tier.write(keys[1], "kv", payload(1))
+                path = self._hostile_file(tier, keys[0])
+                copy = outside / "copy"
+                shutil.copyfile(path, copy)  # a valid object: following the link would verify
+                original = copy.read_bytes()
+                path.unlink()
+                path.symlink_to(copy)
+                with pytest.raises(BsrError):
+                    await tier.read_into(keys[0], "kv", np.zeros(PAYLOAD_BYTES, dtype=np.uint8))
+                await tier.quarantine(keys[0], "kv", "test")
+                assert copy.read_bytes() == original
+            again = await self.reopen_tier(tier, tmp_path)
+            if again is not None:
+                async with again:
+                    if await again.contains(keys[0], "kv"):
+                        with pytest.raises(BsrError):
+                            await again.read_into(
+                                keys[0], "kv", np.zeros(PAYLOAD_BYTES, dtype=np.uint8)
+                            )
+                    dst = np.zeros(PAYLOAD_BYTES, dtype=np.uint8)
+                    await again.read_into(keys[1], "kv", dst)
+                    assert np.array_equal(dst, payload(1))
+            assert (outside / "copy").read_bytes() == original
+            assert _lexists(path)  # the link is not the tier's to delete
+
+        anyio.run(main)
+
+    def test_hostile_directory_in_place_of_object(self, tmp_path: Path) -> None:
+        keys = make_keys(2)
+
+        async def main() -> None:
+            tier = await self.make_tier(tmp_path, self.capacity_bytes)
+            async with tier:
+                await tier.write(keys[0], "kv", payload(0))
+                await tier.write(keys[1], "kv", payload(1))
+                path = self._hostile_file(tier, keys[0])
+                path.unlink()
+                path.mkdir()
+                (path / "keep.txt").write_bytes(b"not bsr's")
+                with pytest.raises(BsrError):
+                    await tier.read_into(keys[0], "kv", np.zeros(PAYLOAD_BYTES, dtype=np.uint8))
+                await tier.quarantine(keys[0], "kv", "test")
+            again = await self.reopen_tier(tier, tmp_path)
+            if again is not None:
+                async with again:
+                    dst = np.zeros(PAYLOAD_BYTES, dtype=np.uint8)
+                    await again.read_into(keys[1], "kv", dst)
+                    assert np.array_equal(dst, payload(1))
+            assert (path / "keep.txt").read_bytes() == b"not bsr's"
+
+        anyio.run(main)
+
+    def test_hostile_junk_entries_are_left_alone(self, tmp_path: Path) -> None:
+        keys = make_keys(3)
+        oid = ObjectKey(keys[2], "kv").object_id
+
+        async def main() -> None:
+            tier = await self.make_tier(tmp_path, self.capacity_bytes)
+            async with tier:
+                await tier.write(keys[0], "kv", payload(0))
+                await tier.write(keys[1], "kv", payload(1))
+                self._hostile_file(tier, keys[0])
+            planted = _plant_junk(tmp_path, oid)
+            again = await self.reopen_tier(tier, tmp_path)
+            if again is None:
+                pytest.skip("tier is not durable")
+            with anyio.fail_after(10):
+                await again.open()
+            async with again:
+                for i in range(2):
+                    dst = np.zeros(PAYLOAD_BYTES, dtype=np.uint8)
+                    await again.read_into(keys[i], "kv", dst)
+                    assert np.array_equal(dst, payload(i))
+                assert await again.contains(keys[2], "kv") is False
+            for path, content in planted.items():
+                assert _lexists(path), f"the tier removed {path}"
+                if content is not None:
+                    assert path.read_bytes() == content, f"the tier changed {path}"
+
+        anyio.run(main)
+
+    def test_hostile_permission_denied_is_an_io_error(self, tmp_path: Path) -> None:
+        keys = make_keys(2)
+        if os.geteuid() == 0:
+            pytest.skip("root ignores permission bits (FileTier's own tests drop privileges)")
+
+        async def main() -> None:
+            tier = await self.make_tier(tmp_path, self.capacity_bytes)
+            async with tier:
+                await tier.write(keys[0], "kv", payload(0))
+                await tier.write(keys[1], "kv", payload(1))
+                path = self._hostile_file(tier, keys[0])
+                before = path.read_bytes()
+                path.chmod(0)
+                try:
+                    with pytest.raises(TierError) as info:
+                        await tier.read_into(keys[0], "kv", np.zeros(PAYLOAD_BYTES, dtype=np.uint8))
+                    assert not isinstance(info.value, ObjectError)
+                    again = await self.reopen_tier(tier, tmp_path)
+                    if again is not None:
+                        async with again:
+                            assert await again.contains(keys[1], "kv")
+                finally:
+                    path.chmod(0o644)
+                assert path.read_bytes() == before  # intact and in place: never quarantined
+
+        anyio.run(main)
+
+    def test_hostile_disk_full_is_typed_and_leaks_nothing(self, tmp_path: Path) -> None:
+        if not self.hostile_store:
+            pytest.skip("hostile_store is False: the tier keeps no files under tmp_path")
+        keys = make_keys(40)
+        with tmpfs_mount(tmp_path / "small", 1 << 20) as fs:
+
+            async def main() -> None:
+                tier = await self.make_tier(fs, self.capacity_bytes)
+                async with tier:
+                    stored: list[int] = []
+                    failures = 0
+                    for i, k in enumerate(keys):
+                        try:
+                            await tier.write(k, "kv", payload(i))
+                            stored.append(i)
+                        except TierError as exc:
+                            assert not isinstance(exc, ObjectError)
+                            failures += 1
+                    assert failures >= 20 and stored, (failures, stored)
+                    objects = {self.object_file(tier, keys[i], "kv") for i in stored}
+                    others = [
+                        p
+                        for p in fs.rglob("*")
+                        if p.is_file() and not p.is_symlink() and p not in objects
+                    ]
+                    assert sum(p.stat().st_size for p in others) <= 4096, others
+                    for i in stored:
+                        dst = np.zeros(PAYLOAD_BYTES, dtype=np.uint8)
+                        await tier.read_into(keys[i], "kv", dst)
+                        assert np.array_equal(dst, payload(i))
+                    for i in stored:
+                        await tier.delete(keys[i], "kv")
+                    for i in stored:  # the failed writes leaked no space
+                        assert await tier.write(keys[i], "kv", payload(i)) is True
+
+            anyio.run(main)
+
+    def test_hostile_read_only_filesystem(self, tmp_path: Path) -> None:
+        if not self.hostile_store:
+            pytest.skip("hostile_store is False: the tier keeps no files under tmp_path")
+        keys = make_keys(3)
+        with tmpfs_mount(tmp_path / "ro", 8 << 20) as fs:
+
+            async def main() -> None:
+                tier = await self.make_tier(fs, self.capacity_bytes)
+                async with tier:
+                    await tier.write(keys[0], "kv", payload(0))
+                    await tier.write(keys[1], "kv", payload(1))
+                remount_read_only(fs)
+                again = await self.reopen_tier(tier, fs)
+                if again is None:
+                    pytest.skip("tier is not durable")
+                async with again:
+                    for i in range(2):
+                        dst = np.zeros(PAYLOAD_BYTES, dtype=np.uint8)
+                        await again.read_into(keys[i], "kv", dst)
+                        assert np.array_equal(dst, payload(i))
+                    with pytest.raises(TierError):
+                        await again.write(keys[2], "kv", payload(2))
+
+            anyio.run(main)
+
+
+async def _read_fails_promptly(tier: Tier, key: ChunkKey, pipe: Path) -> None:
+    """read_into of an object replaced by a FIFO: a typed error within 2 s, never a hang."""
+    t0 = time.monotonic()
+    with fifo_unblocker(pipe), pytest.raises(BsrError):
+        with anyio.fail_after(2):
+            await tier.read_into(key, "kv", np.zeros(PAYLOAD_BYTES, dtype=np.uint8))
+    assert time.monotonic() - t0 < 2, "read_into blocked on a FIFO"
+
+
+def _lexists(path: Path) -> bool:
+    return path.is_symlink() or path.exists()
+
+
+def _forged_header(okey: ObjectKey, payload_len: int) -> bytes:
+    return encode_header(okey, payload_len, 0)
+
+
+def _plant_junk(root: Path, oid: str) -> dict[Path, bytes | None]:
+    """Put junk in every directory under ``root``; ``{path: content or None}`` planted."""
+    planted: dict[Path, bytes | None] = {}
+    dirs = [Path(d) for d, _, _ in os.walk(root)]
+    for n, d in enumerate(dirs):
+        entries: dict[str, bytes | None] = {
+            "report.1999.final.pdf": b"someone's report",
+            f"{oid}.{'9' * 20}.abcdef012345.tmp": b"a pid that overflows",
+            f"{oid}.bsr.orig": b"not an object name",
+        }
+        for name, content in entries.items():
+            (d / name).write_bytes(content or b"")
+            planted[d / name] = content
+        sub = d / f"{oid}.4206649.abcdef01234{n % 10}.tmp"  # a directory where a temp file goes
+        sub.mkdir()
+        (sub / "inner.txt").write_bytes(b"inner")
+        planted[sub / "inner.txt"] = b"inner"
+        link = d / "dangling"
+        link.symlink_to(root / "nowhere")
+        planted[link] = None
+        fifo = d / f"{oid}.4206649.0123456789a{n % 10}.tmp"  # a FIFO named like a dead temp
+        os.mkfifo(fifo)
+        planted[fifo] = None
+    return planted
+
+
+@contextlib.contextmanager
+def fifo_unblocker(path: Path, after_s: float = 4.0) -> Iterator[None]:
+    """After ``after_s``, keep opening ``path`` for writing, so a reader blocked on it returns.
+
+    Lets a test of a tier that blocks on a FIFO fail (too slow) instead of hanging forever.
+    """
+    stop = threading.Event()
+
+    def run() -> None:
+        if stop.wait(after_s):
+            return
+        while not stop.is_set():
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO while nobody reads
+            except OSError:
+                stop.wait(0.05)
+                continue
+            os.close(fd)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join()
+
+
+@contextlib.contextmanager
+def tmpfs_mount(path: Path, size_bytes: int) -> Iterator[Path]:
+    """Mount a tmpfs of ``size_bytes`` at ``path`` (skips the test where mounting is refused)."""
+    path.mkdir(parents=True, exist_ok=True)
+    try:
+        r = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(path)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        pytest.skip(f"cannot run mount: {exc}")
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs (needs root with CAP_SYS_ADMIN): {r.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True, timeout=30)
+
+
+def remount_read_only(path: Path) -> None:
+    """Remount the filesystem mounted at ``path`` read-only (see :func:`tmpfs_mount`)."""
+    r = subprocess.run(
+        ["mount", "-o", "remount,ro", str(path)], capture_output=True, text=True, timeout=30
+    )
+    if r.returncode != 0:
+        raise OSError(errno.EIO, f"remount read-only failed: {r.stderr.strip()}")
 
 
 def flip_file_byte(path: str | os.PathLike[str], offset: int) -> None:

@@ -3,10 +3,16 @@
 :class:`FaultyTier` wraps any tier and applies a :class:`FaultPlan`. Whether a fault fires is a
 pure function of ``(seed, operation, object id, attempt number on that object)``, so a run is
 replayed exactly by the same seed whatever the task interleaving. Corruption and truncation are
-done *to the stored object* where the wrapped tier allows it (HostTier, FileTier, or any tier
-with a ``corrupt_object(key, group, offset)`` / ``truncate_object(key, group, size)`` method),
-so detection is exercised for real; on other tiers they are simulated by raising the error a
-verifying tier would raise.
+done *to the stored object* where the wrapped tier allows it (HostTier, FileTier, MooncakeTier,
+or any tier with a ``corrupt_object(key, group, offset)`` / ``truncate_object(key, group, size)``
+method), so detection is exercised for real; on other tiers they are simulated by raising the
+error a verifying tier would raise.
+
+The storage hooks (:func:`corrupt_stored`, :func:`truncate_stored`, :func:`peek_stored`,
+:func:`put_raw_stored`) reach behind a tier's API into its storage (HostTier's index, FileTier's
+files, the Mooncake store), so the tier under test is bypassed; production tiers carry no test
+hooks. A wrapper's reads change, so its ``blocking_reads`` is False: a pipeline that batches
+blocking reads cannot skip the injected faults.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +38,7 @@ from ..core._object import HEADER_SIZE
 from ..tiers._base import Tier, TierWrapper
 from ..tiers._file import FileTier
 from ..tiers._host import HostTier
+from ..tiers._mooncake import MooncakeTier
 
 
 class FaultKind(str, enum.Enum):
@@ -119,54 +126,137 @@ class FaultPlan:
         return sum(v for k, v in self.fired.items() if not k.isdigit())
 
 
-def corrupt_stored(tier: Tier, key: ChunkKey, group: str, offset: int = HEADER_SIZE + 17) -> bool:
-    """Flip one stored byte of ``(key, group)`` in ``tier``; False when the tier cannot."""
-    hook = getattr(tier, "corrupt_object", None)
-    if callable(hook):
-        return bool(hook(key, group, offset))
+def storage_tier(tier: Tier) -> Tier:
+    """The tier that holds the bytes: ``tier`` with every :class:`~bsr.TierWrapper` peeled off."""
+    while isinstance(tier, TierWrapper):
+        tier = tier.inner
+    return tier
+
+
+def _mooncake_rewrite(
+    tier: MooncakeTier, key: ChunkKey, group: str, edit: Callable[[bytearray], bytes | None]
+) -> bool:
+    store = tier._require_store()
+    skey = tier.store_key(key, group)
+    blob = store.get(skey)
+    if not blob:
+        return False
+    new = edit(bytearray(blob))
+    if new is None:
+        return False
+    store.remove(skey, True)
+    return int(store.put(skey, new)) == 0
+
+
+def _edit_stored(
+    tier: Tier, key: ChunkKey, group: str, edit: Callable[[bytearray], bytes | None]
+) -> bool:
+    """Rewrite the stored bytes of ``(key, group)`` through the tier's storage (not its API)."""
+    tier = storage_tier(tier)
+    oid = ObjectKey(key, group).object_id
     if isinstance(tier, HostTier):
-        blob = tier._raw(key, group)
-        if blob is None or offset >= len(blob):
+        blob = tier._index.peek(oid)
+        new = None if blob is None else edit(bytearray(blob.tobytes()))
+        if new is None:
             return False
-        blob[offset] ^= 0xFF
-        return True
+        return tier._index.replace_value(oid, np.frombuffer(new, dtype=np.uint8).copy())
     if isinstance(tier, FileTier):
         path = tier.object_path(key, group)
         try:
+            with open(path, "rb") as fh:
+                new = edit(bytearray(fh.read()))
+            if new is None:
+                return False
             with open(path, "r+b") as fh:
-                fh.seek(offset)
-                b = fh.read(1)
-                if not b:
-                    return False
-                fh.seek(offset)
-                fh.write(bytes([b[0] ^ 0xFF]))
-        except FileNotFoundError:
+                fh.write(new)
+                fh.truncate(len(new))
+        except (FileNotFoundError, IsADirectoryError):
             return False
         return True
+    if isinstance(tier, MooncakeTier):
+        return _mooncake_rewrite(tier, key, group, edit)
     return False
+
+
+def corrupt_stored(tier: Tier, key: ChunkKey, group: str, offset: int = HEADER_SIZE + 17) -> bool:
+    """Flip every bit of the stored byte at ``offset`` of ``(key, group)`` (header included).
+
+    Works on HostTier, FileTier and MooncakeTier (and any wrapper around them) by reaching
+    behind the tier's API into its storage, or on a tier with a ``corrupt_object(key, group,
+    offset)`` method. False when the tier cannot, or holds no such byte.
+    """
+    hook = getattr(storage_tier(tier), "corrupt_object", None)
+    if callable(hook):
+        return bool(hook(key, group, offset))
+
+    def flip(blob: bytearray) -> bytes | None:
+        if offset >= len(blob):
+            return None
+        blob[offset] ^= 0xFF
+        return bytes(blob)
+
+    return _edit_stored(tier, key, group, flip)
 
 
 def truncate_stored(tier: Tier, key: ChunkKey, group: str, size: int = HEADER_SIZE + 100) -> bool:
-    """Cut the stored object of ``(key, group)`` to ``size`` bytes; False when the tier cannot."""
-    hook = getattr(tier, "truncate_object", None)
+    """Cut the stored object of ``(key, group)`` to ``size`` bytes; False when the tier cannot.
+
+    Same reach as :func:`corrupt_stored` (or a ``truncate_object(key, group, size)`` method).
+    """
+    hook = getattr(storage_tier(tier), "truncate_object", None)
     if callable(hook):
         return bool(hook(key, group, size))
+    return _edit_stored(
+        tier, key, group, lambda blob: bytes(blob[:size]) if 0 <= size < len(blob) else None
+    )
+
+
+def peek_stored(tier: Tier, key: ChunkKey, group: str) -> bytes | None:
+    """The raw stored bytes of ``(key, group)`` (header + payload + padding), or None."""
+    tier = storage_tier(tier)
     if isinstance(tier, HostTier):
-        entry = tier._objects.get(ObjectKey(key, group).object_id)
-        if entry is None:
-            return False
-        entry.blob = np.array(entry.blob[:size])
-        return True
+        blob = tier._index.peek(ObjectKey(key, group).object_id)
+        return None if blob is None else blob.tobytes()
     if isinstance(tier, FileTier):
         try:
-            os.truncate(tier.object_path(key, group), size)
-        except FileNotFoundError:
-            return False
+            return tier.object_path(key, group).read_bytes()
+        except (FileNotFoundError, IsADirectoryError):
+            return None
+    if isinstance(tier, MooncakeTier):
+        blob = tier._require_store().get(tier.store_key(key, group))
+        return bytes(blob) if blob else None
+    return None
+
+
+def put_raw_stored(tier: Tier, key: ChunkKey, group: str, blob: bytes) -> bool:
+    """Store ``blob`` verbatim as the object ``(key, group)``, bypassing the tier's write path.
+
+    The tier then holds (and ``contains_many`` reports) the object whatever its bytes are, as if
+    it had been written by someone else into the same storage; HostTier and FileTier index it
+    outside their capacity reservation. False when the tier offers no way to do that.
+    """
+    tier = storage_tier(tier)
+    oid = ObjectKey(key, group).object_id
+    if isinstance(tier, HostTier):
+        tier._index.put(oid, len(blob), np.frombuffer(blob, dtype=np.uint8).copy())
         return True
+    if isinstance(tier, FileTier):
+        path = tier.object_path(key, group)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".raw")
+        tmp.write_bytes(blob)
+        os.replace(tmp, path)
+        tier._index.put(oid, len(blob), None)
+        return True
+    if isinstance(tier, MooncakeTier):
+        store = tier._require_store()
+        skey = tier.store_key(key, group)
+        store.remove(skey, True)
+        return int(store.put(skey, blob)) == 0
     return False
 
 
-class FaultyTier(TierWrapper):
+class FaultyTier(TierWrapper[Tier]):
     """Wrap ``inner`` and inject the faults of ``plan`` (as rank ``rank``).
 
     The wrapper takes the inner tier's name by default, so results and ``bytes_by_tier`` read
@@ -234,7 +324,7 @@ class FaultyTier(TierWrapper):
         await self.inner.quarantine(key, group, reason)
 
 
-class LatencyTier(TierWrapper):
+class LatencyTier(TierWrapper[Tier]):
     """Wrap ``inner`` adding a fixed latency (and optional bandwidth cap) to reads and probes."""
 
     def __init__(

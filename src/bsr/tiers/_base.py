@@ -1,61 +1,102 @@
 """The abstract tier: a place that retains objects.
 
 Where it runs: on the serving process's event loop (any anyio backend). Blocking work (file I/O,
-store RPCs, large memcpy) must run in worker threads; every method is a coroutine.
+store RPCs, large memcpy) must run in worker threads; every method is a coroutine, except
+:meth:`Tier.read_into_blocking`, which a tier with ``blocking_reads = True`` offers so that the
+transfer pipeline can read, verify and install a whole batch of chunks in one worker-thread call.
 
-A tier implements a small core (``contains_many``, ``read_into``, ``write``, ``delete``,
-``statistics``) and inherits working defaults for the rest. ``read_into`` writes the payload into a
-caller-provided buffer (a staging slot region) and verifies the object's header and checksum
-before returning; it never returns unverified bytes as valid. Capability flags are class
-attributes, as in zarr's stores.
+How it works: a tier implements a small core (``contains_many``, ``read_into``, ``write``,
+``delete``) and inherits working defaults for the rest (``usage``, ``statistics``, ``lease``,
+``quarantine``, ``contains``). ``read_into`` writes the payload into a caller-provided buffer (a
+staging slot region) and verifies the object's header and checksum before returning; it never
+returns unverified bytes as valid. Capability flags are class attributes, as in zarr's stores,
+and each one is read by the library: ``durable`` by the test kit's campaign (a volatile tier
+starts empty after a reopen) and ``blocking_reads`` by the transfer pipeline. A
+:class:`TierWrapper` delegates every method and reads every flag through to the tier it wraps.
 """
 
 from __future__ import annotations
 
 import abc
+import dataclasses
+import math
+import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 
+from .._check import positive_float
 from .._errors import ClosedError, ConfigError
 from .._log import logger
 from ..core._keys import ChunkKey, ObjectKey
 
 
 @dataclass(frozen=True)
+class TierUsage:
+    """What a tier holds now: returned by :meth:`Tier.usage`."""
+
+    #: objects stored
+    objects: int = 0
+    #: bytes stored (headers and padding included)
+    bytes: int = 0
+    #: the bound on ``bytes`` (0: unknown or enforced elsewhere)
+    capacity_bytes: int = 0
+
+
+@dataclass(frozen=True)
 class TierStatistics:
     """A snapshot of a tier's counters."""
 
+    #: the tier's name (a wrapper reports its own)
     name: str
+    #: objects stored now
     objects: int
+    #: bytes stored now
     bytes: int
+    #: the bound on ``bytes`` (0: unknown)
     capacity_bytes: int
+    #: reads that found their object / reads that did not
     hits: int
     misses: int
+    #: objects evicted to make room
     evictions: int
+    #: failed reads and writes (I/O errors and objects that failed verification)
     errors: int
+    #: completed reads and writes, and their payload bytes
     reads: int
     writes: int
     bytes_read: int
     bytes_written: int
+    #: objects taken out of service after failing verification
     quarantined: int
+    #: the largest ``bytes`` seen (reserved bytes of writes in progress included where tracked)
     peak_bytes: int
+    #: entries in the tier's storage that are not its objects, skipped (and left alone) on open
+    junk: int = 0
+    #: reads given up by their caller (cancelled) while the worker was still in the kernel
+    abandoned_reads: int = 0
+    #: objects that could not be read on open (EACCES, EIO...): skipped, neither indexed nor moved
+    unreadable: int = 0
 
 
 class _Counters:
     __slots__ = (
+        "abandoned_reads",
         "bytes_read",
         "bytes_written",
         "errors",
         "evictions",
         "hits",
+        "junk",
         "misses",
         "peak_bytes",
         "quarantined",
         "reads",
+        "unreadable",
         "writes",
     )
 
@@ -63,6 +104,42 @@ class _Counters:
         self.hits = self.misses = self.evictions = self.errors = 0
         self.reads = self.writes = self.bytes_read = self.bytes_written = 0
         self.quarantined = self.peak_bytes = 0
+        self.junk = self.abandoned_reads = self.unreadable = 0
+
+
+class TierLease:
+    """Objects a tier promises not to evict until :meth:`release` or the lease's expiry.
+
+    Returned by :meth:`Tier.lease`. The base class is the no-op lease of tiers that do not
+    evict on their own schedule (or cannot pin); HostTier and FileTier return one that pins.
+    Usable as a context manager (``with await tier.lease(objs, 5.0): ...``).
+    """
+
+    __slots__ = ("expires_at", "objects")
+
+    def __init__(self, objects: tuple[str, ...] = (), expires_at: float = math.inf) -> None:
+        #: object ids the lease pins (those the tier held when it was taken)
+        self.objects = objects
+        #: ``time.monotonic()`` at which the lease stops pinning
+        self.expires_at = expires_at
+
+    @property
+    def expired(self) -> bool:
+        return time.monotonic() >= self.expires_at
+
+    def release(self) -> None:
+        """Stop pinning now (idempotent)."""
+
+    def __enter__(self) -> TierLease:
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(objects={len(self.objects)})"
 
 
 def as_byte_view(dst: Any) -> memoryview:
@@ -92,22 +169,30 @@ def as_payload_view(payload: Any) -> memoryview:
 class Tier(abc.ABC):
     """Abstract async tier. Use as ``async with tier:`` or call :meth:`aclose`.
 
-    Subclasses implement the abstract methods; the batch helpers have working defaults that a
-    subclass may override with a faster native batch call.
+    Subclasses implement the abstract methods; the other methods have working defaults that a
+    subclass may override (a faster native batch call, a real lease, a usage report).
     """
 
-    #: objects survive a process restart
+    #: objects survive a process restart (read by bsr.testing's campaign: a volatile tier
+    #: starts empty after a reopen)
     durable: ClassVar[bool] = False
-    #: ``contains_many`` reads no payload bytes
-    metadata_only_probe: ClassVar[bool] = True
-    #: suggested read concurrency for this tier
-    default_io_depth: ClassVar[int] = 4
+    #: read_into_blocking() is implemented: the transfer pipeline may then run reads, checksum
+    #: verification and host installs of a whole batch of chunks in ONE worker-thread call
+    blocking_reads: ClassVar[bool] = False
 
     def __init__(self, name: str) -> None:
         self.name = name
         self._closed = False
         self._counters = _Counters()
+        self._counters_lock = threading.Lock()
         self._log = logger.bind(tier=name)
+
+    def _count(self, **deltas: int) -> None:
+        """Add to counters; safe from worker threads (``x += 1`` on an attribute is not)."""
+        with self._counters_lock:
+            c = self._counters
+            for field, n in deltas.items():
+                setattr(c, field, getattr(c, field) + n)
 
     # ------------------------------------------------------------------ lifecycle
     async def open(self) -> None:
@@ -160,11 +245,40 @@ class Tier(abc.ABC):
     async def delete(self, key: ChunkKey, group: str) -> bool:
         """Remove the object; return whether it existed."""
 
-    @abc.abstractmethod
-    def _usage(self) -> tuple[int, int, int]:
-        """(objects, bytes, capacity_bytes)."""
-
     # ------------------------------------------------------------------ defaults
+    def read_into_blocking(self, key: ChunkKey, group: str, dst: Any) -> int:
+        """Same contract as read_into (verify before returning; raise ObjectNotFoundError /
+        ObjectError / TierError), but synchronous and safe to call from any worker thread
+        concurrently with the event loop.
+
+        Only tiers with ``blocking_reads = True`` implement it.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} has no blocking reads (blocking_reads is False); "
+            "call await read_into()"
+        )
+
+    def usage(self) -> TierUsage:
+        """What the tier holds now. Default: unknown (zeros); override to report it."""
+        legacy = getattr(self, "_usage", None)  # bsr 0.1 tiers implemented a private _usage()
+        if callable(legacy):
+            objects, nbytes, capacity = legacy()
+            return TierUsage(objects, nbytes, capacity)
+        return TierUsage()
+
+    async def lease(self, objects: Sequence[ObjectKey], ttl_s: float) -> TierLease:
+        """Ask the tier to keep ``objects`` (those it holds) until release or ``ttl_s`` passes.
+
+        Default: a no-op lease (a tier that does not evict on its own schedule, or cannot pin).
+
+        Raises:
+            ConfigError: ``ttl_s`` is not a finite number > 0.
+            TierFullError: the lease would pin more than the tier's capacity.
+        """
+        self._check_open()
+        ttl = positive_float(ttl_s, "lease ttl_s")
+        return TierLease(tuple(o.object_id for o in objects), time.monotonic() + ttl)
+
     async def contains(self, key: ChunkKey, group: str) -> bool:
         return (await self.contains_many([ObjectKey(key, group)]))[0]
 
@@ -183,14 +297,14 @@ class Tier(abc.ABC):
             )
 
     def statistics(self) -> TierStatistics:
-        objects, nbytes, capacity = self._usage()
+        u = self.usage()
         c = self._counters
-        c.peak_bytes = max(c.peak_bytes, nbytes)
+        c.peak_bytes = max(c.peak_bytes, u.bytes)
         return TierStatistics(
             name=self.name,
-            objects=objects,
-            bytes=nbytes,
-            capacity_bytes=capacity,
+            objects=u.objects,
+            bytes=u.bytes,
+            capacity_bytes=u.capacity_bytes,
             hits=c.hits,
             misses=c.misses,
             evictions=c.evictions,
@@ -201,44 +315,74 @@ class Tier(abc.ABC):
             bytes_written=c.bytes_written,
             quarantined=c.quarantined,
             peak_bytes=c.peak_bytes,
+            junk=c.junk,
+            abandoned_reads=c.abandoned_reads,
+            unreadable=c.unreadable,
         )
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(name={self.name!r})"
+        return f"{type(self).__name__}({self.name!r})"
 
 
-class TierWrapper(Tier):
+T = TypeVar("T", bound=Tier)
+
+
+class TierWrapper(Tier, Generic[T]):
     """A tier that adds behaviour around another tier (latency, faults, logging...).
 
-    Every method delegates to ``inner``; a wrapper overrides only what it changes. The wrapper
-    takes the inner tier's name by default, so results and ``bytes_by_tier`` read the same as
-    without it.
+    Every method delegates to ``inner`` and every capability flag reads through to it; a
+    wrapper overrides only what it changes. The wrapper takes the inner tier's name by default,
+    so results and ``bytes_by_tier`` read the same as without it; ``statistics()`` and ``repr``
+    report the wrapper's own name.
+
+    ``blocking_reads`` reads through only while the wrapper does not change reads: a subclass
+    that overrides ``read_into`` without also overriding ``read_into_blocking`` reports False,
+    so a pipeline that batches blocking reads cannot bypass the wrapper's behaviour.
     """
 
-    def __init__(self, inner: Tier, *, name: str | None = None) -> None:
+    def __init__(self, inner: T, *, name: str | None = None) -> None:
         super().__init__(name or inner.name)
-        self.inner = inner
-        self.durable = inner.durable  # type: ignore[misc]
+        self.inner: T = inner
+
+    # capability flags: class-level on tiers, read through to the inner tier here
+    @property  # type: ignore[misc]
+    def durable(self) -> bool:  # type: ignore[override]
+        return self.inner.durable
+
+    @property  # type: ignore[misc]
+    def blocking_reads(self) -> bool:  # type: ignore[override]
+        cls = type(self)
+        changes_reads = cls.read_into is not TierWrapper.read_into
+        blocking_too = cls.read_into_blocking is not TierWrapper.read_into_blocking
+        return self.inner.blocking_reads and (blocking_too or not changes_reads)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed or self.inner.closed
 
     async def open(self) -> None:
         await self.inner.open()
 
     async def aclose(self) -> None:
-        await self.inner.aclose()
-        await super().aclose()
+        try:
+            await self.inner.aclose()
+        finally:
+            await super().aclose()
 
-    def _usage(self) -> tuple[int, int, int]:
-        s = self.inner.statistics()
-        return s.objects, s.bytes, s.capacity_bytes
+    def usage(self) -> TierUsage:
+        return self.inner.usage()
 
     def statistics(self) -> TierStatistics:
-        return self.inner.statistics()
+        return dataclasses.replace(self.inner.statistics(), name=self.name)
 
     async def contains_many(self, objects: Sequence[ObjectKey]) -> list[bool]:
         return await self.inner.contains_many(objects)
 
     async def read_into(self, key: ChunkKey, group: str, dst: Any) -> int:
         return await self.inner.read_into(key, group, dst)
+
+    def read_into_blocking(self, key: ChunkKey, group: str, dst: Any) -> int:
+        return self.inner.read_into_blocking(key, group, dst)
 
     async def write(self, key: ChunkKey, group: str, payload: Any) -> bool:
         return await self.inner.write(key, group, payload)
@@ -248,3 +392,10 @@ class TierWrapper(Tier):
 
     async def quarantine(self, key: ChunkKey, group: str, reason: str) -> None:
         await self.inner.quarantine(key, group, reason)
+
+    async def lease(self, objects: Sequence[ObjectKey], ttl_s: float) -> TierLease:
+        return await self.inner.lease(objects, ttl_s)
+
+    def __repr__(self) -> str:
+        named = f"{self.name!r}, " if self.name != self.inner.name else ""
+        return f"{type(self).__name__}({named}inner={self.inner!r})"

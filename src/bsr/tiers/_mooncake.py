@@ -95,7 +95,7 @@ from ..core._object import (
     payload_checksum,
     verify_payload,
 )
-from ._base import Tier, as_byte_view, as_payload_view
+from ._base import Tier, TierUsage, as_byte_view, as_payload_view
 
 T = TypeVar("T")
 
@@ -209,8 +209,6 @@ class MooncakeTier(Tier):
     """
 
     durable: ClassVar[bool] = False
-    metadata_only_probe: ClassVar[bool] = True
-    default_io_depth: ClassVar[int] = 8
 
     def __init__(
         self,
@@ -306,8 +304,8 @@ class MooncakeTier(Tier):
         """The Mooncake key under which ``(key, group)`` is stored."""
         return self.key_prefix + ObjectKey(key, group).object_id
 
-    def _usage(self) -> tuple[int, int, int]:
-        return self._objects, self._bytes, self.capacity_bytes
+    def usage(self) -> TierUsage:
+        return TierUsage(self._objects, self._bytes, self.capacity_bytes)
 
     def _ctx(self, okey: ObjectKey) -> dict[str, Any]:
         return {"tier": self.name, "key": okey.chunk.hex[:16], "group": okey.group}
@@ -733,46 +731,6 @@ class MooncakeTier(Tier):
             self._objects = max(0, self._objects - 1)
             self._bytes = max(0, self._bytes - size)
         return True
-
-    # ------------------------------------------------------------------ test / fault hooks
-    # Synchronous and blocking on purpose: used by bsr.testing.corrupt_stored / truncate_stored.
-    def _rewrite(
-        self, key: ChunkKey, group: str, edit: Callable[[bytearray], bytes | None]
-    ) -> bool:
-        store = self._require_store()
-        skey = self.store_key(key, group)
-        blob = store.get(skey)
-        if not blob:
-            return False
-        new = edit(bytearray(blob))
-        if new is None:
-            return False
-        store.remove(skey, True)
-        return int(store.put(skey, new)) == 0
-
-    def corrupt_object(self, key: ChunkKey, group: str, offset: int) -> bool:
-        """Flip every bit of the stored byte at ``offset`` (test hook; blocking)."""
-
-        def flip(blob: bytearray) -> bytes | None:
-            if offset >= len(blob):
-                return None
-            blob[offset] ^= 0xFF
-            return bytes(blob)
-
-        return self._rewrite(key, group, flip)
-
-    def truncate_object(self, key: ChunkKey, group: str, size: int) -> bool:
-        """Cut the stored object to ``size`` bytes (test hook; blocking)."""
-        return self._rewrite(
-            key, group, lambda blob: bytes(blob[:size]) if 0 < size < len(blob) else None
-        )
-
-    def put_raw(self, key: ChunkKey, group: str, blob: bytes) -> int:
-        """Store ``blob`` as is under the object's key (test hook; blocking); the store's code."""
-        store = self._require_store()
-        skey = self.store_key(key, group)
-        store.remove(skey, True)
-        return int(store.put(skey, blob))
 
     @staticmethod
     def unique_prefix(base: str = "bsr/") -> str:

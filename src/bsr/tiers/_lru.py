@@ -1,0 +1,434 @@
+"""LruIndex: the capacity, pin and lease bookkeeping shared by HostTier and FileTier.
+
+Where it runs: on the event loop and in worker threads at once (a tier's blocking reads pin and
+unpin from worker threads), so every method takes one ``threading.Lock``; no method blocks or
+does I/O while holding it.
+
+How it works: the index maps object ids to ``(size, value)`` in least-recently-used order
+(``value`` is whatever the tier keeps per object: HostTier its bytes, FileTier nothing). Room
+for a write is **reserved** before the bytes are written: :meth:`reserve` evicts unpinned
+objects in LRU order until ``committed + reserved + size <= capacity`` and hands back the
+victims (the tier deletes their storage) with a :class:`Reservation` that the writer either
+commits (the object becomes visible) or aborts (the bytes are given back). Concurrent writers
+therefore can never overshoot the capacity together. An object is pinned while a read is in
+flight (:meth:`pin` / :meth:`unpin`) and while an unexpired lease holds it (:meth:`lease`); a
+pinned object is never a victim. Leases expire on their own: an expired lease stops pinning even
+if nobody calls ``release()``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import anyio
+
+from .._check import positive_float, positive_int
+from .._errors import TierError, TierFullError
+from ._base import TierLease
+
+V = TypeVar("V")
+
+
+@dataclass(frozen=True)
+class LruStatistics:
+    """A snapshot of an :class:`LruIndex`."""
+
+    #: objects held (committed)
+    objects: int
+    #: bytes of committed objects
+    bytes: int
+    #: bytes reserved by writes in progress
+    reserved_bytes: int
+    #: the largest ``bytes + reserved_bytes`` ever seen (never above ``capacity_bytes``)
+    peak_bytes: int
+    #: the bound on ``bytes + reserved_bytes``
+    capacity_bytes: int
+    #: objects pinned by reads in flight or by unexpired leases
+    pinned: int
+    #: unexpired leases
+    leases: int
+    #: objects evicted to make room
+    evictions: int
+
+
+class RoomPending(TierFullError):
+    """No room now, but there will be once other writes in progress end (see reserve_waiting)."""
+
+
+class Reservation:
+    """Bytes set aside for one write; :meth:`commit` or :meth:`abort` exactly once.
+
+    Both are idempotent after the first call of either, so a ``finally: r.abort()`` after a
+    successful ``commit`` is harmless.
+    """
+
+    __slots__ = ("_done", "_index", "size")
+
+    def __init__(self, index: LruIndex[Any], size: int) -> None:
+        self._index = index
+        self.size = size
+        self._done = False
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    def commit(self, oid: str, value: Any = None) -> bool:
+        """Make ``oid`` visible with this reservation's size; False if it was already there.
+
+        When ``oid`` is already held (a concurrent writer won) the reserved bytes are given back
+        and the existing object is kept.
+        """
+        return self._index._commit(self, oid, value)
+
+    def abort(self) -> None:
+        """Give the reserved bytes back (the write failed or was cancelled)."""
+        self._index._abort(self)
+
+
+class _Lease(TierLease):
+    __slots__ = ("_index", "_lid")
+
+    def __init__(
+        self, index: LruIndex[Any], lid: int, objects: tuple[str, ...], expires_at: float
+    ) -> None:
+        super().__init__(objects=objects, expires_at=expires_at)
+        self._index = index
+        self._lid = lid
+
+    def release(self) -> None:
+        self._index._release(self._lid)
+
+
+class LruIndex(Generic[V]):
+    """Sizes, LRU order, pins, leases and reservations of one tier's objects.
+
+    Args:
+        capacity_bytes: bound on committed plus reserved bytes.
+        clock: monotonic clock in seconds (leases expire by it); injectable for tests.
+        name: the tier's name, for error messages.
+    """
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        name: str = "tier",
+    ) -> None:
+        self.capacity_bytes = positive_int(capacity_bytes, "capacity_bytes")
+        self.name = name
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[str, tuple[int, V]] = OrderedDict()
+        self._bytes = 0
+        self._reserved = 0
+        self._peak = 0
+        self._evictions = 0
+        self._pins: dict[str, int] = {}
+        # lease id -> (expiry, object ids); leased[oid] = number of unexpired leases holding it
+        self._leases: dict[int, tuple[float, tuple[str, ...]]] = {}
+        self._leased: dict[str, int] = {}
+        self._next_lease = 0
+
+    # ------------------------------------------------------------------ queries
+    def __contains__(self, oid: object) -> bool:
+        with self._lock:
+            return oid in self._entries
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of committed objects."""
+        with self._lock:
+            return self._bytes
+
+    @property
+    def reserved_bytes(self) -> int:
+        with self._lock:
+            return self._reserved
+
+    def size_of(self, oid: str) -> int | None:
+        with self._lock:
+            entry = self._entries.get(oid)
+            return None if entry is None else entry[0]
+
+    def peek(self, oid: str) -> V | None:
+        """The value kept for ``oid`` without touching its recency (None when absent)."""
+        with self._lock:
+            entry = self._entries.get(oid)
+            return None if entry is None else entry[1]
+
+    def oids(self) -> list[str]:
+        """Every object id, least recently used first."""
+        with self._lock:
+            return list(self._entries)
+
+    def is_pinned(self, oid: str) -> bool:
+        with self._lock:
+            self._expire_locked()
+            return oid in self._pins or oid in self._leased
+
+    def statistics(self) -> LruStatistics:
+        with self._lock:
+            self._expire_locked()
+            return LruStatistics(
+                objects=len(self._entries),
+                bytes=self._bytes,
+                reserved_bytes=self._reserved,
+                peak_bytes=self._peak,
+                capacity_bytes=self.capacity_bytes,
+                pinned=len(self._pins.keys() | self._leased.keys()),
+                leases=len(self._leases),
+                evictions=self._evictions,
+            )
+
+    # ------------------------------------------------------------------ updates
+    def touch(self, oid: str) -> bool:
+        """Mark ``oid`` most recently used; False when it is not held."""
+        with self._lock:
+            if oid not in self._entries:
+                return False
+            self._entries.move_to_end(oid)
+            return True
+
+    def put(self, oid: str, size: int, value: V) -> None:
+        """Insert or replace ``oid`` as most recently used, outside any reservation.
+
+        For rebuilding an index (a tier's scan on open); it may leave the index above capacity,
+        which :meth:`trim` then corrects.
+        """
+        with self._lock:
+            old = self._entries.pop(oid, None)
+            if old is not None:
+                self._bytes -= old[0]
+            self._entries[oid] = (size, value)
+            self._bytes += size
+            self._peak = max(self._peak, self._bytes + self._reserved)
+
+    def replace_value(self, oid: str, value: V) -> bool:
+        """Swap the value kept for ``oid`` (same size and recency); False when absent."""
+        with self._lock:
+            entry = self._entries.get(oid)
+            if entry is None:
+                return False
+            self._entries[oid] = (entry[0], value)
+            return True
+
+    def discard(self, oid: str) -> bool:
+        """Forget ``oid`` (deleted, quarantined or vanished); whether it was held."""
+        with self._lock:
+            entry = self._entries.pop(oid, None)
+            if entry is None:
+                return False
+            self._bytes -= entry[0]
+            return True
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._bytes = 0
+
+    def pin(self, oid: str) -> tuple[int, V] | None:
+        """Pin ``oid`` for a read and mark it recently used; its ``(size, value)`` or None.
+
+        Pair every successful pin with one :meth:`unpin`.
+        """
+        with self._lock:
+            entry = self._entries.get(oid)
+            if entry is None:
+                return None
+            self._entries.move_to_end(oid)
+            self._pins[oid] = self._pins.get(oid, 0) + 1
+            return entry
+
+    def unpin(self, oid: str) -> None:
+        with self._lock:
+            n = self._pins.get(oid, 0)
+            if n <= 0:
+                raise TierError(f"unpin of {oid[:16]} without a pin", tier=self.name)
+            if n == 1:
+                del self._pins[oid]
+            else:
+                self._pins[oid] = n - 1
+
+    # ------------------------------------------------------------------ capacity
+    def reserve(self, size: int) -> tuple[Reservation, list[tuple[str, V]]]:
+        """Set ``size`` bytes aside, evicting unpinned objects in LRU order to make room.
+
+        Returns the reservation and the evicted ``(oid, value)`` pairs, already gone from the
+        index; the caller removes their storage.
+
+        Raises:
+            TierFullError: ``size`` exceeds the capacity, or pinned objects and other writes in
+                progress leave no room (nothing is evicted then).
+        """
+        if size > self.capacity_bytes:
+            raise TierFullError(
+                f"object of {size} bytes exceeds capacity {self.capacity_bytes}; "
+                "raise capacity_bytes",
+                tier=self.name,
+            )
+        with self._lock:
+            self._expire_locked()
+            victims = self._victims_locked(self._bytes + self._reserved + size)
+            if (
+                victims is None
+                and self._reserved
+                and self._pinned_bytes_locked() + size <= (self.capacity_bytes)
+            ):
+                raise RoomPending(
+                    f"{self.name!r} has room for {size} bytes once writes in progress finish",
+                    tier=self.name,
+                )
+            if victims is None:
+                raise TierFullError(
+                    f"{self.name!r} has no room for {size} bytes: the rest is pinned by reads or "
+                    "leases or reserved by writes in progress; retry later or raise "
+                    "capacity_bytes",
+                    tier=self.name,
+                )
+            evicted = self._evict_locked(victims)
+            self._reserved += size
+            self._peak = max(self._peak, self._bytes + self._reserved)
+            return Reservation(self, size), evicted
+
+    def trim(self) -> list[tuple[str, V]]:
+        """Evict unpinned LRU objects until the index is within capacity; the evicted pairs."""
+        with self._lock:
+            self._expire_locked()
+            victims = []
+            total = self._bytes + self._reserved
+            for oid, (osize, _) in self._entries.items():
+                if total <= self.capacity_bytes:
+                    break
+                if oid in self._pins or oid in self._leased:
+                    continue
+                victims.append(oid)
+                total -= osize
+            return self._evict_locked(victims)
+
+    async def reserve_waiting(
+        self, size: int, *, poll_s: float = 0.001
+    ) -> tuple[Reservation, list[tuple[str, V]]]:
+        """:meth:`reserve`, waiting while only other writes in progress stand in the way.
+
+        Those writes end (committed objects become evictable, aborted ones give their bytes
+        back), so the wait is bounded by them; it is cancellable. Pins and leases that leave no
+        room raise :class:`~bsr.TierFullError` at once.
+        """
+        while True:
+            try:
+                return self.reserve(size)
+            except RoomPending:
+                await anyio.sleep(poll_s)
+                poll_s = min(poll_s * 2, 0.02)
+
+    def _pinned_bytes_locked(self) -> int:
+        return sum(
+            size
+            for oid, (size, _) in self._entries.items()
+            if oid in self._pins or oid in self._leased
+        )
+
+    def _victims_locked(self, need: int) -> list[str] | None:
+        if need <= self.capacity_bytes:
+            return []
+        victims: list[str] = []
+        for oid, (osize, _) in self._entries.items():
+            if need <= self.capacity_bytes:
+                break
+            if oid in self._pins or oid in self._leased:
+                continue
+            victims.append(oid)
+            need -= osize
+        return victims if need <= self.capacity_bytes else None
+
+    def _evict_locked(self, victims: Iterable[str]) -> list[tuple[str, V]]:
+        out = []
+        for oid in victims:
+            osize, value = self._entries.pop(oid)
+            self._bytes -= osize
+            self._evictions += 1
+            out.append((oid, value))
+        return out
+
+    def _commit(self, r: Reservation, oid: str, value: Any) -> bool:
+        with self._lock:
+            if r._done:
+                raise TierError("reservation already committed or aborted", tier=self.name)
+            r._done = True
+            self._reserved -= r.size
+            if oid in self._entries:
+                return False
+            self._entries[oid] = (r.size, value)
+            self._bytes += r.size
+            return True
+
+    def _abort(self, r: Reservation) -> None:
+        with self._lock:
+            if r._done:
+                return
+            r._done = True
+            self._reserved -= r.size
+
+    # ------------------------------------------------------------------ leases
+    def lease(self, oids: Iterable[str], ttl_s: float) -> TierLease:
+        """Pin the held objects among ``oids`` until ``release()`` or ``ttl_s`` seconds pass.
+
+        Objects not held are ignored (a lease protects what the tier holds now).
+
+        Raises:
+            ConfigError: ``ttl_s`` is not a finite number > 0.
+            TierFullError: the objects pinned by leases would exceed the capacity.
+        """
+        ttl = positive_float(ttl_s, "lease ttl_s")
+        with self._lock:
+            self._expire_locked()
+            held = tuple(dict.fromkeys(o for o in oids if o in self._entries))
+            leased_bytes = sum(self._entries[o][0] for o in self._leased if o in self._entries)
+            extra = sum(self._entries[o][0] for o in held if o not in self._leased)
+            if leased_bytes + extra > self.capacity_bytes:
+                raise TierFullError(
+                    f"a lease on {extra} more bytes would pin {leased_bytes + extra} bytes, more "
+                    f"than {self.name!r} holds ({self.capacity_bytes}); lease fewer objects, "
+                    "release leases sooner or raise capacity_bytes",
+                    tier=self.name,
+                )
+            lid = self._next_lease
+            self._next_lease += 1
+            expires = self._clock() + ttl
+            self._leases[lid] = (expires, held)
+            for o in held:
+                self._leased[o] = self._leased.get(o, 0) + 1
+            return _Lease(self, lid, held, expires)
+
+    def _release(self, lid: int) -> None:
+        with self._lock:
+            self._drop_lease_locked(lid)
+
+    def _drop_lease_locked(self, lid: int) -> None:
+        lease = self._leases.pop(lid, None)
+        if lease is None:
+            return
+        for o in lease[1]:
+            n = self._leased[o]
+            if n == 1:
+                del self._leased[o]
+            else:
+                self._leased[o] = n - 1
+
+    def _expire_locked(self) -> None:
+        if not self._leases:
+            return
+        now = self._clock()
+        for lid in [lid for lid, (exp, _) in self._leases.items() if exp <= now]:
+            self._drop_lease_locked(lid)
