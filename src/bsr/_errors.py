@@ -117,3 +117,7 @@ class CoordinatorError(BsrError):
 
 class StagingError(BsrError):
     """Misuse of the staging pool (double release, foreign slot)."""
+
+
+class OutOfBlocksError(BsrError):
+    """A block allocator has fewer free blocks than asked for (free some, or evict)."""
