@@ -12,6 +12,7 @@ import itertools
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -187,3 +188,153 @@ def test_quick_remote_mooncake(tmp_path: Path) -> None:
         assert doc["verified"][f"{name} (remote mooncake)"] is True
     assert "remote tier (Mooncake, loopback" in proc.stdout
     assert "ttft_vs_state.png" in {Path(x).name for x in doc["plots"]}
+
+
+# ---------------------------------------------------------------------- machinery sections
+ISSUE_TARGETS = {
+    "per_chunk_overhead_small_s",
+    "host_restore_vs_memcpy_large",
+    "keys_list_s",
+    "concurrent_aggregate_vs_single",
+    "concurrent_staging_within_window",
+    "smallest_window_at_95pct",
+    "bsr_bandwidth_vs_raw_small_chunks",
+}
+
+
+def test_sections_are_reported_with_their_targets(
+    quick_run: tuple[dict[str, Any], Path, str],
+) -> None:
+    doc, _, stdout = quick_run
+    ov = doc["overhead"]
+    assert [p["chunk_bytes"] for p in ov["points"]] == [4096, 1 << 20]
+    for p in ov["points"]:
+        assert p["bytes"] == p["chunk_bytes"] * p["chunks"]
+        # the ratio and the per-chunk figure follow from the medians (same run, side by side)
+        assert p["bandwidth_vs_memcpy"] == pytest.approx(
+            p["memcpy_s"]["median"] / p["restore_s"]["median"]
+        )
+        beyond = max(0.0, p["restore_s"]["median"] - p["memcpy_s"]["median"]) / p["chunks"]
+        assert p["per_chunk_overhead_s"] == pytest.approx(beyond)
+    conc = doc["concurrency"]
+    assert [r["concurrent"] for r in conc["levels"]] == [1, 2]
+    assert conc["levels"][0]["aggregate_vs_single"] == pytest.approx(1.0)
+    # the staging bound holds across concurrent requests: never more than W slots in use
+    assert 1 <= conc["peak_slots_in_use"] <= conc["window"]
+    assert conc["max_request_rws_bytes"] <= conc["window_bytes"]
+    keys = doc["keys"]
+    assert keys["tokens"] == 65536 and keys["list_s"]["n"] == keys["repeats"]
+    win = doc["window"]
+    assert win["smallest_window"] in doc["args"]["windows"]
+    assert max(r["fraction_of_best"] for r in win["rows"]) == pytest.approx(1.0)
+    first = next(r for r in win["rows"] if r["fraction_of_best"] >= 0.95)
+    assert first["window"] == win["smallest_window"]
+    names = {t["name"] for t in doc["targets"]}
+    assert ISSUE_TARGETS - {"host_restore_vs_memcpy_large"} <= names  # quick: no 8 MiB point
+    assert "overhead: HostTier restore vs memcpy" in stdout and "concurrency:" in stdout
+
+
+def test_fio_reference_or_a_note_that_it_is_missing(
+    quick_run: tuple[dict[str, Any], Path, str],
+) -> None:
+    doc, _, stdout = quick_run
+    fio = doc["fio"]
+    names = {t["name"] for t in doc["targets"]}
+    if not fio["available"]:
+        assert "fio is not installed" in fio["note"] and fio["note"] in doc["warnings"]
+        assert "bsr_bandwidth_vs_fio" not in names
+        assert all(p.get("fio") is None for p in doc["results"])
+        return
+    assert "bsr_bandwidth_vs_fio" in names
+    for p in doc["results"]:
+        f = p["fio"]
+        assert f is not None and f["best"] in {c["name"] for c in f["configs"]}
+        assert f["best_bandwidth_Bps"] == max(c["bandwidth_Bps"]["median"] for c in f["configs"])
+        for c in f["configs"]:
+            assert c["bandwidth_Bps"]["n"] == doc["config"]["repeats"]
+            assert 0.5 < c["coverage"] <= 1.0  # fio skips only tails shorter than a block
+        assert p["ratios"]["bsr_vs_fio_bandwidth"] == pytest.approx(
+            p["bsr"]["bandwidth_Bps"]["median"] / f["best_bandwidth_Bps"]
+        )
+    assert "BSR/fio" in stdout
+
+
+def test_window_section_is_the_smallest_w_at_95_percent() -> None:
+    from bsr._bench.sections import window_section
+
+    def pt(w: int, d: int, bw: float) -> dict[str, Any]:
+        return {
+            "layout": "l",
+            "tokens": 8,
+            "window": w,
+            "io_depth": d,
+            "bandwidth_Bps": {"median": bw},
+        }
+
+    sweep = [
+        pt(1, 1, 50),
+        pt(2, 1, 60),
+        pt(2, 2, 96),
+        pt(4, 1, 70),
+        pt(4, 2, 90),
+        pt(4, 4, 999),
+        pt(8, 2, 100),
+    ]
+    # at io_depth 2: W=1 -> d=1 (50), W=2 -> d=2 (96), W=4 -> d=2 (90), W=8 -> d=2 (100)
+    win = window_section(sweep, io_depth=2)
+    assert win is not None
+    assert [(r["window"], r["io_depth"]) for r in win["rows"]] == [(1, 1), (2, 2), (4, 2), (8, 2)]
+    assert win["best_bandwidth_Bps"] == 100 and win["smallest_window"] == 2
+    assert window_section(sweep, io_depth=4)["smallest_window"] == 4  # type: ignore[index]
+    assert window_section([], io_depth=4) is None
+
+
+def test_fio_job_file_reads_every_file_once(tmp_path: Path) -> None:
+    from bsr._bench.fio import FioConfig, fitted_grid, job_file
+
+    files = []
+    for i, size in enumerate([9 << 20, 5 << 20, 5 << 20, 1 << 20, 3 << 20]):
+        f = tmp_path / f"obj:{i}.bsr"
+        f.write_bytes(b"\0" * size)
+        files.append(str(f))
+    text = job_file(files, FioConfig("psync", 4 << 20, 2), direct=True)
+    jobs = [line.split("=", 1)[1] for line in text.splitlines() if line.startswith("filename=")]
+    assert len(jobs) == 2 and "direct=1" in text and "ioengine=psync" in text
+    per_job = [[n.replace("\\:", ":") for n in re.split(r"(?<!\\):", job)] for job in jobs]
+    assert sorted(n for job in per_job for n in job) == sorted(files)  # each file once
+    loads = [sum(os.path.getsize(n) for n in job) for job in per_job]
+    assert max(loads) <= 1.2 * min(loads)  # balanced by bytes, not by count
+    # block sizes are capped at the smallest file (1 MiB here), so every file is read
+    grid = (FioConfig("psync", 4 << 20, 1), FioConfig("psync", 1 << 20, 1))
+    assert fitted_grid(grid, files) == (FioConfig("psync", 1 << 20, 1),)
+    assert fitted_grid(grid, files[:3]) == grid
+    one = job_file(files, FioConfig("libaio", 1 << 20, 16), direct=False)
+    assert one.count("filename=") == 1 and "iodepth=16" in one and "direct=0" in one
+
+
+BENCH_INTERNAL = {p.stem for p in Path(__file__).parents[2].joinpath("src/bsr/_bench").glob("*.py")}
+
+
+def test_the_bench_uses_only_the_public_api() -> None:
+    """Issue 9: the bench is a client of `bsr` (and `bsr.testing`), never of private modules."""
+    import ast
+
+    offenders = []
+    for path in sorted(Path(__file__).parents[2].joinpath("src/bsr/_bench").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                mod = node.module or ""
+                if node.level == 0:
+                    private = mod.startswith("bsr.") and mod != "bsr.testing"
+                elif node.level == 1:  # bench-internal: `from .x import` / `from . import x`
+                    heads = [mod.split(".")[0]] if mod else [a.name for a in node.names]
+                    private = not set(heads) <= BENCH_INTERNAL | {"main"}
+                else:  # `from ..x import`: only the public test kit
+                    private = not (node.level == 2 and mod == "testing")
+                if private:
+                    offenders.append(f"{path.name}:{node.lineno} {'.' * node.level}{mod}")
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.startswith("bsr.") and alias.name != "bsr.testing":
+                        offenders.append(f"{path.name}:{node.lineno} {alias.name}")
+    assert not offenders, offenders

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..core._layout import StateGroup, StateLayout, kv_layout
+from bsr import StateGroup, StateLayout, kv_layout
+
 from .stats import BenchError
 
 

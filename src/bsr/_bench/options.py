@@ -60,6 +60,9 @@ class BenchOptions:
     seed: int
     log_level: str
     remote: str = "none"
+    fio: bool = True
+    overhead: bool = True
+    concurrency: bool = True
 
     def to_dict(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
@@ -162,6 +165,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=("debug", "info", "warning", "error"),
         help="level of bsr's structlog events printed during the run",
     )
+    p.add_argument(
+        "--no-fio",
+        action="store_true",
+        help="do not read the object files with fio (the physical reference; used when installed)",
+    )
+    p.add_argument(
+        "--no-overhead",
+        action="store_true",
+        help="skip the overhead section (HostTier restores vs memcpy, 4 KiB .. 32 MiB chunks)",
+    )
+    p.add_argument(
+        "--no-concurrency",
+        action="store_true",
+        help="skip the concurrency section (N = 1, 2, 4, 8 restores at once on one engine)",
+    )
     from .ladder import add_ladder_arguments  # paper scale: --l1-ladder, --tp
 
     add_ladder_arguments(p)
@@ -194,6 +212,9 @@ def resolve(ns: argparse.Namespace) -> BenchOptions:
         seed=int(ns.seed),
         log_level=ns.log_level,
         remote=getattr(ns, "remote", None) or "none",
+        fio=not getattr(ns, "no_fio", False),
+        overhead=not getattr(ns, "no_overhead", False),
+        concurrency=not getattr(ns, "no_concurrency", False),
     )
     if opts.repeats < 1:
         raise BenchError("--repeats must be >= 1")

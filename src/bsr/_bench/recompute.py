@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..core._layout import kv_layout
+from bsr import kv_layout
+
 from .layouts import NamedLayout
 from .stats import BenchError
 

@@ -1,7 +1,7 @@
 """``--remote mooncake``: a loopback Mooncake Store cluster per layout, and tiers on it.
 
 How it works: for each layout the bench starts a fresh cluster on 127.0.0.1 with
-:func:`bsr.testing._mooncake_cluster.start_cluster` (``mooncake_master``, a memory-holding
+:func:`bsr.testing.start_cluster` (``mooncake_master``, a memory-holding
 ``mooncake_client`` whose segment holds the layout's largest state plus headroom, and a gateway
 ``mooncake_client``; every server binds loopback only). Each engine gets its own
 :class:`~bsr.MooncakeTier` attached to the gateway (standalone-client mode: this process listens
@@ -16,8 +16,8 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from ..core._layout import StateLayout
-from ..tiers._mooncake import MooncakeTier
+from bsr import MooncakeTier, StateLayout
+
 from .stats import BenchError
 
 REMOTE_CHOICES = ("none", "mooncake")
@@ -37,7 +37,7 @@ def check_available(remote: str) -> None:
         return
     if remote != "mooncake":
         raise BenchError(f"--remote must be one of {', '.join(REMOTE_CHOICES)}, got {remote!r}")
-    from ..testing._mooncake_cluster import MOONCAKE_REQUIREMENT, mooncake_problem
+    from bsr.testing import MOONCAKE_REQUIREMENT, mooncake_problem
 
     problem = mooncake_problem()
     if problem is not None:
@@ -106,7 +106,7 @@ class RemoteCluster:
 @contextlib.contextmanager
 def start_remote(sizing: RemoteSizing) -> Iterator[RemoteCluster]:
     """Start a loopback cluster sized by ``sizing``; stop it on exit (errors and Ctrl-C too)."""
-    from ..testing._mooncake_cluster import MooncakeUnavailable, start_cluster
+    from bsr.testing import MooncakeUnavailable, start_cluster
 
     try:
         ctx = start_cluster(

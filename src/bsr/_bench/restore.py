@@ -25,14 +25,19 @@ import numpy as np
 import torch
 import xxhash
 
-from ..core._keys import ChunkKey, Namespace, chunk_keys
-from ..core._plan import needed_objects
-from ..core._results import SaveResult, Strategy
-from ..engine._engine import RestoreEngine
-from ..tiers._base import Tier
-from ..tiers._file import FileTier
-from ..tiers._readers import PosixReader
-from ..transfer._cache import PagedKVCache
+from bsr import (
+    ChunkKey,
+    FileTier,
+    Namespace,
+    PagedKVCache,
+    PosixReader,
+    RestoreEngine,
+    SaveResult,
+    Strategy,
+    Tier,
+    chunk_keys,
+)
+
 from .layouts import NamedLayout
 from .memory import PeakRss, current_rss, release_free_memory
 from .pagecache import CacheMode, prepare
@@ -119,6 +124,8 @@ class SavedState:
         self.save_result: SaveResult | None = None
         self.remote_save_result: SaveResult | None = None
         self.direct_active: bool | None = None
+        #: the FileTier the state was saved through (it names the object files)
+        self.file_tier: FileTier | None = None
 
     @property
     def capacity_bytes(self) -> int:
@@ -179,6 +186,8 @@ class SavedState:
                 flat[n8:].random_(0, 256, generator=self._gen)
         self._digest = self._digest_of()
         opened = await self.open_engine(8, 4, prefault=False)
+        assert isinstance(opened.tier, FileTier)
+        self.file_tier = opened.tier
         try:
             result = await opened.engine.save(self.tokens, self.cache, self.block_ids)
         finally:
@@ -205,10 +214,11 @@ class SavedState:
     def files(self, tokens: int) -> list[str]:
         """The object files a restore of the first ``tokens`` tokens reads, in chunk order."""
         keys = self.tier_keys(tokens)
-        probe_tier = FileTier(self.root, self.capacity_bytes, reader="posix")
+        if self.file_tier is None:
+            raise BenchError(f"{self.named.name}: the state is not saved yet")
         out = []
-        for c, g in needed_objects(self.layout, len(keys)):
-            p = probe_tier.object_path(keys[c], g)
+        for c, g in self.layout.needed_objects(len(keys)):
+            p = self.file_tier.object_path(keys[c], g)
             if not p.is_file():
                 raise BenchError(f"{self.named.name}: object file {p} is missing")
             out.append(str(p))

@@ -39,7 +39,8 @@ import psutil
 import structlog
 import torch
 
-from ..core._results import Strategy
+from bsr import Strategy
+
 from .layouts import NamedLayout, resolve_layout
 from .machine import commit_info, filesystem_info, machine_info
 from .memory import current_rss
@@ -58,6 +59,8 @@ from .report import (
     write_json,
 )
 from .restore import OpenEngine, RestoreSample, SavedState
+from .sections import FioSetup, print_sections, run_sections
+from .sections import finish as finish_sections
 from .stats import BenchError, Dist, ratio
 from .ui import BenchUI
 
@@ -122,6 +125,7 @@ class _Run:
         self.phases: dict[str, float] = {}
         self.remote_info: dict[str, Any] | None = None
         self.remote_segment_bytes = 0
+        self.fio = FioSetup(getattr(opts, "fio", True), opts.quick)
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -316,6 +320,9 @@ class _Run:
                 r_ok.append(state.verify())
 
         steps: list[Callable[[], Any]] = [do_raw, do_bsr, do_wp]
+        fio_step = self.fio.step(self.mode, files, file_bytes)
+        if fio_step is not None:
+            steps.append(fio_step)
         if remote is not None:
             steps += [do_remote_bsr, do_remote_wp]
         for r in range(o.repeats):
@@ -343,7 +350,7 @@ class _Run:
         b = _restore_json(bsr_s, file_bytes, o.window, o.io_depth)
         w = _restore_json(wp_s, file_bytes, o.window, o.io_depth)
         lay = state.layout
-        return {
+        point: dict[str, Any] = {
             "layout": state.named.name,
             "tokens": tokens,
             "chunks": tokens // lay.chunk_tokens,
@@ -379,6 +386,9 @@ class _Run:
                 else {"remote": self._remote_json(state, file_bytes, b, w, r_probes, r_bsr, r_wp)}
             ),
         }
+        if fio_step is not None:
+            fio_step.attach(point)
+        return point
 
     def _remote_json(
         self,
@@ -670,6 +680,8 @@ async def _run_async(opts: BenchOptions, ui: BenchUI) -> dict[str, Any]:
                 "points": [measured[t] for t in rec_sizes],
             }
             del model
+        with run.phase("machinery sections"):
+            sections = await run_sections(opts, ui)
     finally:
         gc.unfreeze()
         if not opts.keep:
@@ -731,6 +743,7 @@ async def _run_async(opts: BenchOptions, ui: BenchUI) -> dict[str, Any]:
         "phases_s": run.phases,
         "plots": [],
     }
+    finish_sections(doc, sections, run.fio, opts.io_depth)
     return doc
 
 
@@ -776,6 +789,7 @@ def _print_summary(doc: dict[str, Any], console: Any) -> None:
         console.print(
             f"recompute model: {m['params'] / 1e6:.1f}M params, {m['dtype']}, {m['config']}"
         )
+    print_sections(doc, console)
     for t in doc["targets"]:
         mark = "[green]met[/]" if t["met"] else "[red]missed[/]"
         console.print(

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .._errors import BsrError
+from bsr import BsrError
 
 
 class BenchError(BsrError):

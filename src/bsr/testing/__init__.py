@@ -37,6 +37,10 @@ from ._faults import peek_stored as peek_stored
 from ._faults import put_raw_stored as put_raw_stored
 from ._faults import storage_tier as storage_tier
 from ._faults import truncate_stored as truncate_stored
+from ._mooncake_cluster import MOONCAKE_REQUIREMENT as MOONCAKE_REQUIREMENT
+from ._mooncake_cluster import MooncakeUnavailable as MooncakeUnavailable
+from ._mooncake_cluster import mooncake_problem as mooncake_problem
+from ._mooncake_cluster import start_cluster as start_cluster
 
 if TYPE_CHECKING:
     from ._machine import CampaignStats as CampaignStats
@@ -93,6 +97,8 @@ __all__ = (
     "InvariantViolation",
     "LatencyTier",
     "LayoutCase",
+    "MOONCAKE_REQUIREMENT",
+    "MooncakeUnavailable",
     "MultiRankRestoreMachine",
     "RecordingFaultyTier",
     "RestoreMachine",
@@ -108,10 +114,12 @@ __all__ = (
     "flip_file_byte",
     "layouts",
     "make_keys",
+    "mooncake_problem",
     "payload",
     "peek_stored",
     "put_raw_stored",
     "remount_read_only",
+    "start_cluster",
     "state_groups",
     "storage_tier",
     "tmpfs_mount",

@@ -1,0 +1,199 @@
+"""The physical reference: fio reading the very object files a restore reads.
+
+Where it runs: ``bsr bench``, in a subprocess per configuration, between the restore repeats of
+each size (the rotation that orders raw reads, BSR and whole-plan restores also orders fio).
+
+How it works: for each configuration of a small grid (:data:`FIO_GRID`: ``psync`` with 1 and 4
+jobs at 4 MiB blocks, ``libaio`` at queue depth 4 and 16 with 1 MiB blocks) a job file lists
+the point's object files (split round-robin over the jobs for ``psync``, all in one job for
+``libaio``), with ``direct=1`` when the run's cache mode is ``direct`` (the page cache is
+prepared as for every other read otherwise). fio's own aggregate bandwidth (``group_reporting``)
+is kept per configuration; the best configuration's median is the reference that
+``bsr_bandwidth_vs_fio`` divides by.
+
+fio only issues whole blocks, so a file's tail shorter than the block size is not read (object
+files are a 4 KiB header plus a payload, so for large chunks this is one page), and a file
+smaller than a block not at all: block sizes are capped at the smallest file of the point
+(:func:`fitted_grid`), and every configuration reports ``coverage``, the fraction of the files'
+bytes it read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .stats import BenchError, Dist
+
+#: the note a run without fio carries (JSON ``fio.note`` and a warning)
+MISSING_NOTE = (
+    "fio is not installed: bsr_bandwidth_vs_fio is not reported and the bench's own raw reader "
+    "is the only reference (install it with `apt-get install fio`, or `make system-deps`)"
+)
+
+
+@dataclass(frozen=True)
+class FioConfig:
+    """One point of the fio grid: I/O engine, block size and parallelism.
+
+    ``depth`` is the number of jobs for ``psync`` (one read in flight each) and the queue depth
+    of the single job for ``libaio``.
+    """
+
+    engine: str
+    block_bytes: int
+    depth: int
+
+    @property
+    def name(self) -> str:
+        kind = "jobs" if self.engine == "psync" else "qd"
+        b = self.block_bytes
+        size = f"{b >> 20}M" if b >= 1 << 20 and not b % (1 << 20) else f"{b >> 10}K"
+        return f"{self.engine}-{size}-{kind}{self.depth}"
+
+
+FIO_GRID: tuple[FioConfig, ...] = (
+    FioConfig("psync", 4 << 20, 1),
+    FioConfig("psync", 4 << 20, 4),
+    FioConfig("libaio", 1 << 20, 4),
+    FioConfig("libaio", 1 << 20, 16),
+)
+QUICK_FIO_GRID: tuple[FioConfig, ...] = (FioConfig("psync", 4 << 20, 1),)
+
+
+def fitted_grid(grid: Sequence[FioConfig], files: Sequence[str]) -> tuple[FioConfig, ...]:
+    """``grid`` with every block size at most the smallest file (rounded down to a power of
+    two, at least 4 KiB), so that fio reads every file (it issues whole blocks only)."""
+    smallest = min(os.path.getsize(f) for f in files)
+    cap = max(4096, 1 << (max(1, smallest).bit_length() - 1))
+    out: list[FioConfig] = []
+    for c in grid:
+        fitted = FioConfig(c.engine, min(c.block_bytes, cap), c.depth)
+        if fitted not in out:
+            out.append(fitted)
+    return tuple(out)
+
+
+def fio_binary() -> str | None:
+    """Path of the ``fio`` executable, or None."""
+    return shutil.which("fio")
+
+
+def fio_version(binary: str) -> str:
+    out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10)
+    return out.stdout.strip() or out.stderr.strip()
+
+
+def job_file(files: Sequence[str], config: FioConfig, *, direct: bool) -> str:
+    """The fio job file reading ``files`` once with ``config``."""
+    jobs = config.depth if config.engine == "psync" else 1
+    jobs = max(1, min(jobs, len(files)))
+    lines = [
+        "[global]",
+        "rw=read",
+        f"bs={config.block_bytes}",
+        f"direct={1 if direct else 0}",
+        f"ioengine={config.engine}",
+        f"iodepth={1 if config.engine == 'psync' else config.depth}",
+        "group_reporting=1",
+        "thread=1",
+        "invalidate=0",
+    ]
+    for j, mine in enumerate(_balanced(files, jobs)):
+        names = [f.replace(":", "\\:") for f in mine]
+        lines += [f"[read{j}]", "filename=" + ":".join(names)]
+    return "\n".join(lines) + "\n"
+
+
+def _balanced(files: Sequence[str], jobs: int) -> list[list[str]]:
+    """``files`` split over ``jobs`` with about equal bytes each (largest first, to the lightest
+    job), so no job is left with only files smaller than a block."""
+    out: list[list[str]] = [[] for _ in range(jobs)]
+    load = [0] * jobs
+    for f in sorted(files, key=lambda f: -os.path.getsize(f)):
+        j = load.index(min(load))
+        out[j].append(f)
+        load[j] += os.path.getsize(f)
+    return [sorted(x) for x in out if x]
+
+
+@dataclass(frozen=True)
+class FioRead:
+    """One fio run: its aggregate bandwidth and how much of the files it read."""
+
+    config: FioConfig
+    bandwidth_Bps: float
+    io_bytes: int
+    runtime_s: float
+
+
+def run_fio(binary: str, files: Sequence[str], config: FioConfig, *, direct: bool) -> FioRead:
+    """Run one configuration over ``files``; :class:`BenchError` when fio fails."""
+    with tempfile.TemporaryDirectory(prefix="bsr-fio-") as tmp:
+        job = Path(tmp) / "read.fio"
+        job.write_text(job_file(files, config, direct=direct))
+        proc = subprocess.run(
+            [binary, "--output-format=json", str(job)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+    if proc.returncode != 0:
+        raise BenchError(f"fio {config.name} failed: {(proc.stderr or proc.stdout)[-400:]}")
+    try:
+        # fio may print notes before the JSON document
+        doc = json.loads(proc.stdout[proc.stdout.index("{") :])
+        read = doc["jobs"][0]["read"]
+        bw, io_bytes, runtime_ms = read["bw_bytes"], read["io_bytes"], read["runtime"]
+    except (ValueError, KeyError, IndexError) as exc:
+        raise BenchError(f"fio {config.name}: unreadable output ({exc!r})") from None
+    if io_bytes <= 0 or bw <= 0:
+        raise BenchError(f"fio {config.name} read nothing from {len(files)} files")
+    return FioRead(config, float(bw), int(io_bytes), runtime_ms / 1000.0)
+
+
+class FioSeries:
+    """fio samples of one point, per configuration, over the repeats."""
+
+    def __init__(self, grid: Sequence[FioConfig], file_bytes: int) -> None:
+        self.grid = tuple(grid)
+        self.file_bytes = file_bytes
+        self.reads: dict[str, list[FioRead]] = {c.name: [] for c in self.grid}
+        self.failed: dict[str, str] = {}
+
+    def add(self, read: FioRead) -> None:
+        self.reads[read.config.name].append(read)
+
+    def to_json(self) -> dict[str, Any] | None:
+        """The point's ``fio`` entry (None when every configuration failed)."""
+        configs: list[dict[str, Any]] = []
+        for c in self.grid:
+            reads = self.reads[c.name]
+            if not reads:
+                continue
+            configs.append(
+                {
+                    "name": c.name,
+                    "engine": c.engine,
+                    "block_bytes": c.block_bytes,
+                    "depth": c.depth,
+                    "bandwidth_Bps": Dist.of([r.bandwidth_Bps for r in reads]).to_dict(),
+                    "coverage": min(r.io_bytes for r in reads) / self.file_bytes,
+                }
+            )
+        if not configs:
+            return None
+        best = max(configs, key=lambda c: c["bandwidth_Bps"]["median"])
+        return {
+            "configs": configs,
+            "best": best["name"],
+            "best_bandwidth_Bps": best["bandwidth_Bps"]["median"],
+            "failed": dict(self.failed),
+        }

@@ -1,0 +1,369 @@
+"""The machinery sections of ``bsr bench`` and the targets of the Performance issue.
+
+Where it runs: ``bsr bench``; :mod:`.runner` calls in here at three places (per point: the fio
+step; per run: :func:`run_sections` and :func:`finish`), so the main loop stays as it was.
+
+How it works:
+
+- fio (:mod:`.fio`): per point, one :class:`FioStep` joins the rotation of raw reads and
+  restores; it reads the point's object files once per grid configuration and adds the point's
+  ``fio`` entry and ``ratios.bsr_vs_fio_bandwidth``.
+- ``overhead``, ``concurrency`` and ``keys`` (:mod:`.machinery`) run once per run, after the
+  layouts, from a HostTier (no disk).
+- ``window``: from the W x io_depth sweep, the bandwidth of each W at the run's io_depth (or
+  the deepest one <= W), and the smallest W reaching 95% of the best.
+- :func:`issue_targets`: the issue's targets as pass/fail records beside the existing ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from .fio import (
+    FIO_GRID,
+    MISSING_NOTE,
+    QUICK_FIO_GRID,
+    FioSeries,
+    fio_binary,
+    fio_version,
+    fitted_grid,
+    run_fio,
+)
+from .machinery import (
+    CONCURRENCY_LEVELS,
+    OVERHEAD_POINTS,
+    QUICK_OVERHEAD_POINTS,
+    measure_concurrency,
+    measure_keys,
+    measure_overhead,
+)
+from .pagecache import CacheMode, prepare
+from .report import fmt_bw, fmt_bytes, fmt_s
+from .stats import BenchError, ratio
+
+WINDOW_FRACTION = 0.95
+
+
+def _t(s: float) -> str:
+    """Seconds, in microseconds below a millisecond (per-chunk figures are that small)."""
+    return f"{s * 1e6:.1f} us" if s < 1e-3 else fmt_s(s)
+
+
+def _gbps(bps: float) -> str:
+    return fmt_bw(bps) + " GB/s"
+
+
+class FioSetup:
+    """Whether fio runs in this bench run, and with which grid."""
+
+    def __init__(self, enabled: bool, quick: bool) -> None:
+        self.binary = fio_binary() if enabled else None
+        self.grid = QUICK_FIO_GRID if quick else FIO_GRID
+        self.version = fio_version(self.binary) if self.binary else None
+        if not enabled:
+            self.note = "fio disabled (--no-fio)"
+        elif self.binary is None:
+            self.note = MISSING_NOTE
+        else:
+            self.note = f"{self.version}: grid {', '.join(c.name for c in self.grid)}"
+
+    def step(self, mode: CacheMode, files: Sequence[str], file_bytes: int) -> FioStep | None:
+        if self.binary is None:
+            return None
+        return FioStep(self.binary, self.grid, mode, files, file_bytes)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "available": self.binary is not None,
+            "version": self.version,
+            "grid": [c.name for c in self.grid] if self.binary else [],
+            "note": self.note,
+        }
+
+
+class FioStep:
+    """One point's fio reads (an awaitable step of the rotation)."""
+
+    def __init__(
+        self,
+        binary: str,
+        grid: Sequence[Any],
+        mode: CacheMode,
+        files: Sequence[str],
+        file_bytes: int,
+    ) -> None:
+        self.binary = binary
+        self.mode = mode
+        self.files = list(files)
+        self.series = FioSeries(fitted_grid(grid, self.files), file_bytes)
+
+    async def __call__(self) -> None:
+        for config in self.series.grid:
+            if config.name in self.series.failed:
+                continue
+            prepare(self.mode, self.files)
+            try:
+                read = run_fio(
+                    self.binary, self.files, config, direct=self.mode is CacheMode.DIRECT
+                )
+            except BenchError as exc:
+                self.series.failed[config.name] = str(exc)
+                continue
+            self.series.add(read)
+
+    def attach(self, point: dict[str, Any]) -> None:
+        doc = self.series.to_json()
+        point["fio"] = doc
+        if doc is not None:
+            point["ratios"]["bsr_vs_fio_bandwidth"] = ratio(
+                point["bsr"]["bandwidth_Bps"]["median"],
+                doc["best_bandwidth_Bps"],
+                "bsr_vs_fio_bandwidth",
+            )
+
+
+async def run_sections(opts: Any, ui: Any) -> dict[str, Any]:
+    """``overhead``, ``concurrency`` and ``keys`` (each None when switched off)."""
+    quick = bool(opts.quick)
+    repeats = max(3, 2 * opts.repeats + 1) if not quick else 2
+    out: dict[str, Any] = {"overhead": None, "concurrency": None, "keys": None}
+    if getattr(opts, "overhead", True):
+        ui.log("overhead: HostTier restores vs memcpy, 4 KiB .. 32 MiB chunks")
+        points = QUICK_OVERHEAD_POINTS if quick else OVERHEAD_POINTS
+        out["overhead"] = await measure_overhead(
+            points, repeats, opts.window, opts.io_depth, opts.seed
+        )
+    if getattr(opts, "concurrency", True):
+        ui.log("concurrency: N restores of different prompts on one engine")
+        levels = (1, 2) if quick else CONCURRENCY_LEVELS
+        out["concurrency"] = await measure_concurrency(
+            levels, 4 if quick else 16, 1 << 20, repeats, opts.window, opts.io_depth, opts.seed
+        )
+    out["keys"] = measure_keys(64 * 1024 if quick else 512 * 1024, repeats)
+    return out
+
+
+def window_section(sweep: Sequence[dict[str, Any]], io_depth: int) -> dict[str, Any] | None:
+    """The smallest W reaching :data:`WINDOW_FRACTION` of the best sweep bandwidth."""
+    if not sweep:
+        return None
+    by_w: dict[int, dict[str, Any]] = {}
+    for s in sweep:
+        w, d = s["window"], s["io_depth"]
+        if d > io_depth:
+            continue
+        cur = by_w.get(w)
+        if cur is None or d > cur["io_depth"]:
+            by_w[w] = s
+    if not by_w:
+        return None
+    rows = [
+        {"window": w, "io_depth": s["io_depth"], "bandwidth_Bps": s["bandwidth_Bps"]["median"]}
+        for w, s in sorted(by_w.items())
+    ]
+    best = max(r["bandwidth_Bps"] for r in rows)
+    for r in rows:
+        r["fraction_of_best"] = r["bandwidth_Bps"] / best
+    smallest = next(r["window"] for r in rows if r["fraction_of_best"] >= WINDOW_FRACTION)
+    return {
+        "layout": sweep[0]["layout"],
+        "tokens": sweep[0]["tokens"],
+        "io_depth": io_depth,
+        "fraction": WINDOW_FRACTION,
+        "rows": rows,
+        "best_bandwidth_Bps": best,
+        "smallest_window": smallest,
+    }
+
+
+def _target(
+    name: str, description: str, value: float, threshold: float, le: bool
+) -> dict[str, Any]:
+    met = value <= threshold if le else value >= threshold
+    return {
+        "name": name,
+        "description": description,
+        "value": float(value),
+        "threshold": float(threshold),
+        "met": bool(met),
+    }
+
+
+def issue_targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """The Performance issue's targets that this run measured (see bench/README.md)."""
+    out: list[dict[str, Any]] = []
+    ov = doc.get("overhead")
+    if ov:
+        small = min(ov["points"], key=lambda p: p["chunk_bytes"])
+        out.append(
+            _target(
+                "per_chunk_overhead_small_s",
+                "HostTier restore time per chunk beyond memcpy at "
+                f"{fmt_bytes(small['chunk_bytes'])} chunks (seconds)",
+                small["per_chunk_overhead_s"],
+                20e-6,
+                le=True,
+            )
+        )
+        big = [p for p in ov["points"] if p["chunk_bytes"] >= 8 << 20]
+        if big:
+            out.append(
+                _target(
+                    "host_restore_vs_memcpy_large",
+                    "HostTier restore bandwidth / memcpy bandwidth at >= 8 MiB chunks (lowest)",
+                    min(p["bandwidth_vs_memcpy"] for p in big),
+                    0.6,
+                    le=False,
+                )
+            )
+    points = [p for p in doc["results"] if not p["matched_recompute"]] or doc["results"]
+    fio = [
+        p["ratios"]["bsr_vs_fio_bandwidth"] for p in points if "bsr_vs_fio_bandwidth" in p["ratios"]
+    ]
+    if fio:
+        out.append(
+            _target(
+                "bsr_bandwidth_vs_fio",
+                "BSR restore bandwidth / best fio configuration on the same files (lowest over "
+                "the requested layouts' points)",
+                min(fio),
+                0.9,
+                le=False,
+            )
+        )
+    rec = [p for p in doc["results"] if p["matched_recompute"]]
+    if rec:
+        out.append(
+            _target(
+                "bsr_bandwidth_vs_raw_small_chunks",
+                f"BSR / best raw bandwidth for the recompute model's layout "
+                f"({fmt_bytes(rec[0]['slot_bytes'])} chunks; lowest over its points)",
+                min(p["ratios"]["bsr_vs_raw_bandwidth"] for p in rec),
+                0.9,
+                le=False,
+            )
+        )
+    keys = doc.get("keys")
+    if keys:
+        out.append(
+            _target(
+                "keys_list_s",
+                f"prepare_tokens (convert + chained keys) of a {keys['tokens']}-token list "
+                "(median seconds)",
+                keys["list_s"]["median"],
+                5e-3 * keys["tokens"] / (512 * 1024),
+                le=True,
+            )
+        )
+    conc = doc.get("concurrency")
+    if conc:
+        top = max(conc["levels"], key=lambda r: r["concurrent"])
+        out.append(
+            _target(
+                "concurrent_aggregate_vs_single",
+                f"aggregate / single-request bandwidth with {top['concurrent']} concurrent "
+                "restores on one engine (HostTier)",
+                top["aggregate_vs_single"],
+                0.9,
+                le=False,
+            )
+        )
+        out.append(
+            _target(
+                "concurrent_staging_within_window",
+                "peak staging slots in use over the concurrency section / W (must be <= 1)",
+                conc["peak_slots_in_use"] / conc["window"],
+                1.0,
+                le=True,
+            )
+        )
+    win = doc.get("window")
+    if win:
+        out.append(
+            _target(
+                "smallest_window_at_95pct",
+                f"smallest W reaching 95% of the best sweep bandwidth at io_depth <= "
+                f"{win['io_depth']}",
+                win["smallest_window"],
+                4,
+                le=True,
+            )
+        )
+    return out
+
+
+def finish(doc: dict[str, Any], sections: dict[str, Any], fio: FioSetup, io_depth: int) -> None:
+    """Add the sections, ``fio`` and the issue's targets to a finished document."""
+    doc.update(sections)
+    doc["fio"] = fio.to_json()
+    doc["window"] = window_section(doc["sweep"], io_depth)
+    if fio.binary is None:
+        doc["warnings"].append(fio.note)
+    doc["targets"].extend(issue_targets(doc))
+
+
+def print_sections(doc: dict[str, Any], console: Any) -> None:
+    """Tables of the sections present in ``doc``."""
+    from rich.table import Table
+
+    ov = doc.get("overhead")
+    if ov:
+        t = Table(title="overhead: HostTier restore vs memcpy (medians)", title_justify="left")
+        for col in (
+            "chunk",
+            "chunks",
+            "restore",
+            "memcpy",
+            "restore/memcpy BW",
+            "per chunk",
+            "beyond memcpy",
+        ):
+            t.add_column(col, justify="right")
+        for p in ov["points"]:
+            t.add_row(
+                fmt_bytes(p["chunk_bytes"]),
+                str(p["chunks"]),
+                _t(p["restore_s"]["median"]),
+                _t(p["memcpy_s"]["median"]),
+                f"{p['bandwidth_vs_memcpy']:.2f}",
+                _t(p["per_chunk_s"]),
+                _t(p["per_chunk_overhead_s"]),
+            )
+        console.print(t)
+    conc = doc.get("concurrency")
+    if conc:
+        t = Table(
+            title=f"concurrency: restores of different prompts on one engine (W={conc['window']}, "
+            f"peak {conc['peak_slots_in_use']} slots)",
+            title_justify="left",
+        )
+        for col in ("N", "wall", "aggregate", "aggregate/single"):
+            t.add_column(col, justify="right")
+        for r in conc["levels"]:
+            t.add_row(
+                str(r["concurrent"]),
+                fmt_s(r["wall_s"]["median"]),
+                _gbps(r["aggregate_bandwidth_Bps"]["median"]),
+                f"{r['aggregate_vs_single']:.2f}",
+            )
+        console.print(t)
+    win = doc.get("window")
+    if win:
+        parts = ", ".join(f"W={r['window']}: {r['fraction_of_best']:.2f}" for r in win["rows"])
+        console.print(f"window: smallest W at 95% of best = {win['smallest_window']} ({parts})")
+    keys = doc.get("keys")
+    if keys:
+        console.print(
+            f"keys ({keys['tokens']} tokens, prepare_tokens): list {_t(keys['list_s']['median'])},"
+            f" numpy {_t(keys['numpy_s']['median'])}, torch {_t(keys['torch_s']['median'])}"
+        )
+    fio_points = [p for p in doc["results"] if p.get("fio")]
+    for p in fio_points:
+        f = p["fio"]
+        console.print(
+            f"fio {p['layout']} {p['tokens']}: best {f['best']} {_gbps(f['best_bandwidth_Bps'])}, "
+            f"BSR/fio {p['ratios']['bsr_vs_fio_bandwidth']:.2f}"
+        )
+    if doc.get("fio") and not doc["fio"]["available"]:
+        console.print(f"fio: {doc['fio']['note']}")
