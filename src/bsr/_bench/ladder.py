@@ -40,10 +40,8 @@ from typing import Any
 import anyio
 import psutil
 
-from .._errors import ConfigError
-from ..core._lifecycle import Reason
-from ..core._results import RestoreResult, Strategy
-from ..engine._engine import RestoreEngine
+from bsr import ConfigError, Reason, RestoreEngine, RestoreResult, Strategy
+
 from .layouts import NamedLayout, resolve_layout
 from .machine import commit_info, filesystem_info, machine_info
 from .memory import PeakRss, current_rss, release_free_memory

@@ -25,11 +25,8 @@ import numpy as np
 import torch
 import xxhash
 
-from ..core._keys import Namespace
-from ..core._plan import needed_objects
-from ..engine._engine import RestoreEngine
-from ..tiers._file import FileTier
-from ..transfer._cache import PagedKVCache
+from bsr import FileTier, Namespace, PagedKVCache, RestoreEngine
+
 from .layouts import NamedLayout
 from .stats import BenchError
 
@@ -166,7 +163,7 @@ class ChunkedState:
                 n_tok = end * lay.chunk_tokens
                 result = await engine.save(self.tokens[:n_tok], cache, ids[: n_tok // BLOCK_TOKENS])
                 new = sum(result.objects_written.values())
-                expected = len(needed_objects(lay, end)) - len(needed_objects(lay, start))
+                expected = len(lay.needed_objects(end)) - len(lay.needed_objects(start))
                 if not result.ok or new != expected:
                     raise BenchError(
                         f"{self.named.name}: saving chunks {start}..{end - 1} failed: {result}"

@@ -29,11 +29,9 @@ from typing import Any
 import anyio
 import torch.distributed as dist
 
-from ..core._results import RestoreResult
-from ..engine._coordinator import TorchDistributedCoordinator
-from ..engine._engine import RestoreEngine
-from ..testing import Fault, FaultKind, FaultPlan, FaultyTier
-from ..tiers._base import Tier
+from bsr import RestoreEngine, RestoreResult, Tier, TorchDistributedCoordinator
+from bsr.testing import Fault, FaultKind, FaultPlan, FaultyTier
+
 from .layouts import resolve_layout
 from .memory import PeakRss
 from .scale import ChunkedState, Destination, DestinationKind
