@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TORCH_CPU ?= torch==2.13.0
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup system-deps test lint-imports bench lint typecheck clean
+.PHONY: setup system-deps bench-deps test lint-imports bench lint typecheck clean
 
 setup: $(VENV)/.bsr-installed
 
@@ -19,11 +19,19 @@ $(VENV)/.bsr-installed: pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[dev,mooncake]"
 	touch $@
 
-# spin (model checker) and libibverbs (Mooncake's transfer engine) from Debian packages
+# spin (model checker), libibverbs (Mooncake's transfer engine) and fio (the bench's physical
+# reference) from Debian packages
 system-deps:
-	@if ! command -v spin >/dev/null || ! ldconfig -p | grep -q libibverbs.so.1; then \
-		$(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q spin libibverbs1 gcc; \
+	@if ! command -v spin >/dev/null || ! ldconfig -p | grep -q libibverbs.so.1 \
+			|| ! command -v fio >/dev/null; then \
+		$(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q spin libibverbs1 gcc fio; \
 	fi
+
+# fio for the bench where apt-get works; without it the bench says so and uses its raw reader
+bench-deps:
+	@command -v fio >/dev/null || ($(SUDO) apt-get install -y -q fio \
+		|| ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q fio)) \
+		|| echo "fio not installed: bsr bench reports no bsr_bandwidth_vs_fio"
 
 test: setup system-deps lint-imports
 	$(BIN)/python -m pytest -q
@@ -32,7 +40,7 @@ test: setup system-deps lint-imports
 lint-imports: setup
 	$(BIN)/lint-imports
 
-bench: setup
+bench: setup bench-deps
 	$(BIN)/bsr bench
 
 lint:
