@@ -71,7 +71,7 @@ async def chat_turn(
             break
         logits, past = forward(model, new[-1:], past)
     valid = len(history) + len(new) - 1  # the last token was sampled, never fed to the model
-    write_kv(past, convs.cache, adm.block_ids, valid, start=adm.cached_tokens)
+    hf.write_kv_to_cache(past, convs.cache, adm.block_ids, valid, start=adm.cached_tokens)
     convs.commit(conv_id, history + new, valid)
     return new
 
@@ -99,14 +99,6 @@ async def serve(model: Any, num_blocks: int, store: str) -> tuple[list[list[int]
 
 
 # ----------------------------------------------------------------------------- glue: end
-def write_kv(past: Any, cache: bsr.PagedKVCache, ids: Any, n: int, *, start: int) -> None:
-    """``hf.write_kv_to_cache`` from ``start`` (older bsr: the whole history)."""
-    if "start" in inspect.signature(hf.write_kv_to_cache).parameters:
-        hf.write_kv_to_cache(past, cache, ids, n, start=start)
-    else:
-        hf.write_kv_to_cache(past, cache, ids, n)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, default=48, help="KV blocks (4 tokens each)")

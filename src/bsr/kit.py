@@ -19,11 +19,10 @@ so admission always leaves at least one token to prefill.
 
 from __future__ import annotations
 
-import inspect
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ._check import positive_int
 from ._errors import BlockTableError, ConfigError, OutOfBlocksError
@@ -145,13 +144,6 @@ class Admission:
         return self.num_tokens - self.cached_tokens
 
 
-def _restore_takes_probe(engine: Any) -> bool:
-    try:
-        return "probe" in inspect.signature(engine.restore).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 async def admit(
     engine: RestoreEngine,
     tokens: TokensLike,
@@ -200,10 +192,7 @@ async def admit(
             )
     if not probe.hit:
         return Admission(tuple(ids), n, 0, "none", probe)
-    kw: dict[str, Any] = {"deadline_s": deadline_s}
-    if _restore_takes_probe(engine):
-        kw["probe"] = probe  # no second lookup
-    result = await engine.restore(arr, cache, ids, **kw)
+    result = await engine.restore(arr, cache, ids, deadline_s=deadline_s, probe=probe)
     cached = min(result.committed_tokens, n - 1)
     return Admission(tuple(ids), n, cached, "restored" if cached else "none", probe, result)
 
