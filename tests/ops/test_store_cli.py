@@ -197,3 +197,31 @@ def test_python_m_bsr_works() -> None:
     assert p.returncode == 0 and p.stdout.startswith("bsr ")
     h = bsr_main("store", "--help")
     assert h.returncode == 0 and "verify" in h.stdout
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pty")
+def test_verify_shows_a_progress_bar_on_a_tty(
+    store: tuple[Path, bsr.SaveResult, bsr.SaveResult],
+) -> None:
+    pytest.importorskip("rich")
+    import pty
+
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: the CLI with a terminal on stdout and stderr
+        os.execv(sys.executable, [sys.executable, "-m", "bsr", "store", "verify", str(store[0])])
+    out = b""
+    while True:
+        try:
+            data = os.read(fd, 4096)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not data:
+            break
+        out += data
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, out
+    text = out.decode(errors="replace")
+    assert "━" in text and "kB" in text  # rich's bar and byte counter
+    assert "clean" in text
+    plain = bsr_main("store", "verify", str(store[0]))  # not a TTY: no bar
+    assert "━" not in plain.stdout + plain.stderr

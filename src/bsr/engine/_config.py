@@ -46,9 +46,9 @@ def _err(key: str, message: str, value: Any) -> ConfigError:
 
 def _size(value: Any, key: str) -> int:
     try:
-        return byte_size(value, key, key=key)
+        return byte_size(value, "size")
     except ConfigError as exc:
-        raise ConfigError(f"{key}: {exc.message}", key=key) from None
+        raise ConfigError(f"{key}: {exc.message.removeprefix('size ')}", key=key) from None
 
 
 def _opt_size(value: Any, key: str) -> int | None:
@@ -263,7 +263,10 @@ def _parse_fields(
     for name, f in fields.items():
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         if required and name not in out:
-            raise ConfigError(f"{prefix}{name} is required", key=f"{prefix}{name}")
+            where = f"the {prefix[:-1]} table" if prefix else "the config"
+            raise ConfigError(
+                f"{prefix}{name} is required; add {name} = ... to {where}", key=f"{prefix}{name}"
+            )
     return out
 
 
