@@ -1,4 +1,5 @@
-"""The ``bsr`` command: ``bsr bench`` (the main job), ``bsr store``, ``bsr spec``, ``bsr demo``.
+"""The ``bsr`` command: ``bsr bench`` (the main job), ``bsr store``, ``bsr config``, ``bsr spec``,
+``bsr demo``.
 
 Heavy imports (torch, rich, transformers) happen inside the subcommand that needs them, so
 ``bsr --help`` and ``bsr spec diagram`` stay fast. ``python -m bsr`` runs the same command.
@@ -329,6 +330,44 @@ def _add_store(sub: Any) -> None:
     store.set_defaults(func=lambda ns: _missing(store))
 
 
+# --------------------------------------------------------------------- bsr config
+def _cmd_config_check(ns: argparse.Namespace) -> int:
+    """Parse a config (TOML file, or the environment) with EngineConfig and print it normalised."""
+    from ._errors import ConfigError
+    from .engine._config import EngineConfig
+
+    try:
+        if ns.path is not None:
+            config = EngineConfig.from_toml(ns.path)
+        else:
+            config = EngineConfig.from_env(prefix=ns.prefix, strict=ns.strict)
+    except ConfigError as exc:
+        print(f"bsr config: error: {exc.message}", file=sys.stderr)
+        return 2
+    print(json.dumps(config.to_dict(), indent=2))
+    return 0
+
+
+def _add_config(sub: Any) -> None:
+    config = sub.add_parser(
+        "config",
+        help="validate an engine config (TOML file or BSR_* environment)",
+        description="Parse an engine config with bsr.EngineConfig (the parser the engine and the "
+        "vLLM connector use) and print it normalised as JSON (sizes in bytes, defaults filled "
+        "in). Exit 2 with the offending key if it is invalid.",
+    )
+    csub = config.add_subparsers(dest="config_command", metavar="CONFIG_COMMAND")
+    check = csub.add_parser("check", help="validate and print a config")
+    check.add_argument("path", nargs="?", help="TOML file ([bsr] table or top level); "
+                       "without it, read the environment")  # fmt: skip
+    check.add_argument("--prefix", default="BSR_", help="environment prefix (default BSR_)")
+    check.add_argument(
+        "--strict", action="store_true", help="reject unknown variables with the prefix"
+    )
+    check.set_defaults(func=_cmd_config_check)
+    config.set_defaults(func=lambda ns: _missing(config))
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
@@ -371,6 +410,7 @@ def build_parser() -> argparse.ArgumentParser:
     spec.set_defaults(func=lambda ns: _missing(spec))
 
     _add_store(sub)
+    _add_config(sub)
 
     demo = sub.add_parser("demo", help="a short save / probe / restore demo in a temp directory")
     demo.add_argument("--tokens", type=int, default=4096, help="tokens to save and restore")

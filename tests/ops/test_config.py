@@ -212,3 +212,29 @@ def test_byte_sizes(text: object, expected: int) -> None:
 def test_bad_byte_sizes(bad: object) -> None:
     with pytest.raises(bsr.ConfigError, match="capacity_bytes"):
         bsr.HostTierConfig(bad)  # type: ignore[arg-type]
+
+
+def test_bsr_config_check(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import json
+
+    from bsr.cli import main
+
+    good = tmp_path / "bsr.toml"
+    good.write_text(
+        '[bsr]\nmodel_id = "m"\n[[bsr.tiers]]\nkind = "host"\ncapacity_bytes = "1MiB"\n'
+    )
+    assert main(["config", "check", str(good)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert bsr.EngineConfig.from_dict(printed) == bsr.EngineConfig.from_toml(good)
+    assert printed["tiers"][0]["capacity_bytes"] == 1 << 20
+    bad = tmp_path / "bad.toml"
+    bad.write_text('windw = 3\n[[tiers]]\nkind = "host"\ncapacity_bytes = 1\n')
+    assert main(["config", "check", str(bad)]) == 2
+    assert "did you mean 'window'" in capsys.readouterr().err
+    monkeypatch.setenv("BSR_TIERS", '[{"kind": "host", "capacity_bytes": 4096}]')
+    monkeypatch.setenv("BSR_WINDOW", "3")
+    monkeypatch.setenv("BSR_IO_DEPTH", "2")
+    assert main(["config", "check"]) == 0
+    assert json.loads(capsys.readouterr().out)["window"] == 3
