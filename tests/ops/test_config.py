@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import anyio
 import pytest
 
 import bsr
@@ -145,7 +144,8 @@ def test_from_env() -> None:
     assert mine.window == 8
 
 
-def test_engine_from_config_restores(tmp_path: Path) -> None:
+@pytest.mark.anyio
+async def test_engine_from_config_restores(tmp_path: Path) -> None:
     layout = two_group_layout()
     config = bsr.EngineConfig.from_dict(
         {**_dict(tmp_path), "chunk_tokens": layout.chunk_tokens, "deadline_s": 30}
@@ -158,14 +158,12 @@ def test_engine_from_config_restores(tmp_path: Path) -> None:
     src = filled_cache(layout, 32, 8)
     ids = list(range(n // 8))
 
-    async def main() -> None:
-        async with engine:
-            await engine.save(tokens_for(n), src, ids)
-            dst = bsr.PagedKVCache(layout, 32, 8)
-            r = await engine.restore(tokens_for(n), dst, ids)
-            assert r.committed and r.committed_tokens == n
+    async with engine:
+        await engine.save(tokens_for(n), src, ids)
+        dst = bsr.PagedKVCache(layout, 32, 8)
+        r = await engine.restore(tokens_for(n), dst, ids)
+        assert r.committed and r.committed_tokens == n
 
-    anyio.run(main)
     assert (tmp_path / "l2" / "objects").is_dir()
 
 

@@ -8,7 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import anyio
 import pytest
 
 import bsr
@@ -64,7 +63,8 @@ def test_allocator_bad_input() -> None:
     assert blocks_for(9, 4) == 3 and blocks_for(8, 4) == 2 and blocks_for(0, 4) == 0
 
 
-def test_admit_miss_hit_and_invalidated(tmp_path: Path) -> None:
+@pytest.mark.anyio
+async def test_admit_miss_hit_and_invalidated(tmp_path: Path) -> None:
     layout = two_group_layout()
     ct = layout.chunk_tokens
     n = 3 * ct + 5  # a partial last chunk: never stored
@@ -73,36 +73,33 @@ def test_admit_miss_hit_and_invalidated(tmp_path: Path) -> None:
     plan = FaultPlan(seed=0, faults=(Fault(FaultKind.READ_ERROR, chunks=frozenset({1})),))
     faulty = FaultyTier(bsr.HostTier(1 << 24, name="bad"), plan)
 
-    async def main() -> None:
-        async with make_engine(layout, [bsr.HostTier(1 << 24)]) as eng:
-            cache = bsr.PagedKVCache(layout, 64, 8)
-            alloc = BlockAllocator(64, reserved=src_ids)  # src blocks stay out of the pool
-            miss = await admit(eng, tokens_for(n), cache, alloc, reserve_tokens=7)
-            assert (miss.source, miss.cached_tokens, miss.prefill_tokens) == ("none", 0, n)
-            assert len(miss.block_ids) == blocks_for(n + 7, 8) == alloc.num_used
-            await eng.save(tokens_for(n), src, src_ids)
-            hit = await admit(eng, tokens_for(n), cache, alloc)
-            assert hit.source == "restored" and hit.restore is not None and hit.restore.committed
-            assert hit.cached_tokens == 3 * ct and hit.prefill_tokens == 5
-            assert blocks_equal(layout, src, _t(src_ids), cache, _t(hit.block_ids), 3)
-            # a fully stored prompt still leaves its last token to prefill (for its logits)
-            exact = await admit(eng, tokens_for(n)[: 3 * ct], cache, alloc)
-            assert exact.restore is not None and exact.restore.committed_tokens == 3 * ct
-            assert exact.cached_tokens == 3 * ct - 1 and exact.prefill_tokens == 1
-            given = await admit(eng, tokens_for(n), cache, alloc, block_ids=hit.block_ids)
-            assert given.block_ids == hit.block_ids and given.cached_tokens == 3 * ct
-            with pytest.raises(bsr.BlockTableError, match="pass at least"):
-                await admit(eng, tokens_for(n), cache, alloc, block_ids=hit.block_ids[:2])
-            with pytest.raises(bsr.OutOfBlocksError):
-                await admit(eng, tokens_for(n), cache, BlockAllocator(2))
-        async with make_engine(layout, [faulty]) as eng:
-            await eng.save(tokens_for(n), src, src_ids)
-            cache = bsr.PagedKVCache(layout, 64, 8)
-            bad = await admit(eng, tokens_for(n), cache, BlockAllocator(64, reserved=src_ids))
-            assert bad.restore is not None and not bad.restore.committed
-            assert (bad.source, bad.cached_tokens, bad.prefill_tokens) == ("none", 0, n)
-
-    anyio.run(main)
+    async with make_engine(layout, [bsr.HostTier(1 << 24)]) as eng:
+        cache = bsr.PagedKVCache(layout, 64, 8)
+        alloc = BlockAllocator(64, reserved=src_ids)  # src blocks stay out of the pool
+        miss = await admit(eng, tokens_for(n), cache, alloc, reserve_tokens=7)
+        assert (miss.source, miss.cached_tokens, miss.prefill_tokens) == ("none", 0, n)
+        assert len(miss.block_ids) == blocks_for(n + 7, 8) == alloc.num_used
+        await eng.save(tokens_for(n), src, src_ids)
+        hit = await admit(eng, tokens_for(n), cache, alloc)
+        assert hit.source == "restored" and hit.restore is not None and hit.restore.committed
+        assert hit.cached_tokens == 3 * ct and hit.prefill_tokens == 5
+        assert blocks_equal(layout, src, _t(src_ids), cache, _t(hit.block_ids), 3)
+        # a fully stored prompt still leaves its last token to prefill (for its logits)
+        exact = await admit(eng, tokens_for(n)[: 3 * ct], cache, alloc)
+        assert exact.restore is not None and exact.restore.committed_tokens == 3 * ct
+        assert exact.cached_tokens == 3 * ct - 1 and exact.prefill_tokens == 1
+        given = await admit(eng, tokens_for(n), cache, alloc, block_ids=hit.block_ids)
+        assert given.block_ids == hit.block_ids and given.cached_tokens == 3 * ct
+        with pytest.raises(bsr.BlockTableError, match="pass at least"):
+            await admit(eng, tokens_for(n), cache, alloc, block_ids=hit.block_ids[:2])
+        with pytest.raises(bsr.OutOfBlocksError):
+            await admit(eng, tokens_for(n), cache, BlockAllocator(2))
+    async with make_engine(layout, [faulty]) as eng:
+        await eng.save(tokens_for(n), src, src_ids)
+        cache = bsr.PagedKVCache(layout, 64, 8)
+        bad = await admit(eng, tokens_for(n), cache, BlockAllocator(64, reserved=src_ids))
+        assert bad.restore is not None and not bad.restore.committed
+        assert (bad.source, bad.cached_tokens, bad.prefill_tokens) == ("none", 0, n)
 
 
 def _t(ids: tuple[int, ...] | list[int]) -> object:
@@ -111,7 +108,8 @@ def _t(ids: tuple[int, ...] | list[int]) -> object:
     return torch.tensor(list(ids))
 
 
-def test_conversation_cache_evicts_lru_and_restores(tmp_path: Path) -> None:
+@pytest.mark.anyio
+async def test_conversation_cache_evicts_lru_and_restores(tmp_path: Path) -> None:
     layout = two_group_layout()
     ct = layout.chunk_tokens  # 32; blocks of 8 tokens
     src = filled_cache(layout, 64, 8, seed=5)
@@ -125,59 +123,54 @@ def test_conversation_cache_evicts_lru_and_restores(tmp_path: Path) -> None:
                 dst[:, b, r] = src.tensor(g.name)[:, t // 8, t % 8]
         convs.commit(conv, tokens, len(tokens))
 
-    async def main() -> None:
-        eng = make_engine(layout, [bsr.HostTier(1 << 24), bsr.FileTier(tmp_path, 1 << 26)])
-        async with eng:
-            cache = bsr.PagedKVCache(layout, 12, 8)  # 96 tokens of room
-            convs = ConversationCache(eng, cache)
-            a = tokens_for(2 * ct + 3, seed=1)
-            b = tokens_for(2 * ct, seed=2)
-            adm_a = await convs.admit("a", a)
-            await fill(convs, "a", a, adm_a)
-            adm_b = await convs.admit("b", b)  # 8 + 8 > 12 blocks: evicts a (saved through bsr)
-            assert convs.resident() == ["b"] and convs.statistics().evictions == 1
-            assert convs.statistics().saved_tokens == 2 * ct
-            with pytest.raises(bsr.ConfigError, match="already admitted"):
-                await convs.admit("b", b)
-            await fill(convs, "b", b, adm_b)
-            longer_a = [*a, 7, 7, 7]
-            again = await convs.admit("a", longer_a)  # evicts b, restores a's two chunks
-            assert again.source == "restored" and again.cached_tokens == 2 * ct
-            assert again.prefill_tokens == 6  # the unsaved partial chunk and the new tokens
-            for g in layout.groups:
-                for t in range(0, 2 * ct, 5):
-                    got = cache.tensor(g.name)[:, again.block_ids[t // 8], t % 8]
-                    assert bool((got == src.tensor(g.name)[:, t // 8, t % 8]).all())
-            convs.commit("a", longer_a, len(longer_a))
-            resident = await convs.admit("a", [*longer_a, 1])
-            assert resident.source == "resident" and resident.cached_tokens == len(longer_a)
-            with pytest.raises(bsr.ConfigError, match="valid_tokens"):
-                convs.commit("a", [1, 2], 3)
-            convs.commit("a", [*longer_a, 1], len(longer_a) + 1)
-            diverged = await convs.admit("a", [5, *longer_a])  # another history: start over
-            assert diverged.source != "resident"
-            convs.commit("a", [5, *longer_a], 0)
-            stats = convs.statistics()
-            assert (stats.restored, stats.resident_hits, stats.evictions) == (1, 1, 2)
-            await convs.evict_all()
-            assert convs.resident() == [] and convs.allocator.num_used == 0
-
-    anyio.run(main)
+    eng = make_engine(layout, [bsr.HostTier(1 << 24), bsr.FileTier(tmp_path, 1 << 26)])
+    async with eng:
+        cache = bsr.PagedKVCache(layout, 12, 8)  # 96 tokens of room
+        convs = ConversationCache(eng, cache)
+        a = tokens_for(2 * ct + 3, seed=1)
+        b = tokens_for(2 * ct, seed=2)
+        adm_a = await convs.admit("a", a)
+        await fill(convs, "a", a, adm_a)
+        adm_b = await convs.admit("b", b)  # 8 + 8 > 12 blocks: evicts a (saved through bsr)
+        assert convs.resident() == ["b"] and convs.statistics().evictions == 1
+        assert convs.statistics().saved_tokens == 2 * ct
+        with pytest.raises(bsr.ConfigError, match="already admitted"):
+            await convs.admit("b", b)
+        await fill(convs, "b", b, adm_b)
+        longer_a = [*a, 7, 7, 7]
+        again = await convs.admit("a", longer_a)  # evicts b, restores a's two chunks
+        assert again.source == "restored" and again.cached_tokens == 2 * ct
+        assert again.prefill_tokens == 6  # the unsaved partial chunk and the new tokens
+        for g in layout.groups:
+            for t in range(0, 2 * ct, 5):
+                got = cache.tensor(g.name)[:, again.block_ids[t // 8], t % 8]
+                assert bool((got == src.tensor(g.name)[:, t // 8, t % 8]).all())
+        convs.commit("a", longer_a, len(longer_a))
+        resident = await convs.admit("a", [*longer_a, 1])
+        assert resident.source == "resident" and resident.cached_tokens == len(longer_a)
+        with pytest.raises(bsr.ConfigError, match="valid_tokens"):
+            convs.commit("a", [1, 2], 3)
+        convs.commit("a", [*longer_a, 1], len(longer_a) + 1)
+        diverged = await convs.admit("a", [5, *longer_a])  # another history: start over
+        assert diverged.source != "resident"
+        convs.commit("a", [5, *longer_a], 0)
+        stats = convs.statistics()
+        assert (stats.restored, stats.resident_hits, stats.evictions) == (1, 1, 2)
+        await convs.evict_all()
+        assert convs.resident() == [] and convs.allocator.num_used == 0
 
 
-def test_busy_conversations_are_never_evicted(tmp_path: Path) -> None:
+@pytest.mark.anyio
+async def test_busy_conversations_are_never_evicted(tmp_path: Path) -> None:
     layout = two_group_layout()
 
-    async def main() -> None:
-        async with make_engine(layout, [bsr.HostTier(1 << 24)]) as eng:
-            convs = ConversationCache(eng, bsr.PagedKVCache(layout, 8, 8))
-            await convs.admit("x", tokens_for(40))  # 5 blocks, not committed: busy
-            with pytest.raises(bsr.OutOfBlocksError, match="busy"):
-                await convs.admit("y", tokens_for(40, seed=3))
-            with pytest.raises(bsr.ConfigError, match="busy"):
-                await convs.evict("x")
-
-    anyio.run(main)
+    async with make_engine(layout, [bsr.HostTier(1 << 24)]) as eng:
+        convs = ConversationCache(eng, bsr.PagedKVCache(layout, 8, 8))
+        await convs.admit("x", tokens_for(40))  # 5 blocks, not committed: busy
+        with pytest.raises(bsr.OutOfBlocksError, match="busy"):
+            await convs.admit("y", tokens_for(40, seed=3))
+        with pytest.raises(bsr.ConfigError, match="busy"):
+            await convs.evict("x")
 
 
 def glue_lines(path: Path = EXAMPLE) -> int:

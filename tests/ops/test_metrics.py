@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import anyio
 import pytest
 
 import bsr
@@ -26,7 +25,8 @@ def _samples(registry: object) -> dict[tuple[str, tuple[tuple[str, str], ...]], 
     return out
 
 
-def test_exposition_matches_results(tmp_path: Path) -> None:
+@pytest.mark.anyio
+async def test_exposition_matches_results(tmp_path: Path) -> None:
     layout = two_group_layout()
     n = 4 * layout.chunk_tokens
     src = filled_cache(layout, 64, 8)
@@ -42,64 +42,61 @@ def test_exposition_matches_results(tmp_path: Path) -> None:
     assert before[("t_restored_tokens_total", ())] == 0
     results: list[bsr.RestoreResult] = []
 
-    async def main() -> None:
-        async with engine:
-            saved = await engine.save(tokens_for(n), src, ids)
-            assert saved.ok
-            probe = await engine.lookup(tokens_for(n))
-            assert probe.prefix_tokens == n
-            await engine.lookup(tokens_for(n, seed=99))  # a miss
-            for _ in range(2):
-                dst = bsr.PagedKVCache(layout, 64, 8)
-                results.append(await engine.restore(tokens_for(n), dst, ids))
-            results.append(await engine.restore(tokens_for(n, seed=7), dst, ids))  # miss
-            got = _samples(registry)
-            stats = engine.statistics()
-        first, second, miss = results
-        assert first.committed and first.fallbacks >= 1 and first.quarantined >= 1, first
-        assert second.committed and second.fallbacks == 0
-        assert miss.reason is bsr.Reason.EMPTY_PREFIX
-        assert got[("t_restores_total", (("outcome", "committed"), ("reason", "complete")))] == 2
-        assert (
-            got[("t_restores_total", (("outcome", "committed"), ("reason", "empty_prefix")))] == 1
-        )
-        assert got[("t_restored_tokens_total", ())] == 2 * n
-        for tier in ("host", "file"):
-            want = sum(r.bytes_by_tier.get(tier, 0) for r in results)
-            assert got[("t_restored_bytes_total", (("tier", tier),))] == want
-            assert got[("t_saved_bytes_total", (("tier", tier),))] == saved.bytes_written[tier]
-        assert got[("t_restored_bytes_total", (("tier", "file"),))] > 0  # the fallback read
-        assert got[("t_restore_fallbacks_total", ())] == first.fallbacks
-        assert got[("t_restore_quarantined_total", ())] == first.quarantined
-        assert got[("t_lookups_total", (("result", "hit"),))] == 1
-        assert got[("t_lookups_total", (("result", "miss"),))] == 1
-        assert got[("t_probe_duration_seconds_count", ())] == 2
-        assert got[("t_restore_duration_seconds_count", (("outcome", "committed"),))] == 3
-        total = sum(r.timings.total_s for r in results)
-        assert got[
-            ("t_restore_duration_seconds_sum", (("outcome", "committed"),))
-        ] == pytest.approx(total)
-        assert got[("t_restore_rws_bytes_sum", ())] == sum(r.rws_peak_bytes for r in results)
-        assert got[("t_saves_total", ())] == 1
-        # levels, read from engine.statistics() at scrape time
-        assert got[("t_staging_slots", ())] == 2
-        assert got[("t_staging_slots_in_use", ())] == 0
-        assert got[("t_staging_peak_bytes", ())] == stats.staging.peak_bytes > 0
-        assert got[("t_staging_peak_bytes", ())] <= 2 * layout.slot_bytes
-        assert got[("t_engine_quarantined_objects", ())] == stats.quarantined
-        for t in stats.tiers:
-            assert got[("t_tier_objects", (("tier", t.name),))] == t.objects
-            assert got[("t_tier_hits_total", (("tier", t.name),))] == t.hits
-            assert got[("t_breaker_open", (("tier", t.name),))] == 0
-        assert got[("t_tier_hits_total", (("tier", "file"),))] >= 1
+    async with engine:
+        saved = await engine.save(tokens_for(n), src, ids)
+        assert saved.ok
+        probe = await engine.lookup(tokens_for(n))
+        assert probe.prefix_tokens == n
+        await engine.lookup(tokens_for(n, seed=99))  # a miss
+        for _ in range(2):
+            dst = bsr.PagedKVCache(layout, 64, 8)
+            results.append(await engine.restore(tokens_for(n), dst, ids))
+        results.append(await engine.restore(tokens_for(n, seed=7), dst, ids))  # miss
+        got = _samples(registry)
+        stats = engine.statistics()
+    first, second, miss = results
+    assert first.committed and first.fallbacks >= 1 and first.quarantined >= 1, first
+    assert second.committed and second.fallbacks == 0
+    assert miss.reason is bsr.Reason.EMPTY_PREFIX
+    assert got[("t_restores_total", (("outcome", "committed"), ("reason", "complete")))] == 2
+    assert got[("t_restores_total", (("outcome", "committed"), ("reason", "empty_prefix")))] == 1
+    assert got[("t_restored_tokens_total", ())] == 2 * n
+    for tier in ("host", "file"):
+        want = sum(r.bytes_by_tier.get(tier, 0) for r in results)
+        assert got[("t_restored_bytes_total", (("tier", tier),))] == want
+        assert got[("t_saved_bytes_total", (("tier", tier),))] == saved.bytes_written[tier]
+    assert got[("t_restored_bytes_total", (("tier", "file"),))] > 0  # the fallback read
+    assert got[("t_restore_fallbacks_total", ())] == first.fallbacks
+    assert got[("t_restore_quarantined_total", ())] == first.quarantined
+    assert got[("t_lookups_total", (("result", "hit"),))] == 1
+    assert got[("t_lookups_total", (("result", "miss"),))] == 1
+    assert got[("t_probe_duration_seconds_count", ())] == 2
+    assert got[("t_restore_duration_seconds_count", (("outcome", "committed"),))] == 3
+    total = sum(r.timings.total_s for r in results)
+    assert got[("t_restore_duration_seconds_sum", (("outcome", "committed"),))] == pytest.approx(
+        total
+    )
+    assert got[("t_restore_rws_bytes_sum", ())] == sum(r.rws_peak_bytes for r in results)
+    assert got[("t_saves_total", ())] == 1
+    # levels, read from engine.statistics() at scrape time
+    assert got[("t_staging_slots", ())] == 2
+    assert got[("t_staging_slots_in_use", ())] == 0
+    assert got[("t_staging_peak_bytes", ())] == stats.staging.peak_bytes > 0
+    assert got[("t_staging_peak_bytes", ())] <= 2 * layout.slot_bytes
+    assert got[("t_engine_quarantined_objects", ())] == stats.quarantined
+    for t in stats.tiers:
+        assert got[("t_tier_objects", (("tier", t.name),))] == t.objects
+        assert got[("t_tier_hits_total", (("tier", t.name),))] == t.hits
+        assert got[("t_breaker_open", (("tier", t.name),))] == 0
+    assert got[("t_tier_hits_total", (("tier", "file"),))] >= 1
 
-    anyio.run(main)
     assert not any(k[0].startswith("t_staging") for k in _samples(registry))  # closed
     metrics.close()
     assert _samples(registry) == {}
 
 
-def test_breaker_state_is_exported() -> None:
+@pytest.mark.anyio
+async def test_breaker_state_is_exported() -> None:
     layout = two_group_layout()
     n = 2 * layout.chunk_tokens
     src = filled_cache(layout, 32, 8)
@@ -114,17 +111,14 @@ def test_breaker_state_is_exported() -> None:
     registry = prometheus_client.CollectorRegistry()
     bsr.metrics.PrometheusMetrics(engine, registry=registry)
 
-    async def main() -> None:
-        async with engine:
-            await engine.save(tokens_for(n), src, ids)
-            r = await engine.restore(tokens_for(n), bsr.PagedKVCache(layout, 32, 8), ids)
-            assert r.committed and r.bytes_by_tier.get("backup", 0) > 0, r
-            got = _samples(registry)
-            assert got[("bsr_breaker_open", (("tier", "host"),))] == 1
-            assert got[("bsr_breaker_trips_total", (("tier", "host"),))] == 1
-            assert got[("bsr_breaker_open", (("tier", "backup"),))] == 0
-
-    anyio.run(main)
+    async with engine:
+        await engine.save(tokens_for(n), src, ids)
+        r = await engine.restore(tokens_for(n), bsr.PagedKVCache(layout, 32, 8), ids)
+        assert r.committed and r.bytes_by_tier.get("backup", 0) > 0, r
+        got = _samples(registry)
+        assert got[("bsr_breaker_open", (("tier", "host"),))] == 1
+        assert got[("bsr_breaker_trips_total", (("tier", "host"),))] == 1
+        assert got[("bsr_breaker_open", (("tier", "backup"),))] == 0
 
 
 def test_bad_arguments() -> None:
