@@ -110,6 +110,8 @@ class LruIndex(Generic[V]):
 
     Args:
         capacity_bytes: bound on committed plus reserved bytes.
+        lease_limit_bytes: bound on the bytes unexpired leases may pin together (default: the
+            capacity; lower it to keep room for writes whatever the leases hold).
         clock: monotonic clock in seconds (leases expire by it); injectable for tests.
         name: the tier's name, for error messages.
     """
@@ -118,10 +120,16 @@ class LruIndex(Generic[V]):
         self,
         capacity_bytes: int,
         *,
+        lease_limit_bytes: int | None = None,
         clock: Callable[[], float] = time.monotonic,
         name: str = "tier",
     ) -> None:
         self.capacity_bytes = positive_int(capacity_bytes, "capacity_bytes")
+        self.lease_limit_bytes = (
+            capacity_bytes
+            if lease_limit_bytes is None
+            else positive_int(lease_limit_bytes, "lease_limit_bytes")
+        )
         self.name = name
         self._clock = clock
         self._lock = threading.Lock()
@@ -388,7 +396,7 @@ class LruIndex(Generic[V]):
 
         Raises:
             ConfigError: ``ttl_s`` is not a finite number > 0.
-            TierFullError: the objects pinned by leases would exceed the capacity.
+            TierFullError: the objects pinned by leases would exceed ``lease_limit_bytes``.
         """
         ttl = positive_float(ttl_s, "lease ttl_s")
         with self._lock:
@@ -396,11 +404,11 @@ class LruIndex(Generic[V]):
             held = tuple(dict.fromkeys(o for o in oids if o in self._entries))
             leased_bytes = sum(self._entries[o][0] for o in self._leased if o in self._entries)
             extra = sum(self._entries[o][0] for o in held if o not in self._leased)
-            if leased_bytes + extra > self.capacity_bytes:
+            if leased_bytes + extra > self.lease_limit_bytes:
                 raise TierFullError(
                     f"a lease on {extra} more bytes would pin {leased_bytes + extra} bytes, more "
-                    f"than {self.name!r} holds ({self.capacity_bytes}); lease fewer objects, "
-                    "release leases sooner or raise capacity_bytes",
+                    f"than {self.name!r} lets leases pin ({self.lease_limit_bytes}); lease fewer "
+                    "objects, release leases sooner or raise capacity_bytes",
                     tier=self.name,
                 )
             lid = self._next_lease
