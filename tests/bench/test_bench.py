@@ -338,3 +338,54 @@ def test_the_bench_uses_only_the_public_api() -> None:
                     if alias.name.startswith("bsr.") and alias.name != "bsr.testing":
                         offenders.append(f"{path.name}:{node.lineno} {alias.name}")
     assert not offenders, offenders
+
+
+def test_issue_targets_follow_the_sections() -> None:
+    from bsr._bench.sections import issue_targets
+
+    def ov(chunk: int, per_chunk: float, vs_memcpy: float) -> dict[str, Any]:
+        return {
+            "chunk_bytes": chunk,
+            "per_chunk_overhead_s": per_chunk,
+            "bandwidth_vs_memcpy": vs_memcpy,
+        }
+
+    doc: dict[str, Any] = {
+        "overhead": {
+            "points": [ov(4096, 19e-6, 0.01), ov(8 << 20, 1e-3, 0.7), ov(32 << 20, 1e-3, 0.55)]
+        },
+        "results": [
+            {"matched_recompute": False, "slot_bytes": 1, "ratios": {"bsr_vs_fio_bandwidth": 0.95}},
+            {"matched_recompute": False, "slot_bytes": 1, "ratios": {"bsr_vs_fio_bandwidth": 0.85}},
+            {
+                "matched_recompute": True,
+                "slot_bytes": 524288,
+                "ratios": {"bsr_vs_raw_bandwidth": 0.92},
+            },
+        ],
+        "keys": {"tokens": 512 * 1024, "list_s": {"median": 6e-3}},
+        "concurrency": {
+            "window": 8,
+            "peak_slots_in_use": 8,
+            "levels": [
+                {"concurrent": 1, "aggregate_vs_single": 1.0},
+                {"concurrent": 8, "aggregate_vs_single": 0.93},
+            ],
+        },
+        "window": {"io_depth": 4, "smallest_window": 8},
+    }
+    got = {t["name"]: (t["value"], t["met"]) for t in issue_targets(doc)}
+    assert got == {
+        "per_chunk_overhead_small_s": (19e-6, True),
+        "host_restore_vs_memcpy_large": (0.55, False),  # the lowest of the >= 8 MiB points
+        "bsr_bandwidth_vs_fio": (0.85, False),
+        "bsr_bandwidth_vs_raw_small_chunks": (0.92, True),
+        "keys_list_s": (6e-3, False),
+        "concurrent_aggregate_vs_single": (0.93, True),
+        "concurrent_staging_within_window": (1.0, True),
+        "smallest_window_at_95pct": (8, False),
+    }
+    doc["concurrency"]["peak_slots_in_use"] = 9
+    assert not next(
+        t for t in issue_targets(doc) if t["name"] == "concurrent_staging_within_window"
+    )["met"]
