@@ -176,3 +176,63 @@ def test_capacity_must_be_positive(tmp_path: Path) -> None:
         bsr.FileTier(tmp_path, 0)
     with pytest.raises(bsr.ConfigError, match="capacity_bytes"):
         bsr.HostTier(-1)
+
+
+def test_wrappers_read_flags_through_and_report_their_own_name(tmp_path: Path) -> None:
+    file_tier = bsr.FileTier(tmp_path, 1 << 26, reader="posix")
+    host = bsr.HostTier(1 << 20)
+    assert (bsr.FileTier.durable, bsr.FileTier.blocking_reads) == (True, True)
+    assert (bsr.HostTier.durable, bsr.HostTier.blocking_reads) == (False, True)
+    plain = bsr.TierWrapper(file_tier)
+    assert (plain.durable, plain.blocking_reads, plain.name) == (True, True, "file")
+    # a wrapper that changes reads must not let a batching pipeline bypass it
+    faulty = FaultyTier(file_tier, FaultPlan())
+    assert (faulty.durable, faulty.blocking_reads) == (True, False)
+    assert repr(faulty) == "FaultyTier(inner=FileTier('file'))"
+    slow = LatencyTier(host, name="slow-host")
+    assert (slow.durable, slow.blocking_reads, slow.name) == (False, False, "slow-host")
+    assert repr(slow) == "LatencyTier('slow-host', inner=HostTier('host'))"
+    nested = bsr.TierWrapper(bsr.TierWrapper(host))
+    assert nested.blocking_reads is True
+    assert not hasattr(bsr.Tier, "metadata_only_probe")  # read by nothing: removed
+    assert not hasattr(bsr.Tier, "default_io_depth")
+
+    async def main() -> None:
+        async with slow:
+            await slow.write(make_keys(1)[0], "kv", payload(0))
+            s = slow.statistics()
+            assert (s.name, s.objects, s.writes) == ("slow-host", 1, 1)
+            assert host.statistics().name == "host"
+            assert slow.usage() == host.usage() == bsr.TierUsage(1, s.bytes, 1 << 20)
+
+    anyio.run(main)
+
+
+def test_base_tier_defaults_work_for_a_minimal_tier() -> None:
+    class Minimal(bsr.Tier):
+        async def contains_many(self, objects):  # type: ignore[no-untyped-def]
+            return [False] * len(objects)
+
+        async def read_into(self, key, group, dst):  # type: ignore[no-untyped-def]
+            raise bsr.ObjectNotFoundError("none")
+
+        async def write(self, key, group, payload):  # type: ignore[no-untyped-def]
+            return False
+
+        async def delete(self, key, group):  # type: ignore[no-untyped-def]
+            return False
+
+    t = Minimal("mini")
+    assert t.usage() == bsr.TierUsage()
+    assert t.statistics().objects == 0
+    assert t.blocking_reads is False
+    with pytest.raises(NotImplementedError, match="blocking_reads"):
+        t.read_into_blocking(make_keys(1)[0], "kv", np.zeros(4, np.uint8))
+
+    async def main() -> None:
+        lease = await t.lease([bsr.ObjectKey(make_keys(1)[0], "kv")], 1.0)
+        assert isinstance(lease, bsr.TierLease) and len(lease.objects) == 1
+        lease.release()
+        lease.release()
+
+    anyio.run(main)

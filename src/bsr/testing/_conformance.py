@@ -83,7 +83,16 @@ def payload(seed: int, nbytes: int = PAYLOAD_BYTES) -> np.ndarray[Any, np.dtype[
 
 
 class TierConformance:
-    """Behaviour every :class:`~bsr.Tier` must show. Subclass and implement :meth:`make_tier`."""
+    """Behaviour every :class:`~bsr.Tier` must show. Subclass and implement :meth:`make_tier`.
+
+    A third-party tier: implement :meth:`make_tier` (and :meth:`reopen_tier` if durable); where
+    the storage hooks do not know the tier, override :meth:`corrupt_object`,
+    :meth:`truncate_object` and :meth:`put_raw` to reach its storage directly (they must bypass
+    the tier under test). A tier that keeps its objects as files under ``tmp_path`` also sets
+    ``hostile_store = True`` and overrides :meth:`object_file`; the ``test_hostile_*`` tests then
+    run (see the module docstring for what they do and when they skip). Wrapper tiers run the
+    suite by wrapping a tier inside :meth:`make_tier`; the hooks peel wrappers off.
+    """
 
     #: capacity handed to tiers in the suite; must hold at least 8 payloads
     capacity_bytes: int = 64 * 1024 * 1024
