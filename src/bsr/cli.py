@@ -209,10 +209,13 @@ def _progress(total: int) -> Any:
         from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
     except ModuleNotFoundError:
         return None, lambda: None
-    bar = Progress(
-        TextColumn("verify"), BarColumn(), DownloadColumn(), TextColumn("{task.fields[name]}"),
-        transient=True,
-    )  # fmt: skip
+    columns = (
+        TextColumn("verify"),
+        BarColumn(),
+        DownloadColumn(),
+        TextColumn("{task.fields[name]}"),
+    )
+    bar = Progress(*columns, transient=True)
     bar.start()
     task = bar.add_task("verify", total=total, name="")
     return (lambda o: bar.update(task, advance=o.size, name=o.object_id[:12])), bar.stop
@@ -358,8 +361,9 @@ def _add_config(sub: Any) -> None:
     )
     csub = config.add_subparsers(dest="config_command", metavar="CONFIG_COMMAND")
     check = csub.add_parser("check", help="validate and print a config")
-    check.add_argument("path", nargs="?", help="TOML file ([bsr] table or top level); "
-                       "without it, read the environment")  # fmt: skip
+    check.add_argument(
+        "path", nargs="?", help="TOML file ([bsr] table or top level); default: the environment"
+    )
     check.add_argument("--prefix", default="BSR_", help="environment prefix (default BSR_)")
     check.add_argument(
         "--strict", action="store_true", help="reject unknown variables with the prefix"

@@ -19,6 +19,7 @@ so admission always leaves at least one token to prefill.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
@@ -242,11 +243,8 @@ class ConversationCache:
         self.cache = cache
         self.allocator = allocator or BlockAllocator(cache.num_blocks)
         self._convs: OrderedDict[Hashable, _Conversation] = OrderedDict()
-        self._stats = dict.fromkeys(
-            ("admitted", "resident_hits", "restored", "restored_tokens", "prefilled_tokens",
-             "evictions", "saved_tokens"),
-            0,
-        )  # fmt: skip
+        names = [f.name for f in dataclasses.fields(ConversationStatistics) if f.name != "resident"]
+        self._stats = dict.fromkeys(names, 0)
 
     def statistics(self) -> ConversationStatistics:
         return ConversationStatistics(resident=len(self._convs), **self._stats)

@@ -118,9 +118,13 @@ class PrometheusMetrics:
 
         try:
             self.restores = add(
-                C(f"{p}_restores", "Restores by outcome and reason", ["outcome", "reason"],
-                  registry=reg)
-            )  # fmt: skip
+                C(
+                    f"{p}_restores",
+                    "Restores by outcome and reason",
+                    ["outcome", "reason"],
+                    registry=reg,
+                )
+            )
             self.restored_tokens = add(
                 C(f"{p}_restored_tokens", "Tokens committed by restores", registry=reg)
             )
@@ -134,13 +138,22 @@ class PrometheusMetrics:
                 C(f"{p}_restore_quarantined", "Objects quarantined by restores", registry=reg)
             )
             self.restore_seconds = add(
-                H(f"{p}_restore_duration_seconds", "Restore wall time", ["outcome"],
-                  buckets=lat, registry=reg)
-            )  # fmt: skip
+                H(
+                    f"{p}_restore_duration_seconds",
+                    "Restore wall time",
+                    ["outcome"],
+                    buckets=lat,
+                    registry=reg,
+                )
+            )
             self.restore_rws = add(
-                H(f"{p}_restore_rws_bytes", "Peak staging bytes of each restore",
-                  buckets=rws, registry=reg)
-            )  # fmt: skip
+                H(
+                    f"{p}_restore_rws_bytes",
+                    "Peak staging bytes of each restore",
+                    buckets=rws,
+                    registry=reg,
+                )
+            )
             self.lookups = add(C(f"{p}_lookups", "Lookups by result", ["result"], registry=reg))
             self.probe_seconds = add(
                 H(f"{p}_probe_duration_seconds", "Lookup wall time", buckets=lat, registry=reg)
