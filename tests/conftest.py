@@ -22,6 +22,12 @@ def _quiet_logs() -> Iterator[None]:
     structlog.reset_defaults()
 
 
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    """Every ``@pytest.mark.anyio`` test runs once under asyncio and once under trio."""
+    return str(request.param)
+
+
 @pytest.fixture
 def layout() -> bsr.StateLayout:
     return two_group_layout()
