@@ -132,3 +132,12 @@ def optional_positive_float(
     return finite_float(
         value, what, minimum=0.0, strict=True, none_ok=True, error=error, **fields
     )
+
+
+def non_negative_int(
+    value: Any, what: str, *, error: type[ConfigError] = ConfigError, **fields: Any
+) -> int:
+    """``value`` if it is an int >= 0 (not a bool), else ``error`` naming ``what``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise error(f"{what} must be an int >= 0, got {value!r}", **fields)
+    return value

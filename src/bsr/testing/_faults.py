@@ -27,6 +27,7 @@ from typing import Any
 import anyio
 import numpy as np
 
+from .._check import non_negative_float, optional_positive_float
 from .._errors import (
     CorruptObjectError,
     ObjectNotFoundError,
@@ -337,9 +338,11 @@ class LatencyTier(TierWrapper[Tier]):
         name: str | None = None,
     ) -> None:
         super().__init__(inner, name=name)
-        self.read_latency_s = read_latency_s
-        self.probe_latency_s = probe_latency_s
-        self.bandwidth = bandwidth_bytes_per_s
+        self.read_latency_s = non_negative_float(read_latency_s, "LatencyTier.read_latency_s")
+        self.probe_latency_s = non_negative_float(probe_latency_s, "LatencyTier.probe_latency_s")
+        self.bandwidth = optional_positive_float(
+            bandwidth_bytes_per_s, "LatencyTier.bandwidth_bytes_per_s"
+        )
 
     async def contains_many(self, objects: Sequence[ObjectKey]) -> list[bool]:
         if self.probe_latency_s:

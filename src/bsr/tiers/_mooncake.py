@@ -77,6 +77,7 @@ from typing import Any, ClassVar, TypeVar
 import anyio
 import numpy as np
 
+from .._check import non_negative_int, optional_positive_float, positive_float, positive_int
 from .._errors import (
     ConfigError,
     ObjectNotFoundError,
@@ -248,25 +249,19 @@ class MooncakeTier(Tier):
             ("global_segment_size", global_segment_size),
             ("local_buffer_size", local_buffer_size),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ConfigError(f"MooncakeTier.{arg} must be an int >= 0 (bytes), got {value!r}")
+            non_negative_int(value, f"MooncakeTier.{arg} (bytes)")
         for arg, value in (
             ("max_inflight", max_inflight),
             ("max_stuck_calls", max_stuck_calls),
             ("bounce_min_bytes", bounce_min_bytes),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"MooncakeTier.{arg} must be an int >= 1, got {value!r}")
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
-            raise ConfigError(f"MooncakeTier.timeout_s must be > 0 seconds, got {timeout_s!r}")
-        if capacity_bytes is not None and (
-            isinstance(capacity_bytes, bool)
-            or not isinstance(capacity_bytes, int)
-            or capacity_bytes < 0
-        ):
-            raise ConfigError(
-                f"MooncakeTier.capacity_bytes must be an int >= 0 or None, got {capacity_bytes!r}"
-            )
+            positive_int(value, f"MooncakeTier.{arg}")
+        timeout_s = positive_float(timeout_s, "MooncakeTier.timeout_s (seconds)")
+        open_timeout_s = optional_positive_float(
+            open_timeout_s or None, "MooncakeTier.open_timeout_s (seconds)"
+        )
+        if capacity_bytes is not None:
+            non_negative_int(capacity_bytes, "MooncakeTier.capacity_bytes (or None)")
         if not isinstance(key_prefix, str):
             raise ConfigError(f"MooncakeTier.key_prefix must be a str, got {key_prefix!r}")
         self.metadata_server = metadata_server
