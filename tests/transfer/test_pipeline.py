@@ -66,8 +66,9 @@ class MemTier(bsr.Tier):
         self.reads.append((c, group))
         if (c, group) in self.fail:
             raise self.fail[(c, group)]
-        data = pattern(c, group)
-        dst[: len(data)].copy_(data)
+        data = pattern(c, group).numpy()
+        out = dst.numpy() if isinstance(dst, torch.Tensor) else dst  # any writable buffer
+        memoryview(out).cast("B")[: len(data)] = data.tobytes()
         return len(data)
 
     async def read_into(self, key: ChunkKey, group: str, dst: Any) -> int:
@@ -241,6 +242,12 @@ def test_ladder_falls_back_and_skips_refused_tiers() -> None:
     async def main() -> None:
         run, _, cache, ids, gate = await run_pipeline([broken, l2], n, keys=keys)
         assert len(run.installed) == 2 * n and run.fallbacks == 1
+        chunk2 = [(o.tier, o.group, o.outcome) for o in gate.outcomes if o.chunk == 2]
+        assert chunk2 == [
+            ("l1", "kv", Outcome.IO_ERROR),
+            ("l2", "kv", Outcome.OK),  # the ladder went one tier lower
+            ("l1", "aux", Outcome.OK),
+        ]
         assert chunk_in_cache(cache, ids, 2, "kv")
         assert run.bytes_by_tier["l2"] == LAYOUT.group_chunk_bytes("kv")
         # a refused tier is never asked
@@ -277,7 +284,7 @@ def test_a_stuck_read_parks_its_slot_until_the_thread_returns() -> None:
     tier = MemTier("mem", keys, blocking=True, gate=release)
 
     async def main() -> None:
-        k, cache, ids = setup(n)
+        _, cache, ids = setup(n)
         pool = StagingPool(2, LAYOUT.slot_bytes, pin=False, prefault=False)
         pipe = WindowPipeline(LAYOUT, [tier], window=2, io_depth=1)
         run = RestoreRun("t", n, LAYOUT, bsr.Policy.ALL_OR_NOTHING)
@@ -293,7 +300,7 @@ def test_a_stuck_read_parks_its_slot_until_the_thread_returns() -> None:
         assert run.abandoned and run.installed == set()
         release.set()  # the stuck read returns ...
         with anyio.fail_after(5):
-            while pool.statistics().parked:
+            while pool.statistics().parked:  # noqa: ASYNC110 - polling a thread's end
                 await anyio.sleep(0.01)
         s = pool.statistics()
         assert s.in_use == 0 and s.acquired == s.released

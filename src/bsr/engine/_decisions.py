@@ -84,7 +84,7 @@ class RestoreGate:
         self._lock = threading.Lock()
 
     def admit(self, tier: str, key: ChunkKey, group: str) -> str | None:
-        if (tier, ObjectKey(key, group).object_id) in self.quarantine:
+        if len(self.quarantine) and (tier, ObjectKey(key, group).object_id) in self.quarantine:
             return "object quarantined"
         if not self.health.admit(tier):
             return "circuit breaker open"

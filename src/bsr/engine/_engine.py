@@ -35,7 +35,6 @@ from .._check import (
     optional_positive_float,
     optional_positive_int,
     positive_float,
-    positive_int,
 )
 from .._errors import ClosedError, ConfigError, CoordinatorError
 from .._log import logger
@@ -163,7 +162,8 @@ class RestoreEngine:
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ConfigError(f"window (W) must be an int >= 1, got {window!r}; e.g. window=8")
         self.window = window
-        if isinstance(io_depth, bool) or not isinstance(io_depth, int) or not 1 <= io_depth <= window:
+        not_int = isinstance(io_depth, bool) or not isinstance(io_depth, int)
+        if not_int or not 1 <= io_depth <= window:
             raise ConfigError(
                 f"io_depth must be an int in [1, window={window}], got {io_depth!r}; more reads "
                 "in flight than slots cannot help, raise window or lower io_depth"

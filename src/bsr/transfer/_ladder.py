@@ -124,10 +124,11 @@ class TierLadder:
 
     def __init__(self, tiers: Mapping[str, Tier]) -> None:
         self.tiers = dict(tiers)
+        self._blocking = {n for n, t in self.tiers.items() if getattr(t, "blocking_reads", False)}
 
     def all_blocking(self, names: Sequence[str]) -> bool:
         """Whether every named tier supports :meth:`~bsr.Tier.read_into_blocking`."""
-        return all(getattr(self.tiers[n], "blocking_reads", False) for n in names)
+        return self._blocking.issuperset(names)
 
     def _expect(self, n: int, expected: int, tier: str, group: str) -> None:
         if n != expected:

@@ -44,7 +44,8 @@ from ..core._options import Policy, Strategy
 from ..core._plan import groups_by_chunk
 from ..core._results import Probe
 from ..tiers._base import Tier
-from ._cache import PagedKVCache, install_chunk
+from ._cache import PagedKVCache
+from ._install import CudaInstaller, HostInstaller
 from ._ladder import LadderResult, ReadGate, TierLadder
 from ._staging import Slot, StagingAccount
 
@@ -202,6 +203,8 @@ class _Job:
         self.gate = gate
         self.whole_plan = whole_plan
         self.cuda = cache.device.type == "cuda"
+        self.host = HostInstaller(cache.layout, cache, ids) if not self.cuda else None
+        self.device: CudaInstaller | None = None
         self.staged: dict[int, Slot] = {}  # whole-plan: chunks read, waiting for the install
         self.turns = anyio.CapacityLimiter(1)  # io_depth transfer turns (set by the pipeline)
 
@@ -246,8 +249,8 @@ class WindowPipeline:
         if not any(not done.is_set() for done in run.busy.values()):
             return
         with anyio.CancelScope(shield=True), anyio.move_on_after(grace_s):
-            while any(not done.is_set() for done in list(run.busy.values())):
-                await anyio.sleep(0.001)
+            while any(not done.is_set() for done in list(run.busy.values())):  # noqa: ASYNC110
+                await anyio.sleep(0.001)  # threading.Events: nothing to await
 
     def release_all(self, run: RestoreRun, slots: SlotSource) -> None:
         """Give back (or park, while a worker thread may still write) every slot ``run`` holds.
@@ -281,8 +284,10 @@ class WindowPipeline:
         """
         job = _Job(run, slots, probe, cache, ids, gate, strategy is Strategy.WHOLE_PLAN)
         job.turns = anyio.CapacityLimiter(self.io_depth)
-        if job.cuda and self.cuda_stream is None:
-            self.cuda_stream = torch.cuda.Stream(device=cache.device)  # type: ignore[no-untyped-call]
+        if job.cuda:
+            if self.cuda_stream is None:
+                self.cuda_stream = torch.cuda.Stream(device=cache.device)  # type: ignore[no-untyped-call]
+            job.device = CudaInstaller(self.layout, cache, ids, self.cuda_stream)
         chunks = sorted(run.needed)
         batches = _Batches(chunks, self._batch_size(job, len(chunks)))
         async with anyio.create_task_group() as tg:
@@ -349,9 +354,13 @@ class WindowPipeline:
             job.slots.release(slot)
 
     # ------------------------------------------------------------------ reading
-    def _region(self, slot: Slot, group: str) -> torch.Tensor:
+    def _region(self, job: _Job, slot: Slot, group: str) -> Any:
+        """The slot's region for ``group`` (a NumPy view on the host path: cheap to slice)."""
         off = self.layout.slot_offset(group)
-        return slot.tensor[off : off + align_up(self.layout.group_chunk_bytes(group))]
+        end = off + align_up(self.layout.group_chunk_bytes(group))
+        if job.host is not None:
+            return job.host.slot_array(slot)[off:end]
+        return slot.tensor[off:end]
 
     def _read_failed(self, job: _Job, chunk: int, group: str, result: LadderResult) -> None:
         reason = Reason.CORRUPT if result.corrupt else Reason.READ_FAILED
@@ -373,7 +382,7 @@ class WindowPipeline:
         key = job.probe.keys[c]
         for g in job.run.needed[c]:
             result = self.ladder.read_blocking(
-                job.gate, key, c, g, job.probe.holders[c][g], self._region(slot, g),
+                job.gate, key, c, g, job.probe.holders[c][g], self._region(job, slot, g),
                 self.layout.group_chunk_bytes(g),
             )  # fmt: skip
             if not result.ok:
@@ -391,7 +400,7 @@ class WindowPipeline:
             key = job.probe.keys[c]
             for g in run.needed[c]:
                 result = await self.ladder.read(
-                    job.gate, key, c, g, job.probe.holders[c][g], self._region(slot, g),
+                    job.gate, key, c, g, job.probe.holders[c][g], self._region(job, slot, g),
                     self.layout.group_chunk_bytes(g),
                 )  # fmt: skip
                 if not result.ok:
@@ -410,13 +419,12 @@ class WindowPipeline:
         """Copy chunk ``c`` from ``slot`` into the cache (any thread); False if it failed."""
         run = job.run
         groups = run.needed[c]
+        assert job.host is not None
         with run.install_lock:
             if run.abandoned:
                 return False
             try:
-                blocks = job.cache.chunk_blocks(job.ids, c)
-                for g in groups:
-                    install_chunk(job.cache, g, blocks, slot.tensor[self.layout.slot_offset(g) :])
+                job.host.install(c, groups, slot)
             except Exception as exc:  # a failed copy is a failed chunk, never a raise
                 run.fail(ChunkFailure(c, groups[0], Reason.INSTALL_FAILED, [repr(exc)]))
                 return False
@@ -447,19 +455,11 @@ class WindowPipeline:
     def _enqueue_cuda(self, job: _Job, c: int, slot: Slot) -> Any:
         """Enqueue chunk ``c``'s host-to-device copy on the side stream; return its event."""
         run = job.run
+        assert job.device is not None
         with run.install_lock:
             if run.abandoned:
                 return None
-            blocks = job.cache.chunk_blocks(job.ids, c)
-            with torch.cuda.stream(self.cuda_stream):
-                for g in run.needed[c]:
-                    install_chunk(
-                        job.cache, g, blocks, slot.tensor[self.layout.slot_offset(g) :],
-                        non_blocking=True,
-                    )  # fmt: skip
-                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                event.record(self.cuda_stream)
-        return event
+            return job.device.install(c, run.needed[c], slot)
 
     async def _await_device(self, job: _Job, c: int, slot: Slot, event: Any) -> None:
         """The slot may be reused only once its host-to-device copy has completed."""

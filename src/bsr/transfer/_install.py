@@ -1,0 +1,125 @@
+"""Installers: copy a staged chunk out of its slot into the destination cache.
+
+Where it runs: inside the pipeline's worker-thread calls (host) or on the event loop enqueuing a
+device copy (CUDA).
+
+How it works: one small interface, ``install(chunk, slot)``. :class:`HostInstaller` computes its
+views once per restore: the slot buffers and the cache tensors as NumPy arrays of the widest
+machine word their rows allow, so one chunk costs a few microseconds of Python plus the copy
+itself (a plain slice copy when the chunk's blocks are consecutive, one fancy-indexed copy
+otherwise). Caches it cannot view that way (per-layer views of another engine's tensors,
+non-contiguous tensors) go through :func:`~bsr.transfer._cache.install_chunk`, as does
+:class:`CudaInstaller`, which enqueues non-blocking copies on a side stream and returns the
+event that tells when the slot may be reused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..core._layout import StateLayout
+from ._cache import PagedKVCache, install_chunk
+from ._staging import Slot
+
+
+def _word(row: int, *arrays: np.ndarray[Any, Any]) -> np.dtype[Any]:
+    """The widest unsigned word dividing ``row`` to which every array is aligned."""
+    for dt in (np.uint64, np.uint32, np.uint16):
+        size = np.dtype(dt).itemsize
+        if row % size == 0 and all(a.ctypes.data % size == 0 for a in arrays):
+            return np.dtype(dt)
+    return np.dtype(np.uint8)
+
+
+class HostInstaller:
+    """Installs chunks into a CPU cache (any thread; the caller serialises per chunk).
+
+    Args:
+        layout: the state layout.
+        cache: the destination.
+        ids: the request's validated block table (int64, CPU).
+    """
+
+    def __init__(self, layout: StateLayout, cache: PagedKVCache, ids: torch.Tensor) -> None:
+        self.layout = layout
+        self.cache = cache
+        self.ids = ids
+        self.bpc = cache.blocks_per_chunk
+        self._blocks = ids.tolist()
+        self._slots: dict[int, np.ndarray[Any, Any]] = {}
+        self._dst: dict[str, tuple[np.ndarray[Any, Any], np.dtype[Any], int]] | None = None
+        tensors = [cache.tensor(g.name) for g in layout.groups] if not cache.per_layer else []
+        if tensors and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
+            self._dst = {}
+            for g, t in zip(layout.groups, tensors):
+                row = cache.block_tokens * g.token_bytes
+                arr = t.numpy().reshape(g.num_layers, cache.num_blocks, row)
+                word = _word(row, arr)
+                self._dst[g.name] = (arr.view(word), word, row // word.itemsize)
+
+    def slot_array(self, slot: Slot) -> np.ndarray[Any, Any]:
+        """The slot as a flat uint8 NumPy array (made once per slot and restore)."""
+        arr = self._slots.get(slot.index)
+        if arr is None or arr.ctypes.data != slot.tensor.data_ptr():
+            arr = self._slots[slot.index] = slot.tensor.numpy()
+        return arr
+
+    def install(self, chunk: int, groups: tuple[str, ...], slot: Slot) -> None:
+        """Copy chunk ``chunk`` (its ``groups``) from ``slot`` into the cache blocks."""
+        if self._dst is None:
+            table = self.cache.chunk_blocks(self.ids, chunk)
+            for g in groups:
+                install_chunk(self.cache, g, table, slot.tensor[self.layout.slot_offset(g) :])
+            return
+        src = self.slot_array(slot)
+        lo = chunk * self.bpc
+        blocks = self._blocks[lo : lo + self.bpc]
+        first = blocks[0]
+        consecutive = blocks[-1] - first == self.bpc - 1 and blocks == list(
+            range(first, first + self.bpc)
+        )
+        for g in groups:
+            dst, word, words = self._dst[g]
+            off = self.layout.slot_offset(g)
+            layers = dst.shape[0]
+            n = layers * self.bpc * words * word.itemsize
+            staged = src[off : off + n].view(word).reshape(layers, self.bpc, words)
+            if consecutive:
+                dst[:, first : first + self.bpc, :] = staged
+            else:
+                dst[:, blocks, :] = staged
+
+
+class CudaInstaller:
+    """Enqueues host-to-device copies of staged chunks on one side stream.
+
+    Args:
+        layout: the state layout.
+        cache: the destination (on a CUDA device).
+        ids: the request's block table.
+        stream: the side stream (made once per engine).
+    """
+
+    def __init__(
+        self, layout: StateLayout, cache: PagedKVCache, ids: torch.Tensor, stream: Any
+    ) -> None:
+        self.layout = layout
+        self.cache = cache
+        self.ids = ids
+        self.stream = stream
+
+    def install(self, chunk: int, groups: tuple[str, ...], slot: Slot) -> Any:
+        """Enqueue the copy of ``chunk``; return the CUDA event recorded after it."""
+        blocks = self.cache.chunk_blocks(self.ids, chunk)
+        with torch.cuda.stream(self.stream):
+            for g in groups:
+                install_chunk(
+                    self.cache, g, blocks, slot.tensor[self.layout.slot_offset(g) :],
+                    non_blocking=True,
+                )  # fmt: skip
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(self.stream)
+        return event
