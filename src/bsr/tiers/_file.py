@@ -26,7 +26,8 @@ and the directory fsync'ed; only then is it committed to the index, so a probe n
 partial object (invariant 6) and concurrent writers never overshoot ``capacity_bytes``. Every
 failure path removes the temp file and gives the reservation back. On open the index is rebuilt
 by scanning ``objects/`` (each header is checked against the file size; damaged files are
-quarantined), temp files of dead writers are removed, and the index is trimmed to capacity.
+quarantined), temp files of dead writers are removed, and the index is trimmed to capacity
+(claiming the root and the scan live in :mod:`bsr.tiers._fileroot`, with the layout's names).
 Files are opened relative to directory descriptors of the tree with ``O_NOFOLLOW | O_NONBLOCK``
 and ``fstat``-checked (:func:`~bsr.tiers._readers.open_regular`): a read never leaves the root
 and never blocks on a FIFO. Permission and I/O errors are I/O errors (``TierIOError``; skipped
@@ -36,11 +37,8 @@ and counted as ``unreadable`` on open), never corruption.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import errno
-import json
 import os
-import re
 import secrets
 import stat
 import threading
@@ -58,24 +56,44 @@ from .._errors import (
     ObjectError,
     ObjectNotFoundError,
     TierIOError,
-    TierRootError,
     TruncatedObjectError,
 )
 from ..core._keys import ChunkKey, ObjectKey
 from ..core._layout import align_up
 from ..core._object import (
     HEADER_SIZE,
-    MAGIC,
     decode_header,
     encode_header,
     object_size,
     payload_checksum,
     verify_payload,
 )
-from ..core._object import (
-    PAYLOAD_LEN_OFFSET as _PLEN_OFFSET,
-)
 from ._base import Tier, TierLease, TierStatistics, TierUsage, as_byte_view, as_payload_view
+from ._fileroot import (
+    _ID_RE as _ID_RE,  # read by bsr store
+)
+from ._fileroot import (
+    DIR_FLAGS,
+    JUNK_EXAMPLES,
+    MARKER_KIND,
+    MARKER_NAME,
+    MARKER_VERSION,
+    OBJECT_NAME_RE,
+    OBJECT_SUFFIX,
+    OBJECTS_DIR,
+    QUARANTINE_DIR,
+    QUARANTINE_NAME_RE,
+    TMP_DIR,
+    TMP_NAME_RE,
+    Dirs,
+    Moved,
+    ReadFailure,
+    ScanReport,
+    StoreRoot,
+    classify_read_error,
+    object_relpath,
+)
+from ._fileroot import _fsync_dir as _fsync_dir  # read by bsr store
 from ._lru import LruIndex
 from ._readers import (
     NotRegularFileError,
@@ -83,116 +101,28 @@ from ._readers import (
     PosixReader,
     aligned_buffer,
     default_reader,
-    file_kind,
     open_regular,
 )
 
-# ---------------------------------------------------------------------- on-disk layout
-#: the marker file that claims a root for bsr (JSON: {"kind": MARKER_KIND, "version": N})
-MARKER_NAME = ".bsr-tier"
-MARKER_KIND = "bsr.FileTier"
-#: layout version this bsr writes and reads; a marker with a higher version is refused
-MARKER_VERSION = 1
-OBJECTS_DIR = "objects"
-TMP_DIR = "tmp"
-QUARANTINE_DIR = "quarantine"
-OBJECT_SUFFIX = ".bsr"
-#: ``<40 hex id>.bsr`` inside ``objects/<id[:2]>/``
-OBJECT_NAME_RE = re.compile(r"^([0-9a-f]{40})\.bsr$")
-#: ``<40 hex id>.<pid>.<12 hex>.tmp`` inside ``tmp/`` (pid: 1 to 10 digits, no leading zero)
-TMP_NAME_RE = re.compile(r"^([0-9a-f]{40})\.([1-9][0-9]{0,9})\.([0-9a-f]{12})\.tmp$")
-#: ``<40 hex id>.<reason>.<8 hex>`` inside ``quarantine/``
-QUARANTINE_NAME_RE = re.compile(r"^([0-9a-f]{40})\.([a-z0-9_-]{1,40})\.([0-9a-f]{8})$")
-#: an object id: 40 lowercase hex digits
-_ID_RE = re.compile(r"^[0-9a-f]{40}$")
-_MARKER_TMP_RE = re.compile(r"^\.bsr-tier\.[1-9][0-9]{0,9}\.tmp$")
-#: the entries a bsr 0.1 root (before the marker) may hold
-_LEGACY_ENTRIES = frozenset({OBJECTS_DIR, TMP_DIR, QUARANTINE_DIR})
-#: Linux's PID_MAX_LIMIT: a larger pid in a temp name cannot belong to a live process
-_PID_MAX = 1 << 22
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+#: the on-disk layout, defined in _fileroot and re-exported here
+__all__ = (
+    "MARKER_KIND",
+    "MARKER_NAME",
+    "MARKER_VERSION",
+    "OBJECTS_DIR",
+    "OBJECT_NAME_RE",
+    "OBJECT_SUFFIX",
+    "QUARANTINE_DIR",
+    "QUARANTINE_NAME_RE",
+    "TMP_DIR",
+    "TMP_NAME_RE",
+    "FileTier",
+    "ReadFailure",
+    "classify_read_error",
+    "object_relpath",
+)
+
 _THREAD = threading.local()
-_JUNK_EXAMPLES = 5
-
-
-def object_relpath(oid: str) -> str:
-    """Where object ``oid`` lives, relative to the root: ``objects/<id[:2]>/<id>.bsr``."""
-    return f"{OBJECTS_DIR}/{oid[:2]}/{oid}{OBJECT_SUFFIX}"
-
-
-class ReadFailure(str, enum.Enum):
-    """What a failed open or read of an object file means."""
-
-    MISSING = "missing"  #: the file is gone: a miss
-    NOT_REGULAR = "not_regular"  #: a symlink, FIFO, device or directory: a corrupt object
-    IO = "io"  #: permission denied, EIO...: an I/O error, never corruption
-
-
-def classify_read_error(exc: BaseException) -> ReadFailure:
-    """Classify an exception raised while opening or reading an object file.
-
-    Permission errors (``EACCES``, ``EPERM``) are I/O errors: the bytes may be intact, so the
-    object is skipped and reported, never quarantined.
-    """
-    if isinstance(exc, NotRegularFileError):
-        return ReadFailure.NOT_REGULAR
-    if isinstance(exc, OSError) and exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.EISDIR):
-        return ReadFailure.NOT_REGULAR
-    if isinstance(exc, FileNotFoundError):
-        return ReadFailure.MISSING
-    return ReadFailure.IO
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _pid_alive(pid: int) -> bool:
-    if not 0 < pid <= _PID_MAX:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (OverflowError, ValueError):
-        return False
-    except OSError:  # EPERM: alive, someone else's
-        return True
-    return True
-
-
-def _quarantine_name(oid: str, reason: str) -> str:
-    word = re.sub(r"[^a-z0-9_-]", "_", reason.lower())[:40] or "failed"
-    return f"{oid}.{word}.{secrets.token_hex(4)}"
-
-
-@dataclasses.dataclass
-class _Dirs:
-    """Directory descriptors of one open root (reads and writes resolve names relative to them)."""
-
-    root: int
-    objects: int
-    tmp: int
-    quarantine: int
-
-    def close(self) -> None:
-        for fd in (self.objects, self.tmp, self.quarantine, self.root):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-
-
-@dataclasses.dataclass
-class _ScanReport:
-    junk: list[str] = dataclasses.field(default_factory=list)
-    unreadable: list[str] = dataclasses.field(default_factory=list)
-    removed_temps: int = 0
-    quarantined: int = 0
 
 
 class _Call:
@@ -242,14 +172,15 @@ class FileTier(Tier):
             default_reader(reader, direct=direct_io) if isinstance(reader, str) else reader
         )
         self.fsync = fsync
+        self._store = StoreRoot(self.root, name, self._log)
         self._limiter = anyio.CapacityLimiter(io_threads)
         self._index: LruIndex[None] = LruIndex(capacity_bytes, name=name)
         self._opened = False
         # guards _dirs, _busy and _stuck: worker threads touch them
         self._lock = threading.Lock()
-        self._dirs: _Dirs | None = None
+        self._dirs: Dirs | None = None
         self._busy = 0  # worker calls using _dirs now (the descriptors close after the last)
-        self._closing: _Dirs | None = None  # closed by the last worker to leave after aclose()
+        self._closing: Dirs | None = None  # closed by the last worker to leave after aclose()
         self._stuck = 0  # abandoned reads whose worker has not returned yet
 
     # ------------------------------------------------------------------ paths
@@ -283,7 +214,7 @@ class FileTier(Tier):
                 "bsr.tier.junk",
                 path=str(self.root),
                 count=len(report.junk),
-                examples=report.junk[:_JUNK_EXAMPLES],
+                examples=report.junk[:JUNK_EXAMPLES],
                 hint="FileTier leaves entries it did not write alone; remove them, or give "
                 "FileTier a directory only bsr uses",
             )
@@ -292,16 +223,16 @@ class FileTier(Tier):
                 "bsr.tier.unreadable",
                 path=str(self.root),
                 count=len(report.unreadable),
-                examples=report.unreadable[:_JUNK_EXAMPLES],
+                examples=report.unreadable[:JUNK_EXAMPLES],
                 hint="check permissions and the device; these entries were skipped, not moved",
             )
 
-    def _open_sync(self) -> _ScanReport:
-        dirs = self._open_root()
-        report = _ScanReport()
+    def _open_sync(self) -> ScanReport:
+        dirs = self._store.open()
         try:
-            self._scan_tmp(dirs, report)
-            self._scan_objects(dirs, report)
+            report = self._store.scan(dirs)
+            for _, oid, size in report.found:
+                self._index.put(oid, size, None)
             victims = self._index.trim()
             if victims:
                 self._count(evictions=len(victims))
@@ -310,270 +241,14 @@ class FileTier(Tier):
             dirs.close()
             self._index.clear()
             raise
-        self._count(junk=len(report.junk), unreadable=len(report.unreadable))
+        self._count(
+            junk=len(report.junk),
+            unreadable=len(report.unreadable),
+            quarantined=report.quarantined,
+        )
         with self._lock:
             self._dirs = dirs
         return report
-
-    def _root_error(
-        self, what: str, todo: str, path: Path | None = None, **fields: Any
-    ) -> TierRootError:
-        where = path or self.root
-        return TierRootError(f"{where}: {what}; {todo}", tier=self.name, path=str(where), **fields)
-
-    def _open_root(self) -> _Dirs:
-        root = self.root
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-            root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        except (FileExistsError, NotADirectoryError):
-            raise self._root_error(
-                "is not a directory", "give FileTier a directory path (empty or missing)"
-            ) from None
-        except OSError as exc:
-            raise self._root_error(
-                f"cannot open the root ({exc.strerror or exc})",
-                "check the path, its permissions and the filesystem",
-                errno=exc.errno,
-            ) from exc
-        fds: list[int] = []
-        try:
-            self._claim(root_fd)
-            for name in (OBJECTS_DIR, TMP_DIR, QUARANTINE_DIR):
-                fds.append(self._subdir(root_fd, name))
-        except BaseException:
-            for fd in (*fds, root_fd):
-                os.close(fd)
-            raise
-        return _Dirs(root_fd, *fds)
-
-    def _claim(self, root_fd: int) -> None:
-        """Check the marker, or write it when the root is empty (or a bsr 0.1 store)."""
-        marker = self.root / MARKER_NAME
-        try:
-            fd, st = open_regular(MARKER_NAME, dir_fd=root_fd)
-        except FileNotFoundError:
-            self._claim_unmarked(root_fd)
-            return
-        except NotRegularFileError as exc:
-            raise self._root_error(
-                f"the marker is a {exc.kind}", "remove it, or use another directory", marker
-            ) from None
-        except OSError as exc:
-            raise self._root_error(
-                f"cannot read the marker ({exc.strerror or exc})",
-                "check its permissions",
-                marker,
-                errno=exc.errno,
-            ) from exc
-        try:
-            raw = os.pread(fd, 4096, 0) if st.st_size <= 4096 else b""
-        finally:
-            os.close(fd)
-        try:
-            doc = json.loads(raw.decode("utf-8"))
-            ok = isinstance(doc, dict) and doc.get("kind") == MARKER_KIND
-            version = doc.get("version") if ok else None
-        except (UnicodeDecodeError, ValueError):
-            ok, version = False, None
-        if not ok or isinstance(version, bool) or not isinstance(version, int) or version < 1:
-            raise self._root_error(
-                "the marker is not a bsr FileTier marker",
-                "this directory belongs to something else: use another directory",
-                marker,
-            )
-        if version > MARKER_VERSION:
-            raise self._root_error(
-                f"the store has layout version {version}, this bsr reads {MARKER_VERSION}",
-                "open it with a newer bsr, or use another directory",
-                marker,
-            )
-
-    def _claim_unmarked(self, root_fd: int) -> None:
-        entries = os.listdir(root_fd)
-        leftovers = [e for e in entries if _MARKER_TMP_RE.match(e)]
-        others = [e for e in entries if e not in leftovers]
-        legacy = OBJECTS_DIR in others and all(
-            e in _LEGACY_ENTRIES
-            and stat.S_ISDIR(os.stat(e, dir_fd=root_fd, follow_symlinks=False).st_mode)
-            for e in others
-        )
-        if others and not legacy:
-            shown = ", ".join(sorted(others)[:_JUNK_EXAMPLES])
-            raise self._root_error(
-                f"the directory is not empty ({len(others)} entries: {shown}) and holds no "
-                f"{MARKER_NAME} marker, so bsr does not own it",
-                "give FileTier an empty (or missing) directory that only bsr uses",
-            )
-        body = json.dumps({"kind": MARKER_KIND, "version": MARKER_VERSION}).encode() + b"\n"
-        tmp = f"{MARKER_NAME}.{os.getpid()}.tmp"
-        try:
-            for name in leftovers:
-                os.unlink(name, dir_fd=root_fd)
-            fd = os.open(
-                tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644, dir_fd=root_fd
-            )
-            try:
-                os.write(fd, body)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, MARKER_NAME, src_dir_fd=root_fd, dst_dir_fd=root_fd)
-            os.fsync(root_fd)
-        except OSError as exc:
-            try:
-                os.unlink(tmp, dir_fd=root_fd)
-            except OSError:
-                pass
-            raise self._root_error(
-                f"cannot claim the directory: writing {MARKER_NAME} failed ({exc.strerror or exc})",
-                "give FileTier a writable directory",
-                errno=exc.errno,
-            ) from exc
-        self._log.info("bsr.tier.claimed", path=str(self.root), legacy=bool(others))
-
-    def _subdir(self, root_fd: int, name: str) -> int:
-        path = self.root / name
-        try:
-            try:
-                os.mkdir(name, 0o755, dir_fd=root_fd)
-            except FileExistsError:
-                pass
-            return os.open(name, _DIR_FLAGS, dir_fd=root_fd)
-        except OSError as exc:
-            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                kind = file_kind(os.stat(name, dir_fd=root_fd, follow_symlinks=False).st_mode)
-                raise self._root_error(
-                    f"is a {kind}, not a directory",
-                    f"FileTier keeps its {name}/ directory there: remove or rename it",
-                    path,
-                ) from None
-            raise self._root_error(
-                f"cannot open or create it ({exc.strerror or exc})",
-                "check the permissions and the filesystem",
-                path,
-                errno=exc.errno,
-            ) from exc
-
-    def _scan_tmp(self, dirs: _Dirs, report: _ScanReport) -> None:
-        me = os.getpid()
-        with os.scandir(dirs.tmp) as it:
-            entries = list(it)
-        for entry in entries:
-            m = TMP_NAME_RE.match(entry.name)
-            if m is None or not entry.is_file(follow_symlinks=False):
-                report.junk.append(f"{TMP_DIR}/{entry.name}")
-                continue
-            pid = int(m.group(2))
-            if pid != me and _pid_alive(pid):
-                continue  # a live writer's file
-            try:
-                os.unlink(entry.name, dir_fd=dirs.tmp)
-                report.removed_temps += 1
-            except FileNotFoundError:
-                pass
-            except OSError as exc:  # EROFS, EACCES...: leave it, open anyway
-                report.unreadable.append(f"{TMP_DIR}/{entry.name} ({exc.strerror or exc})")
-
-    def _scan_objects(self, dirs: _Dirs, report: _ScanReport) -> None:
-        found: list[tuple[int, str, int]] = []
-        with os.scandir(dirs.objects) as it:
-            subs = list(it)
-        for sub in subs:
-            where = f"{OBJECTS_DIR}/{sub.name}"
-            if not re.fullmatch(r"[0-9a-f]{2}", sub.name) or not sub.is_dir(follow_symlinks=False):
-                report.junk.append(where)
-                continue
-            try:
-                sub_fd = os.open(sub.name, _DIR_FLAGS, dir_fd=dirs.objects)
-            except OSError as exc:
-                if classify_read_error(exc) is ReadFailure.NOT_REGULAR:
-                    report.junk.append(where)
-                elif classify_read_error(exc) is ReadFailure.IO:
-                    report.unreadable.append(f"{where} ({exc.strerror or exc})")
-                continue
-            try:
-                with os.scandir(sub_fd) as it:
-                    files = list(it)
-                for f in files:
-                    self._scan_one(dirs, sub_fd, sub.name, f, found, report)
-            finally:
-                os.close(sub_fd)
-        found.sort()
-        for _, oid, size in found:
-            self._index.put(oid, size, None)
-
-    def _scan_one(
-        self,
-        dirs: _Dirs,
-        sub_fd: int,
-        sub: str,
-        f: os.DirEntry[str],
-        found: list[tuple[int, str, int]],
-        report: _ScanReport,
-    ) -> None:
-        where = f"{OBJECTS_DIR}/{sub}/{f.name}"
-        m = OBJECT_NAME_RE.match(f.name)
-        if m is None or m.group(1)[:2] != sub or not f.is_file(follow_symlinks=False):
-            report.junk.append(where)  # not ours (or not a file bsr wrote): leave it alone
-            return
-        oid = m.group(1)
-        try:
-            fd, st = open_regular(f.name, dir_fd=sub_fd)
-        except (OSError, NotRegularFileError) as exc:
-            kind = classify_read_error(exc)
-            if kind is ReadFailure.NOT_REGULAR:
-                report.junk.append(where)
-            elif kind is ReadFailure.IO:
-                report.unreadable.append(f"{where} ({getattr(exc, 'strerror', None) or exc})")
-            return
-        try:
-            problem = self._check_file(fd, st.st_size)
-        except OSError as exc:
-            report.unreadable.append(f"{where} ({exc.strerror or exc})")
-            return
-        finally:
-            os.close(fd)
-        if problem:
-            if self._move_to_quarantine(dirs, sub_fd, f.name, oid, problem):
-                report.quarantined += 1
-            return
-        found.append((st.st_mtime_ns, oid, st.st_size))
-
-    @staticmethod
-    def _check_file(fd: int, size: int) -> str:
-        """Cheap structural check on open: magic and length agree with the file size."""
-        if size < HEADER_SIZE or size % 4096:
-            return "truncated"
-        head = os.pread(fd, _PLEN_OFFSET + 8, 0)
-        if head[:8] != MAGIC:
-            return "badmagic"
-        plen = int.from_bytes(head[_PLEN_OFFSET : _PLEN_OFFSET + 8], "little")
-        if object_size(plen) != size:
-            return "truncated"
-        return ""
-
-    def _move_to_quarantine(self, dirs: _Dirs, sub_fd: int, name: str, oid: str, why: str) -> bool:
-        """Move our regular file ``name`` aside; anything else in its place is left alone."""
-        try:
-            st = os.stat(name, dir_fd=sub_fd, follow_symlinks=False)
-            if not stat.S_ISREG(st.st_mode):
-                self._count(junk=1)
-                self._log.warning("bsr.tier.junk", object_id=oid, kind=file_kind(st.st_mode))
-                return False
-            os.replace(
-                name, _quarantine_name(oid, why), src_dir_fd=sub_fd, dst_dir_fd=dirs.quarantine
-            )
-        except FileNotFoundError:
-            return False
-        except OSError as exc:
-            self._log.warning(
-                "bsr.tier.quarantine_failed", object_id=oid, reason=why, error=repr(exc)
-            )
-            return False
-        self._count(quarantined=1)
-        self._log.warning("bsr.tier.quarantine", object_id=oid, reason=why)
-        return True
 
     async def aclose(self) -> None:
         self._index.clear()
@@ -594,7 +269,7 @@ class FileTier(Tier):
                 tier=self.name,
             )
 
-    def _enter(self) -> _Dirs:
+    def _enter(self) -> Dirs:
         with self._lock:
             if self._dirs is None:
                 raise ClosedError(f"tier {self.name!r} is closed; open a new one", tier=self.name)
@@ -723,8 +398,8 @@ class FileTier(Tier):
             **ctx,
         )
 
-    def _open_object(self, dirs: _Dirs, oid: str) -> tuple[int, os.stat_result]:
-        sub_fd = os.open(oid[:2], _DIR_FLAGS, dir_fd=dirs.objects)
+    def _open_object(self, dirs: Dirs, oid: str) -> tuple[int, os.stat_result]:
+        sub_fd = os.open(oid[:2], DIR_FLAGS, dir_fd=dirs.objects)
         try:
             name = oid + OBJECT_SUFFIX
             if isinstance(self.reader, PosixReader):
@@ -733,7 +408,7 @@ class FileTier(Tier):
         finally:
             os.close(sub_fd)
 
-    def _read_verify(self, dirs: _Dirs, oid: str, okey: ObjectKey, view: memoryview) -> int:
+    def _read_verify(self, dirs: Dirs, oid: str, okey: ObjectKey, view: memoryview) -> int:
         ctx = {"tier": self.name, "key": okey.chunk.hex[:16], "group": okey.group}
         fd, st = self._open_object(dirs, oid)
         try:
@@ -849,13 +524,13 @@ class FileTier(Tier):
         finally:
             self._leave()
 
-    def _object_dir(self, dirs: _Dirs, sub: str) -> int:
+    def _object_dir(self, dirs: Dirs, sub: str) -> int:
         try:
             os.mkdir(sub, 0o755, dir_fd=dirs.objects)
         except FileExistsError:
             pass
         try:
-            return os.open(sub, _DIR_FLAGS, dir_fd=dirs.objects)
+            return os.open(sub, DIR_FLAGS, dir_fd=dirs.objects)
         except OSError as exc:
             if exc.errno in (errno.ELOOP, errno.ENOTDIR):
                 exc.strerror = (
@@ -871,11 +546,11 @@ class FileTier(Tier):
         finally:
             self._leave()
 
-    def _unlink_objects(self, dirs: _Dirs, oids: list[str]) -> None:
+    def _unlink_objects(self, dirs: Dirs, oids: list[str]) -> None:
         """Remove our regular files of ``oids``; a symlink or other entry in place stays."""
         for oid in oids:
             try:
-                sub_fd = os.open(oid[:2], _DIR_FLAGS, dir_fd=dirs.objects)
+                sub_fd = os.open(oid[:2], DIR_FLAGS, dir_fd=dirs.objects)
             except OSError:
                 continue
             try:
@@ -911,12 +586,18 @@ class FileTier(Tier):
         def _move() -> None:
             dirs = self._enter()
             try:
-                sub_fd = os.open(oid[:2], _DIR_FLAGS, dir_fd=dirs.objects)
+                sub_fd = os.open(oid[:2], DIR_FLAGS, dir_fd=dirs.objects)
             except OSError:
                 self._leave()
                 return
             try:
-                self._move_to_quarantine(dirs, sub_fd, oid + OBJECT_SUFFIX, oid, reason)
+                moved = self._store.move_to_quarantine(
+                    dirs, sub_fd, oid + OBJECT_SUFFIX, oid, reason
+                )
+                if moved is Moved.MOVED:
+                    self._count(quarantined=1)
+                elif moved is Moved.NOT_REGULAR:
+                    self._count(junk=1)
             finally:
                 os.close(sub_fd)
                 self._leave()
