@@ -16,7 +16,7 @@
  * asynchronous copy failing at synchronize, the deadline of one rank (in
  * probing or windowing), collective time-outs, and every interleaving.
  *
- * Rules the tests (tests/test_spec_spin.py) rely on:
+ * Rules the tests (tests/proof/test_spec_spin.py) rely on:
  *  - the request states are the mtype names of the JSON "states";
  *  - state[] is assigned ONLY inside the inlines named after the JSON
  *    triggers; each such inline starts with

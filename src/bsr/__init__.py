@@ -2,7 +2,7 @@
 
 Restore an evicted KV cache (and its relatives) from storage tiers into a paged cache through a
 window of at most W chunk-sized staging slots, committing all-or-nothing across state groups and
-tensor-parallel ranks. See README.md and DESIGN.md.
+tensor-parallel ranks. See README.md and docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ def test_sizes_and_offsets() -> None:
         chunk_tokens=256,
         groups=(bsr.StateGroup("kv", 32, 1792), bsr.StateGroup("indexer", 32, 211, dtype="uint8")),
     )
-    assert layout.chunk_bytes == 16_408_576  # DeepSeek-V4-Flash per-rank chunk (REFERENCES.md)
+    # DeepSeek-V4-Flash per-rank chunk: 256 tokens x (32 x 1792 + 32 x 211) bytes
+    assert layout.chunk_bytes == 16_408_576
     assert layout.slot_bytes == layout.chunk_bytes
     assert layout.slot_offset("kv") == 0
     assert layout.slot_offset("indexer") == 32 * 256 * 1792
