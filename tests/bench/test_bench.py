@@ -247,7 +247,10 @@ def test_fio_reference_or_a_note_that_it_is_missing(
         return
     assert "bsr_bandwidth_vs_fio" in names
     for p in doc["results"]:
-        f = p["fio"]
+        f = p.get("fio")
+        if p["matched_recompute"]:  # no fio on the recompute model's small layout
+            assert f is None and "bsr_vs_fio_bandwidth" not in p["ratios"]
+            continue
         assert f is not None and f["best"] in {c["name"] for c in f["configs"]}
         assert f["best_bandwidth_Bps"] == max(c["bandwidth_Bps"]["median"] for c in f["configs"])
         for c in f["configs"]:

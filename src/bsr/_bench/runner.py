@@ -320,7 +320,7 @@ class _Run:
                 r_ok.append(state.verify())
 
         steps: list[Callable[[], Any]] = [do_raw, do_bsr, do_wp]
-        fio_step = self.fio.step(self.mode, files, file_bytes)
+        fio_step = self.fio.step(self.mode, files, file_bytes, source=state.named.source)
         if fio_step is not None:
             steps.append(fio_step)
         if remote is not None:
@@ -814,6 +814,10 @@ def build_parser(prog: str = "bsr bench") -> argparse.ArgumentParser:
 
 def run_from_namespace(ns: argparse.Namespace) -> int:
     """Entry point once arguments are parsed (used by ``bsr bench``)."""
+    if getattr(ns, "engine", "bsr") == "vllm":  # TTFT inside vLLM's CPU engine
+        from .vllm_ttft import run_vllm_from_namespace
+
+        return run_vllm_from_namespace(ns)
     if getattr(ns, "l1_ladder", False) or getattr(ns, "tp", None):  # paper scale
         from .paper import run_paper_from_namespace
 

@@ -68,8 +68,12 @@ class FioSetup:
         else:
             self.note = f"{self.version}: grid {', '.join(c.name for c in self.grid)}"
 
-    def step(self, mode: CacheMode, files: Sequence[str], file_bytes: int) -> FioStep | None:
-        if self.binary is None:
+    def step(
+        self, mode: CacheMode, files: Sequence[str], file_bytes: int, *, source: str
+    ) -> FioStep | None:
+        """A point's fio step; None without fio and for the recompute model's own layout (a few
+        MiB per size, where fio's start-up would dominate and no fio target applies)."""
+        if self.binary is None or source == "recompute-model":
             return None
         return FioStep(self.binary, self.grid, mode, files, file_bytes)
 
