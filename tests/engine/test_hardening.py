@@ -130,7 +130,10 @@ def test_restore_deadline_is_checked_before_anything_moves(value: Any, fragment:
             with pytest.raises(bsr.ConfigError, match=fragment):
                 await eng.lookup(toks, lease_ttl_s=value)
             after = eng.statistics()
-            assert after.restores == before.restores and after.staging.acquired == before.staging.acquired
+            assert (
+                after.restores == before.restores
+                and after.staging.acquired == before.staging.acquired
+            )
 
     anyio.run(main)
 
@@ -243,5 +246,44 @@ def test_a_lease_expires_with_its_ttl() -> None:
             assert (await eng.lookup(toks)).prefix_chunks == 0
             probe.release()  # idempotent after expiry
             assert eng.statistics().leases == 0
+
+    anyio.run(main)
+
+
+@pytest.mark.parametrize("how", ["fifo", "symlink-to-fifo"])
+def test_an_object_path_that_blocks_on_open_cannot_hold_a_restore(tmp_path: Path, how: str) -> None:
+    """Item 1: an object file replaced by a FIFO (directly or through a symlink) after the tier
+    opened: the restore ends within its deadline, and inside move_on_after, and falls back."""
+    import os
+
+    toks = tokens_for(3 * 16)
+    src = filled_cache(LAYOUT, 6, 16)
+    ids = torch.arange(3)
+
+    async def main() -> None:
+        file_tier = bsr.FileTier(tmp_path / "l2", 1 << 24, reader="posix")
+        async with make_engine(LAYOUT, [file_tier, bsr.FileTier(tmp_path / "l3", 1 << 24, name="l3")],
+                               deadline_s=1.0) as eng:  # fmt: skip
+            await eng.save(toks, src, ids)
+            probe = await eng.lookup(toks)
+            path = file_tier.object_path(probe.keys[1], "kv")
+            path.unlink()
+            if how == "fifo":
+                os.mkfifo(path)
+            else:
+                fifo = tmp_path / "elsewhere.fifo"
+                os.mkfifo(fifo)
+                path.symlink_to(fifo)
+            t0 = time.perf_counter()
+            dst = bsr.PagedKVCache(LAYOUT, 6, 16)
+            r = await eng.restore(toks, dst, ids)
+            assert time.perf_counter() - t0 < 1.5
+            # the lower tier supplied the chunk the FIFO stood in for
+            assert r.committed and r.fallbacks >= 1
+            assert blocks_equal(LAYOUT, src, ids, dst, ids, 3)
+            with anyio.move_on_after(1.0):
+                await eng.restore(toks, bsr.PagedKVCache(LAYOUT, 6, 16), ids, deadline_s=30)
+            assert time.perf_counter() - t0 < 3.0
+            assert eng.statistics().staging.in_use == 0
 
     anyio.run(main)
