@@ -226,7 +226,7 @@ def test_a_lease_keeps_the_hit_until_the_restore(tmp_path: Path) -> None:
             assert eng.statistics().leases == 0  # released by the restore
             # without the lease the same save now evicts
             await eng.save(tokens_for(4 * 16, seed=5), src, ids)
-            assert not (await eng.lookup(toks)).prefix_chunks == 4
+            assert (await eng.lookup(toks)).prefix_chunks < 4
 
     anyio.run(main)
 
@@ -262,8 +262,8 @@ def test_an_object_path_that_blocks_on_open_cannot_hold_a_restore(tmp_path: Path
 
     async def main() -> None:
         file_tier = bsr.FileTier(tmp_path / "l2", 1 << 24, reader="posix")
-        async with make_engine(LAYOUT, [file_tier, bsr.FileTier(tmp_path / "l3", 1 << 24, name="l3")],
-                               deadline_s=1.0) as eng:  # fmt: skip
+        lower = bsr.FileTier(tmp_path / "l3", 1 << 24, name="l3")
+        async with make_engine(LAYOUT, [file_tier, lower], deadline_s=1.0) as eng:
             await eng.save(toks, src, ids)
             probe = await eng.lookup(toks)
             path = file_tier.object_path(probe.keys[1], "kv")
