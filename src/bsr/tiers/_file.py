@@ -570,7 +570,10 @@ class FileTier(Tier):
         oid = ObjectKey(key, group).object_id
         if not self._index.discard(oid):
             return False
-        await anyio.to_thread.run_sync(self._unlink_victims, [oid], limiter=self._limiter)
+        # abandonable: the index already forgot it; a hung unlink must not hold the caller
+        await anyio.to_thread.run_sync(
+            self._unlink_victims, [oid], limiter=self._limiter, abandon_on_cancel=True
+        )
         return True
 
     async def quarantine(self, key: ChunkKey, group: str, reason: str) -> None:
@@ -602,7 +605,8 @@ class FileTier(Tier):
                 os.close(sub_fd)
                 self._leave()
 
-        await anyio.to_thread.run_sync(_move, limiter=self._limiter)
+        # abandonable, so the engine's bound on a shielded quarantine holds on a hung mount
+        await anyio.to_thread.run_sync(_move, limiter=self._limiter, abandon_on_cancel=True)
 
 
 def _write_all(fd: int, bufs: list[Any]) -> None:
