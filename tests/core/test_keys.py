@@ -262,3 +262,18 @@ def test_lone_surrogate_in_an_object_key_group_is_a_layout_error() -> None:
     key = chunk_keys(fp(), TOKENS, 4)[0]
     with pytest.raises(bsr.LayoutError, match="state group name"):
         _ = bsr.ObjectKey(key, "kv\udc80").object_id
+
+
+@pytest.mark.parametrize(
+    ("fields", "fragment"),
+    [
+        ({"tenant": "acme-\udcff"}, "tenant 'acme-"),
+        ({"model_id": "m-\ud800"}, "Namespace.model_id"),
+    ],
+)
+def test_lone_surrogate_in_an_engine_config_is_a_config_error(
+    fields: dict[str, str], fragment: str
+) -> None:
+    data = {"model_id": "m", "tiers": [{"kind": "host", "capacity_bytes": 1 << 20}], **fields}
+    with pytest.raises(bsr.ConfigError, match=f"{fragment}.*cannot be encoded as UTF-8"):
+        bsr.EngineConfig.from_dict(data).namespace()
