@@ -497,11 +497,7 @@ def summarize(points: Sequence[dict[str, Any]], layout: NamedLayout) -> dict[str
         states.append(row)
     bsr_ok = [p for p in points if p["strategy"] == "bsr" and p["outcome"] == "committed"]
     rws_dev = max((abs(p["rws_peak_bytes"] - p["window"] * slot) for p in bsr_ok), default=0)
-    wp_below = [
-        p
-        for p in points
-        if p["strategy"] in ("whole_plan", "lmcache") and p["outcome"] != "committed"
-    ]
+    wp_below = [p for p in points if p["strategy"] == "whole_plan" and p["outcome"] != "committed"]
     invariants = {
         "bsr_rws_equals_w_x_slot": {
             "description": "every BSR success has rws_peak_bytes == W x slot_bytes",

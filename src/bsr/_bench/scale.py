@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import anyio
 import numpy as np
 import torch
 import xxhash
@@ -63,6 +64,26 @@ def _fill_random(t: torch.Tensor, gen: torch.Generator) -> None:
         flat[:n8].view(torch.int64).random_(generator=gen)
     if n8 < flat.numel():
         flat[n8:].random_(0, 256, generator=gen)
+
+
+class SoloRank:
+    """Rank ``rank`` of ``world_size`` that agrees with itself only (no collective).
+
+    Saves need no agreement, and a rank restoring its shard alone with it is the baseline the
+    TP bench subtracts to measure what agreement costs.
+    """
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank = rank
+        self.world_size = world_size
+
+    async def agree_min(self, value: int) -> int:
+        await anyio.lowlevel.checkpoint()
+        return value
+
+    async def agree_all(self, value: bool) -> bool:
+        await anyio.lowlevel.checkpoint()
+        return value
 
 
 class ChunkedState:
@@ -147,6 +168,7 @@ class ChunkedState:
             window=min(8, step),
             io_depth=min(4, step),
             namespace=self.namespace,
+            coordinator=SoloRank(self.namespace.tp_rank, self.namespace.tp_size),
             prefault_staging=False,
         )
         ids = self.identity_ids()

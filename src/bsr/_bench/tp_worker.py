@@ -34,7 +34,7 @@ from bsr.testing import Fault, FaultKind, FaultPlan, FaultyTier
 
 from .layouts import resolve_layout
 from .memory import PeakRss
-from .scale import ChunkedState, Destination, DestinationKind
+from .scale import ChunkedState, Destination, DestinationKind, SoloRank
 
 
 def _sample(result: RestoreResult, wall: float, rss_growth: int) -> dict[str, Any]:
@@ -81,7 +81,7 @@ async def _rank(cfg: dict[str, Any], rank: int) -> dict[str, Any]:
             window=cfg["window"],
             io_depth=cfg["io_depth"],
             namespace=state.namespace,
-            coordinator=TorchDistributedCoordinator() if coordinated else None,
+            coordinator=TorchDistributedCoordinator() if coordinated else SoloRank(rank, world),
         )
 
     async def restore(eng: RestoreEngine) -> tuple[RestoreResult, dict[str, Any]]:
