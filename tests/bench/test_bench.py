@@ -392,3 +392,19 @@ def test_issue_targets_follow_the_sections() -> None:
     assert not next(
         t for t in issue_targets(doc) if t["name"] == "concurrent_staging_within_window"
     )["met"]
+
+
+def test_without_fio_the_run_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    from bsr._bench import fio as fio_mod
+    from bsr._bench.pagecache import CacheMode
+    from bsr._bench.sections import FioSetup, finish
+
+    monkeypatch.setattr(fio_mod.shutil, "which", lambda name: None)
+    setup = FioSetup(enabled=True, quick=False)
+    assert setup.binary is None and setup.note == fio_mod.MISSING_NOTE
+    assert setup.step(CacheMode.DIRECT, ["x"], 1, source="builtin") is None
+    doc: dict[str, Any] = {"sweep": [], "warnings": [], "targets": [], "results": []}
+    finish(doc, {"overhead": None, "concurrency": None, "keys": None}, setup, io_depth=4)
+    assert doc["fio"] == {"available": False, "version": None, "grid": [], "note": setup.note}
+    assert doc["warnings"] == [fio_mod.MISSING_NOTE] and doc["targets"] == []
+    assert "apt-get install fio" in fio_mod.MISSING_NOTE
