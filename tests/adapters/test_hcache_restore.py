@@ -156,7 +156,8 @@ def test_a_failed_read_also_reports_the_recomputed_blocks(tmp_path: Path) -> Non
 def test_a_failed_projection_invalidates_the_whole_request(tmp_path: Path) -> None:
     model = build("llama", layers=4, kv_heads=4)
     served = Served(model, ["hidden", "hidden", "kv", "kv"])
-    served.hc.adapter._proj[1].weight = torch.zeros(3, 3)  # the GEMM of layer 1 now raises
+    broken = served.hc.adapter._proj[1]
+    broken.weight = broken.wk = torch.zeros(3, 3)  # the GEMM of layer 1 now raises
     _, res = served.save_restore(tmp_path)
     assert res.engine is not None and res.engine.committed_tokens == PREFIX  # the reads were fine
     assert (
@@ -164,3 +165,32 @@ def test_a_failed_projection_invalidates_the_whole_request(tmp_path: Path) -> No
     )
     prefix_blocks = set(served.dst_ids[: PREFIX // BLOCK].tolist())
     assert set(res.invalid_block_ids) == prefix_blocks
+
+
+def test_rope_is_computed_once_per_restore(tmp_path: Path) -> None:
+    model = build("llama", layers=4, kv_heads=4)
+    served = Served(model, ["hidden", "hidden", "hidden", "kv"])  # three hidden groups
+    calls: list[int] = []
+    hook = model.model.rotary_emb.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        _, res = served.save_restore(tmp_path)
+    finally:
+        hook.remove()
+    assert res.committed_tokens == PREFIX and len(calls) == 1
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma", "phi3"])
+def test_fast_projection_matches_the_module_by_module_one(kind: str) -> None:
+    """Folded norm + complex RoPE (the fast path) against the model's own modules, per layer."""
+    model = build(kind, kv_heads=2)
+    a = hcache.ModelAdapter(model)
+    rope = a.rope(0, 40)
+    assert all(a.fast(i, rope) for i in range(3))
+    h = torch.randn(40, 64, generator=torch.Generator().manual_seed(0))
+    for i in range(3):
+        fast = a.project(i, h, rope)
+        p = a._proj[i]
+        saved, p.wk = p.wk, None  # force the module-by-module path
+        slow = a.project(i, h, rope)
+        p.wk = saved
+        assert torch.allclose(fast, slow, atol=1e-5, rtol=1e-5), (fast - slow).abs().max()

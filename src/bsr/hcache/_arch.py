@@ -33,6 +33,7 @@ __all__ = (
     "CheckReport",
     "ModelAdapter",
     "ModelShape",
+    "RopeTable",
     "apply_rope",
     "check_config",
     "check_model",
@@ -232,6 +233,35 @@ class _LayerProj:
     bias: torch.Tensor | None
     key_norm: Callable[[torch.Tensor], torch.Tensor] | None
     key_norm_per_head: bool
+    #: fast path (see ``ModelAdapter._fold``): norm weight folded into W, K rows interleaved
+    wk: torch.Tensor | None = None
+    wv: torch.Tensor | None = None
+    bk: torch.Tensor | None = None
+    bv: torch.Tensor | None = None
+    eps: float = 0.0
+
+
+@dataclass(frozen=True)
+class RopeTable:
+    """RoPE cos/sin of a run of positions, computed once per restore and sliced per piece.
+
+    Attributes:
+        cos: ``[n, rot_dim]`` in the model dtype.
+        sin: likewise.
+        freq: ``cos + i sin`` of the first half ``[n, rot_dim / 2]`` (complex) when the halves
+            repeat (standard RoPE) and the dtype has a complex type, else ``None``.
+    """
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    freq: torch.Tensor | None
+
+    def __getitem__(self, sel: Any) -> RopeTable:
+        f = None if self.freq is None else self.freq[sel]
+        return RopeTable(self.cos[sel], self.sin[sel], f)
+
+    def __len__(self) -> int:
+        return int(self.cos.shape[0])
 
 
 class ModelAdapter:
@@ -301,52 +331,140 @@ class ModelAdapter:
             raise _refuse(s.model_type, f"layer {i} has no k_norm")
         if s.model_type not in ("qwen3", "olmo2") and key_norm is not None:
             raise _refuse(s.model_type, f"layer {i} has a k_norm this table does not expect")
-        return _LayerProj(norm, weight.contiguous(), bias, key_norm, s.model_type == "qwen3")
+        proj = _LayerProj(norm, weight.contiguous(), bias, key_norm, s.model_type == "qwen3")
+        self._fold(proj)
+        return proj
+
+    def _fold(self, p: _LayerProj) -> None:
+        """Prepare the fast path of a layer whose input norm is a plain RMSNorm.
+
+        ``W (w * h * r) = r * ((W * w) h)`` with ``r = rsqrt(mean(h^2) + eps)`` per token, so
+        the norm becomes one reduction and a row scale after the GEMM (folded into the RoPE
+        factor for K). K rows are permuted so each head's rotary pairs ``(i, i + d/2)`` sit
+        side by side: RoPE is then one complex multiply, and the scatter into the cache undoes
+        the permutation. Not for key norms (Qwen3, OLMo2), partial rotary, or dtypes without a
+        complex type; those take the module-by-module path.
+        """
+        s = self.shape
+        norm = p.norm
+        if norm is None or p.key_norm is not None or not type(norm).__name__.endswith("RMSNorm"):
+            return
+        if self.shape.head_dim % 2 or p.weight.dtype not in (torch.float32, torch.float64):
+            return
+        w = getattr(norm, "weight", None)
+        eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+        if not isinstance(w, torch.Tensor) or not isinstance(eps, float) or w.shape != (s.hidden,):
+            return
+        scale = w.detach().double() + (1.0 if s.model_type == "gemma" else 0.0)
+        folded = (p.weight.double() * scale).to(p.weight.dtype)
+        kd, hd = s.kv_dim, s.head_dim
+        half = hd // 2
+        per_head = torch.stack((torch.arange(half), torch.arange(half, hd)), 1).reshape(-1)
+        perm = (torch.arange(s.kv_heads).unsqueeze(1) * hd + per_head).reshape(-1)
+        perm = perm.to(p.weight.device)
+        p.wk = folded[:kd][perm].contiguous()
+        p.wv = folded[kd:].contiguous()
+        if p.bias is not None:
+            p.bk = p.bias[:kd][perm].contiguous()
+            p.bv = p.bias[kd:].contiguous()
+        p.eps = eps
 
     @property
     def row_elems(self) -> int:
         """Values of one token's cache row ``[K heads..., V heads...]``."""
         return 2 * self.shape.kv_dim
 
-    def rope(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin ``[stop - start, rot_dim]`` of positions ``[start, stop)`` (model dtype)."""
+    def rope(self, start: int, stop: int) -> RopeTable:
+        """RoPE of positions ``[start, stop)`` from the model's own rotary module (once)."""
         pos = torch.arange(start, stop, device=self.device).unsqueeze(0)
         probe = torch.empty(1, stop - start, 1, dtype=self.dtype, device=self.device)
         cos, sin = self.rotary(probe, pos)
-        return cos[0], sin[0]
+        cos, sin = cos[0], sin[0]
+        rd = cos.shape[-1]
+        freq = None
+        if (
+            rd == self.shape.head_dim
+            and cos.dtype in (torch.float32, torch.float64)
+            and torch.equal(cos[:, : rd // 2], cos[:, rd // 2 :])
+            and torch.equal(sin[:, : rd // 2], sin[:, rd // 2 :])
+        ):
+            freq = torch.complex(cos[:, : rd // 2], sin[:, : rd // 2])
+        return RopeTable(cos, sin, freq)
 
-    def project(
+    def fast(self, layer: int, rope: RopeTable) -> bool:
+        """Whether ``layer`` takes the folded-norm, complex-RoPE path with this table."""
+        return self._proj[layer].wk is not None and rope.freq is not None
+
+    def project_parts(
         self,
         layer: int,
         h: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        rope: RopeTable,
+        scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``layer`` for hidden states ``h`` ``[m, hidden]``, as views.
+
+        Returns ``(k, v)``: ``k`` is ``[m, kv_heads, 2, head_dim / 2]`` (fast path, a permuted
+        view) or ``[m, kv_heads, head_dim]``; either reshapes onto the K half of a cache row
+        viewed the same way. ``v`` is ``[m, kv_dim]``. ``scratch`` holds reusable
+        ``[>= m, kv_dim]`` buffers for K and V (fast path).
+        """
+        p = self._proj[layer]
+        s = self.shape
+        m = h.shape[0]
+        if not self.fast(layer, rope):
+            rows = self.project(layer, h, rope)
+            return rows[:, : s.kv_dim].view(m, s.kv_heads, s.head_dim), rows[:, s.kv_dim :]
+        assert p.wk is not None and p.wv is not None and rope.freq is not None
+        if scratch is None:
+            scratch = (h.new_empty(m, s.kv_dim), h.new_empty(m, s.kv_dim))
+        k = torch.mm(h, p.wk.t(), out=scratch[0][:m])
+        v = torch.mm(h, p.wv.t(), out=scratch[1][:m])
+        ss = torch.linalg.vector_norm(h, dim=-1, keepdim=True, dtype=torch.float32)
+        r = torch.rsqrt(ss.square_().div_(s.hidden).add_(p.eps)).to(h.dtype)  # [m, 1]
+        freq = rope.freq
+        if p.bk is not None and p.bv is not None:
+            k.mul_(r).add_(p.bk)
+            v.mul_(r).add_(p.bv)
+        else:
+            v.mul_(r)
+            freq = freq * r
+        half = s.head_dim // 2
+        kc = torch.view_as_complex(k.view(m, s.kv_heads, half, 2))
+        kc.mul_(freq.unsqueeze(1))
+        return torch.view_as_real(kc).permute(0, 1, 3, 2), v
+
+    def project(self, layer: int, h: torch.Tensor, rope: RopeTable) -> torch.Tensor:
         """Cache rows ``[n, 2 kv_dim]`` (``[K | V]``) of ``layer`` from its input hidden states.
+
+        The same arithmetic as :meth:`project_parts` (what :func:`check_model` verifies).
 
         Args:
             layer: model layer index.
             h: ``[n, hidden]`` input hidden states of the layer.
-            cos: from :meth:`rope` for the tokens of ``h``.
-            sin: likewise.
-            out: optional destination ``[n, 2 kv_dim]`` (contiguous).
+            rope: from :meth:`rope`, sliced to the tokens of ``h``.
         """
+        s = self.shape
+        n = h.shape[0]
+        if self.fast(layer, rope):
+            k, v = self.project_parts(layer, h, rope)
+            rows = h.new_empty(n, 2 * s.kv_dim)
+            rows[:, : s.kv_dim].view(k.shape).copy_(k)
+            rows[:, s.kv_dim :].copy_(v)
+            return rows
         p = self._proj[layer]
         x = p.norm(h) if p.norm is not None else h
         if p.bias is not None:
-            rows = torch.addmm(p.bias, x, p.weight.t(), out=out)
+            rows = torch.addmm(p.bias, x, p.weight.t())
         else:
-            rows = torch.mm(x, p.weight.t(), out=out)
-        s = self.shape
-        n = h.shape[0]
+            rows = torch.mm(x, p.weight.t())
         k = rows[:, : s.kv_dim]
         if p.key_norm is not None:
             if p.key_norm_per_head:
                 k.copy_(p.key_norm(k.view(n, s.kv_heads, s.head_dim)).view(n, s.kv_dim))
             else:
                 k.copy_(p.key_norm(k))
-        apply_rope(k.view(n, s.kv_heads, s.head_dim), cos, sin)
+        apply_rope(k.view(n, s.kv_heads, s.head_dim), rope.cos, rope.sin)
         return rows
 
 
@@ -394,10 +512,9 @@ def compare_rows(
     worst, worst_layer = 0.0, 0
     layer_ids = list(range(len(hidden))) if layers is None else list(layers)
     with torch.no_grad():
-        cos, sin = adapter.rope(0, int(positions.max()) + 1)
-        cos, sin = cos[positions], sin[positions]
+        rope = adapter.rope(0, int(positions.max()) + 1)[positions]
         for i, h in zip(layer_ids, hidden):
-            rows = adapter.project(i, h.to(adapter.device, adapter.dtype), cos, sin)
+            rows = adapter.project(i, h.to(adapter.device, adapter.dtype), rope)
             k, v = model_kv[layer_ids.index(i)]
             ref = torch.cat(
                 (k.transpose(0, 1).reshape(-1, s.kv_dim), v.transpose(0, 1).reshape(-1, s.kv_dim)),

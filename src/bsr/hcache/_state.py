@@ -6,8 +6,8 @@ How it works: a hidden-state group is an ordinary :class:`~bsr.StateGroup` whose
 one layer's input hidden state (``hidden_size`` values). :func:`write_hidden_to_cache` copies
 captured hidden states into such a group at a token offset (appending, as a server does turn by
 turn); :func:`rebuild_rows` projects a group's rows into the ``"kv"`` group of a destination
-:class:`~bsr.PagedKVCache` (the :mod:`bsr.hf` layout), whole blocks at a time, with RoPE cos/sin
-computed once by the caller for the whole restore. :func:`rebuild_kv` is the older entry point
+:class:`~bsr.PagedKVCache` (the :mod:`bsr.hf` layout), whole blocks at a time, with the RoPE
+table computed once by the caller for the whole restore. :func:`rebuild_kv` is the older entry point
 that returns a ``DynamicCache``.
 """
 
@@ -22,7 +22,7 @@ import torch
 from .._errors import ConfigError, LayoutError
 from ..core._layout import StateGroup, StateLayout, _dtype_name
 from ..transfer._cache import PagedKVCache
-from ._arch import ModelAdapter, check_config
+from ._arch import ModelAdapter, RopeTable, check_config
 
 if TYPE_CHECKING:
     from transformers import DynamicCache
@@ -159,32 +159,39 @@ def rebuild_rows(
     dst: PagedKVCache,
     ids: torch.Tensor,
     num_tokens: int,
-    rope: tuple[torch.Tensor, torch.Tensor],
+    rope: RopeTable,
     *,
     dst_group: str = "kv",
-    piece_tokens: int = 2048,
+    piece_tokens: int = 512,
 ) -> None:
     """Project the hidden states of ``group`` (model layers ``layers``) into ``dst``'s K/V rows.
 
-    Works on whole blocks: ``index_select`` the hidden rows of up to ``piece_tokens`` tokens, one
-    GEMM into a reusable buffer, key norm and RoPE in place, ``index_copy_`` into the layer's
-    K/V blocks; a trailing partial block is written row by row. ``src`` may alias ``dst`` (the
-    hidden rows of layer ``i`` living in the first bytes of layer ``i``'s K/V rows): each piece is
-    read into a private buffer before its K/V are written.
+    Works on whole blocks: gather the hidden rows of up to ``piece_tokens`` tokens,
+    :meth:`ModelAdapter.project_parts` (GEMMs into reusable buffers, RoPE as one complex multiply
+    with the norm's row scale folded in), then scatter K (undoing the pair
+    interleave on the way) and V into the layer's blocks; a trailing partial block is written
+    row by row. ``src`` may alias ``dst`` (the hidden rows of layer ``i`` living in the first
+    bytes of layer ``i``'s K/V rows): each piece is read into a private buffer before its K/V
+    are written, and pieces never share blocks.
 
     Args:
-        rope: ``(cos, sin)`` for positions ``[0, num_tokens)`` from :meth:`ModelAdapter.rope`.
+        rope: from :meth:`ModelAdapter.rope` for positions ``[0, num_tokens)`` (once per restore).
     """
     if num_tokens == 0:
         return
     bt = src.block_tokens
     hid = src.typed(group)
     out = dst.typed(dst_group)
-    cos, sin = rope
+    kd = adapter.shape.kv_dim
     full = num_tokens // bt
     per = max(1, piece_tokens // bt)
     dev = adapter.device
-    buf = torch.empty(min(full, per) * bt or bt, adapter.row_elems, dtype=adapter.dtype, device=dev)
+    m = max(1, min(full, per)) * bt
+    scratch = (
+        torch.empty(m, kd, dtype=adapter.dtype, device=dev),
+        torch.empty(m, kd, dtype=adapter.dtype, device=dev),
+    )
+    nb_all = dst.num_blocks
     with torch.no_grad():
         for j, layer in enumerate(layers):
             src_l, dst_l = hid[j], out[layer]
@@ -192,14 +199,15 @@ def rebuild_rows(
                 b1 = min(full, b0 + per)
                 idx = ids[b0:b1].to(src.device)
                 h = torch.index_select(src_l, 0, idx).view(-1, hid.shape[-1]).to(dev)
-                lo, hi = b0 * bt, b1 * bt
-                rows = adapter.project(layer, h, cos[lo:hi], sin[lo:hi], out=buf[: hi - lo])
-                dst_l.index_copy_(0, idx.to(dst.device), rows.view(b1 - b0, bt, -1).to(dst.device))
+                k, v = adapter.project_parts(layer, h, rope[b0 * bt : b1 * bt], scratch)
+                didx = idx.to(dst.device)
+                kdst = dst_l[..., :kd].view(nb_all, bt, *k.shape[1:])
+                kdst.index_copy_(0, didx, k.reshape(b1 - b0, bt, *k.shape[1:]).to(dst.device))
+                dst_l[..., kd:].index_copy_(0, didx, v.view(b1 - b0, bt, kd).to(dst.device))
             if full * bt < num_tokens:
                 blocks, r = token_rows(src, ids, full * bt, num_tokens)
                 h = src_l[blocks, r].to(dev)
-                lo = full * bt
-                rows = adapter.project(layer, h, cos[lo:num_tokens], sin[lo:num_tokens])
+                rows = adapter.project(layer, h, rope[full * bt : num_tokens])
                 dst_l[blocks.to(dst.device), r.to(dst.device)] = rows.to(dst.device)
 
 
@@ -228,11 +236,11 @@ def rebuild_kv(
     blocks, rows = token_rows(cache, ids, 0, num_tokens)
     typed = cache.typed(HIDDEN_GROUP)
     target = torch.device(device) if device is not None else adapter.device
-    cos, sin = adapter.rope(0, num_tokens)
+    rope = adapter.rope(0, num_tokens)
     with torch.no_grad():
         for i in range(s.num_layers):
             h = typed[i][blocks, rows].to(adapter.device)
-            kv = adapter.project(i, h, cos, sin).view(num_tokens, 2, s.kv_heads, s.head_dim)
+            kv = adapter.project(i, h, rope).view(num_tokens, 2, s.kv_heads, s.head_dim)
             k = kv[:, 0].transpose(0, 1).unsqueeze(0).contiguous().to(target)
             v = kv[:, 1].transpose(0, 1).unsqueeze(0).contiguous().to(target)
             out.update(k, v, i)
