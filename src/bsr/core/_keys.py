@@ -81,7 +81,7 @@ class Namespace:
     def fingerprint(self, layout: StateLayout) -> bytes:
         """16-byte digest of model, rank, salt, layout fingerprint and format version."""
         h = hashlib.blake2b(digest_size=16, person=b"bsr-namespace")
-        model = utf8_name(self.model_id, "Namespace.model_id", error=ConfigError)
+        model = self.model_id.encode()  # checked encodable at construction
         h.update(len(model).to_bytes(4, "little") + model)
         h.update(self.tp_rank.to_bytes(4, "little") + self.tp_size.to_bytes(4, "little"))
         h.update(len(self.salt).to_bytes(4, "little") + self.salt)

@@ -14,12 +14,9 @@ Have = Callable[[int, str], bool]
 
 
 def needed_objects(layout: StateLayout, prefix_chunks: int) -> list[tuple[int, str]]:
-    """Every (chunk, group) a prefix of ``prefix_chunks`` chunks needs, in chunk order."""
-    per_chunk: dict[int, list[str]] = {}
-    for g in layout.groups:
-        for c in layout.needed_chunks(g.name, prefix_chunks):
-            per_chunk.setdefault(c, []).append(g.name)
-    return [(c, name) for c in sorted(per_chunk) for name in per_chunk[c]]
+    """Every (chunk, group) a prefix of ``prefix_chunks`` chunks needs, in chunk order
+    (:meth:`StateLayout.needed_objects`)."""
+    return layout.needed_objects(prefix_chunks)
 
 
 def groups_by_chunk(layout: StateLayout, prefix_chunks: int) -> dict[int, tuple[str, ...]]:
