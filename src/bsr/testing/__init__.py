@@ -1,6 +1,11 @@
 """bsr's public test kit: run it against your own tiers and setups.
 
-- :class:`TierConformance`: generic pytest suite every tier implementation must pass.
+- :class:`TierConformance`: generic pytest suite every tier implementation must pass, with a
+  hostile-store section for tiers that keep files (:func:`tmpfs_mount`,
+  :func:`remount_read_only` and :func:`fifo_unblocker` are its helpers).
+- Storage hooks that bypass the tier under test: :func:`corrupt_stored`,
+  :func:`truncate_stored`, :func:`peek_stored`, :func:`put_raw_stored` (HostTier, FileTier,
+  MooncakeTier and wrappers around them; :func:`storage_tier` peels the wrappers).
 - :class:`FaultyTier` / :class:`FaultPlan` / :class:`Fault` / :class:`FaultKind`: seeded,
   replayable fault injection around any tier.
 - :class:`LatencyTier`: latency and bandwidth shaping around any tier.
