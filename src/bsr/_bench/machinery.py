@@ -244,7 +244,8 @@ async def measure_concurrency(
 def measure_keys(tokens: int, repeats: int, chunk_tokens: int = 256) -> dict[str, Any]:
     """The ``keys`` section: :func:`bsr.prepare_tokens` (conversion + chained keys) on a list,
     a numpy array and a torch tensor of ``tokens`` random ids, medians over ``repeats``."""
-    ns = bsr.Namespace("bsr-bench/keys").fingerprint(_layout(chunk_tokens * 16))
+    layout = bsr.StateLayout(chunk_tokens, (bsr.StateGroup("kv", 1, 16, dtype="uint8"),))
+    ns = bsr.Namespace("bsr-bench/keys").fingerprint(layout)
     ids = np.random.default_rng(0).integers(0, 128_000, size=tokens, dtype=np.int64)
     forms: dict[str, Any] = {"list": ids.tolist(), "numpy": ids, "torch": torch.from_numpy(ids)}
     out: dict[str, Any] = {"tokens": tokens, "chunk_tokens": chunk_tokens, "repeats": repeats}
