@@ -416,6 +416,7 @@ def calibrate(
     tokens: int = 512,
     refresh: bool = False,
     read_bytes_per_s: float | None = None,
+    read_mib: int = 64,
 ) -> Rates:
     """Measure (once; cached per model, device and tier name) the rates :func:`plan_layers` needs.
 
@@ -426,6 +427,7 @@ def calibrate(
         tokens: prefix length of the compute measurements.
         refresh: measure again.
         read_bytes_per_s: skip the read measurement and use this bandwidth.
+        read_mib: MiB saved and restored by the read measurement.
     """
     from ._arch import ModelAdapter
 
@@ -434,7 +436,11 @@ def calibrate(
     if not refresh and key in _RATES:
         return _RATES[key]
     proj, rec = measure_compute(model, tokens=tokens)
-    read = read_bytes_per_s if read_bytes_per_s is not None else measure_read(tier_factory)
+    read = (
+        read_bytes_per_s
+        if read_bytes_per_s is not None
+        else measure_read(tier_factory, mib=read_mib)
+    )
     rates = Rates(read, proj, rec, tokens, "measured")
     _RATES[key] = rates
     return rates
