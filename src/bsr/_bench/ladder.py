@@ -15,11 +15,11 @@ server could give to staging), two engines restore it:
   below one slot is a :class:`~bsr.ConfigError` when the engine is built; otherwise the restore
   commits with RWS exactly ``W x slot_bytes``.
 
-The budget is the engine's own ``staging_budget_bytes`` when this bsr has it; otherwise the bench
-applies the same rule itself before calling the engine and labels each outcome
-``budget_enforced_by: "bench-emulation"``. Destinations larger than a quarter of memory are
-file-backed (:class:`~.scale.Destination`) and labelled so. The document (JSON, validated against
-``schema.json``'s ``ladder_document``), a table in the shape of the paper's and a plot are written.
+The budget is the engine's own ``staging_budget_bytes``. Destinations larger than a quarter of
+memory are file-backed (:class:`~.scale.Destination`) and labelled so. With LMCache, its side
+runs first and its stored state is removed before bsr saves its own. The document (JSON,
+validated against ``schema.json``'s ``ladder_document``), a table in the shape of the paper's
+and a plot are written.
 """
 
 from __future__ import annotations
@@ -234,15 +234,9 @@ def bsr_window(budget: int, slot_bytes: int, max_window: int) -> int:
 def _engine(
     state: ChunkedState, window: int, io_depth: int, budget: int, *, prefault: bool
 ) -> RestoreEngine:
-    kwargs: dict[str, Any] = {}
-    if engine_has_budget():
-        kwargs["staging_budget_bytes"] = budget
-    elif window * state.layout.slot_bytes > budget:  # emulation of the engine's check
-        raise ConfigError(
-            f"window {window} x slot_bytes {state.layout.slot_bytes} = "
-            f"{window * state.layout.slot_bytes} B exceeds staging_budget_bytes={budget}; "
-            "lower window or raise the budget",
-            window=window,
+    if not engine_has_budget():
+        raise BenchError(
+            "this bsr's RestoreEngine has no staging_budget_bytes; the ladder needs bsr >= 0.2"
         )
     return RestoreEngine(
         state.layout,
@@ -251,7 +245,7 @@ def _engine(
         io_depth=min(io_depth, window),
         namespace=state.namespace,
         prefault_staging=prefault,
-        **kwargs,
+        staging_budget_bytes=budget,
     )
 
 
@@ -299,7 +293,7 @@ class _Ladder:
         self.state = ChunkedState(
             named, root, max(opts.sizes), seed=opts.seed, direct_io=opts.direct_io
         )
-        self.enforced = "engine" if engine_has_budget() else "bench-emulation"
+        self.enforced = "engine"
         self.points: list[dict[str, Any]] = []
         self.warnings: list[str] = []
         self.verified_full: set[tuple[int, str]] = set()
@@ -342,17 +336,6 @@ class _Ladder:
             "budget": budget,
             "window": None,
         }
-        if plan > budget and self.enforced == "bench-emulation":
-            return _outcome(
-                None,
-                **common,
-                wall=0.0,
-                rss_growth=0,
-                enforced=self.enforced,
-                outcome="invalidated",
-                reason=_budget_reason(),
-                message=f"plan {plan} B > budget {budget} B: refused before allocating",
-            )
         avail = psutil.virtual_memory().available
         if plan <= budget and plan + 3 * GIB > avail:
             return _outcome(
@@ -574,6 +557,106 @@ def ladder_table(doc: dict[str, Any]) -> Any:
     return t
 
 
+def _gib(b: float) -> str:
+    return f"{b / GIB:g} GiB" if b >= GIB // 4 else f"{b / MIB:g} MiB"
+
+
+def ladder_markdown(doc: dict[str, Any]) -> str:
+    """The paper-shaped table and the full state x budget grid, as Markdown (README)."""
+    paper = {s["tokens"]: s for s in PAPER["states"]}
+    lm = any(p["strategy"] == "lmcache" for p in doc["points"])
+    head = ["tokens", "state", "whole-plan (bsr): first full reuse at"]
+    head += ["LMCache 0.5.6: first full reuse at"] if lm else []
+    head += ["paper: LMCache", "BSR: first full reuse at", "BSR RWS", "paper: BSR RWS"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in doc["summary"]["states"]:
+        p = paper.get(row["tokens"])
+
+        def first(strat: str, row: dict[str, Any] = row) -> str:
+            d = row.get(strat)
+            if not d:
+                return "-"
+            b = d["first_full_reuse_budget_bytes"]
+            if b is None:
+                tried = [
+                    x
+                    for x in doc["points"]
+                    if x["tokens"] == row["tokens"] and x["strategy"] == strat
+                ]
+                why = sorted(
+                    {x["reason"] or x["outcome"] for x in tried if x["outcome"] != "committed"}
+                )
+                return "none (" + ", ".join(w[:40] for w in why) + ")"
+            return _gib(b)
+
+        ok = [
+            x
+            for x in doc["points"]
+            if x["tokens"] == row["tokens"]
+            and x["strategy"] == "bsr"
+            and x["outcome"] == "committed"
+        ]
+        w_max = max((x["window"] for x in ok), default=0)
+        top = max((x["rws_peak_bytes"] for x in ok if x["window"] == w_max), default=0)
+        rws = f"{top / MIB:.2f} MiB (W={w_max})" if ok else "-"
+        lmc = p["lmcache_first_success_gib"] if p else None
+        cells = [str(row["tokens"]), f"{row['state_bytes'] / GIB:.3f} GiB", first("whole_plan")]
+        cells += [first("lmcache")] if lm else []
+        cells += [
+            "-" if p is None else ("BSR only" if lmc is None else f"{lmc} GiB"),
+            first("bsr"),
+            rws,
+            f"{PAPER['bsr_rws_bytes'] / MIB:.2f} MiB (W=32)" if p else "-",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    budgets = sorted({p["budget_bytes"] for p in doc["points"]})
+    grid = [
+        "",
+        "| tokens \\ budget | " + " | ".join(_gib(b) for b in budgets) + " |",
+        "|---|" + "---|" * len(budgets),
+    ]
+    mark = {
+        "committed": "ok",
+        "invalidated": "inv",
+        "config_error": "cfg",
+        "skipped": "skip",
+        "failed": "FAIL",
+        "partial": "part",
+    }
+    strategies = [
+        s
+        for s in ("whole_plan", "lmcache", "bsr")
+        if any(p["strategy"] == s for p in doc["points"])
+    ]
+    short = {"whole_plan": "WP", "lmcache": "LMC", "bsr": "BSR"}
+    for tokens in sorted({p["tokens"] for p in doc["points"]}):
+        cells = []
+        for b in budgets:
+            parts = []
+            for strat in strategies:
+                pt = next(
+                    (
+                        p
+                        for p in doc["points"]
+                        if p["tokens"] == tokens
+                        and p["budget_bytes"] == b
+                        and p["strategy"] == strat
+                    ),
+                    None,
+                )
+                if pt is None:
+                    continue
+                tag = mark.get(pt["outcome"], pt["outcome"])
+                if strat == "bsr" and pt["outcome"] == "committed":
+                    tag += f" W={pt['window']}"
+                if pt["ttft_s"] and pt["outcome"] == "committed":
+                    tag += f" {pt['ttft_s']:.1f}s"
+                parts.append(f"{short[strat]} {tag}")
+            cells.append("<br>".join(parts))
+        grid.append(f"| {tokens} | " + " | ".join(cells) + " |")
+    return "\n".join(lines + grid) + "\n"
+
+
 def ladder_plot(doc: dict[str, Any], directory: Path) -> list[str]:
     """l1_ladder.png: staging used per state and budget; failures marked at the budget."""
     import matplotlib
@@ -678,12 +761,14 @@ def run_ladder(opts: LadderOptions, console: Any = None) -> dict[str, Any]:
     lad = _Ladder(opts, named, root, lambda m: console.print(m, highlight=False))
     lm_doc: dict[str, Any] | None = None
     try:
-        extra = anyio.run(lad.run)
         from .lmcache_baseline import run_lmcache_ladder
 
+        # LMCache first: its stored state is removed before bsr saves its own, so the disk never
+        # holds both (at 524,288 tokens bsr's state and its file-backed destination take 63 GiB)
         lm_doc = run_lmcache_ladder(opts, named, lad.state.max_tokens, root, console)
-        if lm_doc.get("points"):
-            lad.points.extend(lm_doc.pop("points"))
+        lm_points = lm_doc.pop("points", [])
+        extra = anyio.run(lad.run)
+        lad.points.extend(lm_points)
         fs = filesystem_info(root)
     finally:
         if not opts.keep:

@@ -106,27 +106,69 @@ def run_lmcache_ladder(
     points: list[dict[str, Any]] = []
     warnings: list[str] = []
     chunk_bytes = layers * per_layer * ct
+
+    def skipped(n: int, b: int, reason: str, message: str) -> dict[str, Any]:
+        return {
+            "tokens": n,
+            "budget_bytes": b,
+            "strategy": "lmcache",
+            "window": None,
+            "outcome": "skipped",
+            "reason": reason,
+            "committed_tokens": 0,
+            "rws_peak_bytes": 0,
+            "ttft_s": None,
+            "rss_growth_bytes": None,
+            "budget_enforced_by": "lmcache",
+            "verified": None,
+            "message": message,
+        }
+
+    # a plan larger than every L1 of the run cannot be retrieved whole (what LMCache does when a
+    # plan does not fit is measured at the sizes that fit one budget but not another)
+    too_big = [n for n in sizes if n // ct * chunk_bytes > max(opts.budgets)]
+    sizes = [n for n in sizes if n not in too_big]
+    for n in too_big:
+        points.extend(
+            skipped(
+                n,
+                b,
+                "plan_exceeds_every_l1",
+                f"the plan ({n // ct * chunk_bytes / GIB:.3f} GiB) exceeds the largest L1 "
+                "budget of the run; not stored into LMCache",
+            )
+            for b in sorted(opts.budgets)
+        )
+    if not sizes:
+        return {
+            "status": "skipped",
+            "message": "every size exceeds every L1 budget",
+            "version": version,
+            "points": points,
+            "warnings": warnings,
+        }
+    disk_need = max(sizes) // ct * chunk_bytes * 1.05
+    if disk_need > shutil.disk_usage(root).free:
+        msg = f"LMCache's local disk needs {disk_need / GIB:.1f} GiB, {root} has less; " + STAND_IN
+        return {
+            "status": "skipped",
+            "message": msg,
+            "version": version,
+            "points": points,
+            "warnings": [msg],
+        }
     remaining = []
     for b in sorted(opts.budgets):
         avail = psutil.virtual_memory().available
         if b + 3 * GIB > avail:
             points.extend(
-                {
-                    "tokens": n,
-                    "budget_bytes": b,
-                    "strategy": "lmcache",
-                    "window": None,
-                    "outcome": "skipped",
-                    "reason": "host_memory",
-                    "committed_tokens": 0,
-                    "rws_peak_bytes": 0,
-                    "ttft_s": None,
-                    "rss_growth_bytes": None,
-                    "budget_enforced_by": "lmcache",
-                    "verified": None,
-                    "message": f"an L1 of {b / GIB:g} GiB does not fit this host's available "
-                    f"memory ({avail / GIB:.1f} GiB); not tried",
-                }
+                skipped(
+                    n,
+                    b,
+                    "host_memory",
+                    f"an L1 of {b / GIB:g} GiB does not fit this host's available memory "
+                    f"({avail / GIB:.1f} GiB); not tried",
+                )
                 for n in sizes
             )
         else:
