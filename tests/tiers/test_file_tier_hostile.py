@@ -277,7 +277,10 @@ def test_failed_renames_leave_no_temp_files(tmp_path: Path) -> None:
     anyio.run(main)
 
 
-def test_cancelled_save_leaves_no_temp_file_and_no_reservation(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_cancelled_save_leaves_no_temp_file_and_no_reservation(
+    tmp_path: Path, backend: str
+) -> None:
     keys = make_keys(8)
 
     async def main() -> None:
@@ -293,7 +296,7 @@ def test_cancelled_save_leaves_no_temp_file_and_no_reservation(tmp_path: Path) -
             assert s.objects == len(list((tmp_path / OBJECTS_DIR).rglob("*.bsr")))
             assert t._index.reserved_bytes == 0
 
-    anyio.run(main)
+    anyio.run(main, backend=backend)
 
 
 # ---------------------------------------------------------------------- 8: capacity
@@ -355,7 +358,8 @@ def test_reopen_with_a_smaller_capacity_trims_lru_first(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------- 1 and 9: FIFOs, links
-def test_fifo_and_symlink_to_fifo_after_open_never_block(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_fifo_and_symlink_to_fifo_after_open_never_block(tmp_path: Path, backend: str) -> None:
     keys = make_keys(2)
 
     async def main() -> None:
@@ -377,7 +381,7 @@ def test_fifo_and_symlink_to_fifo_after_open_never_block(tmp_path: Path) -> None
             assert p0.is_fifo() and p1.is_symlink()  # not bsr's: neither moved nor deleted
             assert list((tmp_path / QUARANTINE_DIR).iterdir()) == []
 
-    anyio.run(main)
+    anyio.run(main, backend=backend)
 
 
 def test_symlinked_object_is_junk_and_never_read(tmp_path: Path) -> None:
@@ -447,7 +451,8 @@ class BlockingReader(PosixReader):
         return super().read_fd(fd, header, payload)
 
 
-def test_stuck_read_is_abandoned_counted_and_bounded(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_stuck_read_is_abandoned_counted_and_bounded(tmp_path: Path, backend: str) -> None:
     keys = make_keys(2)
     reader = BlockingReader()
 
@@ -471,7 +476,7 @@ def test_stuck_read_is_abandoned_counted_and_bounded(tmp_path: Path) -> None:
             await t.read_into(keys[1], "kv", d)
             assert np.array_equal(d, payload(1))
 
-    anyio.run(main)
+    anyio.run(main, backend=backend)
 
 
 # ---------------------------------------------------------------------- 10: permission errors

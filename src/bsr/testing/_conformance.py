@@ -1,8 +1,9 @@
 """A generic conformance suite every Tier implementation must pass.
 
 Subclass :class:`TierConformance` in a pytest module and implement :meth:`make_tier`; pytest
-collects the inherited ``test_*`` methods. Each test runs its body with ``anyio.run`` (asyncio
-backend), so no async pytest plugin is needed.
+collects the inherited ``test_*`` methods. Each test runs its body with ``anyio.run`` on the
+backend named by ``backend`` (asyncio by default; subclass with ``backend = "trio"`` to run the
+same suite on trio), so no async pytest plugin is needed.
 
 Seed and damage hooks (:meth:`~TierConformance.corrupt_object`,
 :meth:`~TierConformance.truncate_object`, :meth:`~TierConformance.put_raw`) reach behind the tier
@@ -98,6 +99,8 @@ class TierConformance:
     capacity_bytes: int = 64 * 1024 * 1024
     #: whether the tier enforces capacity_bytes by LRU eviction
     supports_capacity: bool = True
+    #: the anyio backend each test body runs on ("asyncio" or "trio")
+    backend: str = "asyncio"
 
     async def make_tier(self, tmp_path: Path, capacity_bytes: int) -> Tier:
         """Return a new, unopened tier storing under ``tmp_path``."""
@@ -146,7 +149,7 @@ class TierConformance:
             async with tier:
                 await body(tier)
 
-        anyio.run(main)
+        anyio.run(main, backend=self.backend)
 
     # ------------------------------------------------------------------ tests
     def test_round_trip_is_exact(self, tmp_path: Path) -> None:
@@ -379,7 +382,7 @@ class TierConformance:
             with pytest.raises(ClosedError):
                 await tier.contains_many([ObjectKey(k, "kv")])
 
-        anyio.run(main)
+        anyio.run(main, backend=self.backend)
 
     def test_reopen_keeps_objects(self, tmp_path: Path) -> None:
         keys = make_keys(3)
@@ -399,7 +402,7 @@ class TierConformance:
                     await again.read_into(k, "kv", dst)
                     assert np.array_equal(dst, payload(i))
 
-        anyio.run(main)
+        anyio.run(main, backend=self.backend)
 
     # ------------------------------------------------------------------ seeded damage
     def test_raw_seeded_damage_is_an_object_error(self, tmp_path: Path) -> None:
@@ -547,7 +550,7 @@ class TierConformance:
                 async with again:
                     assert again.statistics().bytes <= capacity
 
-        anyio.run(main)
+        anyio.run(main, backend=self.backend)
 
     # ------------------------------------------------------------------ hostile store
     def _hostile_file(self, tier: Tier, key: ChunkKey, group: str = "kv") -> Path:
@@ -591,7 +594,7 @@ class TierConformance:
                 assert np.array_equal(dst, payload(2))
             assert fifo.is_fifo() and link.is_symlink()  # not ours: left where they are
 
-        anyio.run(main)
+        anyio.run(main, backend=self.backend)
 
     def test_hostile_symlink_out_of_the_store_is_never_followed(self, tmp_path: Path) -> None:
         keys = make_keys(2)
@@ -627,7 +630,7 @@ class TierConformance:
             assert (outside / "copy").read_bytes() == original
             assert _lexists(path)  # the link is not the tier's to delete
 
-        anyio.run(main)
+        anyio.run(main, backend=self.backend)
 
     def test_hostile_directory_in_place_of_object(self, tmp_path: Path) -> None:
         keys = make_keys(2)
@@ -652,7 +655,7 @@ class TierConformance:
                     assert np.array_equal(dst, payload(1))
             assert (path / "keep.txt").read_bytes() == b"not bsr's"
 
-        anyio.run(main)
+        anyio.run(main, backend=self.backend)
 
     def test_hostile_junk_entries_are_left_alone(self, tmp_path: Path) -> None:
         keys = make_keys(3)
@@ -681,7 +684,7 @@ class TierConformance:
                 if content is not None:
                     assert path.read_bytes() == content, f"the tier changed {path}"
 
-        anyio.run(main)
+        anyio.run(main, backend=self.backend)
 
     def test_hostile_permission_denied_is_an_io_error(self, tmp_path: Path) -> None:
         keys = make_keys(2)
@@ -708,7 +711,7 @@ class TierConformance:
                     path.chmod(0o644)
                 assert path.read_bytes() == before  # intact and in place: never quarantined
 
-        anyio.run(main)
+        anyio.run(main, backend=self.backend)
 
     def test_hostile_disk_full_is_typed_and_leaks_nothing(self, tmp_path: Path) -> None:
         if not self.hostile_store:
@@ -745,7 +748,7 @@ class TierConformance:
                     for i in stored:  # the failed writes leaked no space
                         assert await tier.write(keys[i], "kv", payload(i)) is True
 
-            anyio.run(main)
+            anyio.run(main, backend=self.backend)
 
     def test_hostile_read_only_filesystem(self, tmp_path: Path) -> None:
         if not self.hostile_store:
@@ -770,7 +773,7 @@ class TierConformance:
                     with pytest.raises(TierError):
                         await again.write(keys[2], "kv", payload(2))
 
-            anyio.run(main)
+            anyio.run(main, backend=self.backend)
 
 
 async def _read_fails_promptly(tier: Tier, key: ChunkKey, pipe: Path) -> None:
