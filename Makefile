@@ -7,7 +7,10 @@ BIN := $(VENV)/bin
 TORCH_CPU ?= torch==2.13.0
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup system-deps bench-deps test lint-imports bench lint typecheck clean
+VLLM_VENV ?= .venv-vllm
+LMCACHE_VENV ?= .venv-lmcache
+
+.PHONY: setup system-deps bench-deps test test-vllm lmcache-venv lint-imports bench lint typecheck clean
 
 setup: $(VENV)/.bsr-installed
 
@@ -35,6 +38,32 @@ bench-deps:
 
 test: setup system-deps lint-imports
 	$(BIN)/python -m pytest -q
+	$(MAKE) test-vllm
+
+# vLLM's CPU build in its own environment (its dependency stack is large and pins its own
+# transformers); torch is pinned first so pip never pulls a CUDA build. vLLM's torchvision,
+# torchaudio and torchcodec wheels do not match torch 2.13.0 and break `import transformers`.
+$(VLLM_VENV)/.bsr-installed: pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q "$(TORCH_CPU)"
+	$(VLLM_VENV)/bin/python -m pip install -q "$(TORCH_CPU)" -e ".[vllm,test]"
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+# the vLLM connector tests, each engine in its own process
+test-vllm: $(VLLM_VENV)/.bsr-installed
+	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm
+
+# LMCache 0.5.6 for `bsr bench --l1-ladder --lmcache` (its own environment; the CPU torch first
+# so pip never pulls a CUDA build). Optional: without it the ladder says so and skips LMCache.
+lmcache-venv: $(LMCACHE_VENV)/.bsr-installed
+
+$(LMCACHE_VENV)/.bsr-installed:
+	test -x $(LMCACHE_VENV)/bin/python || $(PY) -m venv $(LMCACHE_VENV)
+	$(LMCACHE_VENV)/bin/python -m pip install -q "$(TORCH_CPU)"
+	$(LMCACHE_VENV)/bin/python -m pip install -q lmcache==0.5.6 "$(TORCH_CPU)"
+	touch $@
 
 # the layering contracts in pyproject.toml ([tool.importlinter])
 lint-imports: setup
@@ -51,4 +80,4 @@ typecheck:
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

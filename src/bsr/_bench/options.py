@@ -183,6 +183,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from .ladder import add_ladder_arguments  # paper scale: --l1-ladder, --tp
 
     add_ladder_arguments(p)
+    from .vllm_ttft import add_vllm_arguments  # --engine vllm
+
+    add_vllm_arguments(p)
 
 
 def resolve(ns: argparse.Namespace) -> BenchOptions:

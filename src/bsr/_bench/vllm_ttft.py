@@ -1,0 +1,319 @@
+"""``bsr bench --engine vllm``: time to first token in vLLM's CPU engine, recompute vs bsr restore.
+
+Where it runs: the bench process only orchestrates; every vLLM engine runs in a child process
+(``python -m bsr._bench.vllm_ttft child spec.json out.json``) of an interpreter that has vLLM
+(``--vllm-python``, default ``.venv-vllm/bin/python`` when it exists, else this one), because
+vLLM spawns workers and pins its own dependency stack.
+
+How it works: a random-weight Llama (a ``config.json`` only, ``load_format="dummy"``, large enough
+that prefill costs real time on CPU) is served three ways, one engine each, with vLLM's own
+prefix cache off so that every request either recomputes or goes through the connector:
+
+* **recompute**: no connector; every prompt ``prefix + fresh suffix`` is prefilled in full;
+* **bsr**: :class:`bsr.vllm.BsrConnector` over a FileTier; one request per prefix length stores
+  the prefix (the save runs after the request; the bench waits until its objects are on disk),
+  then each timed request restores the prefix's full chunks and prefills only the suffix;
+* **offloading**: vLLM's ``OffloadingConnector`` (CPU offload). On the CPU build it refuses to
+  start; the bench records the exact error instead of a figure.
+
+A sample is the wall time of ``LLM.generate`` for one prompt with ``max_tokens=1`` (the TTFT of an
+idle engine). The JSON has every sample with min/median/max, ratios of medians against recompute
+measured in the same run, the prefix cache hit vLLM reported (``num_cached_tokens``), machine and
+commit. The FileTier's files were just written, so restores read from the page cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from .stats import BenchError, Dist, ratio
+
+#: The bench model: GQA Llama, head_dim 64 (CPU attention kernels need >= 32).
+MODEL: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 512,
+    "intermediate_size": 1408,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "vocab_size": 4096,
+    "max_position_embeddings": 16384,
+    "rms_norm_eps": 1e-5,
+    "torch_dtype": "bfloat16",
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+DEFAULT_PREFIXES = (1024, 2048, 4096, 8192)
+SUFFIX_TOKENS = 32
+BLOCK_SIZE = 128
+CHUNK_TOKENS = 256
+MODES = ("recompute", "bsr", "offloading")
+
+
+def add_vllm_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``--engine vllm`` flags (called from :func:`.options.add_arguments`)."""
+    g = p.add_argument_group("vLLM TTFT (--engine vllm)")
+    g.add_argument(
+        "--engine",
+        choices=("bsr", "vllm"),
+        default="bsr",
+        help="bsr: the default restore bench; vllm: TTFT inside vLLM's CPU engine, recompute vs "
+        "bsr restore vs vLLM's offloading connector (needs vLLM, e.g. make .venv-vllm)",
+    )
+    g.add_argument(
+        "--vllm-prefixes",
+        default=None,
+        help="reusable prefix lengths in tokens (default 1024,2048,4096,8192)",
+    )
+    g.add_argument("--vllm-repeats", type=int, default=None, help="timed requests per prefix")
+    g.add_argument(
+        "--vllm-python",
+        default=None,
+        help="interpreter with vLLM installed (default .venv-vllm/bin/python if present)",
+    )
+
+
+def _python(given: str | None) -> str:
+    if given:
+        return given
+    local = Path(".venv-vllm/bin/python")
+    return str(local.resolve()) if local.exists() else sys.executable
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, MODEL["vocab_size"] - 1) for _ in range(n)]
+
+
+# --------------------------------------------------------------------------- child side
+def _objects(root: str) -> int:
+    return sum(1 for _ in (Path(root) / "objects").glob("**/*.bsr"))
+
+
+def child(spec_path: str, out_path: str) -> None:
+    """One engine: time ``prefix + suffix`` requests for every prefix length (child process)."""
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    spec = json.loads(Path(spec_path).read_text())
+    mode = spec["mode"]
+    kw: dict[str, Any] = {}
+    if mode == "bsr":
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="BsrConnector",
+            kv_connector_module_path="bsr.vllm",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config={
+                "bsr": {
+                    "tiers": [{"kind": "file", "path": spec["store"], "capacity_bytes": 8 << 30}],
+                    "chunk_tokens": CHUNK_TOKENS,
+                    "window": 8,
+                    "io_depth": 4,
+                }
+            },
+        )
+    elif mode == "offloading":
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="OffloadingConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"cpu_bytes_to_use": 1 << 30},
+        )
+    result: dict[str, Any] = {"mode": mode, "points": []}
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=spec["model"],
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype="bfloat16",
+        block_size=BLOCK_SIZE,
+        max_model_len=max(spec["prefixes"]) + 2 * SUFFIX_TOKENS,
+        kv_cache_memory_bytes=1 << 30,
+        enable_prefix_caching=False,
+        seed=0,
+        **kw,
+    )
+    result["start_s"] = time.perf_counter() - t0
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
+    for n in spec["prefixes"]:
+        prefix = _tokens(n, spec["seed"] + n)
+
+        def ask(i: int, prefix: list[int] = prefix) -> tuple[float, int]:
+            prompt = prefix + _tokens(SUFFIX_TOKENS, spec["seed"] * 7919 + i)
+            t = time.perf_counter()
+            (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+            return time.perf_counter() - t, int(out.num_cached_tokens or 0)
+
+        ask(-1)  # warm-up; with bsr also stores the prefix (saved after the request ends)
+        if mode == "bsr":
+            want = n // CHUNK_TOKENS
+            deadline = time.monotonic() + 120
+            while _objects(spec["store"]) < want and time.monotonic() < deadline:
+                time.sleep(0.05)
+        samples, cached = [], []
+        for r in range(spec["repeats"]):
+            s, c = ask(r)
+            samples.append(s)
+            cached.append(c)
+        result["points"].append({"prefix_tokens": n, "ttft_s": samples, "cached_tokens": cached})
+    Path(out_path).write_text(json.dumps(result))
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    finally:
+        sys.stdout.flush()
+        os._exit(0)
+
+
+# --------------------------------------------------------------------------- bench side
+def _root_cause(stderr: str) -> str:
+    """The most specific error line of a failed engine start."""
+    lines = [ln.split("] ", 1)[-1].strip() for ln in stderr.splitlines()]
+    for needle in ("only supported on", "Error:", "error:"):
+        hits = [ln for ln in lines if needle in ln and "Engine core initialization" not in ln]
+        if hits:
+            return hits[0][:500]
+    return (lines[-1] if lines else "no output")[:500]
+
+
+def _run_child(python: str, spec: dict[str, Any], work: Path, timeout_s: float) -> dict[str, Any]:
+    name = spec["mode"]
+    (work / f"{name}.json").write_text(json.dumps(spec))
+    out = work / f"{name}.out.json"
+    proc = subprocess.run(
+        [python, "-m", "bsr._bench.vllm_ttft", "child", str(work / f"{name}.json"), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    if out.exists():
+        return dict(json.loads(out.read_text()))
+    return {"mode": name, "error": _root_cause(proc.stderr), "returncode": proc.returncode}
+
+
+def run_vllm_from_namespace(ns: argparse.Namespace) -> int:
+    """Entry point of ``bsr bench --engine vllm``."""
+    try:
+        doc = run_vllm(ns)
+    except BenchError as exc:
+        print(f"bsr bench: error: {exc}", file=sys.stderr)
+        return 2
+    _print_table(doc)
+    return 0
+
+
+def run_vllm(ns: argparse.Namespace) -> dict[str, Any]:
+    from .machine import commit_info, machine_info
+
+    quick = bool(getattr(ns, "quick", False))
+    prefixes = (
+        tuple(int(x) for x in ns.vllm_prefixes.split(","))
+        if getattr(ns, "vllm_prefixes", None)
+        else ((1024, 2048) if quick else DEFAULT_PREFIXES)
+    )
+    if any(n < CHUNK_TOKENS or n % CHUNK_TOKENS for n in prefixes):
+        raise BenchError(f"--vllm-prefixes must be multiples of {CHUNK_TOKENS}, got {prefixes}")
+    repeats = getattr(ns, "vllm_repeats", None) or (2 if quick else 3)
+    if repeats < 1:
+        raise BenchError("--vllm-repeats must be >= 1")
+    python = _python(getattr(ns, "vllm_python", None))
+    check = subprocess.run(
+        [python, "-c", "import vllm, bsr; print(vllm.__version__)"], capture_output=True, text=True
+    )
+    if check.returncode != 0:
+        raise BenchError(
+            f"{python} cannot import vllm and bsr; build the vLLM environment (make .venv-vllm) "
+            "or pass --vllm-python"
+        )
+    seed = int(getattr(ns, "seed", 0) or 0)
+    work = Path(tempfile.mkdtemp(prefix="bsr-vllm-bench-"))
+    t_start = time.perf_counter()
+    try:
+        (work / "model").mkdir()
+        (work / "model" / "config.json").write_text(json.dumps(MODEL))
+        base = {
+            "model": str(work / "model"),
+            "prefixes": list(prefixes),
+            "repeats": repeats,
+            "seed": seed,
+            "store": str(work / "store"),
+        }
+        runs = {m: _run_child(python, {**base, "mode": m}, work, 1800) for m in MODES}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    for m in ("recompute", "bsr"):
+        if "error" in runs[m]:
+            raise BenchError(f"the {m} engine failed: {runs[m]['error']}")
+    points = []
+    for rec, res in zip(runs["recompute"]["points"], runs["bsr"]["points"]):
+        d_rec, d_bsr = Dist.of(rec["ttft_s"]), Dist.of(res["ttft_s"])
+        points.append(
+            {
+                "prefix_tokens": rec["prefix_tokens"],
+                "recompute_ttft_s": d_rec.to_dict(),
+                "bsr_ttft_s": d_bsr.to_dict(),
+                "speedup_vs_recompute": ratio(d_rec.median, d_bsr.median, "recompute/bsr"),
+                "bsr_cached_tokens": res["cached_tokens"],
+                "recompute_cached_tokens": rec["cached_tokens"],
+            }
+        )
+    off = runs["offloading"]
+    doc = {
+        "kind": "vllm_ttft",
+        "vllm": check.stdout.strip(),
+        "model": MODEL,
+        "block_size": BLOCK_SIZE,
+        "chunk_tokens": CHUNK_TOKENS,
+        "suffix_tokens": SUFFIX_TOKENS,
+        "repeats": repeats,
+        "seed": seed,
+        "tier": "file (page cache warm: written by the store request)",
+        "points": points,
+        "offloading_connector": (
+            {"ran": False, "error": off["error"]} if "error" in off else {"ran": True, **off}
+        ),
+        "engine_start_s": {m: runs[m].get("start_s") for m in MODES},
+        "machine": machine_info(),
+        "commit": commit_info(),
+        "duration_s": time.perf_counter() - t_start,
+    }
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    path = Path(getattr(ns, "json", None) or f"bench/results/vllm-ttft-{stamp}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=2))
+    doc["json_path"] = str(path)
+    return doc
+
+
+def _print_table(doc: dict[str, Any]) -> None:
+    print(f"vLLM {doc['vllm']} CPU, TTFT (median of {doc['repeats']}, s); model: random Llama")
+    print(f"{'prefix':>8} {'recompute':>10} {'bsr':>8} {'speedup':>8} {'bsr hit':>8}")
+    for p in doc["points"]:
+        hit = min(p["bsr_cached_tokens"])
+        print(
+            f"{p['prefix_tokens']:>8} {p['recompute_ttft_s']['median']:>10.3f} "
+            f"{p['bsr_ttft_s']['median']:>8.3f} {p['speedup_vs_recompute']:>7.1f}x {hit:>8}"
+        )
+    off = doc["offloading_connector"]
+    print("vLLM OffloadingConnector:", "ran" if off["ran"] else f"did not start: {off['error']}")
+    print(f"JSON: {doc['json_path']}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "child":
+        child(sys.argv[2], sys.argv[3])
+    else:
+        raise SystemExit("usage: python -m bsr._bench.vllm_ttft child SPEC OUT")

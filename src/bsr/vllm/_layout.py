@@ -1,0 +1,168 @@
+"""bsr's view of vLLM's KV cache tensors: a StateLayout and a no-copy PagedKVCache.
+
+Where it runs: vLLM's worker process, once, in ``register_kv_caches``; pure torch, no vLLM import.
+
+How it works: vLLM hands over one tensor per attention layer, laid out as its attention backend
+chose (the CPU backend here: ``[num_blocks, 2, block_size, kv_heads * head_dim]``; FlashAttention
+style backends put K and V apart, ``[2, num_blocks, block_size, kv_heads, head_dim]``, and a
+backend's stride order may permute the logical dimensions). bsr moves whole blocks as opaque
+bytes, so all it needs is, per layer, *parts* whose bytes per block are contiguous. The tensor's
+dimensions are put in memory order (largest stride first), the block dimension (the one of size
+``num_blocks``) is found, every outer dimension before it is split off (K and V halves become two
+parts) and each part is checked to hold its block's bytes contiguously. Every part of every layer
+of one vLLM KV cache group is one "layer" of a bsr :class:`~bsr.StateGroup`, so the group's
+``num_layers`` is ``layers x parts``. The layout fingerprint covers all of it: a different
+backend layout is a miss, never a wrong read.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from bsr import LayoutError, PagedKVCache, StateGroup, StateLayout
+
+_DTYPE_NAMES = {
+    torch.uint8: "uint8",
+    torch.int8: "int8",
+    torch.float8_e4m3fn: "float8_e4m3fn",
+    torch.float8_e5m2: "float8_e5m2",
+    torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
+    torch.float32: "float32",
+}
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """One vLLM KV cache group as bsr sees it.
+
+    Attributes:
+        name: the bsr group name.
+        layer_names: vLLM layer names in this group, in model order.
+        window_tokens: sliding-window length (``None``: full attention).
+    """
+
+    name: str
+    layer_names: tuple[str, ...]
+    window_tokens: int | None = None
+
+
+def layer_order(name: str) -> tuple[int, ...]:
+    """Sort key: the integers in a layer name (``model.layers.10.self_attn.attn`` -> (10,))."""
+    return tuple(int(n) for n in re.findall(r"\d+", name))
+
+
+def block_parts(t: torch.Tensor, num_blocks: int, what: str) -> list[torch.Tensor]:
+    """Split one layer tensor into parts ``[num_blocks, ...]`` with contiguous bytes per block.
+
+    Raises:
+        LayoutError: no dimension of size ``num_blocks``, or a block's bytes are scattered
+            inside a part (a layout bsr cannot move as whole blocks).
+    """
+    if not isinstance(t, torch.Tensor):
+        raise LayoutError(f"KV cache {what} is a {type(t).__name__}, not a torch.Tensor")
+    strides = t.stride()
+    order = sorted(range(t.dim()), key=lambda d: -strides[d])
+    phys = t.permute(order)
+    candidates = [i for i, n in enumerate(phys.shape) if n == num_blocks]
+    if not candidates:
+        raise LayoutError(
+            f"KV cache {what} of shape {tuple(t.shape)} has no dimension of num_blocks="
+            f"{num_blocks}; this attention backend's layout is not supported"
+        )
+    bdim = candidates[0]
+    outer = phys.shape[:bdim]
+    parts = [phys[idx] for idx in itertools.product(*(range(n) for n in outer))] or [phys]
+    for p in parts:
+        if not p[0].is_contiguous():
+            raise LayoutError(
+                f"KV cache {what} (shape {tuple(t.shape)}, strides {t.stride()}) does not keep "
+                "a block's bytes together; this attention backend's layout is not supported"
+            )
+    return parts
+
+
+def derive(
+    kv_caches: Mapping[str, torch.Tensor],
+    groups: Sequence[GroupSpec],
+    *,
+    num_blocks: int,
+    block_tokens: int,
+    chunk_tokens: int,
+) -> tuple[StateLayout, PagedKVCache]:
+    """The bsr layout and a no-copy cache over vLLM's per-layer KV tensors.
+
+    Args:
+        kv_caches: vLLM's ``register_kv_caches`` argument (layer name -> tensor).
+        groups: vLLM's KV cache groups (which layers, sliding window).
+        num_blocks: blocks per layer tensor (vLLM's ``KVCacheConfig.num_blocks``).
+        block_tokens: vLLM's block size.
+        chunk_tokens: bsr's chunk size, a multiple of ``block_tokens``.
+
+    Raises:
+        LayoutError: chunk size not a multiple of the block size, a layer missing, layers of
+            one group that differ in layout, two layers sharing storage, or an unsupported
+            backend layout.
+    """
+    if chunk_tokens % block_tokens:
+        raise LayoutError(
+            f"chunk_tokens={chunk_tokens} is not a multiple of vLLM's block_size={block_tokens}; "
+            f"set chunk_tokens to a multiple of {block_tokens} in the bsr config"
+        )
+    state_groups: list[StateGroup] = []
+    views: dict[str, list[torch.Tensor]] = {}
+    seen: dict[int, str] = {}
+    for spec in groups:
+        parts: list[torch.Tensor] = []
+        signature: tuple[object, ...] | None = None
+        for name in spec.layer_names:
+            t = kv_caches.get(name)
+            if t is None:
+                raise LayoutError(f"vLLM did not register a KV cache for layer {name!r}")
+            if t.data_ptr() in seen:
+                raise LayoutError(
+                    f"layers {seen[t.data_ptr()]!r} and {name!r} share one KV tensor; "
+                    "KV sharing across layers is not supported"
+                )
+            seen[t.data_ptr()] = name
+            ps = block_parts(t, num_blocks, name)
+            sig = (t.dtype, tuple(tuple(p.shape) for p in ps))
+            if signature is None:
+                signature = sig
+            elif sig != signature:
+                raise LayoutError(
+                    f"layer {name!r} is laid out as {sig}, the group's first layer as "
+                    f"{signature}; every layer of a KV cache group must match"
+                )
+            parts.extend(ps)
+        if not parts:
+            raise LayoutError(f"KV cache group {spec.name!r} has no layers")
+        p0 = parts[0]
+        block_bytes = p0[0].numel() * p0.element_size()
+        if block_bytes % block_tokens:
+            raise LayoutError(
+                f"a block of group {spec.name!r} has {block_bytes} bytes, not a multiple of "
+                f"block_size={block_tokens}"
+            )
+        dtype = _DTYPE_NAMES.get(p0.dtype, "uint8")
+        token_bytes = block_bytes // block_tokens
+        if token_bytes % p0.element_size():
+            dtype = "uint8"
+        state_groups.append(
+            StateGroup(
+                spec.name,
+                num_layers=len(parts),
+                token_bytes=token_bytes,
+                window_tokens=spec.window_tokens,
+                dtype=dtype,
+            )
+        )
+        views[spec.name] = parts
+    layout = StateLayout(chunk_tokens=chunk_tokens, groups=tuple(state_groups))
+    cache = PagedKVCache.from_layer_tensors(layout, views, block_tokens)
+    return layout, cache

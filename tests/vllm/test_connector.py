@@ -1,0 +1,197 @@
+"""BsrConnector on vLLM's real CPU engine: same greedy tokens as no connector, whatever the store.
+
+Each engine runs in its own process (``run_engine.py``): a baseline without connector, a store
+run, a restore run in a fresh process, then runs over copies of the store that were damaged,
+evicted behind the running engine's back, or made to hang. Needs vLLM (``make test`` runs this
+file in ``.venv-vllm``); skipped where vLLM is not installed.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# "vllm" alone would find this tests/vllm directory as a namespace package; ask for a submodule
+pytest.importorskip("vllm.distributed.kv_transfer")
+
+HERE = Path(__file__).parent
+CHUNK = 64  # two vLLM blocks of 32 (the CPU backend's smallest block size)
+MODEL = {  # a small random Llama: head_dim 64 (the CPU attention kernels need >= 32)
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 512,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+def write_model(path: Path, seed: int = 0) -> None:
+    """Real random weights written by transformers (vLLM's dummy weights ignore the context)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    LlamaForCausalLM(LlamaConfig(**MODEL)).to(torch.bfloat16).save_pretrained(path)
+
+
+def toks(n: int, seed: int) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(3, 500) for _ in range(n)]
+
+
+SHARED = toks(160, 99)
+BATCH_A = [toks(200, 1), toks(128, 2), toks(40, 3), toks(100, 4)]
+BATCH_B = [SHARED + toks(30, 100 + i) for i in range(12)]  # concurrent, one shared prefix
+# what a restore run should restore: every full chunk, leaving one prompt token to compute
+EXPECTED_A = [192, 64, 0, 64]
+EXPECTED_B = 128  # the full chunks of the shared 160-token prefix
+
+
+def connector(path: Path, **opts: Any) -> dict[str, Any]:
+    return {
+        "bsr": {
+            "tiers": [{"kind": "file", "path": str(path), "capacity_bytes": 1 << 30}],
+            "chunk_tokens": CHUNK,
+            "window": 4,
+            "io_depth": 2,
+            "model_id": "test-llama",  # the same for both weight sets: see the control
+        },
+        "bsr_connector": {"lookup_timeout_s": 5.0, **opts},
+    }
+
+
+def run(tmp: Path, name: str, model: str = "model", **spec: Any) -> dict[str, Any]:
+    spec.setdefault("batches", [BATCH_A, BATCH_B])
+    spec["model"] = str(tmp / model)
+    spec["load_format"] = "auto"
+    (tmp / f"{name}.json").write_text(json.dumps(spec))
+    out = tmp / f"{name}.out.json"
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "run_engine.py"), str(tmp / f"{name}.json"), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    if proc.returncode != 0 or not out.exists():
+        raise AssertionError(f"{name} run failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+    return json.loads(out.read_text())
+
+
+def tokens_of(result: dict[str, Any]) -> list[list[list[int]]]:
+    return [[r["tokens"] for r in b["rows"]] for b in result["batches"]]
+
+
+def cached_of(result: dict[str, Any]) -> list[list[int]]:
+    return [[r["cached"] for r in b["rows"]] for b in result["batches"]]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("vllm")
+    write_model(tmp / "model")
+    store = tmp / "store"
+    out: dict[str, Any] = {"tmp": tmp}
+    out["baseline"] = run(tmp, "baseline")
+    out["store"] = run(tmp, "store", connector=connector(store))
+    out["objects"] = len(list((store / "objects").glob("**/*.bsr")))
+    for name in ("restore", "damaged", "evicted", "fifo"):
+        shutil.copytree(store, tmp / name)
+    out["restore"] = run(tmp, "restore", connector=connector(tmp / "restore"))
+    out["damaged"] = run(
+        tmp,
+        "damaged",
+        connector=connector(tmp / "damaged", save=False),
+        after_start=[{"kind": "damage", "path": str(tmp / "damaged")}],
+    )
+    out["evicted"] = run(
+        tmp,
+        "evicted",
+        connector=connector(tmp / "evicted", save=False),
+        after_start=[{"kind": "evict", "path": str(tmp / "evicted")}],
+    )
+    out["fifo"] = run(
+        tmp,
+        "fifo",
+        connector=connector(tmp / "fifo", save=False, load_deadline_s=2.0),
+        after_start=[{"kind": "fifo", "path": str(tmp / "fifo")}],
+        batches=[BATCH_A],
+    )
+    (tmp / "not-a-dir").write_text("")
+    out["missing"] = run(
+        tmp, "missing", connector=connector(tmp / "not-a-dir" / "store"), batches=[BATCH_A]
+    )
+    # the control: other weights under the same model_id get the first weights' KV, intact
+    write_model(tmp / "other", seed=1)
+    shutil.copytree(store, tmp / "mislabeled")
+    out["other_baseline"] = run(tmp, "other_baseline", model="other", batches=[BATCH_A])
+    out["mislabeled"] = run(
+        tmp,
+        "mislabeled",
+        model="other",
+        connector=connector(tmp / "mislabeled", save=False),
+        batches=[BATCH_A],
+    )
+    return out
+
+
+def test_restored_kv_is_what_vllm_attends_to(runs: dict[str, Any]) -> None:
+    """The control: without it, "same tokens" would not show that bad KV was kept out.
+
+    KV restored from a store of other weights (an operator error: one ``model_id`` for two
+    weight sets; the bytes verify) changes the greedy tokens, so the tests' prompts do depend on
+    the restored KV and the model is sensitive to it.
+    """
+    assert cached_of(runs["mislabeled"])[0] == EXPECTED_A
+    assert tokens_of(runs["mislabeled"]) != tokens_of(runs["other_baseline"])
+
+
+def test_store_run_outputs_equal_no_connector(runs: dict[str, Any]) -> None:
+    assert tokens_of(runs["store"]) == tokens_of(runs["baseline"])
+    # every full chunk of every request was stored: shared chunks once
+    assert runs["objects"] >= 3 + 1 + 0 + 1 + 2 + 12
+
+
+def test_restore_run_in_fresh_process_reuses_every_full_chunk(runs: dict[str, Any]) -> None:
+    assert tokens_of(runs["restore"]) == tokens_of(runs["baseline"])
+    cached_a, cached_b = cached_of(runs["restore"])
+    assert cached_a == EXPECTED_A  # long, chunk-multiple, shorter than a chunk, partial chunk
+    assert all(c >= EXPECTED_B for c in cached_b)
+    assert cached_of(runs["baseline"])[0] == [0, 0, 0, 0]
+
+
+def test_damaged_store_recomputes_same_outputs(runs: dict[str, Any]) -> None:
+    assert runs["damaged"]["actions"][0] == runs["objects"]
+    assert tokens_of(runs["damaged"]) == tokens_of(runs["baseline"])
+    quarantined = list((runs["tmp"] / "damaged" / "quarantine").glob("*"))
+    assert quarantined, "bsr should have caught and quarantined the damaged objects"
+
+
+def test_objects_evicted_between_lookup_and_load(runs: dict[str, Any]) -> None:
+    assert runs["evicted"]["actions"][0] == runs["objects"]
+    assert tokens_of(runs["evicted"]) == tokens_of(runs["baseline"])
+
+
+def test_objects_replaced_by_fifos_never_block_a_load(runs: dict[str, Any]) -> None:
+    """A FIFO blocks a plain open until a writer appears: loads still end, tokens unchanged."""
+    assert runs["fifo"]["actions"][0] == runs["objects"]
+    assert tokens_of(runs["fifo"]) == tokens_of(runs["baseline"])[:1]
+
+
+def test_missing_store_serves_without_bsr(runs: dict[str, Any]) -> None:
+    """A store that cannot open disables bsr (logged); vLLM serves as without a connector."""
+    assert tokens_of(runs["missing"]) == tokens_of(runs["baseline"])[:1]
+    assert cached_of(runs["missing"]) == [[0, 0, 0, 0]]

@@ -1,0 +1,93 @@
+"""bsr.vllm._layout: vLLM KV tensors of any backend layout -> bsr layout and no-copy cache.
+
+Pure torch (no vLLM needed); the independent model is "the raw bytes of block b of a tensor".
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import bsr
+from bsr.transfer._cache import gather_chunk, install_chunk
+from bsr.vllm._layout import GroupSpec, block_parts, derive, layer_order
+
+NB, BS, H, D, L = 10, 4, 2, 8, 3
+NAMES = tuple(f"model.layers.{i}.self_attn.attn" for i in range(L))
+
+
+def raw_block(part: torch.Tensor, b: int) -> torch.Tensor:
+    return part[b].contiguous().view(torch.uint8).reshape(-1)
+
+
+def cpu_layout() -> dict[str, torch.Tensor]:  # vLLM CPU backend: [num_blocks, 2, bs, H * D]
+    g = torch.Generator().manual_seed(0)
+    return {n: torch.randn(NB, 2, BS, H * D, generator=g).bfloat16() for n in NAMES}
+
+
+def flash_layout() -> dict[str, torch.Tensor]:  # K and V apart: [2, num_blocks, bs, H, D]
+    g = torch.Generator().manual_seed(1)
+    return {n: torch.randn(2, NB, BS, H, D, generator=g).half() for n in NAMES}
+
+
+def hnd_layout() -> dict[str, torch.Tensor]:  # logical [nb, 2, bs, H, D], memory [nb, 2, H, bs, D]
+    g = torch.Generator().manual_seed(2)
+    return {n: torch.randn(NB, 2, H, BS, D, generator=g).bfloat16().transpose(2, 3) for n in NAMES}
+
+
+@pytest.mark.parametrize(
+    ("make", "parts_per_layer"), [(cpu_layout, 1), (flash_layout, 2), (hnd_layout, 1)]
+)
+def test_derive_views_every_backend_layout_without_copy(make, parts_per_layer) -> None:  # type: ignore[no-untyped-def]
+    kv = make()
+    layout, cache = derive(
+        kv, [GroupSpec("kv", NAMES)], num_blocks=NB, block_tokens=BS, chunk_tokens=2 * BS
+    )
+    (g,) = layout.groups
+    assert g.num_layers == L * parts_per_layer
+    assert (
+        g.token_bytes * BS * g.num_layers
+        == sum(t.numel() * t.element_size() for t in kv.values()) // NB
+    )
+    ptrs = {t.untyped_storage().data_ptr() for t in kv.values()}
+    assert {v.untyped_storage().data_ptr() for v in cache.layers("kv")} == ptrs
+    # a chunk installed through the view lands in vLLM's tensors, block by block
+    region = torch.randint(0, 256, (layout.group_chunk_bytes("kv"),), dtype=torch.uint8)
+    install_chunk(cache, "kv", torch.tensor([7, 3]), region)
+    parts = [p for n in NAMES for p in block_parts(kv[n], NB, n)]
+    got = torch.cat([raw_block(p, b) for p in parts for b in (7, 3)])
+    assert torch.equal(got, region)
+    out = torch.empty_like(region)
+    gather_chunk(cache, "kv", torch.tensor([7, 3]), out)
+    assert torch.equal(out, region)
+
+
+def test_layer_order_is_numeric() -> None:
+    names = ["model.layers.10.attn", "model.layers.2.attn", "model.layers.1.attn"]
+    assert sorted(names, key=layer_order) == [names[2], names[1], names[0]]
+
+
+def test_refusals_say_what_is_wrong() -> None:
+    kv = cpu_layout()
+    spec = [GroupSpec("kv", NAMES)]
+    with pytest.raises(bsr.LayoutError, match="multiple of vLLM's block_size"):
+        derive(kv, spec, num_blocks=NB, block_tokens=BS, chunk_tokens=BS + 1)
+    with pytest.raises(bsr.LayoutError, match="num_blocks"):
+        derive(kv, spec, num_blocks=NB + 1, block_tokens=BS, chunk_tokens=BS)
+    with pytest.raises(bsr.LayoutError, match="did not register"):
+        derive(
+            kv, [GroupSpec("kv", (*NAMES, "x"))], num_blocks=NB, block_tokens=BS, chunk_tokens=BS
+        )
+    shared = dict(kv)
+    shared[NAMES[1]] = kv[NAMES[0]]
+    with pytest.raises(bsr.LayoutError, match="share one KV tensor"):
+        derive(shared, spec, num_blocks=NB, block_tokens=BS, chunk_tokens=BS)
+    mixed = dict(kv)
+    mixed[NAMES[2]] = kv[NAMES[2]].float()
+    with pytest.raises(bsr.LayoutError, match="must match"):
+        derive(mixed, spec, num_blocks=NB, block_tokens=BS, chunk_tokens=BS)
+    # outer dimensions before the block one are split off, however many there are
+    tokens_outer = torch.randn(2, BS, NB, H * D).permute(2, 0, 1, 3)
+    assert len(block_parts(tokens_outer, NB, "x")) == 2 * BS
+    with pytest.raises(bsr.LayoutError, match="not supported"):
+        block_parts(torch.randn(NB, 2 * BS)[:, ::2], NB, "x")  # a block's bytes strided
