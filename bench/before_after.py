@@ -128,6 +128,69 @@ def _figures(doc: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+MARKDOWN_ROWS = (
+    (
+        "overhead.4KiB.per_chunk_overhead_s",
+        "HostTier, 4 KiB chunks: time per chunk beyond memcpy",
+        1e6,
+        "us",
+    ),
+    (
+        "overhead.64KiB.per_chunk_overhead_s",
+        "HostTier, 64 KiB chunks: time per chunk beyond memcpy",
+        1e6,
+        "us",
+    ),
+    (
+        "overhead.1024KiB.bandwidth_vs_memcpy",
+        "HostTier, 1 MiB chunks: restore / memcpy bandwidth",
+        1,
+        "",
+    ),
+    (
+        "overhead.8192KiB.bandwidth_vs_memcpy",
+        "HostTier, 8 MiB chunks: restore / memcpy bandwidth",
+        1,
+        "",
+    ),
+    (
+        "overhead.32768KiB.bandwidth_vs_memcpy",
+        "HostTier, 32 MiB chunks: restore / memcpy bandwidth",
+        1,
+        "",
+    ),
+    ("keys.512K.list_s", "keys of a 512K-token list", 1e3, "ms"),
+    ("keys.512K.numpy_s", "keys of a 512K-token numpy array", 1e3, "ms"),
+    (
+        "concurrency.N8.aggregate_vs_single",
+        "8 concurrent restores: aggregate / single bandwidth",
+        1,
+        "",
+    ),
+    ("concurrency.peak_slots_in_use", "peak staging slots in use (W = 8)", 1, ""),
+)
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    """The README table of a before/after document."""
+    c = doc["commits"]
+    lines = [
+        f"| figure (medians) | before {c['before'][:7]} | after {c['after'][:7]} "
+        "| after / before |",
+        "|---|---|---|---|",
+    ]
+    for key, label, scale, unit in MARKDOWN_ROWS:
+        s = doc["summary"].get(key)
+        if s is None:
+            continue
+        r = s["after_vs_before"]
+        lines.append(
+            f"| {label} | {s['before'] * scale:.3g} {unit} | {s['after'] * scale:.3g} {unit} | "
+            f"{r:.2f} |".replace("  |", " |")
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--before", default="17a7d59", help="the earlier revision (default 17a7d59)")
@@ -136,7 +199,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5, help="repeats per figure and round")
     p.add_argument("--json", default=None, help="output (default bench/results/before-after-*)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--markdown", default=None, metavar="JSON", help="print the table of a run")
     ns = p.parse_args(argv)
+    if ns.markdown:
+        print(markdown(json.loads(Path(ns.markdown).read_text())))
+        return 0
     if ns.worker:
         worker(ns.worker, ns.repeats)
         return 0
