@@ -678,3 +678,33 @@ def test_forged_oversized_length_is_an_object_error(tmp_path: Path) -> None:
             assert not isinstance(info.value, bsr.ConfigError)
 
     anyio.run(main)
+
+
+def test_unlistable_store_directory_is_a_typed_error_naming_it(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to drop privileges in a child")
+    root = tmp_path / "store"
+
+    async def prepare() -> None:
+        async with tier(root) as t:
+            await t.write(make_keys(1)[0], "kv", payload(0))
+
+    anyio.run(prepare)
+    _open_to_nobody(tmp_path, root)
+    (root / TMP_DIR).chmod(0o311)  # enter, but not list
+    (root / OBJECTS_DIR).chmod(0o700)  # root's: the child can neither open nor list it
+
+    def child() -> dict[str, Any]:
+        async def go() -> None:
+            async with tier(root):
+                pass
+
+        try:
+            anyio.run(go)
+        except bsr.TierRootError as exc:
+            return {"error": "TierRootError", "path": exc.fields.get("path")}
+        return {"error": None}
+
+    got = _as_nobody(child)
+    assert got["error"] == "TierRootError"
+    assert got["path"] in (str(root / TMP_DIR), str(root / OBJECTS_DIR))

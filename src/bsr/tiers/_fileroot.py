@@ -161,11 +161,26 @@ class StoreRoot:
         self.log = log
 
     def scan(self, dirs: Dirs) -> ScanReport:
-        """Remove dead writers' temp files and list the intact objects (oldest first)."""
+        """Remove dead writers' temp files and list the intact objects (oldest first).
+
+        Raises:
+            TierRootError: ``tmp/`` or ``objects/`` cannot be listed (names the directory).
+        """
         report = ScanReport()
-        self._scan_tmp(dirs, report)
-        self._scan_objects(dirs, report)
+        for name, step in ((TMP_DIR, self._scan_tmp), (OBJECTS_DIR, self._scan_objects)):
+            try:
+                step(dirs, report)
+            except OSError as exc:
+                raise self._io_error(exc, self.root / name) from exc
         return report
+
+    def _io_error(self, exc: OSError, path: Path) -> TierRootError:
+        return self.error(
+            f"cannot list it ({exc.strerror or exc})",
+            "check its permissions and the device",
+            path,
+            errno=exc.errno,
+        )
 
     def error(self, what: str, todo: str, path: Path | None = None, **fields: Any) -> TierRootError:
         where = path or self.root
@@ -188,7 +203,10 @@ class StoreRoot:
             ) from exc
         fds: list[int] = []
         try:
-            self.claim(root_fd)
+            try:
+                self.claim(root_fd)
+            except OSError as exc:  # e.g. listing the root failed
+                raise self._io_error(exc, self.root) from exc
             for name in (OBJECTS_DIR, TMP_DIR, QUARANTINE_DIR):
                 fds.append(self._subdir(root_fd, name))
         except BaseException:
