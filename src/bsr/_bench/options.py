@@ -186,6 +186,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from .vllm_ttft import add_vllm_arguments  # --engine vllm
 
     add_vllm_arguments(p)
+    from .hcache import add_hcache_arguments  # --hcache
+
+    add_hcache_arguments(p)
 
 
 def resolve(ns: argparse.Namespace) -> BenchOptions:

@@ -814,6 +814,10 @@ def build_parser(prog: str = "bsr bench") -> argparse.ArgumentParser:
 
 def run_from_namespace(ns: argparse.Namespace) -> int:
     """Entry point once arguments are parsed (used by ``bsr bench``)."""
+    if getattr(ns, "hcache", False):  # HCache restore vs KV restore vs recompute
+        from .hcache import run_hcache_from_namespace
+
+        return run_hcache_from_namespace(ns)
     if getattr(ns, "engine", "bsr") == "vllm":  # TTFT inside vLLM's CPU engine
         from .vllm_ttft import run_vllm_from_namespace
 
