@@ -352,6 +352,7 @@ def test_reopen_with_a_smaller_capacity_trims_lru_first(tmp_path: Path) -> None:
             present = await small.contains_many([bsr.ObjectKey(k, "kv") for k in keys])
             assert present == [False, False, True, True]
             assert small.statistics().evictions == 2
+            assert small.statistics().peak_bytes <= 2 * PER_OBJECT  # trimmed before counting
         assert len(list((tmp_path / OBJECTS_DIR).rglob("*.bsr"))) == 2
 
     anyio.run(main)

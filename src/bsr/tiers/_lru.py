@@ -219,8 +219,7 @@ class LruIndex(Generic[V]):
             if old is not None:
                 self._bytes -= old[0]
             self._entries[oid] = (size, value)
-            self._bytes += size
-            self._peak = max(self._peak, self._bytes + self._reserved)
+            self._bytes += size  # the peak is taken after trim(): put() may overshoot
 
     def replace_value(self, oid: str, value: V) -> bool:
         """Swap the value kept for ``oid`` (same size and recency); False when absent."""
@@ -322,7 +321,9 @@ class LruIndex(Generic[V]):
                     continue
                 victims.append(oid)
                 total -= osize
-            return self._evict_locked(victims)
+            evicted = self._evict_locked(victims)
+            self._peak = max(self._peak, self._bytes + self._reserved)
+            return evicted
 
     async def reserve_waiting(
         self, size: int, *, poll_s: float = 0.001
