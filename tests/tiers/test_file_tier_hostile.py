@@ -709,3 +709,36 @@ def test_unlistable_store_directory_is_a_typed_error_naming_it(tmp_path: Path) -
     got = _as_nobody(child)
     assert got["error"] == "TierRootError"
     assert got["path"] in (str(root / TMP_DIR), str(root / OBJECTS_DIR))
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_restore_over_a_fifo_ends_within_its_deadline(tmp_path: Path, backend: str) -> None:
+    """The issue's reproduction end to end: 0.1 was still blocked 20 s later."""
+    layout = bsr.StateLayout(chunk_tokens=16, groups=(bsr.StateGroup("kv", 1, 256),))
+    tokens = list(range(1, 65))
+    outside = tmp_path / "outside.fifo"
+    os.mkfifo(outside)
+
+    async def main() -> None:
+        ft = tier(tmp_path / "l2")
+        engine = bsr.RestoreEngine(
+            layout, tiers=[ft], window=2, io_depth=2, namespace=bsr.Namespace(model_id="fifo")
+        )
+        cache = bsr.PagedKVCache(layout, num_blocks=16, block_tokens=16, device="cpu")
+        async with engine:
+            assert (await engine.save(tokens, cache, [0, 1, 2, 3])).ok
+            paths = sorted((tmp_path / "l2" / OBJECTS_DIR).rglob("*.bsr"))
+            paths[0].unlink()
+            os.mkfifo(paths[0])
+            paths[1].unlink()
+            paths[1].symlink_to(outside)
+            t0 = time.monotonic()
+            result = await engine.restore(tokens, cache, [4, 5, 6, 7], deadline_s=1.0)
+            assert time.monotonic() - t0 < 1.5
+            assert result.committed_tokens < len(tokens)
+            t0 = time.monotonic()
+            with anyio.move_on_after(1.0):
+                await engine.restore(tokens, cache, [8, 9, 10, 11])
+            assert time.monotonic() - t0 < 1.5
+
+    anyio.run(main, backend=backend)
