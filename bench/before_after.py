@@ -2,12 +2,15 @@
 """Machinery figures of two revisions, measured side by side: ``python bench/before_after.py``.
 
 How it works: both revisions are exported with ``git archive`` into a temporary directory (so
-neither is the working tree), the current ``src/bsr/_bench/machinery.py`` is copied into each
-(it uses only the public ``bsr`` API, so it runs against either), and a worker subprocess per
-revision measures the ``overhead`` and ``concurrency`` sections and the key derivation of a
-512K-token list, numpy array and torch tensor. Rounds alternate the revisions (ABBA...), so
-drift on a shared machine hits both alike; the document keeps every round and reports, per
-figure, the median over rounds and the after/before ratio.
+neither is the working tree), the current ``src/bsr/_bench/machinery.py`` and ``fio.py`` are
+copied into each (they use only the public ``bsr`` API, so they run against either), and a
+worker subprocess per revision measures the ``overhead`` and ``concurrency`` sections, the key
+derivation of a 512K-token list, numpy array and torch tensor, and FileTier restores
+(``O_DIRECT``) of a Llama-3-8B 8K-token state and of a 512 KiB-chunk state against the best raw
+read and the best fio configuration of the same object files, plus the W sweep (smallest W at
+95% of the best). Rounds alternate the revisions (ABBA...), so drift on a shared machine hits
+both alike; the document keeps every round and reports, per figure, the median over rounds and
+the after/before ratio.
 
     python bench/before_after.py --before 17a7d59 --after HEAD --rounds 3 \\
         --json bench/results/before-after.json
@@ -57,6 +60,122 @@ def _keys_worker(tokens: int, repeats: int) -> dict[str, Any]:
     return out
 
 
+def _chunk_keys(ns: bytes, tokens: Any, chunk_tokens: int) -> list[Any]:
+    import bsr
+
+    try:
+        return list(bsr.chunk_keys(ns, tokens, chunk_tokens))  # type: ignore[attr-defined]
+    except AttributeError:  # revisions before the public bsr.chunk_keys
+        from bsr.core._keys import chunk_keys
+
+        return list(chunk_keys(ns, tokens, chunk_tokens))
+
+
+FILE_LAYOUTS = {  # name: (kv_layout arguments, tokens)
+    "llama3-8b": ({"num_layers": 32, "num_kv_heads": 8, "head_dim": 128}, 8192),
+    "kv-512KiB": ({"num_layers": 2, "num_kv_heads": 2, "head_dim": 64, "dtype": "float32"}, 8192),
+}
+
+
+def _sizes(files: list[str]) -> list[int]:
+    return [os.path.getsize(f) for f in files]
+
+
+async def _file_worker(repeats: int) -> dict[str, Any]:
+    """FileTier restores (O_DIRECT) vs the best raw read and the best fio configuration of the
+    same object files, rotated; and the W sweep at io_depth min(W, 4)."""
+    import numpy as np
+    import torch
+
+    import bsr
+    from bsr._bench import fio
+    from bsr._bench.raw import RawReader
+
+    binary = fio.fio_binary()
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="bsr-ba-file-") as tmp:
+        for name, (kv, n) in FILE_LAYOUTS.items():
+            layout = bsr.kv_layout(**kv)  # type: ignore[arg-type]
+            root = Path(tmp) / name
+            cap = 2 * n * layout.token_bytes + (64 << 20)
+            tokens = np.random.default_rng(1).integers(0, 2**31 - 1, size=n, dtype=np.int64)
+            blocks = np.arange(n // 16, dtype=np.int64)
+            cache = bsr.PagedKVCache(layout, len(blocks), 16)
+            flat = cache.tensor("kv").view(-1)
+            flat[: flat.numel() // 8 * 8].view(torch.int64).random_()
+
+            def engine(w: int, d: int) -> tuple[bsr.RestoreEngine, bsr.FileTier]:
+                tier = bsr.FileTier(root, cap, reader="posix", direct_io=True)  # noqa: B023
+                eng = bsr.RestoreEngine(
+                    layout,  # noqa: B023
+                    [tier],
+                    window=w,
+                    io_depth=d,
+                    namespace=bsr.Namespace("ba"),
+                )
+                return eng, tier
+
+            eng, tier = engine(8, 4)
+            async with eng:
+                await eng.save(tokens, cache, blocks)
+            ns = bsr.Namespace("ba").fingerprint(layout)
+            files = [str(tier.object_path(k, "kv")) for k in _chunk_keys(ns, tokens, 256)]
+            sizes = _sizes(files)
+            nbytes, biggest = sum(sizes), max(sizes)
+            grid = fio.fitted_grid(fio.FIO_GRID, files) if binary else ()
+            readers = [RawReader(biggest, 1, direct=True), RawReader(biggest, 4, direct=True)]
+            bsr_s: list[float] = []
+            raw_s: list[float] = []
+            fio_bw: dict[str, list[float]] = {c.name: [] for c in grid}
+            eng, _ = engine(8, 4)
+            async with eng:
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    res = await eng.restore(tokens, cache, blocks)
+                    bsr_s.append(time.perf_counter() - t0)
+                    if not res.committed:
+                        raise SystemExit(f"{name}: restore ended {res.state} ({res.reason})")
+                    raw_s.append(min(r.read(files).seconds for r in readers))
+                    for c in grid:
+                        read = fio.run_fio(binary or "fio", files, c, direct=True)
+                        fio_bw[c.name].append(read.bandwidth_Bps)
+            for r in readers:
+                r.close()
+            bsr_bw = nbytes / statistics.median(bsr_s)
+            raw_bw = nbytes / statistics.median(raw_s)
+            fig: dict[str, Any] = {
+                "bsr_Bps": bsr_bw,
+                "raw_Bps": raw_bw,
+                "bsr_vs_raw": bsr_bw / raw_bw,
+            }
+            if grid:
+                best = max(statistics.median(v) for v in fio_bw.values())
+                fig["fio_best_Bps"] = best
+                fig["bsr_vs_fio"] = bsr_bw / best
+            if name == "llama3-8b":
+                fig["smallest_window_95"] = await _window(
+                    engine, tokens[:2048], cache, blocks, repeats
+                )
+            out[name] = fig
+    return out
+
+
+async def _window(engine: Any, tokens: Any, cache: Any, blocks: Any, repeats: int) -> int:
+    """Smallest W whose median restore rate reaches 95% of the best (io_depth min(W, 4))."""
+    rate = {}
+    for w in (1, 2, 4, 8):
+        eng, _ = engine(w, min(w, 4))
+        async with eng:
+            t = []
+            for _ in range(max(2, repeats // 2)):
+                t0 = time.perf_counter()
+                await eng.restore(tokens, cache, blocks)
+                t.append(time.perf_counter() - t0)
+        rate[w] = 1 / statistics.median(t)
+    top = max(rate.values())
+    return min(w for w, v in rate.items() if v >= 0.95 * top)
+
+
 def worker(out: str, repeats: int) -> None:
     import anyio
     import structlog
@@ -77,6 +196,7 @@ def worker(out: str, repeats: int) -> None:
         return {"overhead": ov, "concurrency": conc}
 
     doc = anyio.run(main)
+    doc["file"] = anyio.run(_file_worker, repeats)
     doc["keys"] = _keys_worker(512 * 1024, max(5, repeats))
     doc["bsr_file"] = bsr.__file__
     Path(out).write_text(json.dumps(doc))
@@ -92,7 +212,8 @@ def _export(rev: str, into: Path) -> str:
     if archive.returncode:
         raise SystemExit(f"git archive {rev} failed: {archive.stderr.decode()[-300:]}")
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
-    shutil.copy(ROOT / "src/bsr/_bench/machinery.py", into / "src/bsr/_bench/machinery.py")
+    for module in ("machinery.py", "fio.py"):  # bench-internal, public API only
+        shutil.copy(ROOT / "src/bsr/_bench" / module, into / "src/bsr/_bench" / module)
     return commit
 
 
@@ -125,6 +246,9 @@ def _figures(doc: dict[str, Any]) -> dict[str, float]:
     out["concurrency.peak_slots_in_use"] = doc["concurrency"]["peak_slots_in_use"]
     for k, v in doc["keys"].items():
         out[f"keys.512K.{k}"] = v
+    for layout, fig in doc.get("file", {}).items():
+        for k, v in fig.items():
+            out[f"file.{layout}.{k}"] = v
     return out
 
 
@@ -161,6 +285,11 @@ MARKDOWN_ROWS = (
     ),
     ("keys.512K.list_s", "keys of a 512K-token list", 1e3, "ms"),
     ("keys.512K.numpy_s", "keys of a 512K-token numpy array", 1e3, "ms"),
+    ("file.llama3-8b.bsr_vs_fio", "FileTier llama3-8b 8K: BSR / best fio bandwidth", 1, ""),
+    ("file.llama3-8b.bsr_vs_raw", "FileTier llama3-8b 8K: BSR / best raw bandwidth", 1, ""),
+    ("file.kv-512KiB.bsr_vs_raw", "FileTier 512 KiB chunks: BSR / best raw bandwidth", 1, ""),
+    ("file.kv-512KiB.bsr_vs_fio", "FileTier 512 KiB chunks: BSR / best fio bandwidth", 1, ""),
+    ("file.llama3-8b.smallest_window_95", "smallest W at 95% of the best (2K tokens)", 1, ""),
     (
         "concurrency.N8.aggregate_vs_single",
         "8 concurrent restores: aggregate / single bandwidth",
