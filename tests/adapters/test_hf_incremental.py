@@ -97,3 +97,31 @@ def test_hidden_states_appended_from_an_offset() -> None:
         hcache.write_hidden_to_cache(second.hidden_states[:L], part, ids, 50, start=20, offset=30)
     with pytest.raises(bsr.ConfigError, match=r"need \[30, 60\)"):
         hcache.write_hidden_to_cache(second.hidden_states[:L], part, ids, 60, start=30)
+
+
+def test_capture_hooks_append_turns_and_decode_steps_like_one_full_forward() -> None:
+    """Hooks capture (no second forward) what output_hidden_states of one full pass gives."""
+    model = build("llama", layers=4, kv_heads=4)
+    plan = hcache.fixed_plan(model.config, ["hidden", "hidden", "hidden", "kv"])
+    hc = hcache.HCache(model, plan, chunk_tokens=CHUNK)
+    ids = shuffled(NUM_BLOCKS, 12, seed=4)
+    store = hc.hidden_store(NUM_BLOCKS, BLOCK)
+    toks = prompt(60)
+    cap = hc.capture(store, ids[:6])  # 48 tokens' worth of blocks at first
+    with torch.no_grad(), cap:
+        past = next_cache(forward(model, toks[:, :40], None))  # turn 1
+        cap.set_block_ids(ids)  # the request grew
+        past = next_cache(forward(model, toks[:, 40:57], past))  # turn 2
+        for t in range(57, 60):  # decode steps
+            past = next_cache(forward(model, toks[:, t : t + 1], past))
+    assert cap.tokens == 60 and cap.report is not None and cap.report.ok
+    with torch.no_grad():
+        want = model(input_ids=toks, output_hidden_states=True).hidden_states
+    n = torch.arange(60)
+    got = store.typed("hidden")[:, ids[n // BLOCK], n % BLOCK]
+    for j, layer in enumerate(plan.layers("hidden")):
+        assert torch.allclose(got[j], want[layer][0], atol=1e-5, rtol=0), j
+    # a forward past the block table is refused before anything is written
+    small = hc.capture(store, ids[:2])
+    with pytest.raises(bsr.ConfigError, match="set_block_ids"), torch.no_grad(), small:
+        forward(model, toks[:, :20], None)
