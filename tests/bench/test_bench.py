@@ -259,7 +259,7 @@ def test_fio_reference_or_a_note_that_it_is_missing(
         assert p["ratios"]["bsr_vs_fio_bandwidth"] == pytest.approx(
             p["bsr"]["bandwidth_Bps"]["median"] / f["best_bandwidth_Bps"]
         )
-    assert "BSR/fio" in stdout
+    assert "BSR/fio" in stdout and "fio: best configuration per point" in stdout
 
 
 def test_window_section_is_the_smallest_w_at_95_percent() -> None:

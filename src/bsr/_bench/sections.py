@@ -362,12 +362,8 @@ def print_sections(doc: dict[str, Any], console: Any) -> None:
             f"keys ({keys['tokens']} tokens, prepare_tokens): list {_t(keys['list_s']['median'])},"
             f" numpy {_t(keys['numpy_s']['median'])}, torch {_t(keys['torch_s']['median'])}"
         )
-    fio_points = [p for p in doc["results"] if p.get("fio")]
-    for p in fio_points:
-        f = p["fio"]
-        console.print(
-            f"fio {p['layout']} {p['tokens']}: best {f['best']} {_gbps(f['best_bandwidth_Bps'])}, "
-            f"BSR/fio {p['ratios']['bsr_vs_fio_bandwidth']:.2f}"
-        )
+    best = sorted({p["fio"]["best"] for p in doc["results"] if p.get("fio")})
+    if best:
+        console.print(f"fio: best configuration per point among {', '.join(best)} (JSON)")
     if doc.get("fio") and not doc["fio"]["available"]:
         console.print(f"fio: {doc['fio']['note']}")
