@@ -115,6 +115,11 @@ def _text_config(config: Any) -> Any:
     return config
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """The layout's name of a torch dtype (``torch.float32`` -> ``"float32"``)."""
+    return str(dtype).removeprefix("torch.")
+
+
 def _config_dtype(cfg: Any) -> torch.dtype:
     for attr in ("dtype", "torch_dtype"):
         value = getattr(cfg, attr, None)

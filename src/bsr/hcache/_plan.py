@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 
+from .. import StateGroup, StateLayout
 from .._errors import ConfigError
-from ..core._layout import StateGroup, StateLayout, _dtype_name
-from ._arch import ModelShape, check_config
+from ._arch import ModelShape, check_config, dtype_name
 
 RECOMPUTE = "recompute"
 HIDDEN = "hidden"
@@ -146,7 +146,7 @@ class LayerPlan:
         Recomputed layers store nothing. Raises :class:`~bsr.ConfigError` for an all-recompute
         plan (there is nothing to save; prefill instead).
         """
-        name = _dtype_name(self.dtype)
+        name = dtype_name(self.dtype)
         groups = []
         kv = self.layers(KV)
         if kv:
@@ -313,7 +313,7 @@ def measure_compute(model: Any, *, tokens: int = 512, repeats: int = 3) -> tuple
     Projection: :func:`~bsr.hcache._state.rebuild_rows` of every layer from random hidden
     states into a scratch paged cache. Recompute: one prefill of ``tokens`` random tokens.
     """
-    from ..transfer._cache import PagedKVCache
+    from .. import PagedKVCache
     from ._arch import ModelAdapter
     from ._state import rebuild_rows
 
@@ -322,7 +322,7 @@ def measure_compute(model: Any, *, tokens: int = 512, repeats: int = 3) -> tuple
     bt = 16
     tokens = max(bt, tokens // bt * bt)
     nb = tokens // bt
-    name = _dtype_name(a.dtype)
+    name = dtype_name(a.dtype)
     item = a.dtype.itemsize
     hl = StateLayout(tokens, (StateGroup("h", s.num_layers, s.hidden * item, dtype=name),))
     kl = StateLayout(tokens, (StateGroup(KV, s.num_layers, 2 * s.kv_dim * item, dtype=name),))
@@ -369,10 +369,7 @@ def measure_read(
     """
     import anyio
 
-    from ..core._keys import Namespace
-    from ..engine._engine import RestoreEngine
-    from ..tiers._file import FileTier
-    from ..transfer._cache import PagedKVCache
+    from .. import FileTier, Namespace, PagedKVCache, RestoreEngine
 
     chunk, bt, row = 256, 16, 16384
     n_chunks = max(1, (mib << 20) // (chunk * row))

@@ -30,11 +30,9 @@ from typing import Any
 import anyio
 import torch
 
+from .. import PagedKVCache, RestoreResult, SaveResult, StateGroup, StateLayout
 from .._errors import ConfigError, LayoutError, UnsupportedModelError
-from ..core._layout import StateGroup, StateLayout, _dtype_name
-from ..core._results import RestoreResult, SaveResult
-from ..transfer._cache import PagedKVCache
-from ._arch import CheckReport, ModelAdapter, check_model, compare_rows
+from ._arch import CheckReport, ModelAdapter, check_model, compare_rows, dtype_name
 from ._plan import HIDDEN, KV, RECOMPUTE, LayerPlan
 from ._state import rebuild_rows, token_rows
 
@@ -119,7 +117,7 @@ class HCache:
     @property
     def kv_layout(self) -> StateLayout:
         """The serving cache's layout (:func:`bsr.hf.layout_for_config`, one ``"kv"`` group)."""
-        s, name = self.adapter.shape, _dtype_name(self.adapter.dtype)
+        s, name = self.adapter.shape, dtype_name(self.adapter.dtype)
         g = StateGroup(KV, s.num_layers, self.plan.kv_bytes, dtype=name)
         return StateLayout(chunk_tokens=self.layout.chunk_tokens, groups=(g,))
 
@@ -128,7 +126,7 @@ class HCache:
     ) -> PagedKVCache:
         """A cache for the captured hidden states of the plan's hidden-state layers."""
         n = max(1, len(self.plan.layers(HIDDEN)))
-        g = StateGroup(STORE_GROUP, n, self.plan.hidden_bytes, dtype=_dtype_name(self.plan.dtype))
+        g = StateGroup(STORE_GROUP, n, self.plan.hidden_bytes, dtype=dtype_name(self.plan.dtype))
         layout = StateLayout(chunk_tokens=self.layout.chunk_tokens, groups=(g,))
         return PagedKVCache(layout, num_blocks, block_tokens, device or self.adapter.device)
 

@@ -19,10 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .. import PagedKVCache, StateGroup, StateLayout
 from .._errors import ConfigError, LayoutError
-from ..core._layout import StateGroup, StateLayout, _dtype_name
-from ..transfer._cache import PagedKVCache
-from ._arch import ModelAdapter, RopeTable, check_config
+from ._arch import ModelAdapter, RopeTable, check_config, dtype_name
 
 if TYPE_CHECKING:
     from transformers import DynamicCache
@@ -72,7 +71,7 @@ def hidden_layout(
     return StateLayout(
         chunk_tokens=chunk_tokens,
         groups=(
-            StateGroup(HIDDEN_GROUP, s.num_layers, s.hidden * dt.itemsize, dtype=_dtype_name(dt)),
+            StateGroup(HIDDEN_GROUP, s.num_layers, s.hidden * dt.itemsize, dtype=dtype_name(dt)),
         ),
     )
 
