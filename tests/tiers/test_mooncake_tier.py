@@ -631,7 +631,9 @@ def test_store_calls_do_not_block_the_event_loop() -> None:
 
 
 def test_stuck_calls_are_bounded_and_cancellation_before_start_is_not_stuck() -> None:
-    tier, store = fake_tier(timeout_s=0.2, max_stuck_calls=2, max_inflight=1)
+    # 0.5 s: time for a loaded machine to start the worker thread before the call times out
+    # (a call that times out before its store call starts is, rightly, not stuck)
+    tier, store = fake_tier(timeout_s=0.5, max_stuck_calls=2, max_inflight=1)
     k = ObjectKey(make_keys(1)[0], "kv")
 
     async def main() -> None:
