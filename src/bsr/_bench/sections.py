@@ -1,7 +1,8 @@
 """The machinery sections of ``bsr bench`` and the targets of the Performance issue.
 
-Where it runs: ``bsr bench``; :mod:`.runner` calls in here at three places (per point: the fio
-step; per run: :func:`run_sections` and :func:`finish`), so the main loop stays as it was.
+Where it runs: ``bsr bench``; :mod:`.runner` calls in here per point (:meth:`FioSetup.step`,
+:meth:`FioStep.attach`) and per run (:func:`run_sections`, :func:`finish`,
+:func:`print_sections`), so its main loop stays as it was.
 
 How it works:
 
