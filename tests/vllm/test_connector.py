@@ -19,6 +19,8 @@ import pytest
 
 # "vllm" alone would find this tests/vllm directory as a namespace package; ask for a submodule
 pytest.importorskip("vllm.distributed.kv_transfer")
+# nine engine starts in one module fixture (its time counts toward the first test's timeout)
+pytestmark = pytest.mark.timeout(3600)
 
 HERE = Path(__file__).parent
 CHUNK = 64  # two vLLM blocks of 32 (the CPU backend's smallest block size)

@@ -13,7 +13,8 @@ How it works:
 * Scheduler side. ``get_num_new_matched_tokens`` asks the worker's engine for a metadata-only
   probe (:class:`~bsr.vllm._bridge.LookupClient`, bounded by ``lookup_timeout_s``) and answers
   the full-chunk prefix beyond vLLM's own prefix-cache hit, leaving at least one prompt token
-  to compute. ``update_state_after_alloc`` records the load; ``build_connector_meta`` sends the
+  to compute. The worker keeps that probe with a lease (``lease_ttl_s``: what it found is not
+  evicted before the load) and the load reuses it instead of probing again. ``update_state_after_alloc`` records the load; ``build_connector_meta`` sends the
   step's loads (tokens, block table) and saves to the workers. ``request_finished`` schedules a
   save of the request's computed full chunks and keeps its blocks until the worker reports the
   save done (``get_finished``), so a save never reads a reused block; at most
