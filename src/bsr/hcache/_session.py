@@ -356,6 +356,8 @@ class HiddenCapture:
         self._sample: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._handles: list[Any] = []
         self._typed = store.typed(STORE_GROUP)
+        self._where_key: Any = None
+        self._where_cached: tuple[Any, Any, torch.Tensor] | None = None
 
     def set_block_ids(self, block_ids: Any) -> None:
         """Replace the request's block table (it grows as the request does)."""
@@ -376,29 +378,48 @@ class HiddenCapture:
             h.remove()
         self._handles.clear()
 
-    def _hook(self, j: int, layer: int) -> Any:
+    def _where(self, h: torch.Tensor, kwargs: Any, first: bool) -> tuple[Any, Any, torch.Tensor]:
+        """(blocks, rows, positions) of this forward's tokens, computed once per forward."""
+        seq = h.shape[1]
+        pos = kwargs.get("position_ids")
+        key = (id(pos), seq) if pos is not None else None
+        if not first and key is not None and self._where_key == key and self._where_cached is not None:
+            return self._where_cached
         bt = self.store.block_tokens
+        if pos is not None:
+            p = pos.reshape(-1)[-seq:].to("cpu", torch.int64)
+        else:
+            start = self.tokens if first else self.tokens - seq
+            p = torch.arange(start, start + seq)
+        top = int(p[-1]) + 1 if seq == 1 else int(p.max()) + 1
+        if top > len(self.ids) * bt:
+            raise ConfigError(
+                f"position {top - 1} is past the block table ({len(self.ids)} blocks of "
+                f"{bt}); call set_block_ids with the grown table before this forward"
+            )
+        if first:
+            self.tokens = max(self.tokens, top)
+        where: tuple[Any, Any, torch.Tensor]
+        if seq == 1:  # a decode step: plain ints, one copy per layer
+            t = top - 1
+            where = (int(self.ids[t // bt]), t % bt, p)
+        else:
+            dev = self.store.device
+            where = (self.ids[p // bt].to(dev), (p % bt).to(dev), p)
+        self._where_key, self._where_cached = key, where
+        return where
 
+    def _hook(self, j: int, layer: int) -> Any:
         def hook(_m: Any, args: Any, kwargs: Any) -> None:
             h = args[0] if args else kwargs["hidden_states"]
-            seq = h.shape[1]
-            pos = kwargs.get("position_ids")
-            if pos is not None:
-                p = pos.reshape(-1)[-seq:].to("cpu", torch.int64)
+            blocks, rows, p = self._where(h, kwargs, j == 0)
+            if isinstance(blocks, int):
+                self._typed[j, blocks, rows].copy_(h[0, 0])
             else:
-                start = self.tokens if j == 0 else self.tokens - seq
-                p = torch.arange(start, start + seq)
-            top = int(p.max()) + 1
-            if top > len(self.ids) * bt:
-                raise ConfigError(
-                    f"position {top - 1} is past the block table ({len(self.ids)} blocks of "
-                    f"{bt}); call set_block_ids with the grown table before this forward"
+                self._typed[j][blocks, rows] = (
+                    h[0].detach().to(self._typed.device, self._typed.dtype)
                 )
-            blocks = self.ids[p // bt].to(self.store.device)
-            rows = (p % bt).to(self.store.device)
-            self._typed[j][blocks, rows] = h[0].detach().to(self._typed.device, self._typed.dtype)
-            if j == 0:
-                self.tokens = max(self.tokens, top)
+            seq = h.shape[1]
             if self._verify and self.report is None and seq >= 2:
                 pick = torch.linspace(0, seq - 1, min(seq, 8)).long()
                 self._sample[layer] = (h[0, pick.to(h.device)].detach().clone(), p[pick])
