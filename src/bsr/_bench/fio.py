@@ -91,8 +91,18 @@ def fio_version(binary: str) -> str:
     return out.stdout.strip() or out.stderr.strip()
 
 
-def job_file(files: Sequence[str], config: FioConfig, *, direct: bool) -> str:
-    """The fio job file reading ``files`` once with ``config``."""
+#: fio refuses option values longer than this (a job's ``filename=`` list included)
+FIO_OPTION_MAX = 4000
+
+
+def job_file(
+    files: Sequence[str], config: FioConfig, *, direct: bool, directory: str | None = None
+) -> str:
+    """The fio job file reading ``files`` once with ``config``.
+
+    With ``directory``, files are named by their index in ``files`` (base 36) relative to it:
+    :func:`run_fio` links them there, so that a long list fits fio's option length.
+    """
     jobs = config.depth if config.engine == "psync" else 1
     jobs = max(1, min(jobs, len(files)))
     lines = [
@@ -106,10 +116,29 @@ def job_file(files: Sequence[str], config: FioConfig, *, direct: bool) -> str:
         "thread=1",
         "invalidate=0",
     ]
+    if directory is not None:
+        lines.append(f"directory={directory}")
+        index = {f: _b36(i) for i, f in enumerate(files)}
     for j, mine in enumerate(_balanced(files, jobs)):
-        names = [f.replace(":", "\\:") for f in mine]
-        lines += [f"[read{j}]", "filename=" + ":".join(names)]
+        names = [index[f] if directory is not None else f.replace(":", "\\:") for f in mine]
+        value = ":".join(names)
+        if len(value) > FIO_OPTION_MAX:
+            raise BenchError(
+                f"fio {config.name}: {len(mine)} files do not fit one fio job's file list; "
+                "lower --sizes or pass --no-fio"
+            )
+        lines += [f"[read{j}]", "filename=" + value]
     return "\n".join(lines) + "\n"
+
+
+def _b36(i: int) -> str:
+    digits = "0123456789abcdefghijklmnopqrstuvwxyz"
+    out = ""
+    while True:
+        i, r = divmod(i, 36)
+        out = digits[r] + out
+        if i == 0:
+            return out
 
 
 def _balanced(files: Sequence[str], jobs: int) -> list[list[str]]:
@@ -137,8 +166,12 @@ class FioRead:
 def run_fio(binary: str, files: Sequence[str], config: FioConfig, *, direct: bool) -> FioRead:
     """Run one configuration over ``files``; :class:`BenchError` when fio fails."""
     with tempfile.TemporaryDirectory(prefix="bsr-fio-") as tmp:
+        links = Path(tmp) / "files"
+        links.mkdir()
+        for i, f in enumerate(files):  # short names: the list must fit fio's option length
+            (links / _b36(i)).symlink_to(os.path.abspath(f))
         job = Path(tmp) / "read.fio"
-        job.write_text(job_file(files, config, direct=direct))
+        job.write_text(job_file(files, config, direct=direct, directory=str(links)))
         proc = subprocess.run(
             [binary, "--output-format=json", str(job)],
             capture_output=True,
