@@ -5,7 +5,8 @@ each size (the rotation that orders raw reads, BSR and whole-plan restores also 
 
 How it works: for each configuration of a small grid (:data:`FIO_GRID`: ``psync`` with 1 and 4
 jobs at 4 MiB blocks, ``libaio`` at queue depth 4 and 16 with 1 MiB blocks) a job file lists
-the point's object files (split round-robin over the jobs for ``psync``, all in one job for
+the point's object files (symlinked under short names in a temporary directory, so the list
+fits fio's option length; split over the jobs by bytes for ``psync``, all in one job for
 ``libaio``), with ``direct=1`` when the run's cache mode is ``direct`` (the page cache is
 prepared as for every other read otherwise). fio's own aggregate bandwidth (``group_reporting``)
 is kept per configuration; the best configuration's median is the reference that
