@@ -171,11 +171,10 @@ def _rebuild_vs_gemm(model: Any, served: _Served, repeats: int) -> dict[str, Any
     """The paged rebuild of every layer against its own GEMMs alone, interleaved A B A B.
 
     GEMMs: the K and V projection matmuls of every layer on the same ``n`` tokens (what the
-    rebuild cannot avoid); rebuild: :func:`~bsr.hcache._state.rebuild_rows` from the hidden store
+    rebuild cannot avoid); rebuild: :func:`bsr.hcache.rebuild_rows` from the hidden store
     into a paged KV cache, RoPE table included.
     """
-    from bsr import PagedKVCache
-    from bsr.hcache._state import rebuild_rows
+    from bsr import PagedKVCache, hcache
 
     hc = served.hc_all
     a = hc.adapter
@@ -193,7 +192,7 @@ def _rebuild_vs_gemm(model: Any, served: _Served, repeats: int) -> dict[str, Any
 
     def rebuild() -> None:
         rope = a.rope(0, n)
-        rebuild_rows(a, served.store, "hidden", range(LAYERS), dst, ids, n, rope)
+        hcache.rebuild_rows(a, served.store, "hidden", range(LAYERS), dst, ids, n, rope)
 
     gemm()
     rebuild()

@@ -46,6 +46,7 @@ from ._state import StateBytes as StateBytes
 from ._state import compare_state_bytes as compare_state_bytes
 from ._state import hidden_layout as hidden_layout
 from ._state import rebuild_kv as rebuild_kv
+from ._state import rebuild_rows as rebuild_rows
 from ._state import write_hidden_to_cache as write_hidden_to_cache
 
 __all__ = (
@@ -73,5 +74,6 @@ __all__ = (
     "hidden_layout",
     "plan_layers",
     "rebuild_kv",
+    "rebuild_rows",
     "write_hidden_to_cache",
 )

@@ -383,8 +383,9 @@ class HiddenCapture:
         seq = h.shape[1]
         pos = kwargs.get("position_ids")
         key = (id(pos), seq) if pos is not None else None
-        if not first and key is not None and self._where_key == key and self._where_cached is not None:
-            return self._where_cached
+        cached = self._where_cached
+        if not first and key is not None and self._where_key == key and cached is not None:
+            return cached
         bt = self.store.block_tokens
         if pos is not None:
             p = pos.reshape(-1)[-seq:].to("cpu", torch.int64)
