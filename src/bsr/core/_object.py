@@ -126,11 +126,12 @@ def verify_payload(
 ) -> None:
     """Check the payload's length and checksum against its header."""
     mv = memoryview(payload).cast("B")
-    ctx = {"key": okey.chunk.hex[:16], "group": okey.group, "where": where or None}
     if len(mv) != payload_len:
-        raise TruncatedObjectError(f"payload is {len(mv)} bytes, header says {payload_len}", **ctx)
+        raise TruncatedObjectError(
+            f"payload is {len(mv)} bytes, header says {payload_len}", **_ctx(okey, where)
+        )
     if payload_checksum(mv) != payload_sum:
-        raise CorruptObjectError("payload checksum mismatch", **ctx)
+        raise CorruptObjectError("payload checksum mismatch", **_ctx(okey, where))
 
 
 def encode_object(okey: ObjectKey, payload: Any) -> bytes:

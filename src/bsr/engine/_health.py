@@ -98,6 +98,8 @@ class TierHealth:
             self._trial[tier] = False
 
     def success(self, tier: str) -> None:
+        if not (self._failures[tier] or self._opened[tier] or self._trial[tier]):
+            return  # closed and clean already (the common case): nothing to change
         with self._lock:
             self._failures[tier] = 0
             self._open_until[tier] = 0.0

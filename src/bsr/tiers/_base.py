@@ -11,7 +11,7 @@ How it works: a tier implements a small core (``contains_many``, ``read_into``, 
 staging slot region) and verifies the object's header and checksum before returning; it never
 returns unverified bytes as valid. Capability flags are class attributes, as in zarr's stores,
 and each one is read by the library: ``durable`` by the test kit's campaign (a volatile tier
-starts empty after a reopen) and ``blocking_reads`` by the transfer pipeline. A
+starts empty after a reopen) and ``blocking_reads`` / ``inline_reads`` by the transfer pipeline. A
 :class:`TierWrapper` delegates every method and reads every flag through to the tier it wraps.
 """
 
@@ -179,6 +179,10 @@ class Tier(abc.ABC):
     #: read_into_blocking() is implemented: the transfer pipeline may then run reads, checksum
     #: verification and host installs of a whole batch of chunks in ONE worker-thread call
     blocking_reads: ClassVar[bool] = False
+    #: read_into_blocking() is a bounded memory copy that never waits on a device or a peer, so
+    #: the pipeline may run a small batch (a few hundred KiB) on the event loop itself instead of
+    #: paying a worker-thread hop (implies ``blocking_reads``)
+    inline_reads: ClassVar[bool] = False
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -355,6 +359,10 @@ class TierWrapper(Tier, Generic[T]):
         changes_reads = cls.read_into is not TierWrapper.read_into
         blocking_too = cls.read_into_blocking is not TierWrapper.read_into_blocking
         return self.inner.blocking_reads and (blocking_too or not changes_reads)
+
+    @property  # type: ignore[misc]
+    def inline_reads(self) -> bool:  # type: ignore[override]
+        return self.inner.inline_reads and bool(self.blocking_reads)
 
     @property
     def closed(self) -> bool:

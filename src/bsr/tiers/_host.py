@@ -47,6 +47,7 @@ class HostTier(Tier):
 
     durable = False
     blocking_reads = True
+    inline_reads = True  # a verified memcpy out of DRAM
 
     def __init__(self, capacity_bytes: int, *, name: str = "host") -> None:
         super().__init__(name)

@@ -49,7 +49,8 @@ class HostInstaller:
         self.ids = ids
         self.bpc = cache.blocks_per_chunk
         self._blocks = ids.tolist()
-        self._slots: dict[int, np.ndarray[Any, Any]] = {}
+        self._slots: dict[Slot, np.ndarray[Any, Any]] = {}
+        self._offsets = {g.name: layout.slot_offset(g.name) for g in layout.groups}
         self._dst: dict[str, tuple[np.ndarray[Any, Any], np.dtype[Any], int]] | None = None
         tensors = [cache.tensor(g.name) for g in layout.groups] if not cache.per_layer else []
         if tensors and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
@@ -62,9 +63,9 @@ class HostInstaller:
 
     def slot_array(self, slot: Slot) -> np.ndarray[Any, Any]:
         """The slot as a flat uint8 NumPy array (made once per slot and restore)."""
-        arr = self._slots.get(slot.index)
-        if arr is None or arr.ctypes.data != slot.tensor.data_ptr():
-            arr = self._slots[slot.index] = slot.tensor.numpy()
+        arr = self._slots.get(slot)  # a Slot's buffer never changes: key by identity
+        if arr is None:
+            arr = self._slots[slot] = slot.tensor.numpy()
         return arr
 
     def install(self, chunk: int, groups: tuple[str, ...], slot: Slot) -> None:
@@ -83,7 +84,7 @@ class HostInstaller:
         )
         for g in groups:
             dst, word, words = self._dst[g]
-            off = self.layout.slot_offset(g)
+            off = self._offsets[g]
             layers = dst.shape[0]
             n = layers * self.bpc * words * word.itemsize
             staged = src[off : off + n].view(word).reshape(layers, self.bpc, words)

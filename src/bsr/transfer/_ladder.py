@@ -125,10 +125,15 @@ class TierLadder:
     def __init__(self, tiers: Mapping[str, Tier]) -> None:
         self.tiers = dict(tiers)
         self._blocking = {n for n, t in self.tiers.items() if getattr(t, "blocking_reads", False)}
+        self._inline = {n for n in self._blocking if getattr(self.tiers[n], "inline_reads", False)}
 
     def all_blocking(self, names: Sequence[str]) -> bool:
         """Whether every named tier supports :meth:`~bsr.Tier.read_into_blocking`."""
         return self._blocking.issuperset(names)
+
+    def all_inline(self, names: Sequence[str]) -> bool:
+        """Whether every named tier reads at memory speed (``inline_reads``)."""
+        return self._inline.issuperset(names)
 
     def _expect(self, n: int, expected: int, tier: str, group: str) -> None:
         if n != expected:

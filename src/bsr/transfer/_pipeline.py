@@ -51,6 +51,9 @@ from ._staging import Slot, StagingAccount
 
 #: aim for about this many payload bytes per worker-thread call on the host path
 BATCH_BYTES = 4 << 20
+#: a batch from memory-speed tiers (``inline_reads``) up to this size runs on the event loop:
+#: copying it costs less than the worker-thread hop it would take
+INLINE_BYTES = 256 << 10
 
 
 class ChunkFailure(Exception):
@@ -228,6 +231,14 @@ class WindowPipeline:
         self.io_depth = io_depth
         self.cuda_stream: Any = None
         self._limiter = anyio.CapacityLimiter(max(2 * io_depth, 4))
+        self._spans = {
+            g.name: (
+                layout.slot_offset(g.name),
+                layout.slot_offset(g.name) + align_up(layout.group_chunk_bytes(g.name)),
+            )
+            for g in layout.groups
+        }
+        self._expected = {g.name: layout.group_chunk_bytes(g.name) for g in layout.groups}
         self._abandoned_workers = 0
 
     @property
@@ -313,7 +324,11 @@ class WindowPipeline:
             run.held.add(slot)
             run.touched_chunks.update(batch)
             async with job.turns:
-                if self._blocking(job, batch):
+                mode = self._mode(job, batch)
+                if mode == "inline":
+                    self._batch_blocking(job, batch, slot)
+                    await anyio.lowlevel.checkpoint()
+                elif mode == "thread":
                     await self._thread(job, slot, self._batch_blocking, job, batch, slot)
                 else:
                     await self._batch_async(job, batch, slot)
@@ -326,11 +341,17 @@ class WindowPipeline:
                 continue
             self._installed(job, slot)
 
-    def _blocking(self, job: _Job, batch: Sequence[int]) -> bool:
+    def _mode(self, job: _Job, batch: Sequence[int]) -> str:
+        """How to move ``batch``: ``inline`` (small, memory-speed tiers, host destination, on
+        the event loop), ``thread`` (one worker-thread call) or ``async`` (tiers' async reads)."""
         holders = job.probe.holders
-        return all(
-            self.ladder.all_blocking(holders[c][g]) for c in batch for g in job.run.needed[c]
-        )
+        names = [n for c in batch for g in job.run.needed[c] for n in holders[c][g]]
+        if not self.ladder.all_blocking(names):
+            return "async"
+        small = len(batch) * self.layout.chunk_bytes <= INLINE_BYTES
+        if small and job.host is not None and self.ladder.all_inline(names):
+            return "inline"
+        return "thread"
 
     async def _thread(self, job: _Job, slot: Slot, fn: Any, *args: Any) -> Any:
         """Run ``fn`` in a worker thread that may outlive a cancelled request (then parked)."""
@@ -356,8 +377,7 @@ class WindowPipeline:
     # ------------------------------------------------------------------ reading
     def _region(self, job: _Job, slot: Slot, group: str) -> Any:
         """The slot's region for ``group`` (a NumPy view on the host path: cheap to slice)."""
-        off = self.layout.slot_offset(group)
-        end = off + align_up(self.layout.group_chunk_bytes(group))
+        off, end = self._spans[group]
         if job.host is not None:
             return job.host.slot_array(slot)[off:end]
         return slot.tensor[off:end]
@@ -383,7 +403,7 @@ class WindowPipeline:
         for g in job.run.needed[c]:
             result = self.ladder.read_blocking(
                 job.gate, key, c, g, job.probe.holders[c][g], self._region(job, slot, g),
-                self.layout.group_chunk_bytes(g),
+                self._expected[g],
             )  # fmt: skip
             if not result.ok:
                 self._read_failed(job, c, g, result)
@@ -401,7 +421,7 @@ class WindowPipeline:
             for g in run.needed[c]:
                 result = await self.ladder.read(
                     job.gate, key, c, g, job.probe.holders[c][g], self._region(job, slot, g),
-                    self.layout.group_chunk_bytes(g),
+                    self._expected[g],
                 )  # fmt: skip
                 if not result.ok:
                     self._read_failed(job, c, g, result)
