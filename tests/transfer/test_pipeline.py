@@ -44,11 +44,13 @@ class MemTier(bsr.Tier):
         keys: Sequence[ChunkKey],
         *,
         blocking: bool,
+        inline: bool = False,
         fail: dict[tuple[int, str], Exception] | None = None,
         gate: threading.Event | None = None,
     ) -> None:
         super().__init__(name)
         self.blocking_reads = blocking  # type: ignore[misc]
+        self.inline_reads = inline  # type: ignore[misc]
         self.index = {k.hex: c for c, k in enumerate(keys)}
         self.fail = fail or {}
         self.gate = gate
@@ -192,6 +194,22 @@ def test_small_chunks_are_batched_into_few_thread_calls() -> None:
         assert pool.statistics().acquired <= n // 4
 
     anyio.run(main)
+
+
+@pytest.mark.parametrize("inline", [True, False])
+def test_memory_speed_tiers_run_small_batches_on_the_event_loop(inline: bool) -> None:
+    """inline_reads: small batches skip the thread hop; other blocking tiers never run inline."""
+    n = 16
+    keys, _, _ = setup(n)
+    tier = MemTier("mem", keys, blocking=True, inline=inline)
+    loop_thread = threading.current_thread().name
+
+    async def main() -> None:
+        run, *_ = await run_pipeline([tier], n, keys=keys)
+        assert len(run.installed) == 2 * n
+
+    anyio.run(main)
+    assert (tier.threads == {loop_thread}) is inline
 
 
 def test_all_or_nothing_stops_early_and_reports_the_failure() -> None:
