@@ -11,6 +11,9 @@ How it works::
         -> one worker-thread call: for each chunk of the batch, read + verify every group down the
            tier ladder into the slot, then copy the slot into the cache blocks (host destination)
         -> release the slot (installer completion)
+    a small batch (<= INLINE_BYTES) from memory-speed tiers (``inline_reads``, e.g. HostTier)
+    runs on the event loop instead: the copy costs less than the thread hop.
+    tiers without blocking reads (e.g. Mooncake): the same steps with their async reads.
     CUDA destination: one chunk per slot; the copy is enqueued on a side stream and the slot is
     released when its event completes, so up to W slots are in flight.
     whole-plan baseline: every chunk is read into its own region of one private buffer first,
