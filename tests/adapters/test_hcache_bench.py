@@ -1,0 +1,49 @@
+"""`bsr bench --hcache`: the flag is registered, bad sizes are refused, the table reads the JSON.
+
+The measurement itself is the bench's job (it is far too heavy for a unit test); these checks keep
+the entry point and the report wired.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bsr._bench import hcache as hb
+from bsr._bench.runner import build_parser
+
+
+def test_flag_is_registered_and_bad_sizes_are_refused(capsys: Any) -> None:
+    ns = build_parser().parse_args(["--hcache", "--quick", "--sizes", "300"])
+    assert ns.hcache and ns.quick
+    assert hb.run_hcache_from_namespace(ns) == 2
+    assert "multiples of 256" in capsys.readouterr().err
+
+
+def test_table_reports_ratios_next_to_the_paper() -> None:
+    dist = {"median": 1.0, "min": 1.0, "max": 1.0, "n": 1}
+    point = {
+        "model": "mha",
+        "tokens": 1024,
+        "recompute_s": {**dist, "median": 4.0},
+        "kv": {"total_s": {**dist, "median": 0.1}, "methods": ["kv"] * 8},
+        "hcache": {"total_s": {**dist, "median": 0.5}, "methods": ["hidden"] * 8},
+        "planner": {"total_s": {**dist, "median": 0.1}, "methods": ["kv"] * 8},
+        "ratios": {
+            "recompute_vs_hcache": 8.0,
+            "kv_vs_hcache": 0.2,
+            "recompute_vs_planner": 40.0,
+            "kv_vs_planner": 1.0,
+            "best_pure_vs_planner": 1.0,
+        },
+        "rebuild_vs_gemm": 1.2,
+    }
+    capture = {"overhead": 0.01, "overhead_of_mins": 0.02, "step_s_plain": dist}
+    rates = {"project_s_per_token_layer": 3e-5, "read_bytes_per_s": 1e9}
+    doc = {
+        "results": [point],
+        "models": {"mha": {"compute_to_io": 7.5, "rates": rates, "decode_capture": capture}},
+        "why_different": "because",
+    }
+    text = hb.table(doc)
+    assert "8.00x" in text and "0.20x" in text and "0r/0h/8kv" in text
+    assert "5.73x vs recompute" in text and "1.93x vs KV" in text and "+1.0%" in text
