@@ -317,15 +317,23 @@ class HCache:
             except Exception as exc:
                 reason = f"projection failed: {exc!r}"
             rebuild_s = time.perf_counter() - t
-        if reason is not None:
-            # every block this restore may have written: the engine's, the recomputed prefix's
-            written = max(n, rec_tried)
-            wids = kv_cache.block_table(block_ids, written)[: -(-written // kv_cache.block_tokens)]
-            invalid = tuple(sorted(set(result.invalid_block_ids) | set(wids.tolist())))
-            return HCacheRestore(
-                0, result, invalid, reason, io_s, rebuild_s, rec_s, time.perf_counter() - t0
-            )
-        return HCacheRestore(n, result, (), None, io_s, rebuild_s, rec_s, time.perf_counter() - t0)
+        # blocks this restore may have written beyond what it reports valid: the engine's and
+        # the recomputed ones (recompute may have run past a shorter commit)
+        bt = kv_cache.block_tokens
+        written = max(n, rec_tried)
+        wids = kv_cache.block_table(block_ids, written)[: -(-written // bt)].tolist()
+        valid = 0 if reason is not None else -(-n // bt)
+        invalid = tuple(sorted(set(result.invalid_block_ids) | set(wids[valid:])))
+        return HCacheRestore(
+            0 if reason is not None else n,
+            result,
+            invalid,
+            reason,
+            io_s,
+            rebuild_s,
+            rec_s,
+            time.perf_counter() - t0,
+        )
 
 
 class HiddenCapture:
