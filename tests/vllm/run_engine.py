@@ -67,6 +67,7 @@ def main(spec_path: str, out_path: str) -> None:
         kv_cache_memory_bytes=spec.get("kv_cache_bytes", 64 << 20),
         enable_prefix_caching=spec.get("prefix_caching", True),
         seed=0,
+        tensor_parallel_size=spec.get("tensor_parallel_size", 1),
         **kw,
     )
     out: dict[str, Any] = {"start_s": time.perf_counter() - t0, "actions": [], "batches": []}

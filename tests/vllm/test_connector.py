@@ -9,6 +9,7 @@ file in ``.venv-vllm``); skipped where vLLM is not installed.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -82,11 +83,16 @@ def run(tmp: Path, name: str, model: str = "model", **spec: Any) -> dict[str, An
     spec["load_format"] = "auto"
     (tmp / f"{name}.json").write_text(json.dumps(spec))
     out = tmp / f"{name}.out.json"
+    env = dict(os.environ)
+    if spec.get("tensor_parallel_size", 1) > 1:  # one core per rank (auto binding refuses)
+        cores = sorted(os.sched_getaffinity(0))
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(c) for c in cores[:2])
     proc = subprocess.run(
         [sys.executable, str(HERE / "run_engine.py"), str(tmp / f"{name}.json"), str(out)],
         capture_output=True,
         text=True,
-        timeout=400,
+        timeout=600,
+        env=env,
     )
     if proc.returncode != 0 or not out.exists():
         raise AssertionError(f"{name} run failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
@@ -197,3 +203,27 @@ def test_missing_store_serves_without_bsr(runs: dict[str, Any]) -> None:
     """A store that cannot open disables bsr (logged); vLLM serves as without a connector."""
     assert tokens_of(runs["missing"]) == tokens_of(runs["baseline"])[:1]
     assert cached_of(runs["missing"]) == [[0, 0, 0, 0]]
+
+
+@pytest.fixture(scope="module")
+def tp_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Tensor parallelism 2 on the CPU build: two worker processes, bsr agreeing over gloo."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("tensor parallelism 2 needs two CPU cores")
+    tmp = tmp_path_factory.mktemp("vllm-tp2")
+    write_model(tmp / "model")
+    out: dict[str, Any] = {}
+    out["baseline"] = run(tmp, "baseline", batches=[BATCH_A], tensor_parallel_size=2)
+    con = connector(tmp / "store")
+    out["store"] = run(tmp, "store", connector=con, batches=[BATCH_A], tensor_parallel_size=2)
+    out["objects"] = len(list((tmp / "store" / "objects").glob("**/*.bsr")))
+    out["restore"] = run(tmp, "restore", connector=con, batches=[BATCH_A], tensor_parallel_size=2)
+    return out
+
+
+def test_tensor_parallel_2_store_and_restore(tp_runs: dict[str, Any]) -> None:
+    assert tokens_of(tp_runs["store"]) == tokens_of(tp_runs["baseline"])
+    assert tokens_of(tp_runs["restore"]) == tokens_of(tp_runs["baseline"])
+    assert cached_of(tp_runs["restore"]) == [EXPECTED_A]
+    # each rank stores its own shard under its own namespace: twice the objects of one rank
+    assert tp_runs["objects"] == 2 * (3 + 2 + 0 + 1)

@@ -77,7 +77,9 @@ def add_vllm_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="reusable prefix lengths in tokens (default 1024,2048,4096,8192)",
     )
-    g.add_argument("--vllm-repeats", type=int, default=None, help="timed requests per prefix")
+    g.add_argument(
+        "--vllm-repeats", type=int, default=None, help="timed requests per prefix (default 5)"
+    )
     g.add_argument(
         "--vllm-python",
         default=None,
@@ -89,7 +91,7 @@ def _python(given: str | None) -> str:
     if given:
         return given
     local = Path(".venv-vllm/bin/python")
-    return str(local.resolve()) if local.exists() else sys.executable
+    return str(local.absolute()) if local.exists() else sys.executable  # not resolve(): a venv
 
 
 def _tokens(n: int, seed: int) -> list[int]:
@@ -158,9 +160,10 @@ def child(spec_path: str, out_path: str) -> None:
             (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
             return time.perf_counter() - t, int(out.num_cached_tokens or 0)
 
+        before = _objects(spec["store"]) if mode == "bsr" else 0
         ask(-1)  # warm-up; with bsr also stores the prefix (saved after the request ends)
         if mode == "bsr":
-            want = n // CHUNK_TOKENS
+            want = before + n // CHUNK_TOKENS
             deadline = time.monotonic() + 120
             while _objects(spec["store"]) < want and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -226,7 +229,7 @@ def run_vllm(ns: argparse.Namespace) -> dict[str, Any]:
     )
     if any(n < CHUNK_TOKENS or n % CHUNK_TOKENS for n in prefixes):
         raise BenchError(f"--vllm-prefixes must be multiples of {CHUNK_TOKENS}, got {prefixes}")
-    repeats = getattr(ns, "vllm_repeats", None) or (2 if quick else 3)
+    repeats = getattr(ns, "vllm_repeats", None) or (2 if quick else 5)
     if repeats < 1:
         raise BenchError("--vllm-repeats must be >= 1")
     python = _python(getattr(ns, "vllm_python", None))

@@ -14,11 +14,14 @@ How it works:
   probe (:class:`~bsr.vllm._bridge.LookupClient`, bounded by ``lookup_timeout_s``) and answers
   the full-chunk prefix beyond vLLM's own prefix-cache hit, leaving at least one prompt token
   to compute. The worker keeps that probe with a lease (``lease_ttl_s``: what it found is not
-  evicted before the load) and the load reuses it instead of probing again. ``update_state_after_alloc`` records the load; ``build_connector_meta`` sends the
-  step's loads (tokens, block table) and saves to the workers. ``request_finished`` schedules a
-  save of the request's computed full chunks and keeps its blocks until the worker reports the
-  save done (``get_finished``), so a save never reads a reused block; at most
-  ``max_pending_saves`` saves are outstanding, more are skipped (a save is best effort).
+  evicted before the load) and the load reuses it instead of probing again.
+  ``update_state_after_alloc`` records the load; ``build_connector_meta`` sends the step's
+  loads (tokens, block table) and saves to the workers. ``request_finished`` schedules a save
+  of the request's computed full chunks and keeps its blocks until the worker reports the save
+  done (``get_finished``), so a save never reads a reused block; at most ``max_pending_saves``
+  saves are outstanding, more are skipped (a save is best effort). With tensor parallelism the
+  scheduler asks rank 0 for a local, metadata-only probe; the restore's agreement across ranks
+  (bsr's coordinator over a gloo group of vLLM's TP ranks) then decides.
 * Worker side. ``register_kv_caches`` derives bsr's layout from vLLM's tensors and views them
   with no copy (:mod:`bsr.vllm._layout`), builds the engine from the one config parser
   (``bsr.EngineConfig``) and opens it on the connector's own event-loop thread. ``start_load_kv``
@@ -55,10 +58,12 @@ from bsr import (
     ConfigError,
     EngineConfig,
     Namespace,
+    ObjectKey,
     PagedKVCache,
     Probe,
     RestoreEngine,
     StateLayout,
+    TorchDistributedCoordinator,
 )
 
 from .._log import logger
@@ -132,6 +137,32 @@ def _options(extra: dict[str, Any]) -> dict[str, Any]:
     return {**CONNECTOR_DEFAULTS, **given}
 
 
+async def _local_prefix(engine: RestoreEngine, tokens: np.ndarray) -> int:
+    """Tokens of the longest prefix this rank's tiers hold (metadata only, no agreement).
+
+    With several ranks the scheduler asks rank 0 alone; the restore's agreement across ranks
+    then decides, and blocks past what every rank holds are reported failed (recomputed).
+    """
+    layout = engine.layout
+    keys = engine.keys(tokens)
+    objs = [ObjectKey(k, g.name) for k in keys for g in layout.groups]
+    present = [False] * len(objs)
+    for tier in engine.tiers:
+        found = await tier.contains_many(objs)
+        present = [a or bool(b) for a, b in zip(present, found)]
+    width = len(layout.groups)
+
+    def usable(p: int) -> bool:
+        return all(
+            present[c * width + i]
+            for i, g in enumerate(layout.groups)
+            for c in layout.needed_chunks(g.name, p)
+        )
+
+    best = next((p for p in range(len(keys), 0, -1) if usable(p)), 0)
+    return best * layout.chunk_tokens
+
+
 def _digest(tokens: np.ndarray) -> bytes:
     raw = np.ascontiguousarray(tokens, dtype="<i8").tobytes()
     return hashlib.blake2b(raw, digest_size=16).digest()
@@ -177,11 +208,14 @@ class BsrConnector(KVConnectorBase_V1):  # type: ignore[misc]
             )
         self._chunk = int(chunk)
         self._tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
-        if self._tp_size != 1 or int(vllm_config.parallel_config.pipeline_parallel_size) != 1:
+        pp = int(vllm_config.parallel_config.pipeline_parallel_size)
+        dp = int(getattr(vllm_config.parallel_config, "data_parallel_size", 1) or 1)
+        if pp != 1 or dp != 1:
             raise ConfigError(
-                "BsrConnector supports tensor_parallel_size=1 and pipeline_parallel_size=1 in "
-                "this version; run one vLLM instance per GPU"
+                "BsrConnector supports tensor parallelism only (pipeline_parallel_size=1, "
+                f"data_parallel_size=1), got pp={pp}, dp={dp}"
             )
+        self._tp_rank = 0
         groups = list(getattr(kv_cache_config, "kv_cache_groups", ()) or ())
         if len(groups) > 1:
             raise ConfigError(
@@ -325,27 +359,40 @@ class BsrConnector(KVConnectorBase_V1):  # type: ignore[misc]
             chunk_tokens=self._chunk,
         )
         self._cache = cache
-        engine = self._build_engine(layout)
+        coordinator = self._coordinator()
+        engine = self._build_engine(layout, coordinator)
         self._loop = LoopThread()
+        error: BaseException | None = None
         try:
             self._loop.call(engine.open)
-        except Exception as exc:  # a store that cannot open: serve without bsr, say so
+        except Exception as exc:
+            error = exc
+        # every rank serves with bsr, or none does (the vote is a collective: always cast)
+        if (
+            coordinator is not None
+            and not self._loop.call(coordinator.agree_all, error is None)
+            and error is None
+        ):
+            error = RuntimeError("another tensor-parallel rank could not open its store")
+        if error is not None:  # a store that cannot open: serve without bsr, say so
             self._log.error(
                 "bsr.vllm.disabled",
-                error=repr(exc),
+                error=repr(error),
                 note="the bsr engine did not open; every lookup misses and nothing is saved",
             )
             self._loop.call_bounded(engine.aclose, timeout=10.0)
         else:
             self._engine = engine
-        self._server = LookupServer(socket_path(self._engine_id), self._lookup_for_scheduler)
+        if self._tp_rank == 0:  # the scheduler asks rank 0
+            self._server = LookupServer(socket_path(self._engine_id), self._lookup_for_scheduler)
         self._log.info(
             "bsr.vllm.registered",
             layers=len(kv_caches),
             groups=[g.to_dict() for g in layout.groups],
             chunk_tokens=self._chunk,
             num_blocks=num_blocks,
-            socket=self._server.path,
+            socket=None if self._server is None else self._server.path,
+            tp=f"{self._tp_rank}/{self._tp_size}",
             pid=os.getpid(),
         )
 
@@ -360,9 +407,29 @@ class BsrConnector(KVConnectorBase_V1):  # type: ignore[misc]
             out.append(GroupSpec("kv" if len(groups) == 1 else f"kv{i}", names, window))
         return out
 
-    def _build_engine(self, layout: StateLayout) -> RestoreEngine:
-        namespace = Namespace(self._model_id, tp_rank=0, tp_size=1)
-        return RestoreEngine.from_config(self._config, layout=layout, namespace=namespace)
+    def _coordinator(self) -> TorchDistributedCoordinator | None:
+        """bsr's agreement over vLLM's tensor-parallel ranks (None with one rank).
+
+        A gloo group of its own over the TP group's ranks: vLLM's own groups run vLLM's
+        collectives on other threads, and two threads must never share a group.
+        """
+        if self._tp_size == 1:
+            return None
+        import torch.distributed as dist
+        from vllm.distributed.parallel_state import get_tp_group
+
+        group = dist.new_group(ranks=list(get_tp_group().ranks), backend="gloo")
+        coordinator = TorchDistributedCoordinator(group)
+        self._tp_rank = coordinator.rank
+        return coordinator
+
+    def _build_engine(
+        self, layout: StateLayout, coordinator: TorchDistributedCoordinator | None
+    ) -> RestoreEngine:
+        namespace = Namespace(self._model_id, tp_rank=self._tp_rank, tp_size=self._tp_size)
+        return RestoreEngine.from_config(
+            self._config, layout=layout, namespace=namespace, coordinator=coordinator
+        )
 
     def _lookup_for_scheduler(self, tokens: np.ndarray) -> int:
         """The scheduler's probe, run on the loop thread and bounded by ``lookup_timeout_s``."""
@@ -370,7 +437,9 @@ class BsrConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if engine is None or loop is None:
             return 0
         timeout = float(self._opts["lookup_timeout_s"])
-
+        if self._tp_size > 1:  # lookup() would run collectives that only rank 0 joins
+            hit = loop.call_bounded(_local_prefix, engine, tokens, timeout=timeout)
+            return 0 if hit is None else int(hit)
         ttl = float(self._opts["lease_ttl_s"])
 
         async def probe() -> Probe:
@@ -463,6 +532,10 @@ class BsrConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 if probes[i] is not None:
                     probes[i].release()  # type: ignore[union-attr]
 
+        if engine.namespace.tp_size > 1:  # every rank runs the same collectives in one order
+            for i, job in enumerate(jobs):
+                await one(i, job)
+            return out
         async with anyio.create_task_group() as tg:
             for i, job in enumerate(jobs):
                 tg.start_soon(one, i, job)
