@@ -343,6 +343,16 @@ def run_hcache(
             point["rebuild_vs_gemm"] = point["rebuild_gemm"]["ratio"]
             r, kv = point["recompute_s"]["median"], point["kv"]["total_s"]["median"]
             hcs, pl = point["hcache"]["total_s"]["median"], point["planner"]["total_s"]["median"]
+            mins = {k: point[k]["total_s"]["min"] for k in ("kv", "hcache", "planner")}
+            point["ratios_of_mins"] = {
+                "kv_vs_hcache": _ratio(mins["kv"], mins["hcache"]),
+                "kv_vs_planner": _ratio(mins["kv"], mins["planner"]),
+                "best_pure_vs_planner": _ratio(min(mins["kv"], mins["hcache"]), mins["planner"]),
+            }
+            same = [
+                k for k in ("kv", "hcache") if point[k]["methods"] == point["planner"]["methods"]
+            ]
+            point["planner_same_as"] = same[0] if same else None
             point["ratios"] = {
                 "recompute_vs_hcache": _ratio(r, hcs),
                 "kv_vs_hcache": _ratio(kv, hcs),
@@ -403,6 +413,7 @@ def _row(p: dict[str, Any]) -> str:
         f"{p['planner']['total_s']['median']:>8.3f}{r['recompute_vs_hcache']:>7.2f}x"
         f"{r['kv_vs_hcache']:>6.2f}x{r['recompute_vs_planner']:>8.2f}x{r['kv_vs_planner']:>7.2f}x"
         f"{p['rebuild_vs_gemm']:>7.2f}x  {plan}"
+        + (f" (= {p['planner_same_as']} plan)" if p.get("planner_same_as") else "")
     )
 
 
