@@ -169,3 +169,12 @@ def test_damaged_hidden_state_is_visible_in_the_logits(tmp_path: Path) -> None:
     rebuilt.layers[1].keys[0, 0, 5] += 1.0
     got = decode_from(model, toks, PREFIX, rebuilt)
     assert max_diff(got, want) > 1e-4
+
+
+@pytest.mark.parametrize("kind", SUPPORTED)
+def test_bf16_models_pass_the_self_check_on_the_module_path(kind: str) -> None:
+    model = build(kind, kv_heads=2).to(torch.bfloat16)
+    report = hcache.check_model(model)
+    assert report.ok and report.tolerance == 3e-2
+    adapter = hcache.ModelAdapter(model)
+    assert not adapter.fast(0, adapter.rope(0, 8))  # no complex bf16: the module-by-module path
