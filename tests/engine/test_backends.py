@@ -227,13 +227,6 @@ class ShieldedSlowReads(bsr.TierWrapper[bsr.Tier]):
         return n
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known bug: transfer/_pipeline.py WindowPipeline._thread registers the slot's 'done' "
-    "event before anyio.to_thread.run_sync, which can be cancelled before the thread starts "
-    "(a checkpoint, the limiter); 'done' is then never set and release_all parks the slot "
-    "forever. Remove this marker with the fix.",
-)
 async def test_cancel_before_the_install_thread_starts_releases_the_slot(
     anyio_backend: str, tier: bsr.Tier
 ) -> None:

@@ -357,17 +357,36 @@ class WindowPipeline:
         return "thread"
 
     async def _thread(self, job: _Job, slot: Slot, fn: Any, *args: Any) -> Any:
-        """Run ``fn`` in a worker thread that may outlive a cancelled request (then parked)."""
+        """Run ``fn`` in a worker thread that may outlive a cancelled request (then parked).
+
+        ``run.busy[slot]`` is set once the slot is free of the thread: when ``fn`` returned, or
+        at once when the call was cancelled before the thread started (it then never runs).
+        """
         done = threading.Event()
+        lock = threading.Lock()
+        state = ["queued"]
         job.run.busy[slot] = done
 
         def call() -> Any:
+            with lock:
+                if state[0] == "withdrawn":
+                    return None
+                state[0] = "running"
             try:
                 return fn(*args)
             finally:
                 done.set()
 
-        result = await anyio.to_thread.run_sync(call, abandon_on_cancel=True, limiter=self._limiter)
+        try:
+            result = await anyio.to_thread.run_sync(
+                call, abandon_on_cancel=True, limiter=self._limiter
+            )
+        except BaseException:
+            with lock:
+                if state[0] == "queued":  # cancelled before the thread took it
+                    state[0] = "withdrawn"
+                    done.set()
+            raise
         job.run.busy.pop(slot, None)
         return result
 
