@@ -114,17 +114,24 @@ def test_every_plan_decodes_like_the_never_evicted_run(
     assert max_diff(got, want) <= 1e-5 and same_tokens(got, want)
 
 
-def test_hidden_states_land_inside_the_kv_rows_for_mha() -> None:
-    """Restored MHA hidden states need no memory of their own: the groups alias the K/V rows."""
+def test_hidden_states_land_inside_the_kv_blocks_for_mha() -> None:
+    """Restored MHA hidden states need no memory of their own: each lands in its own K/V block."""
     model = build("llama", layers=4, kv_heads=4)
     hc = hcache.HCache(model, hcache.fixed_plan(model.config, ["hidden"] * 4), chunk_tokens=CHUNK)
     kv = bsr.PagedKVCache(hc.kv_layout, NUM_BLOCKS, BLOCK)
     view = hc.restore_view(kv)
-    assert view.tensor("hidden.0").data_ptr() == kv.tensor("kv").data_ptr()
+    base = kv.tensor("kv")
+    for j, layer in enumerate(view.layers("hidden.0")):
+        assert layer.data_ptr() == base[j].data_ptr()  # block 0 of layer j, first bytes
+        assert layer.stride(0) == base.stride(1)  # one K/V block apart: block-contiguous
+    assert view.nbytes < base.numel()  # the view is half of the K/V bytes
     gqa = build("llama", layers=4, kv_heads=1)
     hg = hcache.HCache(gqa, hcache.fixed_plan(gqa.config, ["hidden"] * 4), chunk_tokens=CHUNK)
     kvg = bsr.PagedKVCache(hg.kv_layout, NUM_BLOCKS, BLOCK)
-    assert hg.restore_view(kvg).tensor("hidden.0").data_ptr() != kvg.tensor("kv").data_ptr()
+    landing = hg.restore_view(kvg).layers("hidden.0")[0]
+    assert not (
+        kvg.tensor("kv").data_ptr() <= landing.data_ptr() < kvg.tensor("kv").data_ptr() + kvg.nbytes
+    )
 
 
 def test_a_failed_hidden_read_invalidates_the_whole_request(tmp_path: Path) -> None:

@@ -178,23 +178,33 @@ class HCache:
         return self._view(kv_cache, hidden)
 
     def restore_view(self, kv_cache: PagedKVCache) -> PagedKVCache:
-        """The engine-layout cache to restore into (hidden states land inside the K/V rows)."""
-        kv = self._check_kv(kv_cache)
-        hb = self.plan.hidden_bytes
-        hidden: dict[str, torch.Tensor] = {}
-        if hb <= self.plan.kv_bytes:
+        """The engine-layout cache to restore into; hidden states land inside the K/V blocks.
+
+        For MHA (a hidden row is at most a K/V row) the hidden state of block ``b`` of layer
+        ``i`` lands in the first ``block_tokens x hidden_bytes`` bytes of that very block of
+        layer ``i``'s K/V: block-contiguous, so the engine installs it with wide copies, and
+        only that block's rebuild overwrites it (after reading it).
+        """
+        self._check_kv(kv_cache)
+        kv_layers = kv_cache.layers(KV)
+        nb, bt = kv_cache.num_blocks, kv_cache.block_tokens
+        hb, kb = self.plan.hidden_bytes, self.plan.kv_bytes
+        views: dict[str, list[torch.Tensor]] = {KV: [kv_layers[i] for i in self.plan.layers(KV)]}
+        if hb <= kb:
             for name, layers in self.plan.hidden_groups:
-                hidden[name] = kv[layers[0] : layers[-1] + 1, :, :, :hb]
+                views[name] = [kv_layers[i].view(nb, bt * kb)[:, : bt * hb] for i in layers]
         else:  # GQA: a hidden state is larger than the K/V row; land it beside
             n = len(self.plan.layers(HIDDEN))
-            shape = (n, kv_cache.num_blocks, kv_cache.block_tokens, hb)
+            shape = (n, nb, bt, hb)
             if self._landing is None or tuple(self._landing.shape) != shape:
-                self._landing = torch.zeros(shape, dtype=torch.uint8, device=kv.device)
+                self._landing = torch.zeros(shape, dtype=torch.uint8, device=kv_layers[0].device)
             j0 = 0
             for name, layers in self.plan.hidden_groups:
-                hidden[name] = self._landing[j0 : j0 + len(layers)]
+                views[name] = list(self._landing[j0 : j0 + len(layers)].unbind(0))
                 j0 += len(layers)
-        return self._view(kv_cache, hidden)
+        if not views[KV]:
+            del views[KV]
+        return PagedKVCache.from_layer_tensors(self.layout, views, bt)
 
     # ------------------------------------------------------------- capture
     def capture(self, store: PagedKVCache, block_ids: Any, *, verify: bool = True) -> HiddenCapture:

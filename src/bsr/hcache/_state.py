@@ -179,8 +179,10 @@ def rebuild_rows(
     if num_tokens == 0:
         return
     bt = src.block_tokens
-    hid = src.typed(group)
-    out = dst.typed(dst_group)
+    g, og = src.layout.group(group), dst.layout.group(dst_group)
+    hid = [t.view(g.torch_dtype) for t in src.layers(group)]  # stacked or per-layer caches
+    out = [t.view(og.torch_dtype) for t in dst.layers(dst_group)]
+    hidden = adapter.shape.hidden
     kd = adapter.shape.kv_dim
     full = num_tokens // bt
     per = max(1, piece_tokens // bt)
@@ -197,7 +199,7 @@ def rebuild_rows(
             for b0 in range(0, full, per):
                 b1 = min(full, b0 + per)
                 idx = ids[b0:b1].to(src.device)
-                h = torch.index_select(src_l, 0, idx).view(-1, hid.shape[-1]).to(dev)
+                h = torch.index_select(src_l, 0, idx).view(-1, hidden).to(dev)
                 k, v = adapter.project_parts(layer, h, rope[b0 * bt : b1 * bt], scratch)
                 didx = idx.to(dst.device)
                 kdst = dst_l[..., :kd].view(nb_all, bt, *k.shape[1:])
