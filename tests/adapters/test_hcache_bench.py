@@ -36,6 +36,7 @@ def test_table_reports_ratios_next_to_the_paper() -> None:
             "best_pure_vs_planner": 1.0,
         },
         "rebuild_vs_gemm": 1.2,
+        "compute_to_io": 2.5,
     }
     capture = {"overhead": 0.01, "overhead_of_mins": 0.02, "step_s_plain": dist}
     rates = {"project_s_per_token_layer": 3e-5, "read_bytes_per_s": 1e9}
@@ -46,4 +47,5 @@ def test_table_reports_ratios_next_to_the_paper() -> None:
     }
     text = hb.table(doc)
     assert "8.00x" in text and "0.20x" in text and "0r/0h/8kv" in text
+    assert "mha 1024: 2.50" in text
     assert "5.73x vs recompute" in text and "1.93x vs KV" in text and "+1.0%" in text

@@ -356,7 +356,7 @@ def _sync(device: torch.device) -> None:
 
 
 def measure_read(
-    tier_factory: Any = None, *, mib: int = 64, window: int = 4, repeats: int = 3
+    tier_factory: Any = None, *, mib: int = 64, window: int = 4, repeats: int = 5
 ) -> float:
     """Restore bandwidth (bytes/s) of a tier through a :class:`~bsr.RestoreEngine`.
 
@@ -393,6 +393,7 @@ def measure_read(
             out = []
             async with engine:
                 await engine.save(tokens, cache, ids)
+                await engine.restore(tokens, cache, ids)  # warm-up: first-touch, thread pools
                 for _ in range(repeats):
                     t0 = time.perf_counter()
                     res = await engine.restore(tokens, cache, ids)
