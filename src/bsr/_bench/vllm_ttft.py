@@ -235,7 +235,9 @@ def run_vllm(ns: argparse.Namespace) -> dict[str, Any]:
     )
     if any(n < CHUNK_TOKENS or n % CHUNK_TOKENS for n in prefixes):
         raise BenchError(f"--vllm-prefixes must be multiples of {CHUNK_TOKENS}, got {prefixes}")
-    repeats = getattr(ns, "vllm_repeats", None) or (2 if quick else 5)
+    repeats = getattr(ns, "vllm_repeats", None)
+    if repeats is None:
+        repeats = 2 if quick else 5
     if repeats < 1:
         raise BenchError("--vllm-repeats must be >= 1")
     python = _python(getattr(ns, "vllm_python", None))

@@ -1,0 +1,55 @@
+"""``bsr bench --engine vllm``: argument checks and error reporting (the figures need vLLM)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import pytest
+
+from bsr._bench.options import add_arguments
+from bsr._bench.stats import BenchError
+from bsr._bench.vllm_ttft import _root_cause, run_vllm
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def test_engine_flag_defaults_to_the_restore_bench() -> None:
+    assert parse().engine == "bsr"
+    ns = parse("--engine", "vllm", "--vllm-prefixes", "512,1024", "--vllm-repeats", "2")
+    assert (ns.engine, ns.vllm_prefixes, ns.vllm_repeats) == ("vllm", "512,1024", 2)
+
+
+def test_bad_arguments_are_bench_errors() -> None:
+    with pytest.raises(BenchError, match="multiples of 256"):
+        run_vllm(parse("--engine", "vllm", "--vllm-prefixes", "1000"))
+    with pytest.raises(BenchError, match=">= 1"):
+        run_vllm(parse("--engine", "vllm", "--vllm-repeats", "0"))
+
+
+def test_an_interpreter_without_vllm_is_named() -> None:
+    ns = parse("--engine", "vllm", "--vllm-python", sys.executable, "--vllm-prefixes", "256")
+    try:
+        import vllm.config  # noqa: F401
+    except ImportError:
+        with pytest.raises(BenchError, match="cannot import vllm"):
+            run_vllm(ns)
+    else:
+        pytest.skip("this interpreter has vLLM")
+
+
+def test_root_cause_is_the_specific_line() -> None:
+    stderr = "\n".join(
+        [
+            "(Worker pid=1) INFO 12-01 [x.py:1] starting",
+            "(Worker pid=1) ERROR 12-01 [y.py:2] ValueError: CPU Offloading is currently only "
+            "supported on CUDA-alike and XPU GPUs",
+            "RuntimeError: Engine core initialization failed. See root cause above.",
+        ]
+    )
+    assert _root_cause(stderr).startswith("ValueError: CPU Offloading is currently only supported")
+    assert _root_cause("") == "no output"
