@@ -38,7 +38,13 @@ def test_table_reports_ratios_next_to_the_paper() -> None:
         "rebuild_vs_gemm": 1.2,
         "compute_to_io": 2.5,
     }
-    capture = {"overhead": 0.01, "overhead_of_mins": 0.02, "step_s_plain": dist}
+    capture = {
+        "overhead": 0.01,
+        "overhead_of_mins": 0.02,
+        "step_s_plain": dist,
+        "hooks_s_per_step": 1e-4,
+        "overhead_direct": 1e-4,
+    }
     rates = {"project_s_per_token_layer": 3e-5, "read_bytes_per_s": 1e9}
     doc = {
         "results": [point],
