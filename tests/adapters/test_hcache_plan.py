@@ -41,6 +41,7 @@ GPU = hcache.Rates(
 
 
 def brute(cfg: object, n: int, rates: hcache.Rates, overlap: bool, g: int = 4) -> float:
+    """The fastest split under the documented timing model, by enumeration."""
     L, hid = cfg.num_hidden_layers, cfg.hidden_size  # type: ignore[attr-defined]
     kvd = cfg.num_key_value_heads * (hid // cfg.num_attention_heads)  # type: ignore[attr-defined]
     hb, kb = 4 * hid, 8 * kvd
@@ -50,7 +51,9 @@ def brute(cfg: object, n: int, rates: hcache.Rates, overlap: bool, g: int = 4) -
             io = n * (h * hb + (L - r - h) * kb) / rates.read_bytes_per_s
             proj = n * h * rates.project_s_per_token_layer
             rec = n * r * rates.recompute_s_per_token_layer
-            if overlap:
+            if rates.shared:
+                t = io + rec + proj
+            elif overlap:
                 t = max(io, rec + proj + n * min(g, h) * hb / rates.read_bytes_per_s)
             else:
                 t = max(io, rec) + proj
@@ -67,12 +70,20 @@ def brute(cfg: object, n: int, rates: hcache.Rates, overlap: bool, g: int = 4) -
     proj=st.floats(1e-9, 1e-4),
     rec=st.floats(1e-9, 1e-3),
     overlap=st.booleans(),
+    shared=st.booleans(),
 )
 def test_the_plan_is_the_brute_force_minimum(
-    kv_heads: int, layers: int, n: int, read: float, proj: float, rec: float, overlap: bool
+    kv_heads: int,
+    layers: int,
+    n: int,
+    read: float,
+    proj: float,
+    rec: float,
+    overlap: bool,
+    shared: bool,
 ) -> None:
     cfg = config(kv_heads, layers)
-    rates = hcache.Rates(read, proj, rec)
+    rates = hcache.Rates(read, proj, rec, shared=shared)
     plan = hcache.plan_layers(cfg, n, rates, overlap=overlap)
     want = brute(cfg, n, rates, overlap)
     assert plan.cost.total_s == pytest.approx(want, rel=1e-9)
@@ -128,7 +139,7 @@ def test_plan_prints_and_builds_the_mixed_layout() -> None:
 def test_calibration_measures_once_and_is_cached(tmp_path: Path) -> None:
     model = build("llama", layers=2)
     rates = hcache.calibrate(model, tokens=64, read_bytes_per_s=1e9)
-    assert rates.source == "measured" and rates.read_bytes_per_s == 1e9
+    assert rates.source == "measured" and rates.read_bytes_per_s == 1e9 and rates.shared  # CPU
     assert rates.project_s_per_token_layer > 0 and rates.recompute_s_per_token_layer > 0
     assert hcache.calibrate(model, tokens=64, read_bytes_per_s=1e9) is rates  # cached
     assert hcache.calibrate(model, tokens=64, read_bytes_per_s=1e9, refresh=True) is not rates
@@ -140,3 +151,21 @@ def test_calibration_measures_once_and_is_cached(tmp_path: Path) -> None:
         tier_name="host",
     )
     assert read.read_bytes_per_s > 1e6  # a real restore through the engine moved the bytes
+
+
+def test_shared_cores_never_recompute_what_is_cheaper_to_read() -> None:
+    """On a CPU-only machine recompute competes with the reads for the cores: no free overlap."""
+    mha = config(16)
+    # recompute per layer (1e-5 s/token) is cheaper than one KV layer's read (8 KiB at 0.4 GB/s)
+    rates = hcache.Rates(
+        read_bytes_per_s=4e8, project_s_per_token_layer=1e-3, recompute_s_per_token_layer=1e-5
+    )
+    independent = hcache.plan_layers(mha, 2048, rates)
+    assert independent.layers("recompute")  # hidden under the reads when they overlap
+    shared = hcache.plan_layers(mha, 2048, hcache.Rates(4e8, 1e-3, 1e-5, shared=True))
+    c = shared.cost
+    assert c.total_s == pytest.approx(c.io_s + c.recompute_s + c.project_s)
+    # recompute only where it beats the read it replaces, layer for layer
+    assert shared.layers("recompute") == tuple(range(8))[: len(shared.layers("recompute"))]
+    slow = hcache.plan_layers(mha, 2048, hcache.Rates(4e8, 1e-3, 1e-4, shared=True))
+    assert slow.methods == ("kv",) * 8 and "share the cores" in str(slow)

@@ -11,6 +11,8 @@ runs the model from the embeddings) only compute. :func:`plan_layers` tries ever
 ``recompute [0, r) | hidden [r, r + h) | kv [r + h, L)`` and keeps the fastest under the
 executor's timing model:
 
+* ``rates.shared`` (a CPU-only machine, where the reads' verification and installs use the cores
+  the model would compute on): nothing overlaps, ``io + recompute + project``;
 * ``overlap=False`` (what :class:`~bsr.hcache.HCache` does with today's engine, which reports a
   restore only when it is complete): recompute runs beside the reads, the projection after them:
   ``max(io, recompute) + project``;
@@ -55,6 +57,9 @@ class Rates:
             ``calibrated_tokens``; attention grows with the prefix, so longer prefixes cost more).
         calibrated_tokens: the prefix length the compute rates were measured at.
         source: ``"measured"`` or ``"given"``.
+        shared: compute and the restore's I/O path run on the same cores (a CPU-only machine:
+            the reads' verification and installs need the cores the projection would use), so
+            their times add up instead of overlapping. :func:`calibrate` sets it for CPU models.
     """
 
     read_bytes_per_s: float
@@ -62,6 +67,7 @@ class Rates:
     recompute_s_per_token_layer: float
     calibrated_tokens: int = 0
     source: str = "given"
+    shared: bool = False
 
     def __post_init__(self) -> None:
         for name in (
@@ -170,7 +176,8 @@ class LayerPlan:
             f" rebuild): " + ", ".join(runs),
             f"  rates: read {r.read_bytes_per_s / 1e9:.2f} GB/s, project "
             f"{r.project_s_per_token_layer * 1e6:.2f} us/token-layer, recompute "
-            f"{r.recompute_s_per_token_layer * 1e6:.2f} us/token-layer ({r.source})",
+            f"{r.recompute_s_per_token_layer * 1e6:.2f} us/token-layer ({r.source}"
+            + (", compute and I/O share the cores)" if r.shared else ")"),
             f"  {'plan':<10}{'io s':>9}{'project s':>11}{'recompute s':>13}{'total s':>10}"
             f"{'MB':>9}",
         ]
@@ -191,7 +198,9 @@ def _cost(
     io = nbytes / rates.read_bytes_per_s
     proj = n * h * rates.project_s_per_token_layer
     rec = n * r * rates.recompute_s_per_token_layer
-    if overlap:
+    if rates.shared:  # one set of cores does everything: nothing overlaps
+        total = io + rec + proj
+    elif overlap:
         bubble = n * min(g, h) * hb / rates.read_bytes_per_s
         total = max(io, rec + proj + bubble)
     else:
@@ -439,7 +448,7 @@ def calibrate(
         if read_bytes_per_s is not None
         else measure_read(tier_factory, mib=read_mib)
     )
-    rates = Rates(read, proj, rec, tokens, "measured")
+    rates = Rates(read, proj, rec, tokens, "measured", shared=dev.type == "cpu")
     _RATES[key] = rates
     return rates
 
