@@ -34,6 +34,7 @@ from .core._keys import ChunkKey as ChunkKey
 from .core._keys import KeyedTokens as KeyedTokens
 from .core._keys import Namespace as Namespace
 from .core._keys import ObjectKey as ObjectKey
+from .core._keys import as_token_array as as_token_array
 from .core._keys import chunk_keys as chunk_keys
 from .core._keys import prepare_tokens as prepare_tokens
 from .core._layout import StateGroup as StateGroup
@@ -49,14 +50,14 @@ from .core._results import RestoreResult as RestoreResult
 from .core._results import SaveResult as SaveResult
 from .core._results import Strategy as Strategy
 from .core._results import Timings as Timings
-from .engine._coordinator import Coordinator as Coordinator
-from .engine._coordinator import InProcessCoordinator as InProcessCoordinator
-from .engine._coordinator import InProcessGroup as InProcessGroup
-from .engine._coordinator import LocalCoordinator as LocalCoordinator
 from .engine._config import EngineConfig as EngineConfig
 from .engine._config import FileTierConfig as FileTierConfig
 from .engine._config import HostTierConfig as HostTierConfig
 from .engine._config import MooncakeTierConfig as MooncakeTierConfig
+from .engine._coordinator import Coordinator as Coordinator
+from .engine._coordinator import InProcessCoordinator as InProcessCoordinator
+from .engine._coordinator import InProcessGroup as InProcessGroup
+from .engine._coordinator import LocalCoordinator as LocalCoordinator
 from .engine._coordinator import TorchDistributedCoordinator as TorchDistributedCoordinator
 from .engine._engine import EngineStatistics as EngineStatistics
 from .engine._engine import RestoreEngine as RestoreEngine
@@ -75,7 +76,11 @@ from .transfer._cache import PagedKVCache as PagedKVCache
 from .transfer._staging import StagingPool as StagingPool
 from .transfer._staging import StagingStatistics as StagingStatistics
 
+# isort: off
+# the kit imports names from this facade, so it comes last
 from . import kit as kit
+
+# isort: on
 
 __version__ = "0.1.0"
 
@@ -141,9 +146,10 @@ __all__ = (
     "Timings",
     "TokenError",
     "TorchDistributedCoordinator",
+    "TransitionRecord",
     "TruncatedObjectError",
     "UnknownGroupError",
-    "TransitionRecord",
+    "as_token_array",
     "chunk_keys",
     "kv_layout",
     "prepare_tokens",

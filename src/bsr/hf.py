@@ -40,10 +40,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from . import PagedKVCache, StateGroup, StateLayout
 from ._check import positive_int
 from ._errors import ConfigError, LayoutError
-from .core._layout import StateGroup, StateLayout, _dtype_name
-from .transfer._cache import PagedKVCache
 
 if TYPE_CHECKING:
     from transformers import DynamicCache
@@ -205,7 +204,8 @@ def layout_for_config(
         layers are left out.
     """
     placements = layer_placements(config)
-    name = _dtype_name(dtype if dtype is not None else _config_dtype(_text_config(config)))
+    chosen = dtype if dtype is not None else _config_dtype(_text_config(config))
+    name = StateGroup.dtype_name(chosen)
     itemsize = torch.empty((), dtype=getattr(torch, name)).element_size()
     groups: list[StateGroup] = []
     for group in (FULL_GROUP, SLIDING_GROUP):

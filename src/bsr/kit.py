@@ -25,14 +25,13 @@ from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from . import PagedKVCache, Probe, RestoreResult, SaveResult, as_token_array
 from ._check import positive_int
 from ._errors import BlockTableError, ConfigError, OutOfBlocksError
-from .core._keys import TokensLike, as_token_array
-from .core._results import Probe, RestoreResult, SaveResult
-from .transfer._cache import PagedKVCache
 
 if TYPE_CHECKING:
-    from .engine._engine import RestoreEngine
+    from . import RestoreEngine
+    from .core._keys import TokensLike
 
 __all__ = (
     "Admission",

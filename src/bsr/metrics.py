@@ -50,12 +50,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from . import Probe, RequestState, RestoreResult, SaveResult
 from ._errors import ClosedError, ConfigError
-from .core._lifecycle import RequestState
-from .core._results import Probe, RestoreResult, SaveResult
 
 if TYPE_CHECKING:
-    from .engine._engine import RestoreEngine
+    from . import RestoreEngine
 
 try:
     import prometheus_client

@@ -94,6 +94,15 @@ class StateGroup:
     window_tokens: int | None = None
     dtype: str = "bfloat16"
 
+    @staticmethod
+    def dtype_name(dtype: str | torch.dtype) -> str:
+        """The name bsr uses for ``dtype`` (a torch dtype or a name such as ``"bfloat16"``).
+
+        Raises:
+            LayoutError: bsr does not support the dtype.
+        """
+        return _dtype_name(dtype)
+
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise LayoutError(

@@ -362,7 +362,9 @@ class TierWrapper(Tier, Generic[T]):
 
     @property  # type: ignore[misc]
     def inline_reads(self) -> bool:  # type: ignore[override]
-        return self.inner.inline_reads and bool(self.blocking_reads)
+        # a wrapper that changes blocking reads (delay, faults) may block: never on the loop
+        unchanged = type(self).read_into_blocking is TierWrapper.read_into_blocking
+        return self.inner.inline_reads and bool(self.blocking_reads) and unchanged
 
     @property
     def closed(self) -> bool:
