@@ -76,6 +76,24 @@ LATENCY_BUCKETS: tuple[float, ...] = (
 RWS_BUCKETS: tuple[float, ...] = tuple(float(1 << (16 + 2 * i)) for i in range(10))
 
 
+#: (attribute, kind, metric name after the prefix, help, labels) of every event metric
+_METRICS: tuple[tuple[str, str, str, str, tuple[str, ...]], ...] = (
+    ("restores", "counter", "restores", "Restores by outcome and reason", ("outcome", "reason")),
+    ("restored_tokens", "counter", "restored_tokens", "Tokens committed by restores", ()),
+    ("restored_bytes", "counter", "restored_bytes", "Payload bytes read by restores", ("tier",)),
+    ("fallbacks", "counter", "restore_fallbacks", "Reads served by a lower tier", ()),
+    ("quarantined", "counter", "restore_quarantined", "Objects quarantined by restores", ()),
+    ("restore_seconds", "histogram", "restore_duration_seconds", "Restore wall time", ("outcome",)),
+    ("restore_rws", "histogram", "restore_rws_bytes", "Peak staging bytes of each restore", ()),
+    ("lookups", "counter", "lookups", "Lookups by result", ("result",)),
+    ("probe_seconds", "histogram", "probe_duration_seconds", "Lookup wall time", ()),
+    ("saves", "counter", "saves", "Saves", ()),
+    ("saved_bytes", "counter", "saved_bytes", "Payload bytes written by saves", ("tier",)),
+    ("save_errors", "counter", "save_errors", "Write errors during saves", ("tier",)),
+    ("save_seconds", "histogram", "save_duration_seconds", "Save wall time", ()),
+)
+
+
 class PrometheusMetrics:
     """Export one engine's results and statistics to a Prometheus registry.
 
@@ -89,6 +107,21 @@ class PrometheusMetrics:
 
     Call :meth:`close` to unsubscribe and unregister every metric.
     """
+
+    # event metrics, made by _declare from _METRICS
+    restores: Any
+    restored_tokens: Any
+    restored_bytes: Any
+    fallbacks: Any
+    quarantined: Any
+    restore_seconds: Any
+    restore_rws: Any
+    lookups: Any
+    probe_seconds: Any
+    saves: Any
+    saved_bytes: Any
+    save_errors: Any
+    save_seconds: Any
 
     def __init__(
         self,
@@ -106,73 +139,29 @@ class PrometheusMetrics:
         self.engine = engine
         self.registry = prometheus_client.REGISTRY if registry is None else registry
         self.prefix = prefix
-        p, reg = prefix, self.registry
-        C, H = prometheus_client.Counter, prometheus_client.Histogram
-        lat, rws = tuple(latency_buckets), tuple(rws_buckets)
         self._metrics: list[Any] = []
-
-        def add(metric: Any) -> Any:
-            self._metrics.append(metric)
-            return metric
-
         try:
-            self.restores = add(
-                C(
-                    f"{p}_restores",
-                    "Restores by outcome and reason",
-                    ["outcome", "reason"],
-                    registry=reg,
-                )
-            )
-            self.restored_tokens = add(
-                C(f"{p}_restored_tokens", "Tokens committed by restores", registry=reg)
-            )
-            self.restored_bytes = add(
-                C(f"{p}_restored_bytes", "Payload bytes read by restores", ["tier"], registry=reg)
-            )
-            self.fallbacks = add(
-                C(f"{p}_restore_fallbacks", "Reads served by a lower tier", registry=reg)
-            )
-            self.quarantined = add(
-                C(f"{p}_restore_quarantined", "Objects quarantined by restores", registry=reg)
-            )
-            self.restore_seconds = add(
-                H(
-                    f"{p}_restore_duration_seconds",
-                    "Restore wall time",
-                    ["outcome"],
-                    buckets=lat,
-                    registry=reg,
-                )
-            )
-            self.restore_rws = add(
-                H(
-                    f"{p}_restore_rws_bytes",
-                    "Peak staging bytes of each restore",
-                    buckets=rws,
-                    registry=reg,
-                )
-            )
-            self.lookups = add(C(f"{p}_lookups", "Lookups by result", ["result"], registry=reg))
-            self.probe_seconds = add(
-                H(f"{p}_probe_duration_seconds", "Lookup wall time", buckets=lat, registry=reg)
-            )
-            self.saves = add(C(f"{p}_saves", "Saves", registry=reg))
-            self.saved_bytes = add(
-                C(f"{p}_saved_bytes", "Payload bytes written by saves", ["tier"], registry=reg)
-            )
-            self.save_errors = add(
-                C(f"{p}_save_errors", "Write errors during saves", ["tier"], registry=reg)
-            )
-            self.save_seconds = add(
-                H(f"{p}_save_duration_seconds", "Save wall time", buckets=lat, registry=reg)
-            )
-            self._collector = add(_EngineCollector(engine, p))
-            reg.register(self._collector)
+            self._declare(tuple(latency_buckets), tuple(rws_buckets))
+            self._collector = _EngineCollector(engine, prefix)
+            self._metrics.append(self._collector)
+            self.registry.register(self._collector)
         except BaseException:
             self._unregister()
             raise
         self._unsubscribe: Callable[[], None] | None = engine.subscribe(self.observe)
+
+    def _declare(self, lat: tuple[float, ...], rws: tuple[float, ...]) -> None:
+        """Create (and register) every counter and histogram named in :data:`_METRICS`."""
+        for attr, kind, name, doc, labels in _METRICS:
+            extra: dict[str, Any] = {}
+            if kind == "histogram":
+                extra["buckets"] = rws if attr == "restore_rws" else lat
+            cls = prometheus_client.Counter if kind == "counter" else prometheus_client.Histogram
+            metric = cls(
+                f"{self.prefix}_{name}", doc, list(labels), registry=self.registry, **extra
+            )
+            self._metrics.append(metric)
+            setattr(self, attr, metric)
 
     # ------------------------------------------------------------------ events
     def observe(self, record: Probe | RestoreResult | SaveResult) -> None:
