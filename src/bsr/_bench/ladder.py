@@ -44,8 +44,15 @@ from bsr import ConfigError, Reason, RestoreEngine, RestoreResult, Strategy
 
 from .layouts import NamedLayout, resolve_layout
 from .machine import commit_info, filesystem_info, machine_info
-from .memory import PeakRss, current_rss, release_free_memory
-from .scale import BLOCK_TOKENS, ChunkedState, Destination, DestinationKind, choose_destination
+from .memory import release_free_memory
+from .scale import (
+    BLOCK_TOKENS,
+    AnonPeak,
+    ChunkedState,
+    Destination,
+    DestinationKind,
+    choose_destination,
+)
 from .stats import BenchError
 
 GIB = 1 << 30
@@ -308,13 +315,12 @@ class _Ladder:
         cache = dest.fresh()
         ids = self.state.identity_ids(tokens)
         release_free_memory()
-        rss0 = current_rss()
-        with PeakRss() as peak:
+        with AnonPeak() as peak:
             t0 = time.perf_counter()
             result = await engine.restore(self.state.tokens[:tokens], cache, ids, strategy=strategy)
             wall = time.perf_counter() - t0
-        # a file-backed destination's written pages count in RSS too; report anonymous growth
-        return result, wall, max(0, peak.peak - rss0), cache
+        # anonymous memory only: a file-backed destination's written pages are not staging
+        return result, wall, peak.growth, cache
 
     def _check_success(self, point: dict[str, Any], cache: Any, tokens: int, key: str) -> None:
         full = (tokens, key) not in self.verified_full

@@ -223,6 +223,27 @@ def run_lmcache_ladder(
             after = int(res["resume_after_budget"])
             remaining = [b for b in remaining if b > after]
             continue
+        if res["status"] != "ok":  # the worker died mid-run (e.g. the kernel's OOM killer)
+            status = "worker_died"
+            why = (
+                f"the LMCache worker died (exit {proc.returncode}"
+                + (
+                    f", signal {-proc.returncode}: see the kernel log for the OOM killer"
+                    if proc.returncode < 0
+                    else ""
+                )
+                + ") during this retrieve"
+            )
+            warnings.append(why)
+            seen = {(p["tokens"], p["budget_bytes"]) for p in points}
+            first = True
+            for b in remaining:
+                for n in sizes:
+                    if (n, b) not in seen:
+                        pt = skipped(n, b, "worker_died", why if first else "not reached: " + why)
+                        pt["outcome"] = "failed" if first else "skipped"
+                        points.append(pt)
+                        first = False
         break
     shutil.rmtree(work, ignore_errors=True)
     return {

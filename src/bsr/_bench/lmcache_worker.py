@@ -229,7 +229,10 @@ def main() -> None:
             else:
                 got = int(result["mask"].sum())
                 outcome = "committed" if got == n else ("partial" if got else "failed")
-                doc["points"].append(_point(n, budget, outcome, got, wall, growth, ""))
+                point = _point(n, budget, outcome, got, wall, growth, "")
+                # what the retrieve held in L1: one memory object per retrieved chunk
+                point["rws_peak_bytes"] = got // ct * chunk_bytes
+                doc["points"].append(point)
             print(
                 f"lmcache {n} tokens L1 {budget / GIB:g} GiB: {doc['points'][-1]['outcome']} "
                 f"{doc['points'][-1]['committed_tokens']} tok",

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import enum
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -292,6 +293,50 @@ class Destination:
         if self.kind is DestinationKind.FILE:
             for g in self.layout.groups:
                 (self.directory / f"{g.name}.bin").unlink(missing_ok=True)
+
+
+class AnonPeak:
+    """Peak anonymous RSS (``RssAnon``) inside a block, sampled every ``interval_s``.
+
+    A file-backed destination's written pages count in total RSS; anonymous memory is what a
+    staging buffer (or a whole-plan buffer) costs, so this is what the paper-scale benches report.
+    """
+
+    def __init__(self, interval_s: float = 0.002) -> None:
+        self.interval_s = interval_s
+        self.start = self.peak = anon_rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bsr-anon-peak", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.peak = max(self.peak, anon_rss())
+
+    def __enter__(self) -> AnonPeak:
+        self.start = self.peak = anon_rss()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, anon_rss())
+
+    @property
+    def growth(self) -> int:
+        return max(0, self.peak - self.start)
+
+
+def anon_rss() -> int:
+    """This process's anonymous resident memory in bytes (0 where /proc is missing)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return 0
+    return 0
 
 
 def choose_destination(state_bytes: int, available: int, asked: str) -> DestinationKind:

@@ -6,9 +6,9 @@ by a gloo process group on 127.0.0.1.
 How it works: the rank saves its own shard (the same tokens on every rank, different bytes, its
 own FileTier directory), then, with a barrier before each restore so the ranks start together:
 
-1. ``repeats`` BSR restores agreed across ranks (:class:`~bsr.TorchDistributedCoordinator`);
-2. ``repeats`` restores of the same shard by this rank alone (no coordinator), so the difference
-   is what agreement costs;
+1. ``repeats`` BSR restores agreed across ranks (:class:`~bsr.TorchDistributedCoordinator`),
+   interleaved with ``repeats`` restores of the same shard by this rank alone (a coordinator
+   that agrees with itself only), so the difference is what agreement costs;
 3. the fault case: the failing rank's tier raises an I/O error on one chunk; every rank restores
    and must end Invalidated with nothing committed.
 
@@ -99,13 +99,16 @@ async def _rank(cfg: dict[str, Any], rank: int) -> dict[str, Any]:
     from .memory import current_rss
 
     peak_base = current_rss()
-    for label, coordinated in (("agreed", True), ("alone", False)):
-        samples = []
-        async with engine(state.tier(), coordinated=coordinated) as eng:
-            for _ in range(cfg["repeats"]):
+    # agreed and alone interleaved (ABAB), so drift on a shared machine hits both alike
+    out["agreed"], out["alone"] = [], []
+    async with (
+        engine(state.tier(), coordinated=True) as agreed,
+        engine(state.tier(), coordinated=False) as alone,
+    ):
+        for _ in range(cfg["repeats"]):
+            for label, eng in (("agreed", agreed), ("alone", alone)):
                 _, s = await restore(eng)
-                samples.append(s)
-        out[label] = samples
+                out[label].append(s)
     fail_rank = cfg["fail_rank"]
     plan = FaultPlan(
         seed=cfg["seed"],
@@ -119,6 +122,11 @@ async def _rank(cfg: dict[str, Any], rank: int) -> dict[str, Any]:
     med = statistics.median
     out["agreement_overhead_s"] = med(x["wall_s"] for x in out["agreed"]) - med(
         x["wall_s"] for x in out["alone"]
+    )
+    # the phases that hold the collectives: the probe's MIN and the commit's vote + AND (the
+    # latter includes waiting for the slowest rank to finish installing)
+    out["agreement_phases_s"] = med(x["probe_s"] + x["commit_s"] for x in out["agreed"]) - med(
+        x["probe_s"] + x["commit_s"] for x in out["alone"]
     )
     return out
 
