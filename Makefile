@@ -80,4 +80,4 @@ typecheck:
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(LMCACHE_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
