@@ -21,7 +21,8 @@ DAMAGE = b"\x00\x47" * 1024
 
 
 def store_objects(root: str) -> list[Path]:
-    return sorted(p for p in (Path(root) / "objects").glob("**/*.bsr") if p.is_file())
+    """Object files of a FileTier root, or of the per-rank roots below it (TP > 1)."""
+    return sorted(p for p in Path(root).glob("**/objects/**/*.bsr") if p.is_file())
 
 
 def apply(action: dict[str, Any]) -> int:
@@ -91,8 +92,13 @@ def main(spec_path: str, out_path: str) -> None:
                 }
             )
         out["batches"].append({"rows": rows, "wall_s": time.perf_counter() - t1})
-    # let saves of the last requests finish before the engine goes (the connector also waits)
-    time.sleep(spec.get("linger_s", 0.0))
+    # saves run after each request, in the background: a store run waits for its objects (a
+    # shutdown right after the last request could come before its save was even dispatched)
+    if spec.get("await_objects"):
+        path, count = spec["await_objects"]
+        deadline = time.monotonic() + 180
+        while len(store_objects(path)) < count and time.monotonic() < deadline:
+            time.sleep(0.2)
     Path(out_path).write_text(json.dumps(out))
     # an orderly shutdown (the connector waits for its saves), then exit even if a thread of a
     # deliberately hung store can never be joined

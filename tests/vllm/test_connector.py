@@ -62,6 +62,8 @@ BATCH_B = [SHARED + toks(30, 100 + i) for i in range(12)]  # concurrent, one sha
 # what a restore run should restore: every full chunk, leaving one prompt token to compute
 EXPECTED_A = [192, 64, 0, 64]
 EXPECTED_B = 128  # the full chunks of the shared 160-token prefix
+# full chunks of prompt + 7 computed output tokens: 3 + 2 + 0 + 1 for A, 2 shared + 12 for B
+STORED_OBJECTS = 3 + 2 + 0 + 1 + 2 + 12
 
 
 def connector(path: Path, **opts: Any) -> dict[str, Any]:
@@ -94,6 +96,7 @@ def run(tmp: Path, name: str, model: str = "model", **spec: Any) -> dict[str, An
         timeout=600,
         env=env,
     )
+    (tmp / f"{name}.log").write_text(proc.stdout + proc.stderr)  # bsr's and vLLM's events
     if proc.returncode != 0 or not out.exists():
         raise AssertionError(f"{name} run failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
     return json.loads(out.read_text())
@@ -114,7 +117,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     store = tmp / "store"
     out: dict[str, Any] = {"tmp": tmp}
     out["baseline"] = run(tmp, "baseline")
-    out["store"] = run(tmp, "store", connector=connector(store))
+    out["store"] = run(
+        tmp, "store", connector=connector(store), await_objects=[str(store), STORED_OBJECTS]
+    )
     out["objects"] = len(list((store / "objects").glob("**/*.bsr")))
     for name in ("restore", "damaged", "evicted", "fifo"):
         shutil.copytree(store, tmp / name)
@@ -170,7 +175,7 @@ def test_restored_kv_is_what_vllm_attends_to(runs: dict[str, Any]) -> None:
 def test_store_run_outputs_equal_no_connector(runs: dict[str, Any]) -> None:
     assert tokens_of(runs["store"]) == tokens_of(runs["baseline"])
     # every full chunk of every request was stored: shared chunks once
-    assert runs["objects"] >= 3 + 1 + 0 + 1 + 2 + 12
+    assert runs["objects"] == STORED_OBJECTS
 
 
 def test_restore_run_in_fresh_process_reuses_every_full_chunk(runs: dict[str, Any]) -> None:
@@ -215,8 +220,17 @@ def tp_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out: dict[str, Any] = {}
     out["baseline"] = run(tmp, "baseline", batches=[BATCH_A], tensor_parallel_size=2)
     con = connector(tmp / "store")
-    out["store"] = run(tmp, "store", connector=con, batches=[BATCH_A], tensor_parallel_size=2)
-    out["objects"] = len(list((tmp / "store" / "objects").glob("**/*.bsr")))
+    out["store"] = run(
+        tmp,
+        "store",
+        connector=con,
+        batches=[BATCH_A],
+        tensor_parallel_size=2,
+        await_objects=[str(tmp / "store"), 2 * (3 + 2 + 0 + 1)],
+    )
+    out["objects"] = {
+        rank.name: len(list(rank.glob("objects/**/*.bsr"))) for rank in (tmp / "store").iterdir()
+    }
     out["restore"] = run(tmp, "restore", connector=con, batches=[BATCH_A], tensor_parallel_size=2)
     return out
 
@@ -225,5 +239,5 @@ def test_tensor_parallel_2_store_and_restore(tp_runs: dict[str, Any]) -> None:
     assert tokens_of(tp_runs["store"]) == tokens_of(tp_runs["baseline"])
     assert tokens_of(tp_runs["restore"]) == tokens_of(tp_runs["baseline"])
     assert cached_of(tp_runs["restore"]) == [EXPECTED_A]
-    # each rank stores its own shard under its own namespace: twice the objects of one rank
-    assert tp_runs["objects"] == 2 * (3 + 2 + 0 + 1)
+    # each rank stores its own shard under its own namespace, in its own FileTier root
+    assert tp_runs["objects"] == {"rank-0-of-2": 6, "rank-1-of-2": 6}

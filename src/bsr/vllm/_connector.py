@@ -38,11 +38,13 @@ How it works:
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import hashlib
 import os
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -57,6 +59,7 @@ from bsr import (
     BsrError,
     ConfigError,
     EngineConfig,
+    FileTierConfig,
     Namespace,
     ObjectKey,
     PagedKVCache,
@@ -427,8 +430,18 @@ class BsrConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self, layout: StateLayout, coordinator: TorchDistributedCoordinator | None
     ) -> RestoreEngine:
         namespace = Namespace(self._model_id, tp_rank=self._tp_rank, tp_size=self._tp_size)
+        config = self._config
+        if self._tp_size > 1:  # one process per FileTier root: each rank gets its own
+            sub = f"rank-{self._tp_rank}-of-{self._tp_size}"
+            tiers = tuple(
+                dataclasses.replace(t, path=str(Path(t.path) / sub))
+                if isinstance(t, FileTierConfig)
+                else t
+                for t in config.tiers
+            )
+            config = dataclasses.replace(config, tiers=tiers)
         return RestoreEngine.from_config(
-            self._config, layout=layout, namespace=namespace, coordinator=coordinator
+            config, layout=layout, namespace=namespace, coordinator=coordinator
         )
 
     def _lookup_for_scheduler(self, tokens: np.ndarray) -> int:
