@@ -120,6 +120,12 @@ def test_ladder_document_and_invariants(tmp_path: Path, destination: str) -> Non
             points, row["tokens"], slot
         )
     assert doc["lmcache"]["status"] == "off"
+    from bsr._bench.ladder import ladder_markdown, ladder_plot
+
+    (png,) = ladder_plot(doc, tmp_path / "plots")
+    assert Path(png).stat().st_size > 1000
+    table = ladder_markdown(doc)
+    assert table.count("\n| 64 |") == 2 and "| 256 |" in table  # summary row + grid row
 
 
 def test_summary_flags_a_broken_invariant() -> None:

@@ -683,6 +683,7 @@ def ladder_plot(doc: dict[str, Any], directory: Path) -> list[str]:
         "lmcache": ("v-.", "LMCache 0.5.6"),
         "bsr": ("o-", "BSR"),
     }
+    color = {"whole_plan": "C0", "lmcache": "C2", "bsr": "C4"}
     for ax, tokens in zip(axes[0], sizes):
         for s in strategies:
             pts = sorted(
@@ -690,13 +691,19 @@ def ladder_plot(doc: dict[str, Any], directory: Path) -> list[str]:
                 key=lambda p: p["budget_bytes"],
             )
             ok = [p for p in pts if p["outcome"] == "committed"]
-            bad = [p for p in pts if p["outcome"] != "committed"]
+            bad = [p for p in pts if p["outcome"] not in ("committed", "skipped")]
             fmt, label = style[s]
+
+            def held(p: dict[str, Any]) -> float:
+                # LMCache reports no staging peak: what its retrieve held is its RSS growth
+                return float(p["rws_peak_bytes"] or p.get("rss_growth_bytes") or 0) / GIB
+
             ax.plot(
                 [p["budget_bytes"] / GIB for p in ok],
-                [p["rws_peak_bytes"] / GIB for p in ok],
+                [held(p) for p in ok],
                 fmt,
-                label=f"{label}: committed (RWS)",
+                color=color[s],
+                label=f"{label}: committed (staging held)",
             )
             if bad:
                 ax.plot(
@@ -704,7 +711,9 @@ def ladder_plot(doc: dict[str, Any], directory: Path) -> list[str]:
                     [0.0] * len(bad),
                     "x",
                     ms=9,
-                    label=f"{label}: failed cleanly",
+                    color=color[s],
+                    label=f"{label}: "
+                    + ("blocked (waits for L1 forever)" if s == "lmcache" else "refused cleanly"),
                 )
         ax.plot(
             [
