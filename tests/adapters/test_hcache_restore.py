@@ -201,3 +201,33 @@ def test_fast_projection_matches_the_module_by_module_one(kind: str) -> None:
         slow = a.project(i, h, rope)
         p.wk = saved
         assert torch.allclose(fast, slow, atol=1e-5, rtol=1e-5), (fast - slow).abs().max()
+
+
+def test_truncate_commits_the_installed_prefix_for_every_layer(tmp_path: Path) -> None:
+    """policy=truncate: a failed read of chunk 3 leaves chunks 0-2, rebuilt and recomputed."""
+    model = build("llama", layers=4, kv_heads=4)
+    served = Served(model, ["recompute", "hidden", "kv", "kv"])
+    plan = FaultPlan(seed=1, faults=(Fault(FaultKind.READ_ERROR, chunks=frozenset({3})),))
+    tier = FaultyTier(bsr.FileTier(tmp_path, 1 << 26), plan)
+    dst = bsr.PagedKVCache(served.hc.kv_layout, NUM_BLOCKS, BLOCK)
+
+    async def main() -> hcache.HCacheRestore:
+        async with served.engine(tmp_path, tier) as engine:
+            await served.hc.save(
+                engine, served.toks[0, :PREFIX], served.kv, served.store, served.src_ids
+            )
+            return await served.hc.restore(
+                engine, served.toks[0, :PROMPT], dst, served.dst_ids, policy="truncate"
+            )
+
+    res = anyio.run(main)
+    n = 3 * CHUNK
+    assert res.committed_tokens == n and res.reason is None
+    bpc = CHUNK // BLOCK
+    # chunk 3's blocks: what the engine touched and the recompute (run for the probed 4 chunks)
+    assert set(res.invalid_block_ids) == set(served.dst_ids[3 * bpc : 4 * bpc].tolist())
+    rebuilt = hf.read_kv_from_cache(dst, served.dst_ids, n, model.config)
+    toks = served.toks[:, :PROMPT]
+    want = decode_from(model, toks, 0, None)
+    got = decode_from(model, toks, n, rebuilt)
+    assert max_diff(got, want) <= 1e-5 and same_tokens(got, want)
