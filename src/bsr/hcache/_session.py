@@ -12,9 +12,9 @@ same block table), filled by :class:`HiddenCapture` forward pre-hooks during pre
 
 The engine sees the plan's mixed layout (:meth:`LayerPlan.layout`): its ``"kv"`` group is a view
 of the KV layers of the serving cache, its ``"hidden.j"`` groups are views of the hidden store
-(save) or, on restore, of the first ``hidden`` bytes of the hidden layers' own K/V rows when they
-fit (MHA: a hidden state is half a K/V row), so restored hidden states need no memory of their
-own; they are projected in place, block by block, into full K/V rows. Reads go through the
+(save) or, on restore, of the first bytes of each hidden layer's own K/V blocks when they fit
+(MHA: a hidden state is half a K/V row), so restored hidden states need no memory of their own;
+they are projected in place, block by block, into full K/V rows. Reads go through the
 engine's bounded window like any group. A restore is all-or-nothing for the whole request: the
 engine commits every group or none, and a failed projection or recompute turns a committed
 engine restore into an invalidated HCache restore (every block of the prefix reported invalid).
