@@ -121,7 +121,7 @@ def test_self_check_catches_a_rebuild_that_skips_the_key_norm() -> None:
     adapter = hcache.ModelAdapter(model)
     for p in adapter._proj:
         p.key_norm = None  # the old rebuild: K straight from k_proj
-    from bsr.hcache._arch import compare_rows
+    from bsr.hcache._verify import compare_rows
     from bsr.hf import _model_layers
 
     toks = prompt(16)

@@ -25,10 +25,8 @@ from __future__ import annotations
 from .._errors import UnsupportedModelError as UnsupportedModelError
 from ._arch import SUPPORTED_ARCHITECTURES as SUPPORTED_ARCHITECTURES
 from ._arch import ArchSupport as ArchSupport
-from ._arch import CheckReport as CheckReport
 from ._arch import ModelAdapter as ModelAdapter
 from ._arch import check_config as check_config
-from ._arch import check_model as check_model
 from ._plan import HIDDEN as HIDDEN
 from ._plan import KV as KV
 from ._plan import RECOMPUTE as RECOMPUTE
@@ -48,6 +46,8 @@ from ._state import hidden_layout as hidden_layout
 from ._state import rebuild_kv as rebuild_kv
 from ._state import rebuild_rows as rebuild_rows
 from ._state import write_hidden_to_cache as write_hidden_to_cache
+from ._verify import CheckReport as CheckReport
+from ._verify import check_model as check_model
 
 __all__ = (
     "HIDDEN",

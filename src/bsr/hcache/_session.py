@@ -32,9 +32,10 @@ import torch
 
 from .. import PagedKVCache, RestoreResult, SaveResult, StateGroup, StateLayout
 from .._errors import ConfigError, LayoutError, UnsupportedModelError
-from ._arch import CheckReport, ModelAdapter, check_model, compare_rows, dtype_name
+from ._arch import ModelAdapter, dtype_name
 from ._plan import HIDDEN, KV, RECOMPUTE, LayerPlan
 from ._state import rebuild_rows, token_rows
+from ._verify import CheckReport, check_model, compare_rows
 
 #: the hidden store's group
 STORE_GROUP = "hidden"
