@@ -287,3 +287,49 @@ def test_an_object_path_that_blocks_on_open_cannot_hold_a_restore(tmp_path: Path
             assert eng.statistics().staging.in_use == 0
 
     anyio.run(main)
+
+
+# ------------------------------------------------------------------ on_installed
+@pytest.mark.parametrize("policy", ["all_or_nothing", "truncate"])
+def test_on_installed_sees_each_chunk_in_the_cache_before_the_commit(
+    tmp_path: Path, policy: str
+) -> None:
+    """The hook is told about every chunk once, when its bytes are already in the cache; a
+    hook that fails on a chunk keeps that chunk from being committed."""
+    n = 6
+    toks = tokens_for(n * 16)
+    src = filled_cache(LAYOUT, 2 * n, 16)
+    ids = torch.arange(n)
+
+    async def main() -> None:
+        async with make_engine(LAYOUT, [bsr.FileTier(tmp_path, 1 << 24)], window=3) as eng:
+            await eng.save(toks, src, ids)
+            dst = bsr.PagedKVCache(LAYOUT, 2 * n, 16)
+            seen: list[int] = []
+
+            async def hook(chunk: int, groups: tuple[str, ...]) -> None:
+                assert groups == ("kv",)
+                # the chunk's bytes are there already
+                assert blocks_equal(LAYOUT, src, ids[chunk:], dst, ids[chunk:], 1)
+                seen.append(chunk)
+                await anyio.lowlevel.checkpoint()
+
+            r = await eng.restore(toks, dst, ids, on_installed=hook, policy=policy)
+            assert r.committed and sorted(seen) == list(range(n))
+
+            def failing(chunk: int, groups: tuple[str, ...]) -> None:
+                if chunk == 3:
+                    raise RuntimeError("projection failed")
+
+            r = await eng.restore(
+                toks, bsr.PagedKVCache(LAYOUT, 2 * n, 16), ids, on_installed=failing,
+                policy=policy,
+            )  # fmt: skip
+            if policy == "all_or_nothing":
+                assert not r.committed and r.reason is bsr.Reason.INSTALL_FAILED
+            else:
+                assert r.committed and r.committed_tokens == 3 * 16
+            assert any("projection failed" in e for e in r.errors)
+            assert eng.statistics().staging.in_use == 0
+
+    anyio.run(main)

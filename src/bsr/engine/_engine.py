@@ -53,7 +53,13 @@ from ..core._plan import needed_objects
 from ..core._results import Probe, RestoreResult, SaveResult
 from ..tiers._base import Tier, TierLease, TierStatistics
 from ..transfer._cache import PagedKVCache
-from ..transfer._pipeline import ChunkFailure, RestoreRun, WholePlanBuffer, WindowPipeline
+from ..transfer._pipeline import (
+    ChunkFailure,
+    OnInstalled,
+    RestoreRun,
+    WholePlanBuffer,
+    WindowPipeline,
+)
 from ..transfer._save import save_chunks
 from ..transfer._staging import StagingPool, StagingStatistics
 from ._coordinator import Coordinator, LocalCoordinator
@@ -406,6 +412,7 @@ class RestoreEngine:
         strategy: Strategy | str = Strategy.BOUNDED,
         request_id: str | None = None,
         probe: Probe | None = None,
+        on_installed: OnInstalled | None = None,
     ) -> RestoreResult:
         """Restore the longest reusable prefix of ``tokens`` into ``cache`` at ``block_ids``.
 
@@ -413,10 +420,15 @@ class RestoreEngine:
         Invalidated (nothing is valid; recompute). Never raises for storage failures; raises
         typed errors for bad arguments, and re-raises cancellation after releasing every slot.
         ``probe``: a :meth:`lookup` result for the same tokens, reused instead of probing again
-        (its leases are released when the restore ends). With several ranks every rank must
-        call ``restore`` for the same tokens, all with a probe or all without.
+        (its leases are released when the restore ends). ``on_installed(chunk, groups)``: called
+        on the event loop (awaited if it returns an awaitable) as soon as each chunk is in the
+        cache, before the commit, so a caller can overlap its own work (e.g. rebuilding K/V from
+        hidden states) with the reads of later chunks; if it raises, the request cannot commit.
+        With several ranks every rank must call ``restore`` for the same tokens, all with a
+        probe or all without.
         """
         req = self._admit(tokens, cache, block_ids, policy, deadline_s, strategy, request_id)
+        req.on_installed = on_installed
         try:
             await self._probe_phase(req, probe)
             if req.life.state is RequestState.WINDOWING:
@@ -519,8 +531,9 @@ class RestoreEngine:
         t = time.perf_counter()
         with anyio.move_on_after(req.remaining()) as scope:
             await self._window.run(
-                run, req.slots, req.probe, req.cache, req.ids, req.strategy, req.gate
-            )
+                run, req.slots, req.probe, req.cache, req.ids, req.strategy, req.gate,
+                req.on_installed,
+            )  # fmt: skip
         # the deadline fired, even if the window ended another way while shielded
         req.timed_out = scope.cancel_called
         req.timed("window", t)

@@ -16,7 +16,7 @@ from ..core._lifecycle import RequestLifecycle, RequestState
 from ..core._options import Policy, Strategy
 from ..core._results import Probe, RestoreResult, Timings
 from ..transfer._cache import PagedKVCache
-from ..transfer._pipeline import RestoreRun, SlotSource
+from ..transfer._pipeline import OnInstalled, RestoreRun, SlotSource
 from ._decisions import RestoreGate
 
 
@@ -39,6 +39,7 @@ class RestoreRequest:
     gate: RestoreGate | None = None
     timed_out: bool = False
     committed_chunks: int = 0
+    on_installed: OnInstalled | None = None
     t0: float = field(default_factory=time.perf_counter)
     phase_s: dict[str, float] = field(default_factory=dict)
 

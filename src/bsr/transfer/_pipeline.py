@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import anyio
@@ -95,6 +95,9 @@ class WholePlanBuffer:
 
 SlotSource = StagingAccount | WholePlanBuffer
 
+#: ``on_installed(chunk, groups)``: told on the event loop once a chunk's groups are in the cache
+OnInstalled = Callable[[int, tuple[str, ...]], Awaitable[None] | None]
+
 
 class RestoreRun:
     """One restore's transfer record, shared by the pipeline's tasks and worker threads.
@@ -151,6 +154,11 @@ class RestoreRun:
     def record_installed(self, chunk: int, groups: Sequence[str]) -> None:
         with self._lock:
             self.installed.update((chunk, g) for g in groups)
+
+    def withdraw(self, chunk: int, groups: Sequence[str]) -> None:
+        """The chunk's blocks no longer hold valid state (the caller's work on them failed)."""
+        with self._lock:
+            self.installed.difference_update((chunk, g) for g in groups)
 
     def abandon(self) -> None:
         """The request is over: no worker may copy into the cache from now on."""
@@ -212,6 +220,8 @@ class _Job:
         self.host = HostInstaller(cache.layout, cache, ids) if not self.cuda else None
         self.device: CudaInstaller | None = None
         self.staged: dict[int, Slot] = {}  # whole-plan: chunks read, waiting for the install
+        self.on_installed: OnInstalled | None = None
+        self.announced: set[int] = set()
         self.turns = anyio.CapacityLimiter(1)  # io_depth transfer turns (set by the pipeline)
 
 
@@ -291,12 +301,17 @@ class WindowPipeline:
         ids: torch.Tensor,
         strategy: Strategy,
         gate: ReadGate,
+        on_installed: OnInstalled | None = None,
     ) -> None:
         """Stream every needed chunk into the cache, or stop early on failure.
 
         Failures are recorded in ``run`` (never raised); cancellation propagates.
+        ``on_installed(chunk, groups)`` is called (and awaited if it returns an awaitable) on the
+        event loop once each chunk is in the cache, in no particular order; if it raises, the
+        chunk counts as failed to install, so the request cannot commit it.
         """
         job = _Job(run, slots, probe, cache, ids, gate, strategy is Strategy.WHOLE_PLAN)
+        job.on_installed = on_installed
         job.turns = anyio.CapacityLimiter(self.io_depth)
         if job.cuda:
             if self.cuda_stream is None:
@@ -309,6 +324,7 @@ class WindowPipeline:
                 tg.start_soon(self._worker, job, batches, tg)
         if job.whole_plan and job.staged:
             await self._install_staged(job)
+            await self._announce(job, sorted(job.staged))
 
     def _batch_size(self, job: _Job, n: int) -> int:
         if job.cuda or job.whole_plan:
@@ -343,6 +359,7 @@ class WindowPipeline:
                 tg.start_soon(self._await_device, job, batch[0], slot, event)
                 continue
             self._installed(job, slot)
+            await self._announce(job, batch)
 
     def _mode(self, job: _Job, batch: Sequence[int]) -> str:
         """How to move ``batch``: ``inline`` (small, memory-speed tiers, host destination, on
@@ -389,6 +406,27 @@ class WindowPipeline:
             raise
         job.run.busy.pop(slot, None)
         return result
+
+    async def _announce(self, job: _Job, chunks: Sequence[int]) -> None:
+        """Tell ``job.on_installed`` about every chunk of ``chunks`` now fully installed."""
+        if job.on_installed is None:
+            return
+        run = job.run
+        for c in chunks:
+            groups = run.needed[c]
+            if c in job.announced or not run.wanted(c):
+                continue
+            if not all((c, g) in run.installed for g in groups):
+                continue
+            job.announced.add(c)
+            try:
+                pending = job.on_installed(c, groups)
+                if pending is not None:
+                    await pending
+            except Exception as exc:  # the caller's work on the chunk is part of the restore
+                run.fail(
+                    ChunkFailure(c, groups[0], Reason.INSTALL_FAILED, [f"on_installed: {exc!r}"])
+                )
 
     def _installed(self, job: _Job, slot: Slot) -> None:
         """Installer completion: the copy out of ``slot`` is done; give the slot back."""
@@ -511,3 +549,4 @@ class WindowPipeline:
             await anyio.sleep(0.0005)
         job.run.record_installed(c, job.run.needed[c])
         self._installed(job, slot)
+        await self._announce(job, [c])
