@@ -367,47 +367,8 @@ def write_kv_to_cache(
     if num_tokens == start:
         return
     for p, (k, v, seen) in zip(placements, layers):
-        g = cache.layout.group(p.group)
-        if k.dtype != g.torch_dtype or v.dtype != g.torch_dtype:
-            raise LayoutError(
-                f"layer {p.layer} K/V are {k.dtype}, the cache group {p.group!r} stores "
-                f"{g.torch_dtype}; build the layout with dtype={k.dtype}",
-                layer=p.layer,
-                group=p.group,
-            )
-        if k.dim() != 4 or k.shape != v.shape:
-            raise LayoutError(
-                f"layer {p.layer} K/V must be [batch, kv_heads, seq, head_dim] of one shape, got "
-                f"{tuple(k.shape)} and {tuple(v.shape)}",
-                layer=p.layer,
-            )
-        if not 0 <= batch_index < k.shape[0]:
-            raise ConfigError(f"batch_index {batch_index} out of range for batch {k.shape[0]}")
-        elems = 2 * k.shape[1] * k.shape[3]
-        if elems * k.element_size() != g.token_bytes:
-            raise LayoutError(
-                f"layer {p.layer} has {k.shape[1]} KV heads of dim {k.shape[3]} "
-                f"({elems * k.element_size()} B/token), the cache group {p.group!r} has "
-                f"{g.token_bytes} B/token",
-                layer=p.layer,
-                group=p.group,
-            )
-        held = int(k.shape[-2])
-        first_held = seen - held  # sliding layers drop their oldest tokens
-        if num_tokens > seen:
-            raise ConfigError(
-                f"layer {p.layer} has seen {seen} tokens, cannot write {num_tokens}", layer=p.layer
-            )
-        need_from = 0 if p.window is None else max(0, num_tokens - (p.window - 1))
-        need_from = max(need_from, start)
-        if first_held > need_from:
-            raise ConfigError(
-                f"layer {p.layer} (window {p.window}) holds tokens [{first_held}, {seen}) but "
-                f"writing up to {num_tokens} tokens needs [{need_from}, {num_tokens}); write the "
-                "cache right after prefilling the prefix, before later tokens push them out",
-                layer=p.layer,
-            )
-        lo = max(first_held, need_from)
+        elems = _check_layer_kv(p, k, v, cache, batch_index)
+        lo, first_held = _layer_span(p, int(k.shape[-2]), seen, start, num_tokens)
         sel = slice(lo - first_held, num_tokens - first_held)
         kk = k[batch_index, :, sel, :].transpose(0, 1)  # [n, kv_heads, head_dim]
         vv = v[batch_index, :, sel, :].transpose(0, 1)
@@ -415,6 +376,57 @@ def write_kv_to_cache(
         blocks, rows = _token_rows(cache, ids, lo, num_tokens)
         dst = cache.typed(p.group)[p.index]
         dst[blocks, rows] = data.to(cache.device)
+
+
+def _check_layer_kv(
+    p: Any, k: torch.Tensor, v: torch.Tensor, cache: PagedKVCache, batch_index: int
+) -> int:
+    """Check one layer's K/V against its cache group; return the elements per token (K + V)."""
+    g = cache.layout.group(p.group)
+    if k.dtype != g.torch_dtype or v.dtype != g.torch_dtype:
+        raise LayoutError(
+            f"layer {p.layer} K/V are {k.dtype}, the cache group {p.group!r} stores "
+            f"{g.torch_dtype}; build the layout with dtype={k.dtype}",
+            layer=p.layer,
+            group=p.group,
+        )
+    if k.dim() != 4 or k.shape != v.shape:
+        raise LayoutError(
+            f"layer {p.layer} K/V must be [batch, kv_heads, seq, head_dim] of one shape, got "
+            f"{tuple(k.shape)} and {tuple(v.shape)}",
+            layer=p.layer,
+        )
+    if not 0 <= batch_index < k.shape[0]:
+        raise ConfigError(f"batch_index {batch_index} out of range for batch {k.shape[0]}")
+    elems = 2 * k.shape[1] * k.shape[3]
+    if elems * k.element_size() != g.token_bytes:
+        raise LayoutError(
+            f"layer {p.layer} has {k.shape[1]} KV heads of dim {k.shape[3]} "
+            f"({elems * k.element_size()} B/token), the cache group {p.group!r} has "
+            f"{g.token_bytes} B/token",
+            layer=p.layer,
+            group=p.group,
+        )
+    return int(elems)
+
+
+def _layer_span(p: Any, held: int, seen: int, start: int, num_tokens: int) -> tuple[int, int]:
+    """``(first token to write, first token the layer still holds)`` for one layer."""
+    first_held = seen - held  # sliding layers drop their oldest tokens
+    if num_tokens > seen:
+        raise ConfigError(
+            f"layer {p.layer} has seen {seen} tokens, cannot write {num_tokens}", layer=p.layer
+        )
+    need_from = 0 if p.window is None else max(0, num_tokens - (p.window - 1))
+    need_from = max(need_from, start)
+    if first_held > need_from:
+        raise ConfigError(
+            f"layer {p.layer} (window {p.window}) holds tokens [{first_held}, {seen}) but "
+            f"writing up to {num_tokens} tokens needs [{need_from}, {num_tokens}); write the "
+            "cache right after prefilling the prefix, before later tokens push them out",
+            layer=p.layer,
+        )
+    return max(first_held, need_from), first_held
 
 
 def read_kv_from_cache(
