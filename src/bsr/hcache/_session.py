@@ -23,6 +23,7 @@ engine restore into an invalidated HCache restore (every block of the prefix rep
 from __future__ import annotations
 
 import inspect
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +33,7 @@ import torch
 
 from .. import PagedKVCache, RestoreResult, SaveResult, StateGroup, StateLayout
 from .._errors import ConfigError, LayoutError, UnsupportedModelError
-from ._arch import ModelAdapter, dtype_name
+from ._arch import ModelAdapter, RopeTable, dtype_name
 from ._plan import HIDDEN, KV, RECOMPUTE, LayerPlan
 from ._state import rebuild_rows, token_rows
 from ._verify import CheckReport, check_model, compare_rows
@@ -51,9 +52,11 @@ class HCacheRestore:
         invalid_block_ids: blocks holding nothing valid (free them or prefill into them).
         reason: why nothing was committed, or ``None``.
         io_s: the engine restore.
-        rebuild_s: projections of the hidden-state layers.
+        rebuild_s: projections of the hidden-state layers (most of it beside the reads).
         recompute_s: recompute of the first layers (runs beside the reads).
         total_s: wall time.
+        after_io_s: wall time after the engine returned (the projection and recompute that
+            could not overlap the reads).
     """
 
     committed_tokens: int
@@ -64,6 +67,7 @@ class HCacheRestore:
     rebuild_s: float
     recompute_s: float
     total_s: float
+    after_io_s: float = 0.0
 
     @property
     def committed(self) -> bool:
@@ -270,25 +274,51 @@ class HCache:
             typed[i][blocks, rows] = data.to(typed.device)
 
     def rebuild(
-        self, view: PagedKVCache, kv_cache: PagedKVCache, ids: torch.Tensor, n: int
+        self,
+        view: PagedKVCache,
+        kv_cache: PagedKVCache,
+        ids: torch.Tensor,
+        n: int,
+        *,
+        start: int = 0,
+        rope: RopeTable | None = None,
     ) -> None:
-        """Project every hidden-state group of ``view`` into ``kv_cache``, group by group."""
-        rope = self.adapter.rope(0, n)  # once per restore, shared by every layer
+        """Project every hidden-state group of ``view`` for tokens ``[start, n)`` into ``kv_cache``.
+
+        Args:
+            rope: RoPE of positions ``[0, >= n)``, computed once per restore (default: now).
+        """
+        table = rope if rope is not None else self.adapter.rope(0, n)
         for name, layers in self.plan.hidden_groups:
-            rebuild_rows(self.adapter, view, name, layers, kv_cache, ids, n, rope)
+            rebuild_rows(self.adapter, view, name, layers, kv_cache, ids, n, table, start=start)
 
     async def restore(
         self, engine: Any, tokens: Any, kv_cache: PagedKVCache, block_ids: Any, **kw: Any
     ) -> HCacheRestore:
         """Restore the longest stored prefix of ``tokens`` into ``kv_cache``, every layer.
 
-        Recompute of the first layers runs in a worker thread beside the engine's reads; the
-        hidden-state groups are projected after the engine committed (it reports nothing
-        earlier). Any failure leaves nothing reported reusable.
+        Pipelined: recompute of the first layers runs in a worker thread beside the engine's
+        reads, and each chunk's hidden-state groups are projected (one worker thread, chunks in
+        the order they land) as soon as the engine reports that chunk installed
+        (``on_installed``), while later chunks are still being read. What has not been
+        projected when the engine returns (at least the last chunk to land) is projected
+        after. Any failure leaves nothing reported reusable: a failed projection makes the
+        hook raise for every later chunk (the engine stops committing) and the whole restore
+        is reported invalidated.
+
+        Keyword arguments go to ``engine.restore``; a caller's own ``on_installed`` is called
+        after this one's, and a caller's ``probe`` is used instead of a fresh lookup.
         """
         t0 = time.perf_counter()
         view = self.restore_view(kv_cache)
         r_layers = self.plan.layers(RECOMPUTE)
+        hidden_names = {name for name, _ in self.plan.hidden_groups}
+        user_hook = kw.pop("on_installed", None)
+        probe = kw.pop("probe", None)
+        if probe is None and (r_layers or hidden_names):
+            probe = await engine.lookup(tokens)
+        prefix = int(probe.prefix_tokens) if probe is not None else 0
+        ct = self.layout.chunk_tokens
         rec_s = 0.0
         rec_n = rec_tried = 0
         rec_err: BaseException | None = None
@@ -304,34 +334,86 @@ class HCache:
                 rec_err = exc
             rec_s += time.perf_counter() - t
 
+        # ---- pipelined projection: chunk c's tokens [lo, hi) once its groups are installed
+        rope: list[RopeTable] = []  # computed once, by the first projection
+        projected: dict[int, int] = {}  # chunk -> hi
+        proj_s = 0.0
+        proj_err: BaseException | None = None
+        proj_tried = 0
+        skip = False
+        send, recv = anyio.create_memory_object_stream[tuple[int, int, int]](math.inf)
+
+        def project(lo: int, hi: int, top: int) -> None:
+            if not rope:
+                rope.append(self.adapter.rope(0, top))
+            ids = kv_cache.block_table(block_ids, hi)
+            self.rebuild(view, kv_cache, ids, hi, start=lo, rope=rope[0])
+
+        async def run_projection(c: int, lo: int, hi: int, top: int) -> None:
+            nonlocal proj_s, proj_err, proj_tried
+            proj_tried = max(proj_tried, hi)
+            t = time.perf_counter()
+            try:
+                await anyio.to_thread.run_sync(project, lo, hi, top)
+                projected[c] = hi
+            except Exception as exc:  # reported as an invalidated restore
+                proj_err = exc
+            proj_s += time.perf_counter() - t
+
+        async def projector() -> None:
+            async with recv:
+                async for c, lo, hi in recv:
+                    if proj_err is None and not skip:
+                        await run_projection(c, lo, hi, prefix)
+
+        async def on_installed(c: int, groups: tuple[str, ...]) -> None:
+            if proj_err is not None:  # the request cannot commit: stop taking chunks
+                raise RuntimeError(f"projection failed: {proj_err!r}")
+            lo, hi = c * ct, (c + 1) * ct
+            if hidden_names.intersection(groups) and hi <= prefix:
+                send.send_nowait((c, lo, hi))
+            if user_hook is not None:
+                pending = user_hook(c, groups)
+                if pending is not None:
+                    await pending
+
         result: RestoreResult | None = None
         async with anyio.create_task_group() as tg:
-            if r_layers:
-                probe = await engine.lookup(tokens)
-                if probe.prefix_tokens:
-                    tg.start_soon(run_recompute, probe.prefix_tokens)
-            result = await engine.restore(tokens, view, block_ids, **kw)
+            if r_layers and prefix:
+                tg.start_soon(run_recompute, prefix)
+            if hidden_names and prefix:
+                tg.start_soon(projector)
+            try:
+                result = await engine.restore(
+                    tokens, view, block_ids, probe=probe, on_installed=on_installed, **kw
+                )
+                skip = not result.committed_tokens  # nothing to project for
+            finally:
+                send.close()
+            t_io = time.perf_counter()
         assert result is not None
         io_s = result.timings.total_s
         n = result.committed_tokens
-        ids = kv_cache.block_table(block_ids, n)
         reason: str | None = None if n else (str(result.reason) if result.reason else "miss")
-        rebuild_s = 0.0
         if n and r_layers and rec_err is None and rec_n < n:
             await run_recompute(n)
         if n and rec_err is not None:
             reason = f"recompute failed: {rec_err!r}"
-        if n and reason is None and self.plan.layers(HIDDEN):
-            t = time.perf_counter()
-            try:
-                await anyio.to_thread.run_sync(self.rebuild, view, kv_cache, ids, n)
-            except Exception as exc:
-                reason = f"projection failed: {exc!r}"
-            rebuild_s = time.perf_counter() - t
-        # blocks this restore may have written beyond what it reports valid: the engine's and
-        # the recomputed ones (recompute may have run past a shorter commit)
+        if n and reason is None and hidden_names and proj_err is None:
+            # chunks the pipeline did not reach (e.g. a probe shorter than the commit)
+            for c in range(-(-n // ct)):
+                if c not in projected:
+                    await run_projection(c, c * ct, min(n, (c + 1) * ct), max(n, prefix))
+                    if proj_err is not None:
+                        break
+        if proj_err is not None:  # also why an engine restore invalidated by the hook failed
+            reason = f"projection failed: {proj_err!r}"
+        after_s = time.perf_counter() - t_io
+        # blocks this restore may have written beyond what it reports valid: the engine's, the
+        # recomputed and projected ones (either may have run past a shorter commit)
         bt = kv_cache.block_tokens
-        written = max(n, rec_tried)
+        whole = prefix if reason is not None else 0  # an invalidated restore: the whole prefix
+        written = max(n, rec_tried, proj_tried, whole)
         wids = kv_cache.block_table(block_ids, written)[: -(-written // bt)].tolist()
         valid = 0 if reason is not None else -(-n // bt)
         invalid = tuple(sorted(set(result.invalid_block_ids) | set(wids[valid:])))
@@ -341,9 +423,10 @@ class HCache:
             invalid,
             reason,
             io_s,
-            rebuild_s,
+            proj_s,
             rec_s,
             time.perf_counter() - t0,
+            after_s,
         )
 
 

@@ -162,6 +162,7 @@ def rebuild_rows(
     *,
     dst_group: str = "kv",
     piece_tokens: int = 512,
+    start: int = 0,
 ) -> None:
     """Project the hidden states of ``group`` (model layers ``layers``) into ``dst``'s K/V rows.
 
@@ -175,19 +176,24 @@ def rebuild_rows(
 
     Args:
         rope: from :meth:`ModelAdapter.rope` for positions ``[0, num_tokens)`` (once per restore).
+        start: project only tokens ``[start, num_tokens)`` (one restored chunk: a pipelined
+            restore projects each chunk as it lands); a multiple of the block size, since a
+            block's rebuild overwrites all of its hidden rows.
     """
-    if num_tokens == 0:
-        return
     bt = src.block_tokens
+    if start % bt:
+        raise ConfigError(f"start={start} must be a multiple of block_tokens={bt}")
+    if num_tokens <= start:
+        return
     g, og = src.layout.group(group), dst.layout.group(dst_group)
     hid = [t.view(g.torch_dtype) for t in src.layers(group)]  # stacked or per-layer caches
     out = [t.view(og.torch_dtype) for t in dst.layers(dst_group)]
     hidden = adapter.shape.hidden
     kd = adapter.shape.kv_dim
-    full = num_tokens // bt
+    full, first = num_tokens // bt, start // bt
     per = max(1, piece_tokens // bt)
     dev = adapter.device
-    m = max(1, min(full, per)) * bt
+    m = max(1, min(full - first, per)) * bt
     scratch = (
         torch.empty(m, kd, dtype=adapter.dtype, device=dev),
         torch.empty(m, kd, dtype=adapter.dtype, device=dev),
@@ -196,7 +202,7 @@ def rebuild_rows(
     with torch.no_grad():
         for j, layer in enumerate(layers):
             src_l, dst_l = hid[j], out[layer]
-            for b0 in range(0, full, per):
+            for b0 in range(first, full, per):
                 b1 = min(full, b0 + per)
                 idx = ids[b0:b1].to(src.device)
                 h = torch.index_select(src_l, 0, idx).view(-1, hidden).to(dev)
@@ -205,7 +211,7 @@ def rebuild_rows(
                 kdst = dst_l[..., :kd].view(nb_all, bt, *k.shape[1:])
                 kdst.index_copy_(0, didx, k.reshape(b1 - b0, bt, *k.shape[1:]).to(dst.device))
                 dst_l[..., kd:].index_copy_(0, didx, v.view(b1 - b0, bt, kd).to(dst.device))
-            if full * bt < num_tokens:
+            if full * bt < num_tokens:  # full * bt >= start: start is block-aligned
                 blocks, r = token_rows(src, ids, full * bt, num_tokens)
                 h = src_l[blocks, r].to(dev)
                 rows = adapter.project(layer, h, rope[full * bt : num_tokens])
