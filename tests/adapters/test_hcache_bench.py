@@ -52,6 +52,10 @@ def test_table_reports_ratios_next_to_the_paper() -> None:
         "why_different": "because",
     }
     text = hb.table(doc)
+    assert "overlapped with the reads" not in text  # a document from before the pipelining
+    point["pipelining"] = {"sequential_vs_pipelined": 1.37}
+    text = hb.table(doc)
+    assert "overlapped with the reads" in text and "mha 1024: 1.37x" in text
     assert "8.00x" in text and "0.20x" in text and "0r/0h/8kv" in text
     assert "mha 1024: 2.50" in text
     assert "5.73x vs recompute" in text and "1.93x vs KV" in text and "+1.0%" in text

@@ -310,3 +310,27 @@ def test_a_projection_failing_on_one_chunk_invalidates_the_whole_request(tmp_pat
         assert res.committed_tokens == 0 and not res.committed
         assert res.reason is not None and "chunk 1 GEMM failed" in res.reason
         assert set(res.invalid_block_ids) >= set(served.dst_ids[: PREFIX // BLOCK].tolist())
+
+
+def test_pipeline_off_projects_everything_in_one_pass_after_the_reads(tmp_path: Path) -> None:
+    """``pipeline=False`` (the benchmark's baseline): one rebuild of the whole prefix, after the
+    engine returned; the restored K/V are the same as the pipelined restore's."""
+    model = build("llama", layers=4, kv_heads=4)
+    served = Served(model, ["hidden", "hidden", "kv", "kv"])
+    on, res_on = served.save_restore(tmp_path / "on")
+    served.hc.pipeline = False
+    calls: list[tuple[int, int]] = []
+    real = served.hc.rebuild
+
+    def rebuild(view: Any, kv: Any, ids: Any, n: int, **kw: Any) -> None:
+        calls.append((kw.get("start", 0), n))
+        real(view, kv, ids, n, **kw)
+
+    served.hc.rebuild = rebuild  # type: ignore[method-assign]
+    off, res_off = served.save_restore(tmp_path / "off")
+    assert res_on.committed_tokens == res_off.committed_tokens == PREFIX
+    assert calls == [(0, PREFIX)]
+    n = torch.arange(PREFIX)
+    a = on.typed("kv")[:, served.dst_ids[n // BLOCK], n % BLOCK]
+    b = off.typed("kv")[:, served.dst_ids[n // BLOCK], n % BLOCK]
+    assert torch.allclose(a, b, atol=1e-6, rtol=0), (a - b).abs().max()

@@ -88,18 +88,27 @@ class HCache:
         chunk_tokens: the engine layout's chunk size.
         check: run :func:`~bsr.hcache.check_model` now (hidden-state layers are refused for a
             model whose rebuilt K/V differ from its own).
+        pipeline: project each restored chunk while later chunks are read (default); ``False``
+            projects everything after the engine returns (the benchmark's side-by-side baseline).
 
     Raises:
         UnsupportedModelError: the plan uses hidden-state layers and the model is refused.
     """
 
     def __init__(
-        self, model: Any, plan: LayerPlan, *, chunk_tokens: int = 256, check: bool = True
+        self,
+        model: Any,
+        plan: LayerPlan,
+        *,
+        chunk_tokens: int = 256,
+        check: bool = True,
+        pipeline: bool = True,
     ) -> None:
         if not isinstance(plan, LayerPlan):
             raise ConfigError("plan must be a bsr.hcache.LayerPlan (see plan_layers)")
         self.model = model
         self.plan = plan
+        self.pipeline = bool(pipeline)
         self.adapter = ModelAdapter(model)
         if plan.shape.num_layers != self.adapter.shape.num_layers:
             raise LayoutError(
@@ -370,7 +379,7 @@ class HCache:
             if proj_err is not None:  # the request cannot commit: stop taking chunks
                 raise RuntimeError(f"projection failed: {proj_err!r}")
             lo, hi = c * ct, (c + 1) * ct
-            if hidden_names.intersection(groups) and hi <= prefix:
+            if self.pipeline and hidden_names.intersection(groups) and hi <= prefix:
                 send.send_nowait((c, lo, hi))
             if user_hook is not None:
                 pending = user_hook(c, groups)
@@ -400,12 +409,14 @@ class HCache:
         if n and rec_err is not None:
             reason = f"recompute failed: {rec_err!r}"
         if n and reason is None and hidden_names and proj_err is None:
-            # chunks the pipeline did not reach (e.g. a probe shorter than the commit)
-            for c in range(-(-n // ct)):
-                if c not in projected:
-                    await run_projection(c, c * ct, min(n, (c + 1) * ct), max(n, prefix))
-                    if proj_err is not None:
-                        break
+            # chunks the pipeline did not reach (pipeline off, a probe shorter than the
+            # commit), as runs of consecutive chunks: one call each
+            missing = [c for c in range(-(-n // ct)) if c not in projected]
+            while missing and proj_err is None:
+                c0 = c1 = missing.pop(0)
+                while missing and missing[0] == c1 + 1:
+                    c1 = missing.pop(0)
+                await run_projection(c0, c0 * ct, min(n, (c1 + 1) * ct), max(n, prefix))
         if proj_err is not None:  # also why an engine restore invalidated by the hook failed
             reason = f"projection failed: {proj_err!r}"
         after_s = time.perf_counter() - t_io
