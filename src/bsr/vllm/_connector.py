@@ -200,31 +200,9 @@ class BsrConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._config = _engine_config(extra["bsr"])  # validated in both roles, early
         self._opts = _options(extra)
         self._block_size = int(vllm_config.cache_config.block_size)
-        chunk = self._config.chunk_tokens
-        if chunk is None:
-            chunk = -(-DEFAULT_CHUNK_TOKENS // self._block_size) * self._block_size
-        if chunk % self._block_size:
-            raise ConfigError(
-                f"chunk_tokens={chunk} is not a multiple of vLLM's block_size="
-                f"{self._block_size}; use a multiple of {self._block_size}",
-                key="chunk_tokens",
-            )
-        self._chunk = int(chunk)
-        self._tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
-        pp = int(vllm_config.parallel_config.pipeline_parallel_size)
-        dp = int(getattr(vllm_config.parallel_config, "data_parallel_size", 1) or 1)
-        if pp != 1 or dp != 1:
-            raise ConfigError(
-                "BsrConnector supports tensor parallelism only (pipeline_parallel_size=1, "
-                f"data_parallel_size=1), got pp={pp}, dp={dp}"
-            )
+        self._chunk = _chunk_tokens(self._config.chunk_tokens, self._block_size)
+        self._tp_size = _check_parallelism(vllm_config, kv_cache_config)
         self._tp_rank = 0
-        groups = list(getattr(kv_cache_config, "kv_cache_groups", ()) or ())
-        if len(groups) > 1:
-            raise ConfigError(
-                "BsrConnector supports one KV cache group (vLLM reports block-level load "
-                f"failures for one group only), got {len(groups)}"
-            )
         self._engine_id = str(ktc.engine_id)
         self._model_id = self._config.model_id or self._default_model_id(vllm_config)
         self._log = logger.bind(role=role.name.lower(), model=self._model_id)
@@ -622,3 +600,36 @@ class BsrConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self._log.warning("bsr.vllm.close_failed", error=repr(exc))
         self._loop.close()
         self._loop = None
+
+
+def _chunk_tokens(configured: int | None, block_size: int) -> int:
+    """bsr's chunk size: the configured one (a multiple of vLLM's block size) or the default
+    rounded up to whole blocks."""
+    chunk = configured
+    if chunk is None:
+        chunk = -(-DEFAULT_CHUNK_TOKENS // block_size) * block_size
+    if chunk % block_size:
+        raise ConfigError(
+            f"chunk_tokens={chunk} is not a multiple of vLLM's block_size="
+            f"{block_size}; use a multiple of {block_size}",
+            key="chunk_tokens",
+        )
+    return int(chunk)
+
+
+def _check_parallelism(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> int:
+    """Refuse what the connector does not support; return the tensor-parallel size."""
+    pp = int(vllm_config.parallel_config.pipeline_parallel_size)
+    dp = int(getattr(vllm_config.parallel_config, "data_parallel_size", 1) or 1)
+    if pp != 1 or dp != 1:
+        raise ConfigError(
+            "BsrConnector supports tensor parallelism only (pipeline_parallel_size=1, "
+            f"data_parallel_size=1), got pp={pp}, dp={dp}"
+        )
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", ()) or ())
+    if len(groups) > 1:
+        raise ConfigError(
+            "BsrConnector supports one KV cache group (vLLM reports block-level load "
+            f"failures for one group only), got {len(groups)}"
+        )
+    return int(vllm_config.parallel_config.tensor_parallel_size)
