@@ -96,8 +96,9 @@ def test_the_plan_is_the_brute_force_minimum(
 
 def test_cpu_like_rates_keep_kv_and_gpu_like_rates_use_hidden_states() -> None:
     mha = config(16)
-    cpu = hcache.plan_layers(mha, 4096, CPU)
+    cpu = hcache.plan_layers(mha, 4096, CPU, overlap=False)  # HCache(pipeline=False)
     assert cpu.methods == ("kv",) * 8  # projection 10x slower than the read it replaces
+    assert hcache.plan_layers(mha, 4096, GPU).overlap  # the default models the pipelined HCache
     gpu = hcache.plan_layers(mha, 4096, GPU, overlap=True)
     assert gpu.layers("hidden") and gpu.cost.total_s < gpu.pure["all kv"].total_s
     assert gpu.cost.bytes < gpu.pure["all kv"].bytes
@@ -124,7 +125,7 @@ def test_plan_prints_and_builds_the_mixed_layout() -> None:
         ("hidden.1", 2, 4 * 1024),
         ("hidden.2", 1, 4 * 1024),
     ]
-    text = str(hcache.plan_layers(config(16), 1024, CPU))
+    text = str(hcache.plan_layers(config(16), 1024, CPU, overlap=False))
     assert "kv 0-7" in text and "all hidden" in text and "GB/s" in text
     with pytest.raises(bsr.ConfigError, match="recompute"):
         hcache.fixed_plan(config(16, layers=2), ["recompute", "recompute"]).layout()

@@ -341,8 +341,8 @@ def run_hcache(
                 "hcache": hcache.fixed_plan(model.config, ["hidden"] * LAYERS, num_tokens=n),
                 "planner": hcache.plan_layers(model.config, n, rates),
             }
-            # what the paper's pipeline would do with independent compute and I/O (a GPU) and an
-            # engine that reports installed chunks: a prediction, not a measurement
+            # what the pipelined HCache would do with independent compute and I/O (a GPU): a
+            # prediction from this machine's rates, not a measurement
             independent = dataclasses.replace(rates, shared=False)
             overlapped = hcache.plan_layers(model.config, n, independent, overlap=True)
             point: dict[str, Any] = {"model": name, "tokens": n, "recompute_s": _dist(rec)}

@@ -13,12 +13,11 @@ executor's timing model:
 
 * ``rates.shared`` (a CPU-only machine, where the reads' verification and installs use the cores
   the model would compute on): nothing overlaps, ``io + recompute + project``;
-* ``overlap=False`` (what :class:`~bsr.hcache.HCache` does with today's engine, which reports a
-  restore only when it is complete): recompute runs beside the reads, the projection after them:
-  ``max(io, recompute) + project``;
-* ``overlap=True`` (the paper's bubble-free pipeline, possible once the engine reports each
-  installed chunk): ``max(io, recompute + project)`` plus the read of the first hidden-state
-  layer group, which nothing can hide.
+* ``overlap=True`` (the default: what :class:`~bsr.hcache.HCache` does, projecting each chunk as
+  the engine reports it installed, the paper's bubble-free pipeline): ``max(io, recompute +
+  project)`` plus the read of the first hidden-state layer group, which nothing can hide;
+* ``overlap=False`` (``HCache(pipeline=False)``): recompute runs beside the reads, the
+  projection after them: ``max(io, recompute) + project``.
 
 Rates come from :func:`calibrate` (measured once per model, device and tier, cached in-process)
 or from the caller (:class:`Rates`), so a plan can be reproduced and a measured machine can be
@@ -213,7 +212,7 @@ def plan_layers(
     num_tokens: int,
     rates: Rates,
     *,
-    overlap: bool = False,
+    overlap: bool = True,
     allow_recompute: bool = True,
     allow_hidden: bool = True,
     group_layers: int = 4,
@@ -226,7 +225,8 @@ def plan_layers(
             :class:`~bsr.hcache.UnsupportedModelError` when hidden layers would be needed.
         num_tokens: the restore size (tokens).
         rates: from :func:`calibrate`, or given.
-        overlap: the timing model (see the module docstring); ``False`` matches the executor.
+        overlap: the timing model (see the module docstring); ``True`` matches
+            :class:`~bsr.hcache.HCache`, ``False`` matches ``HCache(pipeline=False)``.
         allow_recompute: whether the first layers may be recomputed.
         allow_hidden: whether hidden-state layers may be used.
         group_layers: hidden-state layers per state group.

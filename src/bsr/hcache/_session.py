@@ -15,9 +15,12 @@ of the KV layers of the serving cache, its ``"hidden.j"`` groups are views of th
 (save) or, on restore, of the first bytes of each hidden layer's own K/V blocks when they fit
 (MHA: a hidden state is half a K/V row), so restored hidden states need no memory of their own;
 they are projected in place, block by block, into full K/V rows. Reads go through the
-engine's bounded window like any group. A restore is all-or-nothing for the whole request: the
-engine commits every group or none, and a failed projection or recompute turns a committed
-engine restore into an invalidated HCache restore (every block of the prefix reported invalid).
+engine's bounded window like any group; the engine's ``on_installed`` hook queues each chunk that
+landed for one projector task (a worker thread), so chunk ``c`` is projected while later chunks
+are read, and what is left when the engine returns is projected after. A restore is
+all-or-nothing for the whole request: the engine commits every group or none, and a failed
+projection or recompute invalidates the HCache restore (every block of the prefix reported
+invalid; after a failed projection the hook raises, so the engine stops committing chunks).
 """
 
 from __future__ import annotations
