@@ -284,9 +284,22 @@ def test_whole_plan_reads_everything_before_installing() -> None:
     tier = MemTier("mem", keys, blocking=True)
 
     async def main() -> None:
-        run, pool, cache, ids, _ = await run_pipeline(
-            [tier], n, strategy=bsr.Strategy.WHOLE_PLAN, keys=keys
-        )
+        installs: list[int] = []
+        orig = WindowPipeline._install_host
+
+        def counting(self: WindowPipeline, job: Any, c: int, slot: Any) -> bool:
+            installs.append(len(tier.reads))  # reads done when this chunk is installed
+            return orig(self, job, c, slot)
+
+        WindowPipeline._install_host = counting  # type: ignore[method-assign]
+        try:
+            run, pool, cache, ids, _ = await run_pipeline(
+                [tier], n, strategy=bsr.Strategy.WHOLE_PLAN, keys=keys
+            )
+        finally:
+            WindowPipeline._install_host = orig  # type: ignore[method-assign]
+        # every chunk was read before the first install
+        assert installs and min(installs) == 2 * n
         assert len(run.installed) == 2 * n
         assert all(chunk_in_cache(cache, ids, c, "kv") for c in range(n))
         assert pool.statistics().acquired == 0  # the private buffer, not the pool

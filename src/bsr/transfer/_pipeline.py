@@ -221,6 +221,7 @@ class _Job:
         self.device: CudaInstaller | None = None
         self.staged: dict[int, Slot] = {}  # whole-plan: chunks read, waiting for the install
         self.on_installed: OnInstalled | None = None
+        self.read_ok: set[int] = set()  # chunks read and verified, waiting for their install
         self.announced: set[int] = set()
         self.turns = anyio.CapacityLimiter(1)  # io_depth transfer turns (set by the pipeline)
 
@@ -342,15 +343,22 @@ class WindowPipeline:
             slot = await job.slots.acquire()
             run.held.add(slot)
             run.touched_chunks.update(batch)
+            mode = self._mode(job, batch)
+            # a lone large chunk: read it under a transfer turn, copy it into the cache after
+            # giving the turn back, so io_depth reads stay in flight while copies run
+            split = mode == "thread" and len(batch) == 1 and job.host is not None
+            split = split and not job.whole_plan
             async with job.turns:
-                mode = self._mode(job, batch)
                 if mode == "inline":
                     self._batch_blocking(job, batch, slot)
                     await anyio.lowlevel.checkpoint()
                 elif mode == "thread":
-                    await self._thread(job, slot, self._batch_blocking, job, batch, slot)
+                    args = (job, batch, slot, not split)
+                    await self._thread(job, slot, self._batch_blocking, *args)
                 else:
                     await self._batch_async(job, batch, slot)
+            if split and run.wanted(batch[0]) and batch[0] in job.read_ok:
+                await self._thread(job, slot, self._install_host, job, batch[0], slot)
             if job.whole_plan:
                 if batch[0] in job.staged:
                     continue  # the slot's region stays staged until the install
@@ -446,13 +454,18 @@ class WindowPipeline:
         reason = Reason.CORRUPT if result.corrupt else Reason.READ_FAILED
         job.run.fail(ChunkFailure(chunk, group, reason, result.errors))
 
-    def _batch_blocking(self, job: _Job, batch: Sequence[int], slot: Slot) -> None:
-        """Worker thread: read, verify and (host destination) install each chunk of ``batch``."""
+    def _batch_blocking(
+        self, job: _Job, batch: Sequence[int], slot: Slot, install: bool = True
+    ) -> None:
+        """Worker thread: read, verify and (host destination, ``install``) install each chunk of
+        ``batch``; without ``install`` a chunk read is recorded in ``job.read_ok``."""
         run = job.run
         for c in batch:
             if not run.wanted(c) or not self._read_chunk_blocking(job, c, slot):
                 return
-            if not job.whole_plan and not job.cuda:
+            if not install:
+                job.read_ok.add(c)
+            elif not job.whole_plan and not job.cuda:
                 if not self._install_host(job, c, slot):
                     return
             elif job.whole_plan:
