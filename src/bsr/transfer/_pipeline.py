@@ -26,7 +26,7 @@ rule reads. A slot is released in exactly two places: here when the install that
 completed, and in the engine's ``finally`` for whatever the run still holds (failure, deadline,
 cancellation). A slot whose worker thread was abandoned (a read stuck in the kernel) is parked, not
 released, until that thread returns, so no late write can reach a reused slot; a worker checks
-:attr:`RestoreRun.abandoned` under the install lock before every copy into the cache, so no late
+the run's :class:`InstallGate` before every copy into the cache, so no late
 write reaches blocks the caller was told are invalid.
 """
 
@@ -99,6 +99,37 @@ SlotSource = StagingAccount | WholePlanBuffer
 OnInstalled = Callable[[int, tuple[str, ...]], Awaitable[None] | None]
 
 
+class InstallGate:
+    """Copies into the cache enter the gate; closing it waits for those under way and refuses
+    every later one (so copies of one run may run in parallel, and none lands after the end)."""
+
+    #: the longest the close waits for copies under way (a chunk's memcpy takes milliseconds)
+    CLOSE_WAIT_S = 5.0
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._active = 0
+        self._closed = False
+
+    def enter(self) -> bool:
+        with self._cond:
+            if self._closed:
+                return False
+            self._active += 1
+            return True
+
+    def leave(self) -> None:
+        with self._cond:
+            self._active -= 1
+            if not self._active:
+                self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.wait_for(lambda: self._active == 0, self.CLOSE_WAIT_S)
+
+
 class RestoreRun:
     """One restore's transfer record, shared by the pipeline's tasks and worker threads.
 
@@ -132,7 +163,7 @@ class RestoreRun:
         self.errors: list[str] = []
         self.deadline_at = deadline_at
         self.abandoned = False
-        self.install_lock = threading.Lock()
+        self.installs = InstallGate()
         self._lock = threading.Lock()
 
     def fail(self, failure: ChunkFailure) -> None:
@@ -161,9 +192,12 @@ class RestoreRun:
             self.installed.difference_update((chunk, g) for g in groups)
 
     def abandon(self) -> None:
-        """The request is over: no worker may copy into the cache from now on."""
-        with self.install_lock:
-            self.abandoned = True
+        """The request is over: no worker may copy into the cache from now on.
+
+        Waits (bounded) for copies already under way, which are memory copies of one chunk.
+        """
+        self.installs.close()
+        self.abandoned = True
 
     @property
     def must_stop(self) -> bool:
@@ -513,14 +547,15 @@ class WindowPipeline:
         run = job.run
         groups = run.needed[c]
         assert job.host is not None
-        with run.install_lock:
-            if run.abandoned:
-                return False
-            try:
-                job.host.install(c, groups, slot)
-            except Exception as exc:  # a failed copy is a failed chunk, never a raise
-                run.fail(ChunkFailure(c, groups[0], Reason.INSTALL_FAILED, [repr(exc)]))
-                return False
+        if not run.installs.enter():
+            return False  # the request is over
+        try:
+            job.host.install(c, groups, slot)
+        except Exception as exc:  # a failed copy is a failed chunk, never a raise
+            run.fail(ChunkFailure(c, groups[0], Reason.INSTALL_FAILED, [repr(exc)]))
+            return False
+        finally:
+            run.installs.leave()
         run.record_installed(c, groups)
         return True
 
@@ -542,17 +577,19 @@ class WindowPipeline:
                         await anyio.sleep(0.0005)
                     job.run.record_installed(c, job.run.needed[c])
             return
-        # abandonable: a late copy is stopped by run.abandoned under the install lock
+        # abandonable: a late copy is refused by the run's install gate
         await anyio.to_thread.run_sync(install_all, abandon_on_cancel=True, limiter=self._limiter)
 
     def _enqueue_cuda(self, job: _Job, c: int, slot: Slot) -> Any:
         """Enqueue chunk ``c``'s host-to-device copy on the side stream; return its event."""
         run = job.run
         assert job.device is not None
-        with run.install_lock:
-            if run.abandoned:
-                return None
+        if not run.installs.enter():
+            return None
+        try:
             return job.device.install(c, run.needed[c], slot)
+        finally:
+            run.installs.leave()
 
     async def _await_device(self, job: _Job, c: int, slot: Slot, event: Any) -> None:
         """The slot may be reused only once its host-to-device copy has completed."""
