@@ -353,7 +353,7 @@ class HCache:
         proj_err: BaseException | None = None
         proj_tried = 0
         skip = False
-        send, recv = anyio.create_memory_object_stream[tuple[int, int, int]](math.inf)
+        send, recv = anyio.create_memory_object_stream[int](math.inf)
 
         def project(lo: int, hi: int, top: int) -> None:
             if not rope:
@@ -361,29 +361,42 @@ class HCache:
             ids = kv_cache.block_table(block_ids, hi)
             self.rebuild(view, kv_cache, ids, hi, start=lo, rope=rope[0])
 
-        async def run_projection(c: int, lo: int, hi: int, top: int) -> None:
+        async def run_projection(chunks: range, top: int, end: int | None = None) -> None:
+            """Project consecutive ``chunks`` in one call (tokens up to ``end``, default their
+            end); ``top``: the RoPE table's length."""
             nonlocal proj_s, proj_err, proj_tried
+            lo = chunks[0] * ct
+            hi = (chunks[-1] + 1) * ct if end is None else min(end, (chunks[-1] + 1) * ct)
             proj_tried = max(proj_tried, hi)
             t = time.perf_counter()
             try:
                 await anyio.to_thread.run_sync(project, lo, hi, top)
-                projected[c] = hi
+                projected.update(dict.fromkeys(chunks, hi))
             except Exception as exc:  # reported as an invalidated restore
                 proj_err = exc
             proj_s += time.perf_counter() - t
 
         async def projector() -> None:
+            # the projection is usually slower than the reads: take every chunk that landed
+            # meanwhile and project each run of consecutive chunks in one call (fewer, larger
+            # GEMMs), in chunk order
             async with recv:
-                async for c, lo, hi in recv:
-                    if proj_err is None and not skip:
-                        await run_projection(c, lo, hi, prefix)
+                async for c in recv:
+                    ready = [c]
+                    while True:
+                        try:
+                            ready.append(recv.receive_nowait())
+                        except (anyio.WouldBlock, anyio.EndOfStream):
+                            break
+                    for run in _runs(sorted(ready)):
+                        if proj_err is None and not skip:
+                            await run_projection(run, prefix)
 
         async def on_installed(c: int, groups: tuple[str, ...]) -> None:
             if proj_err is not None:  # the request cannot commit: stop taking chunks
                 raise RuntimeError(f"projection failed: {proj_err!r}")
-            lo, hi = c * ct, (c + 1) * ct
-            if self.pipeline and hidden_names.intersection(groups) and hi <= prefix:
-                send.send_nowait((c, lo, hi))
+            if self.pipeline and hidden_names.intersection(groups) and (c + 1) * ct <= prefix:
+                send.send_nowait(c)
             if user_hook is not None:
                 pending = user_hook(c, groups)
                 if pending is not None:
@@ -414,12 +427,9 @@ class HCache:
         if n and reason is None and hidden_names and proj_err is None:
             # chunks the pipeline did not reach (pipeline off, a probe shorter than the
             # commit), as runs of consecutive chunks: one call each
-            missing = [c for c in range(-(-n // ct)) if c not in projected]
-            while missing and proj_err is None:
-                c0 = c1 = missing.pop(0)
-                while missing and missing[0] == c1 + 1:
-                    c1 = missing.pop(0)
-                await run_projection(c0, c0 * ct, min(n, (c1 + 1) * ct), max(n, prefix))
+            for run in _runs([c for c in range(-(-n // ct)) if c not in projected]):
+                if proj_err is None:
+                    await run_projection(run, max(n, prefix), n)
         if proj_err is not None:  # also why an engine restore invalidated by the hook failed
             reason = f"projection failed: {proj_err!r}"
         after_s = time.perf_counter() - t_io
@@ -442,6 +452,17 @@ class HCache:
             time.perf_counter() - t0,
             after_s,
         )
+
+
+def _runs(chunks: list[int]) -> list[range]:
+    """Sorted chunk indices as runs of consecutive ones: ``[0, 1, 3]`` -> ``[0:2, 3:4]``."""
+    out: list[range] = []
+    for c in chunks:
+        if out and out[-1].stop == c:
+            out[-1] = range(out[-1].start, c + 1)
+        else:
+            out.append(range(c, c + 1))
+    return out
 
 
 class HiddenCapture:
