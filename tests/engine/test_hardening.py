@@ -317,19 +317,27 @@ def test_on_installed_sees_each_chunk_in_the_cache_before_the_commit(
             r = await eng.restore(toks, dst, ids, on_installed=hook, policy=policy)
             assert r.committed and sorted(seen) == list(range(n))
 
-            def failing(chunk: int, groups: tuple[str, ...]) -> None:
-                if chunk == 3:
-                    raise RuntimeError("projection failed")
+            for bad in (0, 3, n - 1):  # the first, a middle and the last chunk to land
+                for is_async in (False, True):
 
-            r = await eng.restore(
-                toks, bsr.PagedKVCache(LAYOUT, 2 * n, 16), ids, on_installed=failing,
-                policy=policy,
-            )  # fmt: skip
-            if policy == "all_or_nothing":
-                assert not r.committed and r.reason is bsr.Reason.INSTALL_FAILED
-            else:
-                assert r.committed and r.committed_tokens == 3 * 16
-            assert any("projection failed" in e for e in r.errors)
+                    async def afail(chunk: int, groups: tuple[str, ...], bad: int = bad) -> None:
+                        await anyio.sleep(0.001)
+                        if chunk == bad:
+                            raise RuntimeError("projection failed")
+
+                    def sfail(chunk: int, groups: tuple[str, ...], bad: int = bad) -> None:
+                        if chunk == bad:
+                            raise RuntimeError("projection failed")
+
+                    r = await eng.restore(
+                        toks, bsr.PagedKVCache(LAYOUT, 2 * n, 16), ids,
+                        on_installed=afail if is_async else sfail, policy=policy,
+                    )  # fmt: skip
+                    if policy == "all_or_nothing":
+                        assert not r.committed and r.reason is bsr.Reason.INSTALL_FAILED, r
+                    else:
+                        assert r.committed_tokens == bad * 16, (bad, is_async, r)
+                    assert any("projection failed" in e for e in r.errors)
             assert eng.statistics().staging.in_use == 0
 
     anyio.run(main)

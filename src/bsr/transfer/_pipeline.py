@@ -466,9 +466,9 @@ class WindowPipeline:
                 if pending is not None:
                     await pending
             except Exception as exc:  # the caller's work on the chunk is part of the restore
-                run.fail(
-                    ChunkFailure(c, groups[0], Reason.INSTALL_FAILED, [f"on_installed: {exc!r}"])
-                )
+                run.withdraw(c, groups)  # its blocks no longer hold what the restore vouches for
+                why = [f"on_installed: {exc!r}"]
+                run.fail(ChunkFailure(c, groups[0], Reason.INSTALL_FAILED, why))
 
     def _installed(self, job: _Job, slot: Slot) -> None:
         """Installer completion: the copy out of ``slot`` is done; give the slot back."""
