@@ -321,137 +321,174 @@ class HCache:
         Keyword arguments go to ``engine.restore``; a caller's own ``on_installed`` is called
         after this one's, and a caller's ``probe`` is used instead of a fresh lookup.
         """
-        t0 = time.perf_counter()
-        view = self.restore_view(kv_cache)
-        r_layers = self.plan.layers(RECOMPUTE)
-        hidden_names = {name for name, _ in self.plan.hidden_groups}
-        user_hook = kw.pop("on_installed", None)
-        probe = kw.pop("probe", None)
-        if probe is None and (r_layers or hidden_names):
-            probe = await engine.lookup(tokens)
-        prefix = int(probe.prefix_tokens) if probe is not None else 0
-        ct = self.layout.chunk_tokens
-        rec_s = 0.0
-        rec_n = rec_tried = 0
-        rec_err: BaseException | None = None
+        job = _RestoreJob(self, engine, tokens, kv_cache, block_ids, kw)
+        return await job.run()
 
-        async def run_recompute(n: int) -> None:
-            nonlocal rec_s, rec_n, rec_err, rec_tried
-            rec_tried = max(rec_tried, n)
-            t = time.perf_counter()
-            try:
-                await anyio.to_thread.run_sync(self.recompute, tokens, kv_cache, block_ids, n)
-                rec_n = n
-            except Exception as exc:  # reported as an invalidated restore
-                rec_err = exc
-            rec_s += time.perf_counter() - t
 
-        # ---- pipelined projection: chunk c's tokens [lo, hi) once its groups are installed
-        rope: list[RopeTable] = []  # computed once, by the first projection
-        projected: dict[int, int] = {}  # chunk -> hi
-        proj_s = 0.0
-        proj_err: BaseException | None = None
-        proj_tried = 0
-        skip = False
-        send, recv = anyio.create_memory_object_stream[int](math.inf)
+class _RestoreJob:
+    """One :meth:`HCache.restore`: the engine restore with recompute and projection beside it.
 
-        def project(lo: int, hi: int, top: int) -> None:
-            if not rope:
-                rope.append(self.adapter.rope(0, top))
-            ids = kv_cache.block_table(block_ids, hi)
-            self.rebuild(view, kv_cache, ids, hi, start=lo, rope=rope[0])
+    Each phase is a method; the state the phases share (what was projected or recomputed, how
+    far each got, the first failure) is kept on the object.
+    """
 
-        async def run_projection(chunks: range, top: int, end: int | None = None) -> None:
-            """Project consecutive ``chunks`` in one call (tokens up to ``end``, default their
-            end); ``top``: the RoPE table's length."""
-            nonlocal proj_s, proj_err, proj_tried
-            lo = chunks[0] * ct
-            hi = (chunks[-1] + 1) * ct if end is None else min(end, (chunks[-1] + 1) * ct)
-            proj_tried = max(proj_tried, hi)
-            t = time.perf_counter()
-            try:
-                await anyio.to_thread.run_sync(project, lo, hi, top)
-                projected.update(dict.fromkeys(chunks, hi))
-            except Exception as exc:  # reported as an invalidated restore
-                proj_err = exc
-            proj_s += time.perf_counter() - t
+    def __init__(
+        self,
+        hc: HCache,
+        engine: Any,
+        tokens: Any,
+        kv_cache: PagedKVCache,
+        block_ids: Any,
+        kw: dict[str, Any],
+    ) -> None:
+        self.hc, self.engine, self.tokens = hc, engine, tokens
+        self.kv_cache, self.block_ids = kv_cache, block_ids
+        self.user_hook = kw.pop("on_installed", None)
+        self.probe = kw.pop("probe", None)
+        self.kw = kw
+        self.t0 = time.perf_counter()
+        self.view = hc.restore_view(kv_cache)
+        self.r_layers = hc.plan.layers(RECOMPUTE)
+        self.hidden_names = {name for name, _ in hc.plan.hidden_groups}
+        self.ct = hc.layout.chunk_tokens
+        self.prefix = 0
+        self.rec_s = self.proj_s = 0.0
+        self.rec_n = self.rec_tried = self.proj_tried = 0
+        self.rec_err: BaseException | None = None
+        self.proj_err: BaseException | None = None
+        self.rope: list[RopeTable] = []  # computed once, by the first projection
+        self.projected: dict[int, int] = {}  # chunk -> hi
+        self.skip = False
+        self.t_io = self.t0
+        self.send, self.recv = anyio.create_memory_object_stream[int](math.inf)
 
-        async def projector() -> None:
-            # the projection is usually slower than the reads: take every chunk that landed
-            # meanwhile and project each run of consecutive chunks in one call (fewer, larger
-            # GEMMs), in chunk order
-            async with recv:
-                async for c in recv:
-                    ready = [c]
-                    while True:
-                        try:
-                            ready.append(recv.receive_nowait())
-                        except (anyio.WouldBlock, anyio.EndOfStream):
-                            break
-                    for run in _runs(sorted(ready)):
-                        if proj_err is None and not skip:
-                            await run_projection(run, prefix)
-
-        async def on_installed(c: int, groups: tuple[str, ...]) -> None:
-            if proj_err is not None:  # the request cannot commit: stop taking chunks
-                raise RuntimeError(f"projection failed: {proj_err!r}")
-            if self.pipeline and hidden_names.intersection(groups) and (c + 1) * ct <= prefix:
-                send.send_nowait(c)
-            if user_hook is not None:
-                pending = user_hook(c, groups)
-                if pending is not None:
-                    await pending
-
-        result: RestoreResult | None = None
-        async with anyio.create_task_group() as tg:
-            if r_layers and prefix:
-                tg.start_soon(run_recompute, prefix)
-            if hidden_names and prefix:
-                tg.start_soon(projector)
-            try:
-                result = await engine.restore(
-                    tokens, view, block_ids, probe=probe, on_installed=on_installed, **kw
-                )
-                skip = not result.committed_tokens  # nothing to project for
-            finally:
-                send.close()
-            t_io = time.perf_counter()
-        assert result is not None
-        io_s = result.timings.total_s
+    async def run(self) -> HCacheRestore:
+        if self.probe is None and (self.r_layers or self.hidden_names):
+            self.probe = await self.engine.lookup(self.tokens)
+        self.prefix = int(self.probe.prefix_tokens) if self.probe is not None else 0
+        result = await self._engine_phase()
         n = result.committed_tokens
-        reason: str | None = None if n else (str(result.reason) if result.reason else "miss")
-        if n and r_layers and rec_err is None and rec_n < n:
-            await run_recompute(n)
-        if n and rec_err is not None:
-            reason = f"recompute failed: {rec_err!r}"
-        if n and reason is None and hidden_names and proj_err is None:
-            # chunks the pipeline did not reach (pipeline off, a probe shorter than the
-            # commit), as runs of consecutive chunks: one call each
-            for run in _runs([c for c in range(-(-n // ct)) if c not in projected]):
-                if proj_err is None:
-                    await run_projection(run, max(n, prefix), n)
-        if proj_err is not None:  # also why an engine restore invalidated by the hook failed
-            reason = f"projection failed: {proj_err!r}"
-        after_s = time.perf_counter() - t_io
-        # blocks this restore may have written beyond what it reports valid: the engine's, the
-        # recomputed and projected ones (either may have run past a shorter commit)
-        bt = kv_cache.block_tokens
-        whole = prefix if reason is not None else 0  # an invalidated restore: the whole prefix
-        written = max(n, rec_tried, proj_tried, whole)
-        wids = kv_cache.block_table(block_ids, written)[: -(-written // bt)].tolist()
-        valid = 0 if reason is not None else -(-n // bt)
-        invalid = tuple(sorted(set(result.invalid_block_ids) | set(wids[valid:])))
+        reason = await self._finish_phase(result, n)
+        after_s = time.perf_counter() - self.t_io
         return HCacheRestore(
             0 if reason is not None else n,
             result,
-            invalid,
+            self._invalid_blocks(result, n, reason),
             reason,
-            io_s,
-            proj_s,
-            rec_s,
-            time.perf_counter() - t0,
+            result.timings.total_s,
+            self.proj_s,
+            self.rec_s,
+            time.perf_counter() - self.t0,
             after_s,
         )
+
+    async def _engine_phase(self) -> RestoreResult:
+        """The engine restore, with recompute and the projector running beside it."""
+        result: RestoreResult | None = None
+        async with anyio.create_task_group() as tg:
+            if self.r_layers and self.prefix:
+                tg.start_soon(self._recompute, self.prefix)
+            if self.hidden_names and self.prefix:
+                tg.start_soon(self._projector)
+            try:
+                result = await self.engine.restore(
+                    self.tokens, self.view, self.block_ids, probe=self.probe,
+                    on_installed=self._on_installed, **self.kw,
+                )  # fmt: skip
+                self.skip = not result.committed_tokens  # nothing to project for
+            finally:
+                self.send.close()
+            self.t_io = time.perf_counter()  # the engine returned (the projector may still run)
+        assert result is not None
+        return result
+
+    async def _finish_phase(self, result: RestoreResult, n: int) -> str | None:
+        """Recompute and project what the pipeline did not reach; the reason of a failure."""
+        reason: str | None = None if n else (str(result.reason) if result.reason else "miss")
+        if n and self.r_layers and self.rec_err is None and self.rec_n < n:
+            await self._recompute(n)
+        if n and self.rec_err is not None:
+            reason = f"recompute failed: {self.rec_err!r}"
+        if n and reason is None and self.hidden_names and self.proj_err is None:
+            # chunks the pipeline did not reach (pipeline off, a probe shorter than the
+            # commit), as runs of consecutive chunks: one call each
+            missing = [c for c in range(-(-n // self.ct)) if c not in self.projected]
+            for run in _runs(missing):
+                if self.proj_err is None:
+                    await self._project_run(run, max(n, self.prefix), n)
+        if self.proj_err is not None:  # also why an engine restore invalidated by the hook failed
+            reason = f"projection failed: {self.proj_err!r}"
+        return reason
+
+    def _invalid_blocks(self, result: RestoreResult, n: int, reason: str | None) -> tuple[int, ...]:
+        """Blocks this restore may have written beyond what it reports valid: the engine's,
+        the recomputed and projected ones (either may have run past a shorter commit)."""
+        bt = self.kv_cache.block_tokens
+        whole = self.prefix if reason is not None else 0  # invalidated: the whole prefix
+        written = max(n, self.rec_tried, self.proj_tried, whole)
+        wids = self.kv_cache.block_table(self.block_ids, written)[: -(-written // bt)].tolist()
+        valid = 0 if reason is not None else -(-n // bt)
+        return tuple(sorted(set(result.invalid_block_ids) | set(wids[valid:])))
+
+    async def _recompute(self, n: int) -> None:
+        self.rec_tried = max(self.rec_tried, n)
+        t = time.perf_counter()
+        try:
+            args = (self.tokens, self.kv_cache, self.block_ids, n)
+            await anyio.to_thread.run_sync(self.hc.recompute, *args)
+            self.rec_n = n
+        except Exception as exc:  # reported as an invalidated restore
+            self.rec_err = exc
+        self.rec_s += time.perf_counter() - t
+
+    def _project(self, lo: int, hi: int, top: int) -> None:
+        """Worker thread: chunk tokens ``[lo, hi)``'s K/V from their hidden states."""
+        if not self.rope:
+            self.rope.append(self.hc.adapter.rope(0, top))
+        ids = self.kv_cache.block_table(self.block_ids, hi)
+        self.hc.rebuild(self.view, self.kv_cache, ids, hi, start=lo, rope=self.rope[0])
+
+    async def _project_run(self, chunks: range, top: int, end: int | None = None) -> None:
+        """Project consecutive ``chunks`` in one call (tokens up to ``end``, default their
+        end); ``top``: the RoPE table's length."""
+        ct = self.ct
+        lo = chunks[0] * ct
+        hi = (chunks[-1] + 1) * ct if end is None else min(end, (chunks[-1] + 1) * ct)
+        self.proj_tried = max(self.proj_tried, hi)
+        t = time.perf_counter()
+        try:
+            await anyio.to_thread.run_sync(self._project, lo, hi, top)
+            self.projected.update(dict.fromkeys(chunks, hi))
+        except Exception as exc:  # reported as an invalidated restore
+            self.proj_err = exc
+        self.proj_s += time.perf_counter() - t
+
+    async def _projector(self) -> None:
+        """The projection is usually slower than the reads: take every chunk that landed
+        meanwhile and project each run of consecutive chunks in one call (fewer, larger
+        GEMMs), in chunk order."""
+        async with self.recv:
+            async for c in self.recv:
+                ready = [c]
+                while True:
+                    try:
+                        ready.append(self.recv.receive_nowait())
+                    except (anyio.WouldBlock, anyio.EndOfStream):
+                        break
+                for run in _runs(sorted(ready)):
+                    if self.proj_err is None and not self.skip:
+                        await self._project_run(run, self.prefix)
+
+    async def _on_installed(self, c: int, groups: tuple[str, ...]) -> None:
+        if self.proj_err is not None:  # the request cannot commit: stop taking chunks
+            raise RuntimeError(f"projection failed: {self.proj_err!r}")
+        in_prefix = (c + 1) * self.ct <= self.prefix
+        if self.hc.pipeline and self.hidden_names.intersection(groups) and in_prefix:
+            self.send.send_nowait(c)
+        if self.user_hook is not None:
+            pending = self.user_hook(c, groups)
+            if pending is not None:
+                await pending
 
 
 def _runs(chunks: list[int]) -> list[range]:
