@@ -129,9 +129,7 @@ def optional_positive_float(
     """``None`` or a finite number > 0 (e.g. an optional deadline)."""
     if value is None:
         return None
-    return finite_float(
-        value, what, minimum=0.0, strict=True, none_ok=True, error=error, **fields
-    )
+    return finite_float(value, what, minimum=0.0, strict=True, none_ok=True, error=error, **fields)
 
 
 def non_negative_int(

@@ -26,17 +26,17 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from ._conformance import TierConformance as TierConformance
+from ._conformance import fifo_unblocker as fifo_unblocker
 from ._conformance import flip_file_byte as flip_file_byte
 from ._conformance import make_keys as make_keys
 from ._conformance import payload as payload
+from ._conformance import remount_read_only as remount_read_only
+from ._conformance import tmpfs_mount as tmpfs_mount
 from ._faults import Fault as Fault
 from ._faults import FaultKind as FaultKind
 from ._faults import FaultPlan as FaultPlan
 from ._faults import FaultyTier as FaultyTier
 from ._faults import LatencyTier as LatencyTier
-from ._conformance import fifo_unblocker as fifo_unblocker
-from ._conformance import remount_read_only as remount_read_only
-from ._conformance import tmpfs_mount as tmpfs_mount
 from ._faults import corrupt_stored as corrupt_stored
 from ._faults import peek_stored as peek_stored
 from ._faults import put_raw_stored as put_raw_stored
