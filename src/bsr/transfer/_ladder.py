@@ -13,7 +13,7 @@ the same gate. It decides nothing itself: quarantine and tier health are the eng
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -166,6 +166,29 @@ class TierLadder:
         gate.report(ReadOutcome(name, key, group, chunk, outcome, 0, text, type(exc).__name__))
         return False
 
+    def _admitted(
+        self,
+        gate: ReadGate,
+        key: ChunkKey,
+        group: str,
+        holders: Sequence[str],
+        result: LadderResult,
+        errors: list[str],
+    ) -> Iterator[str]:
+        """The holders the gate lets this read try, in order (the skipped ones noted)."""
+        for name in holders:
+            why = gate.admit(name, key, group)
+            if why is not None:
+                errors.append(f"{name}: skipped, {why}")
+                continue
+            result.attempts += 1
+            yield name
+
+    @staticmethod
+    def _exhausted(result: LadderResult, errors: list[str]) -> LadderResult:
+        result.errors = tuple(errors or ["no tier holds it"])
+        return result
+
     def read_blocking(
         self,
         gate: ReadGate,
@@ -177,13 +200,8 @@ class TierLadder:
         expected: int,
     ) -> LadderResult:
         """Read ``(key, group)`` into ``region`` in the calling (worker) thread."""
-        result, errors = LadderResult(), []
-        for name in holders:
-            why = gate.admit(name, key, group)
-            if why is not None:
-                errors.append(f"{name}: skipped, {why}")
-                continue
-            result.attempts += 1
+        result, errors = LadderResult(), list[str]()
+        for name in self._admitted(gate, key, group, holders, result, errors):
             exc: BaseException | None = None
             n = 0
             try:
@@ -193,8 +211,7 @@ class TierLadder:
                 exc = e
             if self._finish(gate, result, errors, name, key, group, chunk, exc, n):
                 return result
-        result.errors = tuple(errors or ["no tier holds it"])
-        return result
+        return self._exhausted(result, errors)
 
     async def read(
         self,
@@ -207,13 +224,8 @@ class TierLadder:
         expected: int,
     ) -> LadderResult:
         """Read ``(key, group)`` into ``region`` with each tier's async ``read_into``."""
-        result, errors = LadderResult(), []
-        for name in holders:
-            why = gate.admit(name, key, group)
-            if why is not None:
-                errors.append(f"{name}: skipped, {why}")
-                continue
-            result.attempts += 1
+        result, errors = LadderResult(), list[str]()
+        for name in self._admitted(gate, key, group, holders, result, errors):
             exc: BaseException | None = None
             n = 0
             try:
@@ -226,5 +238,4 @@ class TierLadder:
                 raise
             if self._finish(gate, result, errors, name, key, group, chunk, exc, n):
                 return result
-        result.errors = tuple(errors or ["no tier holds it"])
-        return result
+        return self._exhausted(result, errors)
