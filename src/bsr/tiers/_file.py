@@ -36,13 +36,11 @@ and counted as ``unreadable`` on open), never corruption.
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import os
 import secrets
 import stat
 import threading
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +66,7 @@ from ..core._object import (
     payload_checksum,
     verify_payload,
 )
-from ._base import Tier, TierLease, TierStatistics, TierUsage, as_byte_view, as_payload_view
+from ._base import as_byte_view, as_payload_view
 from ._fileroot import (
     _ID_RE as _ID_RE,  # read by bsr store
 )
@@ -94,7 +92,7 @@ from ._fileroot import (
     object_relpath,
 )
 from ._fileroot import _fsync_dir as _fsync_dir  # read by bsr store
-from ._lru import LruIndex
+from ._lru import IndexedTier, LruIndex
 from ._readers import (
     NotRegularFileError,
     ObjectReader,
@@ -132,7 +130,7 @@ class _Call:
         self.started = self.finished = self.abandoned = False
 
 
-class FileTier(Tier):
+class FileTier(IndexedTier):
     """L2 tier: a directory on local storage that bsr owns.
 
     Args:
@@ -261,6 +259,9 @@ class FileTier(Tier):
         if dirs is not None:
             dirs.close()
 
+    def _ready(self) -> None:
+        self._ensure_open()
+
     def _ensure_open(self) -> None:
         self._check_open()
         if not self._opened:
@@ -285,27 +286,8 @@ class FileTier(Tier):
         if closing is not None:
             closing.close()
 
-    # ------------------------------------------------------------------ statistics
-    def usage(self) -> TierUsage:
-        s = self._index.statistics()
-        return TierUsage(s.objects, s.bytes, self.capacity_bytes)
-
-    def statistics(self) -> TierStatistics:
-        st = super().statistics()
-        return dataclasses.replace(
-            st, peak_bytes=max(st.peak_bytes, self._index.statistics().peak_bytes)
-        )
-
-    # ------------------------------------------------------------------ core
-    async def contains_many(self, objects: Sequence[ObjectKey]) -> list[bool]:
-        self._ensure_open()
-        return [o.object_id in self._index for o in objects]
-
-    async def lease(self, objects: Sequence[ObjectKey], ttl_s: float) -> TierLease:
-        """Pin the held ``objects`` against eviction until ``release()`` or ``ttl_s`` passes."""
-        self._ensure_open()
-        return self._index.lease([o.object_id for o in objects], ttl_s)
-
+    # ------------------------------------------------------------------ core (usage, statistics,
+    # contains_many and lease come from IndexedTier)
     async def read_into(self, key: ChunkKey, group: str, dst: Any) -> int:
         """Read and verify ``(key, group)`` into ``dst`` in a worker thread.
 

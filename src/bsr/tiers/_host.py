@@ -13,8 +13,6 @@ an unexpired lease, is never evicted.
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Sequence
 from typing import Any
 
 import anyio
@@ -30,13 +28,13 @@ from ..core._object import (
     payload_checksum,
     verify_payload,
 )
-from ._base import Tier, TierLease, TierStatistics, TierUsage, as_byte_view, as_payload_view
-from ._lru import LruIndex
+from ._base import as_byte_view, as_payload_view
+from ._lru import IndexedTier, LruIndex
 
 Blob = np.ndarray[Any, np.dtype[np.uint8]]
 
 
-class HostTier(Tier):
+class HostTier(IndexedTier):
     """L1 tier in host memory.
 
     Args:
@@ -53,20 +51,6 @@ class HostTier(Tier):
         super().__init__(name)
         self.capacity_bytes = positive_int(capacity_bytes, "HostTier.capacity_bytes")
         self._index: LruIndex[Blob] = LruIndex(capacity_bytes, name=name)
-
-    def usage(self) -> TierUsage:
-        s = self._index.statistics()
-        return TierUsage(s.objects, s.bytes, self.capacity_bytes)
-
-    def statistics(self) -> TierStatistics:
-        st = super().statistics()
-        return dataclasses.replace(
-            st, peak_bytes=max(st.peak_bytes, self._index.statistics().peak_bytes)
-        )
-
-    async def contains_many(self, objects: Sequence[ObjectKey]) -> list[bool]:
-        self._check_open()
-        return [o.object_id in self._index for o in objects]
 
     async def read_into(self, key: ChunkKey, group: str, dst: Any) -> int:
         # not abandonable: a memcpy is bounded, and no byte may land in dst after we return
@@ -139,11 +123,6 @@ class HostTier(Tier):
     async def delete(self, key: ChunkKey, group: str) -> bool:
         self._check_open()
         return self._index.discard(ObjectKey(key, group).object_id)
-
-    async def lease(self, objects: Sequence[ObjectKey], ttl_s: float) -> TierLease:
-        """Pin the held ``objects`` against eviction until ``release()`` or ``ttl_s`` passes."""
-        self._check_open()
-        return self._index.lease([o.object_id for o in objects], ttl_s)
 
     async def aclose(self) -> None:
         self._index.clear()

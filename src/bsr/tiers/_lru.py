@@ -18,10 +18,11 @@ if nobody calls ``release()``.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -29,7 +30,8 @@ import anyio
 
 from .._check import positive_float, positive_int
 from .._errors import TierError, TierFullError
-from ._base import TierLease
+from ..core._keys import ObjectKey
+from ._base import Tier, TierLease, TierStatistics, TierUsage
 
 V = TypeVar("V")
 
@@ -441,3 +443,37 @@ class LruIndex(Generic[V]):
         now = self._clock()
         for lid in [lid for lid, (exp, _) in self._leases.items() if exp <= now]:
             self._drop_lease_locked(lid)
+
+
+class IndexedTier(Tier):
+    """A tier whose objects an :class:`LruIndex` tracks (``self._index``) against
+    ``capacity_bytes``: usage, statistics, metadata-only probes and leases come from the index.
+
+    Subclasses set ``_index`` and ``capacity_bytes`` and may tighten :meth:`_ready` (the check
+    every call makes before touching the index).
+    """
+
+    _index: LruIndex[Any]
+    capacity_bytes: int
+
+    def _ready(self) -> None:
+        self._check_open()
+
+    def usage(self) -> TierUsage:
+        s = self._index.statistics()
+        return TierUsage(s.objects, s.bytes, self.capacity_bytes)
+
+    def statistics(self) -> TierStatistics:
+        st = super().statistics()
+        return dataclasses.replace(
+            st, peak_bytes=max(st.peak_bytes, self._index.statistics().peak_bytes)
+        )
+
+    async def contains_many(self, objects: Sequence[ObjectKey]) -> list[bool]:
+        self._ready()
+        return [o.object_id in self._index for o in objects]
+
+    async def lease(self, objects: Sequence[ObjectKey], ttl_s: float) -> TierLease:
+        """Pin the held ``objects`` against eviction until ``release()`` or ``ttl_s`` passes."""
+        self._ready()
+        return self._index.lease([o.object_id for o in objects], ttl_s)
