@@ -8,7 +8,6 @@ must match the never-evicted run.
 
 from __future__ import annotations
 
-import inspect
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ import pytest
 import torch
 
 import bsr
+from adapters.hcache_kit import decode_from
 from bsr import hcache, hf
 
 transformers = pytest.importorskip("transformers")
@@ -41,34 +41,6 @@ def llama(kv_heads: int) -> Any:
     )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(cfg).eval()
-
-
-def forward(model: Any, ids: torch.Tensor, past: Any, **kw: Any) -> Any:
-    params = inspect.signature(model.forward).parameters
-    name = "cache" if "cache" in params else "past_key_values"
-    return model(input_ids=ids, use_cache=True, **{name: past}, **kw)
-
-
-def next_cache(out: Any) -> Any:
-    c = getattr(out, "cache", None)
-    return c if c is not None else out.past_key_values
-
-
-def decode_from(
-    model: Any, prompt: torch.Tensor, start: int, past: Any, steps: int = 3
-) -> list[torch.Tensor]:
-    logits = []
-    with torch.no_grad():
-        out = forward(model, prompt[:, start:], past)
-        past = next_cache(out)
-        last = out.logits[:, -1]
-        logits.append(last)
-        for _ in range(steps):
-            out = forward(model, last.argmax(-1, keepdim=True), past)
-            past = next_cache(out)
-            last = out.logits[:, -1]
-            logits.append(last)
-    return logits
 
 
 def test_planner_picks_the_smaller_state() -> None:
