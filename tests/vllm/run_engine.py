@@ -69,6 +69,7 @@ def main(spec_path: str, out_path: str) -> None:
         enable_prefix_caching=spec.get("prefix_caching", True),
         seed=0,
         tensor_parallel_size=spec.get("tensor_parallel_size", 1),
+        disable_hybrid_kv_cache_manager=spec.get("disable_hybrid", None),
         **kw,
     )
     out: dict[str, Any] = {"start_s": time.perf_counter() - t0, "actions": [], "batches": []}

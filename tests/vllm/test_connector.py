@@ -8,11 +8,8 @@ file in ``.venv-vllm``); skipped where vLLM is not installed.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,40 +17,13 @@ import pytest
 
 # "vllm" alone would find this tests/vllm directory as a namespace package; ask for a submodule
 pytest.importorskip("vllm.distributed.kv_transfer")
+from vllm_engines import cached_of, file_store_connector, tokens_of, toks, write_llama
+from vllm_engines import run as run_spec
+
 # nine engine starts in one module fixture (its time counts toward the first test's timeout)
 pytestmark = pytest.mark.timeout(3600)
 
-HERE = Path(__file__).parent
 CHUNK = 64  # two vLLM blocks of 32 (the CPU backend's smallest block size)
-MODEL = {  # a small random Llama: head_dim 64 (the CPU attention kernels need >= 32)
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 512,
-    "max_position_embeddings": 4096,
-    "rms_norm_eps": 1e-5,
-    "tie_word_embeddings": False,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
-
-
-def write_model(path: Path, seed: int = 0) -> None:
-    """Real random weights written by transformers (vLLM's dummy weights ignore the context)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    LlamaForCausalLM(LlamaConfig(**MODEL)).to(torch.bfloat16).save_pretrained(path)
-
-
-def toks(n: int, seed: int) -> list[int]:
-    import random
-
-    rng = random.Random(seed)
-    return [rng.randrange(3, 500) for _ in range(n)]
 
 
 SHARED = toks(160, 99)
@@ -67,53 +37,19 @@ STORED_OBJECTS = 3 + 2 + 0 + 1 + 2 + 12
 
 
 def connector(path: Path, **opts: Any) -> dict[str, Any]:
-    return {
-        "bsr": {
-            "tiers": [{"kind": "file", "path": str(path), "capacity_bytes": 1 << 30}],
-            "chunk_tokens": CHUNK,
-            "window": 4,
-            "io_depth": 2,
-            "model_id": "test-llama",  # the same for both weight sets: see the control
-        },
-        "bsr_connector": {"lookup_timeout_s": 5.0, **opts},
-    }
+    # the same model_id for both weight sets: see the control
+    return file_store_connector(path, chunk=CHUNK, model_id="test-llama", **opts)
 
 
 def run(tmp: Path, name: str, model: str = "model", **spec: Any) -> dict[str, Any]:
     spec.setdefault("batches", [BATCH_A, BATCH_B])
-    spec["model"] = str(tmp / model)
-    spec["load_format"] = "auto"
-    (tmp / f"{name}.json").write_text(json.dumps(spec))
-    out = tmp / f"{name}.out.json"
-    env = dict(os.environ)
-    if spec.get("tensor_parallel_size", 1) > 1:  # one core per rank (auto binding refuses)
-        cores = sorted(os.sched_getaffinity(0))
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(c) for c in cores[:2])
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "run_engine.py"), str(tmp / f"{name}.json"), str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
-    (tmp / f"{name}.log").write_text(proc.stdout + proc.stderr)  # bsr's and vLLM's events
-    if proc.returncode != 0 or not out.exists():
-        raise AssertionError(f"{name} run failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
-    return json.loads(out.read_text())
-
-
-def tokens_of(result: dict[str, Any]) -> list[list[list[int]]]:
-    return [[r["tokens"] for r in b["rows"]] for b in result["batches"]]
-
-
-def cached_of(result: dict[str, Any]) -> list[list[int]]:
-    return [[r["cached"] for r in b["rows"]] for b in result["batches"]]
+    return run_spec(tmp, name, model, **spec)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("vllm")
-    write_model(tmp / "model")
+    write_llama(tmp / "model")
     store = tmp / "store"
     out: dict[str, Any] = {"tmp": tmp}
     out["baseline"] = run(tmp, "baseline")
@@ -148,7 +84,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         tmp, "missing", connector=connector(tmp / "not-a-dir" / "store"), batches=[BATCH_A]
     )
     # the control: other weights under the same model_id get the first weights' KV, intact
-    write_model(tmp / "other", seed=1)
+    write_llama(tmp / "other", seed=1)
     shutil.copytree(store, tmp / "mislabeled")
     out["other_baseline"] = run(tmp, "other_baseline", model="other", batches=[BATCH_A])
     out["mislabeled"] = run(
@@ -216,7 +152,7 @@ def tp_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("tensor parallelism 2 needs two CPU cores")
     tmp = tmp_path_factory.mktemp("vllm-tp2")
-    write_model(tmp / "model")
+    write_llama(tmp / "model")
     out: dict[str, Any] = {}
     out["baseline"] = run(tmp, "baseline", batches=[BATCH_A], tensor_parallel_size=2)
     con = connector(tmp / "store")

@@ -10,7 +10,7 @@ import torch
 
 import bsr
 from bsr.transfer._cache import gather_chunk, install_chunk
-from bsr.vllm._layout import GroupSpec, block_parts, derive, layer_order
+from bsr.vllm._layout import GroupSpec, block_parts, derive, group_window, layer_order
 
 NB, BS, H, D, L = 10, 4, 2, 8, 3
 NAMES = tuple(f"model.layers.{i}.self_attn.attn" for i in range(L))
@@ -91,3 +91,16 @@ def test_refusals_say_what_is_wrong() -> None:
     assert len(block_parts(tokens_outer, NB, "x")) == 2 * BS
     with pytest.raises(bsr.LayoutError, match="not supported"):
         block_parts(torch.randn(NB, 2 * BS)[:, ::2], NB, "x")  # a block's bytes strided
+
+
+def test_group_window_only_for_vllm_sliding_window_groups() -> None:
+    """vLLM's own spec classes: a FullAttentionSpec carrying a sliding_window (the hybrid
+    manager off merges a sliding-window model into one such group) is full length."""
+    kvi = pytest.importorskip("vllm.v1.kv_cache_interface")
+    common = {"block_size": 32, "num_kv_heads": 2, "head_size": 64, "dtype": torch.bfloat16}
+    assert group_window(kvi.SlidingWindowSpec(sliding_window=64, **common)) == 64
+    assert group_window(kvi.FullAttentionSpec(sliding_window=64, **common)) is None
+    assert group_window(kvi.FullAttentionSpec(**common)) is None
+    assert group_window(kvi.MLAAttentionSpec(**{**common, "num_kv_heads": 1})) is None
+    with pytest.raises(bsr.LayoutError, match="ChunkedLocalAttentionSpec"):
+        group_window(kvi.ChunkedLocalAttentionSpec(attention_chunk_size=64, **common))

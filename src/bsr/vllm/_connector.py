@@ -71,7 +71,7 @@ from bsr import (
 
 from .._log import logger
 from ._bridge import LookupClient, LookupServer, LoopThread, socket_path
-from ._layout import GroupSpec, derive, layer_order
+from ._layout import GroupSpec, derive, group_window, layer_order
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -384,7 +384,7 @@ class BsrConnector(KVConnectorBase_V1):  # type: ignore[misc]
         out = []
         for i, g in enumerate(groups):
             names = tuple(sorted((n for n in g.layer_names if n in kv_caches), key=layer_order))
-            window = getattr(g.kv_cache_spec, "sliding_window", None)
+            window = group_window(g.kv_cache_spec)
             out.append(GroupSpec("kv" if len(groups) == 1 else f"kv{i}", names, window))
         return out
 

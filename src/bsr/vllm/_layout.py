@@ -52,6 +52,34 @@ class GroupSpec:
     window_tokens: int | None = None
 
 
+def group_window(spec: object) -> int | None:
+    """The sliding window bsr may use for a vLLM KV cache group, from its ``kv_cache_spec``.
+
+    Only a ``SlidingWindowSpec`` group (vLLM's hybrid manager on) keeps a window's KV: vLLM
+    frees that group's blocks outside the window and its prefix cache needs only the window.
+    Any other attention spec is full length, even one that carries a ``sliding_window``: with the
+    hybrid manager off, vLLM merges a sliding-window model's layers into one ``FullAttentionSpec``
+    group whose ``sliding_window`` is set, every block holds every layer's KV, and a later request
+    may reuse any block of the prefix from vLLM's own cache, so every chunk must be restored.
+
+    Raises:
+        LayoutError: a spec kind bsr does not know how to store (Mamba state, chunked local
+            attention, a ring buffer, ...): refusing is safer than guessing what it reuses.
+    """
+    kinds = {cls.__name__ for cls in type(spec).__mro__}
+    if "SlidingWindowSpec" in kinds:
+        window = int(spec.sliding_window)  # type: ignore[attr-defined]
+        if window <= 0:
+            raise LayoutError(f"KV cache group with sliding_window={window} is not supported")
+        return window
+    if "FullAttentionSpec" in kinds:
+        return None
+    raise LayoutError(
+        f"vLLM KV cache spec {type(spec).__name__} is not supported by BsrConnector "
+        "(it stores full-attention, MLA and sliding-window attention KV)"
+    )
+
+
 def layer_order(name: str) -> tuple[int, ...]:
     """Sort key: the integers in a layer name (``model.layers.10.self_attn.attn`` -> (10,))."""
     return tuple(int(n) for n in re.findall(r"\d+", name))
