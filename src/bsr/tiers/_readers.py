@@ -183,13 +183,19 @@ class KvikioReader:
         self._kvikio = kvikio
 
     def read(self, path: str, header: memoryview, payload: memoryview) -> int:
+        # kvikio raises at end of file ("POSIX error on pread: EOF") where a POSIX read is short:
+        # ask for no more than the file holds, so a truncated object reads short, as with POSIX,
+        # and the tier reports it as truncated (corrupt), not as an unexpected error
+        size = os.stat(path).st_size
         with self._kvikio.CuFile(path, "r") as f:
-            n_header = f.pread(np.frombuffer(header, dtype=np.uint8), len(header), 0).get()
+            want = min(len(header), size)
+            n_header = f.pread(np.frombuffer(header, dtype=np.uint8), want, 0).get() if want else 0
             if n_header < len(header):
                 return int(n_header)
-            n_payload = f.pread(
-                np.frombuffer(payload, dtype=np.uint8), len(payload), HEADER_SIZE
-            ).get()
+            want = min(len(payload), size - HEADER_SIZE)
+            if want <= 0:
+                return int(n_header)
+            n_payload = f.pread(np.frombuffer(payload, dtype=np.uint8), want, HEADER_SIZE).get()
             return int(n_header + n_payload)
 
 

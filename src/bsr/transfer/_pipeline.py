@@ -573,6 +573,8 @@ class WindowPipeline:
                     event = await anyio.to_thread.run_sync(
                         self._enqueue_cuda, job, c, job.staged[c]
                     )
+                    if event is None:
+                        return  # the copy failed (recorded) or the request is over
                     while not event.query():  # noqa: ASYNC110 - polling a CUDA event
                         await anyio.sleep(0.0005)
                     job.run.record_installed(c, job.run.needed[c])
@@ -581,13 +583,21 @@ class WindowPipeline:
         await anyio.to_thread.run_sync(install_all, abandon_on_cancel=True, limiter=self._limiter)
 
     def _enqueue_cuda(self, job: _Job, c: int, slot: Slot) -> Any:
-        """Enqueue chunk ``c``'s host-to-device copy on the side stream; return its event."""
+        """Enqueue chunk ``c``'s host-to-device copy on the side stream; return its event.
+
+        None when the request is over or the copy could not be enqueued (a CUDA error, e.g. out
+        of memory for the device-side staging copy): that is a failed chunk, never a raise.
+        """
         run = job.run
         assert job.device is not None
         if not run.installs.enter():
             return None
+        groups = run.needed[c]
         try:
-            return job.device.install(c, run.needed[c], slot)
+            return job.device.install(c, groups, slot)
+        except Exception as exc:
+            run.fail(ChunkFailure(c, groups[0], Reason.INSTALL_FAILED, [repr(exc)]))
+            return None
         finally:
             run.installs.leave()
 
