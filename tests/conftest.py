@@ -13,7 +13,6 @@ import torch
 import bsr
 from helpers import two_group_layout
 
-
 #: "cpu": run the portable part of the ``cuda`` tests on the CPU (the dry run of bench/gpu/run.py)
 CUDA_TESTS_ON = "BSR_CUDA_TESTS_ON"
 #: "1": a ``cuda`` test without a CUDA device fails instead of skipping (bench/gpu/run.py on a GPU)
