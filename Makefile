@@ -10,7 +10,8 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 VLLM_VENV ?= .venv-vllm
 LMCACHE_VENV ?= .venv-lmcache
 
-.PHONY: setup system-deps bench-deps test test-vllm lmcache-venv lint-imports bench lint typecheck clean
+.PHONY: setup system-deps bench-deps test test-vllm lmcache-venv lint-imports bench lint typecheck clean \
+	gpu-wheels gpu-dry-run
 
 setup: $(VENV)/.bsr-installed
 
@@ -38,6 +39,7 @@ bench-deps:
 
 test: setup system-deps lint-imports
 	$(BIN)/python -m pytest -q
+	$(MAKE) gpu-dry-run
 	$(MAKE) test-vllm
 
 # vLLM's CPU build in its own environment (its dependency stack is large and pins its own
@@ -64,6 +66,16 @@ $(LMCACHE_VENV)/.bsr-installed:
 	$(LMCACHE_VENV)/bin/python -m pip install -q "$(TORCH_CPU)"
 	$(LMCACHE_VENV)/bin/python -m pip install -q lmcache==0.5.6 "$(TORCH_CPU)"
 	touch $@
+
+# The GPU validation run (bench/gpu, docs/gpu.md). gpu-wheels fills .whl/ with the pinned wheels a
+# GPU machine without network needs, for its Python (GPU_PY) and for this one, and checks them
+# offline; gpu-dry-run runs the whole script here on the CPU at tiny sizes (about a minute).
+GPU_PY ?= 3.12
+gpu-wheels: setup
+	$(BIN)/python bench/gpu/wheels.py ensure --python-version $(GPU_PY) --python-version host
+
+gpu-dry-run: gpu-wheels
+	$(BIN)/python bench/gpu/run.py --dry-run
 
 # the layering contracts in pyproject.toml ([tool.importlinter])
 lint-imports: setup
