@@ -15,12 +15,14 @@ LMCACHE_VENV ?= .venv-lmcache
 
 setup: $(VENV)/.bsr-installed
 
-$(VENV)/.bsr-installed: pyproject.toml
+# bsr and its benchmark (bsr-bench, bench/pyproject.toml; `bsr bench` needs it, so do tests/bench),
+# both editable, in one resolve (bsr-bench's `bsr` requirement is met by the checkout)
+$(VENV)/.bsr-installed: pyproject.toml bench/pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# a CPU torch build unless one is already there (an unpinned torch would pull a CUDA build)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_CPU)"
-	$(BIN)/python -m pip install -q -e ".[dev,mooncake]"
+	$(BIN)/python -m pip install -q -e ".[dev,mooncake]" -e ./bench
 	touch $@
 
 # spin (model checker), libibverbs (Mooncake's transfer engine) and fio (the bench's physical

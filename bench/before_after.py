@@ -2,15 +2,15 @@
 """Machinery figures of two revisions, measured side by side: ``python bench/before_after.py``.
 
 How it works: both revisions are exported with ``git archive`` into a temporary directory (so
-neither is the working tree), the current ``src/bsr/_bench/machinery.py`` and ``fio.py`` are
-copied into each (they use only the public ``bsr`` API, so they run against either), and a
-worker subprocess per revision measures the ``overhead`` and ``concurrency`` sections, the key
-derivation of a 512K-token list, numpy array and torch tensor, and FileTier restores
-(``O_DIRECT``) of a Llama-3-8B 8K-token state and of a 512 KiB-chunk state against the best raw
-read and the best fio configuration of the same object files, plus the W sweep (smallest W at
-95% of the best). Rounds alternate the revisions (ABBA...), so drift on a shared machine hits
-both alike; the document keeps every round and reports, per figure, the median over rounds and
-the after/before ratio.
+neither is the working tree) and a worker subprocess per revision, with that revision's ``src``
+first on ``PYTHONPATH``, runs the working tree's bench code (``bench/bsr_bench``: it uses only
+the public ``bsr`` API, so it runs against either) to measure the ``overhead`` and
+``concurrency`` sections, the key derivation of a 512K-token list, numpy array and torch
+tensor, and FileTier restores (``O_DIRECT``) of a Llama-3-8B 8K-token state and of a 512
+KiB-chunk state against the best raw read and the best fio configuration of the same object
+files, plus the W sweep (smallest W at 95% of the best). Rounds alternate the revisions
+(ABBA...), so drift on a shared machine hits both alike; the document keeps every round and
+reports, per figure, the median over rounds and the after/before ratio.
 
     python bench/before_after.py --before 17a7d59 --after HEAD --rounds 3 \\
         --json bench/results/before-after.json
@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -88,8 +87,8 @@ async def _file_worker(repeats: int) -> dict[str, Any]:
     import torch
 
     import bsr
-    from bsr._bench import fio
-    from bsr._bench.raw import RawReader
+    from bsr_bench.common import fio
+    from bsr_bench.common.raw import RawReader
 
     binary = fio.fio_binary()
     out: dict[str, Any] = {}
@@ -181,7 +180,7 @@ def worker(out: str, repeats: int) -> None:
     import structlog
 
     import bsr
-    from bsr._bench.machinery import (
+    from bsr_bench.restore.machinery import (
         CONCURRENCY_LEVELS,
         OVERHEAD_POINTS,
         measure_concurrency,
@@ -212,13 +211,12 @@ def _export(rev: str, into: Path) -> str:
     if archive.returncode:
         raise SystemExit(f"git archive {rev} failed: {archive.stderr.decode()[-300:]}")
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
-    for module in ("machinery.py", "fio.py"):  # bench-internal, public API only
-        shutil.copy(ROOT / "src/bsr/_bench" / module, into / "src/bsr/_bench" / module)
     return commit
 
 
 def _run_worker(tree: Path, repeats: int, out: Path) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": str(tree / "src")}
+    # that revision's bsr, this tree's bench (the bench of either revision may not be there)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree / "src"), str(ROOT / "bench")])}
     cmd = [sys.executable, __file__, "--worker", str(out), "--repeats", str(repeats)]
     proc = subprocess.run(cmd, env=env, cwd=tempfile.gettempdir(), capture_output=True, text=True)
     if proc.returncode:

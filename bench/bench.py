@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from bsr._bench import main
+from bsr_bench.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

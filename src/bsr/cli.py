@@ -22,10 +22,28 @@ from typing import Any
 DEFAULT_DIAGRAM = "spec/request_lifecycle.mmd"
 
 
-def _cmd_bench(ns: argparse.Namespace) -> int:
-    from ._bench import run_from_namespace
+BENCH_MISSING = (
+    "bsr bench: error: the benchmark is not installed. It is the bsr-bench package in the "
+    "bench/ directory of a bsr checkout: run `make bench` there, or `pip install -e bench/` "
+    "from the checkout's root (see bench/README.md)."
+)
 
-    return run_from_namespace(ns)
+
+def _cmd_bench(ns: argparse.Namespace) -> int:
+    """Hand the arguments to the bench package (``bench/bsr_bench``), or say how to install it."""
+    try:
+        from bsr_bench.cli import main as bench_main
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] == "bsr_bench":
+            print(BENCH_MISSING, file=sys.stderr)
+        else:  # a dependency of the bench
+            print(
+                f"bsr bench: error: the benchmark needs {exc.name or str(exc)!r}, which is "
+                "missing; reinstall it with `pip install -e bench/` from the checkout's root",
+                file=sys.stderr,
+            )
+        return 2
+    return bench_main(ns.bench_args, prog="bsr bench")
 
 
 def _cmd_spec_diagram(ns: argparse.Namespace) -> int:
@@ -383,16 +401,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"bsr {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
+    # the bench parses its own flags (`bsr bench --help` lists them): every argument after
+    # `bench` is handed over as it is (no prefix character, so no string is an option here),
+    # and nothing of the bench is imported unless `bsr bench` runs
     bench = sub.add_parser(
         "bench",
         help="benchmark BSR restore vs whole-plan restore, raw reads and recompute",
-        description="Save states of growing size, restore them with BSR (bounded window) and the "
-        "whole-plan baseline, read the same files raw, prefill the same tokens, and write one "
-        "JSON document plus plots (see bench/README.md).",
+        prefix_chars="\0",
+        add_help=False,
     )
-    from ._bench.options import add_arguments
-
-    add_arguments(bench)
+    bench.add_argument("bench_args", nargs="*", help=argparse.SUPPRESS)
     bench.set_defaults(func=_cmd_bench)
 
     spec = sub.add_parser("spec", help="the formal request lifecycle")

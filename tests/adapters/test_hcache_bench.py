@@ -8,15 +8,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from bsr._bench import hcache as hb
-from bsr._bench.runner import build_parser
+from bsr_bench import hcache as hb
+from bsr_bench.cli import build_parser, run_from_namespace
 
 
 def test_flag_is_registered_and_bad_sizes_are_refused(capsys: Any) -> None:
     ns = build_parser().parse_args(["--hcache", "--quick", "--sizes", "300"])
     assert ns.hcache and ns.quick
-    assert hb.run_hcache_from_namespace(ns) == 2
-    assert "multiples of 256" in capsys.readouterr().err
+    assert run_from_namespace(ns) == 2
+    assert "bsr bench --hcache: error: sizes must be multiples of 256" in capsys.readouterr().err
 
 
 def test_table_reports_ratios_next_to_the_paper() -> None:

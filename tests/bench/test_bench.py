@@ -21,7 +21,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-from bsr._bench.report import load_schema
+from bsr_bench.common.document import load_schema
 
 RATIOS = ("bsr_vs_raw_bandwidth", "bsr_vs_whole_plan_ttft", "whole_plan_vs_bsr_rws")
 
@@ -263,7 +263,7 @@ def test_fio_reference_or_a_note_that_it_is_missing(
 
 
 def test_window_section_is_the_smallest_w_at_95_percent() -> None:
-    from bsr._bench.sections import window_section
+    from bsr_bench.restore.sections import window_section
 
     def pt(w: int, d: int, bw: float) -> dict[str, Any]:
         return {
@@ -293,8 +293,8 @@ def test_window_section_is_the_smallest_w_at_95_percent() -> None:
 
 
 def test_fio_job_file_reads_every_file_once(tmp_path: Path) -> None:
-    from bsr._bench.fio import FioConfig, fitted_grid, job_file
-    from bsr._bench.stats import BenchError
+    from bsr_bench.common.fio import FioConfig, fitted_grid, job_file
+    from bsr_bench.common.stats import BenchError
 
     files = []
     for i, size in enumerate([9 << 20, 5 << 20, 5 << 20, 1 << 20, 3 << 20]):
@@ -326,42 +326,60 @@ def test_fio_job_file_reads_every_file_once(tmp_path: Path) -> None:
     assert one.count("filename=") == 1 and "iodepth=16" in one and "direct=0" in one
 
 
-BENCH_INTERNAL = {p.stem for p in Path(__file__).parents[2].joinpath("src/bsr/_bench").glob("*.py")}
+#: the bench package (bench/bsr_bench, the bsr-bench distribution)
+BENCH_PACKAGE = Path(__file__).parents[2] / "bench" / "bsr_bench"
 #: known private imports, each to be replaced by a public name (then deleted here): the test
 #: fails on any new one and on an entry that no longer matches
 KNOWN_PRIVATE: set[str] = set()
 
 
-def test_the_bench_uses_only_the_public_api() -> None:
-    """Issue 9: the bench is a client of `bsr` (and `bsr.testing`), never of private modules."""
+def _private_imports(path: Path) -> list[str]:
+    """Imports in ``path`` of bsr modules other than the facade and the public test kit."""
     import ast
 
-    offenders = []
-    for path in sorted(Path(__file__).parents[2].joinpath("src/bsr/_bench").glob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom):
-                mod = node.module or ""
-                if node.level == 0:
-                    private = mod.startswith("bsr.") and mod != "bsr.testing"
-                elif node.level == 1:  # bench-internal: `from .x import` / `from . import x`
-                    heads = [mod.split(".")[0]] if mod else [a.name for a in node.names]
-                    private = not set(heads) <= BENCH_INTERNAL | {"main"}
-                else:  # `from ..x import`: only the public test kit
-                    private = not (node.level == 2 and mod == "testing")
-                if private:
-                    offenders.append(f"{path.name} {'.' * node.level}{mod}")
-            elif isinstance(node, ast.Import):
-                for alias in node.names:
-                    if alias.name.startswith("bsr.") and alias.name != "bsr.testing":
-                        offenders.append(f"{path.name} {alias.name}")
-    assert set(offenders) == KNOWN_PRIVATE, (
-        f"new private imports: {sorted(set(offenders) - KNOWN_PRIVATE)}; "
-        f"gone (delete from KNOWN_PRIVATE): {sorted(KNOWN_PRIVATE - set(offenders))}"
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 0:  # relative: inside the bench
+            mod = node.module or ""
+            if mod.startswith("bsr.") and mod != "bsr.testing":
+                out.append(mod)
+            elif mod == "bsr":  # `from bsr import _errors` reaches a private module too
+                out += [f"bsr.{a.name}" for a in node.names if a.name.startswith("_")]
+        elif isinstance(node, ast.Import):
+            out += [
+                a.name for a in node.names if a.name.startswith("bsr.") and a.name != "bsr.testing"
+            ]
+    return out
+
+
+def test_the_bench_uses_only_the_public_api() -> None:
+    """Issue 9: the bench is a client of `bsr` (and `bsr.testing`), never of private modules
+    (the import contracts in pyproject.toml check the same on the import graph)."""
+    files = sorted(BENCH_PACKAGE.rglob("*.py"))
+    assert len(files) >= 30, f"the bench package was not found under {BENCH_PACKAGE}"
+    offenders = {
+        f"{path.relative_to(BENCH_PACKAGE)} {mod}"
+        for path in files
+        for mod in _private_imports(path)
+    }
+    assert offenders == KNOWN_PRIVATE, (
+        f"new private imports: {sorted(offenders - KNOWN_PRIVATE)}; "
+        f"gone (delete from KNOWN_PRIVATE): {sorted(KNOWN_PRIVATE - offenders)}"
     )
 
 
+def test_the_public_api_check_catches_private_imports(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text(
+        "import bsr.core._keys\nfrom bsr.engine._config import EngineConfig\n"
+        "from bsr import _errors, FileTier\nfrom bsr.testing import FaultyTier\n"
+        "from bsr import hcache\nfrom .common import stats\n"
+    )
+    assert _private_imports(bad) == ["bsr.core._keys", "bsr.engine._config", "bsr._errors"]
+
+
 def test_issue_targets_follow_the_sections() -> None:
-    from bsr._bench.sections import issue_targets
+    from bsr_bench.restore.sections import issue_targets
 
     def ov(chunk: int, per_chunk: float, vs_memcpy: float) -> dict[str, Any]:
         return {
@@ -412,9 +430,9 @@ def test_issue_targets_follow_the_sections() -> None:
 
 
 def test_without_fio_the_run_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
-    from bsr._bench import fio as fio_mod
-    from bsr._bench.pagecache import CacheMode
-    from bsr._bench.sections import FioSetup, finish
+    from bsr_bench.common import fio as fio_mod
+    from bsr_bench.common.pagecache import CacheMode
+    from bsr_bench.restore.sections import FioSetup, finish
 
     monkeypatch.setattr(fio_mod.shutil, "which", lambda name: None)
     setup = FioSetup(enabled=True, quick=False)
@@ -430,7 +448,7 @@ def test_without_fio_the_run_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_fio_reads_a_long_list_of_files_completely(tmp_path: Path) -> None:
     """fio drops a job whose file list is longer than its option limit (as 64 object files of
     a dsv4-flash point once were): run_fio links them under short names."""
-    from bsr._bench.fio import FioConfig, fio_binary, run_fio
+    from bsr_bench.common.fio import FioConfig, fio_binary, run_fio
 
     binary = fio_binary()
     if binary is None:

@@ -15,20 +15,14 @@ from typing import Any
 import anyio
 import pytest
 
-from bsr._bench import build_parser
-from bsr._bench.ladder import (
-    LadderOptions,
-    bsr_window,
-    parse_budgets,
-    resolve_ladder,
-    run_ladder,
-    summarize,
-)
-from bsr._bench.layouts import resolve_layout
-from bsr._bench.lmcache_baseline import venv_python
-from bsr._bench.scale import ChunkedState, Destination, DestinationKind
-from bsr._bench.stats import BenchError
-from bsr._bench.tp import resolve_tp, run_tp
+from bsr_bench.cli import build_parser
+from bsr_bench.common.layouts import resolve_layout
+from bsr_bench.common.stats import BenchError
+from bsr_bench.paper.ladder import bsr_window, run_ladder, summarize
+from bsr_bench.paper.lmcache import venv_python
+from bsr_bench.paper.options import LadderOptions, parse_budgets, resolve_ladder
+from bsr_bench.paper.scale import ChunkedState, Destination, DestinationKind
+from bsr_bench.paper.tp import resolve_tp, run_tp
 
 # 2 layers x 64 B per token, 16-token chunks: 2 KiB payload per chunk, 4 KiB slot (aligned)
 TINY = json.dumps(
@@ -120,7 +114,7 @@ def test_ladder_document_and_invariants(tmp_path: Path, destination: str) -> Non
             points, row["tokens"], slot
         )
     assert doc["lmcache"]["status"] == "off"
-    from bsr._bench.ladder import ladder_markdown, ladder_plot
+    from bsr_bench.paper.ladder_report import ladder_markdown, ladder_plot
 
     (png,) = ladder_plot(doc, tmp_path / "plots")
     assert Path(png).stat().st_size > 1000
@@ -213,7 +207,7 @@ def test_chunked_state_digests_detect_a_wrong_destination(tmp_path: Path) -> Non
 
 
 def test_lmcache_absent_is_a_labelled_skip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import bsr._bench.lmcache_baseline as lb
+    import bsr_bench.paper.lmcache as lb
 
     monkeypatch.setattr(lb, "venv_python", lambda root=None: tmp_path / "none" / "bin" / "python")
     named = resolve_layout(TINY)

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from bsr._bench.options import add_arguments
-from bsr._bench.stats import BenchError
-from bsr._bench.vllm_ttft import _root_cause, run_vllm
+from bsr_bench.cli import add_arguments
+from bsr_bench.common.stats import BenchError
+from bsr_bench.vllm_ttft import _root_cause, run_vllm
 
 
 def parse(*argv: str) -> argparse.Namespace:

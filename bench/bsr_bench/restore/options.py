@@ -1,4 +1,4 @@
-"""Command-line options of ``bsr bench`` and their defaults.
+"""Command-line options of the default ``bsr bench`` run and their defaults.
 
 Defaults finish in about two minutes on a 2-core CPU machine without a GPU; ``--quick`` is a
 smoke run of a few seconds (small sizes, W=2, one repeat, the tiny recompute model).
@@ -11,10 +11,10 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .layouts import BUILTIN
+from ..common.layouts import BUILTIN
+from ..common.stats import BenchError
 from .recompute import PRESETS
 from .remote import REMOTE_CHOICES, check_available
-from .stats import BenchError
 
 DEFAULT_SIZES = (2048, 4096, 8192)
 DEFAULT_LAYOUTS = ("llama3-8b", "dsv4-flash")
@@ -69,7 +69,7 @@ class BenchOptions:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The ``bsr bench`` flags (shared by ``bsr bench`` and ``bench/bench.py``)."""
+    """The flags of the default run (the other programs read some of them too)."""
     p.add_argument(
         "--sizes",
         type=_ints,
@@ -180,15 +180,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="skip the concurrency section (N = 1, 2, 4, 8 restores at once on one engine)",
     )
-    from .ladder import add_ladder_arguments  # paper scale: --l1-ladder, --tp
-
-    add_ladder_arguments(p)
-    from .vllm_ttft import add_vllm_arguments  # --engine vllm
-
-    add_vllm_arguments(p)
-    from .hcache import add_hcache_arguments  # --hcache
-
-    add_hcache_arguments(p)
 
 
 def resolve(ns: argparse.Namespace) -> BenchOptions:

@@ -32,7 +32,7 @@ import torch
 
 import bsr
 
-from .stats import BenchError, Dist, ratio
+from ..common.stats import BenchError, Dist, ratio
 
 BLOCK_TOKENS = 16
 CHUNK_TOKENS = 256

@@ -1,21 +1,14 @@
-"""The run's outputs: the JSON document (validated against schema.json), tables and plots.
+"""Tables and plots of the default run, rendered from its JSON document.
 
 The tables are rendered from the same point dictionaries that go into the JSON, so what the
-terminal shows is what the document says.
+terminal shows is what the document says (the document itself: :mod:`..common.document`).
 """
 
 from __future__ import annotations
 
-import json
-import math
 from collections.abc import Iterable, Sequence
-from importlib import resources
 from pathlib import Path
 from typing import Any
-
-from .stats import BenchError
-
-SCHEMA_VERSION = 1
 
 
 # ---------------------------------------------------------------------- formatting
@@ -166,45 +159,6 @@ def sweep_table(sweep: Sequence[dict[str, Any]]) -> Any:
             fmt_bytes(s["rss_growth_bytes"]["median"]),
         )
     return table
-
-
-# ---------------------------------------------------------------------- JSON
-def load_schema() -> dict[str, Any]:
-    text = resources.files("bsr._bench").joinpath("schema.json").read_text("utf-8")
-    schema: dict[str, Any] = json.loads(text)
-    return schema
-
-
-def _check_finite(obj: Any, where: str = "$") -> None:
-    if isinstance(obj, float) and not math.isfinite(obj):
-        raise BenchError(f"non-finite number at {where}")
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            _check_finite(v, f"{where}.{k}")
-    elif isinstance(obj, list):
-        for i, v in enumerate(obj):
-            _check_finite(v, f"{where}[{i}]")
-
-
-def validate(doc: dict[str, Any]) -> None:
-    """Raise :class:`BenchError` unless ``doc`` satisfies schema.json and holds no NaN/inf."""
-    import jsonschema
-
-    _check_finite(doc)
-    try:
-        jsonschema.validate(doc, load_schema())
-    except jsonschema.ValidationError as exc:
-        path = "/".join(str(x) for x in exc.absolute_path)
-        raise BenchError(
-            f"bench JSON does not match schema.json at /{path}: {exc.message}"
-        ) from exc
-
-
-def write_json(doc: dict[str, Any], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=2, allow_nan=False) + "\n", "utf-8")
-    tmp.replace(path)
 
 
 # ---------------------------------------------------------------------- plots

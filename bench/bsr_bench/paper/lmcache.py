@@ -26,7 +26,8 @@ from typing import Any
 
 import psutil
 
-from .stats import BenchError
+from ..common.stats import BenchError
+from ..common.workers import BENCH_ROOT
 
 GIB = 1 << 30
 WORKER = Path(__file__).with_name("lmcache_worker.py")
@@ -38,7 +39,7 @@ STAND_IN = (
 
 def venv_python(root: Path | None = None) -> Path:
     """``.venv-lmcache/bin/python`` of the repository (or of the current directory)."""
-    for base in (root, Path(__file__).resolve().parents[3], Path.cwd()):
+    for base in (root, BENCH_ROOT.parent, Path.cwd()):
         if base is None:
             continue
         p = base / ".venv-lmcache" / "bin" / "python"

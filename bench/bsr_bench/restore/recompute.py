@@ -22,8 +22,8 @@ import torch
 
 from bsr import kv_layout
 
-from .layouts import NamedLayout
-from .stats import BenchError
+from ..common.layouts import NamedLayout
+from ..common.stats import BenchError
 
 #: LlamaConfig fields per preset (vocab 32000, fp32 on CPU). Attention heads x head_dim = hidden.
 PRESETS: dict[str, dict[str, Any]] = {

@@ -35,7 +35,8 @@ from typing import Any
 import anyio
 import torch
 
-from .machine import commit_info, machine_info
+from .common.machine import commit_info, filesystem_info, machine_info
+from .common.stats import BenchError
 
 PAPER_VS_RECOMPUTE = 5.73
 PAPER_VS_KV = 1.93
@@ -44,7 +45,7 @@ MODELS = {"mha": HEADS, "gqa": 4}
 BLOCK, CHUNK = 16, 256
 
 
-def add_hcache_arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     """``--hcache`` (uses ``--quick``, ``--sizes``, ``--repeats``, ``--json``, ``--path``)."""
     p.add_argument(
         "--hcache",
@@ -396,7 +397,6 @@ def run_hcache(
             }
             doc["results"].append(point)
             print(_row(point), file=sys.stderr)
-    from .machine import filesystem_info
 
     doc["filesystem"] = filesystem_info(base)
     doc["why_different"] = _why(doc)
@@ -487,14 +487,13 @@ def table(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run_hcache_from_namespace(ns: argparse.Namespace) -> int:
-    """``bsr bench --hcache [--quick]``."""
+def run_from_namespace(ns: argparse.Namespace) -> dict[str, Any]:
+    """``bsr bench --hcache [--quick]``: run, print the table, return the document."""
     quick = bool(getattr(ns, "quick", False))
     sizes = tuple(getattr(ns, "sizes", None) or ((1024,) if quick else (1024, 4096, 8192)))
     bad = [s for s in sizes if s % CHUNK]
     if bad:
-        print(f"bsr bench --hcache: sizes must be multiples of {CHUNK}, got {bad}", file=sys.stderr)
-        return 2
+        raise BenchError(f"sizes must be multiples of {CHUNK}, got {bad}")
     repeats = getattr(ns, "repeats", None) or (1 if quick else 3)
     print(HEADER, file=sys.stderr)
     doc = run_hcache(
@@ -508,4 +507,4 @@ def run_hcache_from_namespace(ns: argparse.Namespace) -> int:
     )
     print(table(doc))
     print(f"JSON: {doc['json']}  wall time {doc['duration_s']:.1f} s")
-    return 0
+    return doc

@@ -1,9 +1,10 @@
 """``bsr bench --engine vllm``: time to first token in vLLM's CPU engine, recompute vs bsr restore.
 
 Where it runs: the bench process only orchestrates; every vLLM engine runs in a child process
-(``python -m bsr._bench.vllm_ttft child spec.json out.json``) of an interpreter that has vLLM
+(``python -m bsr_bench.vllm_ttft child spec.json out.json``) of an interpreter that has vLLM
 (``--vllm-python``, default ``.venv-vllm/bin/python`` when it exists, else this one), because
-vLLM spawns workers and pins its own dependency stack.
+vLLM spawns workers and pins its own dependency stack. That interpreter needs bsr, not the
+bench: the child finds this package through ``PYTHONPATH`` (:mod:`.common.workers`).
 
 How it works: a random-weight Llama (a ``config.json`` only, ``load_format="dummy"``, large enough
 that prefill costs real time on CPU) is served three ways, one engine each, with vLLM's own
@@ -37,7 +38,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .stats import BenchError, Dist, ratio
+from .common.stats import BenchError, Dist, ratio
+from .common.workers import child_env
 
 #: The bench model: GQA Llama, head_dim 64 (CPU attention kernels need >= 32).
 MODEL: dict[str, Any] = {
@@ -63,8 +65,8 @@ CHUNK_TOKENS = 256
 MODES = ("recompute", "bsr", "offloading")
 
 
-def add_vllm_arguments(p: argparse.ArgumentParser) -> None:
-    """The ``--engine vllm`` flags (called from :func:`.options.add_arguments`)."""
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``--engine vllm`` flags."""
     g = p.add_argument_group("vLLM TTFT (--engine vllm)")
     g.add_argument(
         "--engine",
@@ -203,7 +205,8 @@ def _run_child(python: str, spec: dict[str, Any], work: Path, timeout_s: float) 
     (work / f"{name}.json").write_text(json.dumps(spec))
     out = work / f"{name}.out.json"
     proc = subprocess.run(
-        [python, "-m", "bsr._bench.vllm_ttft", "child", str(work / f"{name}.json"), str(out)],
+        [python, "-m", "bsr_bench.vllm_ttft", "child", str(work / f"{name}.json"), str(out)],
+        env=child_env(),
         capture_output=True,
         text=True,
         timeout=timeout_s,
@@ -213,19 +216,15 @@ def _run_child(python: str, spec: dict[str, Any], work: Path, timeout_s: float) 
     return {"mode": name, "error": _root_cause(proc.stderr), "returncode": proc.returncode}
 
 
-def run_vllm_from_namespace(ns: argparse.Namespace) -> int:
-    """Entry point of ``bsr bench --engine vllm``."""
-    try:
-        doc = run_vllm(ns)
-    except BenchError as exc:
-        print(f"bsr bench: error: {exc}", file=sys.stderr)
-        return 2
+def run_from_namespace(ns: argparse.Namespace) -> dict[str, Any]:
+    """``bsr bench --engine vllm``: run, print the table, return the document."""
+    doc = run_vllm(ns)
     _print_table(doc)
-    return 0
+    return doc
 
 
 def run_vllm(ns: argparse.Namespace) -> dict[str, Any]:
-    from .machine import commit_info, machine_info
+    from .common.machine import commit_info, machine_info  # not in the child: psutil, torch
 
     quick = bool(getattr(ns, "quick", False))
     prefixes = (
@@ -327,4 +326,4 @@ if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "child":
         child(sys.argv[2], sys.argv[3])
     else:
-        raise SystemExit("usage: python -m bsr._bench.vllm_ttft child SPEC OUT")
+        raise SystemExit("usage: python -m bsr_bench.vllm_ttft child SPEC OUT")

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from bsr import MooncakeTier, StateLayout
 
-from .stats import BenchError
+from ..common.stats import BenchError
 
 REMOTE_CHOICES = ("none", "mooncake")
 

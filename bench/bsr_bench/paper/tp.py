@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import socket
 import statistics
@@ -28,9 +27,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .layouts import resolve_layout
-from .machine import commit_info, machine_info
-from .stats import BenchError
+from ..common.document import validate, write_json
+from ..common.layouts import resolve_layout
+from ..common.machine import commit_info, machine_info
+from ..common.stats import BenchError
+from ..common.workers import child_env
 
 MIB = 1 << 20
 
@@ -113,9 +114,6 @@ def run_tp(opts: TpOptions, console: Any = None) -> dict[str, Any]:
     """Start the ranks, gather their records, write the JSON, print the table."""
     from rich.console import Console
 
-    from .ladder import validate_document
-    from .report import write_json
-
     console = console or Console(width=200)
     named = resolve_layout(opts.layout)
     lay = named.layout
@@ -134,9 +132,7 @@ def run_tp(opts: TpOptions, console: Any = None) -> dict[str, Any]:
     }
     cfg_path = root / "config.json"
     cfg_path.write_text(json.dumps(cfg), "utf-8")
-    env = dict(os.environ)
-    src = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    env = child_env()
     env.setdefault("OMP_NUM_THREADS", "1")
     console.print(
         f"--tp {opts.world_size}: {opts.tokens} tokens of {named.name} per rank "
@@ -145,7 +141,7 @@ def run_tp(opts: TpOptions, console: Any = None) -> dict[str, Any]:
     try:
         procs = [
             subprocess.Popen(
-                [sys.executable, "-m", "bsr._bench.tp_worker", str(cfg_path), str(r)],
+                [sys.executable, "-m", "bsr_bench.paper.tp_worker", str(cfg_path), str(r)],
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
@@ -173,7 +169,7 @@ def run_tp(opts: TpOptions, console: Any = None) -> dict[str, Any]:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     doc = build_document(opts, named.to_dict(), ranks, machine, t_start)
-    validate_document(doc, "tp_document")
+    validate(doc, "tp_document")
     write_json(doc, Path(opts.json))
     console.print(tp_table(doc))
     for name, v in doc["invariants"].items():

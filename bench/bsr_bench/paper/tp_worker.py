@@ -9,11 +9,11 @@ own FileTier directory), then, with a barrier before each restore so the ranks s
 1. ``repeats`` BSR restores agreed across ranks (:class:`~bsr.TorchDistributedCoordinator`),
    interleaved with ``repeats`` restores of the same shard by this rank alone (a coordinator
    that agrees with itself only), so the difference is what agreement costs;
-3. the fault case: the failing rank's tier raises an I/O error on one chunk; every rank restores
+2. the fault case: the failing rank's tier raises an I/O error on one chunk; every rank restores
    and must end Invalidated with nothing committed.
 
-Usage: ``python -m bsr._bench.tp_worker CONFIG_JSON RANK`` (the config is written by :mod:`.tp`);
-the rank writes ``rank<R>.json`` next to it.
+Usage: ``python -m bsr_bench.paper.tp_worker CONFIG_JSON RANK`` (the config is written by
+:mod:`.tp`); the rank writes ``rank<R>.json`` next to it.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ import torch.distributed as dist
 from bsr import RestoreEngine, RestoreResult, Tier, TorchDistributedCoordinator
 from bsr.testing import Fault, FaultKind, FaultPlan, FaultyTier
 
-from .layouts import resolve_layout
-from .memory import PeakRss
+from ..common.layouts import resolve_layout
+from ..common.memory import PeakRss
 from .scale import ChunkedState, Destination, DestinationKind, SoloRank
 
 
@@ -96,7 +96,7 @@ async def _rank(cfg: dict[str, Any], rank: int) -> dict[str, Any]:
             sample["verified"] = state.verify(cache, res.committed_tokens, sample=8)
         return res, sample
 
-    from .memory import current_rss
+    from ..common.memory import current_rss
 
     peak_base = current_rss()
     # agreed and alone interleaved (ABAB), so drift on a shared machine hits both alike

@@ -29,8 +29,8 @@ import xxhash
 
 from bsr import FileTier, Namespace, PagedKVCache, RestoreEngine
 
-from .layouts import NamedLayout
-from .stats import BenchError
+from ..common.layouts import NamedLayout
+from ..common.stats import BenchError
 
 BLOCK_TOKENS = 16
 

@@ -38,10 +38,10 @@ from bsr import (
     chunk_keys,
 )
 
-from .layouts import NamedLayout
-from .memory import PeakRss, current_rss, release_free_memory
-from .pagecache import CacheMode, prepare
-from .stats import BenchError
+from ..common.layouts import NamedLayout
+from ..common.memory import PeakRss, current_rss, release_free_memory
+from ..common.pagecache import CacheMode, prepare
+from ..common.stats import BenchError
 
 BLOCK_TOKENS = 16
 

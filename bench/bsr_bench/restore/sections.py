@@ -1,12 +1,12 @@
 """The machinery sections of ``bsr bench`` and the targets of the Performance issue.
 
-Where it runs: ``bsr bench``; :mod:`.runner` calls in here per point (:meth:`FioSetup.step`,
-:meth:`FioStep.attach`) and per run (:func:`run_sections`, :func:`finish`,
+Where it runs: ``bsr bench``; :mod:`.measure` calls in here per point (:meth:`FioSetup.step`,
+:meth:`FioStep.attach`) and :mod:`.program` per run (:func:`run_sections`, :func:`finish`,
 :func:`print_sections`), so its main loop stays as it was.
 
 How it works:
 
-- fio (:mod:`.fio`): per point, one :class:`FioStep` joins the rotation of raw reads and
+- fio (:mod:`..common.fio`): per point, one :class:`FioStep` joins the rotation of raw reads and
   restores; it reads the point's object files once per grid configuration and adds the point's
   ``fio`` entry and ``ratios.bsr_vs_fio_bandwidth``.
 - ``overhead``, ``concurrency`` and ``keys`` (:mod:`.machinery`) run once per run, after the
@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .fio import (
+from ..common.fio import (
     FIO_GRID,
     MISSING_NOTE,
     QUICK_FIO_GRID,
@@ -31,6 +31,8 @@ from .fio import (
     fitted_grid,
     run_fio,
 )
+from ..common.pagecache import CacheMode, prepare
+from ..common.stats import BenchError, ratio
 from .machinery import (
     CONCURRENCY_LEVELS,
     OVERHEAD_POINTS,
@@ -39,9 +41,7 @@ from .machinery import (
     measure_keys,
     measure_overhead,
 )
-from .pagecache import CacheMode, prepare
 from .report import fmt_bw, fmt_bytes, fmt_s
-from .stats import BenchError, ratio
 
 WINDOW_FRACTION = 0.95
 

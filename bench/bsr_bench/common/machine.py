@@ -61,8 +61,14 @@ def machine_info() -> dict[str, Any]:
 
 
 def commit_info() -> dict[str, Any]:
-    """The git commit of the bsr source tree that ran, with a dirty flag (None outside git)."""
-    src = Path(__file__).resolve().parents[1]
+    """The git commit of the bsr source tree that ran, with a dirty flag (None outside git).
+
+    The tree is the one the imported ``bsr`` package lives in (a checkout, with the bench beside
+    it); an installed bsr outside git records ``None``.
+    """
+    import bsr
+
+    src = Path(bsr.__file__).resolve().parent
 
     def git(*args: str) -> str | None:
         try:
