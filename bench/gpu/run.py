@@ -207,6 +207,7 @@ class Run:
             "-r",
             str(reqs),
             str(REPO),
+            str(REPO / "bench"),  # bsr-bench: what `bsr bench` runs
         ]
         env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
         env["PIP_CONFIG_FILE"] = os.devnull  # only the carried wheels, never an index
@@ -609,7 +610,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--no-install",
         action="store_true",
-        help="use the running environment as it is (bsr[bench,test] installed)",
+        help="use the running environment as it is (bsr[test] and bsr-bench installed)",
     )
     p.add_argument("--no-kvikio", action="store_true", help="do not install the kvikio wheels")
     p.add_argument("--commit", help="the commit being validated (default: git rev-parse HEAD)")

@@ -51,7 +51,7 @@ PLATFORMS = (
     "manylinux1_x86_64",
 )
 #: bsr's test extra names these only for `make` targets that never run on the GPU machine
-NOT_NEEDED_THERE = {"import-linter"}
+NOT_NEEDED_THERE = {"import-linter", "bsr"}  # bsr: bsr-bench's own, from the tree
 
 
 def names_in(path: Path) -> list[str]:
@@ -164,9 +164,14 @@ def needs(reqs: list[str], env: dict[str, str]) -> set[str]:
 
 
 def bsr_requirements() -> list[str]:
+    """What bsr (with its test extra) and the bench (bsr-bench, bench/pyproject.toml) need."""
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    extras = project["optional-dependencies"]
-    reqs = [*project["dependencies"], *extras["bench"], *extras["test"]]
+    bench = tomllib.loads((REPO / "bench" / "pyproject.toml").read_text())["project"]
+    reqs = [
+        *project["dependencies"],
+        *project["optional-dependencies"]["test"],
+        *bench["dependencies"],
+    ]
     return [r for r in reqs if canonicalize_name(Requirement(r).name) not in NOT_NEEDED_THERE]
 
 
