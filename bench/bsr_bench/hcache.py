@@ -1,6 +1,7 @@
 """``bsr bench --hcache``: HCache restore vs KV restore vs recompute, and the planner's plan.
 
-Where it runs: the ``bsr bench`` process, on CPU (or ``--device cuda`` when present).
+Where it runs: the ``bsr bench`` process, on CPU (or ``--device cuda`` when present: the model, the
+serving KV cache, the hidden-state stores and the restore destinations then all live on the GPU).
 
 How it works: for an MHA and a GQA random Llama (hidden 1024, 8 layers, fp32; ``--quick`` uses
 the same models at 1K tokens only) and each size, the same run measures
@@ -102,8 +103,11 @@ class _Served:
         self.ids = torch.randperm(nb, generator=torch.Generator().manual_seed(seed + 1))
         every = hcache.fixed_plan(model.config, ["hidden"] * LAYERS)
         self.hc_all = hcache.HCache(model, every, chunk_tokens=CHUNK)
-        self.kv = PagedKVCache(self.hc_all.kv_layout, nb, BLOCK)
-        self.store = self.hc_all.hidden_store(nb, BLOCK, device="cpu")
+        # every cache where the model runs (--device): on a GPU the reads land, the projection
+        # runs and the rebuilt K/V stay in device memory, as in a server
+        self.device = model.device
+        self.kv = PagedKVCache(self.hc_all.kv_layout, nb, BLOCK, self.device)
+        self.store = self.hc_all.hidden_store(nb, BLOCK)
         with torch.no_grad(), self.hc_all.capture(self.store, self.ids):
             out = model(input_ids=self.tokens.view(1, -1).to(model.device), use_cache=True)
         past = getattr(out, "cache", None) or out.past_key_values
@@ -112,7 +116,7 @@ class _Served:
     def store_for(self, hc: Any) -> Any:
         """The hidden store of ``hc``'s hidden layers (a slice of the every-layer store)."""
         layers = hc.plan.layers("hidden")
-        sub = hc.hidden_store(self.kv.num_blocks, BLOCK, device="cpu")
+        sub = hc.hidden_store(self.kv.num_blocks, BLOCK)
         if layers:
             src = self.store.tensor("hidden")
             sub.tensor("hidden").copy_(src[layers[0] : layers[-1] + 1])
@@ -141,7 +145,7 @@ async def _restore_plans(
             )
             await stack.enter_async_context(engine)
             await hc.save(engine, served.tokens, served.kv, served.store_for(hc), served.ids)
-            dst = PagedKVCache(hc.kv_layout, served.kv.num_blocks, BLOCK)
+            dst = PagedKVCache(hc.kv_layout, served.kv.num_blocks, BLOCK, served.device)
             runs[name] = {"hc": hc, "engine": engine, "dst": dst, "res": []}
         for _ in range(repeats):
             for r in runs.values():
@@ -184,7 +188,7 @@ def _rebuild_vs_gemm(model: Any, served: _Served, repeats: int) -> dict[str, Any
     n = served.n
     x = torch.randn(n, HIDDEN, device=a.device)
     ws = [(p.wk if p.wk is not None else p.weight, p.wv) for p in a._proj]
-    dst = PagedKVCache(hc.kv_layout, served.kv.num_blocks, BLOCK)
+    dst = PagedKVCache(hc.kv_layout, served.kv.num_blocks, BLOCK, served.device)
     ids = served.ids
 
     def gemm() -> None:
@@ -219,7 +223,7 @@ def _decode_overhead(model: Any, steps: int, prefix: int) -> dict[str, Any]:
     hc = hcache.HCache(model, hcache.fixed_plan(model.config, ["hidden"] * LAYERS))
     total = prefix + 2 * steps + 8
     nb = -(-total // BLOCK)
-    store = hc.hidden_store(nb, BLOCK, device="cpu")
+    store = hc.hidden_store(nb, BLOCK)
     ids = torch.arange(nb)
     tok = torch.randint(0, 1000, (1, prefix), generator=torch.Generator().manual_seed(5))
     with torch.no_grad(), hc.capture(store, ids):
@@ -248,7 +252,7 @@ def _decode_overhead(model: Any, steps: int, prefix: int) -> dict[str, Any]:
     # the hooks alone, called as a decode step calls them (one token per layer), many times:
     # precise where the step-to-step comparison above is within the machine's noise
     hooks = [cap._hook(j, layer) for j, layer in enumerate(cap.layers)]
-    h = torch.randn(1, 1, HIDDEN)
+    h = torch.randn(1, 1, HIDDEN, device=model.device)
     reps = 200
     t0 = time.perf_counter()
     for i in range(reps):
