@@ -366,16 +366,36 @@ class RestoreEngine:
         ]
 
     # ------------------------------------------------------------------ lookup
-    async def lookup(self, tokens: TokensLike, *, lease_ttl_s: float | None = None) -> Probe:
+    async def lookup(
+        self,
+        tokens: TokensLike,
+        *,
+        lease_ttl_s: float | None = None,
+        deadline_s: float | None = None,
+        local: bool = False,
+    ) -> Probe:
         """Find the reusable prefix of ``tokens`` across tiers, groups and ranks; moves no data.
 
         With ``lease_ttl_s`` the objects found are pinned against eviction (HostTier, FileTier)
         until a restore given this probe ends, :meth:`Probe.release` is called, or the TTL
         passes. With several ranks every rank must call ``lookup`` (it runs collectives).
+        ``deadline_s``: a tier still answering then is cut off (it holds nothing for this probe
+        and the cut-off counts against its circuit breaker); the probe holds what the other tiers
+        answered. ``local``: this rank's prefix alone, with no agreement (no collective, so one
+        rank may call it by itself) and no lease; pass such a probe to ``restore`` only with one
+        rank.
         """
         self._check_open()
         ttl = optional_positive_float(lease_ttl_s, "lease_ttl_s")
-        probe, _ = await self._prober.probe(tokens, deadline_s=None)
+        deadline = optional_positive_float(deadline_s, "deadline_s")
+        if _flag(local, "local") and ttl is not None:
+            raise ConfigError(
+                "a local lookup takes no lease (its probe is one rank's); drop lease_ttl_s or "
+                "local=True"
+            )
+        probe, _ = await self._prober.probe(
+            tokens, deadline_s=deadline, partial=True, agree=not local
+        )
         if ttl is not None and probe.prefix_chunks:
             probe = replace(probe, lease=await self._lease(probe, ttl))
         self._log.debug(
