@@ -34,6 +34,13 @@ def store_objects(root: str) -> list[Path]:
 
 def apply(action: dict[str, Any]) -> int:
     """Change a file store behind the running engine's back; returns how many objects."""
+    if action["kind"] == "wait_objects":  # until the saves so far have landed
+        deadline = time.monotonic() + 180
+        while len(store_objects(action["path"])) < action["count"]:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"fewer than {action['count']} objects after 180 s")
+            time.sleep(0.1)
+        return action["count"]
     if action["kind"] not in ("damage", "evict", "fifo"):
         raise ValueError(f"unknown store action {action['kind']!r}")
     objs = store_objects(action["path"])

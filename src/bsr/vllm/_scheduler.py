@@ -249,11 +249,12 @@ class BsrScheduler:
         if st is None:
             self._release_inflight(rid)
             return
-        st.loading = False
-        if ok:
-            st.unverified = False
-        else:
-            st.failed = True  # stays unverified: never saved, never loaded again
+        # vLLM has handled this step's failed loads (failed_recving, invalid blocks) before it
+        # hands the output to the connector: from here on, the request's computed tokens are
+        # what vLLM computed or bsr verified-installed (a failed load's blocks are recomputed)
+        st.loading, st.unverified = False, False
+        if not ok:
+            st.failed = True  # never offered a load again
             self._release_inflight(rid)
 
     # ------------------------------------------------------------------ saves
