@@ -83,6 +83,7 @@ class BsrScheduler:
         self._log = logger.bind(role="scheduler", model=settings.model_id)
         self._reqs: dict[str, _Req] = {}
         self._by_lookup: dict[int, str] = {}
+        self._unanswered: set[int] = set()  # lookups sent, no answer yet (poll only then)
         self._seq = itertools.count(1)
         self._loads: list[LoadJob] = []
         self._saves: list[SaveJob] = []
@@ -136,10 +137,13 @@ class BsrScheduler:
             st.lookup_id, st.sent_at, st.probed = seq, time.monotonic(), usable
             st.hit, st.used = None, False
             self._by_lookup[seq] = rid
+            self._unanswered.add(seq)
             self.stats.count("lookups")
             if not self.client.submit(seq, prompt[:usable]):
-                st.hit = 0  # no worker to ask (yet): a miss, asked again next time
-                st.used = True
+                self._by_lookup.pop(seq, None)
+                self._unanswered.discard(seq)
+                # no worker to ask (yet): a miss, asked again next time
+                st.lookup_id, st.hit, st.used = None, 0, True
                 return True
             return False
         if st.hit is not None:
@@ -154,7 +158,10 @@ class BsrScheduler:
 
     def _collect(self) -> None:
         """Take every answer that has arrived (never waits)."""
+        if not self._unanswered:
+            return
         for seq, hit in self.client.poll().items():
+            self._unanswered.discard(seq)
             rid = self._by_lookup.get(seq)
             st = self._reqs.get(rid) if rid is not None else None
             if st is None or st.lookup_id != seq:
@@ -166,6 +173,7 @@ class BsrScheduler:
     def _drop_lookup(self, st: _Req) -> None:
         if st.lookup_id is not None:
             self._by_lookup.pop(st.lookup_id, None)
+            self._unanswered.discard(st.lookup_id)  # a late answer is ignored (and forgotten)
             if not st.used:
                 self._forget.append(st.lookup_id)
         st.lookup_id = None

@@ -95,8 +95,11 @@ class _Load:
 
     @property
     def reason(self) -> str:
-        if self.result is not None:
-            return str(self.result.reason.value)
+        """Why it did not commit what was promised (a ``failed_loads`` label)."""
+        r = self.result
+        if r is not None:
+            # a probe at load time that found less (evicted meanwhile) commits a shorter prefix
+            return "shorter_prefix" if r.committed else str(r.reason.value)
         return "cancelled" if self.cancelled else "error"
 
 
@@ -381,7 +384,7 @@ class BsrWorker:
             self._outcomes[load.job.req_id] = ok
         log = self._log.info if ok else self._log.warning
         log(
-            "bsr.vllm.loaded", request=load.job.req_id, ok=ok, reason=load.reason,
+            "bsr.vllm.loaded", request=load.job.req_id, ok=ok, reason=None if ok else load.reason,
             start_tokens=load.job.start_tokens, end_tokens=load.job.end_tokens,
             committed=None if r is None else r.committed_tokens,
             bytes_by_tier=None if r is None else r.bytes_by_tier, aborted=load.aborted,
