@@ -24,7 +24,7 @@ import pytest
 
 import bsr
 from bsr.vllm._bridge import LoopThread
-from bsr.vllm._lookup import LookupClient, LookupServer, private_socket_path
+from bsr.vllm._lookup import LookupClient, LookupServer, private_socket_path, remove_stale_dirs
 
 
 def wait_for(cond: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
@@ -310,4 +310,37 @@ def test_garbage_closes_only_that_connection(path: str) -> None:
     finally:
         bad.close()
         client.close()
+        server.close()
+
+
+def test_dead_engines_socket_dirs_are_swept_and_live_ones_kept(tmp_path: Path) -> None:
+    """A worker killed before ``close()`` (vLLM's server stopped with SIGTERM) leaves its
+    directory behind; the next server start removes it, never a live or a starting one."""
+
+    def socket_dir(name: str, *, live: bool, age_s: float) -> tuple[Path, LookupServer | None]:
+        d = tmp_path / f"bsr-vllm-{name}"
+        d.mkdir(mode=0o700)
+        server = None
+        if live:
+            server = LookupServer(str(d / "lookup.sock"), lambda cid, seq, t: None)
+        else:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.bind(str(d / "lookup.sock"))
+            s.close()  # a socket file nobody answers on
+        old = time.time() - age_s
+        os.utime(d, (old, old))
+        return d, server
+
+    dead, _ = socket_dir("dead", live=False, age_s=600)
+    young, _ = socket_dir("young", live=False, age_s=0)
+    live, server = socket_dir("live", live=True, age_s=600)
+    other = tmp_path / "bsr-vllm-other"
+    other.mkdir()
+    (other / "notes.txt").write_text("not ours to remove")
+    os.utime(other, (time.time() - 600,) * 2)
+    try:
+        assert remove_stale_dirs(str(tmp_path)) == 1
+        assert not dead.exists() and young.exists() and live.exists() and other.exists()
+    finally:
+        assert server is not None
         server.close()

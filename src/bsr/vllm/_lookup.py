@@ -25,6 +25,7 @@ closed after ``idle_timeout_s``; ``close()`` stops the thread and closes every c
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import queue
@@ -55,11 +56,51 @@ _RECV = 1 << 20
 Handler = Callable[[int, int, np.ndarray], None]
 
 
+PREFIX = "bsr-vllm-"
+SOCKET_NAME = "lookup.sock"
+#: a socket directory this old whose socket nobody answers on is a dead engine's
+STALE_AFTER_S = 60.0
+
+
 def private_socket_path() -> str:
-    """A fresh socket path in a new directory only this user can enter (short: AF_UNIX limit)."""
-    root = tempfile.mkdtemp(prefix="bsr-vllm-")
+    """A fresh socket path in a new directory only this user can enter (short: AF_UNIX limit).
+
+    Directories that dead engines of this user left behind (a worker killed before its
+    ``close()``) are removed first.
+    """
+    remove_stale_dirs()
+    root = tempfile.mkdtemp(prefix=PREFIX)
     os.chmod(root, 0o700)  # mkdtemp applies the umask to 0700: make sure
-    return str(Path(root) / "lookup.sock")
+    return str(Path(root) / SOCKET_NAME)
+
+
+def remove_stale_dirs(tmp: str | None = None, older_than_s: float = STALE_AFTER_S) -> int:
+    """Remove this user's socket directories whose socket nobody answers on; returns how many.
+
+    Only a directory named like ours, owned by this user, older than ``older_than_s`` and holding
+    nothing but a dead socket (or nothing) is removed: a live engine's socket answers, and a
+    starting one's directory is younger.
+    """
+    removed = 0
+    now = time.time()
+    for d in Path(tmp or tempfile.gettempdir()).glob(PREFIX + "*"):
+        try:
+            st = os.lstat(d)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+                continue
+            if now - st.st_mtime < older_than_s or any(p.name != SOCKET_NAME for p in d.iterdir()):
+                continue
+            sock = d / SOCKET_NAME
+            if sock.exists() and (
+                not stat.S_ISSOCK(os.lstat(sock).st_mode) or _answering(str(sock))
+            ):
+                continue
+            sock.unlink(missing_ok=True)
+            d.rmdir()
+            removed += 1
+        except OSError:
+            continue  # raced with its owner or another sweep: leave it
+    return removed
 
 
 def _answering(path: str) -> bool:
@@ -141,6 +182,7 @@ class LookupServer:
         self.refused = 0
         self._thread = threading.Thread(target=self._run, name="bsr-vllm-lookup", daemon=True)
         self._thread.start()
+        atexit.register(self._remove_path)  # a process that exits without close() (SIGTERM)
 
     @staticmethod
     def _claim(path: str) -> None:
@@ -188,6 +230,10 @@ class LookupServer:
                 s.close()
         with contextlib.suppress(OSError):
             self._sel.close()
+        self._remove_path()
+        atexit.unregister(self._remove_path)
+
+    def _remove_path(self) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
         with contextlib.suppress(OSError):
