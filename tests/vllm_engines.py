@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -99,6 +100,9 @@ def run(tmp: Path, name: str, model: str = "model", **spec: Any) -> dict[str, An
     (tmp / f"{name}.json").write_text(json.dumps(spec))
     out = tmp / f"{name}.out.json"
     env = dict(os.environ)
+    # the tests' own connector module (gated_connector) is importable in every engine process
+    env["PYTHONPATH"] = os.pathsep.join([str(RUN_ENGINE.parent), env.get("PYTHONPATH", "")])
+    env.update(spec.pop("env", {}))
     if spec.get("tensor_parallel_size", 1) > 1:  # one core per rank (auto binding refuses)
         cores = sorted(os.sched_getaffinity(0))
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(c) for c in cores[:2])
@@ -128,3 +132,69 @@ def cached_of(result: dict[str, Any]) -> list[list[int]]:
 def store_objects(root: Path) -> list[Path]:
     """Object files of a FileTier root, or of the per-rank roots below it (TP > 1)."""
     return sorted(p for p in root.glob("**/objects/**/*.bsr") if p.is_file())
+
+
+# ------------------------------------------------------------------ shared prompts and store
+CHUNK = 64  # two vLLM blocks of 32 (the CPU backend's smallest block size)
+SHARED = toks(160, 99)
+BATCH_A = [toks(200, 1), toks(128, 2), toks(40, 3), toks(100, 4)]
+BATCH_B = [SHARED + toks(30, 100 + i) for i in range(12)]  # concurrent, one shared prefix
+# what a restore run should restore: every full chunk, leaving one prompt token to compute
+EXPECTED_A = [192, 64, 0, 64]
+EXPECTED_B = 128  # the full chunks of the shared 160-token prefix
+# full chunks of prompt + 7 computed output tokens: 3 + 2 + 0 + 1 for A, 2 shared + 12 for B
+STORED_OBJECTS = 3 + 2 + 0 + 1 + 2 + 12
+CHUNK_BYTES = CHUNK * 2 * 512  # 2 layers x (K + V of 2 heads x 64 dims, bfloat16) per token
+
+
+def connector(path: Path, **opts: Any) -> dict[str, Any]:
+    """One FileTier store at ``path``; the same model_id for every weight set (see the control
+    test of test_connector.py)."""
+    return file_store_connector(path, chunk=CHUNK, model_id="test-llama", **opts)
+
+
+class Engines:
+    """The shared model, its baseline and a written store; ``copy`` gives a test its own store."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        write_llama(tmp / "model")
+        self.store = tmp / "store"
+        self.baseline = self.run("baseline", batches=[BATCH_A, BATCH_B])
+        self.stored = self.run(
+            "store",
+            connector=connector(self.store),
+            batches=[BATCH_A, BATCH_B],
+            await_objects=[str(self.store), STORED_OBJECTS],
+        )
+
+    def run(self, name: str, **spec: Any) -> dict[str, Any]:
+        spec.setdefault("batches", [])
+        return run(self.tmp, name, "model", **spec)
+
+    def copy(self, name: str) -> Path:
+        """A private copy of the written store."""
+        dst = self.tmp / name
+        shutil.copytree(self.store, dst)
+        return dst
+
+    def baseline_tokens(self, prompt: list[int]) -> list[int]:
+        """The no-connector run's greedy tokens for one of the shared prompts."""
+        for batch, rows in zip([BATCH_A, BATCH_B], self.baseline["batches"]):
+            for p, row in zip(batch, rows["rows"]):
+                if p == prompt:
+                    return list(row["tokens"])
+        raise KeyError("not one of the baseline prompts")
+
+
+def metric(snapshot: dict[str, float], name: str, **labels: str) -> float:
+    """One counter of a run's metrics snapshot (``run_engine.metrics``); 0 if absent."""
+    extra = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+    return float(snapshot.get(f"{name}{{{extra}}}" if extra else name, 0.0))
+
+
+def batch_metric(result: dict[str, Any], i: int, name: str, **labels: str) -> float:
+    """How much a counter grew during batch ``i`` of a run with ``log_stats``."""
+    after = metric(result["batches"][i]["metrics"], name, **labels)
+    before = metric(result["batches"][i - 1]["metrics"], name, **labels) if i else 0.0
+    return after - before

@@ -3,8 +3,12 @@
 Used by the vLLM tests and the ``bsr bench --engine vllm`` runner: each engine starts in a fresh
 process (vLLM spawns workers; a test process must not hold an engine). Usage:
 ``python run_engine.py spec.json out.json``. The spec names the model directory (a
-``config.json`` only: random weights, no download), the connector config (or none), batches of
-prompts, and store actions to apply after the engine started (``damage``, ``evict``, ``fifo``).
+``config.json`` only: random weights, no download), the connector config (or none) and its
+class, role and failure policy, store actions to apply after the engine started (``damage``,
+``evict``, ``fifo``), and either batches of prompts (``llm.generate``) or a ``script``: steps
+driven one engine step at a time, for aborts, hung stores and requests added while others run
+(see :func:`run_script`). With ``log_stats`` the run also reports vLLM's metrics (bsr's
+``vllm:bsr_*`` counters, preemptions) after each batch or where the script asks.
 """
 
 from __future__ import annotations
@@ -12,12 +16,15 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 #: what a damaged object holds in place of KV: 1024 bfloat16 values of 32768.0
 DAMAGE = b"\x00\x47" * 1024
+#: the metrics a run reports (name prefixes)
+METRICS = ("vllm:bsr_", "vllm:num_preemptions", "vllm:prefix_cache_hits")
 
 
 def store_objects(root: str) -> list[Path]:
@@ -27,6 +34,15 @@ def store_objects(root: str) -> list[Path]:
 
 def apply(action: dict[str, Any]) -> int:
     """Change a file store behind the running engine's back; returns how many objects."""
+    if action["kind"] == "wait_objects":  # until the saves so far have landed
+        deadline = time.monotonic() + 180
+        while len(store_objects(action["path"])) < action["count"]:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"fewer than {action['count']} objects after 180 s")
+            time.sleep(0.1)
+        return action["count"]
+    if action["kind"] not in ("damage", "evict", "fifo"):
+        raise ValueError(f"unknown store action {action['kind']!r}")
     objs = store_objects(action["path"])
     for p in objs:
         if action["kind"] == "damage":  # overwrite payload bytes (the 4 KiB header stays)
@@ -35,10 +51,127 @@ def apply(action: dict[str, Any]) -> int:
                 f.write(DAMAGE)
         elif action["kind"] == "evict":
             p.unlink()
-        elif action["kind"] == "fifo":  # a hung store: opening blocks until a writer shows up
+        elif action["kind"] == "fifo":  # an open that would block (bsr refuses non-files)
             p.unlink()
             os.mkfifo(p)
     return len(objs)
+
+
+def metrics(llm: Any) -> dict[str, float]:
+    """vLLM's in-process Prometheus metrics that the tests read, ``name{label=value}``."""
+    out: dict[str, float] = {}
+    for m in llm.get_metrics():
+        if not m.name.startswith(METRICS) or not hasattr(m, "value"):
+            continue
+        extra = {k: v for k, v in m.labels.items() if k not in ("model_name", "engine")}
+        labels = ",".join(f"{k}={v}" for k, v in sorted(extra.items()))
+        out[f"{m.name}{{{labels}}}" if labels else m.name] = m.value
+    return out
+
+
+def row(o: Any) -> dict[str, Any]:
+    m = o.metrics
+    return {
+        "tokens": list(o.outputs[0].token_ids),
+        "cached": o.num_cached_tokens,
+        "ttft_s": getattr(m, "first_token_latency", None) if m is not None else None,
+        "finished": bool(o.finished),
+        "reason": o.outputs[0].finish_reason,
+    }
+
+
+def run_script(llm: Any, script: list[dict[str, Any]], params: Any) -> dict[str, Any]:
+    """Drive the engine one step at a time.
+
+    Ops: ``add`` (id, prompt, max_tokens), ``abort`` (ids), ``touch`` / ``rm`` (path),
+    ``wait_file`` (path, timeout: wait without stepping; the engine core runs on its own),
+    ``sleep`` (s), ``action`` (a store action), ``metrics`` (name), ``note`` (name, exists: a
+    path; records whether it exists now), and ``run`` (until: ids that must finish, or
+    ``min_tokens`` each; ``watchdog``: after that many seconds remove ``release`` and record
+    that the watchdog fired, so a stalled engine fails the test instead of hanging it).
+    """
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    rows: dict[str, dict[str, Any]] = {}
+    out: dict[str, Any] = {"rows": rows, "notes": {}, "metrics": {}, "waits": {}}
+    for op in script:
+        kind = op["op"]
+        if kind == "add":
+            p = SamplingParams(
+                max_tokens=op.get("max_tokens", 8), temperature=0.0, ignore_eos=True,
+                detokenize=False,
+            )  # fmt: skip
+            engine.add_request(op["id"], TokensPrompt(prompt_token_ids=op["prompt"]), p)
+            rows[op["id"]] = {"tokens": [], "cached": None, "finished": False, "reason": None}
+        elif kind == "abort":
+            engine.abort_request(op["ids"])
+            for rid in op["ids"]:
+                rows[rid]["aborted"] = True
+        elif kind == "touch":
+            Path(op["path"]).touch()
+        elif kind == "rm":
+            Path(op["path"]).unlink(missing_ok=True)
+        elif kind == "wait_file":
+            end = time.monotonic() + op.get("timeout", 120)
+            while not Path(op["path"]).exists() and time.monotonic() < end:
+                time.sleep(0.05)
+            out["waits"][op["path"]] = Path(op["path"]).exists()
+        elif kind == "sleep":
+            time.sleep(op["s"])
+        elif kind == "action":
+            apply(op["action"])
+        elif kind == "metrics":
+            out["metrics"][op["name"]] = metrics(llm)
+        elif kind == "note":
+            out["notes"][op["name"]] = Path(op["exists"]).exists()
+        elif kind == "run":
+            _run_until(engine, rows, op, out)
+        else:
+            raise ValueError(f"unknown script op {kind!r}")
+    return out
+
+
+def _run_until(engine: Any, rows: dict[str, Any], op: dict[str, Any], out: dict[str, Any]) -> None:
+    ids = op["until"]
+    min_tokens = op.get("min_tokens")
+    fired = threading.Event()
+    timer = None
+    if "watchdog" in op:
+
+        def release() -> None:
+            fired.set()
+            Path(op["release"]).unlink(missing_ok=True)
+
+        timer = threading.Timer(op["watchdog"], release)
+        timer.start()
+
+    def done(rid: str) -> bool:
+        r = rows[rid]
+        if min_tokens is not None:
+            return r["finished"] or len(r["tokens"]) >= min_tokens
+        return bool(r["finished"])
+
+    try:
+        while not all(done(rid) for rid in ids) and engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.request_id in rows:
+                    rows[o.request_id].update(row(o))
+    finally:
+        if timer is not None:
+            timer.cancel()
+    if "watchdog" in op:
+        out["notes"][f"watchdog:{op.get('name', ','.join(ids))}"] = fired.is_set()
+
+
+def reset_prefix_cache(llm: Any) -> None:
+    """Empty vLLM's prefix cache (once finished requests' saves have given their blocks back)."""
+    deadline = time.monotonic() + 120
+    while not llm.reset_prefix_cache():
+        if time.monotonic() > deadline:
+            raise RuntimeError("vLLM's prefix cache could not be reset: blocks still held")
+        time.sleep(0.1)
 
 
 def main(spec_path: str, out_path: str) -> None:
@@ -50,10 +183,10 @@ def main(spec_path: str, out_path: str) -> None:
     kw: dict[str, Any] = {}
     if spec.get("connector") is not None:
         kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="BsrConnector",
-            kv_connector_module_path="bsr.vllm",
-            kv_role="kv_both",
-            kv_load_failure_policy="recompute",
+            kv_connector=spec.get("connector_class", "BsrConnector"),
+            kv_connector_module_path=spec.get("connector_module", "bsr.vllm"),
+            kv_role=spec.get("role", "kv_both"),
+            kv_load_failure_policy=spec.get("failure_policy", "recompute"),
             kv_connector_extra_config=spec["connector"],
         )
     t0 = time.perf_counter()
@@ -70,6 +203,7 @@ def main(spec_path: str, out_path: str) -> None:
         seed=0,
         tensor_parallel_size=spec.get("tensor_parallel_size", 1),
         disable_hybrid_kv_cache_manager=spec.get("disable_hybrid", None),
+        disable_log_stats=not spec.get("log_stats", False),
         **kw,
     )
     out: dict[str, Any] = {"start_s": time.perf_counter() - t0, "actions": [], "batches": []}
@@ -78,21 +212,21 @@ def main(spec_path: str, out_path: str) -> None:
     params = SamplingParams(
         max_tokens=spec.get("max_tokens", 8), temperature=0.0, ignore_eos=True, detokenize=False
     )
-    for batch in spec["batches"]:
+    if "script" in spec:
+        out["script"] = run_script(llm, spec["script"], params)
+    for i, batch in enumerate(spec.get("batches", [])):
+        for action in spec.get("before_batch", {}).get(str(i), []):
+            out["actions"].append(apply(action))
+        if i in spec.get("reset_prefix_cache_before", []):  # vLLM forgets its own cache
+            reset_prefix_cache(llm)
         t1 = time.perf_counter()
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params)
-        rows = []
-        for o in outs:
-            m = o.metrics
-            ttft = getattr(m, "first_token_latency", None) if m is not None else None
-            rows.append(
-                {
-                    "tokens": list(o.outputs[0].token_ids),
-                    "cached": o.num_cached_tokens,
-                    "ttft_s": ttft,
-                }
-            )
-        out["batches"].append({"rows": rows, "wall_s": time.perf_counter() - t1})
+        done = {"rows": [row(o) for o in outs], "wall_s": time.perf_counter() - t1}
+        if spec.get("log_stats"):
+            done["metrics"] = metrics(llm)
+        out["batches"].append(done)
+    if spec.get("reset_connector"):
+        out["reset_connector"] = llm.llm_engine.reset_prefix_cache(reset_connector=True)
     # saves run after each request, in the background: a store run waits for its objects (a
     # shutdown right after the last request could come before its save was even dispatched)
     if spec.get("await_objects"):
@@ -100,6 +234,11 @@ def main(spec_path: str, out_path: str) -> None:
         deadline = time.monotonic() + 180
         while len(store_objects(path)) < count and time.monotonic() < deadline:
             time.sleep(0.2)
+    for name, path in spec.get("await_files", {}).items():
+        deadline = time.monotonic() + 180
+        while not Path(path).exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        out.setdefault("files", {})[name] = Path(path).read_text() if Path(path).exists() else None
     Path(out_path).write_text(json.dumps(out))
     # an orderly shutdown (the connector waits for its saves), then exit even if a thread of a
     # deliberately hung store can never be joined

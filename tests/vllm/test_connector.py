@@ -1,15 +1,15 @@
 """BsrConnector on vLLM's real CPU engine: same greedy tokens as no connector, whatever the store.
 
-Each engine runs in its own process (``run_engine.py``): a baseline without connector, a store
-run, a restore run in a fresh process, then runs over copies of the store that were damaged,
-evicted behind the running engine's back, or made to hang. Needs vLLM (``make test`` runs this
-file in ``.venv-vllm``); skipped where vLLM is not installed.
+Each engine runs in its own process (``run_engine.py``): the shared baseline and store runs
+(``conftest.py``), a restore run in a fresh process (asynchronous loads, the default), a
+synchronous one, then runs over copies of the store that were damaged, evicted behind the running
+engine's back, replaced by FIFOs or missing. Needs vLLM (``make test`` runs this file in
+``.venv-vllm``); skipped where vLLM is not installed.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -17,81 +17,71 @@ import pytest
 
 # "vllm" alone would find this tests/vllm directory as a namespace package; ask for a submodule
 pytest.importorskip("vllm.distributed.kv_transfer")
-from vllm_engines import cached_of, file_store_connector, tokens_of, toks, write_llama
+from vllm_engines import (
+    BATCH_A,
+    BATCH_B,
+    CHUNK_BYTES,
+    EXPECTED_A,
+    EXPECTED_B,
+    STORED_OBJECTS,
+    Engines,
+    batch_metric,
+    cached_of,
+    connector,
+    store_objects,
+    tokens_of,
+    write_llama,
+)
 from vllm_engines import run as run_spec
 
-# nine engine starts in one module fixture (its time counts toward the first test's timeout)
+# a dozen engine starts in module fixtures (their time counts toward the first test's timeout)
 pytestmark = pytest.mark.timeout(3600)
 
-CHUNK = 64  # two vLLM blocks of 32 (the CPU backend's smallest block size)
-
-
-SHARED = toks(160, 99)
-BATCH_A = [toks(200, 1), toks(128, 2), toks(40, 3), toks(100, 4)]
-BATCH_B = [SHARED + toks(30, 100 + i) for i in range(12)]  # concurrent, one shared prefix
-# what a restore run should restore: every full chunk, leaving one prompt token to compute
-EXPECTED_A = [192, 64, 0, 64]
-EXPECTED_B = 128  # the full chunks of the shared 160-token prefix
-# full chunks of prompt + 7 computed output tokens: 3 + 2 + 0 + 1 for A, 2 shared + 12 for B
-STORED_OBJECTS = 3 + 2 + 0 + 1 + 2 + 12
-
-
-def connector(path: Path, **opts: Any) -> dict[str, Any]:
-    # the same model_id for both weight sets: see the control
-    return file_store_connector(path, chunk=CHUNK, model_id="test-llama", **opts)
-
-
-def run(tmp: Path, name: str, model: str = "model", **spec: Any) -> dict[str, Any]:
-    spec.setdefault("batches", [BATCH_A, BATCH_B])
-    return run_spec(tmp, name, model, **spec)
+A0 = BATCH_A[0]  # 200 tokens: three stored chunks
+LOADED = "vllm:bsr_loaded_tokens"
+BYTES = "vllm:bsr_loaded_bytes"
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    tmp = tmp_path_factory.mktemp("vllm")
-    write_llama(tmp / "model")
-    store = tmp / "store"
-    out: dict[str, Any] = {"tmp": tmp}
-    out["baseline"] = run(tmp, "baseline")
-    out["store"] = run(
-        tmp, "store", connector=connector(store), await_objects=[str(store), STORED_OBJECTS]
+def runs(engines: Engines) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    # the default (async) mode; then restore past vLLM's own prefix-cache hit: chunk-aligned
+    # (A0[:65] leaves 64 tokens in vLLM's cache) and not (A0[:97] leaves 96)
+    out["restore"] = engines.run(
+        "restore",
+        connector=connector(engines.copy("restore-store")),
+        batches=[BATCH_A, BATCH_B, [A0[:65]], [A0], [A0[:97]], [A0]],
+        reset_prefix_cache_before=[2, 4],
+        log_stats=True,
     )
-    out["objects"] = len(list((store / "objects").glob("**/*.bsr")))
-    for name in ("restore", "damaged", "evicted", "fifo"):
-        shutil.copytree(store, tmp / name)
-    out["restore"] = run(tmp, "restore", connector=connector(tmp / "restore"))
-    out["damaged"] = run(
-        tmp,
-        "damaged",
-        connector=connector(tmp / "damaged", save=False),
-        after_start=[{"kind": "damage", "path": str(tmp / "damaged")}],
+    out["sync"] = engines.run(
+        "sync",
+        connector=connector(engines.copy("sync-store"), load="sync"),
+        batches=[BATCH_A, BATCH_B],
+        before_batch={"1": [{"kind": "damage", "path": str(engines.tmp / "sync-store")}]},
+        log_stats=True,
     )
-    out["evicted"] = run(
-        tmp,
-        "evicted",
-        connector=connector(tmp / "evicted", save=False),
-        after_start=[{"kind": "evict", "path": str(tmp / "evicted")}],
-    )
-    out["fifo"] = run(
-        tmp,
-        "fifo",
-        connector=connector(tmp / "fifo", save=False, load_deadline_s=2.0),
-        after_start=[{"kind": "fifo", "path": str(tmp / "fifo")}],
-        batches=[BATCH_A],
-    )
-    (tmp / "not-a-dir").write_text("")
-    out["missing"] = run(
-        tmp, "missing", connector=connector(tmp / "not-a-dir" / "store"), batches=[BATCH_A]
+    for name, action in (("damaged", "damage"), ("evicted", "evict"), ("fifo", "fifo")):
+        store = engines.copy(name)
+        out[name] = engines.run(
+            name,
+            connector=connector(store, save=False),
+            after_start=[{"kind": action, "path": str(store)}],
+            batches=[BATCH_A] if name == "fifo" else [BATCH_A, BATCH_B],
+            log_stats=True,
+        )
+    (engines.tmp / "not-a-dir").write_text("")
+    out["missing"] = engines.run(
+        "missing", connector=connector(engines.tmp / "not-a-dir" / "store"), batches=[BATCH_A]
     )
     # the control: other weights under the same model_id get the first weights' KV, intact
-    write_llama(tmp / "other", seed=1)
-    shutil.copytree(store, tmp / "mislabeled")
-    out["other_baseline"] = run(tmp, "other_baseline", model="other", batches=[BATCH_A])
-    out["mislabeled"] = run(
-        tmp,
+    write_llama(engines.tmp / "other", seed=1)
+    out["other_baseline"] = run_spec(engines.tmp, "other_baseline", "other", batches=[BATCH_A])
+    out["mislabeled"] = run_spec(
+        engines.tmp,
         "mislabeled",
-        model="other",
-        connector=connector(tmp / "mislabeled", save=False),
+        "other",
+        connector=connector(engines.copy("mislabeled"), save=False),
         batches=[BATCH_A],
     )
     return out
@@ -108,42 +98,107 @@ def test_restored_kv_is_what_vllm_attends_to(runs: dict[str, Any]) -> None:
     assert tokens_of(runs["mislabeled"]) != tokens_of(runs["other_baseline"])
 
 
-def test_store_run_outputs_equal_no_connector(runs: dict[str, Any]) -> None:
-    assert tokens_of(runs["store"]) == tokens_of(runs["baseline"])
+def test_store_run_outputs_equal_no_connector(engines: Engines) -> None:
+    assert tokens_of(engines.stored) == tokens_of(engines.baseline)
     # every full chunk of every request was stored: shared chunks once
-    assert runs["objects"] == STORED_OBJECTS
+    assert len(store_objects(engines.store)) == STORED_OBJECTS
+    assert cached_of(engines.baseline)[0] == [0, 0, 0, 0]
 
 
-def test_restore_run_in_fresh_process_reuses_every_full_chunk(runs: dict[str, Any]) -> None:
-    assert tokens_of(runs["restore"]) == tokens_of(runs["baseline"])
-    cached_a, cached_b = cached_of(runs["restore"])
+def test_async_restore_in_fresh_process_reuses_every_full_chunk(
+    engines: Engines, runs: dict[str, Any]
+) -> None:
+    r = runs["restore"]
+    assert tokens_of(r)[:2] == tokens_of(engines.baseline)
+    cached_a, cached_b = cached_of(r)[:2]
     assert cached_a == EXPECTED_A  # long, chunk-multiple, shorter than a chunk, partial chunk
     assert all(c >= EXPECTED_B for c in cached_b)
-    assert cached_of(runs["baseline"])[0] == [0, 0, 0, 0]
+    assert batch_metric(r, 0, LOADED) == sum(EXPECTED_A)
+    assert batch_metric(r, 0, "vllm:bsr_hit_tokens") == sum(EXPECTED_A)
+    assert batch_metric(r, 0, BYTES, tier="file") == sum(EXPECTED_A) // 64 * CHUNK_BYTES
+    assert batch_metric(r, 0, "vllm:bsr_failed_loads", reason="corrupt") == 0
 
 
-def test_damaged_store_recomputes_same_outputs(runs: dict[str, Any]) -> None:
-    assert runs["damaged"]["actions"][0] == runs["objects"]
-    assert tokens_of(runs["damaged"]) == tokens_of(runs["baseline"])
-    quarantined = list((runs["tmp"] / "damaged" / "quarantine").glob("*"))
+def test_requests_sharing_a_prefix_load_it_once(runs: dict[str, Any]) -> None:
+    """Twelve requests arrive together with one stored 128-token prefix: one restore loads it,
+    the others wait for it (deferred, as vLLM's OffloadingConnector does) and find it in vLLM's
+    prefix cache; no two restores fetch, let alone write, the same chunks."""
+    r = runs["restore"]
+    assert all(c >= EXPECTED_B for c in cached_of(r)[1])
+    assert batch_metric(r, 1, LOADED) == EXPECTED_B
+    assert batch_metric(r, 1, BYTES, tier="file") == EXPECTED_B // 64 * CHUNK_BYTES
+    assert batch_metric(r, 1, "vllm:bsr_loads") == 1
+
+
+@pytest.mark.parametrize(("batch", "local"), [(3, 64), (5, 96)], ids=["aligned", "straddling"])
+def test_restore_reads_only_past_vllms_own_hit(
+    engines: Engines, runs: dict[str, Any], batch: int, local: int
+) -> None:
+    """vLLM's prefix cache holds the first ``local`` tokens of A0: bsr reads the chunks past
+    them only (a chunk straddling the hit is read whole and installed from its first block past
+    it) and the tokens are those of no connector."""
+    r = runs["restore"]
+    assert tokens_of(r)[batch] == [engines.baseline_tokens(A0)]
+    assert cached_of(r)[batch] == [192]
+    assert batch_metric(r, batch, LOADED) == 192 - local
+    chunks_read = 3 - local // 64
+    assert batch_metric(r, batch, BYTES, tier="file") == chunks_read * CHUNK_BYTES
+
+
+def test_sync_loads_still_work_and_fall_back(engines: Engines, runs: dict[str, Any]) -> None:
+    r = runs["sync"]
+    assert tokens_of(r) == tokens_of(engines.baseline)
+    assert cached_of(r)[0] == EXPECTED_A
+    assert batch_metric(r, 0, LOADED) == sum(EXPECTED_A)
+    # batch 1 ran over a damaged store: every load failed verification and was recomputed
+    assert batch_metric(r, 1, LOADED) == 0
+    assert batch_metric(r, 1, "vllm:bsr_failed_loads", reason="corrupt") >= 1
+
+
+def test_damaged_store_recomputes_same_outputs(engines: Engines, runs: dict[str, Any]) -> None:
+    r = runs["damaged"]
+    assert r["actions"][0] == STORED_OBJECTS
+    assert tokens_of(r) == tokens_of(engines.baseline)
+    assert batch_metric(r, 0, LOADED) == 0
+    assert batch_metric(r, 0, "vllm:bsr_failed_loads", reason="corrupt") >= 1
+    quarantined = list((engines.tmp / "damaged" / "quarantine").glob("*"))
     assert quarantined, "bsr should have caught and quarantined the damaged objects"
 
 
-def test_objects_evicted_between_lookup_and_load(runs: dict[str, Any]) -> None:
-    assert runs["evicted"]["actions"][0] == runs["objects"]
-    assert tokens_of(runs["evicted"]) == tokens_of(runs["baseline"])
+def test_objects_evicted_between_lookup_and_load(engines: Engines, runs: dict[str, Any]) -> None:
+    r = runs["evicted"]
+    assert r["actions"][0] == STORED_OBJECTS
+    assert tokens_of(r) == tokens_of(engines.baseline)
+    assert batch_metric(r, 0, LOADED) == 0
 
 
-def test_objects_replaced_by_fifos_never_block_a_load(runs: dict[str, Any]) -> None:
-    """A FIFO blocks a plain open until a writer appears: loads still end, tokens unchanged."""
-    assert runs["fifo"]["actions"][0] == runs["objects"]
-    assert tokens_of(runs["fifo"]) == tokens_of(runs["baseline"])[:1]
+def test_objects_replaced_by_fifos_never_block_a_load(
+    engines: Engines, runs: dict[str, Any]
+) -> None:
+    """A FIFO would block a plain open until a writer appears: loads still end, tokens same."""
+    r = runs["fifo"]
+    assert r["actions"][0] == STORED_OBJECTS
+    assert tokens_of(r) == tokens_of(engines.baseline)[:1]
 
 
-def test_missing_store_serves_without_bsr(runs: dict[str, Any]) -> None:
+def test_missing_store_serves_without_bsr(engines: Engines, runs: dict[str, Any]) -> None:
     """A store that cannot open disables bsr (logged); vLLM serves as without a connector."""
-    assert tokens_of(runs["missing"]) == tokens_of(runs["baseline"])[:1]
-    assert cached_of(runs["missing"]) == [[0, 0, 0, 0]]
+    r = runs["missing"]
+    assert tokens_of(r) == tokens_of(engines.baseline)[:1]
+    assert cached_of(r) == [[0, 0, 0, 0]]
+    assert "bsr.vllm.disabled" in (engines.tmp / "missing.log").read_text()
+
+
+def test_a_bad_connector_option_stops_vllm_at_startup(engines: Engines) -> None:
+    """Found as a hostile user: ``lookup_timeout_s=-1`` was accepted and killed vLLM's engine
+    core on the first request. It is refused at startup, naming the key."""
+    with pytest.raises(AssertionError, match="bad_option run failed") as info:
+        engines.run(
+            "bad_option",
+            connector=connector(engines.tmp / "unused", lookup_timeout_s=-1),
+            batches=[BATCH_A[:1]],
+        )
+    assert "bsr_connector.lookup_timeout_s" in str(info.value)
 
 
 @pytest.fixture(scope="module")
@@ -153,21 +208,17 @@ def tp_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         pytest.skip("tensor parallelism 2 needs two CPU cores")
     tmp = tmp_path_factory.mktemp("vllm-tp2")
     write_llama(tmp / "model")
-    out: dict[str, Any] = {}
-    out["baseline"] = run(tmp, "baseline", batches=[BATCH_A], tensor_parallel_size=2)
-    con = connector(tmp / "store")
+
+    def run(name: str, **spec: Any) -> dict[str, Any]:
+        return run_spec(tmp, name, batches=[BATCH_A], tensor_parallel_size=2, **spec)
+
+    store: Path = tmp / "store"
+    out: dict[str, Any] = {"baseline": run("baseline")}
     out["store"] = run(
-        tmp,
-        "store",
-        connector=con,
-        batches=[BATCH_A],
-        tensor_parallel_size=2,
-        await_objects=[str(tmp / "store"), 2 * (3 + 2 + 0 + 1)],
+        "store", connector=connector(store), await_objects=[str(store), 2 * (3 + 2 + 0 + 1)]
     )
-    out["objects"] = {
-        rank.name: len(list(rank.glob("objects/**/*.bsr"))) for rank in (tmp / "store").iterdir()
-    }
-    out["restore"] = run(tmp, "restore", connector=con, batches=[BATCH_A], tensor_parallel_size=2)
+    out["objects"] = {rank.name: len(store_objects(rank)) for rank in store.iterdir()}
+    out["restore"] = run("restore", connector=connector(store), log_stats=True)
     return out
 
 
@@ -177,3 +228,7 @@ def test_tensor_parallel_2_store_and_restore(tp_runs: dict[str, Any]) -> None:
     assert cached_of(tp_runs["restore"]) == [EXPECTED_A]
     # each rank stores its own shard under its own namespace, in its own FileTier root
     assert tp_runs["objects"] == {"rank-0-of-2": 6, "rank-1-of-2": 6}
+    # request counts from rank 0, bytes from both ranks (each reads its own shard)
+    assert batch_metric(tp_runs["restore"], 0, LOADED) == sum(EXPECTED_A)
+    shard = CHUNK_BYTES // 2
+    assert batch_metric(tp_runs["restore"], 0, BYTES, tier="file") == 2 * 5 * shard

@@ -2,7 +2,9 @@
 
 The first server computes a prompt and saves its KV through bsr; a second server, started fresh
 over the same store, answers the same prompt with the same greedy tokens and reports the restored
-prefix as cached prompt tokens. Needs vLLM (``make test`` runs it in ``.venv-vllm``).
+prefix as cached prompt tokens. bsr's numbers are on each server's ``/metrics`` (``vllm:bsr_*``)
+and in vLLM's periodic "KV Transfer metrics" log line. Needs vLLM (``make test`` runs it in
+``.venv-vllm``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +74,7 @@ def serve(model: Path, store: Path, port: int, log: Path) -> subprocess.Popen[by
         "--kv-transfer-config", json.dumps(kv),
     ]  # fmt: skip
     env = dict(os.environ)
+    env["VLLM_LOG_STATS_INTERVAL"] = "1"  # vLLM's periodic stats log line, every second
     with open(log, "wb") as out:
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
 
@@ -125,6 +129,31 @@ def objects(store: Path) -> list[Path]:
     return [p for p in store.glob("**/objects/**/*.bsr") if p.is_file()]
 
 
+def prom(port: int, name: str, **labels: str) -> float:
+    """The sum of a metric's samples on the server's ``/metrics`` matching ``labels``."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60) as resp:
+        text = resp.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{"):
+            continue
+        head, value = line.rsplit(" ", 1)
+        if all(f'{k}="{v}"' in head for k, v in labels.items()):
+            total += float(value)
+    return total
+
+
+def eventually(fn: Any, what: str, timeout: float = 120) -> Any:
+    """``fn()`` once it is truthy (stats and saves land after the request)."""
+    end = time.monotonic() + timeout
+    while True:
+        value = fn()
+        if value or time.monotonic() > end:
+            assert value, f"timed out waiting for {what}"
+            return value
+        time.sleep(0.5)
+
+
 def test_vllm_serve_restores_a_prefix_in_a_fresh_server(tmp_path: Path) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -134,6 +163,7 @@ def test_vllm_serve_restores_a_prefix_in_a_fresh_server(tmp_path: Path) -> None:
     LlamaForCausalLM(LlamaConfig(**MODEL)).to(torch.bfloat16).save_pretrained(model)
     store = tmp_path / "store"
     results = []
+    seen: dict[str, float] = {}
     for run in ("store", "restore"):
         port, log = free_port(), tmp_path / f"{run}.log"
         proc = serve(model, store, port, log)
@@ -141,9 +171,17 @@ def test_vllm_serve_restores_a_prefix_in_a_fresh_server(tmp_path: Path) -> None:
             wait_ready(port, proc, log)
             results.append(complete(port, model))
             if run == "store":  # the save runs after the request: wait for its objects
-                deadline = time.monotonic() + 120
-                while len(objects(store)) < 3 and time.monotonic() < deadline:
-                    time.sleep(0.5)
+                eventually(lambda: len(objects(store)) >= 3, "the saved objects")
+                seen["saves"] = eventually(partial(prom, port, "vllm:bsr_saves_total"), "saves")
+                seen["saved"] = prom(port, "vllm:bsr_saved_bytes_total", tier="file")
+            else:
+                loaded = partial(prom, port, "vllm:bsr_loaded_tokens_total")
+                seen["loaded"] = eventually(loaded, "loaded tokens")
+                seen["bytes"] = prom(port, "vllm:bsr_loaded_bytes_total", tier="file")
+                seen["lookups"] = prom(port, "vllm:bsr_lookups_total")
+                seen["failed"] = prom(port, "vllm:bsr_failed_loads_total")
+                logged = partial(lambda path: "loaded_tokens=192" in path.read_text(), log)
+                eventually(logged, "the stats log line")
         finally:
             stop(proc)
     (stored_tokens, stored_cached), (restored_tokens, restored_cached) = results
@@ -151,3 +189,11 @@ def test_vllm_serve_restores_a_prefix_in_a_fresh_server(tmp_path: Path) -> None:
     assert stored_cached == 0  # a fresh store: nothing to reuse
     assert restored_cached == 3 * CHUNK  # every full chunk came back through bsr
     assert restored_tokens == stored_tokens and len(stored_tokens) == 8
+    # bsr's numbers on the OpenAI server's /metrics: 3 chunks of 64 tokens x 1 KiB saved, then
+    # looked up once and loaded (asynchronously: the default), nothing failed
+    chunk_bytes = CHUNK * 2 * 512
+    assert seen == {
+        "saves": 1.0, "saved": 3 * chunk_bytes, "loaded": 3.0 * CHUNK,
+        "bytes": 3 * chunk_bytes, "lookups": 1.0, "failed": 0.0,
+    }  # fmt: skip
+    assert "KV Transfer metrics: " in (tmp_path / "restore.log").read_text()

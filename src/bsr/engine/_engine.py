@@ -32,6 +32,7 @@ import anyio
 from .._check import (
     byte_size,
     non_negative_float,
+    non_negative_int,
     optional_positive_float,
     optional_positive_int,
     positive_float,
@@ -365,16 +366,36 @@ class RestoreEngine:
         ]
 
     # ------------------------------------------------------------------ lookup
-    async def lookup(self, tokens: TokensLike, *, lease_ttl_s: float | None = None) -> Probe:
+    async def lookup(
+        self,
+        tokens: TokensLike,
+        *,
+        lease_ttl_s: float | None = None,
+        deadline_s: float | None = None,
+        local: bool = False,
+    ) -> Probe:
         """Find the reusable prefix of ``tokens`` across tiers, groups and ranks; moves no data.
 
         With ``lease_ttl_s`` the objects found are pinned against eviction (HostTier, FileTier)
         until a restore given this probe ends, :meth:`Probe.release` is called, or the TTL
         passes. With several ranks every rank must call ``lookup`` (it runs collectives).
+        ``deadline_s``: a tier still answering then is cut off (it holds nothing for this probe
+        and the cut-off counts against its circuit breaker); the probe holds what the other tiers
+        answered. ``local``: this rank's prefix alone, with no agreement (no collective, so one
+        rank may call it by itself) and no lease; pass such a probe to ``restore`` only with one
+        rank.
         """
         self._check_open()
         ttl = optional_positive_float(lease_ttl_s, "lease_ttl_s")
-        probe, _ = await self._prober.probe(tokens, deadline_s=None)
+        deadline = optional_positive_float(deadline_s, "deadline_s")
+        if _flag(local, "local") and ttl is not None:
+            raise ConfigError(
+                "a local lookup takes no lease (its probe is one rank's); drop lease_ttl_s or "
+                "local=True"
+            )
+        probe, _ = await self._prober.probe(
+            tokens, deadline_s=deadline, partial=True, agree=not local
+        )
         if ttl is not None and probe.prefix_chunks:
             probe = replace(probe, lease=await self._lease(probe, ttl))
         self._log.debug(
@@ -413,6 +434,7 @@ class RestoreEngine:
         request_id: str | None = None,
         probe: Probe | None = None,
         on_installed: OnInstalled | None = None,
+        start_tokens: int = 0,
     ) -> RestoreResult:
         """Restore the longest reusable prefix of ``tokens`` into ``cache`` at ``block_ids``.
 
@@ -426,8 +448,19 @@ class RestoreEngine:
         hidden states) with the reads of later chunks; if it raises, the request cannot commit.
         With several ranks every rank must call ``restore`` for the same tokens, all with a
         probe or all without.
+
+        ``start_tokens`` (a multiple of the cache's ``block_tokens``): the caller already holds
+        valid state for the first ``start_tokens`` tokens in these blocks (e.g. a serving
+        engine's own prefix-cache hit). Those tokens are still keyed and probed (the chained keys
+        cover the whole prefix), but the chunks entirely below ``start_tokens`` are neither read
+        nor installed, and no block before ``start_tokens // block_tokens`` is written (a chunk
+        straddling it is read whole and installed from that block on). The commit covers the
+        whole prefix, counting those chunks as installed, so it is only as valid as the
+        caller's claim; ``bytes_by_tier`` counts only what was read.
         """
-        req = self._admit(tokens, cache, block_ids, policy, deadline_s, strategy, request_id)
+        req = self._admit(
+            tokens, cache, block_ids, policy, deadline_s, strategy, request_id, start_tokens
+        )
         req.on_installed = on_installed
         try:
             await self._probe_phase(req, probe)
@@ -451,10 +484,12 @@ class RestoreEngine:
         deadline_s: float | None,
         strategy: Strategy | str,
         request_id: str | None,
+        start_tokens: int = 0,
     ) -> RestoreRequest:
         """Check the arguments and open the request's record (no I/O)."""
         self._check_open()
         self._check_cache(cache)
+        first_block, valid_chunks = self._start(start_tokens, cache)
         n_full = self.layout.num_chunks(token_count(tokens))
         ids = cache.block_table(block_ids, n_full * self.layout.chunk_tokens)
         deadline = optional_positive_float(deadline_s, "deadline_s")
@@ -468,7 +503,19 @@ class RestoreEngine:
             rid=rid, life=life, log=self._log.bind(request_id=rid), tokens=tokens, cache=cache,
             ids=ids, policy=life.facts.policy, strategy=choice(Strategy, strategy, "strategy"),
             deadline_at=None if deadline is None else time.perf_counter() + deadline,
+            first_block=first_block, valid_chunks=valid_chunks,
         )  # fmt: skip
+
+    def _start(self, start_tokens: int, cache: PagedKVCache) -> tuple[int, int]:
+        """``(first block to write, chunks already valid)`` for ``restore(start_tokens=...)``."""
+        start = non_negative_int(start_tokens, "start_tokens")
+        if start % cache.block_tokens:
+            raise ConfigError(
+                f"start_tokens={start} is not a multiple of the cache's block_tokens="
+                f"{cache.block_tokens}; pass the tokens of whole blocks the cache already holds",
+                start_tokens=start,
+            )
+        return start // cache.block_tokens, start // self.layout.chunk_tokens
 
     async def _probe_phase(self, req: RestoreRequest, given: Probe | None) -> None:
         """Probing: find (or reuse) the agreed prefix, then Windowing or a terminal state."""
@@ -513,8 +560,9 @@ class RestoreEngine:
         """Windowing: stream the agreed chunks into the cache through the slots."""
         assert req.probe is not None
         run = RestoreRun(
-            req.rid, req.probe.prefix_chunks, self.layout, req.policy, deadline_at=req.deadline_at
-        )
+            req.rid, req.probe.prefix_chunks, self.layout, req.policy, deadline_at=req.deadline_at,
+            valid_chunks=req.valid_chunks, first_block=req.first_block,
+        )  # fmt: skip
         req.run = run
         req.life.facts.target_chunks = run.target
         req.life.facts.installed = run.installed  # the live record the guards evaluate
@@ -522,12 +570,14 @@ class RestoreEngine:
         if req.strategy is Strategy.BOUNDED:
             req.slots = self._check_open().account()
         else:
-            need = len(run.needed) * self.layout.slot_bytes
+            need = len(run.needed.keys() - run.skipped) * self.layout.slot_bytes
             if self.staging_budget_bytes is not None and need > self.staging_budget_bytes:
                 why = f"plan needs {need} bytes of staging, budget {self.staging_budget_bytes}"
                 run.fail(ChunkFailure(0, self.layout.groups[0].name, Reason.STAGING_BUDGET, [why]))
                 return
-            req.slots = WholePlanBuffer(len(run.needed), self.layout.slot_bytes, self.pin_staging)
+            req.slots = WholePlanBuffer(
+                need // self.layout.slot_bytes, self.layout.slot_bytes, self.pin_staging
+            )
         t = time.perf_counter()
         with anyio.move_on_after(req.remaining()) as scope:
             await self._window.run(

@@ -90,16 +90,26 @@ class Prober:
     def empty(self, n: int) -> Holders:
         return [{g.name: () for g in self.layout.groups} for _ in range(n)]
 
-    async def holders(self, keys: Sequence[ChunkKey]) -> Holders:
-        """Which tiers hold each (chunk, group) of ``keys``, by tier name, fastest first."""
+    async def holders(self, keys: Sequence[ChunkKey], deadline_at: float = math.inf) -> Holders:
+        """Which tiers hold each (chunk, group) of ``keys``, by tier name, fastest first.
+
+        A tier still answering at ``deadline_at`` (``time.perf_counter()`` time) is cut off: it
+        holds nothing for this probe and the cut-off counts against its breaker, like any other
+        timeout; a tier not yet asked then is skipped without counting.
+        """
         groups = [g.name for g in self.layout.groups]
         objs = [ObjectKey(k, g) for k in keys for g in groups]
         found: list[dict[str, list[str]]] = [{g: [] for g in groups} for _ in keys]
         for tier in self.tiers:
             if not self.health.admit(tier.name):
                 continue  # circuit breaker open: the tier holds nothing for this probe
+            budget = deadline_at - time.perf_counter()
+            if budget <= 0:
+                self.health.release(tier.name)  # never asked: says nothing about the tier
+                continue
             try:
-                present = await tier.contains_many(objs)
+                with anyio.move_on_after(budget) as scope:
+                    present = await tier.contains_many(objs)
             except Exception as exc:  # a tier that cannot answer holds nothing for this probe
                 self.health.failure(tier.name)
                 self.log.warning("bsr.probe.tier_failed", tier=tier.name, error=str(exc))
@@ -107,6 +117,10 @@ class Prober:
             except BaseException:
                 self.health.release(tier.name)
                 raise
+            if scope.cancelled_caught:
+                self.health.failure(tier.name)
+                self.log.warning("bsr.probe.tier_timeout", tier=tier.name, s=round(budget, 6))
+                continue
             self.health.success(tier.name)
             for i, (o, p) in enumerate(zip(objs, present)):
                 if p and (tier.name, o.object_id) not in self.quarantine:
@@ -123,21 +137,33 @@ class Prober:
                 return agreed
             candidate = longest_prefix_upto(usable, agreed - 1)
 
-    async def probe(self, tokens: TokensLike, *, deadline_s: float | None) -> tuple[Probe, bool]:
+    async def probe(
+        self,
+        tokens: TokensLike,
+        *,
+        deadline_s: float | None,
+        partial: bool = False,
+        agree: bool = True,
+    ) -> tuple[Probe, bool]:
         """Probe ``tokens``; return the probe and whether the deadline fired.
 
-        Key derivation and tier queries run under ``deadline_s``; the agreement always runs
-        (every rank must take part in it), with an empty local prefix when the deadline fired.
+        Key derivation and tier queries run under ``deadline_s`` (a tier cut off by it holds
+        nothing, see :meth:`holders`). When the deadline fired the local prefix is empty, or,
+        with ``partial``, what the tiers that answered in time hold. The agreement always runs
+        (every rank must take part in it) unless ``agree`` is False: then the probe is this
+        rank's alone, and it runs no collective.
         """
         t0 = time.perf_counter()
+        deadline_at = math.inf if deadline_s is None else t0 + deadline_s
         keyed: KeyedTokens | None = None
         holders: Holders = []
-        with anyio.move_on_after(math.inf if deadline_s is None else deadline_s) as scope:
+        with anyio.move_on_after(math.inf if deadline_s is None else deadline_s):
             keyed = await self.keyed(tokens)
-            holders = await self.holders(keyed.keys)
-            await anyio.lowlevel.checkpoint()  # a deadline passed during the probe counts
-        timed_out = scope.cancelled_caught
-        if timed_out or keyed is None:
+        if keyed is not None:
+            holders = await self.holders(keyed.keys, deadline_at)
+            await anyio.lowlevel.checkpoint()
+        timed_out = keyed is None or time.perf_counter() >= deadline_at
+        if keyed is None or (timed_out and not partial):
             n = 0 if keyed is None else len(keyed.keys)
             holders = self.empty(n)
 
@@ -145,7 +171,9 @@ class Prober:
             return c < len(holders) and bool(holders[c][g])
 
         local = longest_prefix(self.layout, len(holders), have)
-        agreed = await self.agree(local, lambda p: prefix_usable(self.layout, p, have))
+        agreed = local
+        if agree:
+            agreed = await self.agree(local, lambda p: prefix_usable(self.layout, p, have))
         return self._record(tokens, keyed, holders, local, agreed, t0), timed_out
 
     def _record(

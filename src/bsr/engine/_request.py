@@ -40,6 +40,8 @@ class RestoreRequest:
     timed_out: bool = False
     committed_chunks: int = 0
     on_installed: OnInstalled | None = None
+    first_block: int = 0  # restore(start_tokens=...): blocks before it are never written
+    valid_chunks: int = 0  # chunks the caller already holds: neither read nor installed
     t0: float = field(default_factory=time.perf_counter)
     phase_s: dict[str, float] = field(default_factory=dict)
 
@@ -57,9 +59,11 @@ class RestoreRequest:
         if self.run is None:
             return ()
         out: set[int] = set()
+        bpc = self.cache.blocks_per_chunk
         for c in self.run.touched_chunks:
             if c >= self.committed_chunks:
-                out.update(int(b) for b in self.cache.chunk_blocks(self.ids, c).tolist())
+                lo = max(c * bpc, self.first_block)
+                out.update(int(b) for b in self.ids[lo : (c + 1) * bpc].tolist())
         return tuple(sorted(out))
 
     def result(self, chunk_tokens: int) -> RestoreResult:

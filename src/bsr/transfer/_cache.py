@@ -350,11 +350,18 @@ def install_chunk(
     region: torch.Tensor,
     *,
     non_blocking: bool = False,
+    first: int = 0,
 ) -> None:
-    """Copy one staged chunk of ``group`` (flat ``region``) into the cache blocks ``blocks``."""
+    """Copy one staged chunk of ``group`` (flat ``region``) into the cache blocks ``blocks``.
+
+    ``first``: the chunk's first ``first`` blocks are left alone (neither ``blocks[:first]`` nor
+    their rows of ``region`` are touched); the rest of the chunk is installed.
+    """
     g = cache.layout.group(group)
     row = cache.block_tokens * g.token_bytes
     src3 = region[: g.num_layers * len(blocks) * row].view(g.num_layers, len(blocks), row)
+    if first:
+        src3, blocks = src3[:, first:], blocks[first:]
     if cache.per_layer:
         layers = cache.layers(group)
         if src3.device != layers[0].device:

@@ -41,13 +41,18 @@ class HostInstaller:
         layout: the state layout.
         cache: the destination.
         ids: the request's validated block table (int64, CPU).
+        first_block: blocks of the table before this index are never written (they hold state
+            the caller already has; a chunk that straddles it is installed from it on).
     """
 
-    def __init__(self, layout: StateLayout, cache: PagedKVCache, ids: torch.Tensor) -> None:
+    def __init__(
+        self, layout: StateLayout, cache: PagedKVCache, ids: torch.Tensor, first_block: int = 0
+    ) -> None:
         self.layout = layout
         self.cache = cache
         self.ids = ids
         self.bpc = cache.blocks_per_chunk
+        self.first_block = first_block
         self._blocks = ids.tolist()
         self._slots: dict[Slot, np.ndarray[Any, Any]] = {}
         self._offsets = {g.name: layout.slot_offset(g.name) for g in layout.groups}
@@ -70,26 +75,31 @@ class HostInstaller:
 
     def install(self, chunk: int, groups: tuple[str, ...], slot: Slot) -> None:
         """Copy chunk ``chunk`` (its ``groups``) from ``slot`` into the cache blocks."""
+        lo = chunk * self.bpc
+        skip = min(max(0, self.first_block - lo), self.bpc)
+        if skip == self.bpc:
+            return
         if self._dst is None:
             table = self.cache.chunk_blocks(self.ids, chunk)
             for g in groups:
-                install_chunk(self.cache, g, table, slot.tensor[self.layout.slot_offset(g) :])
+                region = slot.tensor[self.layout.slot_offset(g) :]
+                install_chunk(self.cache, g, table, region, first=skip)
             return
         src = self.slot_array(slot)
-        lo = chunk * self.bpc
-        blocks = self._blocks[lo : lo + self.bpc]
+        blocks = self._blocks[lo + skip : lo + self.bpc]
+        n_blocks = len(blocks)
         first = blocks[0]
-        consecutive = blocks[-1] - first == self.bpc - 1 and blocks == list(
-            range(first, first + self.bpc)
+        consecutive = blocks[-1] - first == n_blocks - 1 and blocks == list(
+            range(first, first + n_blocks)
         )
         for g in groups:
             dst, word, words = self._dst[g]
             off = self._offsets[g]
             layers = dst.shape[0]
             n = layers * self.bpc * words * word.itemsize
-            staged = src[off : off + n].view(word).reshape(layers, self.bpc, words)
+            staged = src[off : off + n].view(word).reshape(layers, self.bpc, words)[:, skip:]
             if consecutive:
-                dst[:, first : first + self.bpc, :] = staged
+                dst[:, first : first + n_blocks, :] = staged
             else:
                 dst[:, blocks, :] = staged
 
@@ -102,24 +112,32 @@ class CudaInstaller:
         cache: the destination (on a CUDA device).
         ids: the request's block table.
         stream: the side stream (made once per engine).
+        first_block: blocks of the table before this index are never written.
     """
 
     def __init__(
-        self, layout: StateLayout, cache: PagedKVCache, ids: torch.Tensor, stream: Any
+        self,
+        layout: StateLayout,
+        cache: PagedKVCache,
+        ids: torch.Tensor,
+        stream: Any,
+        first_block: int = 0,
     ) -> None:
         self.layout = layout
         self.cache = cache
         self.ids = ids
         self.stream = stream
+        self.first_block = first_block
 
     def install(self, chunk: int, groups: tuple[str, ...], slot: Slot) -> Any:
         """Enqueue the copy of ``chunk``; return the CUDA event recorded after it."""
         blocks = self.cache.chunk_blocks(self.ids, chunk)
+        skip = min(max(0, self.first_block - chunk * len(blocks)), len(blocks))
         with torch.cuda.stream(self.stream):
-            for g in groups:
+            for g in groups if skip < len(blocks) else ():
                 install_chunk(
                     self.cache, g, blocks, slot.tensor[self.layout.slot_offset(g) :],
-                    non_blocking=True,
+                    non_blocking=True, first=skip,
                 )  # fmt: skip
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(self.stream)

@@ -146,6 +146,8 @@ class RestoreRun:
         policy: Policy,
         *,
         deadline_at: float | None = None,
+        valid_chunks: int = 0,
+        first_block: int = 0,
     ) -> None:
         self.rid = rid
         self.policy = policy
@@ -153,6 +155,13 @@ class RestoreRun:
         self.limit = target  # chunks >= limit are abandoned (a chunk below failed)
         self.needed = groups_by_chunk(layout, target)
         self.installed: set[tuple[int, str]] = set()
+        #: chunks below ``valid_chunks`` already hold valid state in the cache (the caller says
+        #: so): they are neither read nor installed and count as installed; blocks of the
+        #: table before ``first_block`` are never written (a chunk straddling it is read whole
+        #: and installed from that block on)
+        self.skipped = {c for c in self.needed if c < valid_chunks}
+        self.installed.update((c, g) for c in self.skipped for g in self.needed[c])
+        self.first_block = first_block
         self.touched_chunks: set[int] = set()
         self.held: set[Slot] = set()
         self.busy: dict[Slot, threading.Event] = {}
@@ -251,7 +260,8 @@ class _Job:
         self.gate = gate
         self.whole_plan = whole_plan
         self.cuda = cache.device.type == "cuda"
-        self.host = HostInstaller(cache.layout, cache, ids) if not self.cuda else None
+        first = run.first_block
+        self.host = HostInstaller(cache.layout, cache, ids, first) if not self.cuda else None
         self.device: CudaInstaller | None = None
         self.staged: dict[int, Slot] = {}  # whole-plan: chunks read, waiting for the install
         self.on_installed: OnInstalled | None = None
@@ -351,8 +361,8 @@ class WindowPipeline:
         if job.cuda:
             if self.cuda_stream is None:
                 self.cuda_stream = torch.cuda.Stream(device=cache.device)  # type: ignore[no-untyped-call]
-            job.device = CudaInstaller(self.layout, cache, ids, self.cuda_stream)
-        chunks = sorted(run.needed)
+            job.device = CudaInstaller(self.layout, cache, ids, self.cuda_stream, run.first_block)
+        chunks = sorted(c for c in run.needed if c not in run.skipped)
         batches = _Batches(chunks, self._batch_size(job, len(chunks)))
         async with anyio.create_task_group() as tg:
             for _ in range(min(self.window, max(1, len(chunks)))):

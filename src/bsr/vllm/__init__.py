@@ -2,22 +2,33 @@
 
 Load it with ``kv_connector="BsrConnector"``, ``kv_connector_module_path="bsr.vllm"`` and the
 engine config in ``kv_connector_extra_config={"bsr": {...}}``; see docs/vllm.md. The connector
-needs vLLM (``pip install 'bsr[vllm]'`` on CPU; on a GPU machine install vLLM's CUDA build
-first); it is imported on first use, so ``bsr.vllm._layout`` works without vLLM.
+is a facade over a scheduler side (:mod:`bsr.vllm._scheduler`, vLLM's EngineCore process) and a
+worker side (:mod:`bsr.vllm._worker`, each worker process). It needs vLLM (``pip install
+'bsr[vllm]'`` on CPU; on a GPU machine install vLLM's CUDA build first); it is imported on first
+use, so ``bsr.vllm._layout`` and ``bsr.vllm._options`` work without vLLM.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ("BsrConnector", "BsrConnectorMetadata")
+__all__ = (
+    "BsrConnector",
+    "BsrConnectorMetadata",
+    "BsrConnectorStats",
+    "ConnectorOptions",
+)
 
 
 def __getattr__(name: str) -> Any:
     if name not in __all__:
         raise AttributeError(f"module 'bsr.vllm' has no attribute {name!r}")
+    if name == "ConnectorOptions":
+        from ._options import ConnectorOptions
+
+        return ConnectorOptions
     try:
-        from . import _connector
+        from . import _connector, _metadata, _stats
     except ImportError as exc:
         if "vllm" not in str(exc):
             raise
@@ -25,4 +36,7 @@ def __getattr__(name: str) -> Any:
             "bsr.vllm.BsrConnector needs vLLM: pip install 'bsr[vllm]' (CPU build), or "
             "install vLLM's CUDA build on a GPU machine"
         ) from exc
-    return getattr(_connector, name)
+    for module in (_connector, _metadata, _stats):
+        if hasattr(module, name):
+            return getattr(module, name)
+    raise AttributeError(name)  # pragma: no cover - every name of __all__ is above

@@ -1,0 +1,100 @@
+"""What the two sides of the connector tell each other, one vLLM engine step at a time.
+
+Where it runs: built in vLLM's EngineCore process (scheduler side) and read in every worker
+process, and back: vLLM pickles these between the processes.
+
+* :class:`BsrConnectorMetadata` (scheduler -> workers, every step): the loads to start, the saves
+  to start, and the lookups whose leases the workers may drop.
+* :class:`BsrWorkerMetadata` (workers -> scheduler, every step): the outcome of every load that
+  ended in the step, so the scheduler knows which KV is verified before it ever saves it.
+* :class:`BsrHandshake` (workers -> scheduler, once at startup): where the lookup socket is.
+
+Block tables are vLLM's block ids of the request's first (and only) KV cache group; a model with
+several groups (issue "hybrid models") will carry one table per group here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+
+@dataclass(frozen=True)
+class LoadJob:
+    """Restore ``tokens`` (a prefix of whole chunks) into the request's blocks.
+
+    Attributes:
+        req_id: vLLM's request id.
+        tokens: the prefix to restore; its full chunks are what the scheduler promised.
+        start_tokens: vLLM already holds this many tokens in these blocks (its own prefix-cache
+            hit, whole blocks): bsr reads and writes only past them.
+        block_ids: the request's blocks, covering ``tokens``.
+        lookup_id: the worker's leased probe of ``tokens`` to reuse (``None``: probe again).
+    """
+
+    req_id: str
+    tokens: tuple[int, ...]
+    start_tokens: int
+    block_ids: tuple[int, ...]
+    lookup_id: int | None = None
+
+    @property
+    def end_tokens(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass(frozen=True)
+class SaveJob:
+    """Store the full chunks of ``tokens`` held in the request's blocks."""
+
+    req_id: str
+    tokens: tuple[int, ...]
+    block_ids: tuple[int, ...]
+
+
+@dataclass
+class BsrConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    """What the scheduler tells the workers for one step.
+
+    Attributes:
+        loads: loads to start (async mode: they run on; sync mode: this step waits for them).
+        saves: saves of requests that finished (their blocks are held until the save is done).
+        forget_lookups: lookups answered but not used by a load; their leases may go.
+        forget_all: drop every leased lookup (``reset_cache``).
+    """
+
+    loads: list[LoadJob] = field(default_factory=list)
+    saves: list[SaveJob] = field(default_factory=list)
+    forget_lookups: list[int] = field(default_factory=list)
+    forget_all: bool = False
+
+
+@dataclass
+class BsrWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
+    """Loads that ended in one step: request id -> whether it committed every promised token.
+
+    Only tensor-parallel rank 0 reports (the ranks agree on every commit); a request reported by
+    several workers counts as loaded only if every report says so.
+    """
+
+    loads: dict[str, bool] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, BsrWorkerMetadata):
+            return self
+        merged = dict(self.loads)
+        for rid, ok in other.loads.items():
+            merged[rid] = merged.get(rid, True) and ok
+        return BsrWorkerMetadata(merged)
+
+
+@dataclass
+class BsrHandshake(KVConnectorHandshakeMetadata):  # type: ignore[misc]
+    """Where a worker serves the scheduler's lookups (``None``: it does not)."""
+
+    lookup_socket: str | None = None

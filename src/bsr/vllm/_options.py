@@ -1,0 +1,221 @@
+"""The connector's settings: its own options, typed and checked, and what it reads from vLLM.
+
+Where it runs: both sides of the connector at startup (vLLM's EngineCore process and every worker
+process), so a bad option stops vLLM before it serves anything. Pure parsing, no vLLM import.
+
+How it works: :class:`ConnectorOptions` is the ``kv_connector_extra_config["bsr_connector"]``
+dict as a frozen dataclass; :meth:`ConnectorOptions.from_dict` checks every key with the same
+helpers (and so the same messages) as :class:`bsr.EngineConfig`: an unknown key names the
+closest known one, a bad value names the key and what to write instead, each a
+:class:`bsr.ConfigError` with the dotted ``key``. :func:`settings` reads the rest from vLLM's
+config (block size, roles, parallelism, the ``"bsr"`` engine config) into one
+:class:`ConnectorSettings` that both sides share.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from bsr import ConfigError, EngineConfig
+
+from .._check import non_negative_int, positive_float, positive_int
+
+#: Chunk size when the bsr config sets none: the smallest multiple of the block size >= this.
+DEFAULT_CHUNK_TOKENS = 256
+#: The ``kv_connector_extra_config`` key of the connector options.
+SECTION = "bsr_connector"
+LOAD_MODES = ("async", "sync")
+
+
+def _load_mode(value: Any, what: str) -> str:
+    if value not in LOAD_MODES:
+        raise ConfigError(f"{what} must be one of {list(LOAD_MODES)}, got {value!r}", key=what)
+    return str(value)
+
+
+def _flag(value: Any, what: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{what} must be true or false, got {value!r}", key=what)
+    return value
+
+
+def _seconds(value: Any, what: str) -> float:
+    return positive_float(value, f"{what} (seconds)", key=what)
+
+
+def _count(value: Any, what: str) -> int:
+    return positive_int(value, what, key=what)
+
+
+def _opt(parse: Callable[[Any, str], Any]) -> dict[str, Any]:
+    return {"parse": parse}
+
+
+@dataclass(frozen=True)
+class ConnectorOptions:
+    """``kv_connector_extra_config["bsr_connector"]``: how the connector serves (all optional).
+
+    Attributes:
+        load: ``"async"`` (default): a load runs across engine steps while other requests keep
+            running, and vLLM schedules the request once it is in; ``"sync"``: the step that
+            schedules the request waits for its load (every running request waits with it).
+        lookup_timeout_s: the most a lookup may take on the worker (a tier still answering
+            then is cut off and counts against its breaker); the scheduler never waits for it,
+            and gives up on an answer that is this late (plus a grace) as a miss.
+        lease_ttl_s: how long a lookup pins what it found for the load that follows.
+        load_deadline_s: per-load deadline when the ``"bsr"`` config sets no ``deadline_s``.
+        max_pending_saves: saves outstanding at once; more finished requests are not saved.
+        save: store finished requests' KV (the role can turn it off too).
+        shutdown_timeout_s: how long shutdown waits for saves in flight.
+        lookup_connections: connections the worker's lookup socket accepts at once.
+        lookup_read_timeout_s: a lookup message must arrive whole within this.
+    """
+
+    load: str = field(default="async", metadata=_opt(_load_mode))
+    lookup_timeout_s: float = field(default=2.0, metadata=_opt(_seconds))
+    lease_ttl_s: float = field(default=30.0, metadata=_opt(_seconds))
+    load_deadline_s: float = field(default=10.0, metadata=_opt(_seconds))
+    max_pending_saves: int = field(default=64, metadata=_opt(_count))
+    save: bool = field(default=True, metadata=_opt(_flag))
+    shutdown_timeout_s: float = field(default=30.0, metadata=_opt(_seconds))
+    lookup_connections: int = field(default=4, metadata=_opt(_count))
+    lookup_read_timeout_s: float = field(default=5.0, metadata=_opt(_seconds))
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # the same checks for direct construction
+            value = f.metadata["parse"](getattr(self, f.name), f"{SECTION}.{f.name}")
+            object.__setattr__(self, f.name, value)
+
+    @property
+    def asynchronous(self) -> bool:
+        return self.load == "async"
+
+    @classmethod
+    def from_dict(cls, data: Any) -> ConnectorOptions:
+        """Parse the ``"bsr_connector"`` dict (``None``: every default).
+
+        Raises:
+            ConfigError: not a dict, an unknown key (with the closest known one), or a bad
+                value (naming the key, e.g. ``bsr_connector.lookup_timeout_s``).
+        """
+        if data is None:
+            return cls()
+        if not isinstance(data, Mapping):
+            raise ConfigError(
+                f"kv_connector_extra_config[{SECTION!r}] must be a dict such as "
+                f"{{'load': 'async', 'lookup_timeout_s': 2.0}}, got {data!r}",
+                key=SECTION,
+            )
+        known = [f.name for f in dataclasses.fields(cls)]
+        for name in data:
+            if name not in known:
+                close = difflib.get_close_matches(str(name), known, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {known}"
+                raise ConfigError(f"unknown key '{SECTION}.{name}'{hint}", key=f"{SECTION}.{name}")
+        return cls(**dict(data))
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """Everything both sides of the connector need, read once from vLLM's config.
+
+    Attributes:
+        engine: the ``"bsr"`` engine config.
+        options: the connector options.
+        block_size: vLLM's block size (tokens).
+        chunk_tokens: bsr's chunk size, a multiple of ``block_size``.
+        tp_size: tensor-parallel ranks.
+        model_id: the namespace's model id.
+        engine_id: vLLM's ``engine_id`` (logs only: the lookup socket path is private).
+        loads: this role loads (``kv_both``, ``kv_consumer``).
+        saves: this role saves (``kv_both``, ``kv_producer``) and ``options.save`` is on.
+        failure_policy: vLLM's ``kv_load_failure_policy``.
+    """
+
+    engine: EngineConfig
+    options: ConnectorOptions
+    block_size: int
+    chunk_tokens: int
+    tp_size: int
+    model_id: str
+    engine_id: str
+    loads: bool
+    saves: bool
+    failure_policy: str
+
+
+def settings(vllm_config: Any, kv_cache_config: Any) -> ConnectorSettings:
+    """Read and check the connector's settings from vLLM's config (both roles, at startup).
+
+    Raises:
+        ConfigError: no ``"bsr"`` dict, a bad engine config or connector option, a chunk size
+            that is not a multiple of the block size, or a parallelism the connector refuses.
+    """
+    ktc = vllm_config.kv_transfer_config
+    extra = dict(ktc.kv_connector_extra_config or {})
+    if "bsr" not in extra:
+        raise ConfigError(
+            "BsrConnector needs kv_connector_extra_config={'bsr': {...}}, e.g. "
+            "{'bsr': {'tiers': [{'kind': 'file', 'path': '/nvme/bsr', "
+            "'capacity_bytes': '100GiB'}]}}",
+            key="bsr",
+        )
+    engine = EngineConfig.from_dict(extra["bsr"])
+    options = ConnectorOptions.from_dict(extra.get(SECTION))
+    block_size = positive_int(int(vllm_config.cache_config.block_size), "block_size")
+    role = str(ktc.kv_role)
+    return ConnectorSettings(
+        engine=engine,
+        options=options,
+        block_size=block_size,
+        chunk_tokens=chunk_tokens(engine.chunk_tokens, block_size),
+        tp_size=check_parallelism(vllm_config, kv_cache_config),
+        model_id=engine.model_id or default_model_id(vllm_config),
+        engine_id=str(ktc.engine_id),
+        loads=role != "kv_producer",
+        saves=role != "kv_consumer" and options.save,
+        failure_policy=str(ktc.kv_load_failure_policy),
+    )
+
+
+def default_model_id(vllm_config: Any) -> str:
+    mc = vllm_config.model_config
+    return f"{mc.model}@{mc.revision or ''}:{mc.dtype}:{vllm_config.cache_config.cache_dtype}"
+
+
+def chunk_tokens(configured: int | None, block_size: int) -> int:
+    """bsr's chunk size: the configured one (a multiple of vLLM's block size) or the default
+    rounded up to whole blocks."""
+    chunk = configured
+    if chunk is None:
+        chunk = -(-DEFAULT_CHUNK_TOKENS // block_size) * block_size
+    if chunk % block_size:
+        raise ConfigError(
+            f"chunk_tokens={chunk} is not a multiple of vLLM's block_size="
+            f"{block_size}; use a multiple of {block_size}",
+            key="chunk_tokens",
+        )
+    return int(chunk)
+
+
+def check_parallelism(vllm_config: Any, kv_cache_config: Any) -> int:
+    """Refuse what the connector does not support; return the tensor-parallel size."""
+    pc = vllm_config.parallel_config
+    pp = int(pc.pipeline_parallel_size)
+    dp = int(getattr(pc, "data_parallel_size", 1) or 1)
+    if pp != 1 or dp != 1:
+        raise ConfigError(
+            "BsrConnector supports tensor parallelism only (pipeline_parallel_size=1, "
+            f"data_parallel_size=1), got pp={pp}, dp={dp}"
+        )
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", ()) or ())
+    if len(groups) > 1:
+        raise ConfigError(
+            "BsrConnector supports one KV cache group (vLLM reports block-level load "
+            f"failures for one group only), got {len(groups)}"
+        )
+    return non_negative_int(int(pc.tensor_parallel_size), "tensor_parallel_size") or 1

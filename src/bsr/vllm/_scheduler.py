@@ -1,0 +1,317 @@
+"""The scheduler side of BsrConnector: what to load and what to save, never waiting on a store.
+
+Where it runs: vLLM's EngineCore process, inside the scheduler's one loop (every method here is
+called from it); one instance per engine. It has no KV tensors and no bsr engine.
+
+How it works:
+
+* **Lookups.** ``get_num_new_matched_tokens`` sends the request's prompt (its full chunks,
+  leaving at least one prompt token for vLLM to compute) to the worker's bsr engine over the
+  lookup socket (:mod:`bsr.vllm._lookup`) and answers ``None`` ("ask again later", which vLLM
+  allows) until the answer is in. A store that hangs therefore costs the scheduler nothing: the
+  worker cuts the lookup off after ``lookup_timeout_s`` (the tier's breaker counts it) and
+  answers 0; an answer that never comes is taken as a miss once it is that late plus a grace.
+* **Promises.** The answer is the reusable prefix from token 0; vLLM's own prefix-cache hit
+  (``num_computed_tokens``, whole blocks) is subtracted, so bsr loads only past it. In async
+  mode (the default) the answer is ``(n, True)``: vLLM parks the request in
+  ``WAITING_FOR_REMOTE_KVS`` with blocks allocated and keeps running the others. A request whose
+  chunks another request is already loading is deferred (``None``) until that load is in vLLM's
+  prefix cache, as vLLM's OffloadingConnector does, so two loads never fetch the same chunks.
+* **Loads.** ``update_state_after_alloc`` turns the promise into a :class:`LoadJob` with the
+  request's blocks; ``build_connector_meta`` sends it to the workers. The workers report each
+  load's outcome (:class:`BsrWorkerMetadata`); a request whose load failed is never offered a
+  load again (vLLM recomputes it).
+* **Saves.** ``request_finished`` schedules a save of the computed full chunks and holds the
+  blocks until the workers report it done (at most ``max_pending_saves`` at once). Only KV that
+  was computed or verified-installed is ever saved: a request with a load whose outcome is not
+  known yet or failed, or that shares blocks with such a load, is not saved (vLLM may finish an
+  aborted request before it processes that step's failed-load report).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .._log import logger
+from ._lookup import LookupClient
+from ._metadata import BsrConnectorMetadata, BsrWorkerMetadata, LoadJob, SaveJob
+from ._options import ConnectorSettings
+from ._stats import BsrConnectorStats
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+#: how much later than ``lookup_timeout_s`` an answer may come before the scheduler gives up
+LOOKUP_GRACE_S = 1.0
+
+
+@dataclass
+class _Req:
+    """What the scheduler side knows about one request."""
+
+    lookup_id: int | None = None  # the lookup in flight or answered
+    sent_at: float = 0.0
+    probed: int = 0  # tokens looked up
+    hit: int | None = None  # the answer: tokens bsr holds from token 0 (None: not yet)
+    used: bool = False  # a load took the answer (its lease); a later load looks up again
+    start: int = 0  # vLLM's own hit when the promise was made
+    end: int = 0  # the promise: tokens valid after the load
+    loading: bool = False  # a load was sent and its outcome is not known
+    failed: bool = False  # a load failed: never load again (vLLM recomputes)
+    unverified: bool = False  # this request's KV includes a load not verified: never save
+    digests: tuple[bytes, ...] = ()  # chained digests of the prompt's full chunks
+
+
+class BsrScheduler:
+    """The connector's scheduler side (see the module docstring)."""
+
+    def __init__(self, settings: ConnectorSettings) -> None:
+        self.settings = settings
+        self.opts = settings.options
+        self.chunk = settings.chunk_tokens
+        self.block = settings.block_size
+        self.client = LookupClient()
+        self._log = logger.bind(role="scheduler", model=settings.model_id)
+        self._reqs: dict[str, _Req] = {}
+        self._by_lookup: dict[int, str] = {}
+        self._unanswered: set[int] = set()  # lookups sent, no answer yet (poll only then)
+        self._seq = itertools.count(1)
+        self._loads: list[LoadJob] = []
+        self._saves: list[SaveJob] = []
+        self._forget: list[int] = []
+        self._forget_all = False
+        self._saving: set[str] = set()
+        self._inflight: dict[bytes, str] = {}  # chunk digest -> request loading it (async)
+        self._unverified_blocks: dict[str, frozenset[int]] = {}  # loads not known good yet
+        self.stats = BsrConnectorStats()
+
+    # ------------------------------------------------------------------ handshake
+    def set_lookup_socket(self, path: str | None) -> None:
+        self.client.close()
+        self.client.path = path
+        self._log.info("bsr.vllm.lookup_socket", path=path)
+
+    # ------------------------------------------------------------------ lookups
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Tokens past vLLM's own hit that bsr can load, ``None`` while the answer is out."""
+        if not self.settings.loads or self.client.path is None:
+            return 0, False
+        prompt = request.prompt_token_ids or ()
+        usable = (max(0, len(prompt) - 1) // self.chunk) * self.chunk
+        rid = request.request_id
+        st = self._reqs.get(rid)
+        if usable <= num_computed_tokens or (st is not None and st.failed):
+            return 0, False
+        if st is None:
+            st = self._reqs[rid] = _Req()
+        self._collect()
+        answered = st.hit is not None and not st.used and st.probed == usable
+        if not answered and not self._await_answer(rid, st, prompt, usable):
+            return None, False
+        hit = int(st.hit or 0)
+        if hit <= num_computed_tokens:
+            return 0, False
+        if self.opts.asynchronous and self._loading_elsewhere(rid, st, prompt, num_computed_tokens):
+            self.stats.count("deferred")
+            return None, False
+        st.start, st.end = num_computed_tokens, hit
+        return hit - num_computed_tokens, self.opts.asynchronous
+
+    def _await_answer(self, rid: str, st: _Req, prompt: Any, usable: int) -> bool:
+        """Send the lookup if needed; True once ``st.hit`` holds a usable answer."""
+        fresh = st.lookup_id is None or st.used or st.probed != usable
+        if fresh:
+            self._drop_lookup(st)
+            seq = next(self._seq)
+            st.lookup_id, st.sent_at, st.probed = seq, time.monotonic(), usable
+            st.hit, st.used = None, False
+            self._by_lookup[seq] = rid
+            self._unanswered.add(seq)
+            self.stats.count("lookups")
+            if not self.client.submit(seq, prompt[:usable]):
+                self._by_lookup.pop(seq, None)
+                self._unanswered.discard(seq)
+                # no worker to ask (yet): a miss, asked again next time
+                st.lookup_id, st.hit, st.used = None, 0, True
+                return True
+            return False
+        if st.hit is not None:
+            return True
+        if time.monotonic() - st.sent_at > self.opts.lookup_timeout_s + LOOKUP_GRACE_S:
+            self.stats.count("lookups_timed_out")
+            self._log.warning("bsr.vllm.lookup_late", request=rid, s=self.opts.lookup_timeout_s)
+            self._drop_lookup(st)
+            st.hit, st.used = 0, True  # a miss now; a later ask looks up again
+            return True
+        return False
+
+    def _collect(self) -> None:
+        """Take every answer that has arrived (never waits)."""
+        if not self._unanswered:
+            return
+        for seq, hit in self.client.poll().items():
+            self._unanswered.discard(seq)
+            rid = self._by_lookup.get(seq)
+            st = self._reqs.get(rid) if rid is not None else None
+            if st is None or st.lookup_id != seq:
+                self._by_lookup.pop(seq, None)
+                self._forget.append(seq)  # nobody will load it: its lease may go
+                continue
+            st.hit = min(hit, st.probed) // self.chunk * self.chunk
+
+    def _drop_lookup(self, st: _Req) -> None:
+        if st.lookup_id is not None:
+            self._by_lookup.pop(st.lookup_id, None)
+            self._unanswered.discard(st.lookup_id)  # a late answer is ignored (and forgotten)
+            if not st.used:
+                self._forget.append(st.lookup_id)
+        st.lookup_id = None
+
+    def _digests(self, st: _Req, prompt: Any) -> tuple[bytes, ...]:
+        """Chained digests of the prompt's full chunks (each names the whole prefix so far)."""
+        n = st.probed // self.chunk
+        if len(st.digests) < n:
+            out = list(st.digests)
+            h = out[-1] if out else b""
+            for c in range(len(out), n):
+                raw = np.asarray(prompt[c * self.chunk : (c + 1) * self.chunk], dtype="<i8")
+                h = hashlib.blake2b(h + raw.tobytes(), digest_size=16).digest()
+                out.append(h)
+            st.digests = tuple(out)
+        return st.digests[:n]
+
+    def _loading_elsewhere(self, rid: str, st: _Req, prompt: Any, computed: int) -> bool:
+        if not self._inflight:
+            return False
+        digests = self._digests(st, prompt)
+        first, last = computed // self.chunk, int(st.hit or 0) // self.chunk
+        return any(self._inflight.get(d, rid) != rid for d in digests[first:last])
+
+    # ------------------------------------------------------------------ loads
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        st = self._reqs.get(request.request_id)
+        if num_external_tokens <= 0 or st is None or st.hit is None:
+            return
+        end = st.start + num_external_tokens
+        prompt = request.prompt_token_ids or ()
+        table = blocks.get_block_ids()[0]
+        n_blocks = -(-end // self.block)
+        # the worker leased a probe of exactly prompt[:hit]; any other end probes again
+        lookup = st.lookup_id if end == st.hit else None
+        job = LoadJob(
+            request.request_id, tuple(prompt[:end]), st.start, tuple(table[:n_blocks]), lookup
+        )
+        self._loads.append(job)
+        st.used, st.loading, st.unverified, st.end = True, True, True, end
+        self._unverified_blocks[request.request_id] = frozenset(job.block_ids)
+        if self.opts.asynchronous:
+            for d in self._digests(st, prompt)[st.start // self.chunk : end // self.chunk]:
+                self._inflight.setdefault(d, request.request_id)
+        self.stats.count("hit_tokens", num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> BsrConnectorMetadata:
+        meta = BsrConnectorMetadata(
+            loads=self._loads, saves=self._saves, forget_lookups=self._forget,
+            forget_all=self._forget_all,
+        )  # fmt: skip
+        self._loads, self._saves, self._forget, self._forget_all = [], [], [], False
+        # a request scheduled now after its async load: its blocks are in vLLM's prefix cache,
+        # so others sharing its chunks find them there (no longer "loading elsewhere")
+        if self._inflight:
+            scheduled = {r.req_id for r in scheduler_output.scheduled_new_reqs}
+            scheduled.update(scheduler_output.scheduled_cached_reqs.req_ids)
+            for rid in scheduled:
+                st = self._reqs.get(rid)
+                if st is not None and not st.loading:
+                    self._release_inflight(rid)
+        return meta
+
+    def _release_inflight(self, rid: str) -> None:
+        for d in [d for d, owner in self._inflight.items() if owner == rid]:
+            del self._inflight[d]
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        for rid in output.finished_sending or ():
+            self._saving.discard(rid)
+        meta = getattr(output, "kv_connector_worker_meta", None)
+        if isinstance(meta, BsrWorkerMetadata):
+            for rid, ok in meta.loads.items():
+                self._outcome(rid, ok)
+
+    def _outcome(self, rid: str, ok: bool) -> None:
+        self._unverified_blocks.pop(rid, None)
+        st = self._reqs.get(rid)
+        if st is None:
+            self._release_inflight(rid)
+            return
+        # vLLM has handled this step's failed loads (failed_recving, invalid blocks) before it
+        # hands the output to the connector: from here on, the request's computed tokens are
+        # what vLLM computed or bsr verified-installed (a failed load's blocks are recomputed)
+        st.loading, st.unverified = False, False
+        if not ok:
+            st.failed = True  # never offered a load again
+            self._release_inflight(rid)
+
+    # ------------------------------------------------------------------ saves
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, Any]:
+        """Schedule a save of the request's computed full chunks; hold its blocks until done."""
+        rid = request.request_id
+        st = self._reqs.pop(rid, None)
+        if st is not None:
+            self._drop_lookup(st)
+            if not st.loading:
+                self._release_inflight(rid)
+        if not self.settings.saves:
+            return False, None
+        if st is not None and st.unverified:
+            # its load is still running (async: vLLM itself holds the blocks until the workers
+            # report the load received, which they do once bsr can no longer write into
+            # them), its outcome is not known yet, or it failed: never save that KV
+            self.stats.count_key("saves_skipped", "unverified")
+            return False, None
+        computed = min(int(request.num_computed_tokens), len(request.all_token_ids))
+        n = (computed // self.chunk) * self.chunk
+        if n == 0:
+            return False, None
+        blocks = tuple(block_ids[: n // self.block])
+        if any(set(blocks) & pending for pending in self._unverified_blocks.values()):
+            # shares blocks with a load whose outcome is not known yet (sync loads fill
+            # blocks that vLLM caches at once): they may never have been written
+            self.stats.count_key("saves_skipped", "unverified")
+            return False, None
+        if len(self._saving) >= self.opts.max_pending_saves:
+            self.stats.count_key("saves_skipped", "busy")
+            return False, None
+        self._saves.append(SaveJob(rid, tuple(request.all_token_ids[:n]), blocks))
+        self._saving.add(rid)
+        return True, None
+
+    # ------------------------------------------------------------------ the rest
+    def reset_cache(self) -> bool:
+        """Forget every lookup answer (the workers drop their leases); True."""
+        for st in self._reqs.values():
+            if not st.loading:
+                self._drop_lookup(st)
+                st.hit, st.used = None, False
+        self._forget_all = True
+        self._log.info("bsr.vllm.reset_cache")
+        return True
+
+    def take_stats(self) -> BsrConnectorStats | None:
+        return self.stats.take()
+
+    def shutdown(self) -> None:
+        self.client.close()

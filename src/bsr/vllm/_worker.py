@@ -1,0 +1,496 @@
+"""The worker side of BsrConnector: bsr's engine over vLLM's KV tensors, loads and saves.
+
+Where it runs: every vLLM worker process (one per tensor-parallel rank; a separate process from
+the scheduler on the CPU build even with one worker). vLLM calls its hooks from the worker's
+main thread; bsr's engine lives on the connector's own event-loop thread (:class:`LoopThread`).
+
+How it works:
+
+* ``register_kv_caches`` derives bsr's layout from vLLM's tensors and views them with no copy
+  (:mod:`bsr.vllm._layout`), builds the engine from the ``"bsr"`` config and opens it; rank 0
+  serves the scheduler's lookups on a private socket (:mod:`bsr.vllm._lookup`), whose path
+  vLLM's handshake carries to the scheduler. A lookup runs on the loop under
+  ``lookup_timeout_s`` (``RestoreEngine.lookup(deadline_s=...)``: a hung tier is cut off and its
+  breaker counts it) and keeps its probe leased for the load that follows.
+* Loads. Async mode: ``start_load_kv`` starts each load on the loop and returns; the load runs
+  across engine steps through the shared W-slot window; ``get_transfer_results`` reports it
+  received once its task has ended, and failed (``failed_recving``) unless it committed every
+  promised token. Sync mode: ``start_load_kv`` waits for the step's loads and reports the blocks
+  of a failed one through ``get_block_ids_with_load_errors``. Every load restores past vLLM's
+  own prefix-cache hit only (``RestoreEngine.restore(start_tokens=...)``).
+* Aborts. A request that finishes while its load runs is cancelled (with one rank; with several
+  the load runs to its end, since the ranks' restores run collectives in one order); it is
+  reported received only once its task has ended, when bsr's install gate is closed and no copy
+  into its blocks can happen any more, so vLLM hands its blocks to another request only then.
+* Saves. ``wait_for_save`` starts the saves the scheduler sent; ``get_transfer_results``
+  reports each once done, and vLLM frees its blocks then.
+* Outcomes (:class:`BsrWorkerMetadata`) and stats (:class:`BsrConnectorStats`) go back with
+  every step; request counts from rank 0 only.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import anyio
+import numpy as np
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+from bsr import (
+    BsrError,
+    FileTierConfig,
+    Namespace,
+    PagedKVCache,
+    Probe,
+    RestoreEngine,
+    RestoreResult,
+    SaveResult,
+    StateLayout,
+    TorchDistributedCoordinator,
+)
+
+from .._log import logger
+from ._bridge import LoopThread
+from ._layout import GroupSpec, derive, group_window, layer_order
+from ._lookup import LookupServer, private_socket_path
+from ._metadata import BsrConnectorMetadata, BsrHandshake, BsrWorkerMetadata, LoadJob, SaveJob
+from ._options import ConnectorSettings
+from ._stats import BsrConnectorStats
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+#: extra time a sync step waits past the load deadline before it cancels the load
+SYNC_GRACE_S = 2.0
+#: how long cancelling a load may take to unwind (bsr bounds its own cleanup well below this)
+UNWIND_S = 30.0
+#: finished request ids kept for saves that have not arrived yet, in engine steps
+FINISHED_KEEP_STEPS = 64
+
+
+@dataclass
+class _Load:
+    """One load's task on the loop; ``done`` is set once the task has ended (no more writes)."""
+
+    job: LoadJob
+    done: threading.Event = field(default_factory=threading.Event)
+    scope: anyio.CancelScope | None = None
+    cancelled: bool = False
+    aborted: bool = False  # the request finished while this load ran
+    result: RestoreResult | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        r = self.result
+        return r is not None and r.committed and r.committed_tokens >= self.job.end_tokens
+
+    @property
+    def reason(self) -> str:
+        """Why it did not commit what was promised (a ``failed_loads`` label)."""
+        r = self.result
+        if r is not None:
+            # a probe at load time that found less (evicted meanwhile) commits a shorter prefix
+            return "shorter_prefix" if r.committed else str(r.reason.value)
+        return "cancelled" if self.cancelled else "error"
+
+
+class BsrWorker:
+    """The connector's worker side (see the module docstring)."""
+
+    def __init__(self, settings: ConnectorSettings, kv_cache_config: KVCacheConfig | None) -> None:
+        self.settings = settings
+        self.opts = settings.options
+        self._kv_cache_config = kv_cache_config
+        self.tp_rank = 0
+        self.engine: RestoreEngine | None = None
+        self.cache: PagedKVCache | None = None
+        self.loop: LoopThread | None = None
+        self._server: LookupServer | None = None
+        self._probes: dict[int, tuple[float, Probe]] = {}  # loop thread only
+        self._tp_lock: anyio.Lock | None = None
+        self._loads: dict[str, _Load] = {}
+        self._saves: dict[str, concurrent.futures.Future[SaveResult | None]] = {}
+        self._finished: dict[str, int] = {}  # request -> step it was reported finished
+        self._step = 0
+        self._load_errors: set[int] = set()
+        self._outcomes: dict[str, bool] = {}
+        self.stats = BsrConnectorStats()
+        self._log = logger.bind(role="worker", model=settings.model_id)
+
+    # ================================================================== startup
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """View vLLM's per-layer KV tensors (no copy), build and open the engine."""
+        num_blocks = int(getattr(self._kv_cache_config, "num_blocks", 0) or 0)
+        if num_blocks <= 0:
+            num_blocks = int(next(iter(kv_caches.values())).shape[0])
+        layout, cache = derive(
+            kv_caches,
+            self._group_specs(kv_caches),
+            num_blocks=num_blocks,
+            block_tokens=self.settings.block_size,
+            chunk_tokens=self.settings.chunk_tokens,
+        )
+        self.cache = cache
+        coordinator = self._coordinator()
+        engine = self.build_engine(layout, coordinator)
+        self.loop = LoopThread()
+        error: BaseException | None = None
+        try:
+            self.loop.call(engine.open)
+        except Exception as exc:
+            error = exc
+        # every rank serves with bsr, or none does (the vote is a collective: always cast)
+        if (
+            coordinator is not None
+            and not self.loop.call(coordinator.agree_all, error is None)
+            and error is None
+        ):
+            error = RuntimeError("another tensor-parallel rank could not open its store")
+        if error is not None:  # a store that cannot open: serve without bsr, say so
+            self._log.error(
+                "bsr.vllm.disabled",
+                error=repr(error),
+                note="the bsr engine did not open; every lookup misses and nothing is saved",
+            )
+            self.loop.call_bounded(engine.aclose, timeout=10.0)
+        else:
+            self.engine = engine
+            self._tp_lock = self.loop.call(_new_lock)
+            if self.tp_rank == 0:  # the scheduler asks rank 0
+                self._server = LookupServer(
+                    private_socket_path(),
+                    self._on_lookup,
+                    max_connections=self.opts.lookup_connections,
+                    read_timeout_s=self.opts.lookup_read_timeout_s,
+                )
+        self._log.info(
+            "bsr.vllm.registered",
+            layers=len(kv_caches),
+            groups=[g.to_dict() for g in layout.groups],
+            chunk_tokens=self.settings.chunk_tokens,
+            num_blocks=num_blocks,
+            load=self.opts.load,
+            socket=None if self._server is None else self._server.path,
+            tp=f"{self.tp_rank}/{self.settings.tp_size}",
+            pid=os.getpid(),
+        )
+
+    def _group_specs(self, kv_caches: dict[str, torch.Tensor]) -> list[GroupSpec]:
+        groups = list(getattr(self._kv_cache_config, "kv_cache_groups", ()) or ())
+        if not groups:
+            return [GroupSpec("kv", tuple(sorted(kv_caches, key=layer_order)))]
+        out = []
+        for i, g in enumerate(groups):
+            names = tuple(sorted((n for n in g.layer_names if n in kv_caches), key=layer_order))
+            window = group_window(g.kv_cache_spec)
+            out.append(GroupSpec("kv" if len(groups) == 1 else f"kv{i}", names, window))
+        return out
+
+    def _coordinator(self) -> TorchDistributedCoordinator | None:
+        """bsr's agreement over vLLM's tensor-parallel ranks (None with one rank).
+
+        A gloo group of its own over the TP group's ranks: vLLM's own groups run vLLM's
+        collectives on other threads, and two threads must never share a group.
+        """
+        if self.settings.tp_size == 1:
+            return None
+        import torch.distributed as dist
+        from vllm.distributed.parallel_state import get_tp_group
+
+        group = dist.new_group(ranks=list(get_tp_group().ranks), backend="gloo")
+        coordinator = TorchDistributedCoordinator(group)
+        self.tp_rank = coordinator.rank
+        return coordinator
+
+    def build_engine(
+        self, layout: StateLayout, coordinator: TorchDistributedCoordinator | None
+    ) -> RestoreEngine:
+        """The rank's engine from the ``"bsr"`` config (not opened yet)."""
+        s = self.settings
+        namespace = Namespace(s.model_id, tp_rank=self.tp_rank, tp_size=s.tp_size)
+        config = s.engine
+        if s.tp_size > 1:  # one process per FileTier root: each rank gets its own
+            sub = f"rank-{self.tp_rank}-of-{s.tp_size}"
+            tiers = tuple(
+                dataclasses.replace(t, path=str(Path(t.path) / sub))
+                if isinstance(t, FileTierConfig)
+                else t
+                for t in config.tiers
+            )
+            config = dataclasses.replace(config, tiers=tiers)
+        return RestoreEngine.from_config(
+            config, layout=layout, namespace=namespace, coordinator=coordinator
+        )
+
+    def handshake(self) -> BsrHandshake | None:
+        return None if self._server is None else BsrHandshake(self._server.path)
+
+    # ================================================================== lookups
+    def _on_lookup(self, conn_id: int, seq: int, tokens: np.ndarray) -> None:
+        """Server thread: start the lookup on the loop and return at once."""
+        assert self.loop is not None
+        self.loop.submit(self._lookup_job, conn_id, seq, tokens)
+
+    async def _lookup_job(self, conn_id: int, seq: int, tokens: np.ndarray) -> None:
+        hit = 0
+        try:
+            with anyio.move_on_after(self.opts.lookup_timeout_s):
+                hit = await self._lookup(seq, tokens)
+        except Exception as exc:  # a failed lookup is a miss
+            self._log.warning("bsr.vllm.lookup_failed", error=repr(exc))
+        finally:
+            if self._server is not None:
+                self._server.reply(conn_id, seq, hit)
+
+    async def _lookup(self, seq: int, tokens: np.ndarray) -> int:
+        """The reusable prefix of ``tokens``; its probe (of exactly that prefix) is leased."""
+        engine = self.engine
+        if engine is None:
+            return 0
+        timeout = self.opts.lookup_timeout_s
+        if self.settings.tp_size > 1:  # rank 0 alone: no collective, no lease (see restore)
+            return (await engine.lookup(tokens, deadline_s=timeout, local=True)).prefix_tokens
+        t_end = time.perf_counter() + timeout
+        ttl = self.opts.lease_ttl_s
+        probe = await engine.lookup(tokens, lease_ttl_s=ttl, deadline_s=timeout)
+        hit = probe.prefix_tokens
+        if 0 < hit < len(tokens):  # a restore reuses a probe of exactly its own tokens
+            try:
+                left = max(t_end - time.perf_counter(), 1e-3)
+                exact = await engine.lookup(tokens[:hit], lease_ttl_s=ttl, deadline_s=left)
+            finally:
+                probe.release()
+            probe = exact
+            if exact.prefix_tokens != hit:  # something went meanwhile: answer without a lease
+                exact.release()
+                return exact.prefix_tokens
+        if hit == 0:
+            return 0
+        self._keep_probe(seq, probe)
+        return hit
+
+    def _keep_probe(self, seq: int, probe: Probe) -> None:
+        now = time.monotonic()
+        for old in [s for s, (t, _) in self._probes.items() if now - t > self.opts.lease_ttl_s]:
+            self._probes.pop(old)[1].release()
+        self._probes[seq] = (now, probe)
+
+    async def _forget(self, seqs: list[int], everything: bool) -> None:
+        for seq in list(self._probes) if everything else seqs:
+            entry = self._probes.pop(seq, None)
+            if entry is not None:
+                entry[1].release()
+
+    # ================================================================== loads
+    def start_load(self, meta: BsrConnectorMetadata) -> None:
+        """Start this step's loads (async mode) or run them to their end (sync mode)."""
+        loop = self.loop
+        if loop is not None and (meta.forget_lookups or meta.forget_all):
+            loop.submit(self._forget, list(meta.forget_lookups), meta.forget_all)
+        if not meta.loads:
+            return
+        loads = [_Load(job) for job in meta.loads]
+        for load in loads:
+            if self.engine is None or loop is None or self.cache is None:
+                load.error = "bsr is disabled"
+                load.done.set()
+            else:
+                loop.submit(self._run_load, load)
+        if self.opts.asynchronous:
+            self._loads.update((load.job.req_id, load) for load in loads)
+            return
+        self._wait_sync(loads)
+        for load in loads:
+            ok = self._account(load)
+            if not ok:  # every block bsr was to fill: vLLM recomputes from the first
+                job, block = load.job, self.settings.block_size
+                self._load_errors.update(
+                    job.block_ids[job.start_tokens // block : -(-job.end_tokens // block)]
+                )
+
+    def _wait_sync(self, loads: list[_Load]) -> None:
+        """Sync mode: the step waits for its loads (bounded; an overrun is cancelled)."""
+        deadline = self.settings.engine.deadline_s or self.opts.load_deadline_s
+        bound = time.monotonic() + len(loads) * (deadline + SYNC_GRACE_S)
+        for load in loads:
+            if not load.done.wait(max(0.0, bound - time.monotonic())):
+                self._cancel(load)
+        for load in loads:  # the step ends only once nothing can write into its blocks
+            if not load.done.wait(UNWIND_S):
+                self._log.error("bsr.vllm.load_did_not_unwind", request=load.job.req_id)
+
+    async def _run_load(self, load: _Load) -> None:
+        try:
+            with anyio.CancelScope() as scope:
+                load.scope = scope
+                if load.cancelled:
+                    scope.cancel()
+                if self._tp_lock is not None and self.settings.tp_size > 1:
+                    async with self._tp_lock:  # every rank: the same loads in the same order
+                        load.result = await self._restore(load)
+                else:
+                    load.result = await self._restore(load)
+        except Exception as exc:  # a load that cannot run is a failed load, never a crash
+            load.error = repr(exc)
+            self._log.warning("bsr.vllm.load_refused", request=load.job.req_id, error=repr(exc))
+        finally:
+            load.done.set()
+
+    async def _restore(self, load: _Load) -> RestoreResult:
+        job, engine, cache = load.job, self.engine, self.cache
+        assert engine is not None and cache is not None
+        entry = self._probes.pop(job.lookup_id, None) if job.lookup_id is not None else None
+        deadline = self.settings.engine.deadline_s or self.opts.load_deadline_s
+        return await engine.restore(
+            np.asarray(job.tokens, dtype=np.int64),
+            cache,
+            list(job.block_ids),
+            deadline_s=deadline,
+            probe=None if entry is None else entry[1],
+            request_id=job.req_id,
+            start_tokens=job.start_tokens,
+        )
+
+    def _cancel(self, load: _Load) -> None:
+        load.cancelled = True
+        if self.loop is not None:
+            self.loop.submit(_cancel_scope, load)
+
+    def _account(self, load: _Load) -> bool:
+        """Count an ended load; record its outcome for the scheduler. Returns whether it is ok."""
+        ok = load.ok
+        r = load.result
+        if r is not None:
+            for tier, n in r.bytes_by_tier.items():
+                self.stats.count_key("loaded_bytes", tier, n)
+            self.stats.peak("rws_peak_bytes", r.rws_peak_bytes)
+        if self.tp_rank == 0:
+            self.stats.count("loads")
+            if ok:
+                self.stats.count("loaded_tokens", load.job.end_tokens - load.job.start_tokens)
+            else:
+                self.stats.count_key("failed_loads", load.reason)
+            if load.aborted:
+                self.stats.count("cancelled_loads")
+            self._outcomes[load.job.req_id] = ok
+        log = self._log.info if ok else self._log.warning
+        log(
+            "bsr.vllm.loaded", request=load.job.req_id, ok=ok, reason=None if ok else load.reason,
+            start_tokens=load.job.start_tokens, end_tokens=load.job.end_tokens,
+            committed=None if r is None else r.committed_tokens,
+            bytes_by_tier=None if r is None else r.bytes_by_tier, aborted=load.aborted,
+            error=load.error,
+        )  # fmt: skip
+        return ok
+
+    # ================================================================== saves
+    def start_saves(self, saves: list[SaveJob]) -> None:
+        """Start this step's saves on the loop; they hold their blocks until reported done."""
+        for job in saves:
+            if self.engine is None or self.loop is None or self.cache is None:
+                done: concurrent.futures.Future[SaveResult | None] = concurrent.futures.Future()
+                done.set_result(None)
+                self._saves[job.req_id] = done
+            else:
+                self._saves[job.req_id] = self.loop.submit(self._save_one, job)
+
+    async def _save_one(self, job: SaveJob) -> SaveResult | None:
+        engine, cache = self.engine, self.cache
+        assert engine is not None and cache is not None
+        try:
+            return await engine.save(list(job.tokens), cache, list(job.block_ids))
+        except BsrError as exc:
+            self._log.warning("bsr.vllm.save_refused", request=job.req_id, error=str(exc))
+            return None
+
+    # ================================================================== every step
+    def transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Loads received (and failed) and saves sent since the last step."""
+        self._step += 1
+        for rid in finished_req_ids:
+            self._finished[rid] = self._step
+            load = self._loads.get(rid)
+            if load is not None and not load.done.is_set():
+                load.aborted = True
+                if self.settings.tp_size == 1:
+                    self._cancel(load)
+        out = KVConnectorTransferResults()
+        for rid, load in list(self._loads.items()):
+            if load.done.is_set():  # its task ended: bsr writes nothing more into its blocks
+                del self._loads[rid]
+                out.finished_recving.add(rid)
+                if not self._account(load):
+                    out.failed_recving.add(rid)
+        for rid, fut in list(self._saves.items()):
+            if fut.done() and rid in self._finished:
+                del self._saves[rid]
+                self._finished.pop(rid)
+                out.finished_sending.add(rid)
+                self._account_save(fut)
+        for rid, step in list(self._finished.items()):
+            if self._step - step > FINISHED_KEEP_STEPS and rid not in self._saves:
+                del self._finished[rid]
+        return out
+
+    def _account_save(self, fut: concurrent.futures.Future[SaveResult | None]) -> None:
+        result = None if fut.cancelled() or fut.exception() else fut.result()
+        if result is None:
+            return
+        for tier, n in result.bytes_written.items():
+            if n:
+                self.stats.count_key("saved_bytes", tier, n)
+        if self.tp_rank == 0:
+            self.stats.count("saves")
+
+    def load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def worker_meta(self) -> BsrWorkerMetadata | None:
+        if not self._outcomes:
+            return None
+        meta, self._outcomes = BsrWorkerMetadata(self._outcomes), {}
+        return meta
+
+    def take_stats(self) -> BsrConnectorStats | None:
+        return self.stats.take()
+
+    # ================================================================== shutdown
+    def shutdown(self) -> None:
+        """Wait (bounded) for saves in flight, cancel loads, close the engine, socket, loop."""
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        loop = self.loop
+        if loop is None:
+            return
+        concurrent.futures.wait(list(self._saves.values()), timeout=self.opts.shutdown_timeout_s)
+        for load in self._loads.values():
+            self._cancel(load)
+        for load in self._loads.values():
+            load.done.wait(UNWIND_S)
+        if self.engine is not None:
+            try:
+                loop.call_bounded(self.engine.aclose, timeout=10.0)
+            except Exception as exc:
+                self._log.warning("bsr.vllm.close_failed", error=repr(exc))
+        loop.close()
+        self.loop = None
+
+
+async def _new_lock() -> anyio.Lock:
+    return anyio.Lock()
+
+
+async def _cancel_scope(load: _Load) -> None:
+    if load.scope is not None:
+        load.scope.cancel()
