@@ -274,6 +274,7 @@ class Mutation:
 A = r"assertion violated \(content\[b\]=="  # (a) a save read a block without verified KV
 B = r"assertion violated (\s*!\(wrep\[r\]\)|\(sync_mode\|\|)"  # (b) a write after the report
 C = r"assertion violated (rcpend|ocpend)\[r\]"  # (c) a second report
+C_MISSING = r"assertion violated \( !\(ocpend\[r\]\)"  # (c) a load never reported
 D_COUNTED = r"assertion violated \(content\[tab\["  # (d) vLLM counted unverified KV
 D_OFFERED = r"assertion violated\s+!\(lfail_ever\[r\]\)"  # (d) a failed request offered a load
 E = r"assertion violated \(\(\(held\[b\]>>r\)"  # (e) a save read a block vLLM took back
@@ -360,6 +361,12 @@ MUTATIONS: dict[str, Mutation] = {
         (("        wl[r] = false; forget_load(r)              /* del self._loads[rid] */", ""),),
         C,
         "the worker keeps a reported load in self._loads and reports it again next step",
+    ),
+    "sync_outcome_never_reported": Mutation(
+        (("           wrep[r] = !wdone[r];\n           account(r);\n", "           skip;\n"),),
+        C_MISSING,
+        "a sync load's outcome never reaches the scheduler (only async loads are accounted): the "
+        "end checks find a load never reported",
     ),
     "failed_load_reported_finished": Mutation(
         (("        :: !wok[r] -> o_fail[s] = o_fail[s] | BIT(r)", "        :: !wok[r] -> skip"),),
