@@ -56,8 +56,9 @@
  *
  * Exhaustive checks (README):
  *   spin -a connector.pml
- *   gcc -O2 -DSAFETY -DNOCLAIM -o pan pan.c && ./pan    assertions, end states
- *   gcc -O2 -o pan pan.c && ./pan -a -f                 every fair run ends
+ *   gcc -O1 -DSAFETY -DNOCLAIM -o pan pan.c && ./pan -m100000   assertions, end states
+ *   gcc -O1 -o pan pan.c && ./pan -a -f -m100000                every fair run ends
+ * (-m100000: the deepest run is about 2,600 steps, past pan's default limit)
  */
 
 #define NREQ 2          /* requests (much of the model writes [0] and [1]) */
