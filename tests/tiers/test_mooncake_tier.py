@@ -13,6 +13,7 @@ that is a failure. The tests at the end drive the tier against a fake in-process
 from __future__ import annotations
 
 import ctypes
+import itertools
 import json
 import os
 import subprocess
@@ -49,7 +50,6 @@ from bsr.tiers._mooncake import MooncakeTier
 try:
     from mooncake_server import (
         MooncakeCluster,
-        free_port,
         fresh_mooncake_cluster,
         mooncake_cluster,
         require_mooncake,
@@ -57,7 +57,6 @@ try:
 except ImportError:  # tests/ imported as a package
     from tests.mooncake_server import (  # type: ignore[no-redef]
         MooncakeCluster,
-        free_port,
         fresh_mooncake_cluster,
         mooncake_cluster,
         require_mooncake,
@@ -285,15 +284,20 @@ def test_bad_arguments_are_config_errors() -> None:
 def test_unreachable_address_fails_fast() -> None:
     require_mooncake()
 
-    async def main() -> None:
-        tier = MooncakeTier(master_address=f"127.0.0.1:{free_port()}", timeout_s=2.0)
+    import socket
+
+    async def main(port: int) -> None:
+        tier = MooncakeTier(master_address=f"127.0.0.1:{port}", timeout_s=2.0)
         t0 = time.monotonic()
         with pytest.raises(TierIOError, match="cannot reach the Mooncake master"):
             await tier.open()
         assert time.monotonic() - t0 < 2.0 + MARGIN_S
         await tier.aclose()
 
-    run(main)
+    # a port this test holds without listening: nothing else can take it meanwhile
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        anyio.run(main, held.getsockname()[1])
 
 
 @needs_mooncake
@@ -474,6 +478,55 @@ def test_hung_master_times_out_and_recovers(fresh_mooncake_cluster: MooncakeClus
             assert np.array_equal(dst, payload(0, 4096))
 
     run(main)
+
+
+@needs_mooncake
+@pytest.mark.parametrize("taken", ["master", "memory", "gateway"])
+def test_cluster_owns_its_ports_when_a_chosen_port_is_taken(
+    monkeypatch: pytest.MonkeyPatch, taken: str
+) -> None:
+    """Issue 19 item 11, the flake made deterministic: another process listens on the port the
+    fixture picks for one of its processes. The cluster must come up on ports its own PIDs
+    listen on, and freezing its master must hang the tier (before: the readiness check accepted
+    the stranger's port, the master died on EADDRINUSE and pause_master froze nothing)."""
+    import socket
+
+    from bsr.testing import _mooncake_cluster as mc
+    from bsr.testing._ports import listening_ports
+
+    require_mooncake()
+    with socket.socket() as blocker:
+        blocker.bind(("127.0.0.1", 0))
+        blocker.listen()
+        port = blocker.getsockname()[1]
+        # the n-th port the fixture asks for is the taken one: master rpc is the 1st (its
+        # metrics port the 2nd), the memory holder's the 3rd, the gateway's the 4th
+        nth = {"master": 0, "memory": 2, "gateway": 3}[taken]
+        real, calls = mc.free_port, itertools.count()
+        monkeypatch.setattr(mc, "free_port", lambda: port if next(calls) == nth else real())
+        with mc.start_cluster(client_ttl_s=3) as c:
+            assert next(calls) > 4  # the taken port was handed out, then replaced
+            for name, proc in c.procs.items():
+                assert proc.alive() and proc.port != port, name
+                assert proc.port in listening_ports(proc.pid), name
+            assert c.master_address == f"127.0.0.1:{c.procs['master'].port}"
+            assert c.client_address == f"127.0.0.1:{c.procs['gateway'].port}"
+            k = make_keys(1)[0]
+
+            async def main() -> None:
+                async with make_tier(c, timeout_s=1.0) as tier:
+                    await tier.write(k, "kv", payload(0, 4096))
+                    assert await tier.contains_many([ObjectKey(k, "kv")]) == [True]
+                    c.pause_master()
+                    try:
+                        with pytest.raises(TierTimeoutError):
+                            await tier.contains_many([ObjectKey(k, "kv")])
+                    finally:
+                        c.resume_master()
+
+            run(main)
+        # stopped by PID: none of its processes is left
+        assert all(not p.alive() for p in c.procs.values())
 
 
 @needs_mooncake

@@ -1,6 +1,9 @@
 """A throwaway Mooncake cluster on 127.0.0.1 for tests and ``bsr bench --remote mooncake``.
 
-Processes, each started by PID and stopped by PID (SIGTERM, then SIGKILL):
+Processes, each started by PID and stopped by PID (SIGTERM, then SIGKILL), each one ready only
+once *that PID* listens on the port chosen for it (read from ``/proc``, see
+:mod:`bsr.testing._ports`): a port another process holds is never mistaken for the cluster's
+(the process is stopped and started again on fresh ports):
 
 - ``mooncake_master``: metadata and placement (``--rpc_address=127.0.0.1``, free port; no HTTP
   metadata server: the transfer engines use ``P2PHANDSHAKE``).
@@ -32,13 +35,14 @@ import importlib.util
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from ._ports import PortTaken, ProcessExited, free_port, wait_listening
 
 #: the Mooncake wheel the tests are written against
 MOONCAKE_REQUIREMENT = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
@@ -179,19 +183,8 @@ def require_mooncake() -> MooncakeBinaries:
     return find_mooncake()
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _accepts(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-            return True
-    except OSError:
-        return False
+#: how often a process is started again on fresh ports (its port taken, or it died starting)
+START_ATTEMPTS = 5
 
 
 @dataclass
@@ -294,7 +287,7 @@ def _spawn(name: str, argv: list[str], port: int, log_dir: Path, shim: Path) -> 
     log = log_dir / f"{name}.log"
     env = dict(os.environ)
     env["LD_PRELOAD"] = " ".join(x for x in (str(shim), env.get("LD_PRELOAD", "")) if x)
-    with open(log, "wb") as fh:
+    with open(log, "ab") as fh:
         popen = subprocess.Popen(
             argv,
             stdin=subprocess.DEVNULL,
@@ -306,18 +299,34 @@ def _spawn(name: str, argv: list[str], port: int, log_dir: Path, shim: Path) -> 
     return _Proc(name, popen, port, log)
 
 
-def _wait_ready(proc: _Proc, deadline: float, cluster: MooncakeCluster) -> None:
-    while time.monotonic() < deadline:
-        if not proc.alive():
-            raise RuntimeError(
-                f"{proc.name} exited with code {proc.popen.returncode} during startup\n"
-                f"{cluster.logs()}"
-            )
-        if _accepts(proc.port):
-            return
-        time.sleep(0.05)
+def _start(
+    cluster: MooncakeCluster,
+    name: str,
+    argv_for: Callable[[list[int]], list[str]],
+    nports: int,
+    deadline: float,
+) -> list[int]:
+    """Start ``name`` until it listens, itself, on the first of its ``nports`` fresh ports.
+
+    ``argv_for(ports)`` builds the command line. A port held by another process, or a start
+    that dies (e.g. on ``EADDRINUSE`` for its other ports), stops it by PID and starts it again
+    on fresh ports, at most :data:`START_ATTEMPTS` times. Returns the ports it runs on.
+    """
+    problems: list[str] = []
+    for _ in range(START_ATTEMPTS):
+        ports = [free_port() for _ in range(nports)]
+        proc = _spawn(name, argv_for(ports), ports[0], cluster.log_dir, cluster.shim)
+        cluster.procs[name] = proc
+        try:
+            wait_listening(proc.popen, ports[0], deadline, name)
+            return ports
+        except (PortTaken, ProcessExited) as exc:
+            problems.append(str(exc))
+            proc.stop()
+        except TimeoutError as exc:
+            raise RuntimeError(f"{exc}\n{cluster.logs()}") from None
     raise RuntimeError(
-        f"{proc.name} did not accept connections on port {proc.port} in time\n{cluster.logs()}"
+        f"{name} did not start after {START_ATTEMPTS} attempts: {problems}\n{cluster.logs()}"
     )
 
 
@@ -342,34 +351,33 @@ def start_cluster(
         if log_dir is None:
             log_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bsr-mooncake-")))
         log_dir.mkdir(parents=True, exist_ok=True)
-        mport, metrics, hport, gport = free_port(), free_port(), free_port(), free_port()
         cluster = MooncakeCluster(
-            master_address=f"127.0.0.1:{mport}",
-            client_address=f"127.0.0.1:{gport}",
+            master_address="",
+            client_address="",
             metadata_server="P2PHANDSHAKE",
             log_dir=log_dir,
             shim=shim,
         )
         stack.callback(cluster.stop)
         deadline = time.monotonic() + ready_timeout_s
-        cluster.procs["master"] = _spawn(
+        mport, _ = _start(
+            cluster,
             "master",
-            [
+            lambda ports: [
                 str(bins.master),
                 "--rpc_address=127.0.0.1",
-                f"--rpc_port={mport}",
+                f"--rpc_port={ports[0]}",
                 "--metrics_host=127.0.0.1",
-                f"--metrics_port={metrics}",
+                f"--metrics_port={ports[1]}",
                 "--enable_http_metadata_server=false",
                 f"--client_ttl={client_ttl_s}",
                 "--logtostderr",
                 *master_flags,
             ],
-            mport,
-            log_dir,
-            shim,
+            2,
+            deadline,
         )
-        _wait_ready(cluster.procs["master"], deadline, cluster)
+        cluster.master_address = f"127.0.0.1:{mport}"
         common = [
             f"--master_server_address={cluster.master_address}",
             "--metadata_server=P2PHANDSHAKE",
@@ -377,32 +385,31 @@ def start_cluster(
             "--host=127.0.0.1",
             "--logtostderr",
         ]
-        cluster.procs["memory"] = _spawn(
+        _start(
+            cluster,
             "memory",
-            [
+            lambda ports: [
                 str(bins.client),
-                f"--port={hport}",
+                f"--port={ports[0]}",
                 f"--global_segment_size={segment_bytes}",
                 "--local_buffer_size=0",
                 *common,
             ],
-            hport,
-            log_dir,
-            shim,
+            1,
+            deadline,
         )
-        _wait_ready(cluster.procs["memory"], deadline, cluster)
-        cluster.procs["gateway"] = _spawn(
+        (gport,) = _start(
+            cluster,
             "gateway",
-            [
+            lambda ports: [
                 str(bins.client),
-                f"--port={gport}",
+                f"--port={ports[0]}",
                 "--global_segment_size=0",
                 f"--local_buffer_size={gateway_buffer_bytes}",
                 *common,
             ],
-            gport,
-            log_dir,
-            shim,
+            1,
+            deadline,
         )
-        _wait_ready(cluster.procs["gateway"], deadline, cluster)
+        cluster.client_address = f"127.0.0.1:{gport}"
         yield cluster
