@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ._ports import PortTaken, ProcessExited, free_port, wait_listening
+from ._ports import PortTaken, ProcessExited, free_port, port_listeners, wait_listening
 
 #: the Mooncake wheel the tests are written against
 MOONCAKE_REQUIREMENT = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
@@ -183,7 +183,8 @@ def require_mooncake() -> MooncakeBinaries:
     return find_mooncake()
 
 
-#: how often a process is started again on fresh ports (its port taken, or it died starting)
+#: how often the cluster is started again on fresh ports (a port taken, or a process that died
+#: while starting)
 START_ATTEMPTS = 5
 
 
@@ -299,35 +300,96 @@ def _spawn(name: str, argv: list[str], port: int, log_dir: Path, shim: Path) -> 
     return _Proc(name, popen, port, log)
 
 
+def _unheld_ports(n: int) -> list[int]:
+    """``n`` distinct ports, each free on 127.0.0.1 now and held by no listener (see
+    :func:`free_port`; a port some process listens on is never handed to a server)."""
+    out: list[int] = []
+    while len(out) < n:
+        port = free_port()
+        if port not in out and not port_listeners(port):
+            out.append(port)
+    return out
+
+
 def _start(
     cluster: MooncakeCluster,
     name: str,
-    argv_for: Callable[[list[int]], list[str]],
+    argv: Callable[[list[int]], list[str]],
     nports: int,
     deadline: float,
 ) -> list[int]:
-    """Start ``name`` until it listens, itself, on the first of its ``nports`` fresh ports.
+    """Start ``name`` on ``nports`` fresh ports (``argv(ports)``); return once its own PID
+    listens on the first one. Raises what :func:`wait_listening` raises."""
+    ports = _unheld_ports(nports)
+    proc = _spawn(name, argv(ports), ports[0], cluster.log_dir, cluster.shim)
+    cluster.procs[name] = proc
+    wait_listening(proc.popen, ports[0], deadline, name)
+    return ports
 
-    ``argv_for(ports)`` builds the command line. A port held by another process, or a start
-    that dies (e.g. on ``EADDRINUSE`` for its other ports), stops it by PID and starts it again
-    on fresh ports, at most :data:`START_ATTEMPTS` times. Returns the ports it runs on.
-    """
-    problems: list[str] = []
-    for _ in range(START_ATTEMPTS):
-        ports = [free_port() for _ in range(nports)]
-        proc = _spawn(name, argv_for(ports), ports[0], cluster.log_dir, cluster.shim)
-        cluster.procs[name] = proc
-        try:
-            wait_listening(proc.popen, ports[0], deadline, name)
-            return ports
-        except (PortTaken, ProcessExited) as exc:
-            problems.append(str(exc))
-            proc.stop()
-        except TimeoutError as exc:
-            raise RuntimeError(f"{exc}\n{cluster.logs()}") from None
-    raise RuntimeError(
-        f"{name} did not start after {START_ATTEMPTS} attempts: {problems}\n{cluster.logs()}"
+
+def _launch(
+    cluster: MooncakeCluster,
+    bins: MooncakeBinaries,
+    *,
+    segment_bytes: int,
+    gateway_buffer_bytes: int,
+    client_ttl_s: int,
+    master_flags: Sequence[str],
+    deadline: float,
+) -> None:
+    """Start master, memory holder and gateway, in that order, each owning its port."""
+    mport, _ = _start(
+        cluster,
+        "master",
+        lambda ports: [
+            str(bins.master),
+            "--rpc_address=127.0.0.1",
+            f"--rpc_port={ports[0]}",
+            "--metrics_host=127.0.0.1",
+            f"--metrics_port={ports[1]}",
+            "--enable_http_metadata_server=false",
+            f"--client_ttl={client_ttl_s}",
+            "--logtostderr",
+            *master_flags,
+        ],
+        2,
+        deadline,
     )
+    cluster.master_address = f"127.0.0.1:{mport}"
+    common = [
+        f"--master_server_address={cluster.master_address}",
+        "--metadata_server=P2PHANDSHAKE",
+        "--protocol=tcp",
+        "--host=127.0.0.1",
+        "--logtostderr",
+    ]
+    _start(
+        cluster,
+        "memory",
+        lambda ports: [
+            str(bins.client),
+            f"--port={ports[0]}",
+            f"--global_segment_size={segment_bytes}",
+            "--local_buffer_size=0",
+            *common,
+        ],
+        1,
+        deadline,
+    )
+    (gport,) = _start(
+        cluster,
+        "gateway",
+        lambda ports: [
+            str(bins.client),
+            f"--port={ports[0]}",
+            "--global_segment_size=0",
+            f"--local_buffer_size={gateway_buffer_bytes}",
+            *common,
+        ],
+        1,
+        deadline,
+    )
+    cluster.client_address = f"127.0.0.1:{gport}"
 
 
 @contextlib.contextmanager
@@ -344,6 +406,12 @@ def start_cluster(
 
     ``segment_bytes`` is the memory holder's store segment (Mooncake needs at least 16 MiB);
     ``master_flags`` are extra ``mooncake_master`` flags, e.g. eviction settings.
+
+    Each process gets ports no one listens on, and counts as up once its own PID listens on
+    its port. If another process takes a port first, or a process dies while starting, every
+    process started so far is stopped by PID and the whole cluster starts again on fresh ports
+    (at most :data:`START_ATTEMPTS` times): a restarted memory holder alone would leave its
+    dead predecessor's segment registered at the master until ``client_ttl_s`` passes.
     """
     bins = find_mooncake()
     shim = loopback_shim()
@@ -360,56 +428,24 @@ def start_cluster(
         )
         stack.callback(cluster.stop)
         deadline = time.monotonic() + ready_timeout_s
-        mport, _ = _start(
-            cluster,
-            "master",
-            lambda ports: [
-                str(bins.master),
-                "--rpc_address=127.0.0.1",
-                f"--rpc_port={ports[0]}",
-                "--metrics_host=127.0.0.1",
-                f"--metrics_port={ports[1]}",
-                "--enable_http_metadata_server=false",
-                f"--client_ttl={client_ttl_s}",
-                "--logtostderr",
-                *master_flags,
-            ],
-            2,
-            deadline,
-        )
-        cluster.master_address = f"127.0.0.1:{mport}"
-        common = [
-            f"--master_server_address={cluster.master_address}",
-            "--metadata_server=P2PHANDSHAKE",
-            "--protocol=tcp",
-            "--host=127.0.0.1",
-            "--logtostderr",
-        ]
-        _start(
-            cluster,
-            "memory",
-            lambda ports: [
-                str(bins.client),
-                f"--port={ports[0]}",
-                f"--global_segment_size={segment_bytes}",
-                "--local_buffer_size=0",
-                *common,
-            ],
-            1,
-            deadline,
-        )
-        (gport,) = _start(
-            cluster,
-            "gateway",
-            lambda ports: [
-                str(bins.client),
-                f"--port={ports[0]}",
-                "--global_segment_size=0",
-                f"--local_buffer_size={gateway_buffer_bytes}",
-                *common,
-            ],
-            1,
-            deadline,
-        )
-        cluster.client_address = f"127.0.0.1:{gport}"
+        problems: list[str] = []
+        for _ in range(START_ATTEMPTS):
+            try:
+                _launch(
+                    cluster, bins, segment_bytes=segment_bytes,
+                    gateway_buffer_bytes=gateway_buffer_bytes, client_ttl_s=client_ttl_s,
+                    master_flags=master_flags, deadline=deadline,
+                )  # fmt: skip
+                break
+            except (PortTaken, ProcessExited) as exc:
+                problems.append(str(exc))
+                cluster.stop()
+                cluster.procs.clear()
+            except TimeoutError as exc:
+                raise RuntimeError(f"{exc}\n{cluster.logs()}") from None
+        else:
+            raise RuntimeError(
+                f"the cluster did not start in {START_ATTEMPTS} attempts: {problems}\n"
+                f"{cluster.logs()}"
+            )
         yield cluster
