@@ -519,16 +519,27 @@ def test_cluster_owns_its_ports_when_a_chosen_port_is_taken(
             assert c.client_address == f"127.0.0.1:{c.procs['gateway'].port}"
             keys = make_keys(4)
 
+            def master_state() -> str:  # "T": stopped
+                return Path(f"/proc/{c.pids['master']}/stat").read_text().rsplit(") ", 1)[1][0]
+
             async def main() -> None:
-                async with make_tier(c, timeout_s=1.0) as tier:
+                # as test_hung_master_times_out_and_recovers, with room for writes under load
+                async with make_tier(c, timeout_s=3.0) as tier:
                     for i, k in enumerate(keys):  # every segment the master knows is alive
                         assert await tier.write(k, "kv", payload(i, 4096))
-                    objs = [ObjectKey(k, "kv") for k in keys]
-                    assert await tier.contains_many(objs) == [True] * len(keys)
                     c.pause_master()
+                    state = master_state()
+                    assert state == "T"  # pause_master returns once the master is stopped
+                    t0 = time.monotonic()
                     try:
-                        with pytest.raises(TierTimeoutError):
-                            await tier.contains_many(objs)
+                        got = await tier.contains_many([ObjectKey(k, "kv") for k in keys])
+                    except TierTimeoutError:
+                        pass
+                    else:
+                        pytest.fail(
+                            f"the tier answered {got} in {time.monotonic() - t0:.3f} s with the "
+                            f"master stopped (state {state})"
+                        )
                     finally:
                         c.resume_master()
 
@@ -740,9 +751,9 @@ def test_store_calls_do_not_block_the_event_loop() -> None:
 
 
 def test_stuck_calls_are_bounded_and_cancellation_before_start_is_not_stuck() -> None:
-    # 0.5 s: time for a loaded machine to start the worker thread before the call times out
+    # 2 s: time for a loaded machine to start the worker thread before the call times out
     # (a call that times out before its store call starts is, rightly, not stuck)
-    tier, store = fake_tier(timeout_s=0.5, max_stuck_calls=2, max_inflight=1)
+    tier, store = fake_tier(timeout_s=2.0, max_stuck_calls=2, max_inflight=1)
     k = ObjectKey(make_keys(1)[0], "kv")
 
     async def main() -> None:
@@ -754,7 +765,7 @@ def test_stuck_calls_are_bounded_and_cancellation_before_start_is_not_stuck() ->
         t0 = time.monotonic()
         with pytest.raises(TierIOError, match="unresponsive"):
             await tier.contains_many([k])
-        assert time.monotonic() - t0 < 0.1
+        assert time.monotonic() - t0 < 1.0  # refused at once, not after the 2 s timeout
         store.frozen.clear()
         store.gate.set()
         await _wait_unstuck(tier)

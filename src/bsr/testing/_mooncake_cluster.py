@@ -248,9 +248,21 @@ class MooncakeCluster:
         """SIGKILL the master (a crash: no clean shutdown)."""
         self._kill("master")
 
-    def pause_master(self) -> None:
-        """SIGSTOP the master: it keeps its sockets but answers nothing (a hang)."""
-        self.procs["master"].signal(signal.SIGSTOP)
+    def pause_master(self, timeout_s: float = 30.0) -> None:
+        """SIGSTOP the master and return once every thread of it is stopped: it keeps its
+        sockets but answers nothing (a hang).
+
+        SIGSTOP is not synchronous: the group stop begins when one of the master's threads
+        next runs, and until then its other threads keep answering (on a loaded machine, for
+        milliseconds: long enough for a request sent right after ``kill`` to be served).
+        """
+        proc = self.procs["master"]
+        proc.signal(signal.SIGSTOP)
+        deadline = time.monotonic() + timeout_s
+        while not _all_threads_stopped(proc.pid):
+            if not proc.alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"master (pid {proc.pid}) did not stop within {timeout_s} s")
+            time.sleep(0.001)
 
     def resume_master(self) -> None:
         self.procs["master"].signal(signal.SIGCONT)
@@ -282,6 +294,23 @@ class MooncakeCluster:
         env = dict(os.environ)
         env["LD_PRELOAD"] = " ".join(x for x in (str(self.shim), env.get("LD_PRELOAD", "")) if x)
         return env
+
+
+def _all_threads_stopped(pid: int) -> bool:
+    """Whether every thread of ``pid`` is in the stopped state (``T`` in /proc)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return False
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", encoding="ascii", errors="replace") as fh:
+                state = fh.read().rsplit(") ", 1)[1][:1]
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue  # the thread exited meanwhile
+        if state not in ("T", "t"):
+            return False
+    return bool(tids)
 
 
 def _spawn(name: str, argv: list[str], port: int, log_dir: Path, shim: Path) -> _Proc:
