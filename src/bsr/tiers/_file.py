@@ -46,7 +46,7 @@ from typing import Any
 
 import anyio
 
-from .._check import positive_int
+from .._check import fs_path, positive_int
 from .._errors import (
     ClosedError,
     ConfigError,
@@ -165,7 +165,7 @@ class FileTier(IndexedTier):
         super().__init__(name)
         self.capacity_bytes = positive_int(capacity_bytes, "FileTier.capacity_bytes")
         self.io_threads = positive_int(io_threads, "FileTier.io_threads")
-        self.root = Path(path)
+        self.root = Path(fs_path(path, "FileTier.path"))
         self.reader: ObjectReader = (
             default_reader(reader, direct=direct_io) if isinstance(reader, str) else reader
         )
