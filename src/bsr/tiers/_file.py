@@ -7,6 +7,7 @@ kernel (a hung mount) never holds its caller past a deadline or a cancellation.
 How it works::
 
     <root>/.bsr-tier                        marker: {"kind": "bsr.FileTier", "version": 1}
+    <root>/.bsr-ledger                      shared accounting; its flock is the root's lock
     <root>/objects/<id[:2]>/<id>.bsr        visible objects (id = hex digest of key + group)
     <root>/tmp/<id>.<pid>.<rand>.tmp        objects being written (never visible)
     <root>/quarantine/<id>.<reason>.<rand>  objects that failed verification, kept for inspection
@@ -20,14 +21,18 @@ prove are its own: regular files whose names match its exact grammar (``TMP_NAME
 of files) is junk: skipped, counted (``statistics().junk``), logged once per open, never
 followed, opened, deleted or moved.
 
-A write reserves its bytes in the :class:`~bsr.tiers._lru.LruIndex` (evicting least recently
-used, unpinned objects) before the temp file is written, is fsync'ed, renamed into ``objects/``
-and the directory fsync'ed; only then is it committed to the index, so a probe never sees a
-partial object (invariant 6) and concurrent writers never overshoot ``capacity_bytes``. Every
-failure path removes the temp file and gives the reservation back. On open the index is rebuilt
-by scanning ``objects/`` (each header is checked against the file size; damaged files are
-quarantined), temp files of dead writers are removed, and the index is trimmed to capacity
-(claiming the root and the scan live in :mod:`bsr.tiers._fileroot`, with the layout's names).
+Several processes may share a root: the capacity is accounted in a ledger in the root, changed
+only under the root's lock (:mod:`bsr.tiers._shared`). A write reserves its bytes there
+(evicting least recently used objects this process's :class:`~bsr.tiers._lru.LruIndex` holds
+unpinned) and creates its temp file, is written and fsync'ed, renamed into ``objects/`` under the
+lock and the directory fsync'ed; only then is it added to the index, so a probe never sees a
+partial object (invariant 6) and concurrent writers, of this process or others, never overshoot
+``capacity_bytes``. Every failure path removes the temp file and gives the reservation back. A
+probe asks the directory for objects the index lacks (another process wrote them). On open the
+index is rebuilt by scanning ``objects/`` (each header is checked against the file size; damaged
+files are quarantined), temp files of dead writers are removed, and the root is trimmed to
+capacity (claiming the root and the scan live in :mod:`bsr.tiers._fileroot`, with the layout's
+names).
 Files are opened relative to directory descriptors of the tree with ``O_NOFOLLOW | O_NONBLOCK``
 and ``fstat``-checked (:func:`~bsr.tiers._readers.open_regular`): a read never leaves the root
 and never blocks on a FIFO. Permission and I/O errors are I/O errors (``TierIOError``; skipped

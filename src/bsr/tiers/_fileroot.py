@@ -4,10 +4,12 @@ Where it runs: worker threads (FileTier opens its root and scans it off the even
 
 How it works: :meth:`StoreRoot.open` claims the root (checks or writes the ``.bsr-tier`` marker)
 and opens descriptors of ``objects/``, ``tmp/`` and ``quarantine/`` with ``O_NOFOLLOW``, so every
-later name resolves inside the tree. :meth:`StoreRoot.scan` then removes dead writers' temp files
-and lists intact objects; it deletes or moves only regular files of bsr's exact name grammar and
-reports everything else as junk, and files it cannot read (EACCES, EIO) as unreadable. The names
-and regular expressions here are the layout's single definition (``bsr store`` reads them too).
+later name resolves inside the tree (:meth:`StoreRoot.open_existing` opens one without changing
+anything, for ``bsr store``). :meth:`StoreRoot.scan_tmp` removes dead writers' temp files and
+:meth:`StoreRoot.scan_objects` lists intact objects (through :func:`walk_objects`, the one walk of
+``objects/``); they delete or move only regular files of bsr's exact name grammar and report
+everything else as junk, and files they cannot read (EACCES, EIO) as unreadable. The names and
+regular expressions here are the layout's single definition (``bsr store`` reads them too).
 """
 
 from __future__ import annotations
