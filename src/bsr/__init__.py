@@ -11,6 +11,7 @@ from ._errors import BlockTableError as BlockTableError
 from ._errors import BsrError as BsrError
 from ._errors import ClosedError as ClosedError
 from ._errors import ConfigError as ConfigError
+from ._errors import ConversationBusyError as ConversationBusyError
 from ._errors import CoordinatorError as CoordinatorError
 from ._errors import CorruptObjectError as CorruptObjectError
 from ._errors import ForeignObjectError as ForeignObjectError
@@ -29,6 +30,7 @@ from ._errors import TierTimeoutError as TierTimeoutError
 from ._errors import TokenError as TokenError
 from ._errors import TruncatedObjectError as TruncatedObjectError
 from ._errors import UnknownGroupError as UnknownGroupError
+from .core._config_digest import model_config_digest as model_config_digest
 from .core._keys import FORMAT_VERSION as FORMAT_VERSION
 from .core._keys import ChunkKey as ChunkKey
 from .core._keys import KeyedTokens as KeyedTokens
@@ -91,6 +93,7 @@ __all__ = (
     "ChunkKey",
     "ClosedError",
     "ConfigError",
+    "ConversationBusyError",
     "Coordinator",
     "CoordinatorError",
     "CorruptObjectError",
@@ -152,5 +155,6 @@ __all__ = (
     "as_token_array",
     "chunk_keys",
     "kv_layout",
+    "model_config_digest",
     "prepare_tokens",
 )
