@@ -65,7 +65,8 @@
 #define NL   2          /* chunks of a prompt that bsr stores (chunk = block) */
 #define NB   4          /* vLLM's KV blocks: NREQ * NL, so allocation never fails */
 #define NS   2          /* engine steps in flight (vLLM's batch queue) */
-#define MAXPRE 1        /* preemptions of a request */
+#define MAXPRE 2        /* preemptions of a request (a second one is needed to be
+                         * readmitted on blocks computed over a failed sync load) */
 
 #define NOB   255       /* no block */
 #define NOH   255       /* not in vLLM's prefix cache */
@@ -386,10 +387,14 @@ inline update_state_after_alloc(r, ext, loc) {
      unvb[r] = 0;
      k = 0;
      do
-     :: k < lend[r] ->
-        ljb[r * NL + k] = TB(r, k);
-        if :: k >= lst[r] -> unvb[r] = unvb[r] | BIT(TB(r, k)) :: else -> skip fi;
-        k++
+     :: k < lend[r] -> ljb[r * NL + k] = TB(r, k); k++
+     :: else -> break
+     od;
+     /* self._unverified_blocks: the blocks the load writes and, sync mode, those its step
+      * computes over them (vLLM caches them all in that step) */
+     k = lst[r];
+     do
+     :: k < (sync_mode -> NL : lend[r]) -> unvb[r] = unvb[r] | BIT(TB(r, k)); k++
      :: else -> break
      od;
      k = 0;

@@ -85,7 +85,7 @@ def test_every_fair_run_ends(tmp_path: Path) -> None:
 
 def test_model_is_big_enough_to_mean_something() -> None:
     """Two requests sharing a prefix of at least two chunks, every block of both in the pool
-    (and reused), two engine steps in flight, a preemption."""
+    (and reused), two engine steps in flight, two preemptions of a request."""
     sizes = {
         k: int(v)
         for k, v in re.findall(r"#define\s+(NREQ|NL|NB|NS|MAXPRE)\s+(\d+)\b", _model_text())
@@ -93,7 +93,7 @@ def test_model_is_big_enough_to_mean_something() -> None:
     assert sizes.keys() == {"NREQ", "NL", "NB", "NS", "MAXPRE"}, sizes
     assert sizes["NREQ"] == 2 and sizes["NL"] >= 2, sizes  # the model writes [0] and [1]
     assert sizes["NB"] == sizes["NREQ"] * sizes["NL"], sizes  # room for both, blocks reused
-    assert sizes["NS"] >= 2 and sizes["MAXPRE"] >= 1, sizes
+    assert sizes["NS"] >= 2 and sizes["MAXPRE"] >= 2, sizes  # poison_only_the_loaded_blocks
 
 
 # ---------------------------------------------------------------------------------------------
@@ -321,6 +321,13 @@ MUTATIONS: dict[str, Mutation] = {
         A,
         "the blocks of a failed sync load are forgotten at its outcome (the code before the "
         "fix): vLLM's prefix cache hands them to the next request, which is saved",
+    ),
+    "poison_only_the_loaded_blocks": Mutation(
+        (("     :: k < (sync_mode -> NL : lend[r]) ->", "     :: k < lend[r] ->"),),
+        A,
+        "a failed sync load poisons only the blocks it wrote, not those its step computed over "
+        "them (the code before the second fix): after two preemptions a request is readmitted "
+        "on them and saved",
     ),
     "no_taint_on_admission": Mutation(
         (("  :: sync_mode -> admit(r, loc)", "  :: sync_mode -> skip"),),

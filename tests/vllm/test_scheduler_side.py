@@ -325,6 +325,36 @@ def test_a_request_preempted_during_its_failing_sync_load_is_never_saved(
     assert step(sched).saves == []
 
 
+def test_blocks_computed_over_a_failed_sync_load_are_never_saved() -> None:
+    """Found by the connector model with two preemptions: the step of a sync load computes the
+    rest of the prompt over the loaded blocks, and vLLM caches those blocks in the same step. If
+    the load fails and its request is aborted (or preempted) before vLLM handles the failure,
+    they stay in vLLM's cache holding KV computed over garbage. Once the loaded blocks
+    themselves have been given out afresh (the chain re-rooted on a recomputed first chunk),
+    a request with that prompt is admitted on them: never saved."""
+    w = Worker(hit=64)  # bsr holds the first chunk only: the step computes the other two
+    try:
+        sched = scheduler(w, load="sync")
+        r1 = request("r1")
+        assert ask_until(sched, r1) == (64, False)
+        sched.update_state_after_alloc(r1, blocks(100, 7), 64)  # load: 100, 101; computed: rest
+        step(sched)
+        assert finish(sched, r1, 200) == (False, None)  # aborted before the outcome
+        outcome(sched, r1=False)
+        # vLLM gives 100 and 101 out afresh (to r3, a short prompt); another request computes
+        # the prompt from token 0 into 300..306: the first chunk's hashes now name 300 and 301,
+        # the later ones still name 102..105 first (vLLM hands out the first block cached)
+        admit(sched, request("r3", PROMPT[:40]), 0, blocks(100, 2))
+        r2 = request("r2")
+        table = [300, 301, 102, 103, 104, 105, 306]
+        admit(sched, r2, 192, KVCacheBlocks(([KVCacheBlock(b) for b in table],)))
+        r2.num_computed_tokens = 200
+        assert sched.request_finished(r2, table) == (False, None)
+        assert step(sched).saves == []
+    finally:
+        w.server.close()
+
+
 def test_a_verified_load_is_saved_with_the_request(worker: Worker) -> None:
     sched = scheduler(worker)
     req = request("r1")

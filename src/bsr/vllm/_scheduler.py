@@ -30,10 +30,12 @@ How it works:
   writes them. If the load fails, vLLM recomputes them in place only for a request still
   running when it handles the failure; a request aborted or preempted before that leaves them
   in vLLM's prefix cache as they are, and vLLM hands them to the next request with that prefix.
-  So the blocks of a failed sync load stay *poisoned* until vLLM gives them out afresh (past
-  some request's own hit) or their request recomputed them in place, and a request that vLLM
-  admits on a poisoned block, or on a block of a sync load whose outcome is not known yet that
-  then fails, is *tainted*: never saved. (``spec/connector.pml`` models this; spin found it.)
+  The same goes for the blocks the load's step computed over them (the rest of the request's
+  table: vLLM caches them in the same step). So the blocks of a failed sync load and of its
+  step stay *poisoned* until vLLM gives them out afresh (past some request's own hit) or their
+  request recomputed them in place, and a request that vLLM admits on a poisoned block, or on a
+  block of a sync load whose outcome is not known yet that then fails, is *tainted*: never
+  saved. (``spec/connector.pml`` models this; spin found both cases.)
 """
 
 from __future__ import annotations
@@ -102,7 +104,8 @@ class BsrScheduler:
         self._forget_all = False
         self._saving: set[str] = set()
         self._inflight: dict[bytes, str] = {}  # chunk digest -> request loading it (async)
-        self._unverified_blocks: dict[str, frozenset[int]] = {}  # what loads not known good write
+        # blocks a load not known good writes (sync: and its step computes over them)
+        self._unverified_blocks: dict[str, frozenset[int]] = {}
         self._poisoned: dict[int, str] = {}  # block -> request whose sync load failed to fill it
         self._admission_hit: dict[str, int] = {}  # vLLM's own hit at the request's admission
         self.stats = BsrConnectorStats()
@@ -234,8 +237,12 @@ class BsrScheduler:
         )
         self._loads.append(job)
         st.used, st.loading, st.unverified, st.end = True, True, True, end
-        # the blocks bsr writes (vLLM's own hit before them holds its computed KV)
-        self._unverified_blocks[rid] = frozenset(job.block_ids[st.start // self.block :])
+        # the blocks bsr writes (vLLM's own hit before them holds its computed KV); a sync
+        # load's step also computes the rest of the table over them, and vLLM caches all of it
+        # at once: if the load fails, every one of them holds wrong KV
+        first = st.start // self.block
+        written = job.block_ids[first:] if self.opts.asynchronous else tuple(table[first:])
+        self._unverified_blocks[rid] = frozenset(written)
         if self.opts.asynchronous:
             for d in self._digests(st, prompt)[st.start // self.chunk : end // self.chunk]:
                 self._inflight.setdefault(d, request.request_id)
