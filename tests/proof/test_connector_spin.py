@@ -30,7 +30,7 @@ MODEL = ROOT / "spec" / "connector.pml"
 SRC = ROOT / "src" / "bsr" / "vllm"
 NAME = "connector.pml"
 
-#: pan's depth limit: the deepest run is about 2,600 steps
+#: pan's depth limit: the deepest run is about 3,300 steps
 DEPTH = "-m100000"
 
 
