@@ -26,6 +26,7 @@ from .._errors import (
 )
 from ..core._keys import ChunkKey, ObjectKey
 from ..tiers._base import Tier
+from ..tiers._readers import ReadWithdrawnError
 
 
 class Outcome(str, enum.Enum):
@@ -207,6 +208,9 @@ class TierLadder:
             try:
                 n = self.tiers[name].read_into_blocking(key, group, region)
                 self._expect(n, expected, name, group)
+            except ReadWithdrawnError as e:  # the request ended: the attempt came to nothing
+                gate.withdraw(name)
+                return self._exhausted(result, [*errors, f"{name}: {e}"])
             except Exception as e:
                 exc = e
             if self._finish(gate, result, errors, name, key, group, chunk, exc, n):
@@ -231,6 +235,9 @@ class TierLadder:
             try:
                 n = await self.tiers[name].read_into(key, group, region)
                 self._expect(n, expected, name, group)
+            except ReadWithdrawnError as e:
+                gate.withdraw(name)
+                return self._exhausted(result, [*errors, f"{name}: {e}"])
             except Exception as e:
                 exc = e
             except BaseException:  # cancelled: the attempt came to nothing

@@ -47,6 +47,7 @@ from ..core._options import Policy, Strategy
 from ..core._plan import groups_by_chunk
 from ..core._results import Probe
 from ..tiers._base import Tier
+from ..tiers._readers import cancellation
 from ._cache import PagedKVCache
 from ._install import CudaInstaller, HostInstaller
 from ._ladder import LadderResult, ReadGate, TierLadder
@@ -442,7 +443,9 @@ class WindowPipeline:
                     return None
                 state[0] = "running"
             try:
-                return fn(*args)
+                # reads stuck in an io_uring see the run end and withdraw their requests
+                with cancellation(lambda: job.run.abandoned):
+                    return fn(*args)
             finally:
                 done.set()
 
