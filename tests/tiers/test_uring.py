@@ -391,3 +391,35 @@ def test_read_depth_is_calibrated_or_chosen(tmp_path: Path) -> None:
             bsr.FileTier(tmp_path / "c", 1 << 26, read_depth=0)
 
     anyio.run(main)
+
+
+def test_config_builds_a_file_tier_with_its_reader_and_depth(tmp_path: Path) -> None:
+    cfg = bsr.EngineConfig.from_dict(
+        {
+            "tiers": [
+                {
+                    "kind": "file",
+                    "path": str(tmp_path),
+                    "capacity_bytes": "1MiB",
+                    "reader": "uring",
+                    "read_depth": 12,
+                }
+            ]
+        }
+    )
+    (tier,) = cfg.build_tiers()
+    assert isinstance(tier, bsr.FileTier) and isinstance(tier.reader, UringReader)
+    assert tier.reader.depth == 12 and tier.reader.depth_chosen
+    with pytest.raises(bsr.ConfigError, match="read_depth"):
+        bsr.EngineConfig.from_dict(
+            {
+                "tiers": [
+                    {
+                        "kind": "file",
+                        "path": str(tmp_path),
+                        "capacity_bytes": "1MiB",
+                        "read_depth": -1,
+                    }
+                ]
+            }
+        )
