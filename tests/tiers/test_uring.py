@@ -423,3 +423,16 @@ def test_config_builds_a_file_tier_with_its_reader_and_depth(tmp_path: Path) -> 
                 ]
             }
         )
+
+
+def test_a_depth_beyond_the_threads_ring_never_overfills_it(tmp_path: Path) -> None:
+    """The depth can grow after a thread made its ring (calibration does this): a read then
+    keeps no more requests in flight than the ring holds (an overfilled ring loses entries)."""
+    path = _file(tmp_path / "obj", 4096 + (4 << 20))
+    reader = UringReader(depth=2, block_bytes=4096)  # 1024 payload requests of 4 KiB
+    assert _read(reader, path, 4 << 20) == (4096 + (4 << 20), path.read_bytes())
+    ring = reader._ring()
+    assert ring is not None
+    reader.set_depth(4 * ring.entries)
+    assert _read(reader, path, 4 << 20) == (4096 + (4 << 20), path.read_bytes())
+    assert reader.peak_in_flight == ring.entries

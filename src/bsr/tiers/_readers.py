@@ -265,6 +265,8 @@ def default_reader(
 DEFAULT_DEPTH = 32
 #: the largest request (bytes) an object read is split into
 DEFAULT_BLOCK_BYTES = 1 << 20
+#: the largest ring a thread makes (a read keeps at most this many requests in flight)
+RING_ENTRIES_MAX = 1024
 #: how often a thread waiting on the ring looks whether its read was abandoned (seconds)
 CANCEL_POLL_S = 0.1
 
@@ -388,7 +390,7 @@ class UringReader(PosixReader):
         if self.disabled_reason is not None:
             return None
         try:
-            ring = Ring(max(8, 1 << (self.depth - 1).bit_length()))
+            ring = Ring(min(RING_ENTRIES_MAX, max(64, 1 << (self.depth - 1).bit_length())))
         except RingError as exc:
             if exc.errno in (errno.EPERM, errno.ENOSYS, errno.EACCES):
                 with self._lock:
@@ -434,8 +436,9 @@ class UringReader(PosixReader):
         depth = self._depth
         try:
             while nxt < len(pieces) or tags:
-                if nxt < len(pieces) and not error and not cancelled:
-                    k = depth.take(len(pieces) - nxt, block=not tags, check=check)
+                room = ring.entries - len(tags)  # the depth may exceed what this ring holds
+                if nxt < len(pieces) and not error and not cancelled and room > 0:
+                    k = depth.take(min(len(pieces) - nxt, room), block=not tags, check=check)
                     if k == 0 and not tags:  # cancelled while waiting for the depth
                         cancelled = True
                         continue
