@@ -419,7 +419,7 @@ class FileTier(IndexedTier):
             raise self._read_error(exc, oid, okey) from exc
         finally:
             self._index.unpin(oid)
-        self._count(hits=1, reads=1, bytes_read=plen)
+        self._count_hit(plen)
         return plen
 
     def _read_error(self, exc: BaseException, oid: str, okey: ObjectKey) -> Exception:
