@@ -39,7 +39,8 @@ from bsr.tiers._readers import (
 from bsr.tiers._uring import RingError, UringStatus, _reset_status_for_tests, uring_status
 from helpers import blocks_equal, filled_cache, tokens_for, two_group_layout
 
-pytestmark = pytest.mark.skipif(
+#: tests that need a working ring; the fallback tests (a refused ring, no io_uring) run anywhere
+needs_uring = pytest.mark.skipif(
     not uring_status().usable, reason=f"no io_uring here: {uring_status().reason}"
 )
 
@@ -61,6 +62,7 @@ def _read(reader: Any, path: Path, payload_len: int) -> tuple[int, bytes]:
 
 
 # ---------------------------------------------------------------------- the reader
+@needs_uring
 @settings(max_examples=40, deadline=None)
 @given(
     size=st.integers(0, 5 * 8192 + 100),
@@ -86,6 +88,7 @@ def test_reads_match_preadv(
     assert uring.fallback_reads == 0 and uring.disabled_reason is None
 
 
+@needs_uring
 def test_depth_caps_requests_in_flight_across_threads(tmp_path: Path) -> None:
     paths = [_file(tmp_path / f"o{i}", 4096 + (1 << 20), seed=i) for i in range(8)]
     reader = UringReader(depth=3, block_bytes=64 << 10)
@@ -111,6 +114,7 @@ def test_depth_caps_requests_in_flight_across_threads(tmp_path: Path) -> None:
     assert reader._depth.free == 1  # every request gave its place back
 
 
+@needs_uring
 def test_a_read_error_in_the_ring_raises_its_errno_and_the_ring_goes_on(tmp_path: Path) -> None:
     path = _file(tmp_path / "obj", 3 * 4096)
     reader = UringReader(depth=4, block_bytes=4096)
@@ -125,6 +129,7 @@ def test_a_read_error_in_the_ring_raises_its_errno_and_the_ring_goes_on(tmp_path
     assert reader.fallback_reads == 0 and reader._depth.free == 4
 
 
+@needs_uring
 def test_a_stalled_read_is_withdrawn_from_the_ring_when_abandoned() -> None:
     """A pipe with nothing in it: the kernel parks the read. Once the caller's check says the
     read was abandoned, its request is cancelled; the read then raises ECANCELED and nothing
@@ -194,6 +199,7 @@ print(n, ok, reader.fallback_reads, reader.disabled_reason)
 """
 
 
+@needs_uring
 def test_no_descriptor_for_a_ring_reads_that_object_with_preadv(tmp_path: Path) -> None:
     """EMFILE from io_uring_setup (a real refusal) is not permanent: that read goes through
     preadv and the reader keeps io_uring for later."""
@@ -216,7 +222,12 @@ def test_without_io_uring_the_default_reader_is_preadv(tmp_path: Path) -> None:
         assert type(bsr.FileTier(tmp_path, 1 << 20).reader) is PosixReader
     finally:
         _reset_status_for_tests(None)
+
+
+@needs_uring
+def test_with_io_uring_the_default_reader_is_uring(tmp_path: Path) -> None:
     assert isinstance(bsr.FileTier(tmp_path, 1 << 20).reader, UringReader)
+    assert isinstance(default_reader("uring"), UringReader)
 
 
 # ---------------------------------------------------------------------- FileTier and the engine
@@ -226,6 +237,7 @@ def _engine(tiers: list[bsr.Tier], window: int = 2, io_depth: int = 2) -> bsr.Re
     )
 
 
+@needs_uring
 @pytest.mark.parametrize("direct", [True, False])
 @pytest.mark.parametrize("reader", ["uring", "posix"])
 def test_restore_through_each_reader_gives_the_saved_bytes(
@@ -248,6 +260,43 @@ def test_restore_through_each_reader_gives_the_saved_bytes(
                 assert ft.reader.fallback_reads == 0 and ft.reader.peak_in_flight >= 1
 
     anyio.run(main)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_restore_through_a_refused_ring_reads_every_object_with_preadv(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct: bool
+) -> None:
+    """io_uring refused (EPERM from io_uring_setup: disabled or filtered): a FileTier built to
+    read through it restores every chunk through preadv, commits the saved bytes, and gives every
+    slot back. Runs with or without io_uring on the machine."""
+
+    class Refused:
+        def __init__(self, entries: int) -> None:
+            raise RingError(errno.EPERM, "io_uring_setup: Operation not permitted")
+
+    monkeypatch.setattr(_readers, "Ring", Refused)
+    n = 5
+    toks = tokens_for(n * CT)
+    src = filled_cache(LAYOUT, 64, BLOCK)
+    ids = torch.arange(n * CT // BLOCK)
+    reader = UringReader(direct=direct, depth=4)
+
+    async def main() -> None:
+        ft = bsr.FileTier(tmp_path, 1 << 26, reader=reader, direct_io=direct)
+        async with _engine([ft], window=2, io_depth=2) as eng:
+            assert (await eng.save(toks, src, ids)).ok
+            dst = bsr.PagedKVCache(LAYOUT, 64, BLOCK)
+            r = await eng.restore(toks, dst, ids)
+            assert r.committed_tokens == n * CT and r.fallbacks == 0
+            assert blocks_equal(LAYOUT, src, ids, dst, ids, n)
+            s = eng.staging.statistics()
+            assert s.in_use == 0 and s.acquired == s.released
+        assert ft.statistics().errors == 0
+
+    anyio.run(main)
+    assert reader.disabled_reason is not None and "not permitted" in reader.disabled_reason
+    assert reader.fallback_reads >= len(LAYOUT.needed_objects(n))  # every object, by preadv
+    assert reader.peak_in_flight == 0  # nothing ever went through a ring
 
 
 class HostileReader(UringReader):
@@ -293,6 +342,7 @@ async def _poll(cond: Any, what: str, timeout_s: float = 10.0) -> None:
     raise AssertionError(f"timed out waiting until {what}")
 
 
+@needs_uring
 def test_a_read_error_in_the_ring_falls_to_the_next_tier(tmp_path: Path) -> None:
     n = 4
     toks = tokens_for(n * CT)
@@ -320,6 +370,7 @@ def test_a_read_error_in_the_ring_falls_to_the_next_tier(tmp_path: Path) -> None
         hostile.close()
 
 
+@needs_uring
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 @pytest.mark.parametrize("how", ["deadline", "cancel"])
 def test_a_read_stalled_in_the_ring_ends_the_restore_and_returns_its_slot(
@@ -364,6 +415,7 @@ def test_a_read_stalled_in_the_ring_ends_the_restore_and_returns_its_slot(
         hostile.close()
 
 
+@needs_uring
 def test_read_depth_is_calibrated_or_chosen(tmp_path: Path) -> None:
     keys = make_keys(6)
     blob = np.random.default_rng(0).integers(0, 256, 1 << 20, np.uint8)
@@ -393,6 +445,7 @@ def test_read_depth_is_calibrated_or_chosen(tmp_path: Path) -> None:
     anyio.run(main)
 
 
+@needs_uring
 def test_config_builds_a_file_tier_with_its_reader_and_depth(tmp_path: Path) -> None:
     cfg = bsr.EngineConfig.from_dict(
         {
@@ -425,6 +478,7 @@ def test_config_builds_a_file_tier_with_its_reader_and_depth(tmp_path: Path) -> 
         )
 
 
+@needs_uring
 def test_a_depth_beyond_the_threads_ring_never_overfills_it(tmp_path: Path) -> None:
     """The depth can grow after a thread made its ring (calibration does this): a read then
     keeps no more requests in flight than the ring holds (an overfilled ring loses entries)."""
