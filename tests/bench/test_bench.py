@@ -173,7 +173,7 @@ def test_quick_remote_mooncake(tmp_path: Path) -> None:
     jsonschema.validate(doc, load_schema())
     assert doc["args"]["remote"] == "mooncake" and doc["remote"]["tier"] == "mooncake"
     window = doc["config"]["window"]
-    assert {p["layout"] for p in doc["results"]} == {"llama3-8b", "dsv4-flash"}
+    assert {p["layout"] for p in doc["results"]} == {"llama3-8b", "dsv4-flash", "kv-512k"}
     for p in doc["results"]:
         r = p["remote"]
         assert r["tier"] == "mooncake"
