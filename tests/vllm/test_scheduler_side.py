@@ -106,10 +106,21 @@ def blocks(first: int, n: int) -> KVCacheBlocks:
     return KVCacheBlocks(([KVCacheBlock(first + i) for i in range(n)],))
 
 
-def step(sched: BsrScheduler, scheduled: list[Request] = ()) -> BsrConnectorMetadata:  # type: ignore[assignment]
+def step(
+    sched: BsrScheduler,
+    scheduled: list[Request] = (),  # type: ignore[assignment]
+    new_blocks: dict[str, list[int]] | None = None,
+) -> BsrConnectorMetadata:
+    """One step: ``scheduled`` new requests, and running ones given ``new_blocks``."""
+    cached = CachedRequestData.make_empty()
+    for rid, ids in (new_blocks or {}).items():
+        cached.req_ids.append(rid)
+        cached.new_block_ids.append((list(ids),))
+        cached.num_computed_tokens.append(0)
+        cached.num_output_tokens.append(0)
     out = SchedulerOutput(
         scheduled_new_reqs=[NewRequestData.from_request(r, ([],)) for r in scheduled],
-        scheduled_cached_reqs=CachedRequestData.make_empty(),
+        scheduled_cached_reqs=cached,
         num_scheduled_tokens={},
         total_num_scheduled_tokens=0,
         scheduled_spec_decode_tokens={},
@@ -347,6 +358,32 @@ def test_blocks_computed_over_a_failed_sync_load_are_never_saved() -> None:
         admit(sched, request("r3", PROMPT[:40]), 0, blocks(100, 2))
         r2 = request("r2")
         table = [300, 301, 102, 103, 104, 105, 306]
+        admit(sched, r2, 192, KVCacheBlocks(([KVCacheBlock(b) for b in table],)))
+        r2.num_computed_tokens = 200
+        assert sched.request_finished(r2, table) == (False, None)
+        assert step(sched).saves == []
+    finally:
+        w.server.close()
+
+
+def test_blocks_the_next_step_computes_over_a_failed_sync_load_are_never_saved() -> None:
+    """The same one step later: async scheduling schedules the next step before the load's
+    report, and a long prompt's prefill goes on in it (chunked prefill) over the loaded blocks,
+    into new blocks vLLM caches at once. Not in the connector model (it allocates a request's
+    blocks at once); the scheduler side learns them from the step's new block ids."""
+    w = Worker(hit=64)
+    try:
+        sched = scheduler(w, load="sync")
+        r1 = request("r1")
+        assert ask_until(sched, r1) == (64, False)
+        sched.update_state_after_alloc(r1, blocks(100, 4), 64)  # the first prefill chunk
+        step(sched)
+        step(sched, new_blocks={"r1": [104, 105, 106]})  # the rest, before the load's report
+        assert finish(sched, r1, 200) == (False, None)  # aborted
+        outcome(sched, r1=False)
+        admit(sched, request("r3", PROMPT[:40]), 0, blocks(100, 4))  # 100..103 afresh
+        r2 = request("r2")
+        table = [300, 301, 302, 303, 104, 105, 306]
         admit(sched, r2, 192, KVCacheBlocks(([KVCacheBlock(b) for b in table],)))
         r2.num_computed_tokens = 200
         assert sched.request_finished(r2, table) == (False, None)

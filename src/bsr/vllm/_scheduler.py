@@ -31,7 +31,8 @@ How it works:
   running when it handles the failure; a request aborted or preempted before that leaves them
   in vLLM's prefix cache as they are, and vLLM hands them to the next request with that prefix.
   The same goes for the blocks the load's step computed over them (the rest of the request's
-  table: vLLM caches them in the same step). So the blocks of a failed sync load and of its
+  table: vLLM caches them in the same step), and for those a step scheduled before the load's
+  report gives the request (``build_connector_meta`` sees their ids). So the blocks of a failed sync load and of its
   step stay *poisoned* until vLLM gives them out afresh (past some request's own hit) or their
   request recomputed them in place, and a request that vLLM admits on a poisoned block, or on a
   block of a sync load whose outcome is not known yet that then fails, is *tainted*: never
@@ -278,6 +279,15 @@ class BsrScheduler:
             forget_all=self._forget_all,
         )  # fmt: skip
         self._loads, self._saves, self._forget, self._forget_all = [], [], [], False
+        if self._unverified_blocks and not self.opts.asynchronous:
+            # async scheduling runs a step ahead of a sync load's report: a request whose load
+            # is not known good computes over it in this step too (a long prompt's next prefill
+            # chunk), into blocks vLLM caches now
+            cached = scheduler_output.scheduled_cached_reqs
+            for rid, new in zip(cached.req_ids, cached.new_block_ids, strict=False):
+                pending = self._unverified_blocks.get(rid)
+                if pending is not None and new:
+                    self._unverified_blocks[rid] = pending | frozenset(new[0])
         # a request scheduled now after its async load: its blocks are in vLLM's prefix cache,
         # so others sharing its chunks find them there (no longer "loading elsewhere")
         if self._inflight:
