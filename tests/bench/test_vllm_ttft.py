@@ -9,7 +9,8 @@ import pytest
 
 from bsr_bench.cli import add_arguments
 from bsr_bench.common.stats import BenchError
-from bsr_bench.vllm_ttft import _root_cause, run_vllm
+from bsr_bench.vllm_common import root_cause
+from bsr_bench.vllm_ttft import run_vllm
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -29,6 +30,10 @@ def test_bad_arguments_are_bench_errors() -> None:
         run_vllm(parse("--engine", "vllm", "--vllm-prefixes", "1000"))
     with pytest.raises(BenchError, match=">= 1"):
         run_vllm(parse("--engine", "vllm", "--vllm-repeats", "0"))
+    with pytest.raises(BenchError, match="--vllm-sections"):
+        run_vllm(parse("--engine", "vllm", "--vllm-sections", "ttft,stalls"))
+    with pytest.raises(BenchError, match="--vllm-sections"):
+        run_vllm(parse("--engine", "vllm", "--vllm-sections", "ttft,ttft"))
 
 
 def test_an_interpreter_without_vllm_is_named() -> None:
@@ -51,5 +56,5 @@ def test_root_cause_is_the_specific_line() -> None:
             "RuntimeError: Engine core initialization failed. See root cause above.",
         ]
     )
-    assert _root_cause(stderr).startswith("ValueError: CPU Offloading is currently only supported")
-    assert _root_cause("") == "no output"
+    assert root_cause(stderr).startswith("ValueError: CPU Offloading is currently only supported")
+    assert root_cause("") == "no output"
