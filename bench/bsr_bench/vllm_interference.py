@@ -97,7 +97,7 @@ class Plan:
     """The section's sizes (``--vllm-interference-*`` flags, ``--quick``)."""
 
     prefix_tokens: int = 4096
-    arrivals: int = 5
+    arrivals: int = 7
     variants: tuple[str, ...] = tuple(VARIANTS)
     layers: int = 32
     decoders: int = 4
@@ -148,7 +148,7 @@ def add_arguments(g: argparse._ArgumentGroup) -> None:
         "--vllm-interference-arrivals",
         type=int,
         default=None,
-        help="interference: measured arrivals per variant (default 5; --quick: 2)",
+        help="interference: measured arrivals per variant (default 7; --quick: 2)",
     )
     g.add_argument(
         "--vllm-interference-variants",
@@ -169,7 +169,7 @@ def plan_from_namespace(ns: argparse.Namespace) -> Plan:
     quick = bool(getattr(ns, "quick", False))
     prefix = getattr(ns, "vllm_interference_prefix", None) or (1024 if quick else 4096)
     arrivals = getattr(ns, "vllm_interference_arrivals", None)
-    arrivals = (2 if quick else 5) if arrivals is None else arrivals
+    arrivals = (2 if quick else 7) if arrivals is None else arrivals
     given = getattr(ns, "vllm_interference_variants", None)
     variants = (
         tuple(v.strip() for v in given.split(",") if v.strip())

@@ -249,20 +249,22 @@ def print_table(section: dict[str, Any]) -> None:
     )
     print(
         f"{'variant':>11} {'ITL p50':>8} {'max gap':>8} {'local-hit':>9} {'added':>7} "
-        f"{'delay+':>7} {'TTFT':>7} {'local TTFT':>10}"
+        f"{'delay+':>7} {'TTFT':>7} {'local TTFT':>10} {'load':>5}"
     )
     for name, v in section["variants"].items():
         r, b = v["rounds"], v["local_hit_rounds"]
+        load = (v.get("load_average") or [None])[0]
         print(
             f"{name:>11} {r['itl_p50_before_s']['median']:>8.3f} "
             f"{r['max_gap_during_s']['median']:>8.3f} {b['max_gap_during_s']['median']:>9.3f} "
             f"{v['added_stall_s']:>7.3f} {v['added_delay_s']:>7.3f} {r['ttft_s']['median']:>7.3f} "
-            f"{b['ttft_s']['median']:>10.3f}"
+            f"{b['ttft_s']['median']:>10.3f} {'-' if load is None else f'{load[0]:.1f}':>5}"
         )
     print(
-        "(ITL p50: decoders before the arrival; max gap: their largest inter-token gap in the "
+        "ITL p50: the decoders' before the arrival; max gap: their largest inter-token gap in the "
         "window; local-hit: the same in this engine's local-hit rounds; added = max gap - "
-        "local-hit; delay+: decode time lost in the window beyond the local-hit rounds')"
+        "local-hit; delay+: decode time lost in the window beyond the local-hit rounds; load: "
+        "the 1-minute load average when the engine started"
     )
     for t in section["targets"]:
         state = {True: "met", False: "MISSED", None: "n/a"}[t["met"]]

@@ -35,7 +35,7 @@ def parse(*argv: str) -> argparse.Namespace:
 # --------------------------------------------------------------------------- flags
 def test_defaults_restore_at_least_one_gib() -> None:
     plan = plan_from_namespace(parse())
-    assert plan.variants == tuple(VARIANTS) and plan.arrivals == 5 and plan.decoders == 4
+    assert plan.variants == tuple(VARIANTS) and plan.arrivals == 7 and plan.decoders == 4
     assert plan.kv_bytes_per_token == 32 * 16 * 128 * 2 * 2 == 256 * 1024
     assert plan.prefix_bytes == plan.prefix_tokens * 256 * 1024 >= GIB
     # vLLM's pool holds the prefix, the new tokens and the decoders twice over
