@@ -47,6 +47,7 @@
 #define R_VOTE  2       /* agree_all over "this rank is Installed" */
 #define NROUNDS 3
 #define FAILED 255      /* a collective's result on a rank: CoordinatorError */
+#define LATE (-1)       /* a probe proposal: this rank ran out of time (below every prefix) */
 
 /* Request states: exactly the names of the JSON "states". */
 mtype = { Probing, Windowing, Installed, Committed, Invalidated };
@@ -70,7 +71,7 @@ bool policy_truncate;       /* chosen nondeterministically by init */
 
 /* ---- the coordinator: one record per collective round ----------------- */
 byte arrived[NROUNDS];      /* ranks that put their value into the round */
-byte acc[NROUNDS];          /* MIN of the values put in so far */
+short acc[NROUNDS];         /* MIN of the values put in so far (LATE is negative) */
 bool done[NROUNDS];         /* the round has its result, or has failed */
 bool failed[NROUNDS];       /* the round failed: every rank gets FAILED */
 
@@ -242,8 +243,8 @@ proctype Rank(byte r) {
   byte c, j;
   byte target;                /* the agreed probed prefix (chunks) */
   byte done_chunks;           /* chunks fully installed (all groups), in order */
-  byte best;                  /* this rank's proposal to a collective */
-  byte m;                     /* a collective's result (or FAILED) */
+  short best;                 /* this rank's proposal to a collective (or LATE) */
+  short m;                    /* a collective's result (or FAILED, or LATE) */
   bool late;                  /* this rank's deadline expired */
   bool sync_failed;           /* an asynchronous copy failed at synchronize */
   mtype kind, why;            /* why: read_failed, or 0 */
@@ -252,7 +253,7 @@ proctype Rank(byte r) {
   atomic {
     if
     :: select(best : 0 .. NC)
-    :: r == SLOW -> late = true; best = 0   /* the probe ran past the deadline */
+    :: r == SLOW -> late = true; best = LATE   /* the probe ran past the deadline */
     fi
   }
   agree_min(R_PROBE, best, m);
@@ -260,7 +261,8 @@ proctype Rank(byte r) {
     best = 0;
     if
     :: m == FAILED -> invalidate(r, coordinator_failed); goto finish
-    :: m != FAILED && late -> invalidate(r, deadline); goto finish
+    :: m != FAILED && (late || m == LATE) ->   /* this rank or another ran out of time */
+       invalidate(r, (late -> deadline : rank_failed)); goto finish
     :: m == 0 && !late ->     /* zero-length prefix: Committed, 0 tokens */
        probe_miss(r); goto finish
     :: m != FAILED && m > 0 && !late ->
@@ -389,6 +391,8 @@ init {
        /* invariant 2: one reusable prefix, the same on every rank */
        assert(committed[r] == committed[0]);
        assert(committed[0] == 0 || state[r] == Committed);
+       /* every failure is agreed, the deadline included: one state on every rank */
+       assert(state[r] == state[0]);
        /* invariants 3 and 4: every slot given back, nothing left staged */
        assert(slots[r] == 0 && empty(staged[r]));
        if

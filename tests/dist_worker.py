@@ -1,6 +1,9 @@
 """One rank of the 2-process torch.distributed restore test (run by test_distributed.py).
 
-Usage: python dist_worker.py RANK WORLD PORT WORKDIR FAIL_RANK OUT_JSON
+Usage: python dist_worker.py RANK WORLD RENDEZVOUS_FILE WORKDIR FAIL_RANK OUT_JSON
+
+The ranks meet through a file (torch's FileStore), not a TCP port picked in advance: a port
+another process takes between the pick and the bind would make the run fail, or meet a stranger.
 """
 
 from __future__ import annotations
@@ -19,11 +22,11 @@ from bsr.testing import Fault, FaultKind, FaultPlan, FaultyTier
 
 
 def main() -> None:
-    rank, world, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    rank, world, rendezvous = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
     workdir, fail_rank, out = Path(sys.argv[4]), int(sys.argv[5]), Path(sys.argv[6])
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=rendezvous.resolve().as_uri(),
         rank=rank,
         world_size=world,
         timeout=timedelta(seconds=30),

@@ -1,7 +1,9 @@
 """One rank of the 2-process restore over a real Mooncake Store (run by test_mooncake_faults.py).
 
-Usage: python mooncake_dist_worker.py RANK WORLD PORT WORKDIR CLIENT_ADDRESS KEY_PREFIX FAULT
-       SSD_RANKS OUT_JSON
+Usage: python mooncake_dist_worker.py RANK WORLD RENDEZVOUS_FILE WORKDIR CLIENT_ADDRESS KEY_PREFIX
+       FAULT SSD_RANKS OUT_JSON
+
+The ranks meet through a file (torch's FileStore), not a TCP port picked in advance.
 
 Each rank attaches a :class:`bsr.MooncakeTier` to the test cluster's gateway ``mooncake_client``
 (standalone-client mode: this process listens on no port but gloo's, on 127.0.0.1) under its own
@@ -49,13 +51,13 @@ def layout() -> bsr.StateLayout:
 
 
 def main() -> None:
-    rank, world, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    rank, world, rendezvous = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
     workdir, client_address, key_prefix = Path(sys.argv[4]), sys.argv[5], sys.argv[6]
     fault, ssd_arg, out = sys.argv[7], sys.argv[8], Path(sys.argv[9])
     ssd_ranks = {int(r) for r in ssd_arg.split(",") if r.strip() not in ("", "-")}
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=rendezvous.resolve().as_uri(),
         rank=rank,
         world_size=world,
         timeout=timedelta(seconds=60),

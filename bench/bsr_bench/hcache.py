@@ -133,7 +133,7 @@ async def _restore_plans(
     """
     from contextlib import AsyncExitStack
 
-    from bsr import FileTier, Namespace, PagedKVCache, RestoreEngine
+    from bsr import FileTier, PagedKVCache, RestoreEngine
 
     dst_ids = served.ids.flip(0)
     runs: dict[str, dict[str, Any]] = {}
@@ -141,7 +141,7 @@ async def _restore_plans(
         for name, hc in hcs.items():
             tier = FileTier(base / name, capacity_bytes=4 << 30, direct_io=True, fsync=False)
             engine = RestoreEngine(
-                hc.layout, [tier], window=8, io_depth=4, namespace=Namespace("hc-bench")
+                hc.layout, [tier], window=8, io_depth=4, namespace=hc.namespace("hc-bench")
             )
             await stack.enter_async_context(engine)
             await hc.save(engine, served.tokens, served.kv, served.store_for(hc), served.ids)

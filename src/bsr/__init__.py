@@ -29,6 +29,7 @@ from ._errors import TierTimeoutError as TierTimeoutError
 from ._errors import TokenError as TokenError
 from ._errors import TruncatedObjectError as TruncatedObjectError
 from ._errors import UnknownGroupError as UnknownGroupError
+from .core._config_digest import model_config_digest as model_config_digest
 from .core._keys import FORMAT_VERSION as FORMAT_VERSION
 from .core._keys import ChunkKey as ChunkKey
 from .core._keys import KeyedTokens as KeyedTokens
@@ -152,5 +153,6 @@ __all__ = (
     "as_token_array",
     "chunk_keys",
     "kv_layout",
+    "model_config_digest",
     "prepare_tokens",
 )

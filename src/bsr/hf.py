@@ -26,6 +26,9 @@ Not supported (a :class:`~bsr.LayoutError` says so): MLA/latent caches (DeepSeek
 chunked attention (Llama 4), linear-attention/recurrent layers, KV sharing between layers, and
 sliding layers with differing windows. Only batch row ``batch_index`` of a cache is moved.
 
+Build the engine's namespace with :func:`namespace` (``model_id`` plus the digest of the
+model config), so state saved under one config is never restored into a model of another.
+
 Sliding layers of a ``DynamicCache`` keep only their last ``sliding_window - 1`` tokens. To save
 a prefix of ``n`` tokens those tokens must still be held, so write a sliding model's cache at the
 prefix end (e.g. prefill the chunk-aligned prefix, write it, then prefill the rest);
@@ -40,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import PagedKVCache, StateGroup, StateLayout
+from . import Namespace, PagedKVCache, StateGroup, StateLayout, model_config_digest
 from ._check import positive_int
 from ._errors import ConfigError, LayoutError
 
@@ -51,8 +54,10 @@ __all__ = (
     "FULL_GROUP",
     "SLIDING_GROUP",
     "LayerPlacement",
+    "config_digest",
     "layer_placements",
     "layout_for_config",
+    "namespace",
     "read_kv_from_cache",
     "write_kv_to_cache",
 )
@@ -223,6 +228,34 @@ def layout_for_config(
             )
         )
     return StateLayout(chunk_tokens=chunk_tokens, groups=tuple(groups))
+
+
+def config_digest(model_or_config: Any) -> str:
+    """:func:`bsr.model_config_digest` of a transformers model's whole config (or of a config,
+    or of its ``to_dict()``)."""
+    config = getattr(model_or_config, "config", model_or_config)
+    return model_config_digest(config)
+
+
+def namespace(
+    model_or_config: Any,
+    model_id: str,
+    *,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    salt: bytes = b"",
+) -> Namespace:
+    """The namespace to store a transformers model's KV under: ``model_id`` names the weights,
+    the config's digest (:func:`config_digest`) binds what the config makes them compute.
+
+    State saved by a model whose config differs in anything that changes the computation
+    (``rms_norm_eps``, RoPE, windows ...) is then a miss, never wrong K/V. ``model_id`` must
+    still change with the weights (another checkpoint, revision, fine-tune or quantization).
+    """
+    return Namespace(
+        model_id, tp_rank=tp_rank, tp_size=tp_size, salt=salt,
+        config_digest=config_digest(model_or_config),
+    )  # fmt: skip
 
 
 def _check_cache_matches(cache: PagedKVCache, placements: Sequence[LayerPlacement]) -> None:

@@ -52,7 +52,7 @@ def serve_and_restore(
             [bsr.FileTier(root, 1 << 26)],
             window=2,
             io_depth=2,
-            namespace=bsr.Namespace("hcache-arch"),
+            namespace=hc.namespace("hcache-arch"),
         )
         async with engine:
             await hc.save(engine, toks[0, :PREFIX], kv, store, src_ids)

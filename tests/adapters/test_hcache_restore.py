@@ -66,7 +66,7 @@ class Served:
             [tier or bsr.FileTier(root, 1 << 26)],
             window=2,
             io_depth=2,
-            namespace=bsr.Namespace("hcache-restore"),
+            namespace=self.hc.namespace("hcache-restore"),
         )
 
     def save_restore(

@@ -53,7 +53,13 @@ def test_same_chunk_at_another_position_has_another_key() -> None:
 
 @pytest.mark.parametrize(
     "change",
-    [{"salt": b"tenant-b"}, {"tp_rank": 1, "tp_size": 2}, {"tp_size": 2}, {"model_id": "other"}],
+    [
+        {"salt": b"tenant-b"},
+        {"tp_rank": 1, "tp_size": 2},
+        {"tp_size": 2},
+        {"model_id": "other"},
+        {"config_digest": "0" * 32},
+    ],
 )
 def test_namespace_changes_give_disjoint_keys(change: dict[str, object]) -> None:
     assert not set(digests(fp())) & set(digests(fp(**change)))
@@ -125,11 +131,21 @@ def test_bad_tokens_raise_typed_errors(bad: object, fragment: str) -> None:
         ({"model_id": "m", "tp_rank": 2, "tp_size": 2}, "tp_rank"),
         ({"model_id": "m", "tp_size": 0}, "tp_size"),
         ({"model_id": "m", "salt": "str"}, "bytes"),
+        ({"model_id": "m", "config_digest": 5}, "config_digest must be a str"),
+        ({"model_id": "m", "config_digest": "\ud800"}, "config_digest"),
     ],
 )
 def test_bad_namespace(kw: dict[str, object], fragment: str) -> None:
     with pytest.raises(bsr.ConfigError, match=fragment):
         bsr.Namespace(**kw)  # type: ignore[arg-type]
+
+
+def test_config_digests_give_disjoint_namespaces() -> None:
+    """Two config digests never share a key; no digest is the fingerprint of before (stores
+    written without one are still found)."""
+    assert fp(config_digest="a" * 32) != fp(config_digest="b" * 32)
+    assert fp(config_digest="") == fp()
+    assert not set(digests(fp(config_digest="a" * 32))) & set(digests(fp(config_digest="b" * 32)))
 
 
 # ---------------------------------------------------------------------- array-speed keys

@@ -1,10 +1,15 @@
-"""Two real torch.distributed processes (gloo on loopback) agree on commit or invalidation."""
+"""Two real torch.distributed processes (gloo on loopback) agree on commit or invalidation.
+
+The ranks meet through a rendezvous file (no port picked in advance that another process could
+take), run in their own session and are killed by PID if they outlive the test.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import socket
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,14 +20,8 @@ pytestmark = pytest.mark.distributed
 WORKER = Path(__file__).parents[1] / "dist_worker.py"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_ranks(tmp_path: Path, fail_rank: int) -> list[dict[str, object]]:
-    port = free_port()
+    rendezvous = tmp_path / "rendezvous"
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     procs = []
     for rank in range(2):
@@ -36,7 +35,7 @@ def run_ranks(tmp_path: Path, fail_rank: int) -> list[dict[str, object]]:
                         str(WORKER),
                         str(rank),
                         "2",
-                        str(port),
+                        str(rendezvous),
                         str(tmp_path),
                         str(fail_rank),
                         str(out),
@@ -45,19 +44,22 @@ def run_ranks(tmp_path: Path, fail_rank: int) -> list[dict[str, object]]:
                     stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT,
                     text=True,
+                    start_new_session=True,
                 ),
             )
         )
     results = []
-    for out, p in procs:
-        try:
+    try:
+        for out, p in procs:
             log, _ = p.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
-            for _, q in procs:
-                q.kill()
-            raise
-        assert p.returncode == 0, log
-        results.append(json.loads(out.read_text()))
+            assert p.returncode == 0, log
+            results.append(json.loads(out.read_text()))
+    finally:
+        for _, p in procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGKILL)
+                p.wait(timeout=10)
     return results
 
 

@@ -42,7 +42,6 @@ from helpers import blocks_equal, filled_cache, shuffled_blocks, two_group_layou
 try:
     from mooncake_server import (
         MooncakeCluster,
-        free_port,
         fresh_mooncake_cluster,
         mooncake_cluster,
         require_mooncake,
@@ -51,7 +50,6 @@ try:
 except ImportError:  # tests/ imported as a package
     from tests.mooncake_server import (  # type: ignore[no-redef]
         MooncakeCluster,
-        free_port,
         fresh_mooncake_cluster,
         mooncake_cluster,
         require_mooncake,
@@ -540,7 +538,7 @@ def test_remote_fault_falls_back_to_ssd(
 def run_ranks(
     cluster: MooncakeCluster, tmp_path: Path, fault: str, ssd_ranks: str
 ) -> list[dict[str, Any]]:
-    port = free_port()
+    rendezvous = tmp_path / "rendezvous"  # the ranks meet through a file: no port to race for
     env = cluster.subprocess_env()
     env.update({"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"})
     prefix = bsr.MooncakeTier.unique_prefix("bsr-dist/")
@@ -552,7 +550,7 @@ def run_ranks(
             str(WORKER),
             str(rank),
             "2",
-            str(port),
+            str(rendezvous),
             str(tmp_path),
             cluster.client_address,
             prefix,

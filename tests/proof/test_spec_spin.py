@@ -396,6 +396,7 @@ I1 = r"assertion violated \(\(\(\(j/2\)%3\)>=\w+\)\|\|\(inst\[j\]&&ver\[j\]\)\)"
 I1_OBSERVER = I1.replace(r"\w+", "pub")  # the reader process
 I2 = r"assertion violated .*committed\["  # end of run: one outcome, the agreed prefix or 0
 I2_BLOCKS = r"assertion violated \(inst\[j\]=="  # end of run: exactly the committed blocks valid
+SAME_STATE = r"assertion violated \(state\[r\]==state\[0\]\)"  # end of run: one state everywhere
 I3 = r"assertion violated \(slots\[r\]<=2\)"
 I4 = r"assertion violated \(\(slots\[r\]==0\)&&\(q_len\(staged\[r\]\)==0\)\)"
 DEADLOCK = r"invalid end state"
@@ -424,9 +425,15 @@ MUTATIONS: dict[str, Mutation] = {
     ),
     "timed_out_vote_still_counts": Mutation(
         (("failed[rd] = true; done[rd] = true; res = FAILED }", "res = FAILED }"),),
-        f"{I1}|{I2}",
+        f"{I1}|{I2}|{SAME_STATE}",
         "a rank that timed out in a collective leaves its value in the round, so a later rank "
         "completes the round with it (the time-out does not fail the round for everyone)",
+    ),
+    "late_probe_not_agreed": Mutation(
+        (("r == SLOW -> late = true; best = LATE", "r == SLOW -> late = true; best = 0"),),
+        SAME_STATE,
+        "a rank whose probe ran past its deadline proposes an empty prefix instead of LATE: it "
+        "ends Invalidated while the others commit the empty prefix (issue 19 item 8)",
     ),
     "own_probe_instead_of_agreed_min": Mutation(
         (("target = m; probe_hit(r)", "target = NC; probe_hit(r)"),),

@@ -8,6 +8,8 @@ import anyio
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import bsr
 from bsr.transfer._cache import gather_chunk, install_chunk
@@ -169,6 +171,48 @@ def test_block_table_refuses_duplicates_and_2d() -> None:
             cache.block_table(two_d, 8)
     with pytest.raises(bsr.BlockTableError, match="1-D"):
         cache.block_table(3, 4)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    ids=st.lists(st.integers(0, 63), max_size=40),
+    tokens=st.integers(0, 40 * 4),
+    as_tensor=st.booleans(),
+)
+def test_block_table_check_matches_a_set_model(
+    ids: list[int], tokens: int, as_tensor: bool
+) -> None:
+    """Issue 19 item 9: the NumPy check refuses exactly what a plain Python model refuses."""
+    cache = bsr.PagedKVCache(SMALL, 64, 4)
+    needed = -(-tokens // 4)
+    used = ids[:needed]
+    want_dupes = sorted({b for b in used if used.count(b) > 1})
+    arg = torch.tensor(ids, dtype=torch.int32) if as_tensor else ids
+    if len(ids) < needed:
+        with pytest.raises(bsr.BlockTableError, match="need"):
+            cache.block_table(arg, tokens)
+    elif want_dupes:
+        with pytest.raises(bsr.BlockTableError) as err:
+            cache.block_table(arg, tokens)
+        assert err.value.duplicates == want_dupes
+    else:
+        got = cache.block_table(arg, tokens)
+        assert got.dtype == torch.int64 and got.tolist() == ids
+
+
+def test_block_table_finds_one_alias_among_65536_ids() -> None:
+    """A 1M-token request's table (65,536 blocks of 16): one planted alias is found, by value."""
+    n = 1 << 16
+    cache = bsr.PagedKVCache(SMALL, n, 4)
+    ids = np.random.default_rng(5).permutation(n).astype(np.int64)
+    assert cache.block_table(ids, n * 4).tolist() == ids.tolist()
+    for table in (ids.copy(), torch.from_numpy(ids.copy())):
+        table[-1] = table[12345]  # the last block aliases one far before it
+        with pytest.raises(bsr.BlockTableError) as err:
+            cache.block_table(table, n * 4)
+        assert err.value.duplicates == [int(ids[12345])]
+    with pytest.raises(bsr.BlockTableError, match="integers"):
+        cache.block_table(torch.zeros(4, dtype=torch.complex64), 4)
 
 
 def test_aliased_block_tables_touch_nothing(tmp_path: Path) -> None:

@@ -84,7 +84,33 @@ def runs(engines: Engines) -> dict[str, Any]:
         connector=connector(engines.copy("mislabeled"), save=False),
         batches=[BATCH_A],
     )
+    # the namespace binds what changes the computation: the same weights with another
+    # rms_norm_eps under the same model_id, and another tenant of the same model, both miss
+    write_llama(engines.tmp / "eps", rms_norm_eps=1e-3)
+    out["other_config"] = run_spec(
+        engines.tmp,
+        "other_config",
+        "eps",
+        connector=connector(engines.copy("other-config"), save=False),
+        batches=[BATCH_A],
+    )
+    tenant = connector(engines.copy("tenant"), save=False)
+    tenant["bsr"]["tenant"] = "another-tenant"
+    out["tenant"] = engines.run("tenant", connector=tenant, batches=[BATCH_A])
     return out
+
+
+def test_a_model_config_that_computes_differently_misses(runs: dict[str, Any]) -> None:
+    """Same weights and model_id, another rms_norm_eps: its KV would differ, so nothing loads."""
+    assert cached_of(runs["other_config"]) == [[0, 0, 0, 0]]
+
+
+def test_the_tenant_salts_the_namespace(runs: dict[str, Any]) -> None:
+    """The ``"bsr"`` dict's tenant reaches the namespace (it was dropped before)."""
+    assert cached_of(runs["tenant"]) == [[0, 0, 0, 0]]
+    assert tokens_of(runs["tenant"]) == [
+        [r["tokens"] for r in runs["restore"]["batches"][0]["rows"]]
+    ]
 
 
 def test_restored_kv_is_what_vllm_attends_to(runs: dict[str, Any]) -> None:

@@ -69,6 +69,7 @@ def scheduler(worker: Worker | None, role: str = "kv_both", **opts: Any) -> BsrS
         chunk_tokens=CHUNK,
         tp_size=1,
         model_id="m",
+        config_digest="",
         engine_id="e",
         loads=role != "kv_producer",
         saves=role != "kv_consumer",

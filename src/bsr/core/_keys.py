@@ -1,8 +1,9 @@
 """Namespaces and chained chunk keys.
 
-How it works: a :class:`Namespace` (model id, tensor-parallel rank and size, tenant salt) is
-combined with the layout fingerprint and the object format version into a 16-byte namespace
-fingerprint. That fingerprint seeds a hash chain over full token chunks::
+How it works: a :class:`Namespace` (model id, tensor-parallel rank and size, tenant salt, and
+the digest of the model config, :func:`~bsr.model_config_digest`) is combined with the layout
+fingerprint and the object format version into a 16-byte namespace fingerprint. That
+fingerprint seeds a hash chain over full token chunks::
 
     key_0 = BLAKE2b(seed=ns_fp, tokens[0:C])
     key_i = BLAKE2b(key_{i-1}, tokens[i*C:(i+1)*C])
@@ -40,16 +41,23 @@ class Namespace:
     """Who owns stored objects: objects of different namespaces never meet.
 
     Args:
-        model_id: the model (and revision) whose state is stored.
+        model_id: the weights whose state is stored: model, revision, fine-tune, adapters,
+            quantization (anything that changes the weights a forward uses).
         tp_rank: this process's tensor-parallel rank.
         tp_size: tensor-parallel world size.
         salt: optional tenant salt, to keep tenants' prefixes apart.
+        config_digest: :func:`~bsr.model_config_digest` of the model config, so a model
+            whose config changes the computation (another ``rms_norm_eps``, RoPE, window ...)
+            never meets state of another config. The adapters set it (``bsr.hf.namespace``,
+            ``bsr.hcache.HCache.namespace``). Empty: not bound (the config is then
+            ``model_id``'s job).
     """
 
     model_id: str
     tp_rank: int = 0
     tp_size: int = 1
     salt: bytes = b""
+    config_digest: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_id, str) or not self.model_id:
@@ -77,9 +85,16 @@ class Namespace:
                 "pass the tenant's salt as bytes"
             )
         object.__setattr__(self, "salt", bytes(self.salt))
+        if not isinstance(self.config_digest, str):
+            raise ConfigError(
+                f"Namespace.config_digest must be a str, got {type(self.config_digest).__name__}; "
+                "pass bsr.model_config_digest(config)"
+            )
+        utf8_name(self.config_digest, "Namespace.config_digest", error=ConfigError)
 
     def fingerprint(self, layout: StateLayout) -> bytes:
-        """16-byte digest of model, rank, salt, layout fingerprint and format version."""
+        """16-byte digest of model, rank, salt, layout fingerprint, format version and (when
+        set) the config digest."""
         h = hashlib.blake2b(digest_size=16, person=b"bsr-namespace")
         model = self.model_id.encode()  # checked encodable at construction
         h.update(len(model).to_bytes(4, "little") + model)
@@ -87,6 +102,9 @@ class Namespace:
         h.update(len(self.salt).to_bytes(4, "little") + self.salt)
         h.update(layout.fingerprint)
         h.update(FORMAT_VERSION.to_bytes(4, "little"))
+        if self.config_digest:  # unset: the fingerprint of a namespace without it, unchanged
+            cfg = self.config_digest.encode()
+            h.update(b"config" + len(cfg).to_bytes(4, "little") + cfg)
         return h.digest()
 
 

@@ -44,6 +44,9 @@ class Probe:
     #: digest of (namespace, tokens) so ``restore(..., probe=probe)`` can check it was made
     #: for the same tokens by an engine of the same namespace
     digest: bytes = b""
+    #: the engine that made the probe: its holders name that engine's tiers and its lease pins
+    #: them, so ``restore(..., probe=probe)`` refuses a probe of another engine
+    origin: bytes = b""
     #: the tier leases taken by ``lookup(..., lease_ttl_s=...)`` (released by the restore that
     #: uses this probe, by :meth:`release`, or when their TTL passes)
     lease: Releasable | None = field(default=None, compare=False, repr=False)

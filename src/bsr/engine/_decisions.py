@@ -10,6 +10,12 @@ engine after the window, bounded by the request's deadline); an I/O error retire
 this engine only (never ask a possibly dead tier to delete it) and counts against the tier's
 circuit breaker, as does a timeout; a miss and a success are the tier answering. Before an
 attempt, the gate refuses a tier whose breaker is open or an object that is quarantined.
+
+Moving an object out of its tier is tidying, not safety: the engine's own quarantine keeps it out
+of every later probe and read at once, and every read verifies anyway. So that move is never
+allowed to hold a caller's cancel: a move cut short (by the caller, the deadline or the
+shield bound) is deferred here and retried when the engine closes, and dropped if a fresh copy
+is written meanwhile.
 """
 
 from __future__ import annotations
@@ -25,10 +31,12 @@ from ._health import TierHealth
 
 
 class Quarantine:
-    """The (tier, object id) pairs this engine no longer uses. Thread-safe."""
+    """The (tier, object id) pairs this engine no longer uses, and the moves out of their
+    tiers still owed. Thread-safe."""
 
     def __init__(self) -> None:
         self._items: set[tuple[str, str]] = set()
+        self._deferred: dict[tuple[str, str], TierQuarantine] = {}
         self._lock = threading.Lock()
 
     def __contains__(self, item: tuple[str, str]) -> bool:
@@ -50,9 +58,24 @@ class Quarantine:
             return True
 
     def lift(self, tier: str, object_id: str) -> None:
-        """A fresh copy was written: the object may be used again."""
+        """A fresh copy was written: the object may be used again (and must stay)."""
         with self._lock:
             self._items.discard((tier, object_id))
+            self._deferred.pop((tier, object_id), None)
+
+    def defer(self, moves: list[TierQuarantine]) -> None:
+        """Moves out of a tier that were cut short: owed until :meth:`take_deferred`."""
+        with self._lock:
+            for q in moves:
+                item = (q.tier, ObjectKey(q.key, q.group).object_id)
+                if item in self._items:  # not lifted meanwhile
+                    self._deferred[item] = q
+
+    def take_deferred(self) -> list[TierQuarantine]:
+        with self._lock:
+            out = list(self._deferred.values())
+            self._deferred.clear()
+        return out
 
 
 @dataclass(frozen=True)

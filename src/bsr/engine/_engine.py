@@ -64,9 +64,10 @@ from ..transfer._pipeline import (
 from ..transfer._save import save_chunks
 from ..transfer._staging import StagingPool, StagingStatistics
 from ._coordinator import Coordinator, LocalCoordinator
-from ._decisions import Quarantine, RestoreGate
+from ._decisions import Quarantine, RestoreGate, TierQuarantine
 from ._health import BreakerState, TierHealth
-from ._probe import Prober, digest
+from ._leases import LeaseBook, ProbeLease
+from ._probe import ProbeOutcome, Prober, digest
 from ._request import RestoreRequest
 
 Record = Probe | RestoreResult | SaveResult
@@ -88,7 +89,7 @@ class EngineStatistics:
         breakers: each tier's circuit breaker.
         abandoned_workers: worker threads left running after their request ended (a read stuck
             in the kernel); their slots are parked until they return.
-        leases: probe leases currently held.
+        leases: probe leases currently held (those past their TTL are reclaimed first).
     """
 
     staging: StagingStatistics
@@ -101,21 +102,6 @@ class EngineStatistics:
     breakers: tuple[BreakerState, ...] = ()
     abandoned_workers: int = 0
     leases: int = 0
-
-
-class _ProbeLease:
-    """The tier leases of one lookup; released once, by the restore or by the caller."""
-
-    def __init__(self, leases: list[TierLease], owner: set[_ProbeLease]) -> None:
-        self._leases = leases
-        self._owner = owner
-        owner.add(self)
-
-    def release(self) -> None:
-        self._owner.discard(self)
-        leases, self._leases = self._leases, []
-        for lease in leases:
-            lease.release()
 
 
 class RestoreEngine:
@@ -137,10 +123,12 @@ class RestoreEngine:
         breaker_threshold: consecutive I/O failures or timeouts after which a tier is skipped
             for ``breaker_cooldown_s`` (None: never skip a tier).
         breaker_cooldown_s: how long a tripped tier is skipped before one trial call.
-        shield_timeout_s: the bound on every call bsr must finish even when the request is
-            cancelled (moving a corrupt object out of its tier, waiting for device copies,
-            closing a tier): such a call is shielded from cancellation but never waits longer
-            than this (default 5 s), and a request's deadline shortens it further.
+        shield_timeout_s: the bound (default 5 s) on the calls bsr makes for its own sake:
+            moving a corrupt object out of its tier (also within the request's deadline, and
+            never holding a caller's cancel: the engine's quarantine already keeps the object
+            out of use, and a move cut short is retried at close), waiting for device copies
+            that still read staging slots (shielded: the one wait a caller's cancel is held
+            for, as a slot must not be reused under a copy), and closing a tier (shielded).
         staging_budget_bytes: host staging the engine may use. The bounded window must fit in
             it (else ConfigError); a whole-plan restore whose plan exceeds it ends Invalidated
             with reason ``staging_budget`` before allocating anything. None: no budget.
@@ -198,14 +186,14 @@ class RestoreEngine:
         self._pool: StagingPool | None = None
         self._state = "new"
         self._quarantine = Quarantine()
-        self._leases: set[_ProbeLease] = set()
+        self._leases = LeaseBook()
         self._ids = itertools.count()
         self._counts = {"restores": 0, "committed": 0, "invalidated": 0, "saves": 0}
         self._log = logger.bind(rank=namespace.tp_rank, model=namespace.model_id)
         self._listeners: list[Callable[[Record], None]] = []
         self._prober = Prober(
             layout, self.tiers, self.namespace_fp, self.health, self._quarantine,
-            self.coordinator, self._log,
+            self.coordinator, self._log, origin=uuid.uuid4().bytes,
         )  # fmt: skip
         # the transfer side; one per engine, so its CUDA side stream is made once
         self._window = WindowPipeline(layout, self.tiers, window=window, io_depth=io_depth)
@@ -288,15 +276,19 @@ class RestoreEngine:
         )  # fmt: skip
 
     async def aclose(self) -> None:
-        """Release leases and close every tier (each bounded by ``shield_timeout_s``).
+        """Release leases, finish owed quarantine moves and close every tier (each bounded by
+        ``shield_timeout_s``).
 
         Later calls raise :class:`~bsr.ClosedError`.
         """
         if self._state == "closed":
             return
         self._state = "closed"
-        for lease in list(self._leases):
-            lease.release()
+        self._leases.release_all()
+        owed = self._quarantine.take_deferred()
+        if owed:  # moves out of a tier that a cancel or a bound cut short, tried once more
+            with anyio.CancelScope(shield=True):
+                await self._move_out(owed, self.shield_timeout_s, self._log)
         for t in self.tiers:
             with anyio.CancelScope(shield=True), anyio.move_on_after(self.shield_timeout_s) as sc:
                 try:
@@ -322,6 +314,7 @@ class RestoreEngine:
 
     def statistics(self) -> EngineStatistics:
         pool = self._check_open()
+        self._leases.reclaim()
         return EngineStatistics(
             staging=pool.statistics(),
             tiers=tuple(t.statistics() for t in self.tiers),
@@ -378,14 +371,17 @@ class RestoreEngine:
 
         With ``lease_ttl_s`` the objects found are pinned against eviction (HostTier, FileTier)
         until a restore given this probe ends, :meth:`Probe.release` is called, or the TTL
-        passes. With several ranks every rank must call ``lookup`` (it runs collectives).
-        ``deadline_s``: a tier still answering then is cut off (it holds nothing for this probe
-        and the cut-off counts against its circuit breaker); the probe holds what the other tiers
-        answered. ``local``: this rank's prefix alone, with no agreement (no collective, so one
-        rank may call it by itself) and no lease; pass such a probe to ``restore`` only with one
-        rank.
+        passes; a lease nobody releases is reclaimed by the engine itself once its TTL passed
+        (its tier pins released, nothing left behind), so a server may rely on the TTL. The
+        probe is good for this engine only. With several ranks every rank must call ``lookup``
+        (it runs collectives). ``deadline_s``: a tier still answering then is cut off (it holds
+        nothing for this probe and the cut-off counts against its circuit breaker); the probe
+        holds what the other tiers answered. ``local``: this rank's prefix alone, with no
+        agreement (no collective, so one rank may call it by itself) and no lease; pass such a
+        probe to ``restore`` only with one rank.
         """
         self._check_open()
+        self._leases.reclaim()
         ttl = optional_positive_float(lease_ttl_s, "lease_ttl_s")
         deadline = optional_positive_float(deadline_s, "deadline_s")
         if _flag(local, "local") and ttl is not None:
@@ -393,9 +389,9 @@ class RestoreEngine:
                 "a local lookup takes no lease (its probe is one rank's); drop lease_ttl_s or "
                 "local=True"
             )
-        probe, _ = await self._prober.probe(
-            tokens, deadline_s=deadline, partial=True, agree=not local
-        )
+        probe = (
+            await self._prober.probe(tokens, deadline_s=deadline, partial=True, agree=not local)
+        ).probe
         if ttl is not None and probe.prefix_chunks:
             probe = replace(probe, lease=await self._lease(probe, ttl))
         self._log.debug(
@@ -405,7 +401,7 @@ class RestoreEngine:
         self._notify(probe)
         return probe
 
-    async def _lease(self, probe: Probe, ttl_s: float) -> _ProbeLease:
+    async def _lease(self, probe: Probe, ttl_s: float) -> ProbeLease:
         by_tier: dict[str, list[ObjectKey]] = {}
         for c, g in needed_objects(self.layout, probe.prefix_chunks):
             for name in probe.holders[c][g]:
@@ -419,7 +415,7 @@ class RestoreEngine:
             for lease in leases:
                 lease.release()
             raise
-        return _ProbeLease(leases, self._leases)
+        return self._leases.add(leases, ttl_s)
 
     # ------------------------------------------------------------------ restore
     async def restore(
@@ -457,9 +453,25 @@ class RestoreEngine:
         straddling it is read whole and installed from that block on). The commit covers the
         whole prefix, counting those chunks as installed, so it is only as valid as the
         caller's claim; ``bytes_by_tier`` counts only what was read.
+
+        Raises:
+            ConfigError: bad arguments, or a ``probe`` that another engine made (refused
+                before anything moves; that probe and its lease are left to their engine) or
+                that was made for other tokens.
         """
+        started = time.perf_counter()  # the deadline counts from here, admission included
+        if probe is not None:
+            self._check_probe_origin(probe)
         req = self._admit(
-            tokens, cache, block_ids, policy, deadline_s, strategy, request_id, start_tokens
+            tokens,
+            cache,
+            block_ids,
+            policy,
+            deadline_s,
+            strategy,
+            request_id,
+            started,
+            start_tokens,
         )
         req.on_installed = on_installed
         try:
@@ -475,6 +487,17 @@ class RestoreEngine:
             await self._release_phase(req, probe)
         return self._finish(req)
 
+    def _check_probe_origin(self, probe: Probe) -> None:
+        if not isinstance(probe, Probe):
+            raise ConfigError(f"probe must be a bsr.Probe from lookup(), got {type(probe)}")
+        if probe.origin != self._prober.origin:
+            # refused before anything moves; the probe (and its lease) stays its engine's
+            raise ConfigError(
+                "probe was made by another RestoreEngine (it names that engine's tiers and "
+                "holds that engine's leases); pass it to the engine whose lookup() made it, or "
+                "pass no probe to probe again"
+            )
+
     def _admit(
         self,
         tokens: TokensLike,
@@ -484,10 +507,17 @@ class RestoreEngine:
         deadline_s: float | None,
         strategy: Strategy | str,
         request_id: str | None,
+        started: float,
         start_tokens: int = 0,
     ) -> RestoreRequest:
-        """Check the arguments and open the request's record (no I/O)."""
+        """Check the arguments and open the request's record (no I/O).
+
+        Runs on the event loop, before the first checkpoint, so it must stay cheap (the block
+        table check is a NumPy sort); its time counts against the deadline, which runs from
+        ``started`` (when ``restore`` was called).
+        """
         self._check_open()
+        self._leases.reclaim()
         self._check_cache(cache)
         first_block, valid_chunks = self._start(start_tokens, cache)
         n_full = self.layout.num_chunks(token_count(tokens))
@@ -502,7 +532,7 @@ class RestoreEngine:
         return RestoreRequest(
             rid=rid, life=life, log=self._log.bind(request_id=rid), tokens=tokens, cache=cache,
             ids=ids, policy=life.facts.policy, strategy=choice(Strategy, strategy, "strategy"),
-            deadline_at=None if deadline is None else time.perf_counter() + deadline,
+            deadline_at=None if deadline is None else started + deadline, t0=started,
             first_block=first_block, valid_chunks=valid_chunks,
         )  # fmt: skip
 
@@ -522,39 +552,41 @@ class RestoreEngine:
         t = time.perf_counter()
         try:
             if given is None:
-                req.probe, timed_out = await self._prober.probe(
-                    req.tokens, deadline_s=req.remaining()
-                )
+                out = await self._prober.probe(req.tokens, deadline_s=req.remaining())
             else:
-                req.probe, timed_out = await self._reuse_probe(req, given)
+                out = await self._reuse_probe(req, given)
         except CoordinatorError:
             req.life.invalidate(Reason.COORDINATOR_FAILED)
             return
         finally:
             req.timed("probe", t)
+        req.probe = out.probe
         req.life.facts.prefix_chunks = req.probe.prefix_chunks
-        if timed_out:
-            req.life.invalidate(Reason.DEADLINE)
+        if out.late:  # every rank knows: none commits while another ran out of time
+            req.timed_out = out.timed_out
+            req.life.invalidate(Reason.DEADLINE if out.timed_out else Reason.RANK_FAILED)
         elif req.probe.prefix_chunks == 0:
             req.life.fire("probe_miss", Reason.EMPTY_PREFIX)
         else:
             req.life.fire("probe_hit")
 
-    async def _reuse_probe(self, req: RestoreRequest, probe: Probe) -> tuple[Probe, bool]:
-        if not isinstance(probe, Probe):
-            raise ConfigError(f"probe must be a bsr.Probe from lookup(), got {type(probe)}")
+    async def _reuse_probe(self, req: RestoreRequest, probe: Probe) -> ProbeOutcome:
+        """Check a lookup's probe against the tokens; every rank then agrees it was in time."""
         with anyio.move_on_after(req.remaining()) as scope:
             keyed = await self._prober.keyed(req.tokens)
-        if scope.cancelled_caught:
-            return replace(probe, prefix_chunks=0), True
-        if probe.chunk_tokens != self.layout.chunk_tokens or probe.digest != digest(
-            self.namespace_fp, keyed
+        if not scope.cancelled_caught and (
+            probe.chunk_tokens != self.layout.chunk_tokens
+            or probe.digest != digest(self.namespace_fp, keyed)
         ):
             raise ConfigError(
                 "probe was made for other tokens or by an engine of another namespace; pass "
                 "the Probe that lookup() returned for these tokens (or no probe)"
             )
-        return probe, False
+        timed_out = scope.cancelled_caught
+        in_time = await self._prober.agree_on_time(timed_out)
+        if not in_time:
+            return ProbeOutcome(replace(probe, prefix_chunks=0), timed_out, not timed_out)
+        return ProbeOutcome(probe)
 
     async def _window_phase(self, req: RestoreRequest) -> None:
         """Windowing: stream the agreed chunks into the cache through the slots."""
@@ -606,17 +638,32 @@ class RestoreEngine:
         req.timed("commit", t)
 
     async def _quarantine_in_tiers(self, req: RestoreRequest) -> None:
-        """Move the corrupt objects this restore found out of their tiers, bounded."""
+        """Move the corrupt objects this restore found out of their tiers, bounded.
+
+        Not shielded: the engine's own quarantine already keeps these objects out of every
+        probe and read, so a caller's cancel (or its deadline) ends the request at once; what
+        was cut short is retried when the engine closes (see :class:`Quarantine`).
+        """
         pending = req.gate.take_pending() if req.gate is not None else []
-        if not pending:
-            return
-        budget = min(req.remaining(), self.shield_timeout_s)
-        with anyio.CancelScope(shield=True), anyio.move_on_after(budget):
-            for q in pending:
-                try:
-                    await self._tier(q.tier).quarantine(q.key, q.group, q.why)
-                except Exception as exc:
-                    req.log.warning("bsr.tier.quarantine_failed", tier=q.tier, error=repr(exc))
+        if pending:
+            await self._move_out(pending, min(req.remaining(), self.shield_timeout_s), req.log)
+
+    async def _move_out(self, moves: list[TierQuarantine], budget: float, log: Any) -> None:
+        """Ask each tier to quarantine its objects within ``budget``; defer what is left."""
+        left = list(moves)
+        try:
+            with anyio.move_on_after(budget):
+                while left:
+                    q = left[0]
+                    try:
+                        await self._tier(q.tier).quarantine(q.key, q.group, q.why)
+                    except Exception as exc:
+                        log.warning("bsr.tier.quarantine_failed", tier=q.tier, error=repr(exc))
+                    left.pop(0)
+        finally:
+            if left:
+                self._quarantine.defer(left)
+                log.warning("bsr.tier.quarantine_deferred", objects=len(left))
 
     async def _agree_phase(self, req: RestoreRequest) -> None:
         """Installed -> Committed, or Invalidated: the commit rule, agreed across ranks."""
@@ -669,9 +716,13 @@ class RestoreEngine:
 
     async def _release_phase(self, req: RestoreRequest, given: Probe | None) -> None:
         """Every slot still held goes back (or is parked); the probe's leases are released."""
+        if req.gate is not None:  # the window ended early: its tier moves are owed
+            self._quarantine.defer(req.gate.take_pending())
         try:
             if req.run is not None and req.slots is not None:
                 if self._window.cuda_stream is not None:
+                    # the one shield a caller's cancel waits for: a device copy may still be
+                    # reading these slots, which must not be reused before it lands
                     with anyio.CancelScope(shield=True):
                         with anyio.move_on_after(self.shield_timeout_s):
                             await self._window.synchronize()
@@ -710,6 +761,7 @@ class RestoreEngine:
         counted in the result and logged; it does not stop the other tiers.
         """
         pool = self._check_open()
+        self._leases.reclaim()
         self._check_cache(cache)
         keyed = await self._prober.keyed(tokens)
         ids = cache.block_table(block_ids, len(keyed.keys) * self.layout.chunk_tokens)

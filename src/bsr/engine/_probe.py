@@ -9,6 +9,11 @@ so the event loop is never held for long). Every tier whose breaker admits it is
 :class:`~bsr.Probe` and the transfer pipeline read. The ranks then agree on a prefix: the MIN of
 their longest local prefixes, re-proposed shorter until every rank can use it (sliding-window
 groups may need other chunks for a shorter prefix). Candidates strictly decrease, so it ends.
+
+A rank whose probe ran past its deadline proposes :data:`LATE` (below every prefix), so the MIN
+tells every rank, in the same round, that some rank is out of time: all of them end the request
+Invalidated, none commits the empty prefix while another gives up (the deadline is agreed like
+every other failure).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -40,6 +46,25 @@ from ._health import TierHealth
 
 Holders = list[dict[str, tuple[str, ...]]]
 
+#: what a rank whose probe ran past its deadline proposes: below every prefix, so the MIN says
+#: to every rank that some rank is out of time
+LATE = -1
+
+
+@dataclass(frozen=True)
+class ProbeOutcome:
+    """A probe and whether a deadline ended it: on this rank, or on another one."""
+
+    probe: Probe
+    #: this rank's deadline fired during its probe
+    timed_out: bool = False
+    #: another rank's probe ran past its deadline (this one did not)
+    other_late: bool = False
+
+    @property
+    def late(self) -> bool:
+        return self.timed_out or self.other_late
+
 
 def digest(namespace_fp: bytes, keyed: KeyedTokens) -> bytes:
     """A digest of (namespace, tokens): a probe made for other tokens is refused by restore."""
@@ -59,6 +84,7 @@ class Prober:
         quarantine: objects this engine no longer uses.
         coordinator: cross-rank agreement.
         log: the engine's logger.
+        origin: the engine's identity, recorded in every probe it makes.
     """
 
     def __init__(
@@ -70,7 +96,9 @@ class Prober:
         quarantine: Quarantine,
         coordinator: Coordinator,
         log: Any,
+        origin: bytes = b"",
     ) -> None:
+        self.origin = origin
         self.layout = layout
         self.tiers = list(tiers)
         self.namespace_fp = namespace_fp
@@ -128,10 +156,15 @@ class Prober:
         return [{g: tuple(names) for g, names in h.items()} for h in found]
 
     async def agree(self, local: int, usable: Callable[[int], bool]) -> int:
-        """Agree with every rank on the longest prefix all of them can use (runs collectives)."""
+        """Agree with every rank on the longest prefix all of them can use (runs collectives).
+
+        :data:`LATE` from any rank comes back as :data:`LATE` on every rank (after one round).
+        """
         candidate = local
         while True:
             agreed = await self.coordinator.agree_min(candidate)
+            if agreed < 0:  # every rank got the same MIN, so every rank stops here
+                return LATE
             ok = agreed == 0 or bool(usable(agreed))
             if await self.coordinator.agree_all(ok):
                 return agreed
@@ -144,12 +177,13 @@ class Prober:
         deadline_s: float | None,
         partial: bool = False,
         agree: bool = True,
-    ) -> tuple[Probe, bool]:
-        """Probe ``tokens``; return the probe and whether the deadline fired.
+    ) -> ProbeOutcome:
+        """Probe ``tokens``; return the probe and whether a deadline ended it on any rank.
 
         Key derivation and tier queries run under ``deadline_s`` (a tier cut off by it holds
-        nothing, see :meth:`holders`). When the deadline fired the local prefix is empty, or,
-        with ``partial``, what the tiers that answered in time hold. The agreement always runs
+        nothing, see :meth:`holders`). When the deadline fired this rank proposes :data:`LATE`
+        in the agreement, and the probe's prefix is empty on every rank; with ``partial`` it
+        proposes instead what the tiers that answered in time hold. The agreement always runs
         (every rank must take part in it) unless ``agree`` is False: then the probe is this
         rank's alone, and it runs no collective.
         """
@@ -170,11 +204,18 @@ class Prober:
         def have(c: int, g: str) -> bool:
             return c < len(holders) and bool(holders[c][g])
 
-        local = longest_prefix(self.layout, len(holders), have)
+        local = (
+            LATE if timed_out and not partial else longest_prefix(self.layout, len(holders), have)
+        )
         agreed = local
         if agree:
             agreed = await self.agree(local, lambda p: prefix_usable(self.layout, p, have))
-        return self._record(tokens, keyed, holders, local, agreed, t0), timed_out
+        probe = self._record(tokens, keyed, holders, max(local, 0), max(agreed, 0), t0)
+        return ProbeOutcome(probe, timed_out, other_late=agreed == LATE and not timed_out)
+
+    async def agree_on_time(self, timed_out: bool) -> bool:
+        """Whether every rank's probing ended in time (one collective; a reused probe's)."""
+        return await self.coordinator.agree_all(not timed_out)
 
     def _record(
         self,
@@ -199,4 +240,5 @@ class Prober:
             bytes_by_tier=by_tier,
             duration_s=time.perf_counter() - t0,
             digest=b"" if keyed is None else digest(self.namespace_fp, keyed),
+            origin=self.origin,
         )

@@ -34,7 +34,15 @@ from typing import Any
 import anyio
 import torch
 
-from .. import PagedKVCache, RestoreResult, SaveResult, StateGroup, StateLayout
+from .. import (
+    Namespace,
+    PagedKVCache,
+    RestoreResult,
+    SaveResult,
+    StateGroup,
+    StateLayout,
+    model_config_digest,
+)
 from .._errors import ConfigError, LayoutError, UnsupportedModelError
 from ._arch import ModelAdapter, RopeTable, dtype_name
 from ._plan import HIDDEN, KV, RECOMPUTE, LayerPlan
@@ -128,7 +136,38 @@ class HCache:
         if check and plan.layers(HIDDEN):
             self.report = check_model(model)
         self.layout = plan.layout(chunk_tokens)
+        #: :func:`bsr.model_config_digest` of the model's config; the engine's namespace must
+        #: carry it (:meth:`namespace`)
+        self.config_digest = model_config_digest(model.config)
         self._landing: torch.Tensor | None = None
+
+    def namespace(
+        self, model_id: str, *, tp_rank: int = 0, tp_size: int = 1, salt: bytes = b""
+    ) -> Namespace:
+        """The namespace of the engine this HCache saves and restores through.
+
+        ``model_id`` names the weights (model, revision, fine-tune); the namespace also binds
+        the digest of the model config, so hidden states or K/V saved under one config are a
+        miss for a model of another (another ``rms_norm_eps`` makes every later layer's hidden
+        state differ), never a wrong rebuild.
+        """
+        return Namespace(
+            model_id, tp_rank=tp_rank, tp_size=tp_size, salt=salt,
+            config_digest=self.config_digest,
+        )  # fmt: skip
+
+    def _check_engine(self, engine: Any) -> None:
+        ns = getattr(engine, "namespace", None)
+        got = getattr(ns, "config_digest", None)
+        if got != self.config_digest:
+            raise ConfigError(
+                f"the engine's namespace is bound to config digest {got!r}, this model's config "
+                f"is {self.config_digest!r}; build the engine with "
+                "namespace=hcache.namespace(model_id) so state saved under one config is never "
+                "restored into a model of another",
+                expected=self.config_digest,
+                got=got,
+            )
 
     # ------------------------------------------------------------- caches
     @property
@@ -236,7 +275,12 @@ class HCache:
         store: PagedKVCache,
         block_ids: Any,
     ) -> SaveResult:
-        """Save ``tokens``' state: KV layers from ``kv_cache``, hidden from ``store``."""
+        """Save ``tokens``' state: KV layers from ``kv_cache``, hidden from ``store``.
+
+        Raises:
+            ConfigError: the engine's namespace is not this model's (:meth:`namespace`).
+        """
+        self._check_engine(engine)
         result: SaveResult = await engine.save(tokens, self.save_view(kv_cache, store), block_ids)
         return result
 
@@ -320,7 +364,11 @@ class HCache:
 
         Keyword arguments go to ``engine.restore``; a caller's own ``on_installed`` is called
         after this one's, and a caller's ``probe`` is used instead of a fresh lookup.
+
+        Raises:
+            ConfigError: the engine's namespace is not this model's (:meth:`namespace`).
         """
+        self._check_engine(engine)
         job = _RestoreJob(self, engine, tokens, kv_cache, block_ids, kw)
         return await job.run()
 

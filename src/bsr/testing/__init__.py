@@ -14,6 +14,9 @@
   :class:`CampaignStats` collects their figures.
 - Hypothesis strategies: :func:`layouts`, :func:`token_streams`, :func:`derived_tokens`,
   :func:`faults`, :func:`fault_plans`.
+- Fixtures that own what they start: :func:`listening_ports` (the TCP ports a PID itself
+  listens on) and :func:`wait_listening` (wait for it; :class:`PortTaken` when another process
+  holds the port, so start again on another).
 
 Importing this module needs pytest (``pip install bsr[test]``). The state machines and the
 strategies need Hypothesis (also in the ``test`` extra); they are imported lazily, on first use
@@ -46,6 +49,9 @@ from ._mooncake_cluster import MOONCAKE_REQUIREMENT as MOONCAKE_REQUIREMENT
 from ._mooncake_cluster import MooncakeUnavailable as MooncakeUnavailable
 from ._mooncake_cluster import mooncake_problem as mooncake_problem
 from ._mooncake_cluster import start_cluster as start_cluster
+from ._ports import PortTaken as PortTaken
+from ._ports import listening_ports as listening_ports
+from ._ports import wait_listening as wait_listening
 
 if TYPE_CHECKING:
     from ._machine import CampaignStats as CampaignStats
@@ -105,6 +111,7 @@ __all__ = (
     "MOONCAKE_REQUIREMENT",
     "MooncakeUnavailable",
     "MultiRankRestoreMachine",
+    "PortTaken",
     "RecordingFaultyTier",
     "RestoreMachine",
     "Status",
@@ -118,6 +125,7 @@ __all__ = (
     "fifo_unblocker",
     "flip_file_byte",
     "layouts",
+    "listening_ports",
     "make_keys",
     "mooncake_problem",
     "payload",
@@ -130,4 +138,5 @@ __all__ = (
     "tmpfs_mount",
     "token_streams",
     "truncate_stored",
+    "wait_listening",
 )

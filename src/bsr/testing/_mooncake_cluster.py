@@ -1,6 +1,9 @@
 """A throwaway Mooncake cluster on 127.0.0.1 for tests and ``bsr bench --remote mooncake``.
 
-Processes, each started by PID and stopped by PID (SIGTERM, then SIGKILL):
+Processes, each started by PID and stopped by PID (SIGTERM, then SIGKILL), each one ready only
+once *that PID* listens on the port chosen for it (read from ``/proc``, see
+:mod:`bsr.testing._ports`): a port another process holds is never mistaken for the cluster's
+(the process is stopped and started again on fresh ports):
 
 - ``mooncake_master``: metadata and placement (``--rpc_address=127.0.0.1``, free port; no HTTP
   metadata server: the transfer engines use ``P2PHANDSHAKE``).
@@ -32,13 +35,14 @@ import importlib.util
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from ._ports import PortTaken, ProcessExited, free_port, port_listeners, wait_listening
 
 #: the Mooncake wheel the tests are written against
 MOONCAKE_REQUIREMENT = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
@@ -179,19 +183,9 @@ def require_mooncake() -> MooncakeBinaries:
     return find_mooncake()
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _accepts(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-            return True
-    except OSError:
-        return False
+#: how often the cluster is started again on fresh ports (a port taken, or a process that died
+#: while starting)
+START_ATTEMPTS = 5
 
 
 @dataclass
@@ -254,9 +248,21 @@ class MooncakeCluster:
         """SIGKILL the master (a crash: no clean shutdown)."""
         self._kill("master")
 
-    def pause_master(self) -> None:
-        """SIGSTOP the master: it keeps its sockets but answers nothing (a hang)."""
-        self.procs["master"].signal(signal.SIGSTOP)
+    def pause_master(self, timeout_s: float = 30.0) -> None:
+        """SIGSTOP the master and return once every thread of it is stopped: it keeps its
+        sockets but answers nothing (a hang).
+
+        SIGSTOP is not synchronous: the group stop begins when one of the master's threads
+        next runs, and until then its other threads keep answering (on a loaded machine, for
+        milliseconds: long enough for a request sent right after ``kill`` to be served).
+        """
+        proc = self.procs["master"]
+        proc.signal(signal.SIGSTOP)
+        deadline = time.monotonic() + timeout_s
+        while not _all_threads_stopped(proc.pid):
+            if not proc.alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"master (pid {proc.pid}) did not stop within {timeout_s} s")
+            time.sleep(0.001)
 
     def resume_master(self) -> None:
         self.procs["master"].signal(signal.SIGCONT)
@@ -290,11 +296,28 @@ class MooncakeCluster:
         return env
 
 
+def _all_threads_stopped(pid: int) -> bool:
+    """Whether every thread of ``pid`` is in the stopped state (``T`` in /proc)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return False
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", encoding="ascii", errors="replace") as fh:
+                state = fh.read().rsplit(") ", 1)[1][:1]
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue  # the thread exited meanwhile
+        if state not in ("T", "t"):
+            return False
+    return bool(tids)
+
+
 def _spawn(name: str, argv: list[str], port: int, log_dir: Path, shim: Path) -> _Proc:
     log = log_dir / f"{name}.log"
     env = dict(os.environ)
     env["LD_PRELOAD"] = " ".join(x for x in (str(shim), env.get("LD_PRELOAD", "")) if x)
-    with open(log, "wb") as fh:
+    with open(log, "ab") as fh:
         popen = subprocess.Popen(
             argv,
             stdin=subprocess.DEVNULL,
@@ -306,19 +329,96 @@ def _spawn(name: str, argv: list[str], port: int, log_dir: Path, shim: Path) -> 
     return _Proc(name, popen, port, log)
 
 
-def _wait_ready(proc: _Proc, deadline: float, cluster: MooncakeCluster) -> None:
-    while time.monotonic() < deadline:
-        if not proc.alive():
-            raise RuntimeError(
-                f"{proc.name} exited with code {proc.popen.returncode} during startup\n"
-                f"{cluster.logs()}"
-            )
-        if _accepts(proc.port):
-            return
-        time.sleep(0.05)
-    raise RuntimeError(
-        f"{proc.name} did not accept connections on port {proc.port} in time\n{cluster.logs()}"
+def _unheld_ports(n: int) -> list[int]:
+    """``n`` distinct ports, each free on 127.0.0.1 now and held by no listener (see
+    :func:`free_port`; a port some process listens on is never handed to a server)."""
+    out: list[int] = []
+    while len(out) < n:
+        port = free_port()
+        if port not in out and not port_listeners(port):
+            out.append(port)
+    return out
+
+
+def _start(
+    cluster: MooncakeCluster,
+    name: str,
+    argv: Callable[[list[int]], list[str]],
+    nports: int,
+    deadline: float,
+) -> list[int]:
+    """Start ``name`` on ``nports`` fresh ports (``argv(ports)``); return once its own PID
+    listens on the first one. Raises what :func:`wait_listening` raises."""
+    ports = _unheld_ports(nports)
+    proc = _spawn(name, argv(ports), ports[0], cluster.log_dir, cluster.shim)
+    cluster.procs[name] = proc
+    wait_listening(proc.popen, ports[0], deadline, name)
+    return ports
+
+
+def _launch(
+    cluster: MooncakeCluster,
+    bins: MooncakeBinaries,
+    *,
+    segment_bytes: int,
+    gateway_buffer_bytes: int,
+    client_ttl_s: int,
+    master_flags: Sequence[str],
+    deadline: float,
+) -> None:
+    """Start master, memory holder and gateway, in that order, each owning its port."""
+    mport, _ = _start(
+        cluster,
+        "master",
+        lambda ports: [
+            str(bins.master),
+            "--rpc_address=127.0.0.1",
+            f"--rpc_port={ports[0]}",
+            "--metrics_host=127.0.0.1",
+            f"--metrics_port={ports[1]}",
+            "--enable_http_metadata_server=false",
+            f"--client_ttl={client_ttl_s}",
+            "--logtostderr",
+            *master_flags,
+        ],
+        2,
+        deadline,
     )
+    cluster.master_address = f"127.0.0.1:{mport}"
+    common = [
+        f"--master_server_address={cluster.master_address}",
+        "--metadata_server=P2PHANDSHAKE",
+        "--protocol=tcp",
+        "--host=127.0.0.1",
+        "--logtostderr",
+    ]
+    _start(
+        cluster,
+        "memory",
+        lambda ports: [
+            str(bins.client),
+            f"--port={ports[0]}",
+            f"--global_segment_size={segment_bytes}",
+            "--local_buffer_size=0",
+            *common,
+        ],
+        1,
+        deadline,
+    )
+    (gport,) = _start(
+        cluster,
+        "gateway",
+        lambda ports: [
+            str(bins.client),
+            f"--port={ports[0]}",
+            "--global_segment_size=0",
+            f"--local_buffer_size={gateway_buffer_bytes}",
+            *common,
+        ],
+        1,
+        deadline,
+    )
+    cluster.client_address = f"127.0.0.1:{gport}"
 
 
 @contextlib.contextmanager
@@ -335,6 +435,12 @@ def start_cluster(
 
     ``segment_bytes`` is the memory holder's store segment (Mooncake needs at least 16 MiB);
     ``master_flags`` are extra ``mooncake_master`` flags, e.g. eviction settings.
+
+    Each process gets ports no one listens on, and counts as up once its own PID listens on
+    its port. If another process takes a port first, or a process dies while starting, every
+    process started so far is stopped by PID and the whole cluster starts again on fresh ports
+    (at most :data:`START_ATTEMPTS` times): a restarted memory holder alone would leave its
+    dead predecessor's segment registered at the master until ``client_ttl_s`` passes.
     """
     bins = find_mooncake()
     shim = loopback_shim()
@@ -342,67 +448,33 @@ def start_cluster(
         if log_dir is None:
             log_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bsr-mooncake-")))
         log_dir.mkdir(parents=True, exist_ok=True)
-        mport, metrics, hport, gport = free_port(), free_port(), free_port(), free_port()
         cluster = MooncakeCluster(
-            master_address=f"127.0.0.1:{mport}",
-            client_address=f"127.0.0.1:{gport}",
+            master_address="",
+            client_address="",
             metadata_server="P2PHANDSHAKE",
             log_dir=log_dir,
             shim=shim,
         )
         stack.callback(cluster.stop)
         deadline = time.monotonic() + ready_timeout_s
-        cluster.procs["master"] = _spawn(
-            "master",
-            [
-                str(bins.master),
-                "--rpc_address=127.0.0.1",
-                f"--rpc_port={mport}",
-                "--metrics_host=127.0.0.1",
-                f"--metrics_port={metrics}",
-                "--enable_http_metadata_server=false",
-                f"--client_ttl={client_ttl_s}",
-                "--logtostderr",
-                *master_flags,
-            ],
-            mport,
-            log_dir,
-            shim,
-        )
-        _wait_ready(cluster.procs["master"], deadline, cluster)
-        common = [
-            f"--master_server_address={cluster.master_address}",
-            "--metadata_server=P2PHANDSHAKE",
-            "--protocol=tcp",
-            "--host=127.0.0.1",
-            "--logtostderr",
-        ]
-        cluster.procs["memory"] = _spawn(
-            "memory",
-            [
-                str(bins.client),
-                f"--port={hport}",
-                f"--global_segment_size={segment_bytes}",
-                "--local_buffer_size=0",
-                *common,
-            ],
-            hport,
-            log_dir,
-            shim,
-        )
-        _wait_ready(cluster.procs["memory"], deadline, cluster)
-        cluster.procs["gateway"] = _spawn(
-            "gateway",
-            [
-                str(bins.client),
-                f"--port={gport}",
-                "--global_segment_size=0",
-                f"--local_buffer_size={gateway_buffer_bytes}",
-                *common,
-            ],
-            gport,
-            log_dir,
-            shim,
-        )
-        _wait_ready(cluster.procs["gateway"], deadline, cluster)
+        problems: list[str] = []
+        for _ in range(START_ATTEMPTS):
+            try:
+                _launch(
+                    cluster, bins, segment_bytes=segment_bytes,
+                    gateway_buffer_bytes=gateway_buffer_bytes, client_ttl_s=client_ttl_s,
+                    master_flags=master_flags, deadline=deadline,
+                )  # fmt: skip
+                break
+            except (PortTaken, ProcessExited) as exc:
+                problems.append(str(exc))
+                cluster.stop()
+                cluster.procs.clear()
+            except TimeoutError as exc:
+                raise RuntimeError(f"{exc}\n{cluster.logs()}") from None
+        else:
+            raise RuntimeError(
+                f"the cluster did not start in {START_ATTEMPTS} attempts: {problems}\n"
+                f"{cluster.logs()}"
+            )
         yield cluster

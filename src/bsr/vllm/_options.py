@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from bsr import ConfigError, EngineConfig
+from bsr import ConfigError, EngineConfig, model_config_digest
 
 from .._check import non_negative_int, positive_float, positive_int
 
@@ -130,6 +130,8 @@ class ConnectorSettings:
         chunk_tokens: bsr's chunk size, a multiple of ``block_size``.
         tp_size: tensor-parallel ranks.
         model_id: the namespace's model id.
+        config_digest: :func:`bsr.model_config_digest` of vLLM's model config (``hf_config``),
+            bound into the namespace.
         engine_id: vLLM's ``engine_id`` (logs only: the lookup socket path is private).
         loads: this role loads (``kv_both``, ``kv_consumer``).
         saves: this role saves (``kv_both``, ``kv_producer``) and ``options.save`` is on.
@@ -142,6 +144,7 @@ class ConnectorSettings:
     chunk_tokens: int
     tp_size: int
     model_id: str
+    config_digest: str
     engine_id: str
     loads: bool
     saves: bool
@@ -175,6 +178,7 @@ def settings(vllm_config: Any, kv_cache_config: Any) -> ConnectorSettings:
         chunk_tokens=chunk_tokens(engine.chunk_tokens, block_size),
         tp_size=check_parallelism(vllm_config, kv_cache_config),
         model_id=engine.model_id or default_model_id(vllm_config),
+        config_digest=model_config_digest(vllm_config.model_config.hf_config),
         engine_id=str(ktc.engine_id),
         loads=role != "kv_producer",
         saves=role != "kv_consumer" and options.save,

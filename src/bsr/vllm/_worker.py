@@ -47,7 +47,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from bsr import (
     BsrError,
     FileTierConfig,
-    Namespace,
     PagedKVCache,
     Probe,
     RestoreEngine,
@@ -216,8 +215,13 @@ class BsrWorker:
     ) -> RestoreEngine:
         """The rank's engine from the ``"bsr"`` config (not opened yet)."""
         s = self.settings
-        namespace = Namespace(s.model_id, tp_rank=self.tp_rank, tp_size=s.tp_size)
-        config = s.engine
+        config = dataclasses.replace(s.engine, model_id=s.model_id)
+        # the config's tenant salt, and the model config the KV was computed with: a server
+        # whose model computes differently (same model_id) misses instead of reading it
+        namespace = dataclasses.replace(
+            config.namespace(tp_rank=self.tp_rank, tp_size=s.tp_size),
+            config_digest=s.config_digest,
+        )
         if s.tp_size > 1:  # one process per FileTier root: each rank gets its own
             sub = f"rank-{self.tp_rank}-of-{s.tp_size}"
             tiers = tuple(
