@@ -10,6 +10,7 @@ interpreter needs bsr, not the bench: the child finds this package through ``PYT
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -39,6 +40,14 @@ def vllm_version(python: str) -> str:
             "or pass --vllm-python"
         )
     return check.stdout.strip()
+
+
+def loadavg() -> list[float] | None:
+    """The 1, 5 and 15-minute load averages (None where the system has none)."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
 
 
 def tokens(n: int, seed: int, vocab: int) -> list[int]:

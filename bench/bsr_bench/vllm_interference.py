@@ -234,6 +234,23 @@ def run_interference(plan: Plan, python: str, seed: int) -> dict[str, Any]:
             phases[f"{name}_s"] = time.perf_counter() - t
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    return section(plan, model, stored, results, phases, time.perf_counter() - t0)
+
+
+def section(
+    plan: Plan,
+    model: dict[str, Any],
+    stored: dict[str, Any],
+    results: dict[str, dict[str, Any]],
+    phases: dict[str, float],
+    duration_s: float,
+) -> dict[str, Any]:
+    """The section's record from its engines' outputs (the ``model``, ``store`` and per-variant
+    ``rounds`` jobs of :mod:`.vllm_interference_child`)."""
+    config = {**MODEL, "num_hidden_layers": plan.layers}
+    missing = [name for name in plan.variants if name not in results]
+    if missing:
+        raise BenchError(f"interference: no rounds for {', '.join(missing)}")
     variants = {
         name: summarize(
             name, results[name], VARIANTS[name].load, VARIANTS[name].cache, plan.prefix_tokens
@@ -249,6 +266,7 @@ def run_interference(plan: Plan, python: str, seed: int) -> dict[str, Any]:
     for name, summary in variants.items():
         if not summary["hits_as_expected"]:
             warnings.append(f"{name}: a round's new request did not hit as planned (see rounds)")
+    first = results[plan.variants[0]]
     return {
         "plan": asdict(plan),
         "model": {
@@ -269,15 +287,15 @@ def run_interference(plan: Plan, python: str, seed: int) -> dict[str, Any]:
             "before each variant round",
         },
         "scheduler": {
-            "max_num_batched_tokens": next(iter(results.values()))["max_num_batched_tokens"],
-            "chunked_prefill": next(iter(results.values()))["chunked_prefill"],
+            "max_num_batched_tokens": first["max_num_batched_tokens"],
+            "chunked_prefill": first["chunked_prefill"],
         },
         "variants": variants,
         "ratios": ratios(variants),
         "targets": targets(variants),
         "warnings": warnings,
         "phases_s": phases,
-        "duration_s": time.perf_counter() - t0,
+        "duration_s": duration_s,
     }
 
 

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .vllm_common import tokens
+from .vllm_common import loadavg, tokens
 
 
 def object_files(store: str) -> list[str]:
@@ -204,7 +204,7 @@ def run_store(spec: dict[str, Any]) -> dict[str, Any]:
 
 def run_rounds(spec: dict[str, Any]) -> dict[str, Any]:
     """One variant's rounds, in the order of ``spec["rounds"]`` (see the module docstring)."""
-    load_start = _loadavg()
+    load_start = loadavg()
     t0 = time.perf_counter()
     llm = _engine(spec)
     start_s = time.perf_counter() - t0
@@ -217,17 +217,10 @@ def run_rounds(spec: dict[str, Any]) -> dict[str, Any]:
         "start_s": start_s,
         "max_num_batched_tokens": int(sched.max_num_batched_tokens),
         "chunked_prefill": bool(sched.enable_chunked_prefill),
-        "load_average": [load_start, _loadavg()],
+        "load_average": [load_start, loadavg()],
         "rounds": rounds,
     }
     return {**out, "_llm": llm}
-
-
-def _loadavg() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
 
 
 def _round(

@@ -9,15 +9,19 @@ interpreter that has vLLM (:mod:`.vllm_common`). The run writes one JSON documen
 ``vllm_document``: machine, commit, arguments, both sections, the targets) and prints the tables.
 
 How the TTFT section works: a random-weight Llama (a ``config.json`` only,
-``load_format="dummy"``, large enough that prefill costs real time on CPU) is served three ways,
+``load_format="dummy"``, large enough that prefill costs real time on CPU) is served four ways,
 one engine each, with vLLM's own prefix cache off so that every request either recomputes or goes
 through the connector:
 
 * **recompute**: no connector; every prompt ``prefix + fresh suffix`` is prefilled in full;
-* **bsr**: :class:`bsr.vllm.BsrConnector` (its default mode: asynchronous loads) over a
-  FileTier; one request per prefix length stores the prefix (the save runs after the request;
-  the bench waits until its objects are on disk and an untimed request restores them all), then
-  each timed request restores the prefix's full chunks and prefills only the suffix;
+* **bsr**: :class:`bsr.vllm.BsrConnector` in its default mode (asynchronous loads) over a
+  FileTier of its own; one request per prefix length stores the prefix (the save runs after the
+  request; the bench waits until its objects are on disk and an untimed request restores them
+  all), then each timed request restores the prefix's full chunks and prefills only the suffix;
+* **bsr_sync**: the same with ``"bsr_connector": {"load": "sync"}`` (the restore runs inside the
+  step that prefills the suffix), so the cost of the asynchronous mode on an idle engine (the
+  load finishes one engine step, the lookup one scheduler iteration, before the prefill) is a
+  ratio measured in the same run;
 * **offloading**: vLLM's ``OffloadingConnector`` (CPU offload). On the CPU build it refuses to
   start; the bench records the exact error instead of a figure.
 
@@ -36,12 +40,13 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from . import vllm_interference as interference
 from .common.stats import BenchError, Dist, ratio
-from .vllm_common import run_child, tokens, vllm_python, vllm_version
+from .vllm_common import loadavg, run_child, tokens, vllm_python, vllm_version
 from .vllm_interference_figures import print_table as print_interference
 
 #: The TTFT model: GQA Llama, head_dim 64 (CPU attention kernels need >= 32).
@@ -65,7 +70,9 @@ DEFAULT_PREFIXES = (1024, 2048, 4096, 8192)
 SUFFIX_TOKENS = 32
 BLOCK_SIZE = 128
 CHUNK_TOKENS = 256
-MODES = ("recompute", "bsr", "offloading")
+MODES = ("recompute", "bsr", "bsr_sync", "offloading")
+#: the connector's load mode of each bsr engine
+LOADS = {"bsr": "async", "bsr_sync": "sync"}
 SECTIONS = ("ttft", "interference")
 
 
@@ -115,7 +122,8 @@ def child(spec_path: str, out_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     mode = spec["mode"]
     kw: dict[str, Any] = {}
-    if mode == "bsr":
+    load_start = loadavg()
+    if mode in LOADS:
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="BsrConnector",
             kv_connector_module_path="bsr.vllm",
@@ -127,7 +135,8 @@ def child(spec_path: str, out_path: str) -> None:
                     "chunk_tokens": CHUNK_TOKENS,
                     "window": 8,
                     "io_depth": 4,
-                }
+                },
+                "bsr_connector": {"load": LOADS[mode]},
             },
         )
     elif mode == "offloading":
@@ -163,9 +172,9 @@ def child(spec_path: str, out_path: str) -> None:
             (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
             return time.perf_counter() - t, int(out.num_cached_tokens or 0)
 
-        before = _objects(spec["store"]) if mode == "bsr" else 0
+        before = _objects(spec["store"]) if mode in LOADS else 0
         ask(-1)  # warm-up; with bsr also stores the prefix (saved after the request ends)
-        if mode == "bsr":
+        if mode in LOADS:
             want = before + n // CHUNK_TOKENS
             deadline = time.monotonic() + 120
             while _objects(spec["store"]) < want and time.monotonic() < deadline:
@@ -181,6 +190,7 @@ def child(spec_path: str, out_path: str) -> None:
             samples.append(s)
             cached.append(c)
         result["points"].append({"prefix_tokens": n, "ttft_s": samples, "cached_tokens": cached})
+    result["load_average"] = [load_start, loadavg()]
     Path(out_path).write_text(json.dumps(result))
     try:
         llm.llm_engine.engine_core.shutdown()
@@ -197,86 +207,91 @@ def run_from_namespace(ns: argparse.Namespace) -> dict[str, Any]:
     return doc
 
 
-def _sections(ns: argparse.Namespace) -> tuple[str, ...]:
+@dataclass(frozen=True)
+class Options:
+    """What ``--engine vllm`` runs, from its flags (checked before any engine starts)."""
+
+    sections: tuple[str, ...]
+    prefixes: tuple[int, ...]
+    repeats: int
+    plan: interference.Plan
+    python: str
+    seed: int
+    quick: bool
+
+
+def options_from_namespace(ns: argparse.Namespace) -> Options:
+    """The run the flags ask for; a :class:`BenchError` naming the flag otherwise."""
+    quick = bool(getattr(ns, "quick", False))
     given = getattr(ns, "vllm_sections", None)
-    if not given:
-        return SECTIONS
-    out = tuple(s.strip() for s in given.split(",") if s.strip())
-    if not out or any(s not in SECTIONS for s in out) or len(set(out)) != len(out):
+    sections = tuple(s.strip() for s in given.split(",") if s.strip()) if given else SECTIONS
+    if (
+        not sections
+        or any(s not in SECTIONS for s in sections)
+        or len(set(sections)) != len(sections)
+    ):
         raise BenchError(
             f"--vllm-sections takes distinct names among ttft, interference; got {given!r}"
         )
-    return out
-
-
-def _ttft_options(ns: argparse.Namespace) -> tuple[tuple[int, ...], int]:
-    quick = bool(getattr(ns, "quick", False))
-    prefixes = (
-        tuple(int(x) for x in ns.vllm_prefixes.split(","))
-        if getattr(ns, "vllm_prefixes", None)
-        else ((1024, 2048) if quick else DEFAULT_PREFIXES)
-    )
+    try:
+        prefixes = (
+            tuple(int(x) for x in ns.vllm_prefixes.split(","))
+            if getattr(ns, "vllm_prefixes", None)
+            else ((1024, 2048) if quick else DEFAULT_PREFIXES)
+        )
+    except ValueError:
+        raise BenchError(
+            f"--vllm-prefixes takes comma-separated token counts, got {ns.vllm_prefixes!r}"
+        ) from None
     if any(n < CHUNK_TOKENS or n % CHUNK_TOKENS for n in prefixes):
         raise BenchError(f"--vllm-prefixes must be multiples of {CHUNK_TOKENS}, got {prefixes}")
     repeats = getattr(ns, "vllm_repeats", None)
     if repeats is None:
         repeats = 2 if quick else 5
     if repeats < 1:
-        raise BenchError("--vllm-repeats must be >= 1")
-    return prefixes, repeats
+        raise BenchError(f"--vllm-repeats must be >= 1, got {repeats}")
+    return Options(
+        sections=sections,
+        prefixes=prefixes,
+        repeats=repeats,
+        plan=interference.plan_from_namespace(ns),
+        python=vllm_python(getattr(ns, "vllm_python", None)),
+        seed=int(getattr(ns, "seed", 0) or 0),
+        quick=quick,
+    )
 
 
 def run_vllm(ns: argparse.Namespace) -> dict[str, Any]:
     """Check the flags, run the sections, validate and write the document."""
-    from .common.document import validate, write_json
+    from .common.document import write_json
     from .common.machine import commit_info, machine_info  # not in the child: psutil, torch
 
-    sections = _sections(ns)
-    prefixes, repeats = _ttft_options(ns)
-    plan = interference.plan_from_namespace(ns)
-    python = vllm_python(getattr(ns, "vllm_python", None))
-    version = vllm_version(python)
-    seed = int(getattr(ns, "seed", 0) or 0)
+    opts = options_from_namespace(ns)
+    version = vllm_version(opts.python)
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     machine = machine_info()
     t_start = time.perf_counter()
-    ttft = run_ttft(python, prefixes, repeats, seed) if "ttft" in sections else None
-    inter = (
-        interference.run_interference(plan, python, seed) if "interference" in sections else None
+    ttft = (
+        run_ttft(opts.python, opts.prefixes, opts.repeats, opts.seed)
+        if "ttft" in opts.sections
+        else None
     )
-    try:
-        machine["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        machine["load_average_end"] = None
-    doc: dict[str, Any] = {
-        "schema_version": 1,
-        "tool": "bsr bench --engine vllm",
-        "started_at": started,
-        "duration_s": time.perf_counter() - t_start,
-        "argv": sys.argv[1:],
-        "args": {
-            "sections": list(sections),
-            "quick": bool(getattr(ns, "quick", False)),
-            "prefixes": list(prefixes),
-            "repeats": repeats,
-            "interference": {
-                "prefix_tokens": plan.prefix_tokens,
-                "arrivals": plan.arrivals,
-                "variants": list(plan.variants),
-                "layers": plan.layers,
-            },
-            "vllm_python": python,
-        },
-        "seed": seed,
-        "vllm": version,
-        "machine": machine,
-        "commit": commit_info(),
-        "ttft": ttft,
-        "interference": inter,
-        "targets": [] if inter is None else inter["targets"],
-        "warnings": [] if inter is None else inter["warnings"],
-    }
-    validate(doc, "vllm_document")
+    inter = (
+        interference.run_interference(opts.plan, opts.python, opts.seed)
+        if "interference" in opts.sections
+        else None
+    )
+    machine["load_average_end"] = loadavg()
+    doc = document(
+        opts,
+        version=version,
+        machine=machine,
+        commit=commit_info(),
+        started_at=started,
+        duration_s=time.perf_counter() - t_start,
+        ttft=ttft,
+        inter=inter,
+    )
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     path = Path(getattr(ns, "json", None) or f"bench/results/vllm-{stamp}.json")
     write_json(doc, path)
@@ -284,8 +299,55 @@ def run_vllm(ns: argparse.Namespace) -> dict[str, Any]:
     return doc
 
 
+def document(
+    opts: Options,
+    *,
+    version: str,
+    machine: dict[str, Any],
+    commit: dict[str, Any],
+    started_at: str,
+    duration_s: float,
+    ttft: dict[str, Any] | None,
+    inter: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """The run's document (schema.json's ``vllm_document``), validated."""
+    from .common.document import validate
+
+    plan = opts.plan
+    doc: dict[str, Any] = {
+        "schema_version": 1,
+        "tool": "bsr bench --engine vllm",
+        "started_at": started_at,
+        "duration_s": duration_s,
+        "argv": sys.argv[1:],
+        "args": {
+            "sections": list(opts.sections),
+            "quick": opts.quick,
+            "prefixes": list(opts.prefixes),
+            "repeats": opts.repeats,
+            "interference": {
+                "prefix_tokens": plan.prefix_tokens,
+                "arrivals": plan.arrivals,
+                "variants": list(plan.variants),
+                "layers": plan.layers,
+            },
+            "vllm_python": opts.python,
+        },
+        "seed": opts.seed,
+        "vllm": version,
+        "machine": machine,
+        "commit": commit,
+        "ttft": ttft,
+        "interference": inter,
+        "targets": [] if inter is None else inter["targets"],
+        "warnings": (ttft or {}).get("warnings", []) + (inter or {}).get("warnings", []),
+    }
+    validate(doc, "vllm_document")
+    return doc
+
+
 def run_ttft(python: str, prefixes: tuple[int, ...], repeats: int, seed: int) -> dict[str, Any]:
-    """The TTFT section: three engines, one after another; its record."""
+    """The TTFT section: its engines, one after another; its record."""
     work = Path(tempfile.mkdtemp(prefix="bsr-vllm-bench-"))
     t0 = time.perf_counter()
     try:
@@ -296,43 +358,77 @@ def run_ttft(python: str, prefixes: tuple[int, ...], repeats: int, seed: int) ->
             "prefixes": list(prefixes),
             "repeats": repeats,
             "seed": seed,
-            "store": str(work / "store"),
         }
         argv = ["bsr_bench.vllm_ttft", "child"]
-        runs = {m: run_child(python, argv, {**base, "mode": m}, work, m, 1800) for m in MODES}
+        runs = {
+            m: run_child(
+                python, argv, {**base, "mode": m, "store": str(work / f"store-{m}")}, work, m, 1800
+            )
+            for m in MODES
+        }
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    for m in ("recompute", "bsr"):
+    return ttft_section(runs, repeats, time.perf_counter() - t0)
+
+
+def ttft_section(
+    runs: dict[str, dict[str, Any]], repeats: int, duration_s: float
+) -> dict[str, Any]:
+    """The TTFT section's record from its engines' outputs (``{"error": ...}`` where one failed)."""
+    for m in ("recompute", *LOADS):
         if "error" in runs[m]:
             raise BenchError(f"the {m} engine failed: {runs[m]['error']}")
-    points = []
-    for rec, res in zip(runs["recompute"]["points"], runs["bsr"]["points"]):
-        d_rec, d_bsr = Dist.of(rec["ttft_s"]), Dist.of(res["ttft_s"])
-        points.append(
-            {
-                "prefix_tokens": rec["prefix_tokens"],
-                "recompute_ttft_s": d_rec.to_dict(),
-                "bsr_ttft_s": d_bsr.to_dict(),
-                "speedup_vs_recompute": ratio(d_rec.median, d_bsr.median, "recompute/bsr"),
-                "bsr_cached_tokens": res["cached_tokens"],
-                "recompute_cached_tokens": rec["cached_tokens"],
-            }
+    points = [
+        ttft_point(rec, asy, syn)
+        for rec, asy, syn in zip(
+            runs["recompute"]["points"],
+            runs["bsr"]["points"],
+            runs["bsr_sync"]["points"],
+            strict=True,
         )
+    ]
     off = runs["offloading"]
     return {
+        "warnings": [
+            f"ttft: a {mode} request at prefix {p['prefix_tokens']} hit fewer tokens than the "
+            "prefix (see bsr_cached_tokens / bsr_sync_cached_tokens)"
+            for p in points
+            for mode, key in (("bsr", "bsr_cached_tokens"), ("bsr_sync", "bsr_sync_cached_tokens"))
+            if min(p[key]) < p["prefix_tokens"]
+        ],
         "model": MODEL,
         "block_size": BLOCK_SIZE,
         "chunk_tokens": CHUNK_TOKENS,
         "suffix_tokens": SUFFIX_TOKENS,
         "repeats": repeats,
-        "load": "async (the connector's default)",
+        "load": "bsr: async (the connector's default); bsr_sync: sync",
         "tier": "file (page cache warm: written by the store request)",
         "points": points,
         "offloading_connector": (
             {"ran": False, "error": off["error"]} if "error" in off else {"ran": True, **off}
         ),
         "engine_start_s": {m: runs[m].get("start_s") for m in MODES},
-        "duration_s": time.perf_counter() - t0,
+        "load_average": {m: runs[m].get("load_average") for m in MODES},
+        "duration_s": duration_s,
+    }
+
+
+def ttft_point(rec: dict[str, Any], asy: dict[str, Any], syn: dict[str, Any]) -> dict[str, Any]:
+    """One prefix length's figures from the three engines' samples (ratios of medians)."""
+    if not rec["prefix_tokens"] == asy["prefix_tokens"] == syn["prefix_tokens"]:
+        raise BenchError("the TTFT engines measured different prefix lengths")
+    d_rec, d_bsr, d_sync = Dist.of(rec["ttft_s"]), Dist.of(asy["ttft_s"]), Dist.of(syn["ttft_s"])
+    return {
+        "prefix_tokens": rec["prefix_tokens"],
+        "recompute_ttft_s": d_rec.to_dict(),
+        "bsr_ttft_s": d_bsr.to_dict(),
+        "bsr_sync_ttft_s": d_sync.to_dict(),
+        "speedup_vs_recompute": ratio(d_rec.median, d_bsr.median, "recompute/bsr"),
+        "sync_speedup_vs_recompute": ratio(d_rec.median, d_sync.median, "recompute/bsr_sync"),
+        "async_vs_sync_ttft": ratio(d_bsr.median, d_sync.median, "bsr/bsr_sync"),
+        "bsr_cached_tokens": asy["cached_tokens"],
+        "bsr_sync_cached_tokens": syn["cached_tokens"],
+        "recompute_cached_tokens": rec["cached_tokens"],
     }
 
 
@@ -341,13 +437,18 @@ def print_tables(doc: dict[str, Any]) -> None:
     ttft = doc["ttft"]
     if ttft is not None:
         print(f"vLLM {doc['vllm']} CPU, TTFT (median of {ttft['repeats']}, s); model: random Llama")
-        print(f"{'prefix':>8} {'recompute':>10} {'bsr':>8} {'speedup':>8} {'bsr hit':>8}")
+        print(
+            f"{'prefix':>8} {'recompute':>10} {'bsr':>8} {'speedup':>8} {'bsr sync':>9} "
+            f"{'async/sync':>10} {'bsr hit':>8}"
+        )
         for p in ttft["points"]:
-            hit = min(p["bsr_cached_tokens"])
+            hit = min(p["bsr_cached_tokens"] + p["bsr_sync_cached_tokens"])
             print(
                 f"{p['prefix_tokens']:>8} {p['recompute_ttft_s']['median']:>10.3f} "
-                f"{p['bsr_ttft_s']['median']:>8.3f} {p['speedup_vs_recompute']:>7.1f}x {hit:>8}"
+                f"{p['bsr_ttft_s']['median']:>8.3f} {p['speedup_vs_recompute']:>7.1f}x "
+                f"{p['bsr_sync_ttft_s']['median']:>9.3f} {p['async_vs_sync_ttft']:>10.2f} {hit:>8}"
             )
+        print("bsr: asynchronous loads (the default); bsr sync: load=sync; bsr hit: the lowest")
         off = ttft["offloading_connector"]
         state = "ran" if off["ran"] else f"did not start: {off['error']}"
         print("vLLM OffloadingConnector:", state)

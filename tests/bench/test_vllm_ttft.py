@@ -10,7 +10,8 @@ import pytest
 from bsr_bench.cli import add_arguments
 from bsr_bench.common.stats import BenchError
 from bsr_bench.vllm_common import root_cause
-from bsr_bench.vllm_ttft import run_vllm
+from bsr_bench.vllm_interference import QUICK_VARIANTS, VARIANTS
+from bsr_bench.vllm_ttft import DEFAULT_PREFIXES, SECTIONS, options_from_namespace, run_vllm
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -23,6 +24,33 @@ def test_engine_flag_defaults_to_the_restore_bench() -> None:
     assert parse().engine == "bsr"
     ns = parse("--engine", "vllm", "--vllm-prefixes", "512,1024", "--vllm-repeats", "2")
     assert (ns.engine, ns.vllm_prefixes, ns.vllm_repeats) == ("vllm", "512,1024", 2)
+
+
+def test_options_defaults_and_quick() -> None:
+    opts = options_from_namespace(parse("--engine", "vllm", "--vllm-python", "/x/python"))
+    assert (opts.sections, opts.prefixes, opts.repeats) == (SECTIONS, DEFAULT_PREFIXES, 5)
+    assert opts.python == "/x/python" and opts.plan.variants == tuple(VARIANTS)
+    opts = options_from_namespace(
+        parse("--engine", "vllm", "--quick", "--vllm-sections", " interference ,ttft")
+    )
+    assert opts.sections == ("interference", "ttft") and opts.quick
+    assert (opts.prefixes, opts.repeats, opts.plan.variants) == ((1024, 2048), 2, QUICK_VARIANTS)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("--vllm-prefixes", "1000"), "--vllm-prefixes must be multiples of 256"),
+        (("--vllm-prefixes", "0"), "--vllm-prefixes must be multiples of 256"),
+        (("--vllm-prefixes", "1024,2k"), "--vllm-prefixes takes comma-separated token counts"),
+        (("--vllm-repeats", "0"), "--vllm-repeats must be >= 1, got 0"),
+        (("--vllm-sections", ","), "--vllm-sections takes distinct names"),
+        (("--vllm-sections", "ttft,stalls"), "--vllm-sections takes distinct names"),
+    ],
+)
+def test_bad_options_name_the_flag(argv: tuple[str, ...], message: str) -> None:
+    with pytest.raises(BenchError, match=message):
+        options_from_namespace(parse("--engine", "vllm", *argv))
 
 
 def test_bad_arguments_are_bench_errors() -> None:
