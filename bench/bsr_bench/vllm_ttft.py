@@ -270,6 +270,7 @@ def run_vllm(ns: argparse.Namespace) -> dict[str, Any]:
     version = vllm_version(opts.python)
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     machine = machine_info()
+    commit = commit_info()  # at the start: the tree that runs, whatever is edited meanwhile
     t_start = time.perf_counter()
     ttft = (
         run_ttft(opts.python, opts.prefixes, opts.repeats, opts.seed)
@@ -286,7 +287,7 @@ def run_vllm(ns: argparse.Namespace) -> dict[str, Any]:
         opts,
         version=version,
         machine=machine,
-        commit=commit_info(),
+        commit=commit,
         started_at=started,
         duration_s=time.perf_counter() - t_start,
         ttft=ttft,
