@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,6 +31,7 @@ MACHINE = {
     "load_average_end": [2.0, 1.5, 1.0],
 }
 COMMIT = {"id": "0" * 40, "dirty": False}
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -200,3 +203,31 @@ def test_an_interference_section_without_a_variant_s_rounds_is_refused() -> None
     results = {"sync_cold": _rounds("sync_cold", plan.prefix_tokens, 0.5)}
     with pytest.raises(BenchError, match="no rounds for async_cold"):
         section(plan, {"params": 1}, stored, results, {}, 1.0)
+
+
+def _committed_ttft() -> list[Path]:
+    docs = []
+    for p in sorted((ROOT / "bench" / "results").glob("vllm-*.json")):
+        doc = json.loads(p.read_text())
+        if doc.get("tool") == "bsr bench --engine vllm" and doc.get("ttft"):
+            docs.append(p)
+    return docs
+
+
+@pytest.mark.parametrize("path", _committed_ttft(), ids=lambda p: p.name)
+def test_a_committed_ttft_table_follows_from_its_own_samples(path: Path) -> None:
+    doc = json.loads(path.read_text())
+    validate(doc, "vllm_document")
+    for p in doc["ttft"]["points"]:
+        n = p["prefix_tokens"]
+
+        def engine(key: str, hits: str, p: dict[str, Any] = p, n: int = n) -> dict[str, Any]:
+            return {"prefix_tokens": n, "ttft_s": p[key]["values"], "cached_tokens": p[hits]}
+
+        again = ttft_point(
+            engine("recompute_ttft_s", "recompute_cached_tokens"),
+            engine("bsr_ttft_s", "bsr_cached_tokens"),
+            engine("bsr_sync_ttft_s", "bsr_sync_cached_tokens"),
+        )
+        assert again == p
+        assert min(p["bsr_cached_tokens"] + p["bsr_sync_cached_tokens"]) == n
