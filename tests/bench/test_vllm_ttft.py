@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 import pytest
 
 from bsr_bench.cli import add_arguments
+from bsr_bench.common.document import validate
 from bsr_bench.common.stats import BenchError
 from bsr_bench.vllm_common import root_cause
 from bsr_bench.vllm_interference import QUICK_VARIANTS, VARIANTS
 from bsr_bench.vllm_ttft import DEFAULT_PREFIXES, SECTIONS, options_from_namespace, run_vllm
+
+VLLM_PYTHON = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -86,3 +91,30 @@ def test_root_cause_is_the_specific_line() -> None:
     )
     assert root_cause(stderr).startswith("ValueError: CPU Offloading is currently only supported")
     assert root_cause("") == "no output"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm (make .venv-vllm)")
+def test_the_ttft_section_runs_at_one_chunk(tmp_path: Path) -> None:
+    """Four engines at a 256-token prefix, one timed request each: both load modes hit the
+    whole prefix, recompute hits nothing, the offloading connector's refusal is recorded, and
+    the document on disk validates."""
+    out = tmp_path / "vllm.json"
+    doc = run_vllm(
+        parse(
+            "--engine", "vllm", "--vllm-sections", "ttft", "--vllm-python", str(VLLM_PYTHON),
+            "--vllm-prefixes", "256", "--vllm-repeats", "1", "--json", str(out),
+        )
+    )  # fmt: skip
+    validate(json.loads(out.read_text()), "vllm_document")
+    assert doc["interference"] is None and doc["warnings"] == []
+    (p,) = doc["ttft"]["points"]
+    assert p["prefix_tokens"] == 256
+    assert p["bsr_cached_tokens"] == p["bsr_sync_cached_tokens"] == [256]
+    assert p["recompute_cached_tokens"] == [0]
+    assert p["async_vs_sync_ttft"] == pytest.approx(
+        p["bsr_ttft_s"]["median"] / p["bsr_sync_ttft_s"]["median"]
+    )
+    starts = doc["ttft"]["engine_start_s"]
+    assert all(starts[m] > 0 for m in ("recompute", "bsr", "bsr_sync"))
+    assert doc["ttft"]["offloading_connector"]["ran"] is False  # the CPU build refuses it
