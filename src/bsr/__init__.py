@@ -11,6 +11,7 @@ from ._errors import BlockTableError as BlockTableError
 from ._errors import BsrError as BsrError
 from ._errors import ClosedError as ClosedError
 from ._errors import ConfigError as ConfigError
+from ._errors import ConversationBusyError as ConversationBusyError
 from ._errors import CoordinatorError as CoordinatorError
 from ._errors import CorruptObjectError as CorruptObjectError
 from ._errors import ForeignObjectError as ForeignObjectError
@@ -73,6 +74,7 @@ from .tiers._host import HostTier as HostTier
 from .tiers._mooncake import MooncakeTier as MooncakeTier
 from .tiers._readers import KvikioReader as KvikioReader
 from .tiers._readers import PosixReader as PosixReader
+from .tiers._readers import UringReader as UringReader
 from .transfer._cache import PagedKVCache as PagedKVCache
 from .transfer._staging import StagingPool as StagingPool
 from .transfer._staging import StagingStatistics as StagingStatistics
@@ -92,6 +94,7 @@ __all__ = (
     "ChunkKey",
     "ClosedError",
     "ConfigError",
+    "ConversationBusyError",
     "Coordinator",
     "CoordinatorError",
     "CorruptObjectError",
@@ -121,6 +124,7 @@ __all__ = (
     "PagedKVCache",
     "Policy",
     "PosixReader",
+    "UringReader",
     "Probe",
     "Reason",
     "RequestLifecycle",

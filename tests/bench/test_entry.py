@@ -52,6 +52,8 @@ FLAGS = {
     "--sizes": None,
     "--sweep-tokens": None,
     "--tp": None,
+    "--ssd-concurrency": False,
+    "--ssd-depths": None,
     "--vllm-interference-arrivals": None,
     "--vllm-interference-layers": None,
     "--vllm-interference-prefix": None,
