@@ -10,7 +10,8 @@ Programs, one per subpackage or module, chosen by :mod:`.cli` from the flags:
 - :mod:`.restore`: the default run, BSR restore vs whole-plan restore, raw reads and recompute;
 - :mod:`.paper`: the paper-scale benches, ``--l1-ladder`` and ``--tp N``;
 - :mod:`.hcache`: ``--hcache``, HCache restore vs KV restore vs recompute;
-- :mod:`.vllm_ttft`: ``--engine vllm``, time to first token inside vLLM's CPU engine.
+- :mod:`.vllm_ttft`: ``--engine vllm``, bsr inside vLLM's CPU engine: time to first token, and
+  (:mod:`.vllm_interference`) what a restore costs the requests already decoding.
 
 :mod:`.common` holds what they share (errors and statistics, the JSON document and
 ``schema.json``, machine and commit, layouts, page cache, raw reads, fio). See

@@ -1,27 +1,34 @@
-"""``bsr bench --engine vllm``: time to first token in vLLM's CPU engine, recompute vs bsr restore.
+"""``bsr bench --engine vllm``: bsr inside vLLM's CPU engine, two sections in one run.
 
-Where it runs: the bench process only orchestrates; every vLLM engine runs in a child process
-(``python -m bsr_bench.vllm_ttft child spec.json out.json``) of an interpreter that has vLLM
-(``--vllm-python``, default ``.venv-vllm/bin/python`` when it exists, else this one), because
-vLLM spawns workers and pins its own dependency stack. That interpreter needs bsr, not the
-bench: the child finds this package through ``PYTHONPATH`` (:mod:`.common.workers`).
+* **ttft** (this module): time to first token of an idle engine, recompute vs bsr restore;
+* **interference** (:mod:`.vllm_interference`): what a restore costs the requests already
+  decoding, sync vs async loads vs recompute, over a local-hit baseline.
 
-How it works: a random-weight Llama (a ``config.json`` only, ``load_format="dummy"``, large enough
-that prefill costs real time on CPU) is served three ways, one engine each, with vLLM's own
-prefix cache off so that every request either recomputes or goes through the connector:
+``--vllm-sections`` picks them (default both). Every engine runs in a child process of the
+interpreter that has vLLM (:mod:`.vllm_common`). The run writes one JSON document (schema.json's
+``vllm_document``: machine, commit, arguments, both sections, the targets) and prints the tables.
+
+How the TTFT section works: a random-weight Llama (a ``config.json`` only,
+``load_format="dummy"``, large enough that prefill costs real time on CPU) is served four ways,
+one engine each, with vLLM's own prefix cache off so that every request either recomputes or goes
+through the connector:
 
 * **recompute**: no connector; every prompt ``prefix + fresh suffix`` is prefilled in full;
-* **bsr**: :class:`bsr.vllm.BsrConnector` over a FileTier; one request per prefix length stores
-  the prefix (the save runs after the request; the bench waits until its objects are on disk
-  and an untimed request restores them all), then each timed request restores the prefix's
-  full chunks and prefills only the suffix;
+* **bsr**: :class:`bsr.vllm.BsrConnector` in its default mode (asynchronous loads) over a
+  FileTier of its own; one request per prefix length stores the prefix (the save runs after the
+  request; the bench waits until its objects are on disk and an untimed request restores them
+  all), then each timed request restores the prefix's full chunks and prefills only the suffix;
+* **bsr_sync**: the same with ``"bsr_connector": {"load": "sync"}`` (the restore runs inside the
+  step that prefills the suffix), so the cost of the asynchronous mode on an idle engine (the
+  load finishes one engine step, the lookup one scheduler iteration, before the prefill) is a
+  ratio measured in the same run;
 * **offloading**: vLLM's ``OffloadingConnector`` (CPU offload). On the CPU build it refuses to
   start; the bench records the exact error instead of a figure.
 
 A sample is the wall time of ``LLM.generate`` for one prompt with ``max_tokens=1`` (the TTFT of an
-idle engine). The JSON has every sample with min/median/max, ratios of medians against recompute
-measured in the same run, the prefix cache hit vLLM reported (``num_cached_tokens``), machine and
-commit. The FileTier's files were just written, so restores read from the page cache.
+idle engine). The section has every sample with min/median/max, ratios of medians against
+recompute measured in the same run, the prefix cache hit vLLM reported (``num_cached_tokens``).
+The FileTier's files were just written, so restores read from the page cache.
 """
 
 from __future__ import annotations
@@ -29,19 +36,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from . import vllm_interference as interference
 from .common.stats import BenchError, Dist, ratio
-from .common.workers import child_env
+from .vllm_common import loadavg, run_child, tokens, vllm_python, vllm_version
+from .vllm_interference_figures import print_table as print_interference
 
-#: The bench model: GQA Llama, head_dim 64 (CPU attention kernels need >= 32).
+#: The TTFT model: GQA Llama, head_dim 64 (CPU attention kernels need >= 32).
 MODEL: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
@@ -62,44 +70,42 @@ DEFAULT_PREFIXES = (1024, 2048, 4096, 8192)
 SUFFIX_TOKENS = 32
 BLOCK_SIZE = 128
 CHUNK_TOKENS = 256
-MODES = ("recompute", "bsr", "offloading")
+MODES = ("recompute", "bsr", "bsr_sync", "offloading")
+#: the connector's load mode of each bsr engine
+LOADS = {"bsr": "async", "bsr_sync": "sync"}
+SECTIONS = ("ttft", "interference")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``--engine vllm`` flags."""
-    g = p.add_argument_group("vLLM TTFT (--engine vllm)")
+    g = p.add_argument_group("vLLM (--engine vllm)")
     g.add_argument(
         "--engine",
         choices=("bsr", "vllm"),
         default="bsr",
-        help="bsr: the default restore bench; vllm: TTFT inside vLLM's CPU engine, recompute vs "
-        "bsr restore vs vLLM's offloading connector (needs vLLM, e.g. make .venv-vllm)",
+        help="bsr: the default restore bench; vllm: bsr inside vLLM's CPU engine: TTFT "
+        "(recompute vs bsr restore vs vLLM's offloading connector) and interference (what a "
+        "restore costs the requests decoding); needs vLLM, e.g. make .venv-vllm",
+    )
+    g.add_argument(
+        "--vllm-sections",
+        default=None,
+        help="comma-separated sections to run: ttft, interference (default both)",
     )
     g.add_argument(
         "--vllm-prefixes",
         default=None,
-        help="reusable prefix lengths in tokens (default 1024,2048,4096,8192)",
+        help="ttft: reusable prefix lengths in tokens (default 1024,2048,4096,8192)",
     )
     g.add_argument(
-        "--vllm-repeats", type=int, default=None, help="timed requests per prefix (default 5)"
+        "--vllm-repeats", type=int, default=None, help="ttft: timed requests per prefix (default 5)"
     )
     g.add_argument(
         "--vllm-python",
         default=None,
         help="interpreter with vLLM installed (default .venv-vllm/bin/python if present)",
     )
-
-
-def _python(given: str | None) -> str:
-    if given:
-        return given
-    local = Path(".venv-vllm/bin/python")
-    return str(local.absolute()) if local.exists() else sys.executable  # not resolve(): a venv
-
-
-def _tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, MODEL["vocab_size"] - 1) for _ in range(n)]
+    interference.add_arguments(g)
 
 
 # --------------------------------------------------------------------------- child side
@@ -116,7 +122,8 @@ def child(spec_path: str, out_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     mode = spec["mode"]
     kw: dict[str, Any] = {}
-    if mode == "bsr":
+    load_start = loadavg()
+    if mode in LOADS:
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="BsrConnector",
             kv_connector_module_path="bsr.vllm",
@@ -128,7 +135,8 @@ def child(spec_path: str, out_path: str) -> None:
                     "chunk_tokens": CHUNK_TOKENS,
                     "window": 8,
                     "io_depth": 4,
-                }
+                },
+                "bsr_connector": {"load": LOADS[mode]},
             },
         )
     elif mode == "offloading":
@@ -154,18 +162,19 @@ def child(spec_path: str, out_path: str) -> None:
     )
     result["start_s"] = time.perf_counter() - t0
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
+    vocab = MODEL["vocab_size"]
     for n in spec["prefixes"]:
-        prefix = _tokens(n, spec["seed"] + n)
+        prefix = tokens(n, spec["seed"] + n, vocab)
 
         def ask(i: int, prefix: list[int] = prefix) -> tuple[float, int]:
-            prompt = prefix + _tokens(SUFFIX_TOKENS, spec["seed"] * 7919 + i)
+            prompt = prefix + tokens(SUFFIX_TOKENS, spec["seed"] * 7919 + i, vocab)
             t = time.perf_counter()
             (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
             return time.perf_counter() - t, int(out.num_cached_tokens or 0)
 
-        before = _objects(spec["store"]) if mode == "bsr" else 0
+        before = _objects(spec["store"]) if mode in LOADS else 0
         ask(-1)  # warm-up; with bsr also stores the prefix (saved after the request ends)
-        if mode == "bsr":
+        if mode in LOADS:
             want = before + n // CHUNK_TOKENS
             deadline = time.monotonic() + 120
             while _objects(spec["store"]) < want and time.monotonic() < deadline:
@@ -181,6 +190,7 @@ def child(spec_path: str, out_path: str) -> None:
             samples.append(s)
             cached.append(c)
         result["points"].append({"prefix_tokens": n, "ttft_s": samples, "cached_tokens": cached})
+    result["load_average"] = [load_start, loadavg()]
     Path(out_path).write_text(json.dumps(result))
     try:
         llm.llm_engine.engine_core.shutdown()
@@ -190,67 +200,157 @@ def child(spec_path: str, out_path: str) -> None:
 
 
 # --------------------------------------------------------------------------- bench side
-def _root_cause(stderr: str) -> str:
-    """The most specific error line of a failed engine start."""
-    lines = [ln.split("] ", 1)[-1].strip() for ln in stderr.splitlines()]
-    for needle in ("only supported on", "Error:", "error:"):
-        hits = [ln for ln in lines if needle in ln and "Engine core initialization" not in ln]
-        if hits:
-            return hits[0][:500]
-    return (lines[-1] if lines else "no output")[:500]
-
-
-def _run_child(python: str, spec: dict[str, Any], work: Path, timeout_s: float) -> dict[str, Any]:
-    name = spec["mode"]
-    (work / f"{name}.json").write_text(json.dumps(spec))
-    out = work / f"{name}.out.json"
-    proc = subprocess.run(
-        [python, "-m", "bsr_bench.vllm_ttft", "child", str(work / f"{name}.json"), str(out)],
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-    )
-    if out.exists():
-        return dict(json.loads(out.read_text()))
-    return {"mode": name, "error": _root_cause(proc.stderr), "returncode": proc.returncode}
-
-
 def run_from_namespace(ns: argparse.Namespace) -> dict[str, Any]:
-    """``bsr bench --engine vllm``: run, print the table, return the document."""
+    """``bsr bench --engine vllm``: run, print the tables, return the document."""
     doc = run_vllm(ns)
-    _print_table(doc)
+    print_tables(doc)
     return doc
 
 
-def run_vllm(ns: argparse.Namespace) -> dict[str, Any]:
-    from .common.machine import commit_info, machine_info  # not in the child: psutil, torch
+@dataclass(frozen=True)
+class Options:
+    """What ``--engine vllm`` runs, from its flags (checked before any engine starts)."""
 
+    sections: tuple[str, ...]
+    prefixes: tuple[int, ...]
+    repeats: int
+    plan: interference.Plan
+    python: str
+    seed: int
+    quick: bool
+
+
+def options_from_namespace(ns: argparse.Namespace) -> Options:
+    """The run the flags ask for; a :class:`BenchError` naming the flag otherwise."""
     quick = bool(getattr(ns, "quick", False))
-    prefixes = (
-        tuple(int(x) for x in ns.vllm_prefixes.split(","))
-        if getattr(ns, "vllm_prefixes", None)
-        else ((1024, 2048) if quick else DEFAULT_PREFIXES)
-    )
+    given = getattr(ns, "vllm_sections", None)
+    sections = tuple(s.strip() for s in given.split(",") if s.strip()) if given else SECTIONS
+    if (
+        not sections
+        or any(s not in SECTIONS for s in sections)
+        or len(set(sections)) != len(sections)
+    ):
+        raise BenchError(
+            f"--vllm-sections takes distinct names among ttft, interference; got {given!r}"
+        )
+    try:
+        prefixes = (
+            tuple(int(x) for x in ns.vllm_prefixes.split(","))
+            if getattr(ns, "vllm_prefixes", None)
+            else ((1024, 2048) if quick else DEFAULT_PREFIXES)
+        )
+    except ValueError:
+        raise BenchError(
+            f"--vllm-prefixes takes comma-separated token counts, got {ns.vllm_prefixes!r}"
+        ) from None
     if any(n < CHUNK_TOKENS or n % CHUNK_TOKENS for n in prefixes):
         raise BenchError(f"--vllm-prefixes must be multiples of {CHUNK_TOKENS}, got {prefixes}")
     repeats = getattr(ns, "vllm_repeats", None)
     if repeats is None:
         repeats = 2 if quick else 5
     if repeats < 1:
-        raise BenchError("--vllm-repeats must be >= 1")
-    python = _python(getattr(ns, "vllm_python", None))
-    check = subprocess.run(
-        [python, "-c", "import vllm, bsr; print(vllm.__version__)"], capture_output=True, text=True
+        raise BenchError(f"--vllm-repeats must be >= 1, got {repeats}")
+    return Options(
+        sections=sections,
+        prefixes=prefixes,
+        repeats=repeats,
+        plan=interference.plan_from_namespace(ns),
+        python=vllm_python(getattr(ns, "vllm_python", None)),
+        seed=int(getattr(ns, "seed", 0) or 0),
+        quick=quick,
     )
-    if check.returncode != 0:
-        raise BenchError(
-            f"{python} cannot import vllm and bsr; build the vLLM environment (make .venv-vllm) "
-            "or pass --vllm-python"
-        )
-    seed = int(getattr(ns, "seed", 0) or 0)
-    work = Path(tempfile.mkdtemp(prefix="bsr-vllm-bench-"))
+
+
+def run_vllm(ns: argparse.Namespace) -> dict[str, Any]:
+    """Check the flags, run the sections, validate and write the document."""
+    from .common.document import write_json
+    from .common.machine import commit_info, machine_info  # not in the child: psutil, torch
+
+    opts = options_from_namespace(ns)
+    version = vllm_version(opts.python)
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    machine = machine_info()
+    commit = commit_info()  # at the start: the tree that runs, whatever is edited meanwhile
     t_start = time.perf_counter()
+    ttft = (
+        run_ttft(opts.python, opts.prefixes, opts.repeats, opts.seed)
+        if "ttft" in opts.sections
+        else None
+    )
+    inter = (
+        interference.run_interference(opts.plan, opts.python, opts.seed)
+        if "interference" in opts.sections
+        else None
+    )
+    machine["load_average_end"] = loadavg()
+    doc = document(
+        opts,
+        version=version,
+        machine=machine,
+        commit=commit,
+        started_at=started,
+        duration_s=time.perf_counter() - t_start,
+        ttft=ttft,
+        inter=inter,
+    )
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    path = Path(getattr(ns, "json", None) or f"bench/results/vllm-{stamp}.json")
+    write_json(doc, path)
+    doc["json_path"] = str(path)
+    return doc
+
+
+def document(
+    opts: Options,
+    *,
+    version: str,
+    machine: dict[str, Any],
+    commit: dict[str, Any],
+    started_at: str,
+    duration_s: float,
+    ttft: dict[str, Any] | None,
+    inter: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """The run's document (schema.json's ``vllm_document``), validated."""
+    from .common.document import validate
+
+    plan = opts.plan
+    doc: dict[str, Any] = {
+        "schema_version": 1,
+        "tool": "bsr bench --engine vllm",
+        "started_at": started_at,
+        "duration_s": duration_s,
+        "argv": sys.argv[1:],
+        "args": {
+            "sections": list(opts.sections),
+            "quick": opts.quick,
+            "prefixes": list(opts.prefixes),
+            "repeats": opts.repeats,
+            "interference": {
+                "prefix_tokens": plan.prefix_tokens,
+                "arrivals": plan.arrivals,
+                "variants": list(plan.variants),
+                "layers": plan.layers,
+            },
+            "vllm_python": opts.python,
+        },
+        "seed": opts.seed,
+        "vllm": version,
+        "machine": machine,
+        "commit": commit,
+        "ttft": ttft,
+        "interference": inter,
+        "targets": [] if inter is None else inter["targets"],
+        "warnings": (ttft or {}).get("warnings", []) + (inter or {}).get("warnings", []),
+    }
+    validate(doc, "vllm_document")
+    return doc
+
+
+def run_ttft(python: str, prefixes: tuple[int, ...], repeats: int, seed: int) -> dict[str, Any]:
+    """The TTFT section: its engines, one after another; its record."""
+    work = Path(tempfile.mkdtemp(prefix="bsr-vllm-bench-"))
+    t0 = time.perf_counter()
     try:
         (work / "model").mkdir()
         (work / "model" / "config.json").write_text(json.dumps(MODEL))
@@ -259,66 +359,102 @@ def run_vllm(ns: argparse.Namespace) -> dict[str, Any]:
             "prefixes": list(prefixes),
             "repeats": repeats,
             "seed": seed,
-            "store": str(work / "store"),
         }
-        runs = {m: _run_child(python, {**base, "mode": m}, work, 1800) for m in MODES}
+        argv = ["bsr_bench.vllm_ttft", "child"]
+        runs = {
+            m: run_child(
+                python, argv, {**base, "mode": m, "store": str(work / f"store-{m}")}, work, m, 1800
+            )
+            for m in MODES
+        }
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    for m in ("recompute", "bsr"):
+    return ttft_section(runs, repeats, time.perf_counter() - t0)
+
+
+def ttft_section(
+    runs: dict[str, dict[str, Any]], repeats: int, duration_s: float
+) -> dict[str, Any]:
+    """The TTFT section's record from its engines' outputs (``{"error": ...}`` where one failed)."""
+    for m in ("recompute", *LOADS):
         if "error" in runs[m]:
             raise BenchError(f"the {m} engine failed: {runs[m]['error']}")
-    points = []
-    for rec, res in zip(runs["recompute"]["points"], runs["bsr"]["points"]):
-        d_rec, d_bsr = Dist.of(rec["ttft_s"]), Dist.of(res["ttft_s"])
-        points.append(
-            {
-                "prefix_tokens": rec["prefix_tokens"],
-                "recompute_ttft_s": d_rec.to_dict(),
-                "bsr_ttft_s": d_bsr.to_dict(),
-                "speedup_vs_recompute": ratio(d_rec.median, d_bsr.median, "recompute/bsr"),
-                "bsr_cached_tokens": res["cached_tokens"],
-                "recompute_cached_tokens": rec["cached_tokens"],
-            }
+    points = [
+        ttft_point(rec, asy, syn)
+        for rec, asy, syn in zip(
+            runs["recompute"]["points"],
+            runs["bsr"]["points"],
+            runs["bsr_sync"]["points"],
+            strict=True,
         )
+    ]
     off = runs["offloading"]
-    doc = {
-        "kind": "vllm_ttft",
-        "vllm": check.stdout.strip(),
+    return {
+        "warnings": [
+            f"ttft: a {mode} request at prefix {p['prefix_tokens']} hit fewer tokens than the "
+            "prefix (see bsr_cached_tokens / bsr_sync_cached_tokens)"
+            for p in points
+            for mode, key in (("bsr", "bsr_cached_tokens"), ("bsr_sync", "bsr_sync_cached_tokens"))
+            if min(p[key]) < p["prefix_tokens"]
+        ],
         "model": MODEL,
         "block_size": BLOCK_SIZE,
         "chunk_tokens": CHUNK_TOKENS,
         "suffix_tokens": SUFFIX_TOKENS,
         "repeats": repeats,
-        "seed": seed,
+        "load": "bsr: async (the connector's default); bsr_sync: sync",
         "tier": "file (page cache warm: written by the store request)",
         "points": points,
         "offloading_connector": (
             {"ran": False, "error": off["error"]} if "error" in off else {"ran": True, **off}
         ),
         "engine_start_s": {m: runs[m].get("start_s") for m in MODES},
-        "machine": machine_info(),
-        "commit": commit_info(),
-        "duration_s": time.perf_counter() - t_start,
+        "load_average": {m: runs[m].get("load_average") for m in MODES},
+        "duration_s": duration_s,
     }
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    path = Path(getattr(ns, "json", None) or f"bench/results/vllm-ttft-{stamp}.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=2))
-    doc["json_path"] = str(path)
-    return doc
 
 
-def _print_table(doc: dict[str, Any]) -> None:
-    print(f"vLLM {doc['vllm']} CPU, TTFT (median of {doc['repeats']}, s); model: random Llama")
-    print(f"{'prefix':>8} {'recompute':>10} {'bsr':>8} {'speedup':>8} {'bsr hit':>8}")
-    for p in doc["points"]:
-        hit = min(p["bsr_cached_tokens"])
+def ttft_point(rec: dict[str, Any], asy: dict[str, Any], syn: dict[str, Any]) -> dict[str, Any]:
+    """One prefix length's figures from the three engines' samples (ratios of medians)."""
+    if not rec["prefix_tokens"] == asy["prefix_tokens"] == syn["prefix_tokens"]:
+        raise BenchError("the TTFT engines measured different prefix lengths")
+    d_rec, d_bsr, d_sync = Dist.of(rec["ttft_s"]), Dist.of(asy["ttft_s"]), Dist.of(syn["ttft_s"])
+    return {
+        "prefix_tokens": rec["prefix_tokens"],
+        "recompute_ttft_s": d_rec.to_dict(),
+        "bsr_ttft_s": d_bsr.to_dict(),
+        "bsr_sync_ttft_s": d_sync.to_dict(),
+        "speedup_vs_recompute": ratio(d_rec.median, d_bsr.median, "recompute/bsr"),
+        "sync_speedup_vs_recompute": ratio(d_rec.median, d_sync.median, "recompute/bsr_sync"),
+        "async_vs_sync_ttft": ratio(d_bsr.median, d_sync.median, "bsr/bsr_sync"),
+        "bsr_cached_tokens": asy["cached_tokens"],
+        "bsr_sync_cached_tokens": syn["cached_tokens"],
+        "recompute_cached_tokens": rec["cached_tokens"],
+    }
+
+
+def print_tables(doc: dict[str, Any]) -> None:
+    """The TTFT table and the interference table, whichever ran."""
+    ttft = doc["ttft"]
+    if ttft is not None:
+        print(f"vLLM {doc['vllm']} CPU, TTFT (median of {ttft['repeats']}, s); model: random Llama")
         print(
-            f"{p['prefix_tokens']:>8} {p['recompute_ttft_s']['median']:>10.3f} "
-            f"{p['bsr_ttft_s']['median']:>8.3f} {p['speedup_vs_recompute']:>7.1f}x {hit:>8}"
+            f"{'prefix':>8} {'recompute':>10} {'bsr':>8} {'speedup':>8} {'bsr sync':>9} "
+            f"{'async/sync':>10} {'bsr hit':>8}"
         )
-    off = doc["offloading_connector"]
-    print("vLLM OffloadingConnector:", "ran" if off["ran"] else f"did not start: {off['error']}")
+        for p in ttft["points"]:
+            hit = min(p["bsr_cached_tokens"] + p["bsr_sync_cached_tokens"])
+            print(
+                f"{p['prefix_tokens']:>8} {p['recompute_ttft_s']['median']:>10.3f} "
+                f"{p['bsr_ttft_s']['median']:>8.3f} {p['speedup_vs_recompute']:>7.1f}x "
+                f"{p['bsr_sync_ttft_s']['median']:>9.3f} {p['async_vs_sync_ttft']:>10.2f} {hit:>8}"
+            )
+        print("bsr: asynchronous loads (the default); bsr sync: load=sync; bsr hit: the lowest")
+        off = ttft["offloading_connector"]
+        state = "ran" if off["ran"] else f"did not start: {off['error']}"
+        print("vLLM OffloadingConnector:", state)
+    if doc["interference"] is not None:
+        print_interference(doc["interference"])
     print(f"JSON: {doc['json_path']}")
 
 

@@ -1,7 +1,8 @@
 """The JSON documents every program writes: schema.json, its checks, and the atomic write.
 
 ``schema.json`` (next to the package) describes the default run's document at the top level and
-the paper-scale documents under ``$defs`` (``ladder_document``, ``tp_document``); a run validates
+the other programs' documents under ``$defs`` (``ladder_document``, ``tp_document``,
+``vllm_document``); a run validates
 its own document before writing it, so a file in ``bench/results`` always matches the schema.
 """
 
@@ -41,7 +42,8 @@ def validate(doc: dict[str, Any], definition: str | None = None) -> None:
     Args:
         doc: the document.
         definition: ``None`` for the default run's document (the schema's top level), else the
-            name of a document under ``$defs`` (``ladder_document``, ``tp_document``).
+            name of a document under ``$defs`` (``ladder_document``, ``tp_document``,
+            ``vllm_document``).
     """
     import jsonschema
 
