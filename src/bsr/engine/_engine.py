@@ -635,7 +635,7 @@ class RestoreEngine:
             req.run.errors.append("synchronize: device copies did not finish in time")
             req.run.installed.clear()
         await self._quarantine_in_tiers(req)
-        req.timed("commit", t)
+        req.timed("settle", t)
 
     async def _quarantine_in_tiers(self, req: RestoreRequest) -> None:
         """Move the corrupt objects this restore found out of their tiers, bounded.
