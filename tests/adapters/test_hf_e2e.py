@@ -29,6 +29,7 @@ import torch
 import bsr
 from bsr import hf
 from bsr.testing import corrupt_stored
+from helpers import make_engine
 
 transformers = pytest.importorskip("transformers")
 
@@ -119,17 +120,13 @@ def make_prompt(seed: int = 7) -> torch.Tensor:
     )
 
 
-def make_engine(layout: bsr.StateLayout, root: Path, **kw: Any) -> bsr.RestoreEngine:
-    """A fresh engine (empty host tier) over the file tier at ``root``."""
-    tiers = [bsr.HostTier(1 << 26), bsr.FileTier(root, 1 << 28, reader="posix")]
-    return bsr.RestoreEngine(
-        layout,
-        tiers,
-        window=WINDOW,
-        io_depth=2,
-        namespace=bsr.Namespace(model_id="tiny-llama"),
-        **kw,
-    )
+#: every engine here: the test's window, in the tiny model's namespace
+ENGINE: dict[str, Any] = {"window": WINDOW, "model_id": "tiny-llama"}
+
+
+def tiers_at(root: Path) -> list[bsr.Tier]:
+    """A fresh (empty) host tier over the file tier at ``root``."""
+    return [bsr.HostTier(1 << 26), bsr.FileTier(root, 1 << 28, reader="posix")]
 
 
 async def save_all(
@@ -207,13 +204,13 @@ def test_restored_prefix_decodes_bit_identically(llama: Llama, tmp_path: Path, s
     dst = bsr.PagedKVCache(s.layout, NUM_BLOCKS, BLOCK)
 
     async def main() -> bsr.RestoreResult:
-        async with make_engine(s.layout, tmp_path / "l2") as engine:
+        async with make_engine(s.layout, tiers_at(tmp_path / "l2"), **ENGINE) as engine:
             saved = await save_all(engine, s.prompt, s.src, s.src_ids)
             assert saved.objects_written == {"host": 5, "file": 5}
             if source == "host":
                 return await engine.restore(s.prompt[0], dst, dst_ids)
         # "file": the process restarted; host DRAM is gone, only the file tier remains
-        async with make_engine(s.layout, tmp_path / "l2") as engine:
+        async with make_engine(s.layout, tiers_at(tmp_path / "l2"), **ENGINE) as engine:
             probe = await engine.lookup(s.prompt[0])
             assert probe.prefix_tokens == PREFIX
             return await engine.restore(s.prompt[0], dst, dst_ids)
@@ -238,12 +235,14 @@ def test_corrupt_object_without_fallback_invalidates_then_retry_commits_shorter(
     dst = bsr.PagedKVCache(s.layout, NUM_BLOCKS, BLOCK)
 
     async def main() -> tuple[bsr.RestoreResult, bsr.RestoreResult]:
-        async with make_engine(s.layout, tmp_path / "l2") as engine:
+        async with make_engine(s.layout, tiers_at(tmp_path / "l2"), **ENGINE) as engine:
             await save_all(engine, s.prompt, s.src, s.src_ids)
             key = engine.keys(s.prompt[0])[2]
             file_tier = engine.tiers[1]
             assert corrupt_stored(file_tier, key, "kv")
-        async with make_engine(s.layout, tmp_path / "l2") as engine:  # host dropped
+        async with make_engine(
+            s.layout, tiers_at(tmp_path / "l2"), **ENGINE
+        ) as engine:  # host dropped
             first = await engine.restore(s.prompt[0], dst, dst_ids)
             # the corrupt object is quarantined: a retry probes the two chunks before it
             second = await engine.restore(s.prompt[0], dst, dst_ids)
@@ -268,10 +267,10 @@ def test_truncate_policy_commits_prefix_before_corrupt_chunk(llama: Llama, tmp_p
     dst = bsr.PagedKVCache(s.layout, NUM_BLOCKS, BLOCK)
 
     async def main() -> bsr.RestoreResult:
-        async with make_engine(s.layout, tmp_path / "l2") as engine:
+        async with make_engine(s.layout, tiers_at(tmp_path / "l2"), **ENGINE) as engine:
             await save_all(engine, s.prompt, s.src, s.src_ids)
             assert corrupt_stored(engine.tiers[1], engine.keys(s.prompt[0])[3], "kv")
-        async with make_engine(s.layout, tmp_path / "l2") as engine:
+        async with make_engine(s.layout, tiers_at(tmp_path / "l2"), **ENGINE) as engine:
             return await engine.restore(s.prompt[0], dst, dst_ids, policy="truncate")
 
     result = anyio.run(main)
@@ -297,7 +296,7 @@ def test_damaged_restored_cache_changes_logits(llama: Llama, tmp_path: Path, dam
     dst = bsr.PagedKVCache(s.layout, NUM_BLOCKS, BLOCK)
 
     async def main() -> bsr.RestoreResult:
-        async with make_engine(s.layout, tmp_path / "l2") as engine:
+        async with make_engine(s.layout, tiers_at(tmp_path / "l2"), **ENGINE) as engine:
             await save_all(engine, s.prompt, s.src, s.src_ids)
             return await engine.restore(s.prompt[0], dst, dst_ids)
 
@@ -466,9 +465,11 @@ def test_hybrid_sliding_model_round_trip(tmp_path: Path) -> None:
     dst = bsr.PagedKVCache(layout, NUM_BLOCKS, BLOCK)
 
     async def main() -> tuple[bsr.SaveResult, bsr.RestoreResult]:
-        async with make_engine(layout, tmp_path / "l2") as engine:
+        async with make_engine(layout, tiers_at(tmp_path / "l2"), **ENGINE) as engine:
             saved = await save_all(engine, prompt, src, src_ids)
-        async with make_engine(layout, tmp_path / "l2") as engine:  # from the file tier
+        async with make_engine(
+            layout, tiers_at(tmp_path / "l2"), **ENGINE
+        ) as engine:  # from the file tier
             return saved, await engine.restore(prompt[0], dst, dst_ids)
 
     saved, result = anyio.run(main)

@@ -37,7 +37,7 @@ import torch
 import bsr
 from bsr.core._keys import ObjectKey
 from bsr.testing import Fault, FaultKind, FaultPlan, FaultyTier, LatencyTier, corrupt_stored
-from helpers import blocks_equal, filled_cache, shuffled_blocks, two_group_layout
+from helpers import blocks_equal, filled_cache, make_engine, shuffled_blocks, two_group_layout
 
 try:
     from mooncake_server import (
@@ -127,17 +127,9 @@ def remote_tier(cluster: MooncakeCluster, **kw: Any) -> bsr.MooncakeTier:
     return bsr.MooncakeTier(client_address=cluster.client_address, **kw)
 
 
-def make_engine(
-    case: Case, tiers: list[bsr.Tier], *, io_depth: int = 2, deadline_s: float = DEADLINE_S
-) -> bsr.RestoreEngine:
-    return bsr.RestoreEngine(
-        case.layout,
-        tiers,
-        window=4,
-        io_depth=io_depth,
-        namespace=bsr.Namespace("mooncake-faults-model"),
-        deadline_s=deadline_s,
-    )
+#: every engine here: a window of 4 in its own namespace (DEADLINE: bounded by DEADLINE_S)
+ENGINE: dict[str, Any] = {"window": 4, "model_id": "mooncake-faults-model"}
+DEADLINE = {"deadline_s": DEADLINE_S, **ENGINE}
 
 
 async def settle(tier: bsr.MooncakeTier) -> None:
@@ -285,7 +277,7 @@ def test_process_killed_mid_restore(
         tiers: list[bsr.Tier] = [remote]
         if with_ssd:
             tiers.append(bsr.FileTier(tmp_path / "ssd", 1 << 28))
-        async with opened(make_engine(case, tiers), mc) as eng:
+        async with opened(make_engine(case.layout, tiers, **DEADLINE), mc) as eng:
             saved = await eng.save(case.tokens, case.src, case.ids)
             assert saved.ok, saved.errors
             mc.timeout_s = TIER_TIMEOUT_S  # from now on a dead process costs this per call
@@ -336,7 +328,7 @@ def test_memory_killed_before_restore_probe_still_says_yes(
         tiers: list[bsr.Tier] = [remote]
         if with_ssd:
             tiers.append(bsr.FileTier(tmp_path / "ssd", 1 << 28))
-        async with opened(make_engine(case, tiers), remote) as eng:
+        async with opened(make_engine(case.layout, tiers, **DEADLINE), remote) as eng:
             saved = await eng.save(case.tokens, case.src, case.ids)
             assert saved.ok, saved.errors
             remote.timeout_s = TIER_TIMEOUT_S
@@ -373,7 +365,9 @@ def test_hung_master_mid_restore_ends_by_its_deadline(
         tiers: list[bsr.Tier] = [PauseMasterAfterReads(mc, c, after=2)]
         if with_ssd:
             tiers.append(bsr.FileTier(tmp_path / "ssd", 1 << 28))
-        async with opened(make_engine(case, tiers, deadline_s=deadline_s), mc) as eng:
+        async with opened(
+            make_engine(case.layout, tiers, deadline_s=deadline_s, **ENGINE), mc
+        ) as eng:
             saved = await eng.save(case.tokens, case.src, case.ids)
             assert saved.ok, saved.errors
             dst = case.new_cache()
@@ -413,7 +407,7 @@ def test_store_full_commits_from_ssd_or_a_shorter_prefix(
         tiers: list[bsr.Tier] = [remote]
         if with_ssd:
             tiers.append(bsr.FileTier(tmp_path / "ssd", 1 << 28, fsync=False))
-        async with opened(make_engine(case, tiers), remote) as eng:
+        async with opened(make_engine(case.layout, tiers, **DEADLINE), remote) as eng:
             saved = await eng.save(case.tokens, case.src, case.ids)
             assert saved.errors["mooncake"] > 0, saved  # the store ran out of space
             assert saved.objects_written["mooncake"] + saved.errors["mooncake"] == case.chunks
@@ -453,7 +447,7 @@ def test_absent_from_remote_and_ssd(
     async def main() -> None:
         remote = remote_tier(mooncake_cluster)
         ssd = bsr.FileTier(tmp_path / "ssd", 1 << 28)
-        async with opened(make_engine(case, [remote, ssd]), remote) as eng:
+        async with opened(make_engine(case.layout, [remote, ssd], **DEADLINE), remote) as eng:
             expect = 0
             if how != "never_saved":
                 if how == "chunk3_deleted_from_both":
@@ -509,7 +503,7 @@ def test_remote_fault_falls_back_to_ssd(
             plan = FaultPlan(seed=7, faults=(Fault(FaultKind.READ_ERROR, chunks=bad, group="kv"),))
             top = FaultyTier(remote, plan)
         ssd = bsr.FileTier(tmp_path / "ssd", 1 << 28)
-        async with opened(make_engine(case, [top, ssd]), remote) as eng:
+        async with opened(make_engine(case.layout, [top, ssd], **DEADLINE), remote) as eng:
             saved = await eng.save(case.tokens, case.src, case.ids)
             assert saved.ok, saved.errors
             keys = eng.keys(case.tokens)
@@ -635,7 +629,9 @@ def test_deadline_holds_when_quarantine_hits_a_hung_master(
         plan = FaultPlan(faults=(Fault(FaultKind.READ_ERROR, chunks=frozenset({1}), group="kv"),))
         mc = remote_tier(c, timeout_s=3.0)
         inner = PauseMasterAfterReads(mc, c, after=1)
-        eng = make_engine(case, [FaultyTier(inner, plan)], io_depth=1, deadline_s=deadline_s)
+        eng = make_engine(
+            case.layout, [FaultyTier(inner, plan)], io_depth=1, deadline_s=deadline_s, **ENGINE
+        )
         async with opened(eng, mc):
             saved = await eng.save(case.tokens, case.src, case.ids)
             assert saved.ok, saved.errors

@@ -27,6 +27,7 @@ import torch
 import bsr
 from bsr.core._object import HEADER_SIZE, PAYLOAD_LEN_OFFSET
 from bsr.testing import Fault, FaultKind, FaultPlan, FaultyTier, corrupt_stored, truncate_stored
+from helpers import make_engine
 
 LAYOUT = bsr.StateLayout(
     chunk_tokens=16,
@@ -92,10 +93,6 @@ def changed_blocks(dst: bsr.PagedKVCache, before: dict[str, torch.Tensor]) -> se
 
 def file_tier(path: Path, name: str = "file") -> bsr.FileTier:
     return bsr.FileTier(path, 1 << 26, name=name, reader="posix")
-
-
-def make_engine(tiers: list[bsr.Tier], namespace: bsr.Namespace = NS) -> bsr.RestoreEngine:
-    return bsr.RestoreEngine(LAYOUT, tiers, window=2, io_depth=2, namespace=namespace)
 
 
 # ------------------------------------------------------------------ damage
@@ -206,7 +203,7 @@ HOST_DAMAGES = [d for d in DAMAGES if not d.file_only]
 
 
 async def saved_setup(tiers: list[bsr.Tier]) -> tuple[bsr.RestoreEngine, bsr.PagedKVCache]:
-    eng = make_engine(tiers)
+    eng = make_engine(LAYOUT, tiers, namespace=NS)
     await eng.open()
     src = source_cache()
     res = await eng.save(TOKENS, src, SRC_IDS)
@@ -231,7 +228,9 @@ def test_damaged_l2_falls_back_to_good_second_file_tier(
         if reopen:  # the damaged directory is scanned again on open
             await eng.aclose()
             eng = make_engine(
-                [file_tier(tmp_path / "a", "ssd-a"), file_tier(tmp_path / "b", "ssd-b")]
+                LAYOUT,
+                [file_tier(tmp_path / "a", "ssd-a"), file_tier(tmp_path / "b", "ssd-b")],
+                namespace=NS,
             )
             await eng.open()
         async with eng:
@@ -356,7 +355,7 @@ def test_no_good_copy_after_reopen_is_a_miss(tmp_path: Path, damage: Damage) -> 
         eng, src = await saved_setup([file_tier(tmp_path)])
         await damage.apply(eng.tiers[0], eng.keys(TOKENS)[BAD_CHUNK], tmp_path)
         await eng.aclose()
-        async with make_engine([file_tier(tmp_path)]) as again:
+        async with make_engine(LAYOUT, [file_tier(tmp_path)], namespace=NS) as again:
             dst, before = dest_cache()
             res = await again.restore(TOKENS, dst, DST_IDS)
             if res.state is bsr.RequestState.COMMITTED:  # dropped at open: a shorter hit
@@ -398,7 +397,7 @@ def test_stray_files_in_the_directory_are_left_alone(tmp_path: Path) -> None:
         strays = [path.parent / "notes.txt", path.parent / "0123.bsr", tmp_path / "objects" / "x"]
         for s in strays:
             s.write_bytes(b"hello")
-        async with make_engine([file_tier(tmp_path)]) as again:
+        async with make_engine(LAYOUT, [file_tier(tmp_path)], namespace=NS) as again:
             dst, _ = dest_cache()
             res = await again.restore(TOKENS, dst, DST_IDS)
             assert res.committed_tokens == N * LAYOUT.chunk_tokens and prefix_exact(src, dst, N)
