@@ -80,6 +80,7 @@ if TYPE_CHECKING:  # what mypy and readers see; at run time __getattr__ imports 
     from .tiers._mooncake import MooncakeTier as MooncakeTier
     from .tiers._readers import KvikioReader as KvikioReader
     from .tiers._readers import PosixReader as PosixReader
+    from .tiers._readers import UringReader as UringReader
     from .transfer._cache import PagedKVCache as PagedKVCache
     from .transfer._staging import StagingPool as StagingPool
     from .transfer._staging import StagingStatistics as StagingStatistics
@@ -114,7 +115,7 @@ _LAZY: dict[str, tuple[str, ...]] = {
     ".tiers._file": ("FileTier",),
     ".tiers._host": ("HostTier",),
     ".tiers._mooncake": ("MooncakeTier",),
-    ".tiers._readers": ("KvikioReader", "PosixReader"),
+    ".tiers._readers": ("KvikioReader", "PosixReader", "UringReader"),
     ".transfer._cache": ("PagedKVCache",),
     ".transfer._staging": ("StagingPool", "StagingStatistics"),
 }
@@ -178,6 +179,7 @@ __all__ = (
     "PagedKVCache",
     "Policy",
     "PosixReader",
+    "UringReader",
     "Probe",
     "Reason",
     "RequestLifecycle",
