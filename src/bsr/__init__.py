@@ -7,6 +7,9 @@ tensor-parallel ranks. See README.md and docs/architecture.md.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
+# the errors are light (no torch): always there, so `except bsr.BsrError` needs no import
 from ._errors import BlockTableError as BlockTableError
 from ._errors import BsrError as BsrError
 from ._errors import ClosedError as ClosedError
@@ -30,60 +33,112 @@ from ._errors import TierTimeoutError as TierTimeoutError
 from ._errors import TokenError as TokenError
 from ._errors import TruncatedObjectError as TruncatedObjectError
 from ._errors import UnknownGroupError as UnknownGroupError
-from .core._config_digest import model_config_digest as model_config_digest
-from .core._keys import FORMAT_VERSION as FORMAT_VERSION
-from .core._keys import ChunkKey as ChunkKey
-from .core._keys import KeyedTokens as KeyedTokens
-from .core._keys import Namespace as Namespace
-from .core._keys import ObjectKey as ObjectKey
-from .core._keys import as_token_array as as_token_array
-from .core._keys import chunk_keys as chunk_keys
-from .core._keys import prepare_tokens as prepare_tokens
-from .core._layout import StateGroup as StateGroup
-from .core._layout import StateLayout as StateLayout
-from .core._layout import kv_layout as kv_layout
-from .core._lifecycle import Reason as Reason
-from .core._lifecycle import RequestLifecycle as RequestLifecycle
-from .core._lifecycle import RequestState as RequestState
-from .core._lifecycle import TransitionRecord as TransitionRecord
-from .core._results import Policy as Policy
-from .core._results import Probe as Probe
-from .core._results import RestoreResult as RestoreResult
-from .core._results import SaveResult as SaveResult
-from .core._results import Strategy as Strategy
-from .core._results import Timings as Timings
-from .engine._config import EngineConfig as EngineConfig
-from .engine._config import FileTierConfig as FileTierConfig
-from .engine._config import HostTierConfig as HostTierConfig
-from .engine._config import MooncakeTierConfig as MooncakeTierConfig
-from .engine._coordinator import Coordinator as Coordinator
-from .engine._coordinator import InProcessCoordinator as InProcessCoordinator
-from .engine._coordinator import InProcessGroup as InProcessGroup
-from .engine._coordinator import LocalCoordinator as LocalCoordinator
-from .engine._coordinator import TorchDistributedCoordinator as TorchDistributedCoordinator
-from .engine._engine import EngineStatistics as EngineStatistics
-from .engine._engine import RestoreEngine as RestoreEngine
-from .engine._health import BreakerState as BreakerState
-from .tiers._base import Tier as Tier
-from .tiers._base import TierLease as TierLease
-from .tiers._base import TierStatistics as TierStatistics
-from .tiers._base import TierUsage as TierUsage
-from .tiers._base import TierWrapper as TierWrapper
-from .tiers._file import FileTier as FileTier
-from .tiers._host import HostTier as HostTier
-from .tiers._mooncake import MooncakeTier as MooncakeTier
-from .tiers._readers import KvikioReader as KvikioReader
-from .tiers._readers import PosixReader as PosixReader
-from .tiers._readers import UringReader as UringReader
-from .transfer._cache import PagedKVCache as PagedKVCache
-from .transfer._staging import StagingPool as StagingPool
-from .transfer._staging import StagingStatistics as StagingStatistics
 
-# isort: off
-# the kit imports names from this facade, so it comes last
-from . import kit as kit
+if TYPE_CHECKING:  # what mypy and readers see; at run time __getattr__ imports on first use
+    from . import kit as kit
+    from .core._config_digest import model_config_digest as model_config_digest
+    from .core._keys import FORMAT_VERSION as FORMAT_VERSION
+    from .core._keys import ChunkKey as ChunkKey
+    from .core._keys import KeyedTokens as KeyedTokens
+    from .core._keys import Namespace as Namespace
+    from .core._keys import ObjectKey as ObjectKey
+    from .core._keys import as_token_array as as_token_array
+    from .core._keys import chunk_keys as chunk_keys
+    from .core._keys import prepare_tokens as prepare_tokens
+    from .core._layout import StateGroup as StateGroup
+    from .core._layout import StateLayout as StateLayout
+    from .core._layout import kv_layout as kv_layout
+    from .core._lifecycle import Reason as Reason
+    from .core._lifecycle import RequestLifecycle as RequestLifecycle
+    from .core._lifecycle import RequestState as RequestState
+    from .core._lifecycle import TransitionRecord as TransitionRecord
+    from .core._results import Policy as Policy
+    from .core._results import Probe as Probe
+    from .core._results import RestoreResult as RestoreResult
+    from .core._results import SaveResult as SaveResult
+    from .core._results import Strategy as Strategy
+    from .core._results import Timings as Timings
+    from .engine._config import EngineConfig as EngineConfig
+    from .engine._config import FileTierConfig as FileTierConfig
+    from .engine._config import HostTierConfig as HostTierConfig
+    from .engine._config import MooncakeTierConfig as MooncakeTierConfig
+    from .engine._coordinator import Coordinator as Coordinator
+    from .engine._coordinator import InProcessCoordinator as InProcessCoordinator
+    from .engine._coordinator import InProcessGroup as InProcessGroup
+    from .engine._coordinator import LocalCoordinator as LocalCoordinator
+    from .engine._coordinator import TorchDistributedCoordinator as TorchDistributedCoordinator
+    from .engine._engine import EngineStatistics as EngineStatistics
+    from .engine._engine import RestoreEngine as RestoreEngine
+    from .engine._health import BreakerState as BreakerState
+    from .tiers._base import Tier as Tier
+    from .tiers._base import TierLease as TierLease
+    from .tiers._base import TierStatistics as TierStatistics
+    from .tiers._base import TierUsage as TierUsage
+    from .tiers._base import TierWrapper as TierWrapper
+    from .tiers._file import FileTier as FileTier
+    from .tiers._host import HostTier as HostTier
+    from .tiers._mooncake import MooncakeTier as MooncakeTier
+    from .tiers._readers import KvikioReader as KvikioReader
+    from .tiers._readers import PosixReader as PosixReader
+    from .tiers._readers import UringReader as UringReader
+    from .transfer._cache import PagedKVCache as PagedKVCache
+    from .transfer._staging import StagingPool as StagingPool
+    from .transfer._staging import StagingStatistics as StagingStatistics
 
-# isort: on
+#: where each lazily imported public name lives (the module, relative to this package)
+_LAZY: dict[str, tuple[str, ...]] = {
+    ".core._config_digest": ("model_config_digest",),
+    ".core._keys": (
+        "FORMAT_VERSION",
+        "ChunkKey",
+        "KeyedTokens",
+        "Namespace",
+        "ObjectKey",
+        "as_token_array",
+        "chunk_keys",
+        "prepare_tokens",
+    ),
+    ".core._layout": ("StateGroup", "StateLayout", "kv_layout"),
+    ".core._lifecycle": ("Reason", "RequestLifecycle", "RequestState", "TransitionRecord"),
+    ".core._results": ("Policy", "Probe", "RestoreResult", "SaveResult", "Strategy", "Timings"),
+    ".engine._config": ("EngineConfig", "FileTierConfig", "HostTierConfig", "MooncakeTierConfig"),
+    ".engine._coordinator": (
+        "Coordinator",
+        "InProcessCoordinator",
+        "InProcessGroup",
+        "LocalCoordinator",
+        "TorchDistributedCoordinator",
+    ),
+    ".engine._engine": ("EngineStatistics", "RestoreEngine"),
+    ".engine._health": ("BreakerState",),
+    ".tiers._base": ("Tier", "TierLease", "TierStatistics", "TierUsage", "TierWrapper"),
+    ".tiers._file": ("FileTier",),
+    ".tiers._host": ("HostTier",),
+    ".tiers._mooncake": ("MooncakeTier",),
+    ".tiers._readers": ("KvikioReader", "PosixReader", "UringReader"),
+    ".transfer._cache": ("PagedKVCache",),
+    ".transfer._staging": ("StagingPool", "StagingStatistics"),
+}
+_WHERE = {name: module for module, names in _LAZY.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    """PEP 562: import a public name's module on first use (``bsr.kit`` is a submodule)."""
+    import importlib
+
+    if name == "kit":
+        return importlib.import_module(".kit", __name__)
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*(n for n in globals() if n.startswith("_")), *__all__, "kit"})
+
 
 __version__ = "0.1.0"
 

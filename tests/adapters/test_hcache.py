@@ -11,7 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import anyio
 import pytest
 import torch
 
@@ -55,7 +54,8 @@ def test_planner_picks_the_smaller_state() -> None:
     assert (s.hidden_bytes, s.kv_bytes) == (8192, 4096) and not s.prefer_hidden
 
 
-def test_hidden_state_restore_decodes_like_the_never_evicted_run(tmp_path: Path) -> None:
+@pytest.mark.anyio
+async def test_hidden_state_restore_decodes_like_the_never_evicted_run(tmp_path: Path) -> None:
     model = llama(4)
     prompt = torch.randint(0, 256, (1, PROMPT), generator=torch.Generator().manual_seed(3))
     layout = hcache.hidden_layout(model.config, chunk_tokens=CHUNK)
@@ -88,7 +88,7 @@ def test_hidden_state_restore_decodes_like_the_never_evicted_run(tmp_path: Path)
             await engine.save(prompt[0, :PREFIX], src, src_ids)
             return await engine.restore(prompt[0], dst, dst_ids)
 
-    result = anyio.run(main)
+    result = await main()
     assert result.committed_tokens == PREFIX
     assert result.bytes_by_tier == {"file": 4 * layout.chunk_bytes}
     assert result.rws_peak_bytes == 2 * layout.slot_bytes

@@ -22,13 +22,13 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import anyio
 import pytest
 import torch
 
 import bsr
 from bsr import hf
 from bsr.testing import corrupt_stored
+from helpers import make_engine
 
 transformers = pytest.importorskip("transformers")
 
@@ -119,17 +119,13 @@ def make_prompt(seed: int = 7) -> torch.Tensor:
     )
 
 
-def make_engine(layout: bsr.StateLayout, root: Path, **kw: Any) -> bsr.RestoreEngine:
-    """A fresh engine (empty host tier) over the file tier at ``root``."""
-    tiers = [bsr.HostTier(1 << 26), bsr.FileTier(root, 1 << 28, reader="posix")]
-    return bsr.RestoreEngine(
-        layout,
-        tiers,
-        window=WINDOW,
-        io_depth=2,
-        namespace=bsr.Namespace(model_id="tiny-llama"),
-        **kw,
-    )
+#: every engine here: the test's window, in the tiny model's namespace
+ENGINE: dict[str, Any] = {"window": WINDOW, "model_id": "tiny-llama"}
+
+
+def tiers_at(root: Path) -> list[bsr.Tier]:
+    """A fresh (empty) host tier over the file tier at ``root``."""
+    return [bsr.HostTier(1 << 26), bsr.FileTier(root, 1 << 28, reader="posix")]
 
 
 async def save_all(
@@ -199,7 +195,10 @@ def prefix_blocks_equal(
 
 # --------------------------------------------------------------------------- the round trip
 @pytest.mark.parametrize("source", ["host", "file"])
-def test_restored_prefix_decodes_bit_identically(llama: Llama, tmp_path: Path, source: str) -> None:
+@pytest.mark.anyio
+async def test_restored_prefix_decodes_bit_identically(
+    llama: Llama, tmp_path: Path, source: str
+) -> None:
     """Evict, restore into a fresh cache at other blocks, continue: the logits are identical."""
     s = llama
     dst_ids = shuffled(PROMPT_BLOCKS, seed=2)
@@ -207,18 +206,18 @@ def test_restored_prefix_decodes_bit_identically(llama: Llama, tmp_path: Path, s
     dst = bsr.PagedKVCache(s.layout, NUM_BLOCKS, BLOCK)
 
     async def main() -> bsr.RestoreResult:
-        async with make_engine(s.layout, tmp_path / "l2") as engine:
+        async with make_engine(s.layout, tiers_at(tmp_path / "l2"), **ENGINE) as engine:
             saved = await save_all(engine, s.prompt, s.src, s.src_ids)
             assert saved.objects_written == {"host": 5, "file": 5}
             if source == "host":
                 return await engine.restore(s.prompt[0], dst, dst_ids)
         # "file": the process restarted; host DRAM is gone, only the file tier remains
-        async with make_engine(s.layout, tmp_path / "l2") as engine:
+        async with make_engine(s.layout, tiers_at(tmp_path / "l2"), **ENGINE) as engine:
             probe = await engine.lookup(s.prompt[0])
             assert probe.prefix_tokens == PREFIX
             return await engine.restore(s.prompt[0], dst, dst_ids)
 
-    result = anyio.run(main)
+    result = await main()
     assert result.state is COMMITTED, result
     assert result.reason is bsr.Reason.COMPLETE
     assert result.committed_tokens == PREFIX
@@ -229,7 +228,8 @@ def test_restored_prefix_decodes_bit_identically(llama: Llama, tmp_path: Path, s
     assert_matches_never_evicted(s.model, s.prompt, PREFIX, got, s.reference)
 
 
-def test_corrupt_object_without_fallback_invalidates_then_retry_commits_shorter(
+@pytest.mark.anyio
+async def test_corrupt_object_without_fallback_invalidates_then_retry_commits_shorter(
     llama: Llama, tmp_path: Path
 ) -> None:
     """Host tier gone + one corrupt file object: zero reuse; the retry commits the valid prefix."""
@@ -238,18 +238,20 @@ def test_corrupt_object_without_fallback_invalidates_then_retry_commits_shorter(
     dst = bsr.PagedKVCache(s.layout, NUM_BLOCKS, BLOCK)
 
     async def main() -> tuple[bsr.RestoreResult, bsr.RestoreResult]:
-        async with make_engine(s.layout, tmp_path / "l2") as engine:
+        async with make_engine(s.layout, tiers_at(tmp_path / "l2"), **ENGINE) as engine:
             await save_all(engine, s.prompt, s.src, s.src_ids)
             key = engine.keys(s.prompt[0])[2]
             file_tier = engine.tiers[1]
             assert corrupt_stored(file_tier, key, "kv")
-        async with make_engine(s.layout, tmp_path / "l2") as engine:  # host dropped
+        async with make_engine(
+            s.layout, tiers_at(tmp_path / "l2"), **ENGINE
+        ) as engine:  # host dropped
             first = await engine.restore(s.prompt[0], dst, dst_ids)
             # the corrupt object is quarantined: a retry probes the two chunks before it
             second = await engine.restore(s.prompt[0], dst, dst_ids)
         return first, second
 
-    first, second = anyio.run(main)
+    first, second = await main()
     assert first.state is INVALIDATED, first
     assert first.committed_tokens == 0
     assert first.probed_tokens == PREFIX
@@ -262,19 +264,22 @@ def test_corrupt_object_without_fallback_invalidates_then_retry_commits_shorter(
     assert_matches_never_evicted(s.model, s.prompt, 2 * CHUNK, got, s.reference)
 
 
-def test_truncate_policy_commits_prefix_before_corrupt_chunk(llama: Llama, tmp_path: Path) -> None:
+@pytest.mark.anyio
+async def test_truncate_policy_commits_prefix_before_corrupt_chunk(
+    llama: Llama, tmp_path: Path
+) -> None:
     s = llama
     dst_ids = shuffled(PROMPT_BLOCKS, seed=4)
     dst = bsr.PagedKVCache(s.layout, NUM_BLOCKS, BLOCK)
 
     async def main() -> bsr.RestoreResult:
-        async with make_engine(s.layout, tmp_path / "l2") as engine:
+        async with make_engine(s.layout, tiers_at(tmp_path / "l2"), **ENGINE) as engine:
             await save_all(engine, s.prompt, s.src, s.src_ids)
             assert corrupt_stored(engine.tiers[1], engine.keys(s.prompt[0])[3], "kv")
-        async with make_engine(s.layout, tmp_path / "l2") as engine:
+        async with make_engine(s.layout, tiers_at(tmp_path / "l2"), **ENGINE) as engine:
             return await engine.restore(s.prompt[0], dst, dst_ids, policy="truncate")
 
-    result = anyio.run(main)
+    result = await main()
     assert result.state is COMMITTED, result
     assert result.reason is bsr.Reason.TRUNCATED
     assert result.committed_tokens == 3 * CHUNK
@@ -283,7 +288,10 @@ def test_truncate_policy_commits_prefix_before_corrupt_chunk(llama: Llama, tmp_p
 
 
 @pytest.mark.parametrize("damage", ["value", "stale_block", "block_order"])
-def test_damaged_restored_cache_changes_logits(llama: Llama, tmp_path: Path, damage: str) -> None:
+@pytest.mark.anyio
+async def test_damaged_restored_cache_changes_logits(
+    llama: Llama, tmp_path: Path, damage: str
+) -> None:
     """The comparison is sensitive to damage in the restored cache.
 
     ``value``: one K element of one token in layer 0 changed. ``stale_block``: one block-table
@@ -297,11 +305,11 @@ def test_damaged_restored_cache_changes_logits(llama: Llama, tmp_path: Path, dam
     dst = bsr.PagedKVCache(s.layout, NUM_BLOCKS, BLOCK)
 
     async def main() -> bsr.RestoreResult:
-        async with make_engine(s.layout, tmp_path / "l2") as engine:
+        async with make_engine(s.layout, tiers_at(tmp_path / "l2"), **ENGINE) as engine:
             await save_all(engine, s.prompt, s.src, s.src_ids)
             return await engine.restore(s.prompt[0], dst, dst_ids)
 
-    result = anyio.run(main)
+    result = await main()
     assert result.state is COMMITTED
     assert_same_logits(restored_logits(s, dst, dst_ids, PREFIX), s.reference)  # undamaged
     read_ids = dst_ids.clone()
@@ -416,7 +424,8 @@ def test_write_read_round_trip_partial_block(llama: Llama) -> None:
 
 
 # --------------------------------------------------------------------------- hybrid model
-def test_hybrid_sliding_model_round_trip(tmp_path: Path) -> None:
+@pytest.mark.anyio
+async def test_hybrid_sliding_model_round_trip(tmp_path: Path) -> None:
     """Qwen2 with interleaved sliding-window and full layers: groups "kv" and "swa_kv".
 
     Layer 0 is a sliding layer, as in Gemma 2/3 and Mistral: transformers takes the position of
@@ -466,12 +475,14 @@ def test_hybrid_sliding_model_round_trip(tmp_path: Path) -> None:
     dst = bsr.PagedKVCache(layout, NUM_BLOCKS, BLOCK)
 
     async def main() -> tuple[bsr.SaveResult, bsr.RestoreResult]:
-        async with make_engine(layout, tmp_path / "l2") as engine:
+        async with make_engine(layout, tiers_at(tmp_path / "l2"), **ENGINE) as engine:
             saved = await save_all(engine, prompt, src, src_ids)
-        async with make_engine(layout, tmp_path / "l2") as engine:  # from the file tier
+        async with make_engine(
+            layout, tiers_at(tmp_path / "l2"), **ENGINE
+        ) as engine:  # from the file tier
             return saved, await engine.restore(prompt[0], dst, dst_ids)
 
-    saved, result = anyio.run(main)
+    saved, result = await main()
     # kv: all 5 chunks; swa_kv: the 2 chunks covering the last 40 tokens of the prefix
     assert list(layout.needed_chunks("swa_kv", 5)) == [3, 4]
     assert saved.objects_written == {"host": 7, "file": 7}

@@ -180,6 +180,7 @@ def test_chunked_state_digests_detect_a_wrong_destination(tmp_path: Path) -> Non
     named = resolve_layout(TINY)
     state = ChunkedState(named, tmp_path, 128, seed=1, ring_chunks=3, direct_io=False)
     dest = Destination(named, state.num_blocks, DestinationKind.FILE, tmp_path / "dst")
+    # the bench's own path, which runs on asyncio
     save = anyio.run(state.save, dest.fresh())
     assert save["chunks"] == 8 and len(set(state.digests)) == 8  # random, distinct chunks
     cache = dest.fresh()  # all zeros: nothing restored yet

@@ -10,7 +10,6 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import anyio
 import numpy as np
 import pytest
 import torch
@@ -187,31 +186,29 @@ CASES: list[tuple[str, Call, type[bsr.BsrError], tuple[str, ...]]] = [
     ("call", "error", "fragments"),
     [pytest.param(call, err, frags, id=name) for name, call, err, frags in CASES],
 )
-def test_bad_call_raises_typed_error_and_leaves_stored_data_alone(
+@pytest.mark.anyio
+async def test_bad_call_raises_typed_error_and_leaves_stored_data_alone(
     tmp_path: Path, call: Call, error: type[bsr.BsrError], fragments: tuple[str, ...]
 ) -> None:
     src = source_cache()
 
-    async def main() -> None:
-        async with engine(tmp_path) as eng:
-            await eng.save(TOKENS, src, SRC_IDS)
-            before = eng.statistics()
-            dst = bsr.PagedKVCache(LAYOUT, NBLOCKS, BLOCK_TOKENS)
-            with pytest.raises(error) as info:
-                await call(eng, dst)
-            assert isinstance(info.value, bsr.BsrError)
-            for fragment in fragments:
-                assert fragment in str(info.value), (fragment, str(info.value))
-            after = eng.statistics()
-            # nothing was written, read or taken
-            assert after.staging.in_use == 0 and after.staging.acquired == before.staging.acquired
-            assert [t.objects for t in after.tiers] == [t.objects for t in before.tiers]
-            assert [t.bytes_read for t in after.tiers] == [t.bytes_read for t in before.tiers]
-            # and the destination cache was not touched
-            assert all(not dst.tensor(g.name).any() for g in LAYOUT.groups)
-            await assert_restores_exactly(eng, src)
-
-    anyio.run(main)
+    async with engine(tmp_path) as eng:
+        await eng.save(TOKENS, src, SRC_IDS)
+        before = eng.statistics()
+        dst = bsr.PagedKVCache(LAYOUT, NBLOCKS, BLOCK_TOKENS)
+        with pytest.raises(error) as info:
+            await call(eng, dst)
+        assert isinstance(info.value, bsr.BsrError)
+        for fragment in fragments:
+            assert fragment in str(info.value), (fragment, str(info.value))
+        after = eng.statistics()
+        # nothing was written, read or taken
+        assert after.staging.in_use == 0 and after.staging.acquired == before.staging.acquired
+        assert [t.objects for t in after.tiers] == [t.objects for t in before.tiers]
+        assert [t.bytes_read for t in after.tiers] == [t.bytes_read for t in before.tiers]
+        # and the destination cache was not touched
+        assert all(not dst.tensor(g.name).any() for g in LAYOUT.groups)
+        await assert_restores_exactly(eng, src)
 
 
 # ------------------------------------------------------------------ construction
@@ -313,7 +310,8 @@ def test_unknown_group(fn: Callable[[], Any], fragments: tuple[str, ...]) -> Non
 
 
 @pytest.mark.parametrize("where", ["engine", "restore-policy", "restore-strategy"])
-def test_unknown_policy_or_strategy_is_a_config_error(tmp_path: Path, where: str) -> None:
+@pytest.mark.anyio
+async def test_unknown_policy_or_strategy_is_a_config_error(tmp_path: Path, where: str) -> None:
     async def main() -> None:
         if where == "engine":
             with pytest.raises(bsr.ConfigError, match="all_or_nothing"):
@@ -334,84 +332,76 @@ def test_unknown_policy_or_strategy_is_a_config_error(tmp_path: Path, where: str
             with pytest.raises(bsr.ConfigError, match=r"truncate|whole_plan"):
                 await eng.restore(TOKENS, dst, DST_IDS, **kw)
 
-    anyio.run(main)
+    await main()
 
 
 # ------------------------------------------------------------------ use after close
-def test_engine_use_before_open_and_after_close(tmp_path: Path) -> None:
+@pytest.mark.anyio
+async def test_engine_use_before_open_and_after_close(tmp_path: Path) -> None:
     src = source_cache()
 
-    async def main() -> None:
-        eng = engine(tmp_path)
-        dst = bsr.PagedKVCache(LAYOUT, NBLOCKS, BLOCK_TOKENS)
-        with pytest.raises(bsr.ClosedError, match="use 'async with engine:'"):
-            await eng.restore(TOKENS, dst, DST_IDS)
-        async with eng:
-            await eng.save(TOKENS, src, SRC_IDS)
-        calls: list[Callable[[], Awaitable[Any]]] = [
-            lambda: eng.restore(TOKENS, dst, DST_IDS),
-            lambda: eng.save(TOKENS, src, SRC_IDS),
-            lambda: eng.lookup(TOKENS),
-            eng.open,
-        ]
-        for fn in calls:
-            with pytest.raises(bsr.ClosedError, match="create a new one"):
-                await fn()
+    eng = engine(tmp_path)
+    dst = bsr.PagedKVCache(LAYOUT, NBLOCKS, BLOCK_TOKENS)
+    with pytest.raises(bsr.ClosedError, match="use 'async with engine:'"):
+        await eng.restore(TOKENS, dst, DST_IDS)
+    async with eng:
+        await eng.save(TOKENS, src, SRC_IDS)
+    calls: list[Callable[[], Awaitable[Any]]] = [
+        lambda: eng.restore(TOKENS, dst, DST_IDS),
+        lambda: eng.save(TOKENS, src, SRC_IDS),
+        lambda: eng.lookup(TOKENS),
+        eng.open,
+    ]
+    for fn in calls:
         with pytest.raises(bsr.ClosedError, match="create a new one"):
-            eng.statistics()
-        assert all(not dst.tensor(g.name).any() for g in LAYOUT.groups)
-        # the durable copy is intact: a new engine over the same directory restores it exactly
-        async with bsr.RestoreEngine(
-            LAYOUT,
-            [bsr.FileTier(tmp_path, 1 << 24, reader="posix")],
-            window=2,
-            io_depth=1,
-            namespace=bsr.Namespace("bad-input"),
-        ) as again:
-            await assert_restores_exactly(again, src)
-
-    anyio.run(main)
+            await fn()
+    with pytest.raises(bsr.ClosedError, match="create a new one"):
+        eng.statistics()
+    assert all(not dst.tensor(g.name).any() for g in LAYOUT.groups)
+    # the durable copy is intact: a new engine over the same directory restores it exactly
+    async with bsr.RestoreEngine(
+        LAYOUT,
+        [bsr.FileTier(tmp_path, 1 << 24, reader="posix")],
+        window=2,
+        io_depth=1,
+        namespace=bsr.Namespace("bad-input"),
+    ) as again:
+        await assert_restores_exactly(again, src)
 
 
 @pytest.mark.parametrize("kind", ["host", "file"])
-def test_tier_use_after_close(tmp_path: Path, kind: str) -> None:
+@pytest.mark.anyio
+async def test_tier_use_after_close(tmp_path: Path, kind: str) -> None:
     key = make_keys(1)[0]
     data = payload(1, 8192)
 
-    async def main() -> None:
-        tier: bsr.Tier = (
-            bsr.HostTier(1 << 24) if kind == "host" else bsr.FileTier(tmp_path, 1 << 24)
-        )
-        async with tier:
-            assert await tier.write(key, "kv", data)
-        calls: list[Callable[[], Awaitable[Any]]] = [
-            lambda: tier.contains_many([bsr.ObjectKey(key, "kv")]),
-            lambda: tier.read_into(key, "kv", bytearray(8192)),
-            lambda: tier.write(key, "kv", data),
-            lambda: tier.delete(key, "kv"),
-        ]
-        for fn in calls:
-            with pytest.raises(bsr.ClosedError) as info:
-                await fn()
-            assert "is closed; open a new one" in str(info.value)
-            assert info.value.tier == tier.name  # type: ignore[attr-defined]
-        if kind == "file":
-            # the object survived the misuse: a new tier over the directory reads it back
-            async with bsr.FileTier(tmp_path, 1 << 24) as again:
-                out = bytearray(8192)
-                assert await again.read_into(key, "kv", out) == 8192
-                assert bytes(out) == data.tobytes()
-
-    anyio.run(main)
+    tier: bsr.Tier = bsr.HostTier(1 << 24) if kind == "host" else bsr.FileTier(tmp_path, 1 << 24)
+    async with tier:
+        assert await tier.write(key, "kv", data)
+    calls: list[Callable[[], Awaitable[Any]]] = [
+        lambda: tier.contains_many([bsr.ObjectKey(key, "kv")]),
+        lambda: tier.read_into(key, "kv", bytearray(8192)),
+        lambda: tier.write(key, "kv", data),
+        lambda: tier.delete(key, "kv"),
+    ]
+    for fn in calls:
+        with pytest.raises(bsr.ClosedError) as info:
+            await fn()
+        assert "is closed; open a new one" in str(info.value)
+        assert info.value.tier == tier.name  # type: ignore[attr-defined]
+    if kind == "file":
+        # the object survived the misuse: a new tier over the directory reads it back
+        async with bsr.FileTier(tmp_path, 1 << 24) as again:
+            out = bytearray(8192)
+            assert await again.read_into(key, "kv", out) == 8192
+            assert bytes(out) == data.tobytes()
 
 
-def test_file_tier_used_before_open(tmp_path: Path) -> None:
+@pytest.mark.anyio
+async def test_file_tier_used_before_open(tmp_path: Path) -> None:
     key = make_keys(1)[0]
 
-    async def main() -> None:
-        tier = bsr.FileTier(tmp_path, 1 << 24)
-        with pytest.raises(bsr.BsrError) as info:
-            await tier.contains_many([bsr.ObjectKey(key, "kv")])
-        assert "use 'async with tier' or await tier.open()" in str(info.value)
-
-    anyio.run(main)
+    tier = bsr.FileTier(tmp_path, 1 << 24)
+    with pytest.raises(bsr.BsrError) as info:
+        await tier.contains_many([bsr.ObjectKey(key, "kv")])
+    assert "use 'async with tier' or await tier.open()" in str(info.value)

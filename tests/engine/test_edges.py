@@ -36,32 +36,29 @@ class SlowTable:
         return np.asarray(self.ids, dtype=dtype)
 
 
-@pytest.mark.parametrize("backend", ["asyncio", "trio"])
-def test_admission_counts_against_the_deadline(backend: str) -> None:
+@pytest.mark.anyio
+async def test_admission_counts_against_the_deadline() -> None:
     """The deadline runs from the call: an admission that alone outlasts it ends the restore
     Invalidated(deadline) with nothing read, installed or committed."""
     toks = tokens_for(4 * 16)
     src = filled_cache(LAYOUT, 8, 16)
 
-    async def main() -> None:
-        async with make_engine(LAYOUT, [bsr.HostTier(1 << 22)]) as eng:
-            await eng.save(toks, src, torch.arange(4))
-            before = eng.statistics()
-            dst = bsr.PagedKVCache(LAYOUT, 8, 16)
-            table = SlowTable(list(range(4)), delay_s=1.0)
-            r = await eng.restore(toks, dst, table, deadline_s=0.5)
-            assert table.converted == 1
-            assert r.state is bsr.RequestState.INVALIDATED and r.reason is bsr.Reason.DEADLINE, r
-            assert r.committed_tokens == 0 and r.bytes_by_tier == {}
-            assert r.timings.total_s >= 1.0  # the admission is part of the request's time
-            assert not dst.tensor("kv").any()
-            after = eng.statistics()
-            assert after.staging.acquired == before.staging.acquired  # no slot taken
-            # the same admission with room in the deadline commits
-            r = await eng.restore(toks, dst, SlowTable(list(range(4)), 0.2), deadline_s=30)
-            assert r.committed and r.committed_tokens == 4 * 16
-
-    anyio.run(main, backend=backend)
+    async with make_engine(LAYOUT, [bsr.HostTier(1 << 22)]) as eng:
+        await eng.save(toks, src, torch.arange(4))
+        before = eng.statistics()
+        dst = bsr.PagedKVCache(LAYOUT, 8, 16)
+        table = SlowTable(list(range(4)), delay_s=1.0)
+        r = await eng.restore(toks, dst, table, deadline_s=0.5)
+        assert table.converted == 1
+        assert r.state is bsr.RequestState.INVALIDATED and r.reason is bsr.Reason.DEADLINE, r
+        assert r.committed_tokens == 0 and r.bytes_by_tier == {}
+        assert r.timings.total_s >= 1.0  # the admission is part of the request's time
+        assert not dst.tensor("kv").any()
+        after = eng.statistics()
+        assert after.staging.acquired == before.staging.acquired  # no slot taken
+        # the same admission with room in the deadline commits
+        r = await eng.restore(toks, dst, SlowTable(list(range(4)), 0.2), deadline_s=30)
+        assert r.committed and r.committed_tokens == 4 * 16
 
 
 # ------------------------------------------------------------------ item 5: leases
@@ -95,7 +92,8 @@ class LeaseRecordingTier(bsr.TierWrapper[bsr.Tier]):
         return Recorded()
 
 
-def test_expired_leases_are_reclaimed_without_any_call_to_release() -> None:
+@pytest.mark.anyio
+async def test_expired_leases_are_reclaimed_without_any_call_to_release() -> None:
     """5,000 lookups leasing for 0.2 s, never released: once the TTL passed, the engine holds
     none of them, every tier lease was given back, and the memory they took is free again
     (before the fix all of them stayed: about 0.8 KiB each)."""
@@ -106,61 +104,56 @@ def test_expired_leases_are_reclaimed_without_any_call_to_release() -> None:
     toks = tokens_for(2 * 16)
     src = filled_cache(LAYOUT, 4, 16)
 
-    async def main() -> None:
-        tier = LeaseRecordingTier(bsr.HostTier(1 << 22))
-        async with make_engine(LAYOUT, [tier]) as eng:
-            await eng.save(toks, src, torch.arange(2))
-            await eng.lookup(toks, lease_ttl_s=0.2)  # warm every code path before measuring
-            await anyio.sleep(0.3)
-            eng.statistics()
+    tier = LeaseRecordingTier(bsr.HostTier(1 << 22))
+    async with make_engine(LAYOUT, [tier]) as eng:
+        await eng.save(toks, src, torch.arange(2))
+        await eng.lookup(toks, lease_ttl_s=0.2)  # warm every code path before measuring
+        await anyio.sleep(0.3)
+        eng.statistics()
+        gc.collect()
+        tracemalloc.start()
+        try:
+            base = tracemalloc.get_traced_memory()[0]
+            for _ in range(n):
+                probe = await eng.lookup(toks, lease_ttl_s=0.2)
+                assert probe.prefix_chunks == 2
+            del probe
+            await anyio.sleep(0.3)  # every lease is now past its TTL
+            assert eng.statistics().leases == 0
             gc.collect()
-            tracemalloc.start()
-            try:
-                base = tracemalloc.get_traced_memory()[0]
-                for _ in range(n):
-                    probe = await eng.lookup(toks, lease_ttl_s=0.2)
-                    assert probe.prefix_chunks == 2
-                del probe
-                await anyio.sleep(0.3)  # every lease is now past its TTL
-                assert eng.statistics().leases == 0
-                gc.collect()
-                grown = tracemalloc.get_traced_memory()[0] - base
-            finally:
-                tracemalloc.stop()
-            assert tier.taken == n + 1 and tier.released == n + 1
-            assert grown < 256 << 10, f"{grown} bytes still held after the leases expired"
-
-    anyio.run(main)
+            grown = tracemalloc.get_traced_memory()[0] - base
+        finally:
+            tracemalloc.stop()
+        assert tier.taken == n + 1 and tier.released == n + 1
+        assert grown < 256 << 10, f"{grown} bytes still held after the leases expired"
 
 
-def test_a_probe_of_another_engine_is_refused_before_anything_moves(tmp_path: Any) -> None:
+@pytest.mark.anyio
+async def test_a_probe_of_another_engine_is_refused_before_anything_moves(tmp_path: Any) -> None:
     """Same namespace, same tokens, another engine: a typed error, no slot taken, no restore
     counted, and the other engine's lease is left alone."""
     toks = tokens_for(4 * 16)
     src = filled_cache(LAYOUT, 8, 16)
     ids = torch.arange(4)
 
-    async def main() -> None:
-        a = make_engine(LAYOUT, [bsr.HostTier(1 << 22, name="a-host")])
-        b = make_engine(LAYOUT, [bsr.FileTier(tmp_path, 1 << 24, name="b-file")])
-        async with a, b:
-            await a.save(toks, src, ids)
-            await b.save(toks, src, ids)
-            probe = await a.lookup(toks, lease_ttl_s=60)
-            dst = bsr.PagedKVCache(LAYOUT, 8, 16)
-            before = b.statistics()
-            with pytest.raises(bsr.ConfigError, match="another RestoreEngine"):
-                await b.restore(toks, dst, ids, probe=probe)
-            st = b.statistics()
-            assert st.restores == before.restores == 0
-            assert st.staging.acquired == before.staging.acquired
-            assert not dst.tensor("kv").any()
-            assert a.statistics().leases == 1  # still a's to use
-            r = await a.restore(toks, dst, ids, probe=probe)
-            assert r.committed and r.committed_tokens == 4 * 16
-            assert a.statistics().leases == 0
-
-    anyio.run(main)
+    a = make_engine(LAYOUT, [bsr.HostTier(1 << 22, name="a-host")])
+    b = make_engine(LAYOUT, [bsr.FileTier(tmp_path, 1 << 24, name="b-file")])
+    async with a, b:
+        await a.save(toks, src, ids)
+        await b.save(toks, src, ids)
+        probe = await a.lookup(toks, lease_ttl_s=60)
+        dst = bsr.PagedKVCache(LAYOUT, 8, 16)
+        before = b.statistics()
+        with pytest.raises(bsr.ConfigError, match="another RestoreEngine"):
+            await b.restore(toks, dst, ids, probe=probe)
+        st = b.statistics()
+        assert st.restores == before.restores == 0
+        assert st.staging.acquired == before.staging.acquired
+        assert not dst.tensor("kv").any()
+        assert a.statistics().leases == 1  # still a's to use
+        r = await a.restore(toks, dst, ids, probe=probe)
+        assert r.committed and r.committed_tokens == 4 * 16
+        assert a.statistics().leases == 0
 
 
 # ------------------------------------------------------------------ item 8: the deadline, agreed
@@ -181,7 +174,8 @@ def _two_ranks(root: Any) -> tuple[list[bsr.RestoreEngine], list[LatencyTier]]:
 
 @pytest.mark.parametrize("with_probe", [False, True])
 @pytest.mark.parametrize("slow", [0, 1])
-def test_one_ranks_probe_deadline_ends_every_rank_invalidated(
+@pytest.mark.anyio
+async def test_one_ranks_probe_deadline_ends_every_rank_invalidated(
     tmp_path: Any, slow: int, with_probe: bool
 ) -> None:
     """Only one rank runs out of time while probing; the other has no deadline at all. Every
@@ -235,7 +229,7 @@ def test_one_ranks_probe_deadline_ends_every_rank_invalidated(
             for e in engines:
                 assert e.statistics().staging.in_use == 0
 
-    anyio.run(main)
+    await main()
     results = [r for r in out if r is not None]
     assert [r.state for r in results] == [bsr.RequestState.INVALIDATED] * 2, results
     assert [r.committed_tokens for r in results] == [0, 0]
@@ -270,10 +264,10 @@ class HangingQuarantineTier(bsr.TierWrapper[bsr.Tier]):
         await self.inner.quarantine(key, group, reason)
 
 
-@pytest.mark.parametrize("backend", ["asyncio", "trio"])
 @pytest.mark.parametrize("how", ["cancel", "caller_deadline"])
-def test_a_callers_cancel_does_not_wait_for_the_tiers_quarantine(
-    tmp_path: Any, backend: str, how: str
+@pytest.mark.anyio
+async def test_a_callers_cancel_does_not_wait_for_the_tiers_quarantine(
+    tmp_path: Any, how: str
 ) -> None:
     """No deadline_s; the tier's quarantine call hangs; shield_timeout_s is 60 s. The caller
     cancels (its task group, once the quarantine call started) or its own move_on_after runs
@@ -283,35 +277,32 @@ def test_a_callers_cancel_does_not_wait_for_the_tiers_quarantine(
     src = filled_cache(LAYOUT, 8, 16)
     ids = torch.arange(4)
 
-    async def main() -> None:
-        tier = HangingQuarantineTier(bsr.HostTier(1 << 22))
-        eng = make_engine(LAYOUT, [tier], shield_timeout_s=60.0)
-        async with eng:
-            await eng.save(toks, src, ids)
-            bad = eng.objects(await eng.lookup(toks))[1][1].object_id
-            tier.bad = {bad}
-            t0 = time.perf_counter()
-            with anyio.fail_after(30):  # the old code waited the whole 60 s shield
-                if how == "cancel":
-                    async with anyio.create_task_group() as tg:
+    tier = HangingQuarantineTier(bsr.HostTier(1 << 22))
+    eng = make_engine(LAYOUT, [tier], shield_timeout_s=60.0)
+    async with eng:
+        await eng.save(toks, src, ids)
+        bad = eng.objects(await eng.lookup(toks))[1][1].object_id
+        tier.bad = {bad}
+        t0 = time.perf_counter()
+        with anyio.fail_after(30):  # the old code waited the whole 60 s shield
+            if how == "cancel":
+                async with anyio.create_task_group() as tg:
 
-                        async def canceller() -> None:
-                            await tier.entered.wait()
-                            tg.cancel_scope.cancel()
+                    async def canceller() -> None:
+                        await tier.entered.wait()
+                        tg.cancel_scope.cancel()
 
-                        tg.start_soon(canceller)
-                        await eng.restore(toks, bsr.PagedKVCache(LAYOUT, 8, 16), ids)
-                        pytest.fail("the restore was not cancelled")
-                else:
-                    with anyio.move_on_after(0.5):
-                        await eng.restore(toks, bsr.PagedKVCache(LAYOUT, 8, 16), ids)
-            elapsed = time.perf_counter() - t0
-            assert tier.entered.is_set()
-            assert elapsed < 15, elapsed  # far below the 60 s shield, whatever the load
-            st = eng.statistics()
-            assert st.staging.in_use == 0 and st.quarantined == 1
-            assert (await eng.lookup(toks)).prefix_chunks == 1  # chunk 1 is out of use
-            tier.hang = False
-        assert tier.moved == [bad]  # the move owed was made when the engine closed
-
-    anyio.run(main, backend=backend)
+                    tg.start_soon(canceller)
+                    await eng.restore(toks, bsr.PagedKVCache(LAYOUT, 8, 16), ids)
+                    pytest.fail("the restore was not cancelled")
+            else:
+                with anyio.move_on_after(0.5):
+                    await eng.restore(toks, bsr.PagedKVCache(LAYOUT, 8, 16), ids)
+        elapsed = time.perf_counter() - t0
+        assert tier.entered.is_set()
+        assert elapsed < 15, elapsed  # far below the 60 s shield, whatever the load
+        st = eng.statistics()
+        assert st.staging.in_use == 0 and st.quarantined == 1
+        assert (await eng.lookup(toks)).prefix_chunks == 1  # chunk 1 is out of use
+        tier.hang = False
+    assert tier.moved == [bad]  # the move owed was made when the engine closed

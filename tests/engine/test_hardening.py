@@ -45,45 +45,41 @@ class HangingTier(bsr.TierWrapper[bsr.Tier]):
         await super().aclose()
 
 
-def test_hanging_tier_quarantine_is_bounded_without_a_deadline(tmp_path: Path) -> None:
+@pytest.mark.anyio
+async def test_hanging_tier_quarantine_is_bounded_without_a_deadline(tmp_path: Path) -> None:
     """Item 2: no deadline_s, the tier's quarantine hangs: the restore still ends, bounded."""
     toks = tokens_for(4 * 16)
     src = filled_cache(LAYOUT, 8, 16)
     ids = torch.arange(4)
 
-    async def main() -> None:
-        tier = HangingTier(bsr.HostTier(1 << 22))
-        eng = make_engine(LAYOUT, [tier, bsr.FileTier(tmp_path, 1 << 24)], shield_timeout_s=0.3)
-        async with eng:
-            await eng.save(toks, src, ids)
-            tier.bad = {o.object_id for _, o in eng.objects(await eng.lookup(toks))[:1]}
-            t0 = time.perf_counter()
-            with anyio.fail_after(5):
-                r = await eng.restore(toks, bsr.PagedKVCache(LAYOUT, 8, 16), ids)
-            assert time.perf_counter() - t0 < 3
-            assert tier.quarantine_calls == 1
-            assert r.committed and r.fallbacks == 1 and r.quarantined == 1
-            # outside cancellation still ends the request while the tier hangs
-            tier.bad = {o.object_id for _, o in eng.objects(await eng.lookup(toks))[1:2]}
-            with anyio.move_on_after(0.1) as scope:
-                await eng.restore(toks, bsr.PagedKVCache(LAYOUT, 8, 16), ids)
-            assert eng.statistics().staging.in_use == 0
-            del scope
-
-    anyio.run(main)
+    tier = HangingTier(bsr.HostTier(1 << 22))
+    eng = make_engine(LAYOUT, [tier, bsr.FileTier(tmp_path, 1 << 24)], shield_timeout_s=0.3)
+    async with eng:
+        await eng.save(toks, src, ids)
+        tier.bad = {o.object_id for _, o in eng.objects(await eng.lookup(toks))[:1]}
+        t0 = time.perf_counter()
+        with anyio.fail_after(5):
+            r = await eng.restore(toks, bsr.PagedKVCache(LAYOUT, 8, 16), ids)
+        assert time.perf_counter() - t0 < 3
+        assert tier.quarantine_calls == 1
+        assert r.committed and r.fallbacks == 1 and r.quarantined == 1
+        # outside cancellation still ends the request while the tier hangs
+        tier.bad = {o.object_id for _, o in eng.objects(await eng.lookup(toks))[1:2]}
+        with anyio.move_on_after(0.1) as scope:
+            await eng.restore(toks, bsr.PagedKVCache(LAYOUT, 8, 16), ids)
+        assert eng.statistics().staging.in_use == 0
+        del scope
 
 
-def test_hanging_tier_close_is_bounded(tmp_path: Path) -> None:
-    async def main() -> None:
-        eng = make_engine(LAYOUT, [HangingTier(bsr.HostTier(1 << 20), hang_close=True)],
-                          shield_timeout_s=0.2)  # fmt: skip
-        await eng.open()
-        with anyio.fail_after(3):
-            await eng.aclose()
-        with pytest.raises(bsr.ClosedError):
-            eng.statistics()
-
-    anyio.run(main)
+@pytest.mark.anyio
+async def test_hanging_tier_close_is_bounded(tmp_path: Path) -> None:
+    eng = make_engine(LAYOUT, [HangingTier(bsr.HostTier(1 << 20), hang_close=True)],
+                      shield_timeout_s=0.2)  # fmt: skip
+    await eng.open()
+    with anyio.fail_after(3):
+        await eng.aclose()
+    with pytest.raises(bsr.ClosedError):
+        eng.statistics()
 
 
 @pytest.mark.parametrize(
@@ -116,29 +112,27 @@ def test_engine_options_are_checked(option: str, value: Any, fragment: str) -> N
     ("value", "fragment"),
     [(True, "int or float"), ("1", "int or float"), (math.nan, "finite"), (-2, "> 0")],
 )
-def test_restore_deadline_is_checked_before_anything_moves(value: Any, fragment: str) -> None:
+@pytest.mark.anyio
+async def test_restore_deadline_is_checked_before_anything_moves(value: Any, fragment: str) -> None:
     toks = tokens_for(2 * 16)
 
-    async def main() -> None:
-        async with make_engine(LAYOUT, [bsr.HostTier(1 << 22)]) as eng:
-            await eng.save(toks, filled_cache(LAYOUT, 4, 16), torch.arange(2))
-            before = eng.statistics()
-            with pytest.raises(bsr.ConfigError, match=fragment):
-                await eng.restore(
-                    toks, bsr.PagedKVCache(LAYOUT, 4, 16), torch.arange(2), deadline_s=value
-                )
-            with pytest.raises(bsr.ConfigError, match=fragment):
-                await eng.lookup(toks, lease_ttl_s=value)
-            after = eng.statistics()
-            assert (
-                after.restores == before.restores
-                and after.staging.acquired == before.staging.acquired
+    async with make_engine(LAYOUT, [bsr.HostTier(1 << 22)]) as eng:
+        await eng.save(toks, filled_cache(LAYOUT, 4, 16), torch.arange(2))
+        before = eng.statistics()
+        with pytest.raises(bsr.ConfigError, match=fragment):
+            await eng.restore(
+                toks, bsr.PagedKVCache(LAYOUT, 4, 16), torch.arange(2), deadline_s=value
             )
+        with pytest.raises(bsr.ConfigError, match=fragment):
+            await eng.lookup(toks, lease_ttl_s=value)
+        after = eng.statistics()
+        assert (
+            after.restores == before.restores and after.staging.acquired == before.staging.acquired
+        )
 
-    anyio.run(main)
 
-
-def test_key_derivation_is_under_the_deadline_and_off_the_loop() -> None:
+@pytest.mark.anyio
+async def test_key_derivation_is_under_the_deadline_and_off_the_loop() -> None:
     """Item 11: a 1M-token prompt with a tiny deadline ends Invalidated(deadline) promptly and
     never holds the event loop for long (a ticker task keeps running)."""
     toks = list(range(1 << 20))
@@ -164,7 +158,7 @@ def test_key_derivation_is_under_the_deadline_and_off_the_loop() -> None:
                 tg.cancel_scope.cancel()
             assert not r.committed and r.reason is bsr.Reason.DEADLINE
 
-    anyio.run(main)
+    await main()
     # generous: the conversion runs in a worker thread, so the loop only pauses for the hop
     assert max(gaps) < 0.15, max(gaps)
 
@@ -180,78 +174,75 @@ class CountingTier(bsr.TierWrapper[bsr.Tier]):
         return await self.inner.contains_many(objects)
 
 
-def test_restore_reuses_the_lookup_probe(tmp_path: Path) -> None:
+@pytest.mark.anyio
+async def test_restore_reuses_the_lookup_probe(tmp_path: Path) -> None:
     toks = tokens_for(5 * 16)
     src = filled_cache(LAYOUT, 10, 16)
     ids = torch.arange(5)
 
-    async def main() -> None:
-        tier = CountingTier(bsr.FileTier(tmp_path, 1 << 24))
-        async with make_engine(LAYOUT, [tier]) as eng:
-            await eng.save(toks, src, ids)
-            probe = await eng.lookup(toks)
-            n = tier.probes
-            dst = bsr.PagedKVCache(LAYOUT, 10, 16)
-            r = await eng.restore(toks, dst, ids, probe=probe)
-            assert tier.probes == n  # no second probe
-            assert r.committed and r.committed_tokens == 5 * 16
-            assert blocks_equal(LAYOUT, src, ids, dst, ids, 5)
-            # a probe for other tokens is refused before anything moves
-            other = await eng.lookup(tokens_for(5 * 16, seed=9))
-            with pytest.raises(bsr.ConfigError, match="other tokens"):
-                await eng.restore(toks, dst, ids, probe=other)
-            assert eng.statistics().staging.in_use == 0
-
-    anyio.run(main)
+    tier = CountingTier(bsr.FileTier(tmp_path, 1 << 24))
+    async with make_engine(LAYOUT, [tier]) as eng:
+        await eng.save(toks, src, ids)
+        probe = await eng.lookup(toks)
+        n = tier.probes
+        dst = bsr.PagedKVCache(LAYOUT, 10, 16)
+        r = await eng.restore(toks, dst, ids, probe=probe)
+        assert tier.probes == n  # no second probe
+        assert r.committed and r.committed_tokens == 5 * 16
+        assert blocks_equal(LAYOUT, src, ids, dst, ids, 5)
+        # a probe for other tokens is refused before anything moves
+        other = await eng.lookup(tokens_for(5 * 16, seed=9))
+        with pytest.raises(bsr.ConfigError, match="other tokens"):
+            await eng.restore(toks, dst, ids, probe=other)
+        assert eng.statistics().staging.in_use == 0
 
 
-def test_a_lease_keeps_the_hit_until_the_restore(tmp_path: Path) -> None:
+@pytest.mark.anyio
+async def test_a_lease_keeps_the_hit_until_the_restore(tmp_path: Path) -> None:
     """Probe-then-restore is not lost to eviction in between; the lease ends with the restore."""
     toks = tokens_for(4 * 16)
     src = filled_cache(LAYOUT, 8, 16)
     ids = torch.arange(4)
     obj = LAYOUT.chunk_bytes + 4096  # payload + header
 
-    async def main() -> None:
-        host = bsr.HostTier(5 * obj)  # room for 5 objects
-        async with make_engine(LAYOUT, [host]) as eng:
-            await eng.save(toks, src, ids)
-            probe = await eng.lookup(toks, lease_ttl_s=30)
-            assert eng.statistics().leases == 1
-            # another conversation's save needs room: the leased objects must not be evicted
-            with pytest.raises(bsr.TierFullError):
-                await host.write(bsr.ChunkKey(bytes(32), 0, b"x" * 16), "kv", bytes(obj * 2))
-            r = await eng.restore(toks, bsr.PagedKVCache(LAYOUT, 8, 16), ids, probe=probe)
-            assert r.committed and r.committed_tokens == 4 * 16
-            assert eng.statistics().leases == 0  # released by the restore
-            # without the lease the same save now evicts
-            await eng.save(tokens_for(4 * 16, seed=5), src, ids)
-            assert (await eng.lookup(toks)).prefix_chunks < 4
-
-    anyio.run(main)
+    host = bsr.HostTier(5 * obj)  # room for 5 objects
+    async with make_engine(LAYOUT, [host]) as eng:
+        await eng.save(toks, src, ids)
+        probe = await eng.lookup(toks, lease_ttl_s=30)
+        assert eng.statistics().leases == 1
+        # another conversation's save needs room: the leased objects must not be evicted
+        with pytest.raises(bsr.TierFullError):
+            await host.write(bsr.ChunkKey(bytes(32), 0, b"x" * 16), "kv", bytes(obj * 2))
+        r = await eng.restore(toks, bsr.PagedKVCache(LAYOUT, 8, 16), ids, probe=probe)
+        assert r.committed and r.committed_tokens == 4 * 16
+        assert eng.statistics().leases == 0  # released by the restore
+        # without the lease the same save now evicts
+        await eng.save(tokens_for(4 * 16, seed=5), src, ids)
+        assert (await eng.lookup(toks)).prefix_chunks < 4
 
 
-def test_a_lease_expires_with_its_ttl() -> None:
+@pytest.mark.anyio
+async def test_a_lease_expires_with_its_ttl() -> None:
     toks = tokens_for(2 * 16)
     src = filled_cache(LAYOUT, 4, 16)
     obj = LAYOUT.chunk_bytes + 4096
 
-    async def main() -> None:
-        host = bsr.HostTier(2 * obj)
-        async with make_engine(LAYOUT, [host]) as eng:
-            await eng.save(toks, src, torch.arange(2))
-            probe = await eng.lookup(toks, lease_ttl_s=0.05)
-            await anyio.sleep(0.1)
-            await eng.save(tokens_for(2 * 16, seed=3), src, torch.arange(2))  # evicts: expired
-            assert (await eng.lookup(toks)).prefix_chunks == 0
-            probe.release()  # idempotent after expiry
-            assert eng.statistics().leases == 0
-
-    anyio.run(main)
+    host = bsr.HostTier(2 * obj)
+    async with make_engine(LAYOUT, [host]) as eng:
+        await eng.save(toks, src, torch.arange(2))
+        probe = await eng.lookup(toks, lease_ttl_s=0.05)
+        await anyio.sleep(0.1)
+        await eng.save(tokens_for(2 * 16, seed=3), src, torch.arange(2))  # evicts: expired
+        assert (await eng.lookup(toks)).prefix_chunks == 0
+        probe.release()  # idempotent after expiry
+        assert eng.statistics().leases == 0
 
 
 @pytest.mark.parametrize("how", ["fifo", "symlink-to-fifo"])
-def test_an_object_path_that_blocks_on_open_cannot_hold_a_restore(tmp_path: Path, how: str) -> None:
+@pytest.mark.anyio
+async def test_an_object_path_that_blocks_on_open_cannot_hold_a_restore(
+    tmp_path: Path, how: str
+) -> None:
     """Item 1: an object file replaced by a FIFO (directly or through a symlink) after the tier
     opened: the restore ends within its deadline, and inside move_on_after, and falls back."""
     import os
@@ -260,38 +251,36 @@ def test_an_object_path_that_blocks_on_open_cannot_hold_a_restore(tmp_path: Path
     src = filled_cache(LAYOUT, 6, 16)
     ids = torch.arange(3)
 
-    async def main() -> None:
-        file_tier = bsr.FileTier(tmp_path / "l2", 1 << 24, reader="posix")
-        lower = bsr.FileTier(tmp_path / "l3", 1 << 24, name="l3")
-        async with make_engine(LAYOUT, [file_tier, lower], deadline_s=1.0) as eng:
-            await eng.save(toks, src, ids)
-            probe = await eng.lookup(toks)
-            path = file_tier.object_path(probe.keys[1], "kv")
-            path.unlink()
-            if how == "fifo":
-                os.mkfifo(path)
-            else:
-                fifo = tmp_path / "elsewhere.fifo"
-                os.mkfifo(fifo)
-                path.symlink_to(fifo)
-            t0 = time.perf_counter()
-            dst = bsr.PagedKVCache(LAYOUT, 6, 16)
-            r = await eng.restore(toks, dst, ids)
-            assert time.perf_counter() - t0 < 1.5
-            # the lower tier supplied the chunk the FIFO stood in for
-            assert r.committed and r.fallbacks >= 1
-            assert blocks_equal(LAYOUT, src, ids, dst, ids, 3)
-            with anyio.move_on_after(1.0):
-                await eng.restore(toks, bsr.PagedKVCache(LAYOUT, 6, 16), ids, deadline_s=30)
-            assert time.perf_counter() - t0 < 3.0
-            assert eng.statistics().staging.in_use == 0
-
-    anyio.run(main)
+    file_tier = bsr.FileTier(tmp_path / "l2", 1 << 24, reader="posix")
+    lower = bsr.FileTier(tmp_path / "l3", 1 << 24, name="l3")
+    async with make_engine(LAYOUT, [file_tier, lower], deadline_s=1.0) as eng:
+        await eng.save(toks, src, ids)
+        probe = await eng.lookup(toks)
+        path = file_tier.object_path(probe.keys[1], "kv")
+        path.unlink()
+        if how == "fifo":
+            os.mkfifo(path)
+        else:
+            fifo = tmp_path / "elsewhere.fifo"
+            os.mkfifo(fifo)
+            path.symlink_to(fifo)
+        t0 = time.perf_counter()
+        dst = bsr.PagedKVCache(LAYOUT, 6, 16)
+        r = await eng.restore(toks, dst, ids)
+        assert time.perf_counter() - t0 < 1.5
+        # the lower tier supplied the chunk the FIFO stood in for
+        assert r.committed and r.fallbacks >= 1
+        assert blocks_equal(LAYOUT, src, ids, dst, ids, 3)
+        with anyio.move_on_after(1.0):
+            await eng.restore(toks, bsr.PagedKVCache(LAYOUT, 6, 16), ids, deadline_s=30)
+        assert time.perf_counter() - t0 < 3.0
+        assert eng.statistics().staging.in_use == 0
 
 
 # ------------------------------------------------------------------ on_installed
 @pytest.mark.parametrize("policy", ["all_or_nothing", "truncate"])
-def test_on_installed_sees_each_chunk_in_the_cache_before_the_commit(
+@pytest.mark.anyio
+async def test_on_installed_sees_each_chunk_in_the_cache_before_the_commit(
     tmp_path: Path, policy: str
 ) -> None:
     """The hook is told about every chunk once, when its bytes are already in the cache; a
@@ -301,43 +290,39 @@ def test_on_installed_sees_each_chunk_in_the_cache_before_the_commit(
     src = filled_cache(LAYOUT, 2 * n, 16)
     ids = torch.arange(n)
 
-    async def main() -> None:
-        async with make_engine(LAYOUT, [bsr.FileTier(tmp_path, 1 << 24)], window=3) as eng:
-            await eng.save(toks, src, ids)
-            dst = bsr.PagedKVCache(LAYOUT, 2 * n, 16)
-            seen: list[int] = []
+    async with make_engine(LAYOUT, [bsr.FileTier(tmp_path, 1 << 24)], window=3) as eng:
+        await eng.save(toks, src, ids)
+        dst = bsr.PagedKVCache(LAYOUT, 2 * n, 16)
+        seen: list[int] = []
 
-            async def hook(chunk: int, groups: tuple[str, ...]) -> None:
-                assert groups == ("kv",)
-                # the chunk's bytes are there already
-                assert blocks_equal(LAYOUT, src, ids[chunk:], dst, ids[chunk:], 1)
-                seen.append(chunk)
-                await anyio.lowlevel.checkpoint()
+        async def hook(chunk: int, groups: tuple[str, ...]) -> None:
+            assert groups == ("kv",)
+            # the chunk's bytes are there already
+            assert blocks_equal(LAYOUT, src, ids[chunk:], dst, ids[chunk:], 1)
+            seen.append(chunk)
+            await anyio.lowlevel.checkpoint()
 
-            r = await eng.restore(toks, dst, ids, on_installed=hook, policy=policy)
-            assert r.committed and sorted(seen) == list(range(n))
+        r = await eng.restore(toks, dst, ids, on_installed=hook, policy=policy)
+        assert r.committed and sorted(seen) == list(range(n))
+        for bad in (0, 3, n - 1):  # the first, a middle and the last chunk to land
+            for is_async in (False, True):
 
-            for bad in (0, 3, n - 1):  # the first, a middle and the last chunk to land
-                for is_async in (False, True):
+                async def afail(chunk: int, groups: tuple[str, ...], bad: int = bad) -> None:
+                    await anyio.sleep(0.001)
+                    if chunk == bad:
+                        raise RuntimeError("projection failed")
 
-                    async def afail(chunk: int, groups: tuple[str, ...], bad: int = bad) -> None:
-                        await anyio.sleep(0.001)
-                        if chunk == bad:
-                            raise RuntimeError("projection failed")
+                def sfail(chunk: int, groups: tuple[str, ...], bad: int = bad) -> None:
+                    if chunk == bad:
+                        raise RuntimeError("projection failed")
 
-                    def sfail(chunk: int, groups: tuple[str, ...], bad: int = bad) -> None:
-                        if chunk == bad:
-                            raise RuntimeError("projection failed")
-
-                    r = await eng.restore(
-                        toks, bsr.PagedKVCache(LAYOUT, 2 * n, 16), ids,
-                        on_installed=afail if is_async else sfail, policy=policy,
-                    )  # fmt: skip
-                    if policy == "all_or_nothing":
-                        assert not r.committed and r.reason is bsr.Reason.INSTALL_FAILED, r
-                    else:
-                        assert r.committed_tokens == bad * 16, (bad, is_async, r)
-                    assert any("projection failed" in e for e in r.errors)
-            assert eng.statistics().staging.in_use == 0
-
-    anyio.run(main)
+                r = await eng.restore(
+                    toks, bsr.PagedKVCache(LAYOUT, 2 * n, 16), ids,
+                    on_installed=afail if is_async else sfail, policy=policy,
+                )  # fmt: skip
+                if policy == "all_or_nothing":
+                    assert not r.committed and r.reason is bsr.Reason.INSTALL_FAILED, r
+                else:
+                    assert r.committed_tokens == bad * 16, (bad, is_async, r)
+                assert any("projection failed" in e for e in r.errors)
+        assert eng.statistics().staging.in_use == 0

@@ -46,93 +46,85 @@ def engine(tiers: list[bsr.Tier], **kw: object) -> bsr.RestoreEngine:
     )
 
 
-def test_a_cut_off_lookup_counts_against_the_hung_tier_only(tmp_path: Path) -> None:
+@pytest.mark.anyio
+async def test_a_cut_off_lookup_counts_against_the_hung_tier_only(tmp_path: Path) -> None:
     toks = tokens_for(CHUNKS * 16)
     src = filled_cache(LAYOUT, 8, 16)
 
-    async def main() -> None:
-        host = bsr.HostTier(1 << 24)
-        slow = HangingContains(bsr.FileTier(tmp_path, 1 << 26))
-        eng = engine([host, slow], breaker_threshold=2, breaker_cooldown_s=600)
-        async with eng:
-            await eng.save(toks, src, list(range(CHUNKS)))
-            slow.hang = True
-            for i in (1, 2):
-                with anyio.fail_after(30):  # a hang fails the test instead of holding it
-                    probe = await eng.lookup(toks, deadline_s=0.2)
-                # what the host holds is still found; the hung tier holds nothing
-                assert probe.prefix_chunks == CHUNKS
-                assert all(h["kv"] == ("host",) for h in probe.holders)
-                assert eng.health.state(slow.name).consecutive_failures == i
-                assert eng.health.state(host.name).consecutive_failures == 0
-            assert eng.health.state(slow.name).open  # threshold 2: tripped
-            calls = slow.calls
-            probe = await eng.lookup(toks, deadline_s=0.2)
-            assert slow.calls == calls  # an open breaker: the hung tier is not asked again
+    host = bsr.HostTier(1 << 24)
+    slow = HangingContains(bsr.FileTier(tmp_path, 1 << 26))
+    eng = engine([host, slow], breaker_threshold=2, breaker_cooldown_s=600)
+    async with eng:
+        await eng.save(toks, src, list(range(CHUNKS)))
+        slow.hang = True
+        for i in (1, 2):
+            with anyio.fail_after(30):  # a hang fails the test instead of holding it
+                probe = await eng.lookup(toks, deadline_s=0.2)
+            # what the host holds is still found; the hung tier holds nothing
             assert probe.prefix_chunks == CHUNKS
+            assert all(h["kv"] == ("host",) for h in probe.holders)
+            assert eng.health.state(slow.name).consecutive_failures == i
+            assert eng.health.state(host.name).consecutive_failures == 0
+        assert eng.health.state(slow.name).open  # threshold 2: tripped
+        calls = slow.calls
+        probe = await eng.lookup(toks, deadline_s=0.2)
+        assert slow.calls == calls  # an open breaker: the hung tier is not asked again
+        assert probe.prefix_chunks == CHUNKS
 
-    anyio.run(main)
 
-
-def test_a_cut_off_lookup_of_the_only_tier_is_a_miss(tmp_path: Path) -> None:
+@pytest.mark.anyio
+async def test_a_cut_off_lookup_of_the_only_tier_is_a_miss(tmp_path: Path) -> None:
     toks = tokens_for(CHUNKS * 16)
     src = filled_cache(LAYOUT, 8, 16)
 
-    async def main() -> None:
-        slow = HangingContains(bsr.FileTier(tmp_path, 1 << 26))
-        async with engine([slow]) as eng:
-            await eng.save(toks, src, list(range(CHUNKS)))
-            slow.hang = True
-            with anyio.fail_after(30):
-                probe = await eng.lookup(toks, deadline_s=0.2, lease_ttl_s=5)
-            assert probe.prefix_chunks == 0 and probe.lease is None
-            assert eng.health.state(slow.name).consecutive_failures == 1
-            assert eng.statistics().leases == 0
-
-    anyio.run(main)
+    slow = HangingContains(bsr.FileTier(tmp_path, 1 << 26))
+    async with engine([slow]) as eng:
+        await eng.save(toks, src, list(range(CHUNKS)))
+        slow.hang = True
+        with anyio.fail_after(30):
+            probe = await eng.lookup(toks, deadline_s=0.2, lease_ttl_s=5)
+        assert probe.prefix_chunks == 0 and probe.lease is None
+        assert eng.health.state(slow.name).consecutive_failures == 1
+        assert eng.statistics().leases == 0
 
 
-def test_a_restore_whose_probe_is_cut_off_counts_the_tier_too(tmp_path: Path) -> None:
+@pytest.mark.anyio
+async def test_a_restore_whose_probe_is_cut_off_counts_the_tier_too(tmp_path: Path) -> None:
     toks = tokens_for(CHUNKS * 16)
     src = filled_cache(LAYOUT, 8, 16)
 
-    async def main() -> None:
-        slow = HangingContains(bsr.FileTier(tmp_path, 1 << 26))
-        async with engine([slow]) as eng:
-            await eng.save(toks, src, list(range(CHUNKS)))
-            slow.hang = True
-            dst = bsr.PagedKVCache(LAYOUT, 8, 16)
-            with anyio.fail_after(30):
-                r = await eng.restore(toks, dst, list(range(CHUNKS)), deadline_s=0.2)
-            assert r.reason is bsr.Reason.DEADLINE and r.committed_tokens == 0
-            assert eng.health.state(slow.name).consecutive_failures == 1
-
-    anyio.run(main)
+    slow = HangingContains(bsr.FileTier(tmp_path, 1 << 26))
+    async with engine([slow]) as eng:
+        await eng.save(toks, src, list(range(CHUNKS)))
+        slow.hang = True
+        dst = bsr.PagedKVCache(LAYOUT, 8, 16)
+        with anyio.fail_after(30):
+            r = await eng.restore(toks, dst, list(range(CHUNKS)), deadline_s=0.2)
+        assert r.reason is bsr.Reason.DEADLINE and r.committed_tokens == 0
+        assert eng.health.state(slow.name).consecutive_failures == 1
 
 
-def test_local_lookup_runs_no_collective(tmp_path: Path) -> None:
+@pytest.mark.anyio
+async def test_local_lookup_runs_no_collective(tmp_path: Path) -> None:
     """Rank 0 of two looks up alone (the vLLM scheduler asks rank 0 only): an agreed lookup
     would wait for rank 1 and time out, a local one answers this rank's prefix."""
     toks = tokens_for(CHUNKS * 16)
     src = filled_cache(LAYOUT, 8, 16)
 
-    async def main() -> None:
-        group = bsr.InProcessGroup(2, timeout_s=0.5)
-        tier = bsr.FileTier(tmp_path, 1 << 26)
-        eng = bsr.RestoreEngine(
-            LAYOUT, [tier], window=2, io_depth=1,
-            namespace=bsr.Namespace("m", tp_rank=0, tp_size=2), coordinator=group.coordinator(0),
-        )  # fmt: skip
-        async with eng:
-            await eng.save(toks, src, list(range(CHUNKS)))
-            with anyio.fail_after(30):
-                probe = await eng.lookup(toks, local=True)
-            assert probe.prefix_chunks == probe.local_chunks == CHUNKS
-            with pytest.raises(bsr.CoordinatorError):
-                await eng.lookup(toks)  # the agreed one needs rank 1
-            with pytest.raises(bsr.ConfigError, match="local lookup takes no lease"):
-                await eng.lookup(toks, local=True, lease_ttl_s=5)
-            with pytest.raises(bsr.ConfigError, match="deadline_s"):
-                await eng.lookup(toks, deadline_s=-1)
-
-    anyio.run(main)
+    group = bsr.InProcessGroup(2, timeout_s=0.5)
+    tier = bsr.FileTier(tmp_path, 1 << 26)
+    eng = bsr.RestoreEngine(
+        LAYOUT, [tier], window=2, io_depth=1,
+        namespace=bsr.Namespace("m", tp_rank=0, tp_size=2), coordinator=group.coordinator(0),
+    )  # fmt: skip
+    async with eng:
+        await eng.save(toks, src, list(range(CHUNKS)))
+        with anyio.fail_after(30):
+            probe = await eng.lookup(toks, local=True)
+        assert probe.prefix_chunks == probe.local_chunks == CHUNKS
+        with pytest.raises(bsr.CoordinatorError):
+            await eng.lookup(toks)  # the agreed one needs rank 1
+        with pytest.raises(bsr.ConfigError, match="local lookup takes no lease"):
+            await eng.lookup(toks, local=True, lease_ttl_s=5)
+        with pytest.raises(bsr.ConfigError, match="deadline_s"):
+            await eng.lookup(toks, deadline_s=-1)

@@ -37,7 +37,7 @@ import torch
 import bsr
 from bsr.core._keys import ObjectKey
 from bsr.testing import Fault, FaultKind, FaultPlan, FaultyTier, LatencyTier, corrupt_stored
-from helpers import blocks_equal, filled_cache, shuffled_blocks, two_group_layout
+from helpers import blocks_equal, filled_cache, make_engine, shuffled_blocks, two_group_layout
 
 try:
     from mooncake_server import (
@@ -127,17 +127,9 @@ def remote_tier(cluster: MooncakeCluster, **kw: Any) -> bsr.MooncakeTier:
     return bsr.MooncakeTier(client_address=cluster.client_address, **kw)
 
 
-def make_engine(
-    case: Case, tiers: list[bsr.Tier], *, io_depth: int = 2, deadline_s: float = DEADLINE_S
-) -> bsr.RestoreEngine:
-    return bsr.RestoreEngine(
-        case.layout,
-        tiers,
-        window=4,
-        io_depth=io_depth,
-        namespace=bsr.Namespace("mooncake-faults-model"),
-        deadline_s=deadline_s,
-    )
+#: every engine here: a window of 4 in its own namespace (DEADLINE: bounded by DEADLINE_S)
+ENGINE: dict[str, Any] = {"window": 4, "model_id": "mooncake-faults-model"}
+DEADLINE = {"deadline_s": DEADLINE_S, **ENGINE}
 
 
 async def settle(tier: bsr.MooncakeTier) -> None:
@@ -267,7 +259,8 @@ class PauseMasterAfterReads(LatencyTier):
 # ---------------------------------------------------------------------- processes killed
 @pytest.mark.parametrize("with_ssd", [True, False], ids=["ssd", "no_ssd"])
 @pytest.mark.parametrize("victim", ["master", "memory"])
-def test_process_killed_mid_restore(
+@pytest.mark.anyio
+async def test_process_killed_mid_restore(
     fresh_mooncake_cluster: MooncakeCluster, tmp_path: Path, victim: str, with_ssd: bool
 ) -> None:
     """SIGKILL the master or the memory holder after 3 of the restore's remote reads.
@@ -279,50 +272,47 @@ def test_process_killed_mid_restore(
     case = make_case(10, seed=1)
     kill = c.kill_master if victim == "master" else c.kill_memory
 
-    async def main() -> None:
-        mc = remote_tier(c)
-        remote = KillAfterReads(mc, after=3, action=kill, read_latency_s=0.02)
-        tiers: list[bsr.Tier] = [remote]
+    mc = remote_tier(c)
+    remote = KillAfterReads(mc, after=3, action=kill, read_latency_s=0.02)
+    tiers: list[bsr.Tier] = [remote]
+    if with_ssd:
+        tiers.append(bsr.FileTier(tmp_path / "ssd", 1 << 28))
+    async with opened(make_engine(case.layout, tiers, **DEADLINE), mc) as eng:
+        saved = await eng.save(case.tokens, case.src, case.ids)
+        assert saved.ok, saved.errors
+        mc.timeout_s = TIER_TIMEOUT_S  # from now on a dead process costs this per call
+        probe = await eng.lookup(case.tokens)
+        assert probe.prefix_chunks == case.chunks
+        dst = case.new_cache()
+        r, elapsed = await timed_restore(eng, case, dst)
+        assert remote.fired_at is not None and not c.alive(victim)  # killed mid-restore
+        assert_all_or_nothing(r, eng, case, dst, elapsed)
+        assert r.probed_tokens == case.chunks * case.layout.chunk_tokens
         if with_ssd:
-            tiers.append(bsr.FileTier(tmp_path / "ssd", 1 << 28))
-        async with opened(make_engine(case, tiers), mc) as eng:
-            saved = await eng.save(case.tokens, case.src, case.ids)
-            assert saved.ok, saved.errors
-            mc.timeout_s = TIER_TIMEOUT_S  # from now on a dead process costs this per call
-            probe = await eng.lookup(case.tokens)
-            assert probe.prefix_chunks == case.chunks
-            dst = case.new_cache()
-            r, elapsed = await timed_restore(eng, case, dst)
-            assert remote.fired_at is not None and not c.alive(victim)  # killed mid-restore
-            assert_all_or_nothing(r, eng, case, dst, elapsed)
-            assert r.probed_tokens == case.chunks * case.layout.chunk_tokens
-            if with_ssd:
-                assert r.state is COMMITTED and r.reason is bsr.Reason.COMPLETE, r
-                assert r.committed_tokens == r.probed_tokens
-                assert set(r.bytes_by_tier) == {"mooncake", "file"}, r.bytes_by_tier
-                assert r.bytes_by_tier["mooncake"] >= 3 * case.layout.group_chunk_bytes("swa")
-                assert r.fallbacks >= 1
-            else:
-                assert r.state is INVALIDATED and r.reason is bsr.Reason.READ_FAILED, r
-                assert r.committed_tokens == 0
-                assert r.invalid_block_ids  # the chunks installed before the kill are withdrawn
-                assert r.bytes_by_tier.get("mooncake", 0) > 0
-
-            # the next request, with the process still dead: same ladder, all-or-nothing
-            dst2 = case.new_cache()
-            r2, elapsed2 = await timed_restore(eng, case, dst2)
-            assert_all_or_nothing(r2, eng, case, dst2, elapsed2)
-            if with_ssd:
-                assert r2.state is COMMITTED and r2.committed_tokens == r.committed_tokens, r2
-                assert r2.bytes_by_tier.get("file", 0) > 0
-            else:
-                assert_zero_reuse(r2)
-
-    anyio.run(main)
+            assert r.state is COMMITTED and r.reason is bsr.Reason.COMPLETE, r
+            assert r.committed_tokens == r.probed_tokens
+            assert set(r.bytes_by_tier) == {"mooncake", "file"}, r.bytes_by_tier
+            assert r.bytes_by_tier["mooncake"] >= 3 * case.layout.group_chunk_bytes("swa")
+            assert r.fallbacks >= 1
+        else:
+            assert r.state is INVALIDATED and r.reason is bsr.Reason.READ_FAILED, r
+            assert r.committed_tokens == 0
+            assert r.invalid_block_ids  # the chunks installed before the kill are withdrawn
+            assert r.bytes_by_tier.get("mooncake", 0) > 0
+        # the next request, with the process still dead: same ladder, all-or-nothing
+        dst2 = case.new_cache()
+        r2, elapsed2 = await timed_restore(eng, case, dst2)
+        assert_all_or_nothing(r2, eng, case, dst2, elapsed2)
+        if with_ssd:
+            assert r2.state is COMMITTED and r2.committed_tokens == r.committed_tokens, r2
+            assert r2.bytes_by_tier.get("file", 0) > 0
+        else:
+            assert_zero_reuse(r2)
 
 
 @pytest.mark.parametrize("with_ssd", [True, False], ids=["ssd", "no_ssd"])
-def test_memory_killed_before_restore_probe_still_says_yes(
+@pytest.mark.anyio
+async def test_memory_killed_before_restore_probe_still_says_yes(
     fresh_mooncake_cluster: MooncakeCluster, tmp_path: Path, with_ssd: bool
 ) -> None:
     """The memory holder dies between save and restore: its objects are gone, but the master
@@ -331,33 +321,31 @@ def test_memory_killed_before_restore_probe_still_says_yes(
     c = fresh_mooncake_cluster
     case = make_case(6, seed=2)
 
-    async def main() -> None:
-        remote = remote_tier(c)
-        tiers: list[bsr.Tier] = [remote]
+    remote = remote_tier(c)
+    tiers: list[bsr.Tier] = [remote]
+    if with_ssd:
+        tiers.append(bsr.FileTier(tmp_path / "ssd", 1 << 28))
+    async with opened(make_engine(case.layout, tiers, **DEADLINE), remote) as eng:
+        saved = await eng.save(case.tokens, case.src, case.ids)
+        assert saved.ok, saved.errors
+        remote.timeout_s = TIER_TIMEOUT_S
+        c.kill_memory()
+        dst = case.new_cache()
+        r, elapsed = await timed_restore(eng, case, dst)
+        assert_all_or_nothing(r, eng, case, dst, elapsed)
+        assert r.probed_tokens == case.chunks * case.layout.chunk_tokens, r  # stale "yes"
         if with_ssd:
-            tiers.append(bsr.FileTier(tmp_path / "ssd", 1 << 28))
-        async with opened(make_engine(case, tiers), remote) as eng:
-            saved = await eng.save(case.tokens, case.src, case.ids)
-            assert saved.ok, saved.errors
-            remote.timeout_s = TIER_TIMEOUT_S
-            c.kill_memory()
-            dst = case.new_cache()
-            r, elapsed = await timed_restore(eng, case, dst)
-            assert_all_or_nothing(r, eng, case, dst, elapsed)
-            assert r.probed_tokens == case.chunks * case.layout.chunk_tokens, r  # stale "yes"
-            if with_ssd:
-                assert r.state is COMMITTED and r.committed_tokens == r.probed_tokens, r
-                assert r.bytes_by_tier == {"file": case.prefix_bytes(case.chunks)}, r
-                assert r.fallbacks == case.objects(case.chunks), r  # every object, once
-            else:
-                assert r.state is INVALIDATED and r.reason is bsr.Reason.READ_FAILED, r
-                assert r.committed_tokens == 0 and r.bytes_by_tier == {}
-
-    anyio.run(main)
+            assert r.state is COMMITTED and r.committed_tokens == r.probed_tokens, r
+            assert r.bytes_by_tier == {"file": case.prefix_bytes(case.chunks)}, r
+            assert r.fallbacks == case.objects(case.chunks), r  # every object, once
+        else:
+            assert r.state is INVALIDATED and r.reason is bsr.Reason.READ_FAILED, r
+            assert r.committed_tokens == 0 and r.bytes_by_tier == {}
 
 
 @pytest.mark.parametrize("with_ssd", [True, False], ids=["ssd", "no_ssd"])
-def test_hung_master_mid_restore_ends_by_its_deadline(
+@pytest.mark.anyio
+async def test_hung_master_mid_restore_ends_by_its_deadline(
     fresh_mooncake_cluster: MooncakeCluster, tmp_path: Path, with_ssd: bool
 ) -> None:
     """SIGSTOP the master after 2 remote reads: later remote calls hang for the tier's whole
@@ -368,35 +356,33 @@ def test_hung_master_mid_restore_ends_by_its_deadline(
     case = make_case(6, seed=7)
     deadline_s = 1.5
 
-    async def main() -> None:
-        mc = remote_tier(c)  # timeout 5 s > deadline
-        tiers: list[bsr.Tier] = [PauseMasterAfterReads(mc, c, after=2)]
-        if with_ssd:
-            tiers.append(bsr.FileTier(tmp_path / "ssd", 1 << 28))
-        async with opened(make_engine(case, tiers, deadline_s=deadline_s), mc) as eng:
-            saved = await eng.save(case.tokens, case.src, case.ids)
-            assert saved.ok, saved.errors
-            dst = case.new_cache()
-            try:
-                r, elapsed = await timed_restore(eng, case, dst)
-            finally:
-                c.resume_master()
-            assert_all_or_nothing(r, eng, case, dst, elapsed, deadline_s=deadline_s)
-            assert r.state is INVALIDATED and r.reason is bsr.Reason.DEADLINE, r
-            assert r.committed_tokens == 0 and r.bytes_by_tier.get("mooncake", 0) > 0, r
-            assert r.invalid_block_ids, r
-            dst2 = case.new_cache()
-            r2, elapsed2 = await timed_restore(eng, case, dst2)
-            assert_all_or_nothing(r2, eng, case, dst2, elapsed2, deadline_s=deadline_s)
-            assert r2.state is COMMITTED and r2.committed_tokens == r2.probed_tokens > 0, r2
-
-    anyio.run(main)
+    mc = remote_tier(c)  # timeout 5 s > deadline
+    tiers: list[bsr.Tier] = [PauseMasterAfterReads(mc, c, after=2)]
+    if with_ssd:
+        tiers.append(bsr.FileTier(tmp_path / "ssd", 1 << 28))
+    async with opened(make_engine(case.layout, tiers, deadline_s=deadline_s, **ENGINE), mc) as eng:
+        saved = await eng.save(case.tokens, case.src, case.ids)
+        assert saved.ok, saved.errors
+        dst = case.new_cache()
+        try:
+            r, elapsed = await timed_restore(eng, case, dst)
+        finally:
+            c.resume_master()
+        assert_all_or_nothing(r, eng, case, dst, elapsed, deadline_s=deadline_s)
+        assert r.state is INVALIDATED and r.reason is bsr.Reason.DEADLINE, r
+        assert r.committed_tokens == 0 and r.bytes_by_tier.get("mooncake", 0) > 0, r
+        assert r.invalid_block_ids, r
+        dst2 = case.new_cache()
+        r2, elapsed2 = await timed_restore(eng, case, dst2)
+        assert_all_or_nothing(r2, eng, case, dst2, elapsed2, deadline_s=deadline_s)
+        assert r2.state is COMMITTED and r2.committed_tokens == r2.probed_tokens > 0, r2
 
 
 # ---------------------------------------------------------------------- store full
 @pytest.mark.parametrize("with_ssd", [True, False], ids=["ssd", "no_ssd"])
 @pytest.mark.parametrize("eviction", ["off", "on"])
-def test_store_full_commits_from_ssd_or_a_shorter_prefix(
+@pytest.mark.anyio
+async def test_store_full_commits_from_ssd_or_a_shorter_prefix(
     tmp_path: Path, eviction: str, with_ssd: bool
 ) -> None:
     """A 16 MiB store segment (Mooncake's minimum) for a 20 MiB prefix: some remote writes fail
@@ -413,7 +399,7 @@ def test_store_full_commits_from_ssd_or_a_shorter_prefix(
         tiers: list[bsr.Tier] = [remote]
         if with_ssd:
             tiers.append(bsr.FileTier(tmp_path / "ssd", 1 << 28, fsync=False))
-        async with opened(make_engine(case, tiers), remote) as eng:
+        async with opened(make_engine(case.layout, tiers, **DEADLINE), remote) as eng:
             saved = await eng.save(case.tokens, case.src, case.ids)
             assert saved.errors["mooncake"] > 0, saved  # the store ran out of space
             assert saved.objects_written["mooncake"] + saved.errors["mooncake"] == case.chunks
@@ -437,12 +423,13 @@ def test_store_full_commits_from_ssd_or_a_shorter_prefix(
                     assert r.committed_tokens == held * layout.chunk_tokens, (r, held)
 
     with start_cluster(segment_bytes=16 << 20, client_ttl_s=3, master_flags=flags) as cluster:
-        anyio.run(main, cluster)
+        await main(cluster)
 
 
 # ---------------------------------------------------------------------- absent everywhere
 @pytest.mark.parametrize("how", ["never_saved", "deleted_from_both", "chunk3_deleted_from_both"])
-def test_absent_from_remote_and_ssd(
+@pytest.mark.anyio
+async def test_absent_from_remote_and_ssd(
     mooncake_cluster: MooncakeCluster, tmp_path: Path, how: str
 ) -> None:
     """Nothing (or nothing from chunk 3 on) in either tier: the probe finds that prefix and the
@@ -450,46 +437,44 @@ def test_absent_from_remote_and_ssd(
     i.e. the caller recomputes everything."""
     case = make_case(6, seed=4)
 
-    async def main() -> None:
-        remote = remote_tier(mooncake_cluster)
-        ssd = bsr.FileTier(tmp_path / "ssd", 1 << 28)
-        async with opened(make_engine(case, [remote, ssd]), remote) as eng:
-            expect = 0
-            if how != "never_saved":
-                if how == "chunk3_deleted_from_both":
-                    # saved at 3 chunks too, so the sliding-window group's chunks 1-2 exist
-                    head = case.tokens[: 3 * case.layout.chunk_tokens]
-                    assert (await eng.save(head, case.src, case.ids)).ok
-                saved = await eng.save(case.tokens, case.src, case.ids)
-                assert saved.ok, saved.errors
-                keys = eng.keys(case.tokens)
-                first = 0 if how == "deleted_from_both" else 3
-                expect = first
-                for c in range(first, case.chunks):
-                    for g in case.layout.groups:
-                        if c in case.layout.needed_chunks(g.name, case.chunks):
-                            assert await remote.delete(keys[c], g.name)
-                            assert await ssd.delete(keys[c], g.name)
-            probe = await eng.lookup(case.tokens)
-            assert probe.prefix_chunks == expect, probe
-            dst = case.new_cache()
-            r, elapsed = await timed_restore(eng, case, dst)
-            assert_all_or_nothing(r, eng, case, dst, elapsed)
-            assert r.state is COMMITTED, r
-            assert r.committed_tokens == expect * case.layout.chunk_tokens
-            if expect == 0:
-                assert r.reason is bsr.Reason.EMPTY_PREFIX and r.bytes_by_tier == {}, r
-                assert [t.trigger for t in r.trace] == ["probe_miss"]
-            else:
-                assert r.reason is bsr.Reason.COMPLETE
-                assert r.bytes_by_tier == {"mooncake": case.prefix_bytes(expect)}, r
-
-    anyio.run(main)
+    remote = remote_tier(mooncake_cluster)
+    ssd = bsr.FileTier(tmp_path / "ssd", 1 << 28)
+    async with opened(make_engine(case.layout, [remote, ssd], **DEADLINE), remote) as eng:
+        expect = 0
+        if how != "never_saved":
+            if how == "chunk3_deleted_from_both":
+                # saved at 3 chunks too, so the sliding-window group's chunks 1-2 exist
+                head = case.tokens[: 3 * case.layout.chunk_tokens]
+                assert (await eng.save(head, case.src, case.ids)).ok
+            saved = await eng.save(case.tokens, case.src, case.ids)
+            assert saved.ok, saved.errors
+            keys = eng.keys(case.tokens)
+            first = 0 if how == "deleted_from_both" else 3
+            expect = first
+            for c in range(first, case.chunks):
+                for g in case.layout.groups:
+                    if c in case.layout.needed_chunks(g.name, case.chunks):
+                        assert await remote.delete(keys[c], g.name)
+                        assert await ssd.delete(keys[c], g.name)
+        probe = await eng.lookup(case.tokens)
+        assert probe.prefix_chunks == expect, probe
+        dst = case.new_cache()
+        r, elapsed = await timed_restore(eng, case, dst)
+        assert_all_or_nothing(r, eng, case, dst, elapsed)
+        assert r.state is COMMITTED, r
+        assert r.committed_tokens == expect * case.layout.chunk_tokens
+        if expect == 0:
+            assert r.reason is bsr.Reason.EMPTY_PREFIX and r.bytes_by_tier == {}, r
+            assert [t.trigger for t in r.trace] == ["probe_miss"]
+        else:
+            assert r.reason is bsr.Reason.COMPLETE
+            assert r.bytes_by_tier == {"mooncake": case.prefix_bytes(expect)}, r
 
 
 # ---------------------------------------------------------------------- remote read faults
 @pytest.mark.parametrize("fault", ["read_error", "corrupt"])
-def test_remote_fault_falls_back_to_ssd(
+@pytest.mark.anyio
+async def test_remote_fault_falls_back_to_ssd(
     mooncake_cluster: MooncakeCluster, tmp_path: Path, fault: str
 ) -> None:
     """Chunks 1 and 4 (group kv) fail on the remote tier: an injected TierIOError
@@ -502,36 +487,33 @@ def test_remote_fault_falls_back_to_ssd(
     bad = frozenset({1, 4})
     kv = case.layout.group_chunk_bytes("kv")
 
-    async def main() -> None:
-        remote = remote_tier(mooncake_cluster)
-        top: bsr.Tier = remote
-        if fault == "read_error":
-            plan = FaultPlan(seed=7, faults=(Fault(FaultKind.READ_ERROR, chunks=bad, group="kv"),))
-            top = FaultyTier(remote, plan)
-        ssd = bsr.FileTier(tmp_path / "ssd", 1 << 28)
-        async with opened(make_engine(case, [top, ssd]), remote) as eng:
-            saved = await eng.save(case.tokens, case.src, case.ids)
-            assert saved.ok, saved.errors
-            keys = eng.keys(case.tokens)
-            if fault == "corrupt":
-                for ch in bad:
-                    assert corrupt_stored(remote, keys[ch], "kv")
-            total = case.prefix_bytes(case.chunks)
-            for attempt in range(2):
-                dst = case.new_cache()
-                r, elapsed = await timed_restore(eng, case, dst)
-                assert_all_or_nothing(r, eng, case, dst, elapsed)
-                assert r.state is COMMITTED and r.reason is bsr.Reason.COMPLETE, r
-                assert r.committed_tokens == case.chunks * case.layout.chunk_tokens
-                assert r.bytes_by_tier == {"mooncake": total - 2 * kv, "file": 2 * kv}, r
-                if attempt == 0:
-                    assert (r.fallbacks, r.quarantined) == (2, 2), r
-                else:  # quarantined: the probe no longer offers the remote copies
-                    assert (r.fallbacks, r.quarantined) == (0, 0), r
-            left = await remote.contains_many([ObjectKey(keys[ch], "kv") for ch in sorted(bad)])
-            assert left == ([True, True] if fault == "read_error" else [False, False])
-
-    anyio.run(main)
+    remote = remote_tier(mooncake_cluster)
+    top: bsr.Tier = remote
+    if fault == "read_error":
+        plan = FaultPlan(seed=7, faults=(Fault(FaultKind.READ_ERROR, chunks=bad, group="kv"),))
+        top = FaultyTier(remote, plan)
+    ssd = bsr.FileTier(tmp_path / "ssd", 1 << 28)
+    async with opened(make_engine(case.layout, [top, ssd], **DEADLINE), remote) as eng:
+        saved = await eng.save(case.tokens, case.src, case.ids)
+        assert saved.ok, saved.errors
+        keys = eng.keys(case.tokens)
+        if fault == "corrupt":
+            for ch in bad:
+                assert corrupt_stored(remote, keys[ch], "kv")
+        total = case.prefix_bytes(case.chunks)
+        for attempt in range(2):
+            dst = case.new_cache()
+            r, elapsed = await timed_restore(eng, case, dst)
+            assert_all_or_nothing(r, eng, case, dst, elapsed)
+            assert r.state is COMMITTED and r.reason is bsr.Reason.COMPLETE, r
+            assert r.committed_tokens == case.chunks * case.layout.chunk_tokens
+            assert r.bytes_by_tier == {"mooncake": total - 2 * kv, "file": 2 * kv}, r
+            if attempt == 0:
+                assert (r.fallbacks, r.quarantined) == (2, 2), r
+            else:  # quarantined: the probe no longer offers the remote copies
+                assert (r.fallbacks, r.quarantined) == (0, 0), r
+        left = await remote.contains_many([ObjectKey(keys[ch], "kv") for ch in sorted(bad)])
+        assert left == ([True, True] if fault == "read_error" else [False, False])
 
 
 # ---------------------------------------------------------------------- one rank's fault
@@ -618,7 +600,8 @@ def test_one_rank_remote_fault(
 
 
 # ---------------------------------------------------------------------- deadline vs quarantine
-def test_deadline_holds_when_quarantine_hits_a_hung_master(
+@pytest.mark.anyio
+async def test_deadline_holds_when_quarantine_hits_a_hung_master(
     fresh_mooncake_cluster: MooncakeCluster,
 ) -> None:
     """Deadline 0.5 s, tier timeout 3 s: chunk 0 reads fine, then the master hangs and chunk 1's
@@ -631,20 +614,19 @@ def test_deadline_holds_when_quarantine_hits_a_hung_master(
     case = make_case(4, seed=6)
     deadline_s = 0.5
 
-    async def main() -> None:
-        plan = FaultPlan(faults=(Fault(FaultKind.READ_ERROR, chunks=frozenset({1}), group="kv"),))
-        mc = remote_tier(c, timeout_s=3.0)
-        inner = PauseMasterAfterReads(mc, c, after=1)
-        eng = make_engine(case, [FaultyTier(inner, plan)], io_depth=1, deadline_s=deadline_s)
-        async with opened(eng, mc):
-            saved = await eng.save(case.tokens, case.src, case.ids)
-            assert saved.ok, saved.errors
-            dst = case.new_cache()
-            try:
-                r, elapsed = await timed_restore(eng, case, dst)
-            finally:
-                c.resume_master()
-            assert r.committed_tokens == 0 and eng.staging.statistics().in_use == 0, r
-            assert elapsed < deadline_s + 1.0, (elapsed, r.reason, r.timings)
-
-    anyio.run(main)
+    plan = FaultPlan(faults=(Fault(FaultKind.READ_ERROR, chunks=frozenset({1}), group="kv"),))
+    mc = remote_tier(c, timeout_s=3.0)
+    inner = PauseMasterAfterReads(mc, c, after=1)
+    eng = make_engine(
+        case.layout, [FaultyTier(inner, plan)], io_depth=1, deadline_s=deadline_s, **ENGINE
+    )
+    async with opened(eng, mc):
+        saved = await eng.save(case.tokens, case.src, case.ids)
+        assert saved.ok, saved.errors
+        dst = case.new_cache()
+        try:
+            r, elapsed = await timed_restore(eng, case, dst)
+        finally:
+            c.resume_master()
+        assert r.committed_tokens == 0 and eng.staging.statistics().in_use == 0, r
+        assert elapsed < deadline_s + 1.0, (elapsed, r.reason, r.timings)

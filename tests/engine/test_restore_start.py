@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import anyio
 import pytest
 import torch
 
@@ -82,7 +81,8 @@ def check_blocks(
 @pytest.mark.parametrize("cache_kind", ["stacked", "per_layer"])
 @pytest.mark.parametrize("layout_kind", ["kv", "kv+swa"])
 @pytest.mark.parametrize("start", [0, 64, 72, 88, 120, 160, 200])
-def test_only_blocks_past_start_are_read_and_written(
+@pytest.mark.anyio
+async def test_only_blocks_past_start_are_read_and_written(
     tmp_path: Path, start: int, layout_kind: str, cache_kind: str
 ) -> None:
     if layout_kind == "kv":
@@ -96,25 +96,25 @@ def test_only_blocks_past_start_are_read_and_written(
     dst_ids = shuffled_blocks(nblocks, -(-n_tokens // BLOCK), seed=5)
     toks = tokens_for(n_tokens)
 
-    async def main() -> None:
-        async with make_engine(layout, [bsr.FileTier(tmp_path, 1 << 26)]) as eng:
-            await eng.save(toks, src, src_ids)
-            if cache_kind == "stacked":
-                dst = bsr.PagedKVCache(layout, nblocks, BLOCK)
-            else:
-                dst = per_layer_cache(layout, nblocks)
-            poison(dst)
-            r = await eng.restore(toks, dst, dst_ids, start_tokens=start)
-            assert r.committed, r
-            assert r.committed_tokens == CHUNKS * layout.chunk_tokens
-            assert r.bytes_read == expected_bytes(layout, start)
-            check_blocks(layout, src, src_ids, dst, dst_ids, start)
-
-    anyio.run(main)
+    async with make_engine(layout, [bsr.FileTier(tmp_path, 1 << 26)]) as eng:
+        await eng.save(toks, src, src_ids)
+        if cache_kind == "stacked":
+            dst = bsr.PagedKVCache(layout, nblocks, BLOCK)
+        else:
+            dst = per_layer_cache(layout, nblocks)
+        poison(dst)
+        r = await eng.restore(toks, dst, dst_ids, start_tokens=start)
+        assert r.committed, r
+        assert r.committed_tokens == CHUNKS * layout.chunk_tokens
+        assert r.bytes_read == expected_bytes(layout, start)
+        check_blocks(layout, src, src_ids, dst, dst_ids, start)
 
 
 @pytest.mark.parametrize("strategy", ["bounded", "whole_plan"])
-def test_a_failed_restore_reports_only_blocks_past_start(tmp_path: Path, strategy: str) -> None:
+@pytest.mark.anyio
+async def test_a_failed_restore_reports_only_blocks_past_start(
+    tmp_path: Path, strategy: str
+) -> None:
     """Chunk 3 is damaged: nothing commits, and the blocks of the caller's own prefix (before
     ``start_tokens``) are neither written nor reported invalid."""
     layout = bsr.StateLayout(chunk_tokens=32, groups=(bsr.StateGroup("kv", 2, 256),))
@@ -124,38 +124,33 @@ def test_a_failed_restore_reports_only_blocks_past_start(tmp_path: Path, strateg
     toks = tokens_for(n_tokens)
     start = 40  # chunk 1 straddles it: its first block is the caller's
 
-    async def main() -> None:
-        tier = bsr.FileTier(tmp_path, 1 << 26)
-        async with make_engine(layout, [tier]) as eng:
-            await eng.save(toks, src, ids)
-            oid = bsr.ObjectKey(eng.keys(toks)[3], "kv").object_id
-            path = next(p for p in (tmp_path / "objects").glob("**/*.bsr") if oid in p.name)
-            raw = bytearray(path.read_bytes())
-            raw[-100] ^= 0xFF
-            path.write_bytes(bytes(raw))
-            dst = bsr.PagedKVCache(layout, 64, BLOCK)
-            poison(dst)
-            r = await eng.restore(toks, dst, ids, start_tokens=start, strategy=strategy)
-            assert not r.committed and r.committed_tokens == 0
-            first_block = start // BLOCK
-            assert r.invalid_block_ids, r
-            assert set(r.invalid_block_ids) <= {int(b) for b in ids[first_block:]}
-            for i in range(first_block):
-                assert bool((block(dst, "kv", int(ids[i])) == POISON).all())
-
-    anyio.run(main)
+    tier = bsr.FileTier(tmp_path, 1 << 26)
+    async with make_engine(layout, [tier]) as eng:
+        await eng.save(toks, src, ids)
+        oid = bsr.ObjectKey(eng.keys(toks)[3], "kv").object_id
+        path = next(p for p in (tmp_path / "objects").glob("**/*.bsr") if oid in p.name)
+        raw = bytearray(path.read_bytes())
+        raw[-100] ^= 0xFF
+        path.write_bytes(bytes(raw))
+        dst = bsr.PagedKVCache(layout, 64, BLOCK)
+        poison(dst)
+        r = await eng.restore(toks, dst, ids, start_tokens=start, strategy=strategy)
+        assert not r.committed and r.committed_tokens == 0
+        first_block = start // BLOCK
+        assert r.invalid_block_ids, r
+        assert set(r.invalid_block_ids) <= {int(b) for b in ids[first_block:]}
+        for i in range(first_block):
+            assert bool((block(dst, "kv", int(ids[i])) == POISON).all())
 
 
-def test_bad_start_tokens_are_refused_before_anything_starts(tmp_path: Path) -> None:
+@pytest.mark.anyio
+async def test_bad_start_tokens_are_refused_before_anything_starts(tmp_path: Path) -> None:
     layout = bsr.StateLayout(chunk_tokens=32, groups=(bsr.StateGroup("kv", 2, 256),))
     toks = tokens_for(64)
 
-    async def main() -> None:
-        async with make_engine(layout, [bsr.HostTier(1 << 24)]) as eng:
-            dst = bsr.PagedKVCache(layout, 16, BLOCK)
-            for bad in (5, -8, 8.0, True):
-                with pytest.raises(bsr.ConfigError, match="start_tokens"):
-                    await eng.restore(toks, dst, list(range(8)), start_tokens=bad)  # type: ignore[arg-type]
-            assert eng.statistics().restores == 0
-
-    anyio.run(main)
+    async with make_engine(layout, [bsr.HostTier(1 << 24)]) as eng:
+        dst = bsr.PagedKVCache(layout, 16, BLOCK)
+        for bad in (5, -8, 8.0, True):
+            with pytest.raises(bsr.ConfigError, match="start_tokens"):
+                await eng.restore(toks, dst, list(range(8)), start_tokens=bad)  # type: ignore[arg-type]
+        assert eng.statistics().restores == 0

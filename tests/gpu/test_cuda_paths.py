@@ -85,7 +85,8 @@ def test_restore_into_a_device_cache_holds_the_saved_bytes(
     anyio.run(main, backend=backend)
 
 
-def test_restore_into_per_layer_device_tensors_writes_the_engines_own_memory(
+@pytest.mark.anyio
+async def test_restore_into_per_layer_device_tensors_writes_the_engines_own_memory(
     tmp_path: Path, device: str
 ) -> None:
     # vLLM's layout: one [num_blocks, 2 (K, V), block_size, kv_heads * head_dim] bf16 tensor per
@@ -107,7 +108,7 @@ def test_restore_into_per_layer_device_tensors_writes_the_engines_own_memory(
             settled, stats = staging_settled(eng)
             assert settled, stats
 
-    anyio.run(main)
+    await main()
     assert case.mismatches(dst, case.chunks) == []
     assert case.stray_writes(dst) == 0
     # read straight from the engine's own bf16 tensors, not through bsr's views
@@ -128,7 +129,8 @@ async def _release_then_wait(self: WindowPipeline, job: Any, c: int, slot: Any, 
 
 
 @pytest.mark.parametrize("release_early", [False, True], ids=["on-event", "early-mutant"])
-def test_a_slot_is_refilled_only_after_its_copy_event(
+@pytest.mark.anyio
+async def test_a_slot_is_refilled_only_after_its_copy_event(
     real_cuda: None, monkeypatch: pytest.MonkeyPatch, release_early: bool
 ) -> None:
     """W=2 slots carry 12 chunks, each copy held back on the GPU by a spin kernel while the
@@ -168,70 +170,69 @@ def test_a_slot_is_refilled_only_after_its_copy_event(
                 assert r.rws_peak_bytes == 2 * case.layout.slot_bytes
             return r
 
-    r = anyio.run(main)
+    r = await main()
     assert r.state is COMMITTED
 
 
 @pytest.mark.parametrize("strategy", ["bounded", "whole_plan"])
-def test_a_copy_that_cannot_be_enqueued_invalidates_and_releases(
+@pytest.mark.anyio
+async def test_a_copy_that_cannot_be_enqueued_invalidates_and_releases(
     tmp_path: Path, real_cuda: None, strategy: str
 ) -> None:
     case = Case(chunks=8, seed=13)
 
-    async def main() -> None:
-        async with case.engine([bsr.FileTier(tmp_path, CAP, reader="posix")], window=2) as eng:
-            await eng.save(case.tokens, case.src, case.src_ids)
-            dst = case.destination("cuda", FailingInstallCache)
-            r = await eng.restore(case.tokens, dst, case.dst_ids, strategy=strategy)
-            assert r.state is INVALIDATED and r.reason is bsr.Reason.INSTALL_FAILED, r
-            assert r.committed_tokens == 0
-            assert any("out of memory (injected" in e for e in r.errors), r.errors
-            assert set(r.invalid_block_ids) <= set(case.dst_ids.tolist())
-            settled, stats = staging_settled(eng)
-            assert settled, stats
-            # the next restore of the same state into a healthy cache commits it all
-            ok = case.destination("cuda")
-            again = await eng.restore(case.tokens, ok, case.dst_ids, strategy=strategy)
-            assert again.committed and case.mismatches(ok, case.chunks) == []
-
-    anyio.run(main)
+    async with case.engine([bsr.FileTier(tmp_path, CAP, reader="posix")], window=2) as eng:
+        await eng.save(case.tokens, case.src, case.src_ids)
+        dst = case.destination("cuda", FailingInstallCache)
+        r = await eng.restore(case.tokens, dst, case.dst_ids, strategy=strategy)
+        assert r.state is INVALIDATED and r.reason is bsr.Reason.INSTALL_FAILED, r
+        assert r.committed_tokens == 0
+        assert any("out of memory (injected" in e for e in r.errors), r.errors
+        assert set(r.invalid_block_ids) <= set(case.dst_ids.tolist())
+        settled, stats = staging_settled(eng)
+        assert settled, stats
+        # the next restore of the same state into a healthy cache commits it all
+        ok = case.destination("cuda")
+        again = await eng.restore(case.tokens, ok, case.dst_ids, strategy=strategy)
+        assert again.committed and case.mismatches(ok, case.chunks) == []
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
 @pytest.mark.parametrize("reader", ["posix", "kvikio"])
-def test_a_damaged_object_invalidates_releases_and_leaves_the_tier(
+@pytest.mark.anyio
+async def test_a_damaged_object_invalidates_releases_and_leaves_the_tier(
     tmp_path: Path, device: str, reader: str, damage: str, request: pytest.FixtureRequest
 ) -> None:
     if reader == "kvikio":
         request.getfixturevalue("kvikio_ok")
     case = Case(chunks=8, seed=9)
 
-    async def main() -> None:
-        tier = bsr.FileTier(tmp_path, CAP, reader=reader)
-        async with case.engine([tier], window=2, io_depth=2) as eng:
-            await eng.save(case.tokens, case.src, case.src_ids)
-            key = _keys(case)[5]
-            hurt = corrupt_stored if damage == "flip" else truncate_stored
-            assert hurt(tier, key, "kv")
-            dst = case.destination(device)
-            r = await eng.restore(case.tokens, dst, case.dst_ids)
-            assert r.state is INVALIDATED and r.reason is bsr.Reason.CORRUPT, r
-            assert r.committed_tokens == 0 and r.quarantined == 1, r
-            assert r.invalid_block_ids and set(r.invalid_block_ids) <= set(case.dst_ids.tolist())
-            settled, stats = staging_settled(eng)
-            assert settled, stats
-            # the object left the tier: saving again writes it alone, then all of it restores
-            assert tier.statistics().quarantined == 1
-            resaved = await eng.save(case.tokens, case.src, case.src_ids)
-            assert resaved.objects_written == {"file": 1}, resaved
-            again = await eng.restore(case.tokens, dst, case.dst_ids)
-            assert again.committed and again.committed_tokens == case.n_tokens, again
-            assert case.mismatches(dst, case.chunks) == []
-
-    anyio.run(main)
+    tier = bsr.FileTier(tmp_path, CAP, reader=reader)
+    async with case.engine([tier], window=2, io_depth=2) as eng:
+        await eng.save(case.tokens, case.src, case.src_ids)
+        key = _keys(case)[5]
+        hurt = corrupt_stored if damage == "flip" else truncate_stored
+        assert hurt(tier, key, "kv")
+        dst = case.destination(device)
+        r = await eng.restore(case.tokens, dst, case.dst_ids)
+        assert r.state is INVALIDATED and r.reason is bsr.Reason.CORRUPT, r
+        assert r.committed_tokens == 0 and r.quarantined == 1, r
+        assert r.invalid_block_ids and set(r.invalid_block_ids) <= set(case.dst_ids.tolist())
+        settled, stats = staging_settled(eng)
+        assert settled, stats
+        # the object left the tier: saving again writes it alone, then all of it restores
+        assert tier.statistics().quarantined == 1
+        resaved = await eng.save(case.tokens, case.src, case.src_ids)
+        assert resaved.objects_written == {"file": 1}, resaved
+        again = await eng.restore(case.tokens, dst, case.dst_ids)
+        assert again.committed and again.committed_tokens == case.n_tokens, again
+        assert case.mismatches(dst, case.chunks) == []
 
 
-def test_kvikio_reads_equal_posix_reads_and_the_source(tmp_path: Path, kvikio_ok: None) -> None:
+@pytest.mark.anyio
+async def test_kvikio_reads_equal_posix_reads_and_the_source(
+    tmp_path: Path, kvikio_ok: None
+) -> None:
     case = Case(chunks=8, seed=5)
     keys = _keys(case)
     wanted = [(c, g.name) for g in case.layout.groups for c in case.layout.needed_chunks(g.name, 8)]
@@ -266,4 +267,4 @@ def test_kvikio_reads_equal_posix_reads_and_the_source(tmp_path: Path, kvikio_ok
             total = sum(case.layout.group_chunk_bytes(g) for _, g in wanted)
             assert r.bytes_by_tier == {"file": total}
 
-    anyio.run(main)
+    await main()

@@ -128,7 +128,8 @@ def test_gc_evicts_oldest_first(store: tuple[Path, bsr.SaveResult, bsr.SaveResul
     assert _objects(root) == objs[-3:]
 
 
-def test_an_engine_reads_what_gc_left(
+@pytest.mark.anyio
+async def test_an_engine_reads_what_gc_left(
     store: tuple[Path, bsr.SaveResult, bsr.SaveResult], tmp_path: Path
 ) -> None:
     root = store[0]
@@ -136,12 +137,9 @@ def test_an_engine_reads_what_gc_left(
     assert _objects(root) == []
     layout = two_group_layout()
 
-    async def main() -> None:
-        async with make_engine(layout, [bsr.FileTier(root, 1 << 26)], model_id="a") as eng:
-            probe = await eng.lookup(tokens_for(3 * layout.chunk_tokens))
-            assert probe.prefix_tokens == 0
-
-    anyio.run(main)
+    async with make_engine(layout, [bsr.FileTier(root, 1 << 26)], model_id="a") as eng:
+        probe = await eng.lookup(tokens_for(3 * layout.chunk_tokens))
+        assert probe.prefix_tokens == 0
 
 
 def test_usage_and_not_a_store(tmp_path: Path) -> None:

@@ -187,7 +187,8 @@ def test_verify_counts_an_object_evicted_meanwhile_as_gone_not_bad(
     assert q.returncode == 0 and list((store / "quarantine").iterdir()) == []
 
 
-def test_verify_beside_a_live_engine_that_evicts_through_a_hook(store: Path) -> None:
+@pytest.mark.anyio
+async def test_verify_beside_a_live_engine_that_evicts_through_a_hook(store: Path) -> None:
     """A real FileTier deletes the next object from the progress hook (between the listing and
     that object's read); the scrub reports it gone, the bad one bad, and exits accordingly."""
     listed = _store.list_objects(store)
@@ -209,6 +210,6 @@ def test_verify_beside_a_live_engine_that_evicts_through_a_hook(store: Path) -> 
             assert tier.usage().bytes <= sum(o.size for o in listed)
             return report
 
-    report = anyio.run(main)
+    report = await main()
     assert report.checked == len(listed) and report.gone == 1
     assert [b.reason for b in report.bad] == ["corrupt"]

@@ -175,6 +175,8 @@ def test_sigkill_while_saving(tmp_path: Path, zygote: Zygote) -> None:
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, (
         tmp_path / "writer.stderr"
     ).read_text()
+    # sync on purpose: the test forks and reaps writers between its checks, each check runs
+    # its own (asyncio) loop
     anyio.run(check_directory, directory, acked(directory), cw.batch(0))
     killed = 0
     report: list[dict[str, Any]] = []

@@ -203,21 +203,19 @@ def test_store_commands_that_change_files_wait_for_the_roots_lock(
         assert int(stats[2]) == on_disk(root) <= CAPACITY
 
 
-def test_in_one_process_two_tiers_on_one_root_share_it_too(tmp_path: Path) -> None:
+@pytest.mark.anyio
+async def test_in_one_process_two_tiers_on_one_root_share_it_too(tmp_path: Path) -> None:
     from bsr.testing._conformance import make_keys, payload
 
     keys = make_keys(40)
     size = 64 << 10
     cap = 8 * size
 
-    async def main() -> None:
-        async with (
-            bsr.FileTier(tmp_path, cap, fsync=False) as t1,
-            bsr.FileTier(tmp_path, cap, fsync=False) as t2,
-        ):
-            async with anyio.create_task_group() as tg:
-                for i, k in enumerate(keys):
-                    tg.start_soon((t1 if i % 2 else t2).write, k, "kv", payload(i, 60_000))
-            assert on_disk(tmp_path) <= cap
-
-    anyio.run(main)
+    async with (
+        bsr.FileTier(tmp_path, cap, fsync=False) as t1,
+        bsr.FileTier(tmp_path, cap, fsync=False) as t2,
+    ):
+        async with anyio.create_task_group() as tg:
+            for i, k in enumerate(keys):
+                tg.start_soon((t1 if i % 2 else t2).write, k, "kv", payload(i, 60_000))
+        assert on_disk(tmp_path) <= cap

@@ -192,34 +192,32 @@ def test_lease_limit_refuses_typed() -> None:
         idx.lease(OIDS[:1], float("nan"))
 
 
-def test_reserve_waiting_waits_for_writes_in_progress_only() -> None:
-    async def main() -> None:
-        idx: LruIndex[None] = LruIndex(100)
-        first, _ = idx.reserve(80)
-        got: list[int] = []
+@pytest.mark.anyio
+async def test_reserve_waiting_waits_for_writes_in_progress_only() -> None:
+    idx: LruIndex[None] = LruIndex(100)
+    first, _ = idx.reserve(80)
+    got: list[int] = []
 
-        async def second() -> None:
-            r, _ = await idx.reserve_waiting(50)
-            got.append(r.size)
-            r.abort()
+    async def second() -> None:
+        r, _ = await idx.reserve_waiting(50)
+        got.append(r.size)
+        r.abort()
 
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(second)
-            await anyio.sleep(0.05)
-            assert got == []  # waiting: only the first write stands in the way
-            first.commit(OIDS[0])  # committed objects are evictable: room
-        assert got == [50]
-        assert OIDS[0] not in idx
-        with idx.lease(OIDS[:0], 1.0):
-            pass
-        r, _ = idx.reserve(60)
-        r.commit(OIDS[1])
-        idx.pin(OIDS[1])
-        with pytest.raises(bsr.TierFullError) as info:  # a pin, not a write: fail at once
-            await idx.reserve_waiting(60)
-        assert not isinstance(info.value, RoomPending)
-
-    anyio.run(main)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(second)
+        await anyio.sleep(0.05)
+        assert got == []  # waiting: only the first write stands in the way
+        first.commit(OIDS[0])  # committed objects are evictable: room
+    assert got == [50]
+    assert OIDS[0] not in idx
+    with idx.lease(OIDS[:0], 1.0):
+        pass
+    r, _ = idx.reserve(60)
+    r.commit(OIDS[1])
+    idx.pin(OIDS[1])
+    with pytest.raises(bsr.TierFullError) as info:  # a pin, not a write: fail at once
+        await idx.reserve_waiting(60)
+    assert not isinstance(info.value, RoomPending)
 
 
 def test_index_is_thread_safe_under_concurrent_pins_and_reservations() -> None:

@@ -79,10 +79,6 @@ def make_tier(cluster: MooncakeCluster, **kw: Any) -> MooncakeTier:
     return MooncakeTier(client_address=cluster.client_address, **kw)
 
 
-def run(fn: Any) -> None:
-    anyio.run(fn)
-
-
 # ---------------------------------------------------------------------- conformance
 @needs_mooncake
 class TestMooncakeConformance(TierConformance):
@@ -101,27 +97,25 @@ class TestMooncakeConformance(TierConformance):
 
 # ---------------------------------------------------------------------- behaviour
 @needs_mooncake
-def test_round_trip_several_objects_byte_exact(mooncake_cluster: MooncakeCluster) -> None:
+@pytest.mark.anyio
+async def test_round_trip_several_objects_byte_exact(mooncake_cluster: MooncakeCluster) -> None:
     keys = make_keys(5)
     sizes = [4096, 1, 3 * 4096 + 5, 3 << 20, 0]  # 3 MiB grows the bounce buffers
 
-    async def main() -> None:
-        tier = make_tier(mooncake_cluster)
-        async with tier:
-            for i, (k, n) in enumerate(zip(keys, sizes)):
-                src = torch.from_numpy(payload(i, n)) if i % 2 else payload(i, n).tobytes()
-                assert await tier.write(k, "kv", src) is True
-            for i, (k, n) in enumerate(zip(keys, sizes)):
-                dst = torch.zeros(n + 100, dtype=torch.uint8)
-                assert await tier.read_into(k, "kv", dst) == n
-                assert bytes(dst[:n].numpy()) == payload(i, n).tobytes()
-                assert not dst[n:].any()
-            s = tier.statistics()
-            assert (s.writes, s.reads, s.hits, s.objects) == (5, 5, 5, 5)
-            assert s.bytes_written == s.bytes_read == sum(sizes)
-            assert s.bytes == sum(sizes) + 5 * HEADER_SIZE
-
-    run(main)
+    tier = make_tier(mooncake_cluster)
+    async with tier:
+        for i, (k, n) in enumerate(zip(keys, sizes)):
+            src = torch.from_numpy(payload(i, n)) if i % 2 else payload(i, n).tobytes()
+            assert await tier.write(k, "kv", src) is True
+        for i, (k, n) in enumerate(zip(keys, sizes)):
+            dst = torch.zeros(n + 100, dtype=torch.uint8)
+            assert await tier.read_into(k, "kv", dst) == n
+            assert bytes(dst[:n].numpy()) == payload(i, n).tobytes()
+            assert not dst[n:].any()
+        s = tier.statistics()
+        assert (s.writes, s.reads, s.hits, s.objects) == (5, 5, 5, 5)
+        assert s.bytes_written == s.bytes_read == sum(sizes)
+        assert s.bytes == sum(sizes) + 5 * HEADER_SIZE
 
 
 class _Recorder:
@@ -137,134 +131,124 @@ class _Recorder:
 
 
 @needs_mooncake
-def test_contains_many_is_metadata_only(mooncake_cluster: MooncakeCluster) -> None:
+@pytest.mark.anyio
+async def test_contains_many_is_metadata_only(mooncake_cluster: MooncakeCluster) -> None:
     keys = make_keys(6)
 
-    async def main() -> None:
-        tier = make_tier(mooncake_cluster)
-        async with tier:
-            for k in keys[::2]:
-                await tier.write(k, "kv", payload(1))
-            rec = _Recorder(tier._store)
-            tier._store = rec
-            before = tier.statistics()
-            got = await tier.contains_many([ObjectKey(k, g) for k in keys for g in ("kv", "aux")])
-            assert got == [i % 2 == 0 and g == "kv" for i in range(6) for g in ("kv", "aux")]
-            assert rec.calls == ["batch_is_exist"]  # one batched metadata call, no payload read
-            after = tier.statistics()
-            assert (after.reads, after.bytes_read) == (before.reads, before.bytes_read)
-            assert await tier.contains_many([]) == []
-
-    run(main)
+    tier = make_tier(mooncake_cluster)
+    async with tier:
+        for k in keys[::2]:
+            await tier.write(k, "kv", payload(1))
+        rec = _Recorder(tier._store)
+        tier._store = rec
+        before = tier.statistics()
+        got = await tier.contains_many([ObjectKey(k, g) for k in keys for g in ("kv", "aux")])
+        assert got == [i % 2 == 0 and g == "kv" for i in range(6) for g in ("kv", "aux")]
+        assert rec.calls == ["batch_is_exist"]  # one batched metadata call, no payload read
+        after = tier.statistics()
+        assert (after.reads, after.bytes_read) == (before.reads, before.bytes_read)
+        assert await tier.contains_many([]) == []
 
 
 @needs_mooncake
-def test_missing_key_is_object_not_found(mooncake_cluster: MooncakeCluster) -> None:
+@pytest.mark.anyio
+async def test_missing_key_is_object_not_found(mooncake_cluster: MooncakeCluster) -> None:
     k = make_keys(1)[0]
 
-    async def main() -> None:
-        tier = make_tier(mooncake_cluster)
-        async with tier:
-            dst = np.zeros(4096, dtype=np.uint8)
-            with pytest.raises(ObjectNotFoundError) as ei:
-                await tier.read_into(k, "kv", dst)
-            assert ei.value.fields["code"] == -704
-            assert not dst.any()
-            assert await tier.delete(k, "kv") is False
-            assert tier.statistics().misses == 1
-
-    run(main)
+    tier = make_tier(mooncake_cluster)
+    async with tier:
+        dst = np.zeros(4096, dtype=np.uint8)
+        with pytest.raises(ObjectNotFoundError) as ei:
+            await tier.read_into(k, "kv", dst)
+        assert ei.value.fields["code"] == -704
+        assert not dst.any()
+        assert await tier.delete(k, "kv") is False
+        assert tier.statistics().misses == 1
 
 
 @needs_mooncake
-def test_put_existing_returns_false_and_keeps_old_value(mooncake_cluster: MooncakeCluster) -> None:
-    k = make_keys(1)[0]
-
-    async def main() -> None:
-        tier = make_tier(mooncake_cluster)
-        async with tier:
-            assert await tier.write(k, "kv", payload(1, 8192)) is True
-            assert await tier.write(k, "kv", payload(2, 8192)) is False
-            assert await tier.write(k, "kv", payload(3, 100)) is False
-            dst = np.zeros(8192, dtype=np.uint8)
-            assert await tier.read_into(k, "kv", dst) == 8192
-            assert np.array_equal(dst, payload(1, 8192))
-            assert tier.statistics().writes == 1
-
-    run(main)
-
-
-@needs_mooncake
-def test_corrupt_values_are_detected(mooncake_cluster: MooncakeCluster) -> None:
-    keys = make_keys(4)
-
-    async def main() -> None:
-        tier = make_tier(mooncake_cluster)
-        async with tier:
-
-            def good(k: ChunkKey) -> bytes:
-                return encode_object(ObjectKey(k, "kv"), payload(0, 8192))[: HEADER_SIZE + 8192]
-
-            # a flipped payload byte, written directly through the store client
-            bad = bytearray(good(keys[0]))
-            bad[HEADER_SIZE + 100] ^= 0x01
-            assert put_raw_stored(tier, keys[0], "kv", bytes(bad))
-            # junk without a bsr header
-            assert put_raw_stored(tier, keys[1], "kv", os.urandom(HEADER_SIZE + 8192))
-            # a flipped header byte (header checksum)
-            bad = bytearray(good(keys[2]))
-            bad[40] ^= 0x80
-            assert put_raw_stored(tier, keys[2], "kv", bytes(bad))
-            for k in keys[:3]:
-                dst = np.zeros(8192, dtype=np.uint8)
-                with pytest.raises(CorruptObjectError):
-                    await tier.read_into(k, "kv", dst)
-                assert not dst.any()  # nothing unverified reached the destination
-            # a truncated object (header intact, half the payload)
-            assert put_raw_stored(tier, keys[3], "kv", good(keys[3])[: HEADER_SIZE + 4096])
-            with pytest.raises(TruncatedObjectError):
-                await tier.read_into(keys[3], "kv", np.zeros(8192, dtype=np.uint8))
-            assert tier.statistics().errors == 4
-
-    run(main)
-
-
-@needs_mooncake
-def test_foreign_namespace_object_is_detected(mooncake_cluster: MooncakeCluster) -> None:
-    mine = make_keys(1, model="mine")[0]
-    # same digest and index (so the same object id and store key), another namespace
-    theirs = ChunkKey(mine.digest, mine.index, make_keys(1, model="theirs")[0].namespace)
-
-    async def main() -> None:
-        tier = make_tier(mooncake_cluster)
-        async with tier:
-            blob = encode_object(ObjectKey(theirs, "kv"), payload(5, 4096))
-            assert tier.store_key(mine, "kv") == tier.store_key(theirs, "kv")
-            assert put_raw_stored(tier, mine, "kv", blob)
-            assert await tier.contains_many([ObjectKey(mine, "kv")]) == [True]
-            with pytest.raises(ForeignObjectError):
-                await tier.read_into(mine, "kv", np.zeros(4096, dtype=np.uint8))
-
-    run(main)
-
-
-@needs_mooncake
-def test_too_small_destination_is_config_error_and_keeps_object(
+@pytest.mark.anyio
+async def test_put_existing_returns_false_and_keeps_old_value(
     mooncake_cluster: MooncakeCluster,
 ) -> None:
     k = make_keys(1)[0]
 
-    async def main() -> None:
-        tier = make_tier(mooncake_cluster)
-        async with tier:
-            await tier.write(k, "kv", payload(1, 3 * 4096))
-            with pytest.raises(ConfigError, match="destination holds 4096 bytes"):
-                await tier.read_into(k, "kv", np.zeros(4096, dtype=np.uint8))
-            dst = np.zeros(3 * 4096, dtype=np.uint8)
-            assert await tier.read_into(k, "kv", dst) == 3 * 4096
-            assert np.array_equal(dst, payload(1, 3 * 4096))
+    tier = make_tier(mooncake_cluster)
+    async with tier:
+        assert await tier.write(k, "kv", payload(1, 8192)) is True
+        assert await tier.write(k, "kv", payload(2, 8192)) is False
+        assert await tier.write(k, "kv", payload(3, 100)) is False
+        dst = np.zeros(8192, dtype=np.uint8)
+        assert await tier.read_into(k, "kv", dst) == 8192
+        assert np.array_equal(dst, payload(1, 8192))
+        assert tier.statistics().writes == 1
 
-    run(main)
+
+@needs_mooncake
+@pytest.mark.anyio
+async def test_corrupt_values_are_detected(mooncake_cluster: MooncakeCluster) -> None:
+    keys = make_keys(4)
+
+    tier = make_tier(mooncake_cluster)
+    async with tier:
+
+        def good(k: ChunkKey) -> bytes:
+            return encode_object(ObjectKey(k, "kv"), payload(0, 8192))[: HEADER_SIZE + 8192]
+
+        # a flipped payload byte, written directly through the store client
+        bad = bytearray(good(keys[0]))
+        bad[HEADER_SIZE + 100] ^= 0x01
+        assert put_raw_stored(tier, keys[0], "kv", bytes(bad))
+        # junk without a bsr header
+        assert put_raw_stored(tier, keys[1], "kv", os.urandom(HEADER_SIZE + 8192))
+        # a flipped header byte (header checksum)
+        bad = bytearray(good(keys[2]))
+        bad[40] ^= 0x80
+        assert put_raw_stored(tier, keys[2], "kv", bytes(bad))
+        for k in keys[:3]:
+            dst = np.zeros(8192, dtype=np.uint8)
+            with pytest.raises(CorruptObjectError):
+                await tier.read_into(k, "kv", dst)
+            assert not dst.any()  # nothing unverified reached the destination
+        # a truncated object (header intact, half the payload)
+        assert put_raw_stored(tier, keys[3], "kv", good(keys[3])[: HEADER_SIZE + 4096])
+        with pytest.raises(TruncatedObjectError):
+            await tier.read_into(keys[3], "kv", np.zeros(8192, dtype=np.uint8))
+        assert tier.statistics().errors == 4
+
+
+@needs_mooncake
+@pytest.mark.anyio
+async def test_foreign_namespace_object_is_detected(mooncake_cluster: MooncakeCluster) -> None:
+    mine = make_keys(1, model="mine")[0]
+    # same digest and index (so the same object id and store key), another namespace
+    theirs = ChunkKey(mine.digest, mine.index, make_keys(1, model="theirs")[0].namespace)
+
+    tier = make_tier(mooncake_cluster)
+    async with tier:
+        blob = encode_object(ObjectKey(theirs, "kv"), payload(5, 4096))
+        assert tier.store_key(mine, "kv") == tier.store_key(theirs, "kv")
+        assert put_raw_stored(tier, mine, "kv", blob)
+        assert await tier.contains_many([ObjectKey(mine, "kv")]) == [True]
+        with pytest.raises(ForeignObjectError):
+            await tier.read_into(mine, "kv", np.zeros(4096, dtype=np.uint8))
+
+
+@needs_mooncake
+@pytest.mark.anyio
+async def test_too_small_destination_is_config_error_and_keeps_object(
+    mooncake_cluster: MooncakeCluster,
+) -> None:
+    k = make_keys(1)[0]
+
+    tier = make_tier(mooncake_cluster)
+    async with tier:
+        await tier.write(k, "kv", payload(1, 3 * 4096))
+        with pytest.raises(ConfigError, match="destination holds 4096 bytes"):
+            await tier.read_into(k, "kv", np.zeros(4096, dtype=np.uint8))
+        dst = np.zeros(3 * 4096, dtype=np.uint8)
+        assert await tier.read_into(k, "kv", dst) == 3 * 4096
+        assert np.array_equal(dst, payload(1, 3 * 4096))
 
 
 def test_bad_arguments_are_config_errors() -> None:
@@ -281,7 +265,8 @@ def test_bad_arguments_are_config_errors() -> None:
 
 
 @needs_mooncake
-def test_unreachable_address_fails_fast() -> None:
+@pytest.mark.anyio
+async def test_unreachable_address_fails_fast() -> None:
     require_mooncake()
 
     import socket
@@ -297,11 +282,12 @@ def test_unreachable_address_fails_fast() -> None:
     # a port this test holds without listening: nothing else can take it meanwhile
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
-        anyio.run(main, held.getsockname()[1])
+        await main(held.getsockname()[1])
 
 
 @needs_mooncake
-def test_cluster_and_test_process_listen_on_loopback_only(
+@pytest.mark.anyio
+async def test_cluster_and_test_process_listen_on_loopback_only(
     mooncake_cluster: MooncakeCluster,
 ) -> None:
     psutil = pytest.importorskip("psutil")
@@ -316,14 +302,11 @@ def test_cluster_and_test_process_listen_on_loopback_only(
         assert socks, name
         assert {ip for ip, _ in socks} <= loopback, (name, socks)
 
-    async def main() -> None:
-        before = listeners(os.getpid())
-        tier = make_tier(mooncake_cluster)
-        async with tier:
-            await tier.write(make_keys(1)[0], "kv", payload(0, 4096))
-            assert listeners(os.getpid()) == before  # standalone mode opens no listener
-
-    run(main)
+    before = listeners(os.getpid())
+    tier = make_tier(mooncake_cluster)
+    async with tier:
+        await tier.write(make_keys(1)[0], "kv", payload(0, 4096))
+        assert listeners(os.getpid()) == before  # standalone mode opens no listener
 
 
 # ---------------------------------------------------------------------- embedded mode
@@ -417,67 +400,63 @@ def test_embedded_mode_in_subprocess(fresh_mooncake_cluster: MooncakeCluster) ->
 
 # ---------------------------------------------------------------------- faults
 @needs_mooncake
-def test_dead_master_gives_timeout_not_hang(fresh_mooncake_cluster: MooncakeCluster) -> None:
+@pytest.mark.anyio
+async def test_dead_master_gives_timeout_not_hang(fresh_mooncake_cluster: MooncakeCluster) -> None:
     c = fresh_mooncake_cluster
     keys = make_keys(2)
 
-    async def main() -> None:
-        tier = make_tier(c, timeout_s=1.0)
-        async with tier:
-            await tier.write(keys[0], "kv", payload(0, 4096))
-            c.kill_master()
-            for op in ("read", "contains", "write"):
-                t0 = time.monotonic()
-                # the tier's timeout fires while the gateway retries the dead master; a call
-                # that sees the reset connection first is an RPC_FAIL (-900) TierIOError
-                with pytest.raises((TierTimeoutError, TierIOError)) as ei:
-                    if op == "read":
-                        await tier.read_into(keys[0], "kv", np.zeros(4096, dtype=np.uint8))
-                    elif op == "contains":
-                        await tier.contains_many([ObjectKey(keys[0], "kv")])
-                    else:
-                        await tier.write(keys[1], "kv", payload(1, 4096))
-                elapsed = time.monotonic() - t0
-                assert elapsed < 1.0 + MARGIN_S, (op, elapsed)
-                if not isinstance(ei.value, TierTimeoutError):
-                    assert ei.value.fields["code"] == -900, ei.value
-            assert tier.statistics().errors == 3
-
-    run(main)
+    tier = make_tier(c, timeout_s=1.0)
+    async with tier:
+        await tier.write(keys[0], "kv", payload(0, 4096))
+        c.kill_master()
+        for op in ("read", "contains", "write"):
+            t0 = time.monotonic()
+            # the tier's timeout fires while the gateway retries the dead master; a call
+            # that sees the reset connection first is an RPC_FAIL (-900) TierIOError
+            with pytest.raises((TierTimeoutError, TierIOError)) as ei:
+                if op == "read":
+                    await tier.read_into(keys[0], "kv", np.zeros(4096, dtype=np.uint8))
+                elif op == "contains":
+                    await tier.contains_many([ObjectKey(keys[0], "kv")])
+                else:
+                    await tier.write(keys[1], "kv", payload(1, 4096))
+            elapsed = time.monotonic() - t0
+            assert elapsed < 1.0 + MARGIN_S, (op, elapsed)
+            if not isinstance(ei.value, TierTimeoutError):
+                assert ei.value.fields["code"] == -900, ei.value
+        assert tier.statistics().errors == 3
 
 
 @needs_mooncake
-def test_hung_master_times_out_and_recovers(fresh_mooncake_cluster: MooncakeCluster) -> None:
+@pytest.mark.anyio
+async def test_hung_master_times_out_and_recovers(fresh_mooncake_cluster: MooncakeCluster) -> None:
     c = fresh_mooncake_cluster
     k = make_keys(1)[0]
 
-    async def main() -> None:
-        tier = make_tier(c, timeout_s=1.0, max_stuck_calls=2)
-        async with tier:
-            await tier.write(k, "kv", payload(0, 4096))
-            c.pause_master()
-            try:
-                for _ in range(2):
-                    t0 = time.monotonic()
-                    with pytest.raises(TierTimeoutError):
-                        await tier.contains_many([ObjectKey(k, "kv")])
-                    assert time.monotonic() - t0 < 1.0 + MARGIN_S
-                # two calls are stuck in the frozen master: the next one fails fast
+    tier = make_tier(c, timeout_s=1.0, max_stuck_calls=2)
+    async with tier:
+        await tier.write(k, "kv", payload(0, 4096))
+        c.pause_master()
+        try:
+            for _ in range(2):
                 t0 = time.monotonic()
-                with pytest.raises(TierIOError, match="unresponsive"):
+                with pytest.raises(TierTimeoutError):
                     await tier.contains_many([ObjectKey(k, "kv")])
-                assert time.monotonic() - t0 < 0.5
-            finally:
-                c.resume_master()
-            # the stuck calls drain once the master answers again; the tier works again
-            with anyio.fail_after(30):
-                while tier._stuck:  # noqa: ASYNC110 - polling a counter of another thread
-                    await anyio.sleep(0.05)
-            dst = np.zeros(4096, dtype=np.uint8)
-            assert await tier.read_into(k, "kv", dst) == 4096
-            assert np.array_equal(dst, payload(0, 4096))
-
-    run(main)
+                assert time.monotonic() - t0 < 1.0 + MARGIN_S
+            # two calls are stuck in the frozen master: the next one fails fast
+            t0 = time.monotonic()
+            with pytest.raises(TierIOError, match="unresponsive"):
+                await tier.contains_many([ObjectKey(k, "kv")])
+            assert time.monotonic() - t0 < 0.5
+        finally:
+            c.resume_master()
+        # the stuck calls drain once the master answers again; the tier works again
+        with anyio.fail_after(30):
+            while tier._stuck:  # noqa: ASYNC110 - polling a counter of another thread
+                await anyio.sleep(0.05)
+        dst = np.zeros(4096, dtype=np.uint8)
+        assert await tier.read_into(k, "kv", dst) == 4096
+        assert np.array_equal(dst, payload(0, 4096))
 
 
 @needs_mooncake
@@ -543,7 +522,7 @@ def test_cluster_owns_its_ports_when_a_chosen_port_is_taken(
                     finally:
                         c.resume_master()
 
-            run(main)
+            anyio.run(main)
         # stopped by PID: none of its processes is left
         assert all(not p.alive() for p in c.procs.values())
 
@@ -595,32 +574,32 @@ def test_wait_listening_tells_a_strangers_port_from_its_own(tmp_path: Path) -> N
 
 
 @needs_mooncake
-def test_memory_process_killed_reads_fail_typed(fresh_mooncake_cluster: MooncakeCluster) -> None:
+@pytest.mark.anyio
+async def test_memory_process_killed_reads_fail_typed(
+    fresh_mooncake_cluster: MooncakeCluster,
+) -> None:
     c = fresh_mooncake_cluster
     keys = make_keys(3)
 
-    async def main() -> None:
-        tier = make_tier(c, timeout_s=3.0)
-        async with tier:
-            for i, k in enumerate(keys):
-                await tier.write(k, "kv", payload(i, 8192))
-            c.kill_memory()
-            for k in keys:
-                dst = np.zeros(8192, dtype=np.uint8)
-                t0 = time.monotonic()
-                with pytest.raises(TierError) as ei:
-                    await tier.read_into(k, "kv", dst)
-                assert time.monotonic() - t0 < 3.0 + MARGIN_S
-                assert isinstance(ei.value, BsrError)
-                assert not dst.any()
-            # once the master drops the dead client's segment (client_ttl=3 s), it is a miss
-            with anyio.fail_after(30):
-                while (await tier.contains_many([ObjectKey(keys[0], "kv")])) != [False]:  # noqa: ASYNC110
-                    await anyio.sleep(0.5)
-            with pytest.raises(ObjectNotFoundError):
-                await tier.read_into(keys[0], "kv", np.zeros(8192, dtype=np.uint8))
-
-    run(main)
+    tier = make_tier(c, timeout_s=3.0)
+    async with tier:
+        for i, k in enumerate(keys):
+            await tier.write(k, "kv", payload(i, 8192))
+        c.kill_memory()
+        for k in keys:
+            dst = np.zeros(8192, dtype=np.uint8)
+            t0 = time.monotonic()
+            with pytest.raises(TierError) as ei:
+                await tier.read_into(k, "kv", dst)
+            assert time.monotonic() - t0 < 3.0 + MARGIN_S
+            assert isinstance(ei.value, BsrError)
+            assert not dst.any()
+        # once the master drops the dead client's segment (client_ttl=3 s), it is a miss
+        with anyio.fail_after(30):
+            while (await tier.contains_many([ObjectKey(keys[0], "kv")])) != [False]:  # noqa: ASYNC110
+                await anyio.sleep(0.5)
+        with pytest.raises(ObjectNotFoundError):
+            await tier.read_into(keys[0], "kv", np.zeros(8192, dtype=np.uint8))
 
 
 # ---------------------------------------------------------------------- fake store (no Mooncake)
@@ -695,37 +674,36 @@ async def _wait_unstuck(tier: MooncakeTier) -> None:
             await anyio.sleep(0.01)
 
 
-def test_timed_out_read_never_writes_into_the_destination() -> None:
+@pytest.mark.anyio
+async def test_timed_out_read_never_writes_into_the_destination() -> None:
     tier, store = fake_tier(timeout_s=0.2)
     k = make_keys(1)[0]
 
-    async def main() -> None:
-        await tier.write(k, "kv", payload(1, 8192))
-        store.frozen.set()
-        dst = np.zeros(8192, dtype=np.uint8)
-        t0 = time.monotonic()
-        with pytest.raises(TierTimeoutError):
-            await tier.read_into(k, "kv", dst)
-        assert time.monotonic() - t0 < 0.2 + MARGIN_S
-        assert tier._stuck == 1
-        # the caller reuses its slot at once; then the frozen transfer completes late
-        dst[:] = 7
-        store.frozen.clear()
-        store.gate.set()
-        await _wait_unstuck(tier)
-        assert store.late_writes == 1
-        assert (dst == 7).all()  # the late bytes landed in the tier's bounce buffer only
-        # the bounce buffer went back to the pool and serves the next read correctly
-        out = np.zeros(8192, dtype=np.uint8)
-        assert await tier.read_into(k, "kv", out) == 8192
-        assert np.array_equal(out, payload(1, 8192))
-        assert len(tier._all_bounces) == len(tier._idle) == 1
-        await tier.aclose()
-
-    run(main)
+    await tier.write(k, "kv", payload(1, 8192))
+    store.frozen.set()
+    dst = np.zeros(8192, dtype=np.uint8)
+    t0 = time.monotonic()
+    with pytest.raises(TierTimeoutError):
+        await tier.read_into(k, "kv", dst)
+    assert time.monotonic() - t0 < 0.2 + MARGIN_S
+    assert tier._stuck == 1
+    # the caller reuses its slot at once; then the frozen transfer completes late
+    dst[:] = 7
+    store.frozen.clear()
+    store.gate.set()
+    await _wait_unstuck(tier)
+    assert store.late_writes == 1
+    assert (dst == 7).all()  # the late bytes landed in the tier's bounce buffer only
+    # the bounce buffer went back to the pool and serves the next read correctly
+    out = np.zeros(8192, dtype=np.uint8)
+    assert await tier.read_into(k, "kv", out) == 8192
+    assert np.array_equal(out, payload(1, 8192))
+    assert len(tier._all_bounces) == len(tier._idle) == 1
+    await tier.aclose()
 
 
-def test_store_calls_do_not_block_the_event_loop() -> None:
+@pytest.mark.anyio
+async def test_store_calls_do_not_block_the_event_loop() -> None:
     """A store call runs off the event loop. Shown by logic, not by timing: the call blocks on a
     gate that only a task on the event loop opens, after seeing the call inside the store for
     three of its own ticks. Were the loop blocked by the call, the gate would never open (the
@@ -739,61 +717,56 @@ def test_store_calls_do_not_block_the_event_loop() -> None:
             seen += store.inside.is_set()
         store.gate.set()
 
-    async def main() -> None:
-        store.frozen.set()
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(opener)
-            assert await tier.contains_many([ObjectKey(make_keys(1)[0], "kv")]) == [False]
-        assert store.opened == [True]  # the loop opened the gate while the call was inside
-        await tier.aclose()
-
-    run(main)
+    store.frozen.set()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(opener)
+        assert await tier.contains_many([ObjectKey(make_keys(1)[0], "kv")]) == [False]
+    assert store.opened == [True]  # the loop opened the gate while the call was inside
+    await tier.aclose()
 
 
-def test_stuck_calls_are_bounded_and_cancellation_before_start_is_not_stuck() -> None:
+@pytest.mark.anyio
+async def test_stuck_calls_are_bounded_and_cancellation_before_start_is_not_stuck() -> None:
     # 2 s: time for a loaded machine to start the worker thread before the call times out
     # (a call that times out before its store call starts is, rightly, not stuck)
     tier, store = fake_tier(timeout_s=2.0, max_stuck_calls=2, max_inflight=1)
     k = ObjectKey(make_keys(1)[0], "kv")
 
-    async def main() -> None:
-        store.frozen.set()
-        for _ in range(2):
-            with pytest.raises(TierTimeoutError):
-                await tier.contains_many([k])
-        assert tier._stuck == 2
-        t0 = time.monotonic()
-        with pytest.raises(TierIOError, match="unresponsive"):
+    store.frozen.set()
+    for _ in range(2):
+        with pytest.raises(TierTimeoutError):
             await tier.contains_many([k])
-        assert time.monotonic() - t0 < 1.0  # refused at once, not after the 2 s timeout
-        store.frozen.clear()
-        store.gate.set()
-        await _wait_unstuck(tier)
-        assert await tier.contains_many([k]) == [False]
-        # a call cancelled while it waits for the (single) slot never starts a store call
-        store.gate.clear()
-        store.frozen.set()
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(tier.contains_many, [k])
-            await anyio.sleep(0.05)
-            with anyio.move_on_after(0.05):
-                await tier.contains_many([k])
-            tg.cancel_scope.cancel()
-        assert tier._stuck <= 1
-        store.frozen.clear()
-        store.gate.set()
-        await _wait_unstuck(tier)
-        await tier.aclose()
+    assert tier._stuck == 2
+    t0 = time.monotonic()
+    with pytest.raises(TierIOError, match="unresponsive"):
+        await tier.contains_many([k])
+    assert time.monotonic() - t0 < 1.0  # refused at once, not after the 2 s timeout
+    store.frozen.clear()
+    store.gate.set()
+    await _wait_unstuck(tier)
+    assert await tier.contains_many([k]) == [False]
+    # a call cancelled while it waits for the (single) slot never starts a store call
+    store.gate.clear()
+    store.frozen.set()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(tier.contains_many, [k])
+        await anyio.sleep(0.05)
+        with anyio.move_on_after(0.05):
+            await tier.contains_many([k])
+        tg.cancel_scope.cancel()
+    assert tier._stuck <= 1
+    store.frozen.clear()
+    store.gate.set()
+    await _wait_unstuck(tier)
+    await tier.aclose()
 
-    run(main)
 
-
-def test_open_without_mooncake_package_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.anyio
+async def test_open_without_mooncake_package_is_a_config_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setitem(sys.modules, "mooncake.store", None)  # import fails
 
-    async def main() -> None:
-        tier = MooncakeTier(master_address="127.0.0.1:1")
-        with pytest.raises(ConfigError, match="libibverbs1"):
-            await tier.open()
-
-    run(main)
+    tier = MooncakeTier(master_address="127.0.0.1:1")
+    with pytest.raises(ConfigError, match="libibverbs1"):
+        await tier.open()

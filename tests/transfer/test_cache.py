@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import anyio
 import numpy as np
 import pytest
 import torch
@@ -123,7 +122,8 @@ def test_bad_layer_tensors_are_refused() -> None:
         bsr.PagedKVCache.from_layer_tensors(LAYOUT, {"kv": layers}, 0)
 
 
-def test_engine_round_trip_between_per_layer_and_stacked(tmp_path: Path) -> None:
+@pytest.mark.anyio
+async def test_engine_round_trip_between_per_layer_and_stacked(tmp_path: Path) -> None:
     """Saved from vLLM-shaped tensors, restored into a stacked cache and into per-layer ones."""
     tokens = tokens_for(3 * LAYOUT.chunk_tokens + 3)
     src_layers = vllm_layers(1)
@@ -144,7 +144,7 @@ def test_engine_round_trip_between_per_layer_and_stacked(tmp_path: Path) -> None
             r2 = await engine.restore(tokens, stacked, dst_ids)
             assert r2.committed_tokens == 24
 
-    anyio.run(main)
+    await main()
     for i in range(LAYERS):
         for s, d in zip(src_ids[:6], dst_ids[:6]):
             assert torch.equal(dst_layers[i][d], src_layers[i][s])
@@ -215,22 +215,20 @@ def test_block_table_finds_one_alias_among_65536_ids() -> None:
         cache.block_table(torch.zeros(4, dtype=torch.complex64), 4)
 
 
-def test_aliased_block_tables_touch_nothing(tmp_path: Path) -> None:
+@pytest.mark.anyio
+async def test_aliased_block_tables_touch_nothing(tmp_path: Path) -> None:
     tokens = tokens_for(32)
     src = filled_cache(SMALL, 8, 4, seed=3)
 
-    async def main() -> None:
-        tier = bsr.FileTier(tmp_path / "l2", capacity_bytes=1 << 20)
-        async with make_engine(SMALL, [tier]) as engine:
-            with pytest.raises(bsr.BlockTableError, match="more than once"):
-                await engine.save(tokens, src, [1, 2, 1, 3, 4, 5, 6, 7])
-            assert tier.statistics().objects == 0
-            assert engine.statistics().saves == 0
-            await engine.save(tokens, src, list(range(8)))
-            dst = bsr.PagedKVCache(SMALL, 8, 4)
-            with pytest.raises(bsr.BlockTableError, match=r"\[5\]"):
-                await engine.restore(tokens[:16], dst, [5, 5, 5, 5])
-            assert not dst.tensor("kv").any()
-            assert engine.statistics().restores == 0
-
-    anyio.run(main)
+    tier = bsr.FileTier(tmp_path / "l2", capacity_bytes=1 << 20)
+    async with make_engine(SMALL, [tier]) as engine:
+        with pytest.raises(bsr.BlockTableError, match="more than once"):
+            await engine.save(tokens, src, [1, 2, 1, 3, 4, 5, 6, 7])
+        assert tier.statistics().objects == 0
+        assert engine.statistics().saves == 0
+        await engine.save(tokens, src, list(range(8)))
+        dst = bsr.PagedKVCache(SMALL, 8, 4)
+        with pytest.raises(bsr.BlockTableError, match=r"\[5\]"):
+            await engine.restore(tokens[:16], dst, [5, 5, 5, 5])
+        assert not dst.tensor("kv").any()
+        assert engine.statistics().restores == 0

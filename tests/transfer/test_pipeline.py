@@ -164,24 +164,23 @@ async def run_pipeline(
 
 @pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "async"])
 @pytest.mark.parametrize("n", [1, 5, 40])
-def test_every_chunk_lands_and_every_slot_comes_back(blocking: bool, n: int) -> None:
+@pytest.mark.anyio
+async def test_every_chunk_lands_and_every_slot_comes_back(blocking: bool, n: int) -> None:
     keys, _, _ = setup(n)
     tier = MemTier("mem", keys, blocking=blocking)
 
-    async def main() -> None:
-        run, pool, cache, ids, gate = await run_pipeline([tier], n, keys=keys)
-        assert run.installed == {(c, g.name) for c in range(n) for g in LAYOUT.groups}
-        assert all(chunk_in_cache(cache, ids, c, g.name) for c in range(n) for g in LAYOUT.groups)
-        s = pool.statistics()
-        assert s.in_use == 0 and s.acquired == s.released and s.peak_in_use <= 3
-        assert run.held == set() and run.failure is None
-        assert [o.outcome for o in gate.outcomes] == [Outcome.OK] * (2 * n)
-        assert run.bytes_by_tier == {"mem": n * LAYOUT.chunk_bytes}
-
-    anyio.run(main)
+    run, pool, cache, ids, gate = await run_pipeline([tier], n, keys=keys)
+    assert run.installed == {(c, g.name) for c in range(n) for g in LAYOUT.groups}
+    assert all(chunk_in_cache(cache, ids, c, g.name) for c in range(n) for g in LAYOUT.groups)
+    s = pool.statistics()
+    assert s.in_use == 0 and s.acquired == s.released and s.peak_in_use <= 3
+    assert run.held == set() and run.failure is None
+    assert [o.outcome for o in gate.outcomes] == [Outcome.OK] * (2 * n)
+    assert run.bytes_by_tier == {"mem": n * LAYOUT.chunk_bytes}
 
 
-def test_small_chunks_are_batched_into_few_thread_calls() -> None:
+@pytest.mark.anyio
+async def test_small_chunks_are_batched_into_few_thread_calls() -> None:
     """Many small chunks: one worker-thread call reads and installs a whole batch."""
     n = 64
     keys, _, _ = setup(n)
@@ -193,11 +192,12 @@ def test_small_chunks_are_batched_into_few_thread_calls() -> None:
         # each worker-thread call takes one slot: far fewer acquisitions than chunks
         assert pool.statistics().acquired <= n // 4
 
-    anyio.run(main)
+    await main()
 
 
 @pytest.mark.parametrize("inline", [True, False])
-def test_memory_speed_tiers_run_small_batches_on_the_event_loop(inline: bool) -> None:
+@pytest.mark.anyio
+async def test_memory_speed_tiers_run_small_batches_on_the_event_loop(inline: bool) -> None:
     """inline_reads: small batches skip the thread hop; other blocking tiers never run inline."""
     n = 16
     keys, _, _ = setup(n)
@@ -208,11 +208,12 @@ def test_memory_speed_tiers_run_small_batches_on_the_event_loop(inline: bool) ->
         run, *_ = await run_pipeline([tier], n, keys=keys)
         assert len(run.installed) == 2 * n
 
-    anyio.run(main)
+    await main()
     assert (tier.threads == {loop_thread}) is inline
 
 
-def test_all_or_nothing_stops_early_and_reports_the_failure() -> None:
+@pytest.mark.anyio
+async def test_all_or_nothing_stops_early_and_reports_the_failure() -> None:
     n = 30
     keys, _, _ = setup(n)
     err = bsr.TierIOError("disk on fire", tier="mem")
@@ -230,10 +231,11 @@ def test_all_or_nothing_stops_early_and_reports_the_failure() -> None:
         assert [(o.chunk, o.group, o.tier) for o in io] == [(3, "kv", "mem")]
         assert pool.statistics().in_use == 0
 
-    anyio.run(main)
+    await main()
 
 
-def test_truncate_keeps_reading_below_the_failure() -> None:
+@pytest.mark.anyio
+async def test_truncate_keeps_reading_below_the_failure() -> None:
     n = 12
     keys, _, _ = setup(n)
     bad = bsr.CorruptObjectError("bad checksum", tier="mem")
@@ -248,10 +250,11 @@ def test_truncate_keeps_reading_below_the_failure() -> None:
         assert {(c, g.name) for c in range(8) for g in LAYOUT.groups} <= run.installed
         assert any(o.outcome is Outcome.CORRUPT and o.chunk == 8 for o in gate.outcomes)
 
-    anyio.run(main)
+    await main()
 
 
-def test_ladder_falls_back_and_skips_refused_tiers() -> None:
+@pytest.mark.anyio
+async def test_ladder_falls_back_and_skips_refused_tiers() -> None:
     n = 6
     keys, _, _ = setup(n)
     broken = MemTier("l1", keys, blocking=True, fail={(2, "kv"): bsr.TierIOError("eio")})
@@ -275,10 +278,11 @@ def test_ladder_falls_back_and_skips_refused_tiers() -> None:
         assert l1.reads == [] and len(run2.installed) == 2 * n
         assert all(o.tier == "l2" for o in refused.outcomes)
 
-    anyio.run(main)
+    await main()
 
 
-def test_whole_plan_reads_everything_before_installing() -> None:
+@pytest.mark.anyio
+async def test_whole_plan_reads_everything_before_installing() -> None:
     n = 7
     keys, _, _ = setup(n)
     tier = MemTier("mem", keys, blocking=True)
@@ -304,10 +308,11 @@ def test_whole_plan_reads_everything_before_installing() -> None:
         assert all(chunk_in_cache(cache, ids, c, "kv") for c in range(n))
         assert pool.statistics().acquired == 0  # the private buffer, not the pool
 
-    anyio.run(main)
+    await main()
 
 
-def test_a_stuck_read_parks_its_slot_until_the_thread_returns() -> None:
+@pytest.mark.anyio
+async def test_a_stuck_read_parks_its_slot_until_the_thread_returns() -> None:
     """A read that cannot return must not hold the caller; its slot is never reused early."""
     n = 4
     keys, _, _ = setup(n)
@@ -339,4 +344,4 @@ def test_a_stuck_read_parks_its_slot_until_the_thread_returns() -> None:
         assert run.installed == set()
         assert not any(cache.tensor(g.name).any() for g in LAYOUT.groups)
 
-    anyio.run(main)
+    await main()

@@ -85,10 +85,22 @@ class SaveResult:
 
 @dataclass(frozen=True)
 class Timings:
+    """Where one restore's time went, in seconds (wall clock, this rank).
+
+    Attributes:
+        probe_s: probing the tiers and agreeing the prefix.
+        install_s: windowing (reading chunks and installing them into the cache).
+        commit_s: the commit rule and its agreement across ranks.
+        total_s: from the call to the result (admission and release included).
+        settle_s: between windowing and the commit: waiting for the device copies to land and
+            moving the corrupt objects the restore found out of their tiers.
+    """
+
     probe_s: float
     install_s: float
     commit_s: float
     total_s: float
+    settle_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -101,7 +113,7 @@ class RestoreResult:
         probed_tokens: tokens of the agreed probed prefix.
         bytes_by_tier: payload bytes actually read from each tier.
         rws_peak_bytes: this request's peak staging bytes (its restoration working set).
-        timings: probe, install (windowing), commit and total seconds.
+        timings: probe, install (windowing), settle, commit and total seconds (:class:`Timings`).
         reason: why it ended there.
         invalid_block_ids: blocks written by this restore that hold no valid state (every touched
             block when Invalidated; blocks past the committed prefix under ``truncate``).

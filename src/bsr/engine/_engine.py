@@ -24,7 +24,6 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from types import TracebackType
 from typing import Any
 
 import anyio
@@ -39,6 +38,7 @@ from .._check import (
 )
 from .._errors import ClosedError, ConfigError, CoordinatorError
 from .._log import logger
+from .._resource import AsyncResource
 from ..core._commit import (
     choose_trigger,
     commit_reason,
@@ -104,7 +104,7 @@ class EngineStatistics:
     leases: int = 0
 
 
-class RestoreEngine:
+class RestoreEngine(AsyncResource):
     """Restores and saves one rank's reusable state through a bounded staging window.
 
     Args:
@@ -183,8 +183,7 @@ class RestoreEngine:
             threshold=optional_positive_int(breaker_threshold, "breaker_threshold"),
             cooldown_s=non_negative_float(breaker_cooldown_s, "breaker_cooldown_s"),
         )
-        self._pool: StagingPool | None = None
-        self._state = "new"
+        self._pool: StagingPool | None = None  # set by open(): new -> open -> closed
         self._quarantine = Quarantine()
         self._leases = LeaseBook()
         self._ids = itertools.count()
@@ -247,28 +246,25 @@ class RestoreEngine:
         return nbytes
 
     # ------------------------------------------------------------------ lifecycle
-    async def __aenter__(self) -> RestoreEngine:
-        await self.open()
-        return self
-
-    async def __aexit__(
-        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.aclose()
+    # ``async with engine`` opens and closes it (AsyncResource)
+    def _closed_error(self) -> ClosedError:
+        if self._pool is None and not self.closed:
+            return ClosedError(
+                "RestoreEngine is not open; use 'async with engine:' (or await engine.open())"
+            )
+        return ClosedError("RestoreEngine is closed; create a new one")
 
     async def open(self) -> None:
         """Open every tier and allocate the staging window (once)."""
-        if self._state == "open":
+        await super().open()  # refused once closed
+        if self._pool is not None:
             return
-        if self._state == "closed":
-            raise ClosedError("this RestoreEngine is closed; create a new one")
         for t in self.tiers:
             await t.open()
         self._pool = StagingPool(
             self.window, self.layout.slot_bytes, pin=self.pin_staging,
             prefault=self.prefault_staging,
         )  # fmt: skip
-        self._state = "open"
         self._log.info(
             "bsr.engine.opened", window=self.window, io_depth=self.io_depth,
             slot_bytes=self.layout.slot_bytes, pinned=self._pool.pinned,
@@ -281,9 +277,9 @@ class RestoreEngine:
 
         Later calls raise :class:`~bsr.ClosedError`.
         """
-        if self._state == "closed":
+        if self.closed:
             return
-        self._state = "closed"
+        await super().aclose()
         self._leases.release_all()
         owed = self._quarantine.take_deferred()
         if owed:  # moves out of a tier that a cancel or a bound cut short, tried once more
@@ -299,21 +295,18 @@ class RestoreEngine:
                 self._log.warning("bsr.tier.close_timeout", tier=t.name)
         self._log.info("bsr.engine.closed")
 
-    def _check_open(self) -> StagingPool:
-        if self._state != "open" or self._pool is None:
-            raise ClosedError(
-                "RestoreEngine is not open; use 'async with engine:' (or await engine.open())"
-                if self._state == "new"
-                else "RestoreEngine is closed; create a new one"
-            )
+    def _open_pool(self) -> StagingPool:
+        """The staging pool of an open engine (else :class:`~bsr.ClosedError`)."""
+        if self.closed or self._pool is None:
+            raise self._closed_error()
         return self._pool
 
     @property
     def staging(self) -> StagingPool:
-        return self._check_open()
+        return self._open_pool()
 
     def statistics(self) -> EngineStatistics:
-        pool = self._check_open()
+        pool = self._open_pool()
         self._leases.reclaim()
         return EngineStatistics(
             staging=pool.statistics(),
@@ -380,7 +373,7 @@ class RestoreEngine:
         agreement (no collective, so one rank may call it by itself) and no lease; pass such a
         probe to ``restore`` only with one rank.
         """
-        self._check_open()
+        self._open_pool()
         self._leases.reclaim()
         ttl = optional_positive_float(lease_ttl_s, "lease_ttl_s")
         deadline = optional_positive_float(deadline_s, "deadline_s")
@@ -516,7 +509,7 @@ class RestoreEngine:
         table check is a NumPy sort); its time counts against the deadline, which runs from
         ``started`` (when ``restore`` was called).
         """
-        self._check_open()
+        self._open_pool()
         self._leases.reclaim()
         self._check_cache(cache)
         first_block, valid_chunks = self._start(start_tokens, cache)
@@ -600,7 +593,7 @@ class RestoreEngine:
         req.life.facts.installed = run.installed  # the live record the guards evaluate
         req.gate = RestoreGate(run, self.health, self._quarantine, req.log)
         if req.strategy is Strategy.BOUNDED:
-            req.slots = self._check_open().account()
+            req.slots = self._open_pool().account()
         else:
             need = len(run.needed.keys() - run.skipped) * self.layout.slot_bytes
             if self.staging_budget_bytes is not None and need > self.staging_budget_bytes:
@@ -635,7 +628,7 @@ class RestoreEngine:
             req.run.errors.append("synchronize: device copies did not finish in time")
             req.run.installed.clear()
         await self._quarantine_in_tiers(req)
-        req.timed("commit", t)
+        req.timed("settle", t)
 
     async def _quarantine_in_tiers(self, req: RestoreRequest) -> None:
         """Move the corrupt objects this restore found out of their tiers, bounded.
@@ -760,7 +753,7 @@ class RestoreEngine:
         saved prefix. Staging comes from the same W-slot pool as restores. A tier's write error is
         counted in the result and logged; it does not stop the other tiers.
         """
-        pool = self._check_open()
+        pool = self._open_pool()
         self._leases.reclaim()
         self._check_cache(cache)
         keyed = await self._prober.keyed(tokens)

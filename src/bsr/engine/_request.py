@@ -84,6 +84,7 @@ class RestoreRequest:
                 self.phase_s.get("window", 0.0),
                 self.phase_s.get("commit", 0.0),
                 time.perf_counter() - self.t0,
+                self.phase_s.get("settle", 0.0),
             ),
             reason=self.life.reason,
             invalid_block_ids=self.invalid_blocks(),

@@ -54,14 +54,14 @@ from ._ports import listening_ports as listening_ports
 from ._ports import wait_listening as wait_listening
 
 if TYPE_CHECKING:
-    from ._machine import CampaignStats as CampaignStats
-    from ._machine import InvariantViolation as InvariantViolation
+    from ._campaign import CampaignStats as CampaignStats
+    from ._campaign import InvariantViolation as InvariantViolation
+    from ._cluster import RecordingFaultyTier as RecordingFaultyTier
+    from ._cluster import TierFactory as TierFactory
+    from ._cluster import default_tier_factory as default_tier_factory
     from ._machine import MultiRankRestoreMachine as MultiRankRestoreMachine
-    from ._machine import RecordingFaultyTier as RecordingFaultyTier
     from ._machine import RestoreMachine as RestoreMachine
-    from ._machine import Status as Status
-    from ._machine import TierFactory as TierFactory
-    from ._machine import default_tier_factory as default_tier_factory
+    from ._model import Status as Status
     from ._strategies import LayoutCase as LayoutCase
     from ._strategies import derived_tokens as derived_tokens
     from ._strategies import fault_plans as fault_plans
@@ -72,14 +72,14 @@ if TYPE_CHECKING:
 
 # names that need Hypothesis, loaded on first access
 _LAZY = {
-    "CampaignStats": "._machine",
-    "InvariantViolation": "._machine",
+    "CampaignStats": "._campaign",
+    "InvariantViolation": "._campaign",
     "MultiRankRestoreMachine": "._machine",
-    "RecordingFaultyTier": "._machine",
+    "RecordingFaultyTier": "._cluster",
     "RestoreMachine": "._machine",
-    "Status": "._machine",
-    "TierFactory": "._machine",
-    "default_tier_factory": "._machine",
+    "Status": "._model",
+    "TierFactory": "._cluster",
+    "default_tier_factory": "._cluster",
     "LayoutCase": "._strategies",
     "derived_tokens": "._strategies",
     "fault_plans": "._strategies",

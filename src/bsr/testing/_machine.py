@@ -35,6 +35,10 @@ Plug in your own tiers with :meth:`RestoreMachine.configured` (``tier_factory=``
 be large enough never to evict on their own); run with
 ``run_state_machine_as_test(Machine, settings=...)`` or ``Machine.TestCase``.
 
+The machine is built in layers, one module each: ``_campaign`` (figures, violations),
+``_cluster`` (engines, tiers, the portal), ``_model`` (the model), ``_checks`` (restores and
+the invariants on their results) and this module (the rules).
+
 Example::
 
     from hypothesis import settings
@@ -48,196 +52,46 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import enum
-import hashlib
 import shutil
-import sys
 import tempfile
-import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 import anyio
-import numpy as np
-import torch
-from anyio.from_thread import BlockingPortal, start_blocking_portal
+from anyio.from_thread import start_blocking_portal
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from ..core._keys import ChunkKey, Namespace, ObjectKey, chunk_keys
-from ..core._layout import StateGroup, StateLayout
-from ..core._lifecycle import RequestState
 from ..core._object import HEADER_SIZE
 from ..core._results import Policy, RestoreResult
-from ..engine._coordinator import Coordinator, InProcessGroup
-from ..engine._engine import RestoreEngine
 from ..tiers._base import Tier
 from ..tiers._file import FileTier
-from ..tiers._host import HostTier
-from ..transfer._cache import PagedKVCache
-from ._faults import Fault, FaultKind, FaultPlan, FaultyTier, corrupt_stored, truncate_stored
+from ._campaign import CampaignStats, InvariantViolation
+from ._checks import Restores
+from ._cluster import RecordingFaultyTier, TierFactory, _Rank, default_tier_factory
+from ._faults import Fault, FaultKind, FaultPlan, corrupt_stored, truncate_stored
+from ._model import Status
 from ._strategies import LayoutCase, derived_tokens, fault_plans, layouts, token_streams
 
 T = TypeVar("T")
-
-#: ``(directory, rank) -> tiers``, fastest first, unopened. Called again with the same
-#: directory when the machine reopens (durable tiers must then find their objects again).
-TierFactory = Callable[[Path, int], Sequence[Tier]]
-
-
-def default_tier_factory(directory: Path, rank: int) -> list[Tier]:
-    """A HostTier above a FileTier under ``directory`` (capacities large enough to never evict)."""
-    return [
-        HostTier(1 << 30, name="host"),
-        FileTier(directory / "l2", 1 << 30, name="file", reader="posix", fsync=False),
-    ]
-
-
-class Status(enum.Enum):
-    """What the model knows about one stored object."""
-
-    INTACT = "intact"  #: stored completely with the saved bytes
-    BAD = "bad"  #: stored but damaged (flipped, truncated, foreign); never counted as readable
-    LOST = "lost"  #: a write was acknowledged but stored nothing (visible, unreadable)
-
-
-class InvariantViolation(AssertionError):
-    """The engine did something the invariants forbid (the message says what)."""
-
-
-@dataclass
-class CampaignStats:
-    """Figures of a campaign, accumulated over every example (shrinking replays included)."""
-
-    examples: int = 0
-    steps: int = 0
-    saves: int = 0
-    restores: int = 0
-    committed: int = 0
-    committed_nonempty: int = 0
-    truncated: int = 0
-    invalidated: int = 0
-    cancelled: int = 0
-    split_by_cancel: int = 0
-    reopens: int = 0
-    breaker_trips: int = 0
-    corruptions: int = 0
-    evictions: int = 0
-    faults: dict[str, int] = field(default_factory=dict)
-    plan_fired: int = 0
-    violations: int = 0
-    violation_messages: list[str] = field(default_factory=list)
-    rules: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def faults_injected(self) -> int:
-        return sum(self.faults.values())
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "examples": self.examples,
-            "steps": self.steps,
-            "saves": self.saves,
-            "restores": self.restores,
-            "committed": self.committed,
-            "committed_nonempty": self.committed_nonempty,
-            "truncated": self.truncated,
-            "invalidated": self.invalidated,
-            "cancelled": self.cancelled,
-            "split_by_cancel": self.split_by_cancel,
-            "reopens": self.reopens,
-            "breaker_trips": self.breaker_trips,
-            "corruptions": self.corruptions,
-            "evictions": self.evictions,
-            "faults_injected": self.faults_injected,
-            "faults_by_kind": dict(sorted(self.faults.items())),
-            "faults_fired_by_plans": self.plan_fired,
-            "violations": self.violations,
-            "violation_messages": sorted(set(self.violation_messages)),
-            "steps_by_rule": dict(sorted(self.rules.items())),
-        }
-
-
-class RecordingFaultyTier(FaultyTier):
-    """A FaultyTier that tells the machine which fault fired on which object."""
-
-    def __init__(
-        self,
-        inner: Tier,
-        plan: FaultPlan,
-        *,
-        rank: int,
-        index: int,
-        log: list[tuple[int, int, str, FaultKind]],
-    ) -> None:
-        super().__init__(inner, plan, rank=rank)
-        self.index = index
-        self.log = log
-
-    def _faults(self, op: str, okey: ObjectKey) -> list[Fault]:
-        fired = super()._faults(op, okey)
-        for f in fired:
-            self.log.append((self.rank, self.index, okey.object_id, f.kind))
-        return fired
-
-    @property
-    def lost(self) -> set[str]:
-        return self._lost
-
-
-@dataclass
-class _Rank:
-    rank: int
-    engine: RestoreEngine
-    tiers: list[RecordingFaultyTier]
-
-
-# (rank, tier index, prefix tokens up to the chunk's end, group)
-_Obj = tuple[int, int, tuple[int, ...], str]
-
 
 _CORRUPTIONS = ("header", "payload", "truncate", "foreign")
 _HEADER_OFFSETS = (0, 7, 8, 10, 12, 27, 28, 59, 60, 76, 84, 92, 100, 107, 200, 4095)
 
 
-def _needed_chunks(group: StateGroup, prefix_chunks: int, chunk_tokens: int) -> range:
-    """Chunks of ``group`` a prefix of ``prefix_chunks`` chunks needs (from the token ranges)."""
-    if group.window_tokens is None:
-        return range(prefix_chunks)
-    end = prefix_chunks * chunk_tokens
-    first_token = max(0, end - group.window_tokens)
-    return range(first_token // chunk_tokens, prefix_chunks)
-
-
-class RestoreMachine(RuleBasedStateMachine):
+class RestoreMachine(Restores, RuleBasedStateMachine):
     """Drives real engines (one per rank) through saves, damage, faults and restores.
 
-    Class attributes configure a campaign; :meth:`configured` makes a configured subclass.
+    Class attributes configure a campaign (here and in its bases: ``world_size``, ``stats``,
+    ``step_timeout_s``, ``breaker_threshold``, ``breaker_cooldown_s``, ``fault_deadline_s``,
+    ``deadline_slack_s``); :meth:`configured` makes a configured subclass.
     """
 
-    #: ranks (1: one engine; 2+: InProcessGroup, restores of all ranks run concurrently)
-    world_size: ClassVar[int] = 1
-    #: where the figures go
-    stats: ClassVar[CampaignStats] = CampaignStats()
     #: longest token stream, in chunks
     max_chunks: ClassVar[int] = 4
-    #: deadline of restores while a fault plan is active (bounds HANG faults)
-    fault_deadline_s: ClassVar[float] = 0.3
-    #: extra time a restore may take past its deadline before it counts as hung
-    deadline_slack_s: ClassVar[float] = 5.0
-    #: wall-clock bound of one step's engine calls
-    step_timeout_s: ClassVar[float] = 60.0
     #: fault kinds plans are drawn from
     fault_kinds: ClassVar[tuple[FaultKind, ...]] = tuple(FaultKind)
-    #: the engines' circuit breakers (a short cooldown lets campaigns see them close again)
-    breaker_threshold: ClassVar[int | None] = 3
-    breaker_cooldown_s: ClassVar[float] = 0.2
-
-    def make_tiers(self, directory: Path, rank: int) -> Sequence[Tier]:
-        """The unopened tiers of ``rank`` (fastest first); override or use :meth:`configured`."""
-        return default_tier_factory(directory, rank)
 
     @classmethod
     def configured(
@@ -267,25 +121,25 @@ class RestoreMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self._portal_cm = start_blocking_portal()
-        self.portal: BlockingPortal = self._portal_cm.__enter__()
+        self.portal = self._portal_cm.__enter__()
         self.root = Path(tempfile.mkdtemp(prefix="bsr-machine-"))
-        self.ranks: list[_Rank] = []
-        self.case: LayoutCase | None = None
+        self.ranks = []
+        self.case = None
         self.window = 1
         self.io_depth = 1
         self.plan = FaultPlan()
-        self.fault_log: list[tuple[int, int, str, FaultKind]] = []
-        self.store: dict[_Obj, Status] = {}
+        self.fault_log = []
+        self.store = {}
         # copies the engine may ignore although the tier holds them: it retires a copy that
         # failed a read with an I/O error until the copy is saved again or the engine reopened
-        self.blind: set[tuple[int, int, str]] = set()
+        self.blind = set()
         # (rank, tier index) whose circuit breaker was open at some point of the step
-        self.unavailable: set[tuple[int, int]] = set()
-        self.prompts: list[tuple[int, ...]] = []
-        self._plans_used: dict[int, FaultPlan] = {}
-        self._keys: dict[tuple[int, tuple[int, ...]], ChunkKey] = {}
-        self._objs: dict[tuple[int, str], tuple[tuple[int, ...], str]] = {}
-        self._content: dict[tuple[int, tuple[int, ...], str], torch.Tensor] = {}
+        self.unavailable = set()
+        self.prompts = []
+        self._plans_used = {}
+        self._keys = {}
+        self._objs = {}
+        self._content = {}
         type(self).stats.examples += 1
 
     def teardown(self) -> None:
@@ -300,89 +154,7 @@ class RestoreMachine(RuleBasedStateMachine):
             self._portal_cm.__exit__(None, None, None)
             shutil.rmtree(self.root, ignore_errors=True)
 
-    @property
-    def layout(self) -> StateLayout:
-        assert self.case is not None
-        return self.case.layout
-
-    @property
-    def chunk_tokens(self) -> int:
-        return self.layout.chunk_tokens
-
-    @property
-    def faults_active(self) -> bool:
-        return bool(self.plan.faults)
-
-    def _violation(self, message: str) -> InvariantViolation:
-        stats = type(self).stats
-        stats.violations += 1
-        stats.violation_messages.append(message.split("\n", 1)[0][:200])
-        return InvariantViolation(message)
-
-    def _check(self, ok: bool, message: str) -> None:
-        if not ok:
-            raise self._violation(message)
-
-    def _call(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
-        async def guarded() -> T:
-            with anyio.fail_after(self.step_timeout_s):
-                return await fn(*args)
-
-        try:
-            return self.portal.call(guarded)
-        except TimeoutError:
-            raise self._violation(
-                f"engine call {getattr(fn, '__name__', fn)} did not finish within "
-                f"{self.step_timeout_s}s (a restore or save hung)"
-            ) from None
-
-    def _begin(self) -> None:
-        stats = type(self).stats
-        stats.steps += 1
-        name = sys._getframe(1).f_code.co_name
-        stats.rules[name] = stats.rules.get(name, 0) + 1
-        self.fault_log.clear()
-
     # ------------------------------------------------------------------ engines
-    def _open_all(self) -> None:
-        group = InProcessGroup(self.world_size, timeout_s=10.0) if self.world_size > 1 else None
-        ranks = []
-        for r in range(self.world_size):
-            inner = list(self.make_tiers(self.root / f"rank{r}", r))
-            tiers = [
-                RecordingFaultyTier(t, self.plan, rank=r, index=i, log=self.fault_log)
-                for i, t in enumerate(inner)
-            ]
-            coordinator: Coordinator | None = group.coordinator(r) if group is not None else None
-            engine = RestoreEngine(
-                self.layout,
-                tiers,
-                window=self.window,
-                io_depth=self.io_depth,
-                namespace=Namespace("bsr-machine", tp_rank=r, tp_size=self.world_size),
-                coordinator=coordinator,
-                pin_staging=False,
-                breaker_threshold=self.breaker_threshold,
-                breaker_cooldown_s=self.breaker_cooldown_s,
-            )
-            ranks.append(_Rank(r, engine, tiers))
-        self.ranks = ranks
-
-        async def open_engines() -> None:
-            for rk in ranks:
-                await rk.engine.open()
-
-        self._call(open_engines)
-
-    async def _close_all(self) -> None:
-        for rk in self.ranks:
-            await rk.engine.aclose()
-
-    def _set_plan(self, plan: FaultPlan) -> None:
-        self._plans_used[id(plan)] = plan
-        for rk in self.ranks:
-            for t in rk.tiers:
-                t.plan = plan
 
     @initialize(case=layouts(), window=st.integers(1, 4), data=st.data())
     def setup(self, case: LayoutCase, window: int, data: st.DataObject) -> None:
@@ -402,201 +174,10 @@ class RestoreMachine(RuleBasedStateMachine):
             self._save(tokens, list(range(self.world_size)), seed=i)
 
     # ------------------------------------------------------------------ model helpers
-    def _key(self, rank: int, prefix: tuple[int, ...]) -> ChunkKey:
-        k = (rank, prefix)
-        if k not in self._keys:
-            engine = self.ranks[rank].engine
-            self._keys[k] = chunk_keys(engine.namespace_fp, list(prefix), self.chunk_tokens)[-1]
-        return self._keys[k]
-
-    def _oid(self, rank: int, prefix: tuple[int, ...], group: str) -> str:
-        oid = ObjectKey(self._key(rank, prefix), group).object_id
-        self._objs[(rank, oid)] = (prefix, group)
-        return oid
-
-    def content(self, rank: int, prefix: tuple[int, ...], group: str) -> torch.Tensor:
-        """The source bytes of the last chunk of ``prefix`` in ``group`` on ``rank``.
-
-        A pure function of the prefix (like real KV state), shaped ``[layers, chunk_tokens,
-        token_bytes]``.
-        """
-        k = (rank, prefix, group)
-        if k not in self._content:
-            g = self.layout.group(group)
-            h = hashlib.blake2b(digest_size=16, person=b"bsr-machine")
-            h.update(f"{rank}|{group}|".encode())
-            h.update(np.asarray(prefix, dtype="<i8").tobytes())
-            rng = np.random.default_rng(int.from_bytes(h.digest(), "little"))
-            shape = (g.num_layers, self.chunk_tokens, g.token_bytes)
-            self._content[k] = torch.from_numpy(rng.integers(0, 256, shape, dtype=np.uint8))
-        return self._content[k]
-
-    def _needed(self, prefix_chunks: int) -> list[tuple[int, str]]:
-        return [
-            (c, g.name)
-            for g in self.layout.groups
-            for c in _needed_chunks(g, prefix_chunks, self.chunk_tokens)
-        ]
-
-    def _holders(
-        self, rank: int, prefix: tuple[int, ...], group: str
-    ) -> list[tuple[int, Status, bool]]:
-        """(tier, status, doubtful) of every copy; doubtful: the engine may not use it now."""
-        out = []
-        for ti in range(len(self.ranks[rank].tiers)):
-            status = self.store.get((rank, ti, prefix, group))
-            if status is not None:
-                doubtful = (rank, ti) in self.unavailable or (
-                    rank,
-                    ti,
-                    self._oid(rank, prefix, group),
-                ) in self.blind
-                out.append((ti, status, doubtful))
-        return out
-
-    def _visible_surely(self, rank: int, prefix: tuple[int, ...], group: str) -> bool:
-        return any(s is not Status.BAD and not b for _, s, b in self._holders(rank, prefix, group))
-
-    def _visible_maybe(self, rank: int, prefix: tuple[int, ...], group: str) -> bool:
-        return bool(self._holders(rank, prefix, group))
-
-    def _intact(self, rank: int, prefix: tuple[int, ...], group: str) -> bool:
-        return any(s is Status.INTACT and not b for _, s, b in self._holders(rank, prefix, group))
-
-    def _all_ranks(
-        self, tokens: Sequence[int], p: int, have: Callable[[int, tuple[int, ...], str], bool]
-    ) -> bool:
-        ct = self.chunk_tokens
-        return all(
-            have(r, tuple(tokens[: (c + 1) * ct]), g)
-            for r in range(self.world_size)
-            for c, g in self._needed(p)
-        )
-
-    def _best(
-        self, tokens: Sequence[int], have: Callable[[int, tuple[int, ...], str], bool]
-    ) -> int:
-        for p in range(len(tokens) // self.chunk_tokens, 0, -1):
-            if self._all_ranks(tokens, p, have):
-                return p
-        return 0
-
-    @contextlib.contextmanager
-    def _as_of(self, store: dict[_Obj, Status], blind: set[tuple[int, int, str]]) -> Iterator[None]:
-        """Evaluate the model as it was (before a step), with the step's breaker history."""
-        now = self.store, self.blind
-        self.store, self.blind = store, blind
-        try:
-            yield
-        finally:
-            self.store, self.blind = now
-
-    def _breakers(self) -> list[tuple[int, int, bool, int]]:
-        return [
-            (rk.rank, ti, b.open, b.trips)
-            for rk in self.ranks
-            for ti, b in enumerate(rk.engine.statistics().breakers)
-        ]
-
-    def _note_breakers(self, before: list[tuple[int, int, bool, int]]) -> None:
-        """Tiers whose breaker was open at the start or opened during the step: the engine may
-        have skipped them (a documented policy), so the model expects nothing of them."""
-        after = self._breakers()
-        self.unavailable = {
-            (r, ti)
-            for (r, ti, was_open, trips), (_, _, is_open, trips_now) in zip(before, after)
-            if was_open or is_open or trips_now != trips
-        }
-        stats = type(self).stats
-        stats.breaker_trips += sum(b[3] for b in after) - sum(b[3] for b in before)
 
     # ------------------------------------------------------------------ model upkeep
-    def _apply_faults(self) -> None:
-        stats = type(self).stats
-        for rank, ti, oid, kind in self.fault_log:
-            stats.faults[kind.value] = stats.faults.get(kind.value, 0) + 1
-            if kind is FaultKind.READ_ERROR:
-                self.blind.add((rank, ti, oid))
-            if kind not in (FaultKind.CORRUPT, FaultKind.TRUNCATE):
-                continue
-            where = self._objs.get((rank, oid))
-            if where is None:
-                continue
-            obj = (rank, ti, where[0], where[1])
-            if self.store.get(obj) is Status.INTACT:
-                self.store[obj] = Status.BAD
-
-    def _settle(self) -> None:
-        """After engine calls: learn what the faults did, follow the tiers, start a new log."""
-        self._apply_faults()
-        self._reconcile()
-        self.fault_log.clear()
-
-    def _reconcile(self, *, reopened: bool = False) -> None:
-        """Follow what the engine did to the tiers (quarantine), and check nothing else vanished."""
-        touched = {(r, ti, oid) for r, ti, oid, _ in self.fault_log}
-        for rk in self.ranks:
-            for ti, tier in enumerate(rk.tiers):
-                entries = [(o, s) for o, s in self.store.items() if o[0] == rk.rank and o[1] == ti]
-                if not entries:
-                    continue
-                okeys = [ObjectKey(self._key(o[0], o[2]), o[3]) for o, _ in entries]
-                present = self._call(tier.inner.contains_many, okeys)
-                for (obj, status), okey, here in zip(entries, okeys, present):
-                    oid = okey.object_id
-                    if status is Status.LOST:
-                        if oid in tier.lost:
-                            continue
-                        if here:
-                            self.store[obj] = Status.INTACT
-                        else:
-                            del self.store[obj]
-                        continue
-                    if here:
-                        continue
-                    del self.store[obj]
-                    self._check(
-                        status is not Status.INTACT or (rk.rank, ti, oid) in touched,
-                        f"an intact object vanished from tier {tier.name!r} (rank {rk.rank}, chunk "
-                        f"{len(obj[2]) // self.chunk_tokens - 1}, group {obj[3]!r}) with no fault "
-                        f"on it{' across a reopen' if reopened else ''}",
-                    )
 
     # ------------------------------------------------------------------ caches
-    def _source_cache(
-        self, rank: int, tokens: Sequence[int], seed: int
-    ) -> tuple[PagedKVCache, torch.Tensor]:
-        assert self.case is not None
-        bt, bpc, ct = self.case.block_tokens, self.case.blocks_per_chunk, self.chunk_tokens
-        nblocks = -(-len(tokens) // bt)
-        gen = torch.Generator().manual_seed(seed)
-        cache = PagedKVCache(self.layout, max(1, nblocks + 2), bt)
-        for g in self.layout.groups:
-            t = cache.tensor(g.name)
-            t.copy_(torch.randint(0, 256, t.shape, generator=gen, dtype=torch.uint8))
-        ids = torch.randperm(cache.num_blocks, generator=gen)[:nblocks]
-        for c in range(len(tokens) // ct):
-            blocks = ids[c * bpc : (c + 1) * bpc]
-            for g in self.layout.groups:
-                data = self.content(rank, tuple(tokens[: (c + 1) * ct]), g.name)
-                cache.tensor(g.name)[:, blocks] = data.view(g.num_layers, bpc, bt, g.token_bytes)
-        return cache, ids
-
-    def _dest_cache(
-        self, tokens: Sequence[int], seed: int
-    ) -> tuple[PagedKVCache, torch.Tensor, dict[str, torch.Tensor]]:
-        assert self.case is not None
-        bt = self.case.block_tokens
-        nblocks = -(-len(tokens) // bt)
-        gen = torch.Generator().manual_seed(seed)
-        cache = PagedKVCache(self.layout, max(1, nblocks + 3), bt)
-        before = {}
-        for g in self.layout.groups:
-            t = cache.tensor(g.name)
-            t.copy_(torch.randint(0, 256, t.shape, generator=gen, dtype=torch.uint8))
-            before[g.name] = t.clone()
-        ids = torch.randperm(cache.num_blocks, generator=gen)[:nblocks]
-        return cache, ids, before
 
     # ------------------------------------------------------------------ rules: data
     def _draw_tokens(self, data: st.DataObject, label: str = "tokens") -> list[int]:
@@ -870,174 +451,6 @@ class RestoreMachine(RuleBasedStateMachine):
         with self._scoped_faults(data):
             self._restores(jobs)
 
-    def _restores(self, jobs: list[tuple[list[int], Policy, int]]) -> list[RestoreResult]:
-        """Run ``jobs`` (tokens, policy, seed) at once on every rank; check; rank 0's results."""
-        faulty = self.faults_active
-        deadline = self.fault_deadline_s if faulty else None
-        # expectations come from the model as it was before the restores
-        snapshot, breakers = (dict(self.store), set(self.blind)), self._breakers()
-        dests = {
-            (j, r): self._dest_cache(tokens, seed + 7919 * r)
-            for j, (tokens, _, seed) in enumerate(jobs)
-            for r in range(self.world_size)
-        }
-        results: dict[tuple[int, int], RestoreResult | BaseException] = {}
-        elapsed: dict[tuple[int, int], float] = {}
-
-        async def go() -> None:
-            async def one(j: int, r: int) -> None:
-                tokens, policy, _ = jobs[j]
-                cache, ids, _ = dests[(j, r)]
-                t0 = time.perf_counter()
-                try:
-                    results[(j, r)] = await self.ranks[r].engine.restore(
-                        tokens, cache, ids, policy=policy, deadline_s=deadline
-                    )
-                except Exception as exc:
-                    results[(j, r)] = exc
-                elapsed[(j, r)] = time.perf_counter() - t0
-
-            async with anyio.create_task_group() as tg:
-                for j in range(len(jobs)):
-                    for r in range(self.world_size):
-                        tg.start_soon(one, j, r)
-
-        self._call(go)
-        self._note_breakers(breakers)
-        with self._as_of(*snapshot):
-            expect = [
-                (self._best(tokens, self._visible_surely), self._best(tokens, self._visible_maybe))
-                for tokens, _, _ in jobs
-            ]
-            intact_snapshot = {
-                (j, p): self._all_ranks(tokens, p, self._intact)
-                for j, (tokens, _, _) in enumerate(jobs)
-                for p in range(len(tokens) // self.chunk_tokens + 1)
-            }
-        first: list[RestoreResult] = []
-        for j, (tokens, policy, _) in enumerate(jobs):
-            per_rank = []
-            for r in range(self.world_size):
-                res = results[(j, r)]
-                if isinstance(res, BaseException):
-                    raise self._violation(
-                        f"restore raised {type(res).__name__}: {res!r} instead of ending "
-                        "Committed or Invalidated"
-                    ) from res
-                limit = (deadline or 0.0) + self.deadline_slack_s
-                self._check(
-                    deadline is None or elapsed[(j, r)] <= limit,
-                    f"restore took {elapsed[(j, r)]:.2f}s past its deadline of {deadline}s",
-                )
-                cache, ids, before = dests[(j, r)]
-                self._check_result(r, tokens, policy, res, cache, ids, before)
-                per_rank.append(res)
-            self._check_agreement(per_rank)
-            res0 = per_rank[0]
-            p = res0.probed_tokens // self.chunk_tokens
-            if not faulty:
-                lo, hi = expect[j]
-                self._check(
-                    lo <= p <= hi,
-                    f"restore probed {p} chunks; the model says between {lo} and {hi} are stored",
-                )
-                if intact_snapshot[(j, p)]:
-                    self._check(
-                        all(x.state is RequestState.COMMITTED for x in per_rank)
-                        and all(x.committed_tokens == res0.probed_tokens for x in per_rank),
-                        f"every object of the probed {p}-chunk prefix is intact in some tier and "
-                        f"no fault is active, yet the restore ended {res0.state} with "
-                        f"{res0.committed_tokens} tokens ({res0.reason}; {list(res0.errors)[:3]})",
-                    )
-                    want = sum(self.layout.group_chunk_bytes(g) for _, g in self._needed(p))
-                    self._check(
-                        all(x.bytes_read == want for x in per_rank),
-                        f"a clean restore read {res0.bytes_read} bytes, the prefix holds {want}",
-                    )
-            first.append(res0)
-        self._settle()
-        return first
-
-    def _check_agreement(self, per_rank: list[RestoreResult]) -> None:
-        states = {(x.state, x.committed_tokens, x.probed_tokens) for x in per_rank}
-        self._check(
-            len(states) == 1,
-            f"ranks ended differently: {[(str(x.state), x.committed_tokens) for x in per_rank]}",
-        )
-
-    def _check_result(
-        self,
-        rank: int,
-        tokens: Sequence[int],
-        policy: Policy,
-        res: RestoreResult,
-        cache: PagedKVCache,
-        ids: torch.Tensor,
-        before: dict[str, torch.Tensor],
-    ) -> None:
-        assert self.case is not None
-        stats = type(self).stats
-        stats.restores += 1
-        ct, bpc, bt = self.chunk_tokens, self.case.blocks_per_chunk, self.case.block_tokens
-        n = len(tokens) // ct
-        self._check(res.state.terminal, f"restore returned in non-terminal state {res.state}")
-        if res.state is RequestState.COMMITTED:
-            stats.committed += 1
-            stats.committed_nonempty += res.committed_tokens > 0
-            stats.truncated += 0 < res.committed_tokens < res.probed_tokens
-        else:
-            stats.invalidated += 1
-        committed, probed = res.committed_tokens, res.probed_tokens
-        self._check(
-            committed % ct == 0 and probed % ct == 0 and 0 <= committed <= probed <= n * ct,
-            f"committed {committed} / probed {probed} tokens are not chunk-aligned within {n * ct}",
-        )
-        if res.state is RequestState.INVALIDATED:
-            self._check(committed == 0, f"Invalidated yet committed {committed} tokens")
-        if policy is Policy.ALL_OR_NOTHING:
-            self._check(
-                committed in (0, probed),
-                f"all_or_nothing committed {committed} of {probed} probed tokens",
-            )
-        self._check(
-            res.rws_peak_bytes <= self.window * self.layout.slot_bytes,
-            f"restore RWS {res.rws_peak_bytes} > W x slot_bytes",
-        )
-        p = committed // ct
-        # every committed block holds exactly the saved bytes
-        for g in self.layout.groups:
-            got = cache.tensor(g.name)
-            for c in _needed_chunks(g, p, ct):
-                blocks = ids[c * bpc : (c + 1) * bpc]
-                want = self.content(rank, tuple(tokens[: (c + 1) * ct]), g.name)
-                self._check(
-                    torch.equal(got[:, blocks], want.view(g.num_layers, bpc, bt, g.token_bytes)),
-                    f"committed chunk {c} of group {g.name!r} on rank {rank} differs from the "
-                    f"saved bytes ({res.state}, {committed} tokens)",
-                )
-        # blocks the restore wrote outside the committed prefix are reported invalid
-        committed_blocks = {int(b) for b in ids[: p * bpc].tolist()}
-        invalid = set(res.invalid_block_ids)
-        request_blocks = {int(b) for b in ids[: n * bpc].tolist()}
-        self._check(
-            invalid <= request_blocks,
-            f"invalid_block_ids {sorted(invalid - request_blocks)} are not the request's blocks",
-        )
-        self._check(
-            not (invalid & committed_blocks),
-            "invalid_block_ids include blocks of the committed prefix",
-        )
-        changed: set[int] = set()
-        for g in self.layout.groups:
-            diff = (cache.tensor(g.name) != before[g.name]).flatten(2).any(dim=2).any(dim=0)
-            changed.update(int(b) for b in torch.nonzero(diff).flatten().tolist())
-        unreported = changed - committed_blocks - invalid
-        self._check(
-            not unreported,
-            f"restore wrote blocks {sorted(unreported)} that are neither committed nor reported "
-            f"in invalid_block_ids ({res.state}, {committed} tokens)",
-        )
-
     @rule(data=st.data(), after=st.sampled_from((0.0, 0.001, 0.005, 0.02, 0.05)))
     def restore_then_cancel(self, data: st.DataObject, after: float) -> None:
         """Cancel restores midway (every read is slowed down meanwhile)."""
@@ -1103,11 +516,6 @@ class RestoreMachine(RuleBasedStateMachine):
             # a collective cancelled on one rank leaves the group's rounds out of step, as with
             # a real process group: start a new group (and engines)
             self._reopen()
-
-    @staticmethod
-    def _counts(rk: _Rank) -> tuple[int, int, int]:
-        s = rk.engine.statistics()
-        return s.restores, s.committed, s.invalidated
 
     # ------------------------------------------------------------------ invariants
     @invariant()

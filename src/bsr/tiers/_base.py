@@ -32,6 +32,7 @@ import torch
 from .._check import positive_float, text
 from .._errors import ClosedError, ConfigError
 from .._log import logger
+from .._resource import AsyncResource
 from ..core._keys import ChunkKey, ObjectKey
 
 
@@ -186,7 +187,7 @@ def as_payload_view(payload: Any) -> memoryview:
     return as_byte_view(payload)
 
 
-class Tier(abc.ABC):
+class Tier(AsyncResource, abc.ABC):
     """Abstract async tier. Use as ``async with tier:`` or call :meth:`aclose`.
 
     Subclasses implement the abstract methods; the other methods have working defaults that a
@@ -232,29 +233,10 @@ class Tier(abc.ABC):
             c.bytes_read += nbytes
 
     # ------------------------------------------------------------------ lifecycle
-    async def open(self) -> None:
-        """Prepare the tier (default: nothing). Called by ``async with`` and by the engine."""
-
-    async def aclose(self) -> None:
-        """Release resources. Later calls raise :class:`~bsr.ClosedError`."""
-        self._closed = True
-
-    async def __aenter__(self) -> Tier:
-        await self.open()
-        return self
-
-    async def __aexit__(
-        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.aclose()
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ClosedError(f"tier {self.name!r} is closed; open a new one", tier=self.name)
+    # open() (called by ``async with`` and by the engine; default: nothing), aclose() (later
+    # calls raise ClosedError), closed and _check_open() come from AsyncResource
+    def _closed_error(self) -> ClosedError:
+        return ClosedError(f"tier {self.name!r} is closed; open a new one", tier=self.name)
 
     # ------------------------------------------------------------------ abstract core
     @abc.abstractmethod

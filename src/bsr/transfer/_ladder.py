@@ -44,8 +44,6 @@ class Outcome(str, enum.Enum):
     TIMEOUT = "timeout"
     #: the tier raised something unexpected (a bug in the tier)
     ERROR = "error"
-    #: not attempted: the decision side refused the tier (breaker open, object quarantined)
-    SKIPPED = "skipped"
 
     def __str__(self) -> str:
         return self.value
