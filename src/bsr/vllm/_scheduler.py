@@ -26,17 +26,17 @@ How it works:
   was computed or verified-installed is ever saved: a request with a load whose outcome is not
   known yet or failed, or that shares blocks with such a load, is not saved (vLLM may finish an
   aborted request before it processes that step's failed-load report).
-* **Failed sync loads.** vLLM caches a sync load's blocks when it allocates them, before bsr
-  writes them. If the load fails, vLLM recomputes them in place only for a request still
-  running when it handles the failure; a request aborted or preempted before that leaves them
-  in vLLM's prefix cache as they are, and vLLM hands them to the next request with that prefix.
-  The same goes for the blocks the load's step computed over them (the rest of the request's
-  table: vLLM caches them in the same step), and for those a step scheduled before the load's
-  report gives the request (``build_connector_meta`` sees their ids). So the blocks of a failed sync load and of its
-  step stay *poisoned* until vLLM gives them out afresh (past some request's own hit) or their
-  request recomputed them in place, and a request that vLLM admits on a poisoned block, or on a
-  block of a sync load whose outcome is not known yet that then fails, is *tainted*: never
-  saved. (``spec/connector.pml`` models this; spin found both cases.)
+* **Failed sync loads.** vLLM caches a sync load's blocks when it allocates them, before bsr writes
+  them. If the load fails, vLLM recomputes them in place only for a request still running when it
+  handles the failure; a request aborted or preempted before that leaves them in vLLM's prefix cache
+  as they are, and vLLM hands them to the next request with that prefix. The same goes for the
+  blocks the load's step computed over them (the rest of the request's table: vLLM caches them in
+  the same step), and for those a step scheduled before the load's report gives the request
+  (``build_connector_meta`` sees their ids). So the blocks of a failed sync load and of its step
+  stay *poisoned* until vLLM gives them out afresh (past some request's own hit) or their request
+  recomputed them in place, and a request that vLLM admits on a poisoned block, or on a block of a
+  sync load whose outcome is not known yet that then fails, is *tainted*: never saved.
+  (``spec/connector.pml`` models this; spin found both cases.)
 """
 
 from __future__ import annotations
