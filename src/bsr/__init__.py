@@ -7,6 +7,8 @@ tensor-parallel ranks. See README.md and docs/architecture.md.
 
 from __future__ import annotations
 
+from ._check import Check as Check
+from ._check import option as option
 from ._errors import BlockTableError as BlockTableError
 from ._errors import BsrError as BsrError
 from ._errors import ClosedError as ClosedError
@@ -53,9 +55,6 @@ from .core._results import SaveResult as SaveResult
 from .core._results import Strategy as Strategy
 from .core._results import Timings as Timings
 from .engine._config import EngineConfig as EngineConfig
-from .engine._config import FileTierConfig as FileTierConfig
-from .engine._config import HostTierConfig as HostTierConfig
-from .engine._config import MooncakeTierConfig as MooncakeTierConfig
 from .engine._coordinator import Coordinator as Coordinator
 from .engine._coordinator import InProcessCoordinator as InProcessCoordinator
 from .engine._coordinator import InProcessGroup as InProcessGroup
@@ -64,16 +63,29 @@ from .engine._coordinator import TorchDistributedCoordinator as TorchDistributed
 from .engine._engine import EngineStatistics as EngineStatistics
 from .engine._engine import RestoreEngine as RestoreEngine
 from .engine._health import BreakerState as BreakerState
+from .tiers._abandon import AbandonableCalls as AbandonableCalls
 from .tiers._base import Tier as Tier
 from .tiers._base import TierLease as TierLease
 from .tiers._base import TierStatistics as TierStatistics
 from .tiers._base import TierUsage as TierUsage
 from .tiers._base import TierWrapper as TierWrapper
+from .tiers._base import as_byte_view as as_byte_view
+from .tiers._base import as_payload_view as as_payload_view
+from .tiers._codec import ObjectCodec as ObjectCodec
+from .tiers._codec import ObjectHeader as ObjectHeader
 from .tiers._file import FileTier as FileTier
+from .tiers._file import FileTierOptions as FileTierOptions
 from .tiers._host import HostTier as HostTier
+from .tiers._host import HostTierOptions as HostTierOptions
 from .tiers._mooncake import MooncakeTier as MooncakeTier
+from .tiers._mooncake import MooncakeTierOptions as MooncakeTierOptions
 from .tiers._readers import KvikioReader as KvikioReader
 from .tiers._readers import PosixReader as PosixReader
+from .tiers._registry import TierOptions as TierOptions
+from .tiers._registry import register_tier as register_tier
+from .tiers._registry import tier_kinds as tier_kinds
+from .tiers._registry import tier_options as tier_options
+from .tiers._registry import unregister_tier as unregister_tier
 from .transfer._cache import PagedKVCache as PagedKVCache
 from .transfer._staging import StagingPool as StagingPool
 from .transfer._staging import StagingStatistics as StagingStatistics
@@ -84,12 +96,19 @@ from . import kit as kit
 
 # isort: on
 
+#: the names bsr 0.2 gave the tier options classes (the same classes)
+HostTierConfig = HostTierOptions
+FileTierConfig = FileTierOptions
+MooncakeTierConfig = MooncakeTierOptions
+
 __version__ = "0.1.0"
 
 __all__ = (
+    "AbandonableCalls",
     "BlockTableError",
     "BreakerState",
     "BsrError",
+    "Check",
     "ChunkKey",
     "ClosedError",
     "ConfigError",
@@ -102,10 +121,12 @@ __all__ = (
     "FORMAT_VERSION",
     "FileTier",
     "FileTierConfig",
+    "FileTierOptions",
     "ForeignObjectError",
     "GuardRejectedError",
     "HostTier",
     "HostTierConfig",
+    "HostTierOptions",
     "IllegalTransitionError",
     "InProcessCoordinator",
     "InProcessGroup",
@@ -115,8 +136,11 @@ __all__ = (
     "LocalCoordinator",
     "MooncakeTier",
     "MooncakeTierConfig",
+    "MooncakeTierOptions",
     "Namespace",
+    "ObjectCodec",
     "ObjectError",
+    "ObjectHeader",
     "ObjectKey",
     "ObjectNotFoundError",
     "OutOfBlocksError",
@@ -141,6 +165,7 @@ __all__ = (
     "TierFullError",
     "TierIOError",
     "TierLease",
+    "TierOptions",
     "TierRootError",
     "TierStatistics",
     "TierTimeoutError",
@@ -152,9 +177,16 @@ __all__ = (
     "TransitionRecord",
     "TruncatedObjectError",
     "UnknownGroupError",
+    "as_byte_view",
+    "as_payload_view",
     "as_token_array",
     "chunk_keys",
     "kv_layout",
     "model_config_digest",
+    "option",
     "prepare_tokens",
+    "register_tier",
+    "tier_kinds",
+    "tier_options",
+    "unregister_tier",
 )
