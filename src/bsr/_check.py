@@ -11,7 +11,7 @@ import dataclasses
 import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 from ._errors import ConfigError
 
@@ -172,13 +172,47 @@ def optional_positive_float(
     return finite_float(value, what, minimum=0.0, strict=True, none_ok=True, error=error, **fields)
 
 
+def is_int(value: Any) -> TypeGuard[int]:
+    """Whether ``value`` is an int and not a bool (True is an int to Python, never to bsr)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def int_at_least(
+    value: Any, what: str, minimum: int, *, error: type[ConfigError] = ConfigError, **fields: Any
+) -> int:
+    """``value`` if it is an int (not a bool) >= ``minimum``, else ``error`` naming ``what``."""
+    if not is_int(value) or value < minimum:
+        raise error(f"{what} must be an int >= {minimum}, got {short_repr(value)}", **fields)
+    return int(value)
+
+
+def int_between(
+    value: Any,
+    what: str,
+    low: int,
+    high: int,
+    *,
+    bounds: str = "",
+    hint: str = "",
+    error: type[ConfigError] = ConfigError,
+    **fields: Any,
+) -> int:
+    """``value`` if it is an int (not a bool) with ``low <= value <= high``.
+
+    ``bounds`` says the range in the message (default ``[low, high]``); ``hint`` what to do.
+    """
+    if not is_int(value) or not low <= value <= high:
+        where = bounds or f"[{low}, {high}]"
+        tail = f"; {hint}" if hint else ""
+        raise error(f"{what} must be an int in {where}, got {short_repr(value)}{tail}", **fields)
+    return int(value)
+
+
 def non_negative_int(
     value: Any, what: str, *, error: type[ConfigError] = ConfigError, **fields: Any
 ) -> int:
     """``value`` if it is an int >= 0 (not a bool), else ``error`` naming ``what``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise error(f"{what} must be an int >= 0, got {short_repr(value)}", **fields)
-    return value
+    return int_at_least(value, what, 0, error=error, **fields)
 
 
 def utf8_text(
