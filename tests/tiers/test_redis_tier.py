@@ -114,27 +114,15 @@ class _RawHooks(TierConformance):
             timeout_s=10.0,
         )
 
-    def _keys_of(self, tier: bsr.Tier, key: bsr.ChunkKey, group: str) -> list[str]:
-        client = raw_client(self.url, self.cluster)
-        first = tier.store_keys(key, group)[0]  # type: ignore[attr-defined]
-        n = int(client.strlen(first))
-        if n == 0:
-            return []
-        total = len(b"".join(self._get_all(tier, key, group)))
-        return tier.store_keys(key, group, max(1, -(-total // n)))  # type: ignore[attr-defined]
-
     def _get_all(self, tier: bsr.Tier, key: bsr.ChunkKey, group: str) -> list[bytes]:
+        """The stored values of ``(key, group)``, first key first (parts until one is absent)."""
         client = raw_client(self.url, self.cluster)
-        first = tier.store_keys(key, group)[0]  # type: ignore[attr-defined]
         out = []
-        for i, k in enumerate(tier.store_keys(key, group, 1 << 10)):  # type: ignore[attr-defined]
+        for k in tier.store_keys(key, group, 1 << 10):  # type: ignore[attr-defined]
             v = client.get(k)
             if v is None:
                 break
             out.append(v)
-            if i == 0 and len(v) >= HEADER:
-                pass
-        del first
         return out
 
     async def put_raw(self, tier: bsr.Tier, key: bsr.ChunkKey, group: str, blob: bytes) -> bool:
@@ -165,7 +153,8 @@ class _RawHooks(TierConformance):
         if not 0 <= size < len(blob):
             return False
         client = raw_client(self.url, self.cluster)
-        client.delete(*self._keys_of(tier, key, group))
+        parts = len(self._get_all(tier, key, group))
+        client.delete(*tier.store_keys(key, group, parts))  # type: ignore[attr-defined]
         client.set(tier.store_keys(key, group)[0], blob[:size])  # type: ignore[attr-defined]
         return True
 
