@@ -331,6 +331,8 @@ BENCH_PACKAGE = Path(__file__).parents[2] / "bench" / "bsr_bench"
 #: known private imports, each to be replaced by a public name (then deleted here): the test
 #: fails on any new one and on an entry that no longer matches
 KNOWN_PRIVATE: set[str] = set()
+#: public modules beside the facade: the test kit and the Redis tier (an optional extra)
+PUBLIC_MODULES = {"bsr.testing", "bsr.redis"}
 
 
 def _private_imports(path: Path) -> list[str]:
@@ -341,13 +343,15 @@ def _private_imports(path: Path) -> list[str]:
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.level == 0:  # relative: inside the bench
             mod = node.module or ""
-            if mod.startswith("bsr.") and mod != "bsr.testing":
+            if mod.startswith("bsr.") and mod not in PUBLIC_MODULES:
                 out.append(mod)
             elif mod == "bsr":  # `from bsr import _errors` reaches a private module too
                 out += [f"bsr.{a.name}" for a in node.names if a.name.startswith("_")]
         elif isinstance(node, ast.Import):
             out += [
-                a.name for a in node.names if a.name.startswith("bsr.") and a.name != "bsr.testing"
+                a.name
+                for a in node.names
+                if a.name.startswith("bsr.") and a.name not in PUBLIC_MODULES
             ]
     return out
 
