@@ -81,6 +81,7 @@ from .tiers._mooncake import MooncakeTier as MooncakeTier
 from .tiers._mooncake import MooncakeTierOptions as MooncakeTierOptions
 from .tiers._readers import KvikioReader as KvikioReader
 from .tiers._readers import PosixReader as PosixReader
+from .tiers._readers import UringReader as UringReader
 from .tiers._registry import TierOptions as TierOptions
 from .tiers._registry import register_tier as register_tier
 from .tiers._registry import tier_kinds as tier_kinds
@@ -147,6 +148,7 @@ __all__ = (
     "PagedKVCache",
     "Policy",
     "PosixReader",
+    "UringReader",
     "Probe",
     "Reason",
     "RequestLifecycle",

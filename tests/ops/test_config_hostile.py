@@ -65,7 +65,16 @@ ENGINE_KEYS = [
 ]
 TIER_KEYS = {
     "host": ["capacity_bytes", "name"],
-    "file": ["path", "capacity_bytes", "name", "reader", "direct_io", "fsync", "io_threads"],
+    "file": [
+        "path",
+        "capacity_bytes",
+        "name",
+        "reader",
+        "direct_io",
+        "fsync",
+        "io_threads",
+        "read_depth",
+    ],
     "mooncake": [
         "name",
         "master_address",

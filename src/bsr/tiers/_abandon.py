@@ -30,6 +30,9 @@ from .._errors import TierIOError
 T = TypeVar("T")
 
 
+_HERE = threading.local()  # the call a worker thread is running now
+
+
 class _NotRun(Exception):
     """The call was abandoned before a worker picked it up (never raised out of run())."""
 
@@ -84,6 +87,14 @@ class AbandonableCalls:
         self._stuck = 0
         self._abandoned = 0
 
+    @staticmethod
+    def abandoned_here() -> bool:
+        """In a worker thread running a call of :meth:`run`: whether its caller has abandoned
+        it (a blocking step that can withdraw its work, such as an io_uring read, polls this).
+        False outside such a call."""
+        call = getattr(_HERE, "call", None)
+        return bool(call is not None and call.abandoned)
+
     @property
     def stuck(self) -> int:
         """Abandoned calls whose worker has not returned yet."""
@@ -124,9 +135,11 @@ class AbandonableCalls:
                 if call.abandoned:  # cancelled before this thread picked the call up
                     raise _NotRun
                 call.started = True
+            _HERE.call = call
             try:
                 return fn()
             finally:
+                _HERE.call = None
                 late = None
                 with self._lock:
                     call.done = True

@@ -122,6 +122,20 @@ class ObjectCodec:
         verify_payload(payload, header.payload_len, header.payload_sum, okey, where=where)
 
     @staticmethod
+    def verified_payload(
+        blob: Any, okey: ObjectKey, *, where: str = ""
+    ) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        """Verify a whole stored object (header, stored length, payload checksum) where it lies;
+        return a view of its payload (no copy). ``blob`` must not change while the view is used.
+        """
+        src = np.frombuffer(as_payload_view(blob), dtype=np.uint8)
+        head = ObjectCodec.decode_header(src[:HEADER_SIZE], okey, where=where)
+        ObjectCodec.check_stored_size(head, len(src), okey, where=where)
+        body = src[HEADER_SIZE : HEADER_SIZE + head.payload_len]
+        ObjectCodec.verify_payload(body, head, okey, where=where)
+        return body
+
+    @staticmethod
     def decode_into(blob: Any, okey: ObjectKey, dst: Any, *, where: str = "") -> int:
         """Verify a whole stored object and copy its payload into ``dst``; return its length.
 

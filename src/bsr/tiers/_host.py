@@ -22,7 +22,7 @@ import numpy as np
 from .._check import Check, option
 from .._errors import ObjectNotFoundError
 from ..core._keys import ChunkKey, ObjectKey
-from ._base import Tier, as_payload_view
+from ._base import Borrowed, Tier, as_payload_view
 from ._codec import ObjectCodec
 from ._lru import IndexedTier, LruIndex
 from ._registry import TierOptions
@@ -54,6 +54,7 @@ class HostTier(IndexedTier):
     durable = False
     blocking_reads = True
     inline_reads = True  # a verified memcpy out of DRAM
+    borrow_reads = True  # a verified payload lent where it lies (borrow_blocking)
 
     def __init__(self, capacity_bytes: int, *, name: str = "host") -> None:
         self.options = HostTierOptions(capacity_bytes, name=name)
@@ -81,8 +82,33 @@ class HostTier(IndexedTier):
             raise
         finally:
             self._index.unpin(okey.object_id)
-        self._count(hits=1, reads=1, bytes_read=plen)
+        self._count_hit(plen)
         return plen
+
+    def borrow_blocking(self, key: ChunkKey, group: str) -> Borrowed:
+        """Verify the object where it lies and lend its payload, pinned until released.
+
+        The restore pipeline installs a host-destination chunk from here with one copy (no
+        staging slot copy); the pin keeps the object from eviction meanwhile (its bytes are
+        immutable once written), and the payload is checked here, before anything is copied.
+        """
+        self._check_open()
+        okey = ObjectKey(key, group)
+        oid = okey.object_id
+        got = self._index.pin(oid)
+        if got is None:
+            self._count(misses=1)
+            raise ObjectNotFoundError(
+                "object not in host tier", tier=self.name, key=key.hex[:16], group=group
+            )
+        try:
+            payload = ObjectCodec.verified_payload(got[1], okey, where=self.name)
+        except BaseException:
+            self._index.unpin(oid)
+            self._count(errors=1)
+            raise
+        self._count_hit(len(payload))
+        return Borrowed(payload, lambda: self._index.unpin(oid))
 
     def _copy_verified(self, okey: ObjectKey, blob: Blob, dst: Any) -> int:
         return ObjectCodec.decode_into(blob, okey, dst, where=self.name)
