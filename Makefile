@@ -22,15 +22,18 @@ $(VENV)/.bsr-installed: pyproject.toml bench/pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	# a CPU torch build unless one is already there (an unpinned torch would pull a CUDA build)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_CPU)"
-	$(BIN)/python -m pip install -q -e ".[dev,mooncake]" -e ./bench
+	$(BIN)/python -m pip install -q -e ".[dev,mooncake,redis]" -e ./bench
 	touch $@
 
-# spin (model checker), libibverbs (Mooncake's transfer engine) and fio (the bench's physical
-# reference) from Debian packages
+# spin (model checker), libibverbs (Mooncake's transfer engine), fio (the bench's physical
+# reference) and redis-server (with redis-cli: the Redis tier's tests start real servers) from
+# Debian packages
 system-deps:
 	@if ! command -v spin >/dev/null || ! ldconfig -p | grep -q libibverbs.so.1 \
-			|| ! command -v fio >/dev/null; then \
-		$(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q spin libibverbs1 gcc fio; \
+			|| ! command -v fio >/dev/null || ! command -v redis-server >/dev/null \
+			|| ! command -v redis-cli >/dev/null; then \
+		$(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q spin libibverbs1 gcc fio \
+			redis-server; \
 	fi
 
 # fio for the bench where apt-get works; without it the bench says so and uses its raw reader

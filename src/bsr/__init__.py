@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-# the errors are light (no torch): always there, so `except bsr.BsrError` needs no import
+# the option rules and the errors are light (no torch): always there, so `except bsr.BsrError`
+# needs no import
+from ._check import Check as Check
+from ._check import option as option
 from ._errors import BlockTableError as BlockTableError
 from ._errors import BsrError as BsrError
 from ._errors import ClosedError as ClosedError
@@ -59,9 +62,6 @@ if TYPE_CHECKING:  # what mypy and readers see; at run time __getattr__ imports 
     from .core._results import Strategy as Strategy
     from .core._results import Timings as Timings
     from .engine._config import EngineConfig as EngineConfig
-    from .engine._config import FileTierConfig as FileTierConfig
-    from .engine._config import HostTierConfig as HostTierConfig
-    from .engine._config import MooncakeTierConfig as MooncakeTierConfig
     from .engine._coordinator import Coordinator as Coordinator
     from .engine._coordinator import InProcessCoordinator as InProcessCoordinator
     from .engine._coordinator import InProcessGroup as InProcessGroup
@@ -70,17 +70,33 @@ if TYPE_CHECKING:  # what mypy and readers see; at run time __getattr__ imports 
     from .engine._engine import EngineStatistics as EngineStatistics
     from .engine._engine import RestoreEngine as RestoreEngine
     from .engine._health import BreakerState as BreakerState
+    from .tiers._abandon import AbandonableCalls as AbandonableCalls
     from .tiers._base import Tier as Tier
     from .tiers._base import TierLease as TierLease
     from .tiers._base import TierStatistics as TierStatistics
     from .tiers._base import TierUsage as TierUsage
     from .tiers._base import TierWrapper as TierWrapper
+    from .tiers._base import as_byte_view as as_byte_view
+    from .tiers._base import as_payload_view as as_payload_view
+    from .tiers._codec import ObjectCodec as ObjectCodec
+    from .tiers._codec import ObjectHeader as ObjectHeader
     from .tiers._file import FileTier as FileTier
+    from .tiers._file import FileTierOptions as FileTierConfig
+    from .tiers._file import FileTierOptions as FileTierOptions
     from .tiers._host import HostTier as HostTier
+    from .tiers._host import HostTierOptions as HostTierConfig
+    from .tiers._host import HostTierOptions as HostTierOptions
     from .tiers._mooncake import MooncakeTier as MooncakeTier
+    from .tiers._mooncake import MooncakeTierOptions as MooncakeTierConfig
+    from .tiers._mooncake import MooncakeTierOptions as MooncakeTierOptions
     from .tiers._readers import KvikioReader as KvikioReader
     from .tiers._readers import PosixReader as PosixReader
     from .tiers._readers import UringReader as UringReader
+    from .tiers._registry import TierOptions as TierOptions
+    from .tiers._registry import register_tier as register_tier
+    from .tiers._registry import tier_kinds as tier_kinds
+    from .tiers._registry import tier_options as tier_options
+    from .tiers._registry import unregister_tier as unregister_tier
     from .transfer._cache import PagedKVCache as PagedKVCache
     from .transfer._staging import StagingPool as StagingPool
     from .transfer._staging import StagingStatistics as StagingStatistics
@@ -101,7 +117,7 @@ _LAZY: dict[str, tuple[str, ...]] = {
     ".core._layout": ("StateGroup", "StateLayout", "kv_layout"),
     ".core._lifecycle": ("Reason", "RequestLifecycle", "RequestState", "TransitionRecord"),
     ".core._results": ("Policy", "Probe", "RestoreResult", "SaveResult", "Strategy", "Timings"),
-    ".engine._config": ("EngineConfig", "FileTierConfig", "HostTierConfig", "MooncakeTierConfig"),
+    ".engine._config": ("EngineConfig",),
     ".engine._coordinator": (
         "Coordinator",
         "InProcessCoordinator",
@@ -111,15 +127,38 @@ _LAZY: dict[str, tuple[str, ...]] = {
     ),
     ".engine._engine": ("EngineStatistics", "RestoreEngine"),
     ".engine._health": ("BreakerState",),
-    ".tiers._base": ("Tier", "TierLease", "TierStatistics", "TierUsage", "TierWrapper"),
-    ".tiers._file": ("FileTier",),
-    ".tiers._host": ("HostTier",),
-    ".tiers._mooncake": ("MooncakeTier",),
+    ".tiers._abandon": ("AbandonableCalls",),
+    ".tiers._base": (
+        "Tier",
+        "TierLease",
+        "TierStatistics",
+        "TierUsage",
+        "TierWrapper",
+        "as_byte_view",
+        "as_payload_view",
+    ),
+    ".tiers._codec": ("ObjectCodec", "ObjectHeader"),
+    ".tiers._file": ("FileTier", "FileTierOptions"),
+    ".tiers._host": ("HostTier", "HostTierOptions"),
+    ".tiers._mooncake": ("MooncakeTier", "MooncakeTierOptions"),
     ".tiers._readers": ("KvikioReader", "PosixReader", "UringReader"),
+    ".tiers._registry": (
+        "TierOptions",
+        "register_tier",
+        "tier_kinds",
+        "tier_options",
+        "unregister_tier",
+    ),
     ".transfer._cache": ("PagedKVCache",),
     ".transfer._staging": ("StagingPool", "StagingStatistics"),
 }
 _WHERE = {name: module for module, names in _LAZY.items() for name in names}
+#: the names bsr 0.2 gave the tier options classes (the same classes)
+_ALIASES = {
+    "HostTierConfig": "HostTierOptions",
+    "FileTierConfig": "FileTierOptions",
+    "MooncakeTierConfig": "MooncakeTierOptions",
+}
 
 
 def __getattr__(name: str) -> Any:
@@ -128,10 +167,11 @@ def __getattr__(name: str) -> Any:
 
     if name == "kit":
         return importlib.import_module(".kit", __name__)
-    module = _WHERE.get(name)
+    target = _ALIASES.get(name, name)
+    module = _WHERE.get(target)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
+    value = getattr(importlib.import_module(module, __name__), target)
     globals()[name] = value  # later lookups skip __getattr__
     return value
 
@@ -143,9 +183,11 @@ def __dir__() -> list[str]:
 __version__ = "0.1.0"
 
 __all__ = (
+    "AbandonableCalls",
     "BlockTableError",
     "BreakerState",
     "BsrError",
+    "Check",
     "ChunkKey",
     "ClosedError",
     "ConfigError",
@@ -158,10 +200,12 @@ __all__ = (
     "FORMAT_VERSION",
     "FileTier",
     "FileTierConfig",
+    "FileTierOptions",
     "ForeignObjectError",
     "GuardRejectedError",
     "HostTier",
     "HostTierConfig",
+    "HostTierOptions",
     "IllegalTransitionError",
     "InProcessCoordinator",
     "InProcessGroup",
@@ -171,8 +215,11 @@ __all__ = (
     "LocalCoordinator",
     "MooncakeTier",
     "MooncakeTierConfig",
+    "MooncakeTierOptions",
     "Namespace",
+    "ObjectCodec",
     "ObjectError",
+    "ObjectHeader",
     "ObjectKey",
     "ObjectNotFoundError",
     "OutOfBlocksError",
@@ -198,6 +245,7 @@ __all__ = (
     "TierFullError",
     "TierIOError",
     "TierLease",
+    "TierOptions",
     "TierRootError",
     "TierStatistics",
     "TierTimeoutError",
@@ -209,9 +257,16 @@ __all__ = (
     "TransitionRecord",
     "TruncatedObjectError",
     "UnknownGroupError",
+    "as_byte_view",
+    "as_payload_view",
     "as_token_array",
     "chunk_keys",
     "kv_layout",
     "model_config_digest",
+    "option",
     "prepare_tokens",
+    "register_tier",
+    "tier_kinds",
+    "tier_options",
+    "unregister_tier",
 )

@@ -7,9 +7,11 @@ or raises a :class:`~bsr.ConfigError` (or the subclass given as ``error``) namin
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import sys
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeGuard
 
 from ._errors import ConfigError
 
@@ -170,13 +172,47 @@ def optional_positive_float(
     return finite_float(value, what, minimum=0.0, strict=True, none_ok=True, error=error, **fields)
 
 
+def is_int(value: Any) -> TypeGuard[int]:
+    """Whether ``value`` is an int and not a bool (True is an int to Python, never to bsr)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def int_at_least(
+    value: Any, what: str, minimum: int, *, error: type[ConfigError] = ConfigError, **fields: Any
+) -> int:
+    """``value`` if it is an int (not a bool) >= ``minimum``, else ``error`` naming ``what``."""
+    if not is_int(value) or value < minimum:
+        raise error(f"{what} must be an int >= {minimum}, got {short_repr(value)}", **fields)
+    return int(value)
+
+
+def int_between(
+    value: Any,
+    what: str,
+    low: int,
+    high: int,
+    *,
+    bounds: str = "",
+    hint: str = "",
+    error: type[ConfigError] = ConfigError,
+    **fields: Any,
+) -> int:
+    """``value`` if it is an int (not a bool) with ``low <= value <= high``.
+
+    ``bounds`` says the range in the message (default ``[low, high]``); ``hint`` what to do.
+    """
+    if not is_int(value) or not low <= value <= high:
+        where = bounds or f"[{low}, {high}]"
+        tail = f"; {hint}" if hint else ""
+        raise error(f"{what} must be an int in {where}, got {short_repr(value)}{tail}", **fields)
+    return int(value)
+
+
 def non_negative_int(
     value: Any, what: str, *, error: type[ConfigError] = ConfigError, **fields: Any
 ) -> int:
     """``value`` if it is an int >= 0 (not a bool), else ``error`` naming ``what``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise error(f"{what} must be an int >= 0, got {short_repr(value)}", **fields)
-    return value
+    return int_at_least(value, what, 0, error=error, **fields)
 
 
 def utf8_text(
@@ -241,3 +277,198 @@ def fs_path(value: Any, what: str, *, error: type[ConfigError] = ConfigError, **
             **fields,
         )
     return value
+
+
+# --------------------------------------------------------------------- the option vocabulary
+# Options (of the engine and of every tier kind) are frozen dataclasses whose fields carry a
+# parser in their metadata: ``field: int = option(Check.size)``. One parser decides each option
+# wherever it arrives from (a constructor argument, a config dict, a TOML file, an environment
+# variable), so the constructor and the config can never disagree. A parser takes
+# ``(value, key)``, returns the normalised value or raises a ConfigError whose ``key`` field and
+# message name ``key``.
+
+Parser = Callable[[Any, str], Any]
+
+
+class Check:
+    """The parsers of the option vocabulary: ``(value, key) -> value`` or a ConfigError(key=key).
+
+    Use them in :func:`option` fields, or call one directly (``Check.size(v, "capacity_bytes")``).
+    """
+
+    @staticmethod
+    def size(value: Any, key: str) -> int:
+        """A positive byte count: an int or a string such as ``"64GiB"`` (see :func:`byte_size`)."""
+        return byte_size(value, key, key=key)
+
+    @staticmethod
+    def optional_size(value: Any, key: str) -> int | None:
+        return None if value is None else Check.size(value, key)
+
+    @staticmethod
+    def size_or_zero(value: Any, key: str) -> int:
+        """0 (none) or a positive byte count."""
+        zero = isinstance(value, int) and not isinstance(value, bool) and value == 0
+        return 0 if zero else Check.size(value, key)
+
+    @staticmethod
+    def positive_int(value: Any, key: str) -> int:
+        return positive_int(value, key, key=key)
+
+    @staticmethod
+    def optional_positive_int(value: Any, key: str) -> int | None:
+        return None if value is None else positive_int(value, key, key=key)
+
+    @staticmethod
+    def non_negative_int(value: Any, key: str) -> int:
+        return non_negative_int(value, key, key=key)
+
+    @staticmethod
+    def seconds(value: Any, key: str) -> float:
+        """A finite number of seconds > 0."""
+        return positive_float(value, key, key=key)
+
+    @staticmethod
+    def optional_seconds(value: Any, key: str) -> float | None:
+        """None or a finite number of seconds > 0."""
+        return optional_positive_float(value, key, key=key)
+
+    @staticmethod
+    def non_negative_seconds(value: Any, key: str) -> float:
+        return non_negative_float(value, key, key=key)
+
+    @staticmethod
+    def flag(value: Any, key: str) -> bool:
+        """True or False (never 0, 1 or a string)."""
+        if not isinstance(value, bool):
+            raise ConfigError(
+                f"{key} must be True or False (true or false in a config), got {short_repr(value)}",
+                key=key,
+            )
+        return value
+
+    @staticmethod
+    def text(value: Any, key: str) -> str:
+        """A non-empty string with a UTF-8 form."""
+        return text(value, key, key=key)
+
+    @staticmethod
+    def optional_text(value: Any, key: str) -> str | None:
+        return None if value is None else text(value, key, key=key)
+
+    @staticmethod
+    def text_or_blank(value: Any, key: str) -> str:
+        return "" if value == "" else text(value, key, key=key)
+
+    @staticmethod
+    def path(value: Any, key: str) -> str:
+        """A filesystem path the OS can take (see :func:`fs_path`)."""
+        return fs_path(value, key, key=key)
+
+    @staticmethod
+    def address(value: Any, key: str) -> str:
+        """``host:port`` with a port in 1..65535 (an IPv6 host may be bracketed)."""
+        host_port(value, key)
+        return str(value)
+
+    @staticmethod
+    def optional_address(value: Any, key: str) -> str | None:
+        return None if value is None else Check.address(value, key)
+
+    @staticmethod
+    def one_of(*choices: str) -> Parser:
+        """A parser accepting exactly one of ``choices`` (strings; an enum's ``.value`` too)."""
+
+        def parse(value: Any, key: str) -> str:
+            value = getattr(value, "value", value)
+            if not isinstance(value, str) or value not in choices:
+                raise ConfigError(
+                    f"{key}: must be one of {list(choices)}, got {short_repr(value)}", key=key
+                )
+            return value
+
+        parse.takes_string = True  # type: ignore[attr-defined]
+        return parse
+
+
+for _parser in (
+    Check.text,
+    Check.optional_text,
+    Check.text_or_blank,
+    Check.path,
+    Check.address,
+    Check.optional_address,
+):
+    _parser.takes_string = True  # type: ignore[attr-defined]
+
+
+def host_port(value: Any, key: str) -> tuple[str, int]:
+    """Split ``host:port``; a ConfigError naming ``key`` unless the port is 1..65535."""
+    address = text(value, key, key=key)
+    host, sep, port = address.rpartition(":")
+    digits = port.isascii() and port.isdigit() and len(port) <= 5
+    if not sep or not host or not digits or not 0 < int(port) < 65536:
+        raise ConfigError(
+            f"{key} must be 'host:port', e.g. '127.0.0.1:50051', got {short_repr(address)}",
+            key=key,
+        )
+    return host.strip("[]"), int(port)
+
+
+def option(parse: Parser, default: Any = dataclasses.MISSING) -> Any:
+    """A dataclass field checked by ``parse`` (in :func:`check_options` and :func:`parse_options`).
+
+    Example::
+
+        @dataclass(frozen=True)
+        class MyOptions:
+            capacity_bytes: int = option(Check.size)
+            timeout_s: float = option(Check.seconds, 5.0)
+    """
+    meta = {"parse": parse, "string": bool(getattr(parse, "takes_string", False))}
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def option_fields(cls: Any) -> dict[str, dataclasses.Field[Any]]:
+    """The fields of an options class that carry a parser, by name."""
+    return {f.name: f for f in dataclasses.fields(cls) if "parse" in f.metadata}
+
+
+def check_options(obj: Any, prefix: str = "") -> None:
+    """Run every option's parser on a (frozen) options object, storing the normalised values.
+
+    Called from ``__post_init__``: a directly constructed options object is checked exactly
+    like a parsed one. Errors name ``<prefix><field>``.
+    """
+    for name, f in option_fields(obj).items():
+        object.__setattr__(obj, name, f.metadata["parse"](getattr(obj, name), prefix + name))
+
+
+def parse_options(
+    cls: Any, data: Mapping[str, Any], prefix: str = "", skip: Sequence[str] = ()
+) -> dict[str, Any]:
+    """Check a plain mapping against the options class ``cls``; return its constructor kwargs.
+
+    An unknown key is an error with a close-match suggestion; a missing required key says what
+    to add. Errors name ``<prefix><key>``.
+    """
+    import difflib
+
+    fields = {n: f for n, f in option_fields(cls).items() if n not in skip}
+    out: dict[str, Any] = {}
+    for name, value in data.items():
+        key = f"{prefix}{name}"
+        if name not in fields:
+            known = list(fields) + list(skip)
+            close = difflib.get_close_matches(str(name), known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {', '.join(known)}"
+            raise ConfigError(f"unknown key {short_repr(key)}{hint}", key=key)
+        out[name] = fields[name].metadata["parse"](value, key)
+    for name, f in fields.items():
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if required and name not in out:
+            where = f"the {prefix[:-1]} table" if prefix else "the config"
+            raise ConfigError(
+                f"{prefix}{name} is required; add {name} = ... to {where}", key=f"{prefix}{name}"
+            )
+    return out

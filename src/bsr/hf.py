@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import Namespace, PagedKVCache, StateGroup, StateLayout, model_config_digest
-from ._check import positive_int
+from ._check import int_at_least, int_between, positive_int
 from ._errors import ConfigError, LayoutError
 
 if TYPE_CHECKING:
@@ -387,13 +387,15 @@ def write_kv_to_cache(
         ConfigError: ``num_tokens`` exceeds what the model cache holds, ``start`` is outside
             ``[0, num_tokens]``, or a layer already dropped tokens ``[start, num_tokens)`` needs.
     """
-    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
-        raise ConfigError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
-    if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= num_tokens:
-        raise ConfigError(
-            f"start must be an int in [0, num_tokens={num_tokens}], got {start!r}; pass the "
-            "number of tokens already written"
-        )
+    int_at_least(num_tokens, "num_tokens", 0)
+    int_between(
+        start,
+        "start",
+        0,
+        num_tokens,
+        bounds=f"[0, num_tokens={num_tokens}]",
+        hint="pass the number of tokens already written",
+    )
     layers = _model_layers(past_key_values)
     placements = _placements_for(config, cache, len(layers))
     ids = cache.block_table(block_ids, num_tokens)
@@ -491,8 +493,7 @@ def read_kv_from_cache(
     """
     from transformers import DynamicCache
 
-    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
-        raise ConfigError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+    int_at_least(num_tokens, "num_tokens", 0)
     placements = layer_placements(config)
     _check_cache_matches(cache, placements)
     ids = cache.block_table(block_ids, num_tokens)

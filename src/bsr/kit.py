@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 import anyio
 
 from . import PagedKVCache, Probe, RestoreResult, SaveResult, as_token_array
-from ._check import non_negative_int, positive_int
+from ._check import int_at_least, int_between, non_negative_int, positive_int
 from ._errors import BlockTableError, ConfigError, ConversationBusyError, OutOfBlocksError
 
 if TYPE_CHECKING:
@@ -100,8 +100,7 @@ class BlockAllocator:
         Raises:
             OutOfBlocksError: fewer than ``n`` blocks are free (nothing is allocated).
         """
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ConfigError(f"blocks to allocate must be an int >= 0, got {n!r}")
+        int_at_least(n, "blocks to allocate", 0)
         if n > len(self._free):
             raise OutOfBlocksError(
                 f"asked for {n} blocks, {len(self._free)} of {self.capacity} are free; free or "
@@ -486,12 +485,14 @@ class ConversationCache:
         toks = [int(t) for t in as_token_array(tokens)]
         cap = len(conv.blocks) * self.cache.block_tokens
         top = min(len(toks), cap)
-        bad = isinstance(valid_tokens, bool) or not isinstance(valid_tokens, int)
-        if bad or not 0 <= valid_tokens <= top:
-            raise ConfigError(
-                f"valid_tokens must be in [0, {top}] (the tokens, and the room of the "
-                f"conversation's {len(conv.blocks)} blocks), got {valid_tokens!r}"
-            )
+        int_between(
+            valid_tokens,
+            "valid_tokens",
+            0,
+            top,
+            bounds=f"[0, {top}] (the tokens, and the room of the conversation's "
+            f"{len(conv.blocks)} blocks)",
+        )
         conv.tokens, conv.valid, conv.state = toks, valid_tokens, _State.IDLE
         self._convs.move_to_end(conv_id)
 

@@ -332,6 +332,8 @@ BENCH_PACKAGE = Path(__file__).parents[2] / "bench" / "bsr_bench"
 #: known private imports, each to be replaced by a public name (then deleted here): the test
 #: fails on any new one and on an entry that no longer matches
 KNOWN_PRIVATE: set[str] = set()
+#: public modules beside the facade: the test kit and the Redis tier (an optional extra)
+PUBLIC_MODULES = {"bsr.testing", "bsr.redis"}
 
 
 def _private_imports(path: Path) -> list[str]:
@@ -342,13 +344,15 @@ def _private_imports(path: Path) -> list[str]:
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.level == 0:  # relative: inside the bench
             mod = node.module or ""
-            if mod.startswith("bsr.") and mod != "bsr.testing":
+            if mod.startswith("bsr.") and mod not in PUBLIC_MODULES:
                 out.append(mod)
             elif mod == "bsr":  # `from bsr import _errors` reaches a private module too
                 out += [f"bsr.{a.name}" for a in node.names if a.name.startswith("_")]
         elif isinstance(node, ast.Import):
             out += [
-                a.name for a in node.names if a.name.startswith("bsr.") and a.name != "bsr.testing"
+                a.name
+                for a in node.names
+                if a.name.startswith("bsr.") and a.name not in PUBLIC_MODULES
             ]
     return out
 
@@ -480,6 +484,44 @@ def test_fio_reads_a_long_list_of_files_completely(tmp_path: Path) -> None:
     for config in (FioConfig("psync", 64 << 10, 1), FioConfig("libaio", 64 << 10, 4)):
         read = run_fio(binary, files, config, direct=False)
         assert read.io_bytes == 80 * (64 << 10), config.name
+
+
+def test_quick_remote_redis(tmp_path: Path) -> None:
+    """`--remote redis`: every point also restores from a RedisTier on a loopback redis-server,
+    beside the FileTier figures, verified byte-exact (skipped without redis-server, a failure
+    under CI=true)."""
+    from bsr.testing import redis_problem
+
+    problem = redis_problem()
+    if problem is not None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(problem)
+        pytest.skip(problem)
+    json_path = tmp_path / "bench.json"
+    env = {**os.environ, "COLUMNS": "200"}
+    argv = ["bench", "--quick", "--remote", "redis", "--no-sweep", "--no-recompute"]
+    argv += ["--json", str(json_path), "--no-plots", "--seed", "7"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "bsr.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
+    assert proc.returncode == 0, f"bsr bench --remote redis failed:\n{proc.stdout}\n{proc.stderr}"
+    doc = json.loads(json_path.read_text())
+    jsonschema.validate(doc, load_schema())
+    assert doc["args"]["remote"] == "redis" and doc["remote"]["tier"] == "redis"
+    window = doc["config"]["window"]
+    for p in doc["results"]:
+        r = p["remote"]
+        assert r["tier"] == "redis"
+        assert r["bsr"]["rws_peak_bytes"] == window * p["slot_bytes"], p["layout"]
+        assert r["whole_plan"]["rws_peak_bytes"] == p["chunks"] * p["slot_bytes"]
+        assert r["bsr"]["bytes_read"] == p["bsr"]["bytes_read"]
+    for name in ("llama3-8b", "dsv4-flash"):
+        assert doc["verified"][f"{name} (remote redis)"] is True
+    assert "remote tier (Redis, loopback" in proc.stdout
 
 
 def test_the_file_tier_reads_with_bsrs_default_reader(

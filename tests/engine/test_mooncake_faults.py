@@ -142,7 +142,7 @@ async def settle(tier: bsr.MooncakeTier) -> None:
     (the gateway gives up on a dead master or memory holder).
     """
     with anyio.move_on_after(30):
-        while tier._stuck:  # noqa: ASYNC110 - polling a counter of worker threads
+        while tier._calls.stuck:  # noqa: ASYNC110 - polling a counter of worker threads
             await anyio.sleep(0.05)
     tier.timeout_s = SAVE_TIMEOUT_S  # the client's close() takes up to ~1 s
 

@@ -65,7 +65,16 @@ ENGINE_KEYS = [
 ]
 TIER_KEYS = {
     "host": ["capacity_bytes", "name"],
-    "file": ["path", "capacity_bytes", "name", "reader", "direct_io", "fsync", "io_threads"],
+    "file": [
+        "path",
+        "capacity_bytes",
+        "name",
+        "reader",
+        "direct_io",
+        "fsync",
+        "io_threads",
+        "read_depth",
+    ],
     "mooncake": [
         "name",
         "master_address",
@@ -83,6 +92,19 @@ TIER_KEYS = {
         "max_stuck_calls",
         "bounce_min_bytes",
     ],
+    # a kind found through the bsr.tiers entry point, written only against the public seam
+    "redis": [
+        "url",
+        "name",
+        "cluster",
+        "key_prefix",
+        "timeout_s",
+        "connect_timeout_s",
+        "part_bytes",
+        "capacity_bytes",
+        "max_inflight",
+        "max_stuck_calls",
+    ],
 }
 
 
@@ -91,6 +113,8 @@ def _tier(kind: str, root: Path) -> dict[str, Any]:
         return {"kind": "host", "capacity_bytes": "1MiB"}
     if kind == "file":
         return {"kind": "file", "path": str(root / "l2"), "capacity_bytes": "8MiB"}
+    if kind == "redis":
+        return {"kind": "redis", "url": "redis://127.0.0.1:1/0"}
     return {"kind": "mooncake", "master_address": "127.0.0.1:1"}
 
 
@@ -116,8 +140,8 @@ def _check_accepted(config: bsr.EngineConfig, kind: str, key: str) -> None:
             raise
         assert exc.fields.get("key") == key, exc
         return
-    if kind == "mooncake" or config.window * layout.slot_bytes > 64 << 20:
-        return  # built; opening would dial a master (or allocate a big window)
+    if kind in ("mooncake", "redis") or config.window * layout.slot_bytes > 64 << 20:
+        return  # built; opening would dial a server (or allocate a big window)
 
     async def main() -> None:
         async with engine:

@@ -446,7 +446,7 @@ async def test_stuck_read_is_abandoned_counted_and_bounded(tmp_path: Path) -> No
             await t.read_into(keys[1], "kv", dst())
         reader.gate.set()
         with anyio.fail_after(5):
-            while t._stuck:  # noqa: ASYNC110 (the worker returns once the gate opens)
+            while t._reads.stuck:  # noqa: ASYNC110 (the worker returns once the gate opens)
                 await anyio.sleep(0.01)
         d = dst()
         await t.read_into(keys[1], "kv", d)

@@ -452,7 +452,7 @@ async def test_hung_master_times_out_and_recovers(fresh_mooncake_cluster: Moonca
             c.resume_master()
         # the stuck calls drain once the master answers again; the tier works again
         with anyio.fail_after(30):
-            while tier._stuck:  # noqa: ASYNC110 - polling a counter of another thread
+            while tier._calls.stuck:  # noqa: ASYNC110 - polling a counter of another thread
                 await anyio.sleep(0.05)
         dst = np.zeros(4096, dtype=np.uint8)
         assert await tier.read_into(k, "kv", dst) == 4096
@@ -670,7 +670,7 @@ def fake_tier(**kw: Any) -> tuple[MooncakeTier, _FakeStore]:
 
 async def _wait_unstuck(tier: MooncakeTier) -> None:
     with anyio.fail_after(10):
-        while tier._stuck:  # noqa: ASYNC110 - polling a counter of another thread
+        while tier._calls.stuck:  # noqa: ASYNC110 - polling a counter of another thread
             await anyio.sleep(0.01)
 
 
@@ -686,7 +686,7 @@ async def test_timed_out_read_never_writes_into_the_destination() -> None:
     with pytest.raises(TierTimeoutError):
         await tier.read_into(k, "kv", dst)
     assert time.monotonic() - t0 < 0.2 + MARGIN_S
-    assert tier._stuck == 1
+    assert tier._calls.stuck == 1
     # the caller reuses its slot at once; then the frozen transfer completes late
     dst[:] = 7
     store.frozen.clear()
@@ -736,7 +736,7 @@ async def test_stuck_calls_are_bounded_and_cancellation_before_start_is_not_stuc
     for _ in range(2):
         with pytest.raises(TierTimeoutError):
             await tier.contains_many([k])
-    assert tier._stuck == 2
+    assert tier._calls.stuck == 2
     t0 = time.monotonic()
     with pytest.raises(TierIOError, match="unresponsive"):
         await tier.contains_many([k])
@@ -754,7 +754,7 @@ async def test_stuck_calls_are_bounded_and_cancellation_before_start_is_not_stuc
         with anyio.move_on_after(0.05):
             await tier.contains_many([k])
         tg.cancel_scope.cancel()
-    assert tier._stuck <= 1
+    assert tier._calls.stuck <= 1
     store.frozen.clear()
     store.gate.set()
     await _wait_unstuck(tier)

@@ -154,11 +154,11 @@ class BenchRun:
         par_reader: RawReader | None = None
         try:
             remote: RemoteCluster | None = None
-            if o.remote == "mooncake":
-                self.ui.log(f"starting a loopback Mooncake cluster for {named.name}")
+            if o.remote != "none":
+                self.ui.log(f"starting a loopback {o.remote} store for {named.name}")
                 with self.phase(f"start remote {named.name}"):
                     sizing = RemoteSizing.for_state(lay, state.max_tokens, o.io_depth)
-                    remote = stack.enter_context(start_remote(sizing))
+                    remote = stack.enter_context(start_remote(sizing, o.remote))
                 self.remote_info = remote.describe()
                 self.remote_segment_bytes = sizing.segment_bytes
             self.ui.step(f"save {named.name} ({state.max_tokens} tokens)", 1)

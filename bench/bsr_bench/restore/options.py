@@ -156,7 +156,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="none",
         help="also restore every layout and size from a remote tier: 'mooncake' saves the state "
         "into a MooncakeTier on a loopback Mooncake Store cluster started for the run "
-        "(needs the mooncake package; default none)",
+        "(needs the mooncake package), 'redis' into a RedisTier on a loopback redis-server "
+        "(needs redis-server and the bsr[redis] extra); default none",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of tokens, bytes and model weights")
     p.add_argument(

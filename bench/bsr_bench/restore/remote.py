@@ -16,11 +16,11 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from bsr import MooncakeTier, StateLayout
+from bsr import MooncakeTier, StateLayout, Tier
 
 from ..common.stats import BenchError
 
-REMOTE_CHOICES = ("none", "mooncake")
+REMOTE_CHOICES = ("none", "mooncake", "redis")
 
 _MIB = 1 << 20
 #: object header and padding allowance per object (headers are far smaller)
@@ -35,8 +35,15 @@ def check_available(remote: str) -> None:
     """Raise :class:`BenchError` when ``--remote`` names a tier that cannot run here."""
     if remote == "none":
         return
-    if remote != "mooncake":
+    if remote not in REMOTE_CHOICES:
         raise BenchError(f"--remote must be one of {', '.join(REMOTE_CHOICES)}, got {remote!r}")
+    if remote == "redis":
+        from bsr.testing import redis_problem
+
+        problem = redis_problem()
+        if problem is not None:
+            raise BenchError(f"--remote redis: {problem}; or run with --remote none")
+        return
     from bsr.testing import MOONCAKE_REQUIREMENT, mooncake_problem
 
     problem = mooncake_problem()
@@ -85,7 +92,7 @@ class RemoteCluster:
         self.pids = pids
         self.key_prefix = MooncakeTier.unique_prefix()
 
-    def tier(self) -> MooncakeTier:
+    def tier(self) -> Tier:
         return MooncakeTier(
             self.tier_name,
             client_address=self.address,
@@ -103,9 +110,53 @@ class RemoteCluster:
         }
 
 
+class RedisRemote(RemoteCluster):
+    """A running loopback redis-server and a factory of RedisTiers on it (one key prefix)."""
+
+    tier_name = "redis"
+
+    def __init__(self, url: str, sizing: RemoteSizing, pids: dict[str, int]) -> None:
+        super().__init__(url, sizing, pids)
+        self.key_prefix = f"bsr-bench:{self.key_prefix.split('/')[-2]}:"
+
+    def tier(self) -> Tier:
+        from bsr.redis import RedisTier
+
+        return RedisTier(
+            self.address,
+            self.tier_name,
+            key_prefix=self.key_prefix,
+            timeout_s=60.0,
+            max_inflight=self.sizing.max_inflight,
+        )
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "tier": "redis",
+            "transport": "tcp over 127.0.0.1 (redis-py, one GET per object)",
+            "cluster": "one fresh loopback redis-server per layout, stopped after it",
+        }
+
+
 @contextlib.contextmanager
-def start_remote(sizing: RemoteSizing) -> Iterator[RemoteCluster]:
-    """Start a loopback cluster sized by ``sizing``; stop it on exit (errors and Ctrl-C too)."""
+def start_remote(sizing: RemoteSizing, kind: str = "mooncake") -> Iterator[RemoteCluster]:
+    """Start a loopback store sized by ``sizing``; stop it on exit (errors and Ctrl-C too)."""
+    if kind == "redis":
+        from bsr.testing import RedisUnavailable, start_redis_server
+
+        try:
+            ctx_r = start_redis_server(maxmemory=str(2 * sizing.segment_bytes))
+            server = ctx_r.__enter__()
+        except (RedisUnavailable, RuntimeError) as exc:
+            raise BenchError(f"starting the loopback redis-server failed: {exc}") from exc
+        try:
+            yield RedisRemote(server.url, sizing, {"redis-server": server.pid})
+        except BaseException as exc:
+            if not ctx_r.__exit__(type(exc), exc, exc.__traceback__):
+                raise
+        else:
+            ctx_r.__exit__(None, None, None)
+        return
     from bsr.testing import MooncakeUnavailable, start_cluster
 
     try:

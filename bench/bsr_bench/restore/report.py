@@ -124,8 +124,12 @@ def remote_table(points: Iterable[dict[str, Any]]) -> Any:
     """The remote-tier figures beside the FileTier ones ("/file": remote TTFT / FileTier TTFT)."""
     from rich.table import Table
 
+    points = list(points)
+    kinds = sorted({str(p["remote"]["tier"]) for p in points if p.get("remote")})
+    names = {"mooncake": "Mooncake", "redis": "Redis"}
+    label = ", ".join(names.get(k, k) for k in kinds) or "Mooncake"
     table = Table(
-        title="remote tier (Mooncake, loopback; medians over repeats)",
+        title=f"remote tier ({label}, loopback; medians over repeats)",
         title_justify="left",
         header_style="bold",
     )

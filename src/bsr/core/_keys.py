@@ -35,7 +35,7 @@ from typing import Any, Union, cast
 import numpy as np
 import torch
 
-from .._check import positive_int
+from .._check import int_at_least, is_int, positive_int
 from .._errors import ConfigError, TokenError
 from ._layout import StateLayout, utf8_name
 
@@ -75,13 +75,8 @@ class Namespace:
         if not isinstance(self.model_id, str) or not self.model_id:
             raise ConfigError("Namespace.model_id must be a non-empty string, e.g. 'llama-3-8b'")
         utf8_name(self.model_id, "Namespace.model_id", error=ConfigError)
-        if isinstance(self.tp_size, bool) or not isinstance(self.tp_size, int) or self.tp_size < 1:
-            raise ConfigError(f"Namespace.tp_size must be an int >= 1, got {self.tp_size!r}")
-        if (
-            isinstance(self.tp_rank, bool)
-            or not isinstance(self.tp_rank, int)
-            or not 0 <= self.tp_rank < self.tp_size
-        ):
+        int_at_least(self.tp_size, "Namespace.tp_size", 1)
+        if not is_int(self.tp_rank) or not 0 <= self.tp_rank < self.tp_size:
             raise ConfigError(
                 f"Namespace.tp_rank must be in [0, tp_size={self.tp_size}), got {self.tp_rank!r}"
             )

@@ -29,12 +29,13 @@ from typing import Any
 import anyio
 
 from .._check import (
+    Check,
     byte_size,
-    non_negative_float,
     non_negative_int,
+    option_fields,
     optional_positive_float,
-    optional_positive_int,
     positive_float,
+    short_repr,
 )
 from .._errors import ClosedError, ConfigError, CoordinatorError
 from .._log import logger
@@ -63,6 +64,7 @@ from ..transfer._pipeline import (
 )
 from ..transfer._save import save_chunks
 from ..transfer._staging import StagingPool, StagingStatistics
+from ._config import EngineConfig, check_window_memory
 from ._coordinator import Coordinator, LocalCoordinator
 from ._decisions import Quarantine, RestoreGate, TierQuarantine
 from ._health import BreakerState, TierHealth
@@ -102,6 +104,12 @@ class EngineStatistics:
     breakers: tuple[BreakerState, ...] = ()
     abandoned_workers: int = 0
     leases: int = 0
+
+
+#: the parsers of the options RestoreEngine shares with EngineConfig (one rule set for both)
+_OPTION: dict[str, Any] = {
+    name: f.metadata["parse"] for name, f in option_fields(EngineConfig).items()
+}
 
 
 class RestoreEngine(AsyncResource):
@@ -154,14 +162,14 @@ class RestoreEngine(AsyncResource):
     ) -> None:
         if not isinstance(layout, StateLayout):
             raise ConfigError(f"layout must be a StateLayout, got {type(layout).__name__}")
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ConfigError(f"window (W) must be an int >= 1, got {window!r}; e.g. window=8")
-        self.window = window
-        not_int = isinstance(io_depth, bool) or not isinstance(io_depth, int)
-        if not_int or not 1 <= io_depth <= window:
+        # the options an EngineConfig also carries are checked by the config's own parsers
+        self.window = window = _OPTION["window"](window, "window")
+        io_depth = _OPTION["io_depth"](io_depth, "io_depth")
+        if io_depth > window:
             raise ConfigError(
-                f"io_depth must be an int in [1, window={window}], got {io_depth!r}; more reads "
-                "in flight than slots cannot help, raise window or lower io_depth"
+                f"io_depth must be at most window={window}, got {io_depth!r}; more reads "
+                "in flight than slots cannot help, raise window or lower io_depth",
+                key="io_depth",
             )
         self.io_depth = io_depth
         self.tiers = self._check_tiers(tiers)
@@ -172,16 +180,16 @@ class RestoreEngine(AsyncResource):
         self.namespace_fp = namespace.fingerprint(layout)
         self.coordinator: Coordinator = coordinator or LocalCoordinator()
         self._check_coordinator()
-        self.policy = choice(Policy, policy, "policy")
-        self.deadline_s = optional_positive_float(deadline_s, "deadline_s")
-        self.pin_staging = _flag(pin_staging, "pin_staging")
-        self.prefault_staging = _flag(prefault_staging, "prefault_staging")
+        self.policy = choice(Policy, _OPTION["policy"](policy, "policy"), "policy")
+        self.deadline_s = _OPTION["deadline_s"](deadline_s, "deadline_s")
+        self.pin_staging = _OPTION["pin_staging"](pin_staging, "pin_staging")
+        self.prefault_staging = _OPTION["prefault_staging"](prefault_staging, "prefault_staging")
         self.shield_timeout_s = positive_float(shield_timeout_s, "shield_timeout_s")
         self.staging_budget_bytes = self._check_budget(staging_budget_bytes)
         self.health = TierHealth(
             [t.name for t in self.tiers],
-            threshold=optional_positive_int(breaker_threshold, "breaker_threshold"),
-            cooldown_s=non_negative_float(breaker_cooldown_s, "breaker_cooldown_s"),
+            threshold=_OPTION["breaker_threshold"](breaker_threshold, "breaker_threshold"),
+            cooldown_s=_OPTION["breaker_cooldown_s"](breaker_cooldown_s, "breaker_cooldown_s"),
         )
         self._pool: StagingPool | None = None  # set by open(): new -> open -> closed
         self._quarantine = Quarantine()
@@ -200,17 +208,63 @@ class RestoreEngine(AsyncResource):
     @classmethod
     def from_config(
         cls,
-        config: Any,
+        config: EngineConfig,
         *,
         layout: StateLayout,
         namespace: Namespace | None = None,
         coordinator: Coordinator | None = None,
     ) -> RestoreEngine:
-        """Build an engine and its tiers from a :class:`~bsr.EngineConfig` (see there)."""
-        from ._config import engine_from_config
+        """Build an engine and its tiers from a :class:`~bsr.EngineConfig`.
 
-        return engine_from_config(
-            config, layout=layout, namespace=namespace, coordinator=coordinator
+        Args:
+            config: the engine config.
+            layout: the model's state layout.
+            namespace: the namespace; default built from ``config.model_id`` and
+                ``config.tenant``, with the coordinator's rank and world size.
+            coordinator: cross-rank agreement (default: single rank).
+
+        Raises:
+            ConfigError: the layout's chunk size differs from ``config.chunk_tokens``, no
+                namespace can be made, or the namespace disagrees with the config's ``model_id``.
+        """
+        if not isinstance(config, EngineConfig):
+            raise ConfigError(
+                "config must be a bsr.EngineConfig (use EngineConfig.from_dict), got "
+                f"{type(config).__name__}"
+            )
+        if not isinstance(layout, StateLayout):
+            raise ConfigError(f"layout must be a StateLayout, got {type(layout).__name__}")
+        if config.chunk_tokens is not None and config.chunk_tokens != layout.chunk_tokens:
+            raise ConfigError(
+                f"chunk_tokens: the config says {short_repr(config.chunk_tokens)} but the layout "
+                f"has chunk_tokens={layout.chunk_tokens}; make them agree (or leave chunk_tokens "
+                "unset to take the layout's)",
+                key="chunk_tokens",
+            )
+        check_window_memory(config.window, layout)
+        if namespace is None:
+            rank = 0 if coordinator is None else coordinator.rank
+            size = 1 if coordinator is None else coordinator.world_size
+            namespace = config.namespace(tp_rank=rank, tp_size=size)
+        elif config.model_id is not None and namespace.model_id != config.model_id:
+            raise ConfigError(
+                f"model_id: the config says {config.model_id!r} but namespace.model_id is "
+                f"{namespace.model_id!r}; drop one or make them agree",
+                key="model_id",
+            )
+        return cls(
+            layout,
+            config.build_tiers(),
+            window=config.window,
+            io_depth=config.io_depth,
+            namespace=namespace,
+            coordinator=coordinator,
+            policy=config.policy,
+            deadline_s=config.deadline_s,
+            pin_staging=config.pin_staging,
+            prefault_staging=config.prefault_staging,
+            breaker_threshold=config.breaker_threshold,
+            breaker_cooldown_s=config.breaker_cooldown_s,
         )
 
     @staticmethod
@@ -377,7 +431,7 @@ class RestoreEngine(AsyncResource):
         self._leases.reclaim()
         ttl = optional_positive_float(lease_ttl_s, "lease_ttl_s")
         deadline = optional_positive_float(deadline_s, "deadline_s")
-        if _flag(local, "local") and ttl is not None:
+        if Check.flag(local, "local") and ttl is not None:
             raise ConfigError(
                 "a local lookup takes no lease (its probe is one rank's); drop lease_ttl_s or "
                 "local=True"
@@ -781,9 +835,3 @@ class RestoreEngine(AsyncResource):
             if t.name == name:
                 return t
         raise ConfigError(f"no tier named {name!r}; tiers are {[t.name for t in self.tiers]}")
-
-
-def _flag(value: Any, what: str) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{what} must be True or False, got {value!r}")
-    return value

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from .. import StateGroup, StateLayout
+from .._check import int_at_least
 from .._errors import ConfigError
 from ._arch import ModelShape, check_config, dtype_name
 
@@ -235,10 +236,8 @@ def plan_layers(
     Returns:
         The fastest plan; ties go to fewer bytes, then to fewer recomputed layers.
     """
-    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
-        raise ConfigError(f"num_tokens must be an int >= 1, got {num_tokens!r}")
-    if isinstance(group_layers, bool) or not isinstance(group_layers, int) or group_layers < 1:
-        raise ConfigError(f"group_layers must be an int >= 1, got {group_layers!r}")
+    int_at_least(num_tokens, "num_tokens", 1)
+    int_at_least(group_layers, "group_layers", 1)
     if not isinstance(rates, Rates):
         raise ConfigError("rates must be a bsr.hcache.Rates (see bsr.hcache.calibrate)")
     s = check_config(config)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import PagedKVCache, StateGroup, StateLayout
+from .._check import int_at_least
 from .._errors import ConfigError, LayoutError
 from ._arch import ModelAdapter, RopeTable, check_config, dtype_name
 
@@ -77,9 +78,7 @@ def hidden_layout(
 
 
 def _int_arg(value: Any, what: str, low: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ConfigError(f"{what} must be an int >= {low}, got {value!r}")
-    return value
+    return int_at_least(value, what, low)
 
 
 def token_rows(

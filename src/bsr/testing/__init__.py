@@ -14,6 +14,9 @@
   :class:`CampaignStats` collects their figures.
 - Hypothesis strategies: :func:`layouts`, :func:`token_streams`, :func:`derived_tokens`,
   :func:`faults`, :func:`fault_plans`.
+- Real servers on loopback, started and stopped by PID: :func:`start_cluster` (Mooncake),
+  :func:`start_redis_server` and :func:`start_redis_cluster` (``redis-server``;
+  :func:`redis_problem` says why they cannot run here).
 - Fixtures that own what they start: :func:`listening_ports` (the TCP ports a PID itself
   listens on) and :func:`wait_listening` (wait for it; :class:`PortTaken` when another process
   holds the port, so start again on another).
@@ -52,6 +55,12 @@ from ._mooncake_cluster import start_cluster as start_cluster
 from ._ports import PortTaken as PortTaken
 from ._ports import listening_ports as listening_ports
 from ._ports import wait_listening as wait_listening
+from ._redis_server import RedisClusterHarness as RedisClusterHarness
+from ._redis_server import RedisServer as RedisServer
+from ._redis_server import RedisUnavailable as RedisUnavailable
+from ._redis_server import redis_problem as redis_problem
+from ._redis_server import start_cluster as start_redis_cluster
+from ._redis_server import start_server as start_redis_server
 
 if TYPE_CHECKING:
     from ._campaign import CampaignStats as CampaignStats
@@ -113,6 +122,9 @@ __all__ = (
     "MultiRankRestoreMachine",
     "PortTaken",
     "RecordingFaultyTier",
+    "RedisClusterHarness",
+    "RedisServer",
+    "RedisUnavailable",
     "RestoreMachine",
     "Status",
     "TierConformance",
@@ -131,8 +143,11 @@ __all__ = (
     "payload",
     "peek_stored",
     "put_raw_stored",
+    "redis_problem",
     "remount_read_only",
     "start_cluster",
+    "start_redis_cluster",
+    "start_redis_server",
     "state_groups",
     "storage_tier",
     "tmpfs_mount",

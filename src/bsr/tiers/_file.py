@@ -46,12 +46,13 @@ import errno
 import os
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import anyio
 
-from .._check import fs_path, positive_int
+from .._check import Check, option
 from .._errors import (
     ClosedError,
     ConfigError,
@@ -62,16 +63,9 @@ from .._errors import (
     TruncatedObjectError,
 )
 from ..core._keys import ChunkKey, ObjectKey
-from ..core._layout import align_up
-from ..core._object import (
-    HEADER_SIZE,
-    decode_header,
-    encode_header,
-    object_size,
-    payload_checksum,
-    verify_payload,
-)
-from ._base import TierStatistics, TierUsage, as_byte_view, as_payload_view
+from ._abandon import AbandonableCalls
+from ._base import Tier, TierStatistics, TierUsage, as_byte_view, as_payload_view
+from ._codec import ObjectCodec
 from ._fileroot import (
     _ID_RE as _ID_RE,  # read by bsr store
 )
@@ -111,7 +105,10 @@ from ._readers import (
     default_reader,
     open_regular,
 )
+from ._registry import TierOptions
 from ._shared import Pending, SharedSpace, ledger_error
+
+HEADER_SIZE = ObjectCodec.HEADER_SIZE
 
 #: the on-disk layout, defined in _fileroot and re-exported here
 __all__ = (
@@ -136,11 +133,36 @@ _THREAD = threading.local()
 CALIBRATE_MIN_BYTES = 32 << 20
 
 
-class _Call:
-    __slots__ = ("abandoned", "finished", "started")
+@dataclass(frozen=True)
+class FileTierOptions(TierOptions):
+    """A :class:`FileTier`: ``{"kind": "file", "path": "/nvme/bsr", "capacity_bytes": N}``.
 
-    def __init__(self) -> None:
-        self.started = self.finished = self.abandoned = False
+    The constructor takes the same options (and also an :class:`ObjectReader` instance as
+    ``reader``, which a config cannot name).
+    """
+
+    kind = "file"
+    path: str = option(Check.path)
+    capacity_bytes: int = option(Check.size)
+    name: str = option(Check.text, "file")
+    reader: str = option(Check.one_of("auto", "uring", "posix", "kvikio"), "auto")
+    direct_io: bool = option(Check.flag, False)
+    fsync: bool = option(Check.flag, True)
+    io_threads: int = option(Check.positive_int, 8)
+    #: io_uring requests in flight; None (unset): chosen by the tier on open
+    read_depth: int | None = option(Check.optional_positive_int, None)
+
+    def build(self) -> Tier:
+        return FileTier(
+            self.path,
+            self.capacity_bytes,
+            name=self.name,
+            reader=self.reader,
+            direct_io=self.direct_io,
+            fsync=self.fsync,
+            io_threads=self.io_threads,
+            read_depth=self.read_depth,
+        )
 
 
 class FileTier(IndexedTier):
@@ -183,32 +205,50 @@ class FileTier(IndexedTier):
         io_threads: int = 8,
         read_depth: int | None = None,
     ) -> None:
-        super().__init__(name)
-        self.capacity_bytes = positive_int(capacity_bytes, "FileTier.capacity_bytes")
-        self.io_threads = positive_int(io_threads, "FileTier.io_threads")
-        self.root = Path(fs_path(path, "FileTier.path"))
-        if read_depth is not None:
-            positive_int(read_depth, "FileTier.read_depth")
+        o = self.options = FileTierOptions(
+            path,  # type: ignore[arg-type]  # a PathLike too: Check.path takes it
+            capacity_bytes,
+            name=name,
+            reader=reader if isinstance(reader, str) else "auto",  # an instance: taken as is
+            direct_io=direct_io,
+            fsync=fsync,
+            io_threads=io_threads,
+            read_depth=read_depth,
+        )
+        super().__init__(o.name)
+        self.capacity_bytes = o.capacity_bytes
+        self.io_threads = o.io_threads
+        self.root = Path(o.path)
         self.reader: ObjectReader = (
-            default_reader(reader, direct=direct_io, depth=read_depth)
+            default_reader(o.reader, direct=o.direct_io, depth=o.read_depth)
             if isinstance(reader, str)
             else reader
         )
         #: how the io_uring read depth was chosen (``calibrate_read_depth``); None: not io_uring
         self.read_calibration: dict[str, Any] | None = None
-        self.fsync = fsync
+        self.fsync = o.fsync
         self._store = StoreRoot(self.root, name, self._log)
-        self._limiter = anyio.CapacityLimiter(io_threads)
-        self._index: LruIndex[None] = LruIndex(capacity_bytes, name=name)
+        self._limiter = anyio.CapacityLimiter(o.io_threads)
+        # reads are abandonable: io_threads of them stuck in the kernel and new ones fail fast
+        self._reads = AbandonableCalls(
+            limiter=self._limiter,
+            max_stuck=o.io_threads,
+            too_many=lambda stuck: TierIOError(
+                f"{stuck} reads of {self.name!r} are stuck in the kernel (a hung mount or "
+                f"device under {self.root}?); new reads fail fast until they return",
+                tier=self.name,
+            ),
+            on_abandon=lambda: self._count(abandoned_reads=1),
+        )
+        self._index: LruIndex[None] = LruIndex(o.capacity_bytes, name=name)
         self._opened = False
-        # guards _dirs, _busy and _stuck: worker threads touch them
+        # guards _dirs and _busy: worker threads touch them
         self._lock = threading.Lock()
         self._dirs: Dirs | None = None
         self._space: SharedSpace | None = None  # the root's shared ledger (open while _dirs is)
         self._busy = 0  # worker calls using _dirs now (the descriptors close after the last)
         # closed by the last worker to leave after aclose()
         self._closing: tuple[Dirs, SharedSpace | None] | None = None
-        self._stuck = 0  # abandoned reads whose worker has not returned yet
 
     # ------------------------------------------------------------------ paths
     def _obj_path(self, oid: str) -> Path:
@@ -420,42 +460,12 @@ class FileTier(IndexedTier):
         them are still stuck, new reads fail fast with :class:`~bsr.TierIOError`.
         """
         self._ensure_open()
-        with self._lock:
-            if self._stuck >= self.io_threads:
-                raise TierIOError(
-                    f"{self._stuck} reads of {self.name!r} are stuck in the kernel (a hung "
-                    f"mount or device under {self.root}?); new reads fail fast until they return",
-                    tier=self.name,
-                )
-        call = _Call()
+        return await self._reads.run(lambda: self._read_withdrawable(key, group, dst))
 
-        def work() -> int:
-            with self._lock:
-                call.started = True
-            try:
-                with cancellation(lambda: call.abandoned):
-                    return self.read_into_blocking(key, group, dst)
-            finally:
-                with self._lock:
-                    call.finished = True
-                    if call.abandoned:
-                        self._stuck -= 1
-
-        try:
-            return await anyio.to_thread.run_sync(
-                work, limiter=self._limiter, abandon_on_cancel=True
-            )
-        except anyio.get_cancelled_exc_class():
-            with self._lock:
-                if call.started and not call.finished:
-                    call.abandoned = True
-                    self._stuck += 1
-                    abandoned = True
-                else:
-                    abandoned = False
-            if abandoned:
-                self._count(abandoned_reads=1)
-            raise
+    def _read_withdrawable(self, key: ChunkKey, group: str, dst: Any) -> int:
+        # a read stuck in an io_uring sees its call abandoned and withdraws its requests
+        with cancellation(AbandonableCalls.abandoned_here):
+            return self.read_into_blocking(key, group, dst)
 
     def read_into_blocking(self, key: ChunkKey, group: str, dst: Any) -> int:
         self._ensure_open()
@@ -543,12 +553,10 @@ class FileTier(IndexedTier):
             os.close(fd)
         if n < HEADER_SIZE:  # the buffer may still hold another object's header: never decode it
             raise TruncatedObjectError(f"short read: {n} bytes, less than the header", **ctx)
-        plen, psum = decode_header(header, okey, where=self.name)
-        if object_size(plen) != size:  # checked before the destination: a forged length is ours
-            raise TruncatedObjectError(
-                f"header says the object is {object_size(plen)} bytes, the file holds {size}",
-                **ctx,
-            )
+        head = ObjectCodec.decode_header(header, okey, where=self.name)
+        # checked before the destination: a forged length is the object's fault, not the caller's
+        ObjectCodec.check_stored_size(head, size, okey, where=self.name)
+        plen = head.payload_len
         if plen > room:
             if plen > len(view):
                 raise ConfigError(
@@ -559,7 +567,7 @@ class FileTier(IndexedTier):
             raise TruncatedObjectError(
                 f"short read: {n} bytes, object needs {HEADER_SIZE + plen}", **ctx
             )
-        verify_payload(view[:plen], plen, psum, okey, where=self.name)
+        ObjectCodec.verify_payload(view[:plen], head, okey, where=self.name)
         return plen
 
     async def write(self, key: ChunkKey, group: str, payload: Any) -> bool:
@@ -569,7 +577,7 @@ class FileTier(IndexedTier):
         if self._index.touch(oid):
             return False
         mv = as_payload_view(payload)
-        size = object_size(len(mv))
+        size = ObjectCodec.stored_size(len(mv), padded=True)
         pending = await self._reserve(oid, size)
         renamed: list[bool] = []
         try:
@@ -650,8 +658,8 @@ class FileTier(IndexedTier):
         self, okey: ObjectKey, mv: memoryview, pending: Pending, renamed: list[bool]
     ) -> None:
         oid = okey.object_id
-        header = encode_header(okey, len(mv), payload_checksum(mv))
-        pad = b"\x00" * (align_up(len(mv)) - len(mv))
+        header = ObjectCodec.header(okey, mv)
+        pad = b"\x00" * (ObjectCodec.stored_size(len(mv), padded=True) - HEADER_SIZE - len(mv))
         dirs, space = self._enter_space()
         try:
             _write_all(pending.fd, [header, mv, pad])

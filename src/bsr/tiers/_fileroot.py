@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from .._check import is_int
 from .._errors import TierRootError
 from ..core._object import HEADER_SIZE, MAGIC, object_size
 from ..core._object import PAYLOAD_LEN_OFFSET as _PLEN_OFFSET
@@ -339,7 +340,7 @@ class StoreRoot:
             version = doc.get("version") if ok else None
         except (UnicodeDecodeError, ValueError):
             ok, version = False, None
-        if not ok or isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        if not ok or not is_int(version) or version < 1:
             raise self.error(
                 "the marker is not a bsr FileTier marker",
                 "this directory belongs to something else: use another directory",

@@ -13,25 +13,33 @@ an unexpired lease, is never evicted.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
 import numpy as np
 
-from .._check import positive_int
-from .._errors import ConfigError, ObjectNotFoundError, TruncatedObjectError
+from .._check import Check, option
+from .._errors import ObjectNotFoundError
 from ..core._keys import ChunkKey, ObjectKey
-from ..core._object import (
-    HEADER_SIZE,
-    decode_header,
-    encode_header,
-    payload_checksum,
-    verify_payload,
-)
-from ._base import Borrowed, as_byte_view, as_payload_view
+from ._base import Borrowed, Tier, as_payload_view
+from ._codec import ObjectCodec
 from ._lru import IndexedTier, LruIndex
+from ._registry import TierOptions
 
 Blob = np.ndarray[Any, np.dtype[np.uint8]]
+
+
+@dataclass(frozen=True)
+class HostTierOptions(TierOptions):
+    """A :class:`HostTier`: ``{"kind": "host", "capacity_bytes": "8GiB", "name": "host"}``."""
+
+    kind = "host"
+    capacity_bytes: int = option(Check.size)
+    name: str = option(Check.text, "host")
+
+    def build(self) -> Tier:
+        return HostTier(self.capacity_bytes, name=self.name)
 
 
 class HostTier(IndexedTier):
@@ -49,9 +57,10 @@ class HostTier(IndexedTier):
     borrow_reads = True  # a verified payload lent where it lies (borrow_blocking)
 
     def __init__(self, capacity_bytes: int, *, name: str = "host") -> None:
-        super().__init__(name)
-        self.capacity_bytes = positive_int(capacity_bytes, "HostTier.capacity_bytes")
-        self._index: LruIndex[Blob] = LruIndex(capacity_bytes, name=name)
+        self.options = HostTierOptions(capacity_bytes, name=name)
+        super().__init__(self.options.name)
+        self.capacity_bytes = self.options.capacity_bytes
+        self._index: LruIndex[Blob] = LruIndex(self.capacity_bytes, name=name)
 
     async def read_into(self, key: ChunkKey, group: str, dst: Any) -> int:
         # not abandonable: a memcpy is bounded, and no byte may land in dst after we return
@@ -93,39 +102,16 @@ class HostTier(IndexedTier):
                 "object not in host tier", tier=self.name, key=key.hex[:16], group=group
             )
         try:
-            blob = got[1]
-            plen, psum = self._checked_header(okey, blob)
-            payload = blob[HEADER_SIZE : HEADER_SIZE + plen]
-            verify_payload(payload, plen, psum, okey, where=self.name)
+            payload = ObjectCodec.verified_payload(got[1], okey, where=self.name)
         except BaseException:
             self._index.unpin(oid)
             self._count(errors=1)
             raise
-        self._count_hit(plen)
+        self._count_hit(len(payload))
         return Borrowed(payload, lambda: self._index.unpin(oid))
 
-    def _checked_header(self, okey: ObjectKey, blob: Blob) -> tuple[int, int]:
-        plen, psum = decode_header(blob[:HEADER_SIZE], okey, where=self.name)
-        if len(blob) < HEADER_SIZE + plen:
-            raise TruncatedObjectError(
-                f"object is {len(blob)} bytes, header says {HEADER_SIZE + plen}",
-                tier=self.name,
-                key=okey.chunk.hex[:16],
-                group=okey.group,
-            )
-        return plen, psum
-
     def _copy_verified(self, okey: ObjectKey, blob: Blob, dst: Any) -> int:
-        view = as_byte_view(dst)
-        plen, psum = self._checked_header(okey, blob)
-        if plen > len(view):
-            raise ConfigError(
-                f"destination holds {len(view)} bytes, object payload is {plen}", tier=self.name
-            )
-        out = np.frombuffer(view, dtype=np.uint8, count=plen)
-        np.copyto(out, blob[HEADER_SIZE : HEADER_SIZE + plen])
-        verify_payload(out, plen, psum, okey, where=self.name)
-        return plen
+        return ObjectCodec.decode_into(blob, okey, dst, where=self.name)
 
     async def write(self, key: ChunkKey, group: str, payload: Any) -> bool:
         self._check_open()
@@ -134,18 +120,13 @@ class HostTier(IndexedTier):
         if self._index.touch(oid):
             return False
         mv = as_payload_view(payload)
-        reservation, victims = await self._index.reserve_waiting(HEADER_SIZE + len(mv))
+        size = ObjectCodec.stored_size(len(mv))
+        reservation, victims = await self._index.reserve_waiting(size)
         if victims:
             self._count(evictions=len(victims))
         try:
-            blob: Blob = np.empty(HEADER_SIZE + len(mv), dtype=np.uint8)
-
-            def _fill() -> None:
-                blob[HEADER_SIZE:] = np.frombuffer(mv, dtype=np.uint8)
-                header = encode_header(okey, len(mv), payload_checksum(blob[HEADER_SIZE:]))
-                blob[:HEADER_SIZE] = np.frombuffer(header, dtype=np.uint8)
-
-            await anyio.to_thread.run_sync(_fill)
+            blob: Blob = np.empty(size, dtype=np.uint8)
+            await anyio.to_thread.run_sync(ObjectCodec.encode_into, okey, mv, blob)
             if not reservation.commit(oid, blob):  # a concurrent writer won
                 return False
         finally:

@@ -71,13 +71,13 @@ import ctypes
 import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
 import anyio
 import numpy as np
 
-from .._check import non_negative_int, optional_positive_float, positive_float, positive_int
+from .._check import Check, host_port, option
 from .._errors import (
     ConfigError,
     ObjectNotFoundError,
@@ -89,14 +89,12 @@ from .._errors import (
 )
 from ..core._keys import ChunkKey, ObjectKey
 from ..core._layout import align_up
-from ..core._object import (
-    HEADER_SIZE,
-    decode_header,
-    encode_header,
-    payload_checksum,
-    verify_payload,
-)
+from ._abandon import AbandonableCalls
 from ._base import Tier, TierUsage, as_byte_view, as_payload_view
+from ._codec import ObjectCodec
+from ._registry import TierOptions
+
+HEADER_SIZE = ObjectCodec.HEADER_SIZE
 
 T = TypeVar("T")
 
@@ -150,16 +148,6 @@ def _code_name(rc: int) -> str:
     return f"{_NAMES.get(rc, 'error')} ({rc})"
 
 
-def _parse_address(what: str, address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    digits = port.isascii() and port.isdigit() and len(port) <= 5
-    if not sep or not host or not digits or not 0 < int(port) < 65536:
-        raise ConfigError(
-            f"MooncakeTier.{what} must be 'host:port', e.g. '127.0.0.1:50051', got {address!r}"
-        )
-    return host.strip("[]"), int(port)
-
-
 @dataclass(eq=False)
 class _Bounce:
     """A registered host buffer owned by the tier."""
@@ -170,16 +158,41 @@ class _Bounce:
     owner: Any = None
 
 
-class _Skipped(Exception):
-    """A store call that was cancelled before its worker thread started it (never raised out)."""
+@dataclass(frozen=True)
+class MooncakeTierOptions(TierOptions):
+    """A :class:`MooncakeTier`: ``{"kind": "mooncake", "master_address": "host:port"}``.
 
+    The fields are the constructor's arguments (see there).
+    """
 
-@dataclass
-class _CallState:
-    started: bool = False  # the worker began the store call
-    done: bool = False  # ... and finished it
-    abandoned: bool = False  # the caller stopped waiting (cancelled or timed out)
-    cleanup: Callable[[], None] | None = field(default=None, repr=False)
+    kind = "mooncake"
+    name: str = option(Check.text, "mooncake")
+    master_address: str | None = option(Check.optional_address, None)
+    client_address: str | None = option(Check.optional_address, None)
+    metadata_server: str = option(Check.text, "P2PHANDSHAKE")
+    protocol: str = option(Check.one_of("tcp", "rdma"), "tcp")
+    rdma_devices: str = option(Check.text_or_blank, "")
+    local_hostname: str = option(Check.text, "127.0.0.1")
+    global_segment_size: int = option(Check.size_or_zero, 0)
+    local_buffer_size: int = option(Check.size, 64 << 20)
+    timeout_s: float = option(Check.seconds, 5.0)
+    open_timeout_s: float | None = option(Check.optional_seconds, None)
+    capacity_bytes: int | None = option(Check.optional_size, None)
+    key_prefix: str = option(Check.text, "bsr/")
+    max_inflight: int = option(Check.positive_int, 16)
+    max_stuck_calls: int = option(Check.positive_int, 16)
+    bounce_min_bytes: int = option(Check.size, 1 << 20)
+
+    def validate(self) -> None:
+        if (self.master_address is None) == (self.client_address is None):
+            raise ConfigError(
+                "mooncake tier needs exactly one of master_address='host:port' (embedded client) "
+                "or client_address='host:port' (a local mooncake_client)",
+                key="master_address",
+            )
+
+    def build(self) -> Tier:
+        return MooncakeTier(**{k: v for k, v in self.to_dict().items() if k != "kind"})
 
 
 class MooncakeTier(Tier):
@@ -232,60 +245,53 @@ class MooncakeTier(Tier):
         max_stuck_calls: int = 16,
         bounce_min_bytes: int = 1 << 20,
     ) -> None:
-        super().__init__(name)
-        if (master_address is None) == (client_address is None):
-            raise ConfigError(
-                "MooncakeTier needs exactly one of master_address='host:port' (embedded client) "
-                "or client_address='host:port' (a local mooncake_client)"
-            )
-        self._address = master_address if master_address is not None else client_address
-        assert self._address is not None
-        self._host, self._port = _parse_address(
-            "master_address" if master_address is not None else "client_address", self._address
+        o = self.options = MooncakeTierOptions(
+            name=name,
+            master_address=master_address,
+            client_address=client_address,
+            metadata_server=metadata_server,
+            protocol=protocol,
+            rdma_devices=rdma_devices,
+            local_hostname=local_hostname,
+            global_segment_size=global_segment_size,
+            local_buffer_size=local_buffer_size,
+            timeout_s=timeout_s,
+            open_timeout_s=open_timeout_s,
+            capacity_bytes=capacity_bytes,
+            key_prefix=key_prefix,
+            max_inflight=max_inflight,
+            max_stuck_calls=max_stuck_calls,
+            bounce_min_bytes=bounce_min_bytes,
         )
-        self.embedded = master_address is not None
-        if protocol not in ("tcp", "rdma"):
-            raise ConfigError(f"MooncakeTier.protocol must be 'tcp' or 'rdma', got {protocol!r}")
-        for arg, value in (
-            ("global_segment_size", global_segment_size),
-            ("local_buffer_size", local_buffer_size),
-        ):
-            non_negative_int(value, f"MooncakeTier.{arg} (bytes)")
-        for arg, value in (
-            ("max_inflight", max_inflight),
-            ("max_stuck_calls", max_stuck_calls),
-            ("bounce_min_bytes", bounce_min_bytes),
-        ):
-            positive_int(value, f"MooncakeTier.{arg}")
-        timeout_s = positive_float(timeout_s, "MooncakeTier.timeout_s (seconds)")
-        open_timeout_s = optional_positive_float(
-            open_timeout_s or None, "MooncakeTier.open_timeout_s (seconds)"
+        super().__init__(o.name)
+        self.embedded = o.master_address is not None
+        self._address = o.master_address if self.embedded else o.client_address
+        self._host, self._port = host_port(
+            self._address, "master_address" if self.embedded else "client_address"
         )
-        if capacity_bytes is not None:
-            non_negative_int(capacity_bytes, "MooncakeTier.capacity_bytes (or None)")
-        if not isinstance(key_prefix, str):
-            raise ConfigError(f"MooncakeTier.key_prefix must be a str, got {key_prefix!r}")
-        self.metadata_server = metadata_server
-        self.protocol = protocol
-        self.rdma_devices = rdma_devices
-        self.local_hostname = local_hostname
-        self.global_segment_size = global_segment_size
-        self.local_buffer_size = local_buffer_size
-        self.timeout_s = float(timeout_s)
-        self.open_timeout_s = float(open_timeout_s) if open_timeout_s else max(self.timeout_s, 30.0)
-        self.capacity_bytes = capacity_bytes or 0
-        self.key_prefix = key_prefix
-        self.max_stuck_calls = max_stuck_calls
-        self.bounce_min_bytes = bounce_min_bytes
+        self.metadata_server = o.metadata_server
+        self.protocol = o.protocol
+        self.rdma_devices = o.rdma_devices
+        self.local_hostname = o.local_hostname
+        self.global_segment_size = o.global_segment_size
+        self.local_buffer_size = o.local_buffer_size
+        self.timeout_s = o.timeout_s
+        self.open_timeout_s = o.open_timeout_s or max(self.timeout_s, 30.0)
+        self.capacity_bytes = o.capacity_bytes or 0
+        self.key_prefix = o.key_prefix
+        self.max_stuck_calls = o.max_stuck_calls
+        self.bounce_min_bytes = o.bounce_min_bytes
         self._store: Any = None
         self._opened = False
-        # guards _idle, _all_bounces, _stuck and call states: worker threads touch them too
+        # guards _idle and _all_bounces: worker threads touch them too
         self._lock = threading.Lock()
         self._idle: list[_Bounce] = []
         self._all_bounces: list[_Bounce] = []
-        self._stuck = 0
-        self._ops = anyio.CapacityLimiter(max_inflight)
-        self._threads = anyio.CapacityLimiter(max_inflight + 1)
+        self._ops = anyio.CapacityLimiter(o.max_inflight)
+        self._threads = anyio.CapacityLimiter(o.max_inflight + 1)
+        self._calls = AbandonableCalls(
+            limiter=self._threads, max_stuck=o.max_stuck_calls, too_many=self._unresponsive
+        )
         self._objects = 0
         self._bytes = 0
 
@@ -351,6 +357,14 @@ class MooncakeTier(Tier):
                 **ctx,
             ) from None
 
+    def _unresponsive(self, stuck: int) -> TierError:
+        self._count(errors=1)
+        return TierIOError(
+            f"Mooncake store is unresponsive: {stuck} timed-out calls are still running; "
+            "check the master and the memory-holding clients",
+            tier=self.name,
+        )
+
     async def _blocking(
         self, fn: Callable[[], T], *, cleanup: Callable[[], None] | None = None
     ) -> T:
@@ -359,52 +373,7 @@ class MooncakeTier(Tier):
         ``cleanup`` runs exactly once after the call unless the call returns normally: by the
         worker thread when it finishes after being abandoned, else right here.
         """
-        with self._lock:
-            stuck = self._stuck if self._stuck >= self.max_stuck_calls else -1
-        if stuck >= 0:
-            if cleanup is not None:
-                cleanup()
-            self._counters.errors += 1
-            raise TierIOError(
-                f"Mooncake store is unresponsive: {stuck} timed-out calls are still running; "
-                "check the master and the memory-holding clients",
-                tier=self.name,
-            )
-        state = _CallState(cleanup=cleanup)
-
-        def work() -> T:
-            with self._lock:
-                if state.abandoned:  # cancelled before this thread picked the call up
-                    raise _Skipped
-                state.started = True
-            try:
-                return fn()
-            finally:
-                late_cleanup = None
-                with self._lock:
-                    state.done = True
-                    if state.abandoned:
-                        self._stuck -= 1
-                        late_cleanup = state.cleanup
-                if late_cleanup is not None:
-                    late_cleanup()
-
-        try:
-            return await anyio.to_thread.run_sync(
-                work, abandon_on_cancel=True, limiter=self._threads
-            )
-        except BaseException:
-            with self._lock:
-                if not state.started or state.done:  # the store call never runs / is over
-                    state.abandoned = True
-                    now_cleanup = state.cleanup
-                else:  # still running: the worker cleans up when it returns
-                    state.abandoned = True
-                    self._stuck += 1
-                    now_cleanup = None
-            if now_cleanup is not None:
-                now_cleanup()
-            raise
+        return await self._calls.run(fn, release=cleanup)
 
     async def _cpu(self, fn: Callable[[], T]) -> T:
         """Bounded memory work in a worker thread that is never abandoned."""
@@ -524,8 +493,8 @@ class MooncakeTier(Tier):
         with anyio.move_on_after(self.timeout_s):
             while self._ops.borrowed_tokens:  # noqa: ASYNC110 - calls end within their deadline
                 await anyio.sleep(0.005)
+        stuck = self._calls.stuck
         with self._lock:
-            stuck = self._stuck
             idle, self._idle = self._idle, []
             self._all_bounces = []
         if stuck:
@@ -594,16 +563,7 @@ class MooncakeTier(Tier):
 
                     def _verify_and_copy() -> int:
                         got = bounce.array[:rc]
-                        plen, psum = decode_header(got[:HEADER_SIZE], okey, where=self.name)
-                        if rc != HEADER_SIZE + plen:
-                            raise TruncatedObjectError(
-                                f"stored object is {rc} bytes, header says {HEADER_SIZE + plen}",
-                                **self._ctx(okey),
-                            )
-                        body = got[HEADER_SIZE:rc]
-                        verify_payload(body, plen, psum, okey, where=self.name)
-                        np.copyto(out[:plen], body)
-                        return plen
+                        return ObjectCodec.decode_into(got, okey, out, where=self.name)
 
                     try:
                         plen = await self._cpu(_verify_and_copy)
@@ -647,7 +607,10 @@ class MooncakeTier(Tier):
                     self._counters.errors += 1
                 raise self._error(rc, "get_into", okey)
             self._counters.errors += 1
-            plen, _ = decode_header(big.array[: min(rc, HEADER_SIZE)], okey, where=self.name)
+            head = ObjectCodec.decode_header(
+                big.array[: min(rc, HEADER_SIZE)], okey, where=self.name
+            )
+            plen = head.payload_len
             if plen > room:
                 raise ConfigError(
                     f"destination holds {room} bytes, object payload is {plen}; pass a buffer "
@@ -679,10 +642,7 @@ class MooncakeTier(Tier):
                 bounce = await self._acquire(size)
 
                 def _fill() -> None:
-                    body = bounce.array[HEADER_SIZE:size]
-                    np.copyto(body, np.frombuffer(mv, dtype=np.uint8))
-                    header = encode_header(okey, nbytes, payload_checksum(body))
-                    bounce.array[:HEADER_SIZE] = np.frombuffer(header, dtype=np.uint8)
+                    ObjectCodec.encode_into(okey, mv, bounce.array)
 
                 try:
                     await self._cpu(_fill)

@@ -35,7 +35,8 @@ from pathlib import Path
 
 import xxhash
 
-from .._errors import ConfigError, TierRootError
+from .._check import non_negative_int
+from .._errors import TierRootError
 from ..core._keys import FORMAT_VERSION
 from ..core._object import _FIELDS, _SUM_OFFSET, HEADER_SIZE, MAGIC, object_size
 from ._fileroot import (
@@ -482,8 +483,7 @@ def gc_store(path: str | os.PathLike[str], max_bytes: int, *, dry_run: bool = Fa
     Each deletion takes the root's lock and updates the shared ledger, like an engine's own
     eviction; a running engine then misses the objects removed.
     """
-    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
-        raise ConfigError(f"max_bytes must be an int >= 0, got {max_bytes!r}")
+    non_negative_int(max_bytes, "max_bytes")
     with _opened(path, change=not dry_run) as admin:
         objs = _list(admin)
         total = sum(o.size for o in objs)

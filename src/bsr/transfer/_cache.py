@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._check import positive_int
+from .._check import int_at_least, positive_int
 from .._errors import BlockTableError, ConfigError, LayoutError
 from ..core._layout import StateLayout
 
@@ -52,10 +52,8 @@ class PagedKVCache:
         *,
         tensors: dict[str, torch.Tensor] | None = None,
     ) -> None:
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ConfigError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
-        if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1:
-            raise ConfigError(f"block_tokens must be an int >= 1, got {block_tokens!r}")
+        int_at_least(num_blocks, "num_blocks", 1)
+        int_at_least(block_tokens, "block_tokens", 1)
         if layout.chunk_tokens % block_tokens:
             raise LayoutError(
                 f"chunk_tokens={layout.chunk_tokens} is not a multiple of block_tokens="

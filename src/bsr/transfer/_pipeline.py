@@ -46,6 +46,7 @@ from ..core._lifecycle import Reason
 from ..core._options import Policy, Strategy
 from ..core._plan import groups_by_chunk
 from ..core._results import Probe
+from ..tiers._abandon import AbandonableCalls
 from ..tiers._base import Borrowed, Tier
 from ..tiers._readers import cancellation
 from ._cache import PagedKVCache
@@ -291,6 +292,8 @@ class WindowPipeline:
         self.io_depth = io_depth
         self.cuda_stream: Any = None
         self._limiter = anyio.CapacityLimiter(max(2 * io_depth, 4))
+        # batch reads and installs are abandonable: a cancelled request never waits on a worker
+        self._calls = AbandonableCalls(limiter=self._limiter)
         self._spans = {
             g.name: (
                 layout.slot_offset(g.name),
@@ -446,32 +449,17 @@ class WindowPipeline:
         at once when the call was cancelled before the thread started (it then never runs).
         """
         done = threading.Event()
-        lock = threading.Lock()
-        state = ["queued"]
         job.run.busy[slot] = done
 
         def call() -> Any:
-            with lock:
-                if state[0] == "withdrawn":
-                    return None
-                state[0] = "running"
-            try:
-                # reads stuck in an io_uring see the run end and withdraw their requests
-                with cancellation(lambda: job.run.abandoned):
-                    return fn(*args)
-            finally:
-                done.set()
+            # reads stuck in an io_uring see the run end and withdraw their requests
+            with cancellation(lambda: job.run.abandoned):
+                return fn(*args)
 
-        try:
-            result = await anyio.to_thread.run_sync(
-                call, abandon_on_cancel=True, limiter=self._limiter
-            )
-        except BaseException:
-            with lock:
-                if state[0] == "queued":  # cancelled before the thread took it
-                    state[0] = "withdrawn"
-                    done.set()
-            raise
+        # release (done.set) runs once the worker no longer touches the slot: at once when the
+        # call never started or raised, in the worker when it returns after being abandoned
+        result = await self._calls.run(call, release=done.set)
+        done.set()
         job.run.busy.pop(slot, None)
         return result
 

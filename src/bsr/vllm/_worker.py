@@ -46,7 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 
 from bsr import (
     BsrError,
-    FileTierConfig,
+    FileTierOptions,
     PagedKVCache,
     Probe,
     RestoreEngine,
@@ -226,7 +226,7 @@ class BsrWorker:
             sub = f"rank-{self.tp_rank}-of-{s.tp_size}"
             tiers = tuple(
                 dataclasses.replace(t, path=str(Path(t.path) / sub))
-                if isinstance(t, FileTierConfig)
+                if isinstance(t, FileTierOptions)
                 else t
                 for t in config.tiers
             )

@@ -1,0 +1,162 @@
+"""ObjectCodec: the one encode / decode / verify of the self-describing object every tier uses.
+
+Where it runs: anywhere (pure memory work); tiers call it in worker threads for large payloads.
+
+How it works: a stored object is the 4096-byte header (:mod:`bsr.core._object`: magic, format
+version, namespace, key, group, chunk index, payload length and checksum, header checksum)
+followed by the payload, optionally zero-padded to a 4 KiB multiple (file tiers pad for
+``O_DIRECT``; stores that keep exact lengths do not). A tier never interprets the bytes itself:
+it hands what it stored, or what it read, to the codec, which either returns a verified payload
+or raises a typed :class:`~bsr.ObjectError`. Nothing unverified ever reaches the caller's buffer
+as valid: :meth:`ObjectCodec.decode_into` checks the header and the stored length before it
+copies anything, and a too-small destination is a :class:`~bsr.ConfigError` (the
+object itself is fine and is kept).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from .._errors import ConfigError, TruncatedObjectError
+from ..core._keys import ObjectKey
+from ..core._layout import align_up
+from ..core._object import (
+    HEADER_SIZE,
+    decode_header,
+    encode_header,
+    payload_checksum,
+    verify_payload,
+)
+from ._base import as_byte_view, as_payload_view
+
+
+class ObjectHeader(NamedTuple):
+    """What a verified header says about its payload."""
+
+    payload_len: int
+    payload_sum: int
+
+
+def _ctx(okey: ObjectKey, where: str) -> dict[str, Any]:
+    return {"key": okey.chunk.hex[:16], "group": okey.group, "tier": where or None}
+
+
+class ObjectCodec:
+    """Encode, decode and verify stored objects (static methods; no state).
+
+    A remote tier needs only :meth:`encode` / :meth:`encode_into` to write and
+    :meth:`decode_into` to read; a tier that reads the payload straight into the destination
+    (a file tier) uses :meth:`decode_header`, :meth:`check_stored_size` and
+    :meth:`verify_payload`.
+    """
+
+    #: bytes of the header before every payload (a whole 4 KiB page: the payload stays aligned)
+    HEADER_SIZE = HEADER_SIZE
+
+    @staticmethod
+    def stored_size(payload_len: int, *, padded: bool = False) -> int:
+        """Bytes an object with ``payload_len`` payload bytes takes (padded: 4 KiB multiple)."""
+        return HEADER_SIZE + (align_up(payload_len) if padded else payload_len)
+
+    @staticmethod
+    def header(okey: ObjectKey, payload: Any) -> bytes:
+        """The 4096-byte header of ``okey`` for ``payload`` (its checksum computed here)."""
+        mv = as_payload_view(payload)
+        return encode_header(okey, len(mv), payload_checksum(mv))
+
+    @staticmethod
+    def encode(okey: ObjectKey, payload: Any, *, padded: bool = False) -> bytes:
+        """Header + payload (+ zero padding to 4 KiB when ``padded``): the bytes to store."""
+        mv = as_payload_view(payload)
+        pad = b"\x00" * (align_up(len(mv)) - len(mv)) if padded else b""
+        return b"".join((encode_header(okey, len(mv), payload_checksum(mv)), mv, pad))
+
+    @staticmethod
+    def encode_into(okey: ObjectKey, payload: Any, out: Any) -> int:
+        """Write header + payload into ``out`` (a buffer of at least ``stored_size`` bytes).
+
+        The checksum is computed on the copy in ``out``, so what is stored is what was summed
+        even if the caller's buffer changes meanwhile. Returns the bytes written.
+        """
+        mv = as_payload_view(payload)
+        dst = np.frombuffer(as_byte_view(out), dtype=np.uint8)
+        size = HEADER_SIZE + len(mv)
+        if len(dst) < size:
+            raise ConfigError(f"encode_into needs {size} bytes of room, the buffer has {len(dst)}")
+        body = dst[HEADER_SIZE:size]
+        np.copyto(body, np.frombuffer(mv, dtype=np.uint8))
+        dst[:HEADER_SIZE] = np.frombuffer(
+            encode_header(okey, len(mv), payload_checksum(body)), dtype=np.uint8
+        )
+        return size
+
+    @staticmethod
+    def decode_header(header: Any, okey: ObjectKey, *, where: str = "") -> ObjectHeader:
+        """Verify a header against the object expected; return what it says.
+
+        Raises:
+            TruncatedObjectError: fewer than HEADER_SIZE bytes.
+            CorruptObjectError: bad magic or header checksum.
+            ForeignObjectError: an intact header of another version, namespace, key or group.
+        """
+        return ObjectHeader(*decode_header(header, okey, where=where))
+
+    @staticmethod
+    def check_stored_size(
+        header: ObjectHeader, stored: int, okey: ObjectKey, *, where: str = ""
+    ) -> None:
+        """The stored length must be exactly header + payload, padded or not."""
+        exact = HEADER_SIZE + header.payload_len
+        if stored not in (exact, HEADER_SIZE + align_up(header.payload_len)):
+            raise TruncatedObjectError(
+                f"stored object is {stored} bytes, its header says {exact}", **_ctx(okey, where)
+            )
+
+    @staticmethod
+    def verify_payload(
+        payload: Any, header: ObjectHeader, okey: ObjectKey, *, where: str = ""
+    ) -> None:
+        """Check the payload's length and checksum against its header (an ObjectError if not)."""
+        verify_payload(payload, header.payload_len, header.payload_sum, okey, where=where)
+
+    @staticmethod
+    def verified_payload(
+        blob: Any, okey: ObjectKey, *, where: str = ""
+    ) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        """Verify a whole stored object (header, stored length, payload checksum) where it lies;
+        return a view of its payload (no copy). ``blob`` must not change while the view is used.
+        """
+        src = np.frombuffer(as_payload_view(blob), dtype=np.uint8)
+        head = ObjectCodec.decode_header(src[:HEADER_SIZE], okey, where=where)
+        ObjectCodec.check_stored_size(head, len(src), okey, where=where)
+        body = src[HEADER_SIZE : HEADER_SIZE + head.payload_len]
+        ObjectCodec.verify_payload(body, head, okey, where=where)
+        return body
+
+    @staticmethod
+    def decode_into(blob: Any, okey: ObjectKey, dst: Any, *, where: str = "") -> int:
+        """Verify a whole stored object and copy its payload into ``dst``; return its length.
+
+        ``blob`` is what the store returned (header + payload, padded or not). The header and
+        the stored length and then the payload checksum are checked before anything is
+        copied, so ``dst`` never receives a byte of an object that fails verification (``blob``
+        must be the tier's own buffer, which nothing else writes meanwhile). ``dst`` must hold
+        the payload: a smaller one is a :class:`~bsr.ConfigError` (the object is fine).
+        """
+        src = np.frombuffer(as_payload_view(blob), dtype=np.uint8)
+        head = ObjectCodec.decode_header(src[:HEADER_SIZE], okey, where=where)
+        ObjectCodec.check_stored_size(head, len(src), okey, where=where)
+        view = as_byte_view(dst)
+        plen = head.payload_len
+        if plen > len(view):
+            raise ConfigError(
+                f"destination holds {len(view)} bytes, object payload is {plen}; pass a buffer "
+                "of the chunk's size",
+                tier=where or None,
+            )
+        body = src[HEADER_SIZE : HEADER_SIZE + plen]
+        ObjectCodec.verify_payload(body, head, okey, where=where)
+        np.copyto(np.frombuffer(view, dtype=np.uint8, count=plen), body)
+        return plen

@@ -1,0 +1,165 @@
+"""Tier kinds: one typed options class per tier, found by its kind name.
+
+Where it runs: wherever tiers are built from configuration (``EngineConfig``, the CLI).
+
+How it works (after fsspec's registry): a tier kind (``"host"``, ``"file"``, ``"redis"``...)
+names a :class:`TierOptions` subclass, a frozen dataclass whose fields are the tier's options,
+each checked by a parser of the option vocabulary (``option(Check.size)``), and whose
+:meth:`~TierOptions.build` makes the tier. The tier's constructor checks its arguments through
+the same class, so a constructor and a config can never disagree. Kinds are looked up in order:
+
+1. kinds registered in this process with :func:`register_tier`;
+2. bsr's built-in kinds, each imported only when first asked for (a config naming no Mooncake
+   tier never imports the Mooncake module);
+3. the ``bsr.tiers`` entry point group: a package declares
+   ``[project.entry-points."bsr.tiers"] mykind = "mypkg.tier:MyTierOptions"`` and its kind works
+   in every config once it is installed, loaded on first use. bsr's own ``redis`` kind
+   (:mod:`bsr.redis`) is declared this way, as any third party would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import threading
+from collections.abc import Mapping
+from importlib import metadata
+from typing import Any, ClassVar, TypeVar
+
+from .._check import check_options, option_fields, parse_options, short_repr
+from .._errors import ConfigError
+from ._base import Tier
+
+#: the entry point group third-party tier kinds are declared in
+ENTRY_POINT_GROUP = "bsr.tiers"
+
+#: bsr's own kinds, imported lazily by name
+BUILTIN_TIERS: dict[str, str] = {
+    "host": "bsr.tiers._host:HostTierOptions",
+    "file": "bsr.tiers._file:FileTierOptions",
+    "mooncake": "bsr.tiers._mooncake:MooncakeTierOptions",
+}
+
+OptionsT = TypeVar("OptionsT", bound="TierOptions")
+
+
+@dataclasses.dataclass(frozen=True)
+class TierOptions:
+    """Base of a tier kind's options: a frozen dataclass of ``option(...)`` fields.
+
+    A subclass sets ``kind``, declares its fields (a ``name`` field is expected: engines need
+    unique tier names) and implements :meth:`build`. Direct construction checks every field
+    (``__post_init__``); :meth:`from_dict` also refuses unknown keys. Override
+    :meth:`validate` for rules across fields (raise a ConfigError naming one key).
+    """
+
+    kind: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        check_options(self)
+        self.validate()
+
+    def validate(self) -> None:
+        """Checks across fields (default: none)."""
+
+    def build(self) -> Tier:
+        """A new, unopened tier with these options."""
+        raise NotImplementedError(f"{type(self).__name__}.build() is not implemented")
+
+    @classmethod
+    def from_dict(cls: type[OptionsT], data: Mapping[str, Any], prefix: str = "") -> OptionsT:
+        """Parse a plain mapping (a config table without its ``kind``); errors name
+        ``<prefix><key>``."""
+        kwargs = parse_options(cls, data, prefix, skip=("kind",))
+        try:
+            return cls(**kwargs)
+        except ConfigError as exc:
+            key = str(exc.fields.get("key") or "kind")
+            where = key if key.startswith(prefix) else f"{prefix}{key}"
+            message = exc.message if exc.message.startswith(where) else f"{where}: {exc.message}"
+            raise ConfigError(message, key=where) from None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plain form (``kind`` first); ``tier_options(kind).from_dict`` reads it back."""
+        return {"kind": self.kind, **{n: getattr(self, n) for n in option_fields(self)}}
+
+
+_lock = threading.Lock()
+_registered: dict[str, type[TierOptions]] = {}
+
+
+def register_tier(kind: str, options: type[TierOptions] | str, *, replace: bool = False) -> None:
+    """Add a tier kind: ``options`` is its TierOptions class, or ``"module:Class"`` (imported on
+    first use).
+
+    Raises:
+        ConfigError: ``kind`` is taken (pass ``replace=True`` to override it) or ``options`` is
+            not a TierOptions subclass.
+    """
+    if not isinstance(kind, str) or not kind.isidentifier():
+        raise ConfigError(f"a tier kind must be an identifier like 'redis', got {short_repr(kind)}")
+    cls = _import(kind, options) if isinstance(options, str) else options
+    if not (isinstance(cls, type) and issubclass(cls, TierOptions)):
+        raise ConfigError(
+            f"tier kind {kind!r}: {short_repr(cls)} is not a bsr.TierOptions subclass"
+        )
+    with _lock:
+        if not replace and (kind in _registered or kind in BUILTIN_TIERS):
+            raise ConfigError(
+                f"tier kind {kind!r} is already registered; pass replace=True to override it"
+            )
+        _registered[kind] = cls
+
+
+def unregister_tier(kind: str) -> None:
+    """Remove a kind added with :func:`register_tier` (built-ins come back)."""
+    with _lock:
+        _registered.pop(kind, None)
+
+
+def _import(kind: str, target: str) -> type[TierOptions]:
+    module, _, attr = target.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module), attr)
+    except ImportError as exc:
+        raise ConfigError(
+            f"tier kind {kind!r} needs {module}, which cannot be imported: {exc}", kind=kind
+        ) from exc
+    except AttributeError:
+        raise ConfigError(f"tier kind {kind!r}: {module} has no {attr}", kind=kind) from None
+    if not (isinstance(cls, type) and issubclass(cls, TierOptions)):
+        raise ConfigError(f"tier kind {kind!r}: {target} is not a bsr.TierOptions subclass")
+    return cls
+
+
+def _entry_points() -> dict[str, metadata.EntryPoint]:
+    return {ep.name: ep for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def tier_kinds() -> list[str]:
+    """Every kind a config may name: registered, built-in and installed (entry points)."""
+    with _lock:
+        kinds = set(_registered) | set(BUILTIN_TIERS)
+    return sorted(kinds | set(_entry_points()))
+
+
+def tier_options(kind: str) -> type[TierOptions]:
+    """The options class of ``kind`` (imported on first use).
+
+    Raises:
+        ConfigError: no such kind (the message lists the known ones), or its module fails to
+            import.
+    """
+    with _lock:
+        cls = _registered.get(kind)
+    if cls is not None:
+        return cls
+    if kind in BUILTIN_TIERS:
+        return _import(kind, BUILTIN_TIERS[kind])
+    ep = _entry_points().get(kind) if isinstance(kind, str) else None
+    if ep is None:
+        raise ConfigError(f"unknown tier kind {short_repr(kind)}; known kinds: {tier_kinds()}")
+    cls = _import(kind, ep.value)
+    with _lock:
+        _registered.setdefault(kind, cls)
+    return cls

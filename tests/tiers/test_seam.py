@@ -1,0 +1,248 @@
+"""The public tier seam: the object codec, abandonable calls, the tier-kind registry and the one
+option vocabulary that constructors and configs share."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+import bsr
+from bsr.testing import make_keys, payload
+from helpers import two_group_layout
+
+KEYS = make_keys(4)
+
+
+# ------------------------------------------------------------------ codec
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("n", [0, 1, 4096, 3 * 4096 + 5])
+def test_codec_round_trip(n: int, padded: bool) -> None:
+    okey = bsr.ObjectKey(KEYS[0], "kv")
+    blob = bsr.ObjectCodec.encode(okey, payload(1, n).tobytes(), padded=padded)
+    assert len(blob) == bsr.ObjectCodec.stored_size(n, padded=padded)
+    dst = np.zeros(n + 64, dtype=np.uint8)
+    assert bsr.ObjectCodec.decode_into(blob, okey, dst) == n
+    assert dst[:n].tobytes() == payload(1, n).tobytes() and not dst[n:].any()
+    room = np.zeros(bsr.ObjectCodec.stored_size(n), dtype=np.uint8)
+    assert bsr.ObjectCodec.encode_into(okey, payload(1, n), room) == len(room)
+    assert room.tobytes() == bsr.ObjectCodec.encode(okey, payload(1, n).tobytes())
+
+
+def test_codec_never_hands_out_unverified_bytes() -> None:
+    okey = bsr.ObjectKey(KEYS[0], "kv")
+    good = bytearray(bsr.ObjectCodec.encode(okey, payload(2, 8192).tobytes()))
+    dst = np.zeros(8192, dtype=np.uint8)
+    bad = bytearray(good)
+    bad[bsr.ObjectCodec.HEADER_SIZE + 100] ^= 1
+    with pytest.raises(bsr.CorruptObjectError):
+        bsr.ObjectCodec.decode_into(bytes(bad), okey, dst)
+    assert not dst.any()  # verified before the copy
+    with pytest.raises(bsr.TruncatedObjectError):
+        bsr.ObjectCodec.decode_into(bytes(good[:-1]), okey, dst)
+    with pytest.raises(bsr.ForeignObjectError):
+        bsr.ObjectCodec.decode_into(bytes(good), bsr.ObjectKey(KEYS[1], "kv"), dst)
+    with pytest.raises(bsr.ConfigError, match="destination holds 4096 bytes"):
+        bsr.ObjectCodec.decode_into(bytes(good), okey, np.zeros(4096, dtype=np.uint8))
+    assert not dst.any()
+
+
+# ------------------------------------------------------------------ abandonable calls
+def test_abandoned_call_returns_at_once_and_releases_when_the_worker_returns() -> None:
+    gate = threading.Event()
+    released: list[str] = []
+    abandons: list[int] = []
+    calls = bsr.AbandonableCalls(
+        limiter=anyio.CapacityLimiter(1), max_stuck=1, on_abandon=lambda: abandons.append(1)
+    )
+    ran: list[str] = []
+
+    async def main() -> None:
+        with anyio.move_on_after(0.2) as scope:
+            await calls.run(gate.wait, release=lambda: released.append("hung"))
+        assert scope.cancelled_caught
+        assert calls.stuck == 1 and abandons == [1] and released == []  # still running
+        # max_stuck reached: the next call fails fast and releases what it was given
+        with pytest.raises(bsr.TierIOError, match="abandoned blocking calls"):
+            await calls.run(lambda: ran.append("x"), release=lambda: released.append("refused"))
+        assert released == ["refused"] and ran == []
+        gate.set()
+        with anyio.fail_after(30):
+            while calls.stuck:  # noqa: ASYNC110 - the worker returns once the gate opens
+                await anyio.sleep(0.01)
+        assert released == ["refused", "hung"]  # released exactly once, by the worker
+        assert await calls.run(lambda: 7, release=lambda: released.append("ok")) == 7
+        assert released == ["refused", "hung"]  # a normal return releases nothing
+
+    anyio.run(main)
+
+
+def test_call_cancelled_before_it_starts_never_runs() -> None:
+    gate = threading.Event()
+    ran: list[int] = []
+    released: list[int] = []
+    calls = bsr.AbandonableCalls(limiter=anyio.CapacityLimiter(1))
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(calls.run, gate.wait)  # holds the one worker token
+            await anyio.sleep(0.05)
+            with anyio.move_on_after(0.1):
+                await calls.run(lambda: ran.append(1), release=lambda: released.append(1))
+            assert released == [1]  # never started: released at once
+            gate.set()
+        await anyio.sleep(0.05)
+        assert ran == []
+
+    anyio.run(main)
+
+
+# ------------------------------------------------------------------ options written once
+TIERS = [
+    (bsr.HostTier, bsr.HostTierOptions),
+    (bsr.FileTier, bsr.FileTierOptions),
+    (bsr.MooncakeTier, bsr.MooncakeTierOptions),
+]
+
+
+@pytest.mark.parametrize(("tier", "options"), TIERS, ids=lambda x: getattr(x, "__name__", ""))
+def test_constructor_takes_exactly_the_options(tier: type[bsr.Tier], options: type[Any]) -> None:
+    params = dict(inspect.signature(tier).parameters)
+    fields = {f.name: f for f in dataclasses.fields(options)}
+    assert list(params) == [n for n in fields if n in params] and set(params) == set(fields)
+    for name, p in params.items():
+        default = fields[name].default
+        if default is dataclasses.MISSING:
+            assert p.default is inspect.Parameter.empty, name
+        else:
+            assert p.default == default, name
+
+
+@pytest.mark.parametrize(
+    ("kind", "key", "value"),
+    [
+        ("host", "capacity_bytes", "lots"),
+        ("host", "capacity_bytes", True),
+        ("file", "io_threads", 0),
+        ("file", "reader", "mmap"),
+        ("file", "fsync", 1),
+        ("mooncake", "timeout_s", math.inf),
+        ("mooncake", "protocol", "udp"),
+        ("mooncake", "max_stuck_calls", -1),
+    ],
+)
+def test_constructor_and_config_refuse_alike(
+    tmp_path: Path, kind: str, key: str, value: Any
+) -> None:
+    base: dict[str, Any] = {
+        "host": {"capacity_bytes": 1 << 20},
+        "file": {"path": str(tmp_path / "f"), "capacity_bytes": 1 << 20},
+        "mooncake": {"master_address": "127.0.0.1:1"},
+    }[kind]
+    with pytest.raises(bsr.ConfigError) as config:
+        bsr.EngineConfig.from_dict({"tiers": [{"kind": kind, **base, key: value}]})
+    assert config.value.fields["key"] == f"tiers[0].{key}"
+    cls = {"host": bsr.HostTier, "file": bsr.FileTier, "mooncake": bsr.MooncakeTier}[kind]
+    with pytest.raises(bsr.ConfigError) as ctor:
+        cls(**{**base, key: value})
+    assert ctor.value.fields["key"] == key
+
+
+ENGINE_CASES = [
+    ("window", 0),
+    ("window", 1 << 17),
+    ("io_depth", True),
+    ("deadline_s", math.inf),
+    ("deadline_s", -1.0),
+    ("breaker_cooldown_s", math.nan),
+    ("breaker_threshold", 0),
+    ("policy", "best_effort"),
+    ("pin_staging", 1),
+]
+
+
+@pytest.mark.parametrize(("key", "value"), ENGINE_CASES)
+def test_engine_constructor_and_config_refuse_alike(key: str, value: Any) -> None:
+    """EngineConfig(deadline_s=inf) parsed and RestoreEngine refused it: now both refuse."""
+    with pytest.raises(bsr.ConfigError) as config:
+        bsr.EngineConfig(tiers=(bsr.HostTierOptions(1 << 20),), **{key: value})
+    assert config.value.fields["key"] == key
+    kwargs: dict[str, Any] = {"window": 2, "io_depth": 1, key: value}
+    with pytest.raises(bsr.ConfigError) as ctor:
+        bsr.RestoreEngine(
+            two_group_layout(), [bsr.HostTier(1 << 20)], namespace=bsr.Namespace("m"), **kwargs
+        )
+    assert ctor.value.fields["key"] == key
+
+
+# ------------------------------------------------------------------ a third-party kind
+class DictTier(bsr.Tier):
+    """A tier written only against the public seam: objects in a dict, via the codec."""
+
+    def __init__(self, name: str = "dict") -> None:
+        super().__init__(name)
+        self.store: dict[str, bytes] = {}
+
+    async def contains_many(self, objects: Sequence[bsr.ObjectKey]) -> list[bool]:
+        return [o.object_id in self.store for o in objects]
+
+    async def read_into(self, key: bsr.ChunkKey, group: str, dst: Any) -> int:
+        okey = bsr.ObjectKey(key, group)
+        blob = self.store.get(okey.object_id)
+        if blob is None:
+            raise bsr.ObjectNotFoundError("not stored", tier=self.name)
+        return bsr.ObjectCodec.decode_into(blob, okey, dst, where=self.name)
+
+    async def write(self, key: bsr.ChunkKey, group: str, payload: Any) -> bool:
+        okey = bsr.ObjectKey(key, group)
+        if okey.object_id in self.store:
+            return False
+        self.store[okey.object_id] = bsr.ObjectCodec.encode(okey, payload)
+        return True
+
+    async def delete(self, key: bsr.ChunkKey, group: str) -> bool:
+        return self.store.pop(bsr.ObjectKey(key, group).object_id, None) is not None
+
+
+@dataclass(frozen=True)
+class DictTierOptions(bsr.TierOptions):
+    kind = "dict"
+    name: str = bsr.option(bsr.Check.text, "dict")
+
+    def build(self) -> bsr.Tier:
+        return DictTier(self.name)
+
+
+def test_a_registered_kind_works_in_every_config(tmp_path: Path) -> None:
+    with pytest.raises(bsr.ConfigError, match="unknown tier kind 'dict'"):
+        bsr.EngineConfig.from_dict({"tiers": [{"kind": "dict"}]})
+    bsr.register_tier("dict", DictTierOptions)
+    try:
+        assert "dict" in bsr.tier_kinds()
+        with pytest.raises(bsr.ConfigError, match="already registered"):
+            bsr.register_tier("dict", DictTierOptions)
+        toml = tmp_path / "c.toml"
+        toml.write_text('[bsr]\nmodel_id = "m"\n[[bsr.tiers]]\nkind = "dict"\nname = "d"\n')
+        config = bsr.EngineConfig.from_toml(toml)
+        assert config.tiers == (DictTierOptions(name="d"),)
+        assert bsr.EngineConfig.from_dict(config.to_dict()) == config
+        with pytest.raises(bsr.ConfigError) as bad:
+            bsr.EngineConfig.from_dict({"tiers": [{"kind": "dict", "nmae": "x"}]})
+        assert bad.value.fields["key"] == "tiers[0].nmae" and "did you mean 'name'" in str(
+            bad.value
+        )
+        layout = two_group_layout()
+        engine = bsr.RestoreEngine.from_config(config, layout=layout)
+        assert [type(t) for t in engine.tiers] == [DictTier]
+    finally:
+        bsr.unregister_tier("dict")
+    assert "dict" not in bsr.tier_kinds()
