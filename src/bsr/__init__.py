@@ -76,6 +76,7 @@ from .tiers._readers import PosixReader as PosixReader
 from .transfer._cache import PagedKVCache as PagedKVCache
 from .transfer._staging import StagingPool as StagingPool
 from .transfer._staging import StagingStatistics as StagingStatistics
+from .transfer._tables import NULL_BLOCK as NULL_BLOCK
 
 # isort: off
 # the kit imports names from this facade, so it comes last
@@ -113,6 +114,7 @@ __all__ = (
     "LocalCoordinator",
     "MooncakeTier",
     "MooncakeTierConfig",
+    "NULL_BLOCK",
     "Namespace",
     "ObjectError",
     "ObjectKey",
