@@ -40,7 +40,7 @@ import numpy as np
 
 from .._log import logger
 from ._lookup import LookupClient
-from ._metadata import BsrConnectorMetadata, BsrWorkerMetadata, LoadJob, SaveJob
+from ._metadata import NULL_BLOCK_ID, BsrConnectorMetadata, BsrWorkerMetadata, LoadJob, SaveJob
 from ._options import ConnectorSettings
 from ._stats import BsrConnectorStats
 
@@ -207,16 +207,16 @@ class BsrScheduler:
             return
         end = st.start + num_external_tokens
         prompt = request.prompt_token_ids or ()
-        table = blocks.get_block_ids()[0]
         n_blocks = -(-end // self.block)
+        # one table per KV cache group (a sliding-window group's blocks below its window are
+        # vLLM's null block 0)
+        tables = tuple(tuple(t[:n_blocks]) for t in blocks.get_block_ids())
         # the worker leased a probe of exactly prompt[:hit]; any other end probes again
         lookup = st.lookup_id if end == st.hit else None
-        job = LoadJob(
-            request.request_id, tuple(prompt[:end]), st.start, tuple(table[:n_blocks]), lookup
-        )
+        job = LoadJob(request.request_id, tuple(prompt[:end]), st.start, tables, lookup)
         self._loads.append(job)
         st.used, st.loading, st.unverified, st.end = True, True, True, end
-        self._unverified_blocks[request.request_id] = frozenset(job.block_ids)
+        self._unverified_blocks[request.request_id] = real_blocks(tables)
         if self.opts.asynchronous:
             for d in self._digests(st, prompt)[st.start // self.chunk : end // self.chunk]:
                 self._inflight.setdefault(d, request.request_id)
@@ -266,8 +266,14 @@ class BsrScheduler:
             self._release_inflight(rid)
 
     # ------------------------------------------------------------------ saves
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, Any]:
-        """Schedule a save of the request's computed full chunks; hold its blocks until done."""
+    def request_finished(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, Any]:
+        """Schedule a save of the request's computed full chunks; hold its blocks until done.
+
+        ``block_ids``: the request's blocks per KV cache group (vLLM's
+        ``request_finished_all_groups``).
+        """
         rid = request.request_id
         st = self._reqs.pop(rid, None)
         if st is not None:
@@ -286,8 +292,9 @@ class BsrScheduler:
         n = (computed // self.chunk) * self.chunk
         if n == 0:
             return False, None
-        blocks = tuple(block_ids[: n // self.block])
-        if any(set(blocks) & pending for pending in self._unverified_blocks.values()):
+        tables = tuple(tuple(t[: n // self.block]) for t in block_ids)
+        blocks = real_blocks(tables)
+        if any(blocks & pending for pending in self._unverified_blocks.values()):
             # shares blocks with a load whose outcome is not known yet (sync loads fill
             # blocks that vLLM caches at once): they may never have been written
             self.stats.count_key("saves_skipped", "unverified")
@@ -295,7 +302,7 @@ class BsrScheduler:
         if len(self._saving) >= self.opts.max_pending_saves:
             self.stats.count_key("saves_skipped", "busy")
             return False, None
-        self._saves.append(SaveJob(rid, tuple(request.all_token_ids[:n]), blocks))
+        self._saves.append(SaveJob(rid, tuple(request.all_token_ids[:n]), tables))
         self._saving.add(rid)
         return True, None
 
@@ -315,3 +322,9 @@ class BsrScheduler:
 
     def shutdown(self) -> None:
         self.client.close()
+
+
+def real_blocks(tables: tuple[tuple[int, ...], ...]) -> frozenset[int]:
+    """Every block of every group's table but vLLM's null block 0 (block ids are unique across
+    groups: vLLM's groups share one block pool)."""
+    return frozenset(b for t in tables for b in t if b != NULL_BLOCK_ID)
