@@ -20,7 +20,7 @@ from typing import Any
 
 import structlog
 
-from . import hcache, vllm_ttft
+from . import hcache, vllm_hybrid, vllm_ttft
 from .common.stats import BenchError
 from .paper import options as paper_options
 from .restore import options as restore_options
@@ -33,6 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     restore_options.add_arguments(p)
     paper_options.add_arguments(p)  # --l1-ladder, --tp
     vllm_ttft.add_arguments(p)  # --engine vllm
+    vllm_hybrid.add_arguments(p)  # --engine vllm --vllm-model gemma3-tiny
     hcache.add_arguments(p)  # --hcache
 
 
@@ -52,6 +53,8 @@ def program(ns: argparse.Namespace) -> tuple[str, Program]:
     """The program the flags ask for: (its flag, for messages; its entry point)."""
     if ns.hcache:  # HCache restore vs KV restore vs recompute
         return "--hcache", hcache.run_from_namespace
+    if ns.engine == "vllm" and ns.vllm_model == "gemma3-tiny":  # hybrid manager on vs off
+        return "--engine vllm --vllm-model gemma3-tiny", vllm_hybrid.run_from_namespace
     if ns.engine == "vllm":  # TTFT inside vLLM's CPU engine
         return "--engine vllm", vllm_ttft.run_from_namespace
     if ns.l1_ladder or ns.tp:  # paper scale
