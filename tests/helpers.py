@@ -5,6 +5,10 @@ Import with ``from helpers import ...`` (``tests/`` is on pytest's ``pythonpath`
 
 from __future__ import annotations
 
+import contextlib
+import io
+import subprocess
+import sys
 from typing import Any
 
 import torch
@@ -76,3 +80,24 @@ def make_engine(
     """An engine with a small window over ``tiers`` (extra options pass through)."""
     kw.setdefault("namespace", bsr.Namespace(model_id))
     return bsr.RestoreEngine(layout, tiers, window=window, io_depth=io_depth, **kw)
+
+
+# ---------------------------------------------------------------------- the bsr command
+def bsr_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """``python -m bsr ARGS`` in a fresh interpreter."""
+    return subprocess.run(
+        [sys.executable, "-m", "bsr", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def bsr_main(*args: str) -> subprocess.CompletedProcess[str]:
+    """The same command through ``bsr.cli.main`` in this process."""
+    from bsr.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as exc:  # argparse usage errors
+            code = int(exc.code or 0)
+    return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())

@@ -11,6 +11,7 @@ from ._errors import BlockTableError as BlockTableError
 from ._errors import BsrError as BsrError
 from ._errors import ClosedError as ClosedError
 from ._errors import ConfigError as ConfigError
+from ._errors import ConversationBusyError as ConversationBusyError
 from ._errors import CoordinatorError as CoordinatorError
 from ._errors import CorruptObjectError as CorruptObjectError
 from ._errors import ForeignObjectError as ForeignObjectError
@@ -93,6 +94,7 @@ __all__ = (
     "ChunkKey",
     "ClosedError",
     "ConfigError",
+    "ConversationBusyError",
     "Coordinator",
     "CoordinatorError",
     "CorruptObjectError",

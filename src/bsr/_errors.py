@@ -121,3 +121,8 @@ class StagingError(BsrError):
 
 class OutOfBlocksError(BsrError):
     """A block allocator has fewer free blocks than asked for (free some, or evict)."""
+
+
+class ConversationBusyError(ConfigError):
+    """A conversation already has a turn in flight (``bsr.kit.ConversationCache``): one turn of
+    a conversation at a time; commit or abort the current turn first."""

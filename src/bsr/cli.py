@@ -192,6 +192,8 @@ def _store_stats(ns: argparse.Namespace) -> int:
         print(f"temp files {st.temp_files} (writes in progress, or left by a dead writer)")
     if st.unreadable:
         print(f"unreadable {st.unreadable} objects whose header cannot be parsed (run verify)")
+    if st.junk:
+        print(f"junk       {st.junk} entries bsr did not write (left alone: never read or moved)")
     if st.namespaces:
         print("per namespace (fingerprint of model, rank, tenant salt, layout, format version):")
         for n in st.namespaces:
@@ -249,14 +251,26 @@ def _store_verify(ns: argparse.Namespace) -> int:
     finally:
         stop()
     if ns.json:
-        _emit_json({"checked": report.checked, "bytes": report.bytes, "bad": report.bad})
+        _emit_json(
+            {
+                "checked": report.checked,
+                "bytes": report.bytes,
+                "bad": report.bad,
+                "gone": report.gone,
+            }
+        )
     else:
         for b in report.bad:
             moved = f" -> {b.quarantined_to}" if b.quarantined_to else ""
             print(f"BAD {b.object_id} {b.reason}: {b.detail}{moved}")
         verdict = "clean" if report.clean else f"{len(report.bad)} bad"
         hint = "" if report.clean or ns.quarantine else " (rerun with --quarantine to move them)"
-        print(f"verified {report.checked} objects ({_human(report.bytes)}): {verdict}{hint}")
+        gone = (
+            f"; {report.gone} vanished meanwhile (evicted or re-saved by a running engine: not bad)"
+            if report.gone
+            else ""
+        )
+        print(f"verified {report.checked} objects ({_human(report.bytes)}): {verdict}{hint}{gone}")
     return 0 if report.clean else 1
 
 
@@ -315,10 +329,13 @@ def _add_store(sub: Any) -> None:
     store = sub.add_parser(
         "store",
         help="inspect, verify and clean a FileTier directory",
-        description="Administer a FileTier directory offline. stats, ls, verify and "
-        "'quarantine list' only read; gc, 'verify --quarantine' and 'quarantine purge' change "
-        "files, so run them while no engine has the tier open. Exit codes: 0 ok, 1 verify "
-        "found bad objects, 2 usage or I/O error (e.g. not a bsr store).",
+        description="Administer a FileTier directory, also while engines have it open. stats, "
+        "ls, verify and 'quarantine list' only read; gc and 'verify --quarantine' change "
+        "objects/ under the root's lock, as the engines do, so their capacity accounting stays "
+        "exact (removed objects are misses to them); 'quarantine purge' deletes only the "
+        "quarantine's own files. Nothing that is not bsr's (symlinks, foreign files, FIFOs) is "
+        "ever followed, moved or deleted. Exit codes: 0 ok, 1 verify found bad objects, 2 "
+        "usage or I/O error (e.g. not a bsr store).",
     )
     ssub = store.add_subparsers(dest="store_command", metavar="STORE_COMMAND")
 

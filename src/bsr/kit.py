@@ -11,6 +11,17 @@ conversation's blocks stay resident between turns; when blocks run short, the le
 used idle conversation is saved through the engine and its blocks are freed; its next turn is
 admitted through bsr again.
 
+Concurrency: a server runs turns of different conversations concurrently on one event loop.
+Each conversation is in one state: idle (resident, evictable), in a turn (from ``admit`` to
+``commit``/``abort``) or being evicted (its save through the engine is running). Only idle
+conversations are evicted, and a conversation's blocks stay allocated to it alone until its
+eviction has finished, so no other turn can be handed them while it is in a turn or while its
+K/V is still being read for the save. One turn per conversation at a time: a second ``admit``
+while one is in flight raises :class:`~bsr.ConversationBusyError`; a turn that arrives while its
+conversation is being evicted waits for the eviction and is then restored through bsr. Every
+block a turn takes is given back (or stays with its conversation) when the turn fails or is
+cancelled, wherever that happens (making room, the lookup, the restore).
+
 Only full chunks are stored (``layout.chunk_tokens`` tokens each): after a restore the cache
 holds ``floor(n / chunk_tokens) * chunk_tokens`` of a conversation's ``n`` tokens, and the rest
 (the partial last chunk) is prefilled again. A model needs the logits of the last prompt token,
@@ -19,15 +30,19 @@ so admission always leaves at least one token to prefill.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import enum
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import AsyncIterator, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import anyio
+
 from . import PagedKVCache, Probe, RestoreResult, SaveResult, as_token_array
-from ._check import positive_int
-from ._errors import BlockTableError, ConfigError, OutOfBlocksError
+from ._check import non_negative_int, positive_int
+from ._errors import BlockTableError, ConfigError, ConversationBusyError, OutOfBlocksError
 
 if TYPE_CHECKING:
     from . import RestoreEngine
@@ -167,7 +182,9 @@ async def admit(
 
     On an Invalidated restore nothing in the blocks is valid: the admission says prefill
     everything (the blocks stay allocated to the request). Raises
-    :class:`~bsr.OutOfBlocksError` when the allocator cannot cover the request.
+    :class:`~bsr.OutOfBlocksError` when the allocator cannot cover the request. Blocks taken
+    from ``allocator`` are freed again if the lookup or the restore fails or is cancelled
+    (blocks passed in ``block_ids`` stay the caller's).
     """
     arr = as_token_array(tokens)
     n = len(arr)
@@ -179,20 +196,25 @@ async def admit(
         or reserve_tokens < 0
     ):
         raise ConfigError(f"reserve_tokens must be an int >= 0, got {reserve_tokens!r}")
-    probe = await engine.lookup(arr)
     need = blocks_for(n + reserve_tokens, cache.block_tokens)
-    if block_ids is None:
-        ids = allocator.allocate(need)
-    else:
+    if block_ids is not None:
         ids = [int(b) for b in block_ids]
         if len(ids) < need:
             raise BlockTableError(
                 f"{len(ids)} blocks cannot hold {n + reserve_tokens} tokens of "
                 f"{cache.block_tokens}; pass at least {need}"
             )
-    if not probe.hit:
-        return Admission(tuple(ids), n, 0, "none", probe)
-    result = await engine.restore(arr, cache, ids, deadline_s=deadline_s, probe=probe)
+    probe = await engine.lookup(arr)
+    if block_ids is None:
+        ids = allocator.allocate(need)
+    try:
+        if not probe.hit:
+            return Admission(tuple(ids), n, 0, "none", probe)
+        result = await engine.restore(arr, cache, ids, deadline_s=deadline_s, probe=probe)
+    except BaseException:
+        if block_ids is None:  # taken here: given back on failure and cancellation
+            allocator.free(ids)
+        raise
     cached = min(result.committed_tokens, n - 1)
     return Admission(tuple(ids), n, cached, "restored" if cached else "none", probe, result)
 
@@ -212,12 +234,21 @@ class ConversationStatistics:
     saved_tokens: int
 
 
-@dataclass
+class _State(enum.Enum):
+    IDLE = "idle"  #: resident, no turn in flight: may be evicted
+    ADMITTING = "admitting"  #: a turn's admit() is running
+    ADMITTED = "admitted"  #: admit() returned; commit() or abort() ends the turn
+    EVICTING = "evicting"  #: its full chunks are being saved; its blocks are freed after
+
+
+@dataclass(eq=False)
 class _Conversation:
     tokens: list[int]
     valid: int
     blocks: list[int]
-    busy: bool = False
+    state: _State
+    #: set when an eviction of this conversation ends (saved and gone, or back to idle)
+    evicted: anyio.Event | None = None
 
 
 class ConversationCache:
@@ -228,9 +259,12 @@ class ConversationCache:
         cache: the paged cache.
         allocator: its block allocator (default: every block of ``cache``).
 
-    A turn is :meth:`admit` (reserve room for the tokens to generate), the model writes KV for
-    ``tokens[cached_tokens:]``, then :meth:`commit` says which tokens the cache now holds.
-    A conversation is busy from ``admit`` to ``commit`` and never evicted meanwhile.
+    Where it runs: the server's event loop; turns of different conversations may run
+    concurrently (see the module docstring). A turn is :meth:`admit` (reserve room for the
+    tokens to generate), the model writes KV for ``tokens[cached_tokens:]``, then :meth:`commit`
+    says which tokens the cache now holds, or :meth:`abort` ends the turn keeping what was valid
+    at admission (:meth:`turn` does the admit and the abort-on-error around a block). A
+    conversation in a turn is never evicted, and one turn per conversation runs at a time.
     """
 
     def __init__(
@@ -246,15 +280,20 @@ class ConversationCache:
         self._stats = dict.fromkeys(names, 0)
 
     def statistics(self) -> ConversationStatistics:
-        return ConversationStatistics(resident=len(self._convs), **self._stats)
+        return ConversationStatistics(resident=len(self.resident()), **self._stats)
 
     def resident(self) -> list[Hashable]:
-        """Resident conversations, least recently used first."""
-        return list(self._convs)
+        """Conversations holding blocks, least recently used first."""
+        return [c for c, v in self._convs.items() if v.blocks]
 
     def block_ids(self, conv_id: Hashable) -> list[int]:
         """The block table of a resident conversation."""
         return list(self._get(conv_id).blocks)
+
+    def state(self, conv_id: Hashable) -> str | None:
+        """``"idle"``, ``"admitting"``, ``"admitted"``, ``"evicting"``, or None (not held)."""
+        conv = self._convs.get(conv_id)
+        return None if conv is None else conv.state.value
 
     def _get(self, conv_id: Hashable) -> _Conversation:
         try:
@@ -262,37 +301,94 @@ class ConversationCache:
         except KeyError:
             raise ConfigError(f"conversation {conv_id!r} is not resident; admit it first") from None
 
-    async def _make_room(self, blocks: int, keep: Hashable) -> None:
-        while not self.allocator.can_allocate(blocks):
-            victim = next((c for c, v in self._convs.items() if c != keep and not v.busy), None)
-            if victim is None:
-                raise OutOfBlocksError(
-                    f"need {blocks} free blocks, {self.allocator.num_free} are free and every "
-                    "other resident conversation is busy; give the cache more blocks",
-                    wanted=blocks,
-                    free=self.allocator.num_free,
-                )
-            await self.evict(victim)
+    def _busy(self, conv_id: Hashable, conv: _Conversation, doing: str) -> ConversationBusyError:
+        if conv.state is _State.EVICTING:
+            what, todo = "it is being evicted", "wait for the eviction to end"
+        else:
+            what = "a turn is in flight (admitted, not committed)"
+            todo = "one turn per conversation at a time: commit() or abort() the current turn"
+        return ConversationBusyError(
+            f"cannot {doing}: conversation {conv_id!r} is busy, {what}; {todo}",
+            conversation=conv_id,
+            state=conv.state.value,
+        )
+
+    async def _take_blocks(self, n: int, keep: Hashable) -> list[int]:
+        """``n`` blocks, evicting idle conversations (least recently used first) for them.
+
+        The check and the allocation happen with no await in between, so blocks freed for this
+        turn cannot be taken by another turn first.
+        """
+        if n > self.allocator.capacity:
+            raise OutOfBlocksError(
+                f"need {n} blocks, the cache has {self.allocator.capacity} in all; give the "
+                "cache more blocks or the turn fewer tokens",
+                wanted=n,
+                free=self.allocator.num_free,
+            )
+        while not self.allocator.can_allocate(n):
+            victim = next(
+                (c for c, v in self._convs.items() if c != keep and v.state is _State.IDLE), None
+            )
+            if victim is not None:
+                await self._evict(victim)
+                continue
+            pending = [v.evicted for v in self._convs.values() if v.state is _State.EVICTING]
+            if pending and pending[0] is not None:
+                await pending[0].wait()  # its blocks come back when its save ends
+                continue
+            raise OutOfBlocksError(
+                f"need {n} free blocks, {self.allocator.num_free} are free and every "
+                "other resident conversation is busy; give the cache more blocks",
+                wanted=n,
+                free=self.allocator.num_free,
+            )
+        return self.allocator.allocate(n)
 
     async def evict(self, conv_id: Hashable) -> SaveResult | None:
-        """Save a conversation's full chunks through the engine, then free its blocks."""
+        """Save an idle conversation's full chunks through the engine, then free its blocks.
+
+        Raises:
+            ConversationBusyError: the conversation is in a turn or already being evicted.
+        """
         conv = self._get(conv_id)
-        if conv.busy:
-            raise ConfigError(f"conversation {conv_id!r} is busy (admitted, not committed)")
-        saved = None
-        if conv.valid >= self.engine.layout.chunk_tokens:
-            saved = await self.engine.save(conv.tokens[: conv.valid], self.cache, conv.blocks)
-            self._stats["saved_tokens"] += saved.saved_tokens
-        del self._convs[conv_id]
-        self.allocator.free(conv.blocks)
-        self._stats["evictions"] += 1
+        if conv.state is not _State.IDLE:
+            raise self._busy(conv_id, conv, "evict it")
+        return await self._evict(conv_id)
+
+    async def _evict(self, conv_id: Hashable) -> SaveResult | None:
+        conv = self._convs[conv_id]
+        conv.state, conv.evicted = _State.EVICTING, anyio.Event()
+        try:
+            saved = None
+            if conv.valid >= self.engine.layout.chunk_tokens:
+                saved = await self.engine.save(conv.tokens[: conv.valid], self.cache, conv.blocks)
+        except BaseException:
+            conv.state = _State.IDLE  # the save failed or was cancelled: it stays resident
+            raise
+        else:
+            del self._convs[conv_id]
+            self.allocator.free(conv.blocks)
+            self._stats["evictions"] += 1
+            if saved is not None:
+                self._stats["saved_tokens"] += saved.saved_tokens
+        finally:
+            conv.evicted.set()
         return saved
 
     def drop(self, conv_id: Hashable) -> None:
-        """Forget a conversation without saving it (its blocks are freed)."""
-        conv = self._convs.pop(conv_id, None)
-        if conv is not None:
-            self.allocator.free(conv.blocks)
+        """Forget an idle conversation without saving it (its blocks are freed).
+
+        Raises:
+            ConversationBusyError: the conversation is in a turn or being evicted.
+        """
+        conv = self._convs.get(conv_id)
+        if conv is None:
+            return
+        if conv.state is not _State.IDLE:
+            raise self._busy(conv_id, conv, "drop it")
+        del self._convs[conv_id]
+        self.allocator.free(conv.blocks)
 
     async def admit(
         self, conv_id: Hashable, tokens: TokensLike, *, reserve_tokens: int = 0
@@ -301,58 +397,128 @@ class ConversationCache:
 
         Resident and ``tokens`` extends what the cache holds: reuse it in place (growing the
         block table). Otherwise admit it through bsr (:func:`admit`), evicting least recently
-        used idle conversations until its blocks fit.
+        used idle conversations until its blocks fit. A conversation being evicted is waited
+        for, then admitted through bsr.
+
+        Raises:
+            ConversationBusyError: a turn of ``conv_id`` is already in flight.
+            OutOfBlocksError: the blocks cannot be found even after evicting every idle
+                conversation (nothing is kept: the turn took no blocks).
         """
         toks = [int(t) for t in as_token_array(tokens)]
         n = len(toks)
-        bt = self.cache.block_tokens
-        need = blocks_for(n + reserve_tokens, bt)
+        if n == 0:
+            raise ConfigError("admit needs at least one token")
+        non_negative_int(reserve_tokens, "reserve_tokens")
+        need = blocks_for(n + reserve_tokens, self.cache.block_tokens)
+        while True:
+            conv = self._convs.get(conv_id)
+            if conv is None or conv.state is _State.IDLE:
+                break
+            if conv.state is _State.EVICTING and conv.evicted is not None:
+                await conv.evicted.wait()  # then resident again (save failed) or gone
+                continue
+            raise self._busy(conv_id, conv, "admit another turn")
         self._stats["admitted"] += 1
-        conv = self._convs.get(conv_id)
-        if conv is not None and conv.busy:
-            raise ConfigError(f"conversation {conv_id!r} is already admitted; commit it first")
-        if conv is not None and toks[: conv.valid] == conv.tokens[: conv.valid] and conv.valid:
-            self._convs.move_to_end(conv_id)
-            conv.busy = True
-            try:
-                grow = max(0, need - len(conv.blocks))
-                await self._make_room(grow, conv_id)
-                conv.blocks += self.allocator.allocate(grow)
-            except BaseException:
-                conv.busy = False
-                raise
-            cached = min(conv.valid, n - 1)
-            conv.tokens, conv.valid = toks, cached
-            self._stats["resident_hits"] += 1
-            self._stats["prefilled_tokens"] += n - cached
-            return Admission(tuple(conv.blocks), n, cached, "resident")
+        if conv is not None and conv.valid and toks[: conv.valid] == conv.tokens[: conv.valid]:
+            return await self._admit_resident(conv_id, conv, toks, need)
         if conv is not None:  # diverged history: start over
             self.drop(conv_id)
-        await self._make_room(need, conv_id)
-        adm = await admit(
-            self.engine, toks, self.cache, self.allocator, reserve_tokens=reserve_tokens
-        )
-        self._convs[conv_id] = _Conversation(toks, adm.cached_tokens, list(adm.block_ids), True)
+        return await self._admit_new(conv_id, toks, reserve_tokens, need)
+
+    async def _admit_resident(
+        self, conv_id: Hashable, conv: _Conversation, toks: list[int], need: int
+    ) -> Admission:
+        n = len(toks)
+        self._convs.move_to_end(conv_id)
+        conv.state = _State.ADMITTING
+        try:
+            conv.blocks += await self._take_blocks(max(0, need - len(conv.blocks)), conv_id)
+        except BaseException:
+            conv.state = _State.IDLE
+            raise
+        cached = min(conv.valid, n - 1)
+        conv.tokens, conv.valid, conv.state = toks, cached, _State.ADMITTED
+        self._stats["resident_hits"] += 1
+        self._stats["prefilled_tokens"] += n - cached
+        return Admission(tuple(conv.blocks), n, cached, "resident")
+
+    async def _admit_new(
+        self, conv_id: Hashable, toks: list[int], reserve_tokens: int, need: int
+    ) -> Admission:
+        # held from the start, so a second turn of this conversation sees it busy
+        conv = self._convs[conv_id] = _Conversation([], 0, [], _State.ADMITTING)
+        try:
+            conv.blocks = await self._take_blocks(need, conv_id)
+            adm = await admit(
+                self.engine,
+                toks,
+                self.cache,
+                self.allocator,
+                reserve_tokens=reserve_tokens,
+                block_ids=conv.blocks,
+            )
+        except BaseException:
+            del self._convs[conv_id]
+            if conv.blocks:
+                self.allocator.free(conv.blocks)
+            raise
+        conv.tokens, conv.valid, conv.state = toks, adm.cached_tokens, _State.ADMITTED
         if adm.source == "restored":
             self._stats["restored"] += 1
             self._stats["restored_tokens"] += adm.cached_tokens
         self._stats["prefilled_tokens"] += adm.prefill_tokens
         return adm
 
+    def _in_turn(self, conv_id: Hashable, doing: str) -> _Conversation:
+        conv = self._get(conv_id)
+        if conv.state is _State.ADMITTED:
+            return conv
+        if conv.state is _State.IDLE:
+            raise ConfigError(
+                f"cannot {doing}: conversation {conv_id!r} has no turn in flight; admit() first"
+            )
+        raise self._busy(conv_id, conv, doing)
+
     def commit(self, conv_id: Hashable, tokens: TokensLike, valid_tokens: int) -> None:
         """After the model ran: ``tokens`` is the history, ``[0, valid_tokens)`` hold KV."""
-        conv = self._get(conv_id)
+        conv = self._in_turn(conv_id, "commit")
         toks = [int(t) for t in as_token_array(tokens)]
         cap = len(conv.blocks) * self.cache.block_tokens
-        if not 0 <= valid_tokens <= min(len(toks), cap):
+        top = min(len(toks), cap)
+        bad = isinstance(valid_tokens, bool) or not isinstance(valid_tokens, int)
+        if bad or not 0 <= valid_tokens <= top:
             raise ConfigError(
-                f"valid_tokens must be in [0, {min(len(toks), cap)}] (the tokens, and the room "
-                f"of the conversation's {len(conv.blocks)} blocks), got {valid_tokens}"
+                f"valid_tokens must be in [0, {top}] (the tokens, and the room of the "
+                f"conversation's {len(conv.blocks)} blocks), got {valid_tokens!r}"
             )
-        conv.tokens, conv.valid, conv.busy = toks, valid_tokens, False
+        conv.tokens, conv.valid, conv.state = toks, valid_tokens, _State.IDLE
         self._convs.move_to_end(conv_id)
+
+    def abort(self, conv_id: Hashable) -> None:
+        """End a turn without new KV: the conversation keeps what was valid at admission."""
+        conv = self._in_turn(conv_id, "abort")
+        conv.state = _State.IDLE
+
+    @contextlib.asynccontextmanager
+    async def turn(
+        self, conv_id: Hashable, tokens: TokensLike, *, reserve_tokens: int = 0
+    ) -> AsyncIterator[Admission]:
+        """``async with cache.turn(conv_id, history) as adm:`` admit, run the model, commit.
+
+        Leaving the block without :meth:`commit` (an error, a cancellation) aborts the turn.
+        """
+        adm = await self.admit(conv_id, tokens, reserve_tokens=reserve_tokens)
+        try:
+            yield adm
+        finally:
+            conv = self._convs.get(conv_id)
+            if conv is not None and conv.state is _State.ADMITTED:
+                self.abort(conv_id)
 
     async def evict_all(self) -> None:
         """Save and free every idle conversation (e.g. at shutdown)."""
-        for conv_id in [c for c, v in self._convs.items() if not v.busy]:
-            await self.evict(conv_id)
+        for conv_id in list(self._convs):
+            conv = self._convs.get(conv_id)
+            if conv is not None and conv.state is _State.IDLE:
+                await self._evict(conv_id)

@@ -47,6 +47,7 @@ Example::
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -74,6 +75,20 @@ LATENCY_BUCKETS: tuple[float, ...] = (
 )  # fmt: skip
 #: bytes; powers of four from 64 KiB to 16 GiB
 RWS_BUCKETS: tuple[float, ...] = tuple(float(1 << (16 + 2 * i)) for i in range(10))
+
+
+_PREFIX_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _label(value: str) -> str:
+    """A label value every scrape can encode: names are checked to be UTF-8 text when tiers are
+    built, but one unencodable label (a lone surrogate) would make ``generate_latest`` fail for
+    every metric of the registry, so anything that slipped through is escaped, never raised."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    return value
 
 
 #: (attribute, kind, metric name after the prefix, help, labels) of every event metric
@@ -134,8 +149,11 @@ class PrometheusMetrics:
     ) -> None:
         if not hasattr(engine, "subscribe") or not hasattr(engine, "statistics"):
             raise ConfigError(f"engine must be a bsr.RestoreEngine, got {type(engine).__name__}")
-        if not isinstance(prefix, str) or not prefix.replace("_", "").isalnum():
-            raise ConfigError(f"prefix must be letters, digits and '_', got {prefix!r}")
+        if not isinstance(prefix, str) or not _PREFIX_RE.fullmatch(prefix):
+            raise ConfigError(
+                f"prefix must be ASCII letters, digits and '_' (not starting with a digit), "
+                f"got {prefix!r}"
+            )
         self.engine = engine
         self.registry = prometheus_client.REGISTRY if registry is None else registry
         self.prefix = prefix
@@ -171,7 +189,7 @@ class PrometheusMetrics:
             self.restores.labels(outcome, str(record.reason.value)).inc()
             self.restored_tokens.inc(record.committed_tokens)
             for tier, n in record.bytes_by_tier.items():
-                self.restored_bytes.labels(tier).inc(n)
+                self.restored_bytes.labels(_label(tier)).inc(n)
             self.fallbacks.inc(record.fallbacks)
             self.quarantined.inc(record.quarantined)
             self.restore_seconds.labels(outcome).observe(record.timings.total_s)
@@ -182,9 +200,9 @@ class PrometheusMetrics:
         elif isinstance(record, SaveResult):
             self.saves.inc()
             for tier, n in record.bytes_written.items():
-                self.saved_bytes.labels(tier).inc(n)
+                self.saved_bytes.labels(_label(tier)).inc(n)
             for tier, n in record.errors.items():
-                self.save_errors.labels(tier).inc(n)
+                self.save_errors.labels(_label(tier)).inc(n)
             self.save_seconds.observe(record.duration_s)
 
     def close(self) -> None:
@@ -239,7 +257,7 @@ class _EngineCollector(Collector):
         for name, (doc, attr) in gauges.items():
             g = GaugeMetricFamily(f"{p}_tier_{name}", doc, labels=["tier"])
             for t in st.tiers:
-                g.add_metric([t.name], getattr(t, attr))
+                g.add_metric([_label(t.name)], getattr(t, attr))
             yield g
         counters = {
             "hits": "Verified reads served by the tier",
@@ -251,7 +269,7 @@ class _EngineCollector(Collector):
         for name, doc in counters.items():
             c = CounterMetricFamily(f"{p}_tier_{name}", doc, labels=["tier"])
             for t in st.tiers:
-                c.add_metric([t.name], getattr(t, name))
+                c.add_metric([_label(t.name)], getattr(t, name))
             yield c
         bo = GaugeMetricFamily(f"{p}_breaker_open", "1 while the breaker is open", labels=["tier"])
         bt = CounterMetricFamily(f"{p}_breaker_trips", "Times the breaker opened", labels=["tier"])
@@ -259,7 +277,8 @@ class _EngineCollector(Collector):
             f"{p}_breaker_consecutive_failures", "Consecutive failures", labels=["tier"]
         )
         for b in st.breakers:
-            bo.add_metric([b.tier], 1.0 if b.open else 0.0)
-            bt.add_metric([b.tier], b.trips)
-            bf.add_metric([b.tier], b.consecutive_failures)
+            label = [_label(b.tier)]
+            bo.add_metric(label, 1.0 if b.open else 0.0)
+            bt.add_metric(label, b.trips)
+            bf.add_metric(label, b.consecutive_failures)
         yield from (bo, bt, bf)

@@ -284,7 +284,7 @@ def test_lone_surrogate_in_an_object_key_group_is_a_layout_error() -> None:
     ("fields", "fragment"),
     [
         ({"tenant": "acme-\udcff"}, "tenant 'acme-"),
-        ({"model_id": "m-\ud800"}, "Namespace.model_id"),
+        ({"model_id": "m-\ud800"}, "model_id 'm-"),
     ],
 )
 def test_lone_surrogate_in_an_engine_config_is_a_config_error(

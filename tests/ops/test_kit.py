@@ -134,7 +134,7 @@ async def test_conversation_cache_evicts_lru_and_restores(tmp_path: Path) -> Non
         adm_b = await convs.admit("b", b)  # 8 + 8 > 12 blocks: evicts a (saved through bsr)
         assert convs.resident() == ["b"] and convs.statistics().evictions == 1
         assert convs.statistics().saved_tokens == 2 * ct
-        with pytest.raises(bsr.ConfigError, match="already admitted"):
+        with pytest.raises(bsr.ConversationBusyError, match="turn is in flight"):
             await convs.admit("b", b)
         await fill(convs, "b", b, adm_b)
         longer_a = [*a, 7, 7, 7]

@@ -6,11 +6,8 @@ process (each subprocess pays for importing torch).
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,27 +15,7 @@ import anyio
 import pytest
 
 import bsr
-from helpers import filled_cache, make_engine, tokens_for, two_group_layout
-
-
-def bsr_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    """``python -m bsr ARGS`` in a fresh interpreter."""
-    return subprocess.run(
-        [sys.executable, "-m", "bsr", *args], capture_output=True, text=True, timeout=120
-    )
-
-
-def bsr_main(*args: str) -> subprocess.CompletedProcess[str]:
-    """The same command through ``bsr.cli.main`` in this process."""
-    from bsr.cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(list(args))
-        except SystemExit as exc:  # argparse usage errors
-            code = int(exc.code or 0)
-    return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
+from helpers import bsr_cli, bsr_main, filled_cache, make_engine, tokens_for, two_group_layout
 
 
 @pytest.fixture

@@ -294,7 +294,7 @@ def test_cancelled_save_leaves_no_temp_file_and_no_reservation(
             assert s.bytes == on_disk <= 2 * PER_OBJECT
             # whatever reached objects/ is indexed; everything else gave its bytes back
             assert s.objects == len(list((tmp_path / OBJECTS_DIR).rglob("*.bsr")))
-            assert t._index.reserved_bytes == 0
+            assert t._space is not None and t._space.seen.reserved == {}
 
     anyio.run(main, backend=backend)
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .._check import positive_int
+from .._check import positive_int, utf8_text
 from .._errors import ConfigError, LayoutError, UnknownGroupError
 
 #: Byte alignment of group regions inside a staging slot (and of O_DIRECT I/O).
@@ -54,19 +54,10 @@ def _dtype_name(dtype: str | torch.dtype) -> str:
 def utf8_name(value: str, what: str, *, error: type[ConfigError] = LayoutError) -> bytes:
     """``value`` encoded as UTF-8, or ``error`` saying which character cannot be encoded.
 
-    Names and ids are hashed into fingerprints and object ids as UTF-8, so a string that has no
-    UTF-8 form (a lone surrogate, e.g. from bytes decoded with ``errors="surrogateescape"``) is
-    refused here with a message instead of a ``UnicodeEncodeError`` deep inside a save.
+    Names and ids are hashed into fingerprints and object ids as UTF-8 (see
+    :func:`bsr._check.utf8_text`, which this is).
     """
-    try:
-        return value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        bad = value[exc.start : exc.end]
-        raise error(
-            f"{what} {value!r} cannot be encoded as UTF-8: {bad!r} at position {exc.start} is a "
-            "lone surrogate; use valid text (e.g. decode the original bytes with "
-            "errors='replace') or choose another name"
-        ) from None
+    return utf8_text(value, what, error=error)
 
 
 def align_up(n: int, alignment: int = ALIGNMENT) -> int:

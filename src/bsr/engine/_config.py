@@ -25,7 +25,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from .._check import byte_size
+from .._check import (
+    byte_size,
+    fs_path,
+    non_negative_float,
+    non_negative_int,
+    optional_positive_float,
+    positive_float,
+    positive_int,
+    short_repr,
+    text,
+)
 from .._errors import ConfigError
 from ..core._keys import Namespace
 from ..core._layout import StateLayout, utf8_name
@@ -40,15 +50,22 @@ Parser = Callable[[Any, str], Any]
 
 
 # --------------------------------------------------------------------- value parsers
+# Each parser takes (value, key) and returns the normalised value or raises a ConfigError naming
+# the key; the checks themselves live in bsr._check, the vocabulary every constructor uses.
+
+#: a config file larger than this is refused before parsing (a config is a few lines)
+MAX_CONFIG_BYTES = 1 << 20
+#: the largest window (W) a config accepts: more slots than a 16M-token request has 256-token
+#: chunks cannot be used; the engine also checks W x slot bytes against the host's memory
+MAX_WINDOW = 1 << 16
+
+
 def _err(key: str, message: str, value: Any) -> ConfigError:
-    return ConfigError(f"{key}: {message}, got {value!r}", key=key)
+    return ConfigError(f"{key}: {message}, got {short_repr(value)}", key=key)
 
 
 def _size(value: Any, key: str) -> int:
-    try:
-        return byte_size(value, "size")
-    except ConfigError as exc:
-        raise ConfigError(f"{key}: {exc.message.removeprefix('size ')}", key=key) from None
+    return byte_size(value, key, key=key)
 
 
 def _opt_size(value: Any, key: str) -> int | None:
@@ -56,15 +73,15 @@ def _opt_size(value: Any, key: str) -> int | None:
 
 
 def _pos_int(value: Any, key: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise _err(key, "must be a positive int (e.g. 8)", value)
-    return value
+    return positive_int(value, key, key=key)
+
+
+def _window(value: Any, key: str) -> int:
+    return positive_int(value, key, maximum=MAX_WINDOW, key=key)
 
 
 def _nonneg_int(value: Any, key: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise _err(key, "must be an int >= 0", value)
-    return value
+    return non_negative_int(value, key, key=key)
 
 
 def _opt_pos_int(value: Any, key: str) -> int | None:
@@ -72,19 +89,15 @@ def _opt_pos_int(value: Any, key: str) -> int | None:
 
 
 def _pos_float(value: Any, key: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise _err(key, "must be a number > 0 (seconds)", value)
-    return float(value)
+    return positive_float(value, f"{key} (seconds)", key=key)
 
 
 def _nonneg_float(value: Any, key: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-        raise _err(key, "must be a number >= 0 (seconds)", value)
-    return float(value)
+    return non_negative_float(value, f"{key} (seconds)", key=key)
 
 
 def _opt_pos_float(value: Any, key: str) -> float | None:
-    return None if value is None else _pos_float(value, key)
+    return optional_positive_float(value, f"{key} (seconds)", key=key)
 
 
 def _bool(value: Any, key: str) -> bool:
@@ -94,9 +107,7 @@ def _bool(value: Any, key: str) -> bool:
 
 
 def _str(value: Any, key: str) -> str:
-    if not isinstance(value, str) or not value:
-        raise _err(key, "must be a non-empty string", value)
-    return value
+    return text(value, key, key=key)
 
 
 def _opt_str(value: Any, key: str) -> str | None:
@@ -112,12 +123,27 @@ def _policy(value: Any, key: str) -> str:
     return str(value)
 
 
+def _address(value: Any, key: str) -> str | None:
+    if value is None:
+        return None
+    from ..tiers._mooncake import _parse_address  # the check MooncakeTier itself makes
+
+    try:
+        _parse_address(key, _str(value, key))
+    except ConfigError as exc:
+        raise ConfigError(exc.message.replace(f"MooncakeTier.{key}", key), key=key) from None
+    return str(value)
+
+
+def _protocol(value: Any, key: str) -> str:
+    options = ["tcp", "rdma"]
+    if value not in options:
+        raise _err(key, f"must be one of {options}", value)
+    return str(value)
+
+
 def _path(value: Any, key: str) -> str:
-    if isinstance(value, os.PathLike):
-        value = os.fspath(value)
-    if not isinstance(value, str) or not value:
-        raise _err(key, "must be a directory path (a string)", value)
-    return value
+    return fs_path(value, key, key=key)
 
 
 def _reader(value: Any, key: str) -> str:
@@ -147,7 +173,7 @@ def _opt(parser: Parser) -> dict[str, Any]:
 
 #: parsers that take a string as it is (environment values are not JSON-decoded for them)
 _STRING_PARSERS: frozenset[Parser] = frozenset(
-    {_str, _opt_str, _str_or_blank, _policy, _path, _reader}
+    {_str, _opt_str, _str_or_blank, _policy, _path, _reader, _address, _protocol}
 )
 
 
@@ -205,10 +231,10 @@ class MooncakeTierConfig:
 
     kind: ClassVar[str] = "mooncake"
     name: str = field(default="mooncake", metadata=_opt(_str))
-    master_address: str | None = field(default=None, metadata=_opt(_opt_str))
-    client_address: str | None = field(default=None, metadata=_opt(_opt_str))
+    master_address: str | None = field(default=None, metadata=_opt(_address))
+    client_address: str | None = field(default=None, metadata=_opt(_address))
     metadata_server: str = field(default="P2PHANDSHAKE", metadata=_opt(_str))
-    protocol: str = field(default="tcp", metadata=_opt(_str))
+    protocol: str = field(default="tcp", metadata=_opt(_protocol))
     rdma_devices: str = field(default="", metadata=_opt(_str_or_blank))
     local_hostname: str = field(default="127.0.0.1", metadata=_opt(_str))
     global_segment_size: int = field(default=0, metadata=_opt(_size_or_zero))
@@ -276,7 +302,7 @@ def _tier(value: Any, key: str) -> TierConfig:
     if not isinstance(value, Mapping):
         raise _err(key, 'must be a table/dict such as {"kind": "file", "path": ...}', value)
     kind = value.get("kind")
-    if kind not in _TIER_KINDS:
+    if not isinstance(kind, str) or kind not in _TIER_KINDS:
         raise _err(f"{key}.kind", f"must be one of {sorted(_TIER_KINDS)}", kind)
     cls = _TIER_KINDS[kind]
     rest = {k: v for k, v in value.items() if k != "kind"}
@@ -328,7 +354,7 @@ class EngineConfig:
     """
 
     tiers: tuple[TierConfig, ...] = field(metadata=_opt(_tiers))
-    window: int = field(default=8, metadata=_opt(_pos_int))
+    window: int = field(default=8, metadata=_opt(_window))
     io_depth: int = field(default=4, metadata=_opt(_pos_int))
     chunk_tokens: int | None = field(default=None, metadata=_opt(_opt_pos_int))
     policy: str = field(default="all_or_nothing", metadata=_opt(_policy))
@@ -383,15 +409,29 @@ class EngineConfig:
                 raise ConfigError(
                     "reading TOML on Python 3.10 needs the tomli package; pip install tomli"
                 ) from None
-        p = Path(path)
+        p = Path(fs_path(path, "config file path"))
         try:
             with p.open("rb") as fh:
-                data = tomllib.load(fh)
+                raw = fh.read(MAX_CONFIG_BYTES + 1)
         except OSError as exc:
             raise ConfigError(
                 f"cannot read config file {str(p)!r}: {exc.strerror or exc}"
             ) from None
-        except tomllib.TOMLDecodeError as exc:
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise ConfigError(
+                f"config file {str(p)!r} is larger than {MAX_CONFIG_BYTES} bytes; "
+                "an engine config is a few lines"
+            )
+        try:
+            data = tomllib.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise ConfigError(
+                f"config file {str(p)!r} is not UTF-8 text (byte {raw[exc.start]:#04x} at "
+                f"offset {exc.start}); TOML files are UTF-8"
+            ) from None
+        except RecursionError:
+            raise ConfigError(f"config file {str(p)!r} nests tables or arrays too deeply") from None
+        except ValueError as exc:  # TOMLDecodeError, or an integer too long to convert
             raise ConfigError(f"config file {str(p)!r} is not valid TOML: {exc}") from None
         if "bsr" in data:
             table = data["bsr"]
@@ -436,7 +476,9 @@ class EngineConfig:
                 continue
             try:
                 data[name] = json.loads(raw)
-            except json.JSONDecodeError:
+            except RecursionError:
+                raise ConfigError(f"{var}: nests lists or tables too deeply", key=var) from None
+            except ValueError:  # not JSON (or an integer too long to convert)
                 if name == "tiers":
                     raise ConfigError(
                         f"{var} must be a JSON list of tier tables, e.g. "
@@ -481,6 +523,30 @@ class EngineConfig:
         return Namespace(self.model_id, tp_rank=tp_rank, tp_size=tp_size, salt=salt)
 
 
+def host_memory_bytes() -> int | None:
+    """Physical memory of this host in bytes (None where the OS does not say)."""
+    try:
+        pages, page = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+    return pages * page if pages > 0 and page > 0 else None
+
+
+def _check_window_memory(window: int, layout: StateLayout) -> None:
+    """The staging window (W x slot bytes, allocated once when the engine opens) must fit in the
+    host's physical memory: a larger one can only fail (ENOMEM) or swap, so it is refused here,
+    naming ``window``, before anything is allocated."""
+    need = window * layout.slot_bytes
+    have = host_memory_bytes()
+    if have is not None and need > have:
+        raise ConfigError(
+            f"window: {window} staging slots of {layout.slot_bytes} bytes need {need} bytes, "
+            f"more than this host's {have} bytes of memory; lower window to at most "
+            f"{max(1, have // layout.slot_bytes // 2)} (half the memory) or less",
+            key="window",
+        )
+
+
 def engine_from_config(
     config: EngineConfig,
     *,
@@ -512,11 +578,12 @@ def engine_from_config(
         raise ConfigError(f"layout must be a StateLayout, got {type(layout).__name__}")
     if config.chunk_tokens is not None and config.chunk_tokens != layout.chunk_tokens:
         raise ConfigError(
-            f"chunk_tokens: the config says {config.chunk_tokens} but the layout has "
+            f"chunk_tokens: the config says {short_repr(config.chunk_tokens)} but the layout has "
             f"chunk_tokens={layout.chunk_tokens}; make them agree (or leave chunk_tokens unset "
             "to take the layout's)",
             key="chunk_tokens",
         )
+    _check_window_memory(config.window, layout)
     if namespace is None:
         rank = 0 if coordinator is None else coordinator.rank
         size = 1 if coordinator is None else coordinator.world_size

@@ -29,7 +29,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 
-from .._check import positive_float
+from .._check import positive_float, text
 from .._errors import ClosedError, ConfigError
 from .._log import logger
 from ..core._keys import ChunkKey, ObjectKey
@@ -185,7 +185,8 @@ class Tier(abc.ABC):
     inline_reads: ClassVar[bool] = False
 
     def __init__(self, name: str) -> None:
-        self.name = name
+        # a name is a log field, a result key and a metric label: text with a UTF-8 form
+        self.name = text(name, "tier name")
         self._closed = False
         self._counters = _Counters()
         self._counters_lock = threading.Lock()

@@ -7,6 +7,7 @@ kernel (a hung mount) never holds its caller past a deadline or a cancellation.
 How it works::
 
     <root>/.bsr-tier                        marker: {"kind": "bsr.FileTier", "version": 1}
+    <root>/.bsr-ledger                      shared accounting; its flock is the root's lock
     <root>/objects/<id[:2]>/<id>.bsr        visible objects (id = hex digest of key + group)
     <root>/tmp/<id>.<pid>.<rand>.tmp        objects being written (never visible)
     <root>/quarantine/<id>.<reason>.<rand>  objects that failed verification, kept for inspection
@@ -20,14 +21,18 @@ prove are its own: regular files whose names match its exact grammar (``TMP_NAME
 of files) is junk: skipped, counted (``statistics().junk``), logged once per open, never
 followed, opened, deleted or moved.
 
-A write reserves its bytes in the :class:`~bsr.tiers._lru.LruIndex` (evicting least recently
-used, unpinned objects) before the temp file is written, is fsync'ed, renamed into ``objects/``
-and the directory fsync'ed; only then is it committed to the index, so a probe never sees a
-partial object (invariant 6) and concurrent writers never overshoot ``capacity_bytes``. Every
-failure path removes the temp file and gives the reservation back. On open the index is rebuilt
-by scanning ``objects/`` (each header is checked against the file size; damaged files are
-quarantined), temp files of dead writers are removed, and the index is trimmed to capacity
-(claiming the root and the scan live in :mod:`bsr.tiers._fileroot`, with the layout's names).
+Several processes may share a root: the capacity is accounted in a ledger in the root, changed
+only under the root's lock (:mod:`bsr.tiers._shared`). A write reserves its bytes there
+(evicting least recently used objects this process's :class:`~bsr.tiers._lru.LruIndex` holds
+unpinned) and creates its temp file, is written and fsync'ed, renamed into ``objects/`` under the
+lock and the directory fsync'ed; only then is it added to the index, so a probe never sees a
+partial object (invariant 6) and concurrent writers, of this process or others, never overshoot
+``capacity_bytes``. Every failure path removes the temp file and gives the reservation back. A
+probe asks the directory for objects the index lacks (another process wrote them). On open the
+index is rebuilt by scanning ``objects/`` (each header is checked against the file size; damaged
+files are quarantined), temp files of dead writers are removed, and the root is trimmed to
+capacity (claiming the root and the scan live in :mod:`bsr.tiers._fileroot`, with the layout's
+names).
 Files are opened relative to directory descriptors of the tree with ``O_NOFOLLOW | O_NONBLOCK``
 and ``fstat``-checked (:func:`~bsr.tiers._readers.open_regular`): a read never leaves the root
 and never blocks on a FIFO. Permission and I/O errors are I/O errors (``TierIOError``; skipped
@@ -36,17 +41,17 @@ and counted as ``unreadable`` on open), never corruption.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
-import secrets
-import stat
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import anyio
 
-from .._check import positive_int
+from .._check import fs_path, positive_int
 from .._errors import (
     ClosedError,
     ConfigError,
@@ -66,7 +71,7 @@ from ..core._object import (
     payload_checksum,
     verify_payload,
 )
-from ._base import as_byte_view, as_payload_view
+from ._base import TierStatistics, TierUsage, as_byte_view, as_payload_view
 from ._fileroot import (
     _ID_RE as _ID_RE,  # read by bsr store
 )
@@ -92,7 +97,7 @@ from ._fileroot import (
     object_relpath,
 )
 from ._fileroot import _fsync_dir as _fsync_dir  # read by bsr store
-from ._lru import IndexedTier, LruIndex
+from ._lru import IndexedTier, LruIndex, RoomPending
 from ._readers import (
     NotRegularFileError,
     ObjectReader,
@@ -101,6 +106,7 @@ from ._readers import (
     default_reader,
     open_regular,
 )
+from ._shared import Pending, SharedSpace, ledger_error
 
 #: the on-disk layout, defined in _fileroot and re-exported here
 __all__ = (
@@ -135,7 +141,8 @@ class FileTier(IndexedTier):
 
     Args:
         path: the root: an empty or missing directory (claimed with a ``.bsr-tier`` marker), or
-            one this tier claimed before. One process should own a root at a time.
+            one this tier claimed before. Several processes may share a root (the shared
+            ledger keeps them within ``capacity_bytes`` together; see ``_shared``).
         capacity_bytes: upper bound on stored bytes (file sizes, writes in progress included);
             LRU eviction beyond it, never of an object being read or leased.
         name: tier name for statistics, logs and ``bytes_by_tier``.
@@ -165,7 +172,7 @@ class FileTier(IndexedTier):
         super().__init__(name)
         self.capacity_bytes = positive_int(capacity_bytes, "FileTier.capacity_bytes")
         self.io_threads = positive_int(io_threads, "FileTier.io_threads")
-        self.root = Path(path)
+        self.root = Path(fs_path(path, "FileTier.path"))
         self.reader: ObjectReader = (
             default_reader(reader, direct=direct_io) if isinstance(reader, str) else reader
         )
@@ -177,8 +184,10 @@ class FileTier(IndexedTier):
         # guards _dirs, _busy and _stuck: worker threads touch them
         self._lock = threading.Lock()
         self._dirs: Dirs | None = None
+        self._space: SharedSpace | None = None  # the root's shared ledger (open while _dirs is)
         self._busy = 0  # worker calls using _dirs now (the descriptors close after the last)
-        self._closing: Dirs | None = None  # closed by the last worker to leave after aclose()
+        # closed by the last worker to leave after aclose()
+        self._closing: tuple[Dirs, SharedSpace | None] | None = None
         self._stuck = 0  # abandoned reads whose worker has not returned yet
 
     # ------------------------------------------------------------------ paths
@@ -227,15 +236,23 @@ class FileTier(IndexedTier):
 
     def _open_sync(self) -> ScanReport:
         dirs = self._store.open()
+        space: SharedSpace | None = None
         try:
-            report = self._store.scan(dirs)
-            for _, oid, size in report.found:
-                self._index.put(oid, size, None)
-            victims = self._index.trim()
-            if victims:
-                self._count(evictions=len(victims))
-                self._unlink_objects(dirs, [oid for oid, _ in victims])
+            space = SharedSpace(self._store, dirs, self._index, self.capacity_bytes)
+            report = ScanReport()
+            try:
+                space.attach(report)
+                for _, oid, size in report.found:
+                    self._index.put(oid, size, None)
+                evicted = space.trim()  # a smaller capacity than the root holds now
+                space.peak = space.seen.total  # counted from here: what this process keeps
+            except OSError as exc:  # flock or the ledger failed
+                raise ledger_error(self._store, exc) from exc
+            if evicted:
+                self._count(evictions=evicted)
         except BaseException:
+            if space is not None:
+                space.close()
             dirs.close()
             self._index.clear()
             raise
@@ -245,7 +262,7 @@ class FileTier(IndexedTier):
             quarantined=report.quarantined,
         )
         with self._lock:
-            self._dirs = dirs
+            self._dirs, self._space = dirs, space
         return report
 
     async def aclose(self) -> None:
@@ -253,11 +270,12 @@ class FileTier(IndexedTier):
         await super().aclose()
         with self._lock:
             dirs, self._dirs = self._dirs, None
+            space, self._space = self._space, None
             if dirs is not None and self._busy:
-                self._closing = dirs  # the last worker closes them
+                self._closing = (dirs, space)  # the last worker closes them
                 dirs = None
         if dirs is not None:
-            dirs.close()
+            _close(dirs, space)
 
     def _ready(self) -> None:
         self._ensure_open()
@@ -271,11 +289,14 @@ class FileTier(IndexedTier):
             )
 
     def _enter(self) -> Dirs:
+        return self._enter_space()[0]
+
+    def _enter_space(self) -> tuple[Dirs, SharedSpace]:
         with self._lock:
-            if self._dirs is None:
+            if self._dirs is None or self._space is None:
                 raise ClosedError(f"tier {self.name!r} is closed; open a new one", tier=self.name)
             self._busy += 1
-            return self._dirs
+            return self._dirs, self._space
 
     def _leave(self) -> None:
         with self._lock:
@@ -284,7 +305,52 @@ class FileTier(IndexedTier):
             if closing is not None:
                 self._closing = None
         if closing is not None:
-            closing.close()
+            _close(*closing)
+
+    # ------------------------------------------------------------------ shared accounting
+    def usage(self) -> TierUsage:
+        """Objects this process knows; bytes of the whole root as the shared ledger last said
+        (what counts against ``capacity_bytes``, whichever process wrote them)."""
+        space = self._space
+        objects = len(self._index)
+        if space is None:
+            return TierUsage(objects, self._index.bytes, self.capacity_bytes)
+        return TierUsage(objects, space.seen.nbytes, self.capacity_bytes)
+
+    def statistics(self) -> TierStatistics:
+        st = super().statistics()
+        space = self._space
+        return (
+            st
+            if space is None
+            else dataclasses.replace(st, peak_bytes=max(st.peak_bytes, space.peak))
+        )
+
+    async def contains_many(self, objects: Sequence[ObjectKey]) -> list[bool]:
+        """From the index, and for objects it lacks, from the directory (another process may
+        have written them): metadata only, in a worker thread."""
+        self._ready()
+        oids = [o.object_id for o in objects]
+        have = [oid in self._index for oid in oids]
+        unknown = [i for i, h in enumerate(have) if not h]
+        if not unknown:
+            return have
+        sizes = await anyio.to_thread.run_sync(
+            self._probe_sync, [oids[i] for i in unknown], limiter=self._limiter,
+            abandon_on_cancel=True,
+        )  # fmt: skip
+        for i, size in zip(unknown, sizes):
+            if size:
+                self._index.put(oids[i], size, None)
+                have[i] = True
+        return have
+
+    def _probe_sync(self, oids: list[str]) -> list[int]:
+        _, space = self._enter_space()
+        try:
+            return space.probe(oids)
+        finally:
+            self._leave()
 
     # ------------------------------------------------------------------ core (usage, statistics,
     # contains_many and lease come from IndexedTier)
@@ -440,69 +506,102 @@ class FileTier(IndexedTier):
         if self._index.touch(oid):
             return False
         mv = as_payload_view(payload)
-        reservation, victims = await self._index.reserve_waiting(object_size(len(mv)))
+        size = object_size(len(mv))
+        pending = await self._reserve(oid, size)
         renamed: list[bool] = []
-        committed = False
         try:
-            if victims:
-                self._count(evictions=len(victims))
-                await anyio.to_thread.run_sync(
-                    self._unlink_victims, [v for v, _ in victims], limiter=self._limiter
-                )
+            await anyio.to_thread.run_sync(
+                self._write_file, okey, mv, pending, renamed, limiter=self._limiter
+            )
+        except OSError as exc:
+            self._count(errors=1)
+            raise TierIOError(
+                f"writing {object_relpath(oid)} failed: {exc.strerror or exc}",
+                tier=self.name,
+                errno=exc.errno,
+            ) from exc
+        finally:
+            if renamed:  # visible on disk: index it even if the caller was cancelled
+                new = oid not in self._index
+                self._index.put(oid, size, None)
+            else:  # every failure path gives the bytes back and removes the temp file
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(self._abort_sync, pending)
+        if new:
+            self._count(writes=1, bytes_written=len(mv))
+        return new
+
+    async def _reserve(self, oid: str, size: int) -> Pending:
+        """Reserve ``size`` bytes in the shared ledger (evicting), waiting while only writes in
+        progress stand in the way."""
+        poll_s = 0.001
+        while True:
+            out: list[Pending] = []
             try:
-                await anyio.to_thread.run_sync(
-                    self._write_file, okey, mv, renamed, limiter=self._limiter
+                evicted = await anyio.to_thread.run_sync(
+                    self._reserve_sync, oid, size, out, limiter=self._limiter
                 )
+            except RoomPending:
+                await anyio.sleep(poll_s)
+                poll_s = min(poll_s * 2, 0.02)
+                continue
             except OSError as exc:
                 self._count(errors=1)
                 raise TierIOError(
-                    f"writing {object_relpath(oid)} failed: {exc.strerror or exc}",
+                    f"reserving room for {object_relpath(oid)} failed: {exc.strerror or exc}",
                     tier=self.name,
                     errno=exc.errno,
                 ) from exc
-            finally:
-                if renamed:  # visible on disk: index it even if the caller was cancelled
-                    committed = reservation.commit(oid)
-        finally:
-            reservation.abort()  # no-op once committed
-        if committed:
-            self._count(writes=1, bytes_written=len(mv))
-        return committed
+            except BaseException:
+                if out:  # reserved, then cancelled: give it back
+                    with anyio.CancelScope(shield=True):
+                        await anyio.to_thread.run_sync(self._abort_sync, out[0])
+                raise
+            if evicted:
+                self._count(evictions=evicted)
+            return out[0]
 
-    def _write_file(self, okey: ObjectKey, mv: memoryview, renamed: list[bool]) -> None:
+    def _reserve_sync(self, oid: str, size: int, out: list[Pending]) -> int:
+        _, space = self._enter_space()
+        try:
+            pending, evicted = space.reserve(oid, size)
+            out.append(pending)
+            return evicted
+        finally:
+            self._leave()
+
+    def _abort_sync(self, pending: Pending) -> None:
+        try:
+            _, space = self._enter_space()
+        except ClosedError:  # closed meanwhile: the temp file, unlocked now, is a dead writer's
+            if pending.fd >= 0:
+                os.close(pending.fd)
+                pending.fd = -1
+            return
+        try:
+            space.abort(pending)
+        finally:
+            self._leave()
+
+    def _write_file(
+        self, okey: ObjectKey, mv: memoryview, pending: Pending, renamed: list[bool]
+    ) -> None:
         oid = okey.object_id
         header = encode_header(okey, len(mv), payload_checksum(mv))
         pad = b"\x00" * (align_up(len(mv)) - len(mv))
-        tmp = f"{oid}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
-        dirs = self._enter()
+        dirs, space = self._enter_space()
         try:
-            fd = os.open(
-                tmp,
-                os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                0o644,
-                dir_fd=dirs.tmp,
-            )
+            _write_all(pending.fd, [header, mv, pad])
+            if self.fsync:
+                os.fsync(pending.fd)
+            sub_fd = self._object_dir(dirs, oid[:2])
             try:
-                try:
-                    _write_all(fd, [header, mv, pad])
-                    if self.fsync:
-                        os.fsync(fd)
-                finally:
-                    os.close(fd)
-                sub_fd = self._object_dir(dirs, oid[:2])
-                try:
-                    os.replace(tmp, oid + OBJECT_SUFFIX, src_dir_fd=dirs.tmp, dst_dir_fd=sub_fd)
-                    renamed.append(True)
-                    if self.fsync:
-                        os.fsync(sub_fd)
-                finally:
-                    os.close(sub_fd)
+                space.commit(pending, oid, sub_fd)
+                renamed.append(True)
+                if self.fsync:
+                    os.fsync(sub_fd)
             finally:
-                if not renamed:  # every failure path removes the temp file
-                    try:
-                        os.unlink(tmp, dir_fd=dirs.tmp)
-                    except OSError:
-                        pass
+                os.close(sub_fd)
         finally:
             self._leave()
 
@@ -522,30 +621,11 @@ class FileTier(IndexedTier):
             raise
 
     def _unlink_victims(self, oids: list[str]) -> None:
-        dirs = self._enter()
+        _, space = self._enter_space()
         try:
-            self._unlink_objects(dirs, oids)
+            space.unlink(oids)
         finally:
             self._leave()
-
-    def _unlink_objects(self, dirs: Dirs, oids: list[str]) -> None:
-        """Remove our regular files of ``oids``; a symlink or other entry in place stays."""
-        for oid in oids:
-            try:
-                sub_fd = os.open(oid[:2], DIR_FLAGS, dir_fd=dirs.objects)
-            except OSError:
-                continue
-            try:
-                name = oid + OBJECT_SUFFIX
-                st = os.stat(name, dir_fd=sub_fd, follow_symlinks=False)
-                if stat.S_ISREG(st.st_mode):
-                    os.unlink(name, dir_fd=sub_fd)
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                self._log.warning("bsr.tier.unlink_failed", object_id=oid, error=repr(exc))
-            finally:
-                os.close(sub_fd)
 
     async def delete(self, key: ChunkKey, group: str) -> bool:
         self._ensure_open()
@@ -569,16 +649,14 @@ class FileTier(IndexedTier):
         self._index.discard(oid)
 
         def _move() -> None:
-            dirs = self._enter()
+            dirs, space = self._enter_space()
             try:
                 sub_fd = os.open(oid[:2], DIR_FLAGS, dir_fd=dirs.objects)
             except OSError:
                 self._leave()
                 return
             try:
-                moved = self._store.move_to_quarantine(
-                    dirs, sub_fd, oid + OBJECT_SUFFIX, oid, reason
-                )
+                moved, _ = space.quarantine(sub_fd, oid, reason)
                 if moved is Moved.MOVED:
                     self._count(quarantined=1)
                 elif moved is Moved.NOT_REGULAR:
@@ -589,6 +667,12 @@ class FileTier(IndexedTier):
 
         # abandonable, so the engine's bound on a shielded quarantine holds on a hung mount
         await anyio.to_thread.run_sync(_move, limiter=self._limiter, abandon_on_cancel=True)
+
+
+def _close(dirs: Dirs, space: SharedSpace | None) -> None:
+    if space is not None:
+        space.close()
+    dirs.close()
 
 
 def _write_all(fd: int, bufs: list[Any]) -> None:

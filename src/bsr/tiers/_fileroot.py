@@ -4,10 +4,12 @@ Where it runs: worker threads (FileTier opens its root and scans it off the even
 
 How it works: :meth:`StoreRoot.open` claims the root (checks or writes the ``.bsr-tier`` marker)
 and opens descriptors of ``objects/``, ``tmp/`` and ``quarantine/`` with ``O_NOFOLLOW``, so every
-later name resolves inside the tree. :meth:`StoreRoot.scan` then removes dead writers' temp files
-and lists intact objects; it deletes or moves only regular files of bsr's exact name grammar and
-reports everything else as junk, and files it cannot read (EACCES, EIO) as unreadable. The names
-and regular expressions here are the layout's single definition (``bsr store`` reads them too).
+later name resolves inside the tree (:meth:`StoreRoot.open_existing` opens one without changing
+anything, for ``bsr store``). :meth:`StoreRoot.scan_tmp` removes dead writers' temp files and
+:meth:`StoreRoot.scan_objects` lists intact objects (through :func:`walk_objects`, the one walk of
+``objects/``); they delete or move only regular files of bsr's exact name grammar and report
+everything else as junk, and files they cannot read (EACCES, EIO) as unreadable. The names and
+regular expressions here are the layout's single definition (``bsr store`` reads them too).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import os
 import re
 import secrets
 import stat
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +37,8 @@ MARKER_NAME = ".bsr-tier"
 MARKER_KIND = "bsr.FileTier"
 #: layout version this bsr writes and reads; a marker with a higher version is refused
 MARKER_VERSION = 1
+#: the shared ledger (bytes and reservations; its exclusive flock is the root's mutex)
+LEDGER_NAME = ".bsr-ledger"
 OBJECTS_DIR = "objects"
 TMP_DIR = "tmp"
 QUARANTINE_DIR = "quarantine"
@@ -46,11 +51,10 @@ TMP_NAME_RE = re.compile(r"^([0-9a-f]{40})\.([1-9][0-9]{0,9})\.([0-9a-f]{12})\.t
 QUARANTINE_NAME_RE = re.compile(r"^([0-9a-f]{40})\.([a-z0-9_-]{1,40})\.([0-9a-f]{8})$")
 #: an object id: 40 lowercase hex digits
 _ID_RE = re.compile(r"^[0-9a-f]{40}$")
+_FANOUT_RE = re.compile(r"[0-9a-f]{2}")
 _MARKER_TMP_RE = re.compile(r"^\.bsr-tier\.[1-9][0-9]{0,9}\.tmp$")
 #: the entries a bsr 0.1 root (before the marker) may hold
 _LEGACY_ENTRIES = frozenset({OBJECTS_DIR, TMP_DIR, QUARANTINE_DIR})
-#: Linux's PID_MAX_LIMIT: a larger pid in a temp name cannot belong to a live process
-_PID_MAX = 1 << 22
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 JUNK_EXAMPLES = 5
 
@@ -91,20 +95,6 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _pid_alive(pid: int) -> bool:
-    if not 0 < pid <= _PID_MAX:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (OverflowError, ValueError):
-        return False
-    except OSError:  # EPERM: alive, someone else's
-        return True
-    return True
-
-
 def _quarantine_name(oid: str, reason: str) -> str:
     word = re.sub(r"[^a-z0-9_-]", "_", reason.lower())[:40] or "failed"
     return f"{oid}.{word}.{secrets.token_hex(4)}"
@@ -112,7 +102,10 @@ def _quarantine_name(oid: str, reason: str) -> str:
 
 @dataclasses.dataclass
 class Dirs:
-    """Directory descriptors of one open root (reads and writes resolve names relative to them)."""
+    """Directory descriptors of one open root (reads and writes resolve names relative to them).
+
+    -1 stands for a subdirectory that does not exist (only in a root opened read-only).
+    """
 
     root: int
     objects: int
@@ -121,6 +114,8 @@ class Dirs:
 
     def close(self) -> None:
         for fd in (self.objects, self.tmp, self.quarantine, self.root):
+            if fd < 0:  # absent (a root opened by open_existing)
+                continue
             try:
                 os.close(fd)
             except OSError:
@@ -135,6 +130,47 @@ class ScanReport:
     quarantined: int = 0
     #: (mtime_ns, object id, size) of every intact object found
     found: list[tuple[int, str, int]] = dataclasses.field(default_factory=list)
+
+
+def walk_objects(
+    objects_fd: int, report: ScanReport | None = None
+) -> Iterator[tuple[int, str, str]]:
+    """``(subdir fd, file name, object id)`` of every entry of bsr's object grammar in
+    ``objects/`` that is a regular file, by directory descriptors (nothing is followed).
+
+    Everything else (foreign names, symlinks, FIFOs, a symlinked or unopenable fan-out
+    directory) is reported in ``report.junk`` or ``report.unreadable`` and skipped. The subdir
+    descriptor is valid until the next item.
+    """
+    with os.scandir(objects_fd) as it:
+        subs = list(it)
+    for sub in sorted(subs, key=lambda e: e.name):
+        where = f"{OBJECTS_DIR}/{sub.name}"
+        if not _FANOUT_RE.fullmatch(sub.name) or not sub.is_dir(follow_symlinks=False):
+            if report is not None:
+                report.junk.append(where)
+            continue
+        try:
+            sub_fd = os.open(sub.name, DIR_FLAGS, dir_fd=objects_fd)
+        except OSError as exc:
+            kind = classify_read_error(exc)
+            if report is not None and kind is ReadFailure.NOT_REGULAR:
+                report.junk.append(where)
+            elif report is not None and kind is ReadFailure.IO:
+                report.unreadable.append(f"{where} ({exc.strerror or exc})")
+            continue
+        try:
+            with os.scandir(sub_fd) as it:
+                files = sorted(it, key=lambda e: e.name)
+            for f in files:
+                m = OBJECT_NAME_RE.match(f.name)
+                if m is None or m.group(1)[:2] != sub.name or not f.is_file(follow_symlinks=False):
+                    if report is not None:  # not ours (or not a file bsr wrote): left alone
+                        report.junk.append(f"{where}/{f.name}")
+                    continue
+                yield sub_fd, f.name, m.group(1)
+        finally:
+            os.close(sub_fd)
 
 
 class Moved(str, enum.Enum):
@@ -160,19 +196,27 @@ class StoreRoot:
         self.tier = tier
         self.log = log
 
-    def scan(self, dirs: Dirs) -> ScanReport:
-        """Remove dead writers' temp files and list the intact objects (oldest first).
+    def scan_tmp(self, dirs: Dirs, report: ScanReport, dead: Callable[[str], bool]) -> None:
+        """Remove the temp files of dead writers (``dead(name)`` says which) from ``tmp/``.
 
         Raises:
-            TierRootError: ``tmp/`` or ``objects/`` cannot be listed (names the directory).
+            TierRootError: ``tmp/`` cannot be listed.
         """
-        report = ScanReport()
-        for name, step in ((TMP_DIR, self._scan_tmp), (OBJECTS_DIR, self._scan_objects)):
-            try:
-                step(dirs, report)
-            except OSError as exc:
-                raise self._io_error(exc, self.root / name) from exc
-        return report
+        try:
+            self._scan_tmp(dirs, report, dead)
+        except OSError as exc:
+            raise self._io_error(exc, self.root / TMP_DIR) from exc
+
+    def scan_objects(self, dirs: Dirs, report: ScanReport) -> None:
+        """List the intact objects (oldest first); damaged ones are moved to quarantine.
+
+        Raises:
+            TierRootError: ``objects/`` cannot be listed.
+        """
+        try:
+            self._scan_objects(dirs, report)
+        except OSError as exc:
+            raise self._io_error(exc, self.root / OBJECTS_DIR) from exc
 
     def _io_error(self, exc: OSError, path: Path) -> TierRootError:
         return self.error(
@@ -215,14 +259,65 @@ class StoreRoot:
             raise
         return Dirs(root_fd, *fds)
 
+    def open_existing(self, refuse: type[TierRootError] = TierRootError) -> Dirs:
+        """Open a root someone made, changing nothing (for ``bsr store``): the root must hold
+        a valid marker or be a bsr 0.1 store; a missing ``tmp/`` or ``quarantine/`` is -1.
+
+        Raises:
+            TierRootError: a subdirectory that is not a real directory (a symlink, a file), or a
+                bad marker; ``refuse`` (a subclass) when the path is not a directory or not a
+                bsr FileTier root.
+        """
+        hint = "pass the directory given to FileTier(path, ...)"
+        try:
+            root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise refuse(
+                f"{self.root}: is not a directory ({exc.strerror or exc}); {hint}",
+                tier=self.tier,
+                path=str(self.root),
+            ) from None
+        fds: list[int] = []
+        try:
+            try:
+                if not self.check_marker(root_fd):
+                    entries, legacy = self.unmarked_entries(root_fd)
+                    if not legacy:
+                        raise refuse(
+                            f"{self.root}: is not a bsr FileTier store (no {MARKER_NAME} marker, "
+                            f"and it holds {len(entries)} entries, not just {OBJECTS_DIR}/, "
+                            f"{TMP_DIR}/ and {QUARANTINE_DIR}/); {hint}",
+                            tier=self.tier,
+                            path=str(self.root),
+                        )
+            except OSError as exc:
+                raise self._io_error(exc, self.root) from exc
+            for name in (OBJECTS_DIR, TMP_DIR, QUARANTINE_DIR):
+                fds.append(self._subdir(root_fd, name, create=False))
+        except BaseException:
+            for fd in (*fds, root_fd):
+                if fd >= 0:
+                    os.close(fd)
+            raise
+        return Dirs(root_fd, *fds)
+
     def claim(self, root_fd: int) -> None:
         """Check the marker, or write it when the root is empty (or a bsr 0.1 store)."""
+        if not self.check_marker(root_fd):
+            self._claim_unmarked(root_fd)
+
+    def check_marker(self, root_fd: int) -> bool:
+        """Whether the root holds a valid marker (False: none at all).
+
+        Raises:
+            TierRootError: the marker is not a regular file, cannot be read, is not a bsr
+                FileTier marker, or has a newer layout version.
+        """
         marker = self.root / MARKER_NAME
         try:
             fd, st = open_regular(MARKER_NAME, dir_fd=root_fd)
         except FileNotFoundError:
-            self._claim_unmarked(root_fd)
-            return
+            return False
         except NotRegularFileError as exc:
             raise self.error(
                 f"the marker is a {exc.kind}", "remove it, or use another directory", marker
@@ -256,16 +351,27 @@ class StoreRoot:
                 "open it with a newer bsr, or use another directory",
                 marker,
             )
+        return True
+
+    @staticmethod
+    def unmarked_entries(root_fd: int) -> tuple[list[str], bool]:
+        """The root's entries (leftover marker temp files aside) and whether they make a bsr 0.1
+        store: ``objects/`` and nothing but ``objects/``, ``tmp/`` and ``quarantine/``, all
+        real directories (and bsr's regular ledger file)."""
+        entries = [e for e in os.listdir(root_fd) if not _MARKER_TMP_RE.match(e)]
+
+        def ours(e: str) -> bool:
+            mode = os.stat(e, dir_fd=root_fd, follow_symlinks=False).st_mode
+            if e == LEDGER_NAME:  # a ledger left by a newer bsr whose marker was removed
+                return stat.S_ISREG(mode)
+            return e in _LEGACY_ENTRIES and stat.S_ISDIR(mode)
+
+        legacy = OBJECTS_DIR in entries and all(ours(e) for e in entries)
+        return entries, legacy
 
     def _claim_unmarked(self, root_fd: int) -> None:
-        entries = os.listdir(root_fd)
-        leftovers = [e for e in entries if _MARKER_TMP_RE.match(e)]
-        others = [e for e in entries if e not in leftovers]
-        legacy = OBJECTS_DIR in others and all(
-            e in _LEGACY_ENTRIES
-            and stat.S_ISDIR(os.stat(e, dir_fd=root_fd, follow_symlinks=False).st_mode)
-            for e in others
-        )
+        leftovers = [e for e in os.listdir(root_fd) if _MARKER_TMP_RE.match(e)]
+        others, legacy = self.unmarked_entries(root_fd)
         if others and not legacy:
             shown = ", ".join(sorted(others)[:JUNK_EXAMPLES])
             raise self.error(
@@ -300,15 +406,18 @@ class StoreRoot:
             ) from exc
         self.log.info("bsr.tier.claimed", path=str(self.root), legacy=bool(others))
 
-    def _subdir(self, root_fd: int, name: str) -> int:
+    def _subdir(self, root_fd: int, name: str, *, create: bool = True) -> int:
         path = self.root / name
         try:
-            try:
-                os.mkdir(name, 0o755, dir_fd=root_fd)
-            except FileExistsError:
-                pass
+            if create:
+                try:
+                    os.mkdir(name, 0o755, dir_fd=root_fd)
+                except FileExistsError:
+                    pass
             return os.open(name, DIR_FLAGS, dir_fd=root_fd)
         except OSError as exc:
+            if not create and exc.errno == errno.ENOENT:
+                return -1
             if exc.errno in (errno.ELOOP, errno.ENOTDIR):
                 kind = file_kind(os.stat(name, dir_fd=root_fd, follow_symlinks=False).st_mode)
                 raise self.error(
@@ -323,8 +432,7 @@ class StoreRoot:
                 errno=exc.errno,
             ) from exc
 
-    def _scan_tmp(self, dirs: Dirs, report: ScanReport) -> None:
-        me = os.getpid()
+    def _scan_tmp(self, dirs: Dirs, report: ScanReport, dead: Callable[[str], bool]) -> None:
         with os.scandir(dirs.tmp) as it:
             entries = list(it)
         for entry in entries:
@@ -332,8 +440,7 @@ class StoreRoot:
             if m is None or not entry.is_file(follow_symlinks=False):
                 report.junk.append(f"{TMP_DIR}/{entry.name}")
                 continue
-            pid = int(m.group(2))
-            if pid != me and _pid_alive(pid):
+            if not dead(entry.name):
                 continue  # a live writer's file
             try:
                 os.unlink(entry.name, dir_fd=dirs.tmp)
@@ -344,48 +451,22 @@ class StoreRoot:
                 report.unreadable.append(f"{TMP_DIR}/{entry.name} ({exc.strerror or exc})")
 
     def _scan_objects(self, dirs: Dirs, report: ScanReport) -> None:
-        found = report.found
-        with os.scandir(dirs.objects) as it:
-            subs = list(it)
-        for sub in subs:
-            where = f"{OBJECTS_DIR}/{sub.name}"
-            if not re.fullmatch(r"[0-9a-f]{2}", sub.name) or not sub.is_dir(follow_symlinks=False):
-                report.junk.append(where)
-                continue
-            try:
-                sub_fd = os.open(sub.name, DIR_FLAGS, dir_fd=dirs.objects)
-            except OSError as exc:
-                if classify_read_error(exc) is ReadFailure.NOT_REGULAR:
-                    report.junk.append(where)
-                elif classify_read_error(exc) is ReadFailure.IO:
-                    report.unreadable.append(f"{where} ({exc.strerror or exc})")
-                continue
-            try:
-                with os.scandir(sub_fd) as it:
-                    files = list(it)
-                for f in files:
-                    self._scan_one(dirs, sub_fd, sub.name, f, found, report)
-            finally:
-                os.close(sub_fd)
-        found.sort()
+        for sub_fd, name, oid in walk_objects(dirs.objects, report):
+            self._scan_one(dirs, sub_fd, name, oid, report.found, report)
+        report.found.sort()
 
     def _scan_one(
         self,
         dirs: Dirs,
         sub_fd: int,
-        sub: str,
-        f: os.DirEntry[str],
+        name: str,
+        oid: str,
         found: list[tuple[int, str, int]],
         report: ScanReport,
     ) -> None:
-        where = f"{OBJECTS_DIR}/{sub}/{f.name}"
-        m = OBJECT_NAME_RE.match(f.name)
-        if m is None or m.group(1)[:2] != sub or not f.is_file(follow_symlinks=False):
-            report.junk.append(where)  # not ours (or not a file bsr wrote): leave it alone
-            return
-        oid = m.group(1)
+        where = f"{object_relpath(oid)}"
         try:
-            fd, st = open_regular(f.name, dir_fd=sub_fd)
+            fd, st = open_regular(name, dir_fd=sub_fd)
         except (OSError, NotRegularFileError) as exc:
             kind = classify_read_error(exc)
             if kind is ReadFailure.NOT_REGULAR:
@@ -401,7 +482,7 @@ class StoreRoot:
         finally:
             os.close(fd)
         if problem:
-            moved = self.move_to_quarantine(dirs, sub_fd, f.name, oid, problem)
+            moved, _, _ = self.move_to_quarantine(dirs, sub_fd, name, oid, problem)
             if moved is Moved.MOVED:
                 report.quarantined += 1
             elif moved is Moved.NOT_REGULAR:
@@ -422,22 +503,56 @@ class StoreRoot:
             return "truncated"
         return ""
 
-    def move_to_quarantine(self, dirs: Dirs, sub_fd: int, name: str, oid: str, why: str) -> Moved:
-        """Move our regular file ``name`` aside; anything else in its place is left alone."""
+    def move_to_quarantine(
+        self, dirs: Dirs, sub_fd: int, name: str, oid: str, why: str
+    ) -> tuple[Moved, int, str]:
+        """Move our regular file ``name`` aside; anything else in its place is left alone.
+
+        Returns what happened, the size of the file moved (0 unless moved) and its name in
+        ``quarantine/`` ("" unless moved).
+        """
+        dest = _quarantine_name(oid, why)
         try:
             st = os.stat(name, dir_fd=sub_fd, follow_symlinks=False)
             if not stat.S_ISREG(st.st_mode):
                 self.log.warning("bsr.tier.junk", object_id=oid, kind=file_kind(st.st_mode))
-                return Moved.NOT_REGULAR
-            os.replace(
-                name, _quarantine_name(oid, why), src_dir_fd=sub_fd, dst_dir_fd=dirs.quarantine
-            )
+                return Moved.NOT_REGULAR, 0, ""
+            if dirs.quarantine < 0:
+                self.log.warning("bsr.tier.quarantine_failed", object_id=oid, reason=why,
+                                 error=f"no {QUARANTINE_DIR}/ directory")  # fmt: skip
+                return Moved.FAILED, 0, ""
+            os.replace(name, dest, src_dir_fd=sub_fd, dst_dir_fd=dirs.quarantine)
         except FileNotFoundError:
-            return Moved.MISSING
+            return Moved.MISSING, 0, ""
         except OSError as exc:
             self.log.warning(
                 "bsr.tier.quarantine_failed", object_id=oid, reason=why, error=repr(exc)
             )
-            return Moved.FAILED
+            return Moved.FAILED, 0, ""
         self.log.warning("bsr.tier.quarantine", object_id=oid, reason=why)
-        return Moved.MOVED
+        return Moved.MOVED, st.st_size, dest
+
+    @staticmethod
+    def unlink_object(dirs: Dirs, oid: str) -> int | None:
+        """Remove our regular file of ``oid``; the bytes removed, or None when there was none.
+
+        A symlink, FIFO or directory in its place stays (it is not bsr's).
+
+        Raises:
+            OSError: the unlink failed (other than the file being gone).
+        """
+        try:
+            sub_fd = os.open(oid[:2], DIR_FLAGS, dir_fd=dirs.objects)
+        except OSError:
+            return None
+        try:
+            name = oid + OBJECT_SUFFIX
+            st = os.stat(name, dir_fd=sub_fd, follow_symlinks=False)
+            if not stat.S_ISREG(st.st_mode):
+                return None
+            os.unlink(name, dir_fd=sub_fd)
+            return st.st_size
+        except FileNotFoundError:
+            return None
+        finally:
+            os.close(sub_fd)

@@ -223,6 +223,36 @@ class LruIndex(Generic[V]):
             self._entries[oid] = (size, value)
             self._bytes += size  # the peak is taken after trim(): put() may overshoot
 
+    def put_lru(self, oid: str, size: int, value: V) -> bool:
+        """Insert ``oid`` as the least recently used entry unless it is held; whether it was new.
+
+        For objects found on storage that this process has not used (another process wrote
+        them): they are the first candidates for eviction.
+        """
+        with self._lock:
+            if oid in self._entries:
+                return False
+            self._entries[oid] = (size, value)
+            self._entries.move_to_end(oid, last=False)
+            self._bytes += size
+            return True
+
+    def pop_victim(self) -> tuple[str, int, V] | None:
+        """Remove and return the least recently used object not pinned by a read or a lease.
+
+        Selection and removal are one step under the lock, so a read that pins the object first
+        keeps it, and one that comes after misses. The caller deletes its storage.
+        """
+        with self._lock:
+            self._expire_locked()
+            for oid, (size, value) in self._entries.items():
+                if oid not in self._pins and oid not in self._leased:
+                    del self._entries[oid]
+                    self._bytes -= size
+                    self._evictions += 1
+                    return oid, size, value
+            return None
+
     def replace_value(self, oid: str, value: V) -> bool:
         """Swap the value kept for ``oid`` (same size and recency); False when absent."""
         with self._lock:

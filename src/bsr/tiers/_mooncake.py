@@ -152,7 +152,8 @@ def _code_name(rc: int) -> str:
 
 def _parse_address(what: str, address: str) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    digits = port.isascii() and port.isdigit() and len(port) <= 5
+    if not sep or not host or not digits or not 0 < int(port) < 65536:
         raise ConfigError(
             f"MooncakeTier.{what} must be 'host:port', e.g. '127.0.0.1:50051', got {address!r}"
         )

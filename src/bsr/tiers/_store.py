@@ -1,16 +1,23 @@
-"""Offline administration of a FileTier directory: stats, listing, checksum scrub, gc, quarantine.
+"""Administration of a FileTier directory: stats, listing, checksum scrub, gc, quarantine.
 
 Where it runs: an operator's shell (``bsr store ...``) or a maintenance job, on a directory
-that a :class:`~bsr.FileTier` wrote. Plain blocking file I/O, no event loop. ``stats``, ``ls``,
-``verify`` (without ``quarantine``) and ``quarantine list`` only read; ``gc``, ``verify`` with
-``quarantine`` and ``quarantine purge`` change the directory, so run them while no engine has the
-tier open (a running FileTier keeps its index in memory and would not see the change).
+that a :class:`~bsr.FileTier` wrote, possibly while engines have it open. Plain blocking file
+I/O, no event loop. ``stats``, ``ls``, ``verify`` (without ``quarantine``) and ``quarantine
+list`` only read; ``gc`` and ``verify`` with ``quarantine`` change ``objects/`` one object at a
+time under the root's lock, the one every FileTier takes for its own changes (see
+:mod:`bsr.tiers._shared`), and keep the shared ledger exact, so running engines stay within
+their capacity; they see removed objects as misses. ``quarantine purge`` deletes only files of
+the quarantine's own name grammar.
 
-How it works: the layout is FileTier's (``objects/<id[:2]>/<id>.bsr``, ``tmp/``,
-``quarantine/<id>.<reason>.<rand>``). An object's header is parsed with the object format's own
-field table; without the engine's keys an object cannot be matched to a token prefix, so the
-scrub checks what the bytes alone can prove: magic, header checksum, format version, file size
-against the header's payload length, and the payload's xxh3 checksum. The header names its
+How it works: the root is opened the way FileTier opens it (:mod:`bsr.tiers._fileroot`):
+directory descriptors opened with ``O_NOFOLLOW`` (a symlinked ``objects/``, ``quarantine/`` or
+fan-out directory is refused or skipped, never followed), and only regular files of bsr's exact
+name grammar are read, moved or deleted; anything else is junk, counted and left alone. An
+object's header is parsed with the object format's own field table; without the engine's keys
+an object cannot be matched to a token prefix, so the scrub checks what the bytes alone can
+prove: magic, header checksum, format version, file size against the header's payload length,
+and the payload's xxh3 checksum. An object that disappears between the listing and its read
+(evicted or re-saved by a running engine) is counted as gone, not as bad. The header names its
 namespace by fingerprint (model, rank, salt, layout, version) and its group by digest, so stats
 group objects by namespace fingerprint (and name a group when it is one of the usual names). gc
 evicts oldest modification time first, the order a FileTier rebuilds its LRU in on open.
@@ -18,10 +25,9 @@ evicts oldest modification time first, the order a FileTier rebuilds its LRU in 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-import json
 import os
-import secrets
 import stat
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -29,16 +35,29 @@ from pathlib import Path
 
 import xxhash
 
-from .._errors import ConfigError
+from .._errors import ConfigError, TierRootError
 from ..core._keys import FORMAT_VERSION
 from ..core._object import _FIELDS, _SUM_OFFSET, HEADER_SIZE, MAGIC, object_size
-from . import _file
+from ._fileroot import (
+    DIR_FLAGS,
+    OBJECT_SUFFIX,
+    QUARANTINE_NAME_RE,
+    TMP_NAME_RE,
+    Dirs,
+    Moved,
+    ScanReport,
+    StoreRoot,
+    object_relpath,
+    walk_objects,
+)
+from ._readers import NotRegularFileError, open_regular
+from ._shared import SharedSpace
 
 #: group names whose digests ``stats`` and ``ls`` recognise (others show as a digest)
 KNOWN_GROUPS = ("kv", "swa_kv", "swa", "hidden", "mla", "indexer")
 
 
-class NotAStoreError(ConfigError):
+class NotAStoreError(TierRootError):
     """The directory is not a FileTier store."""
 
 
@@ -79,6 +98,8 @@ class StoreStats:
     quarantined: int
     quarantined_bytes: int
     temp_files: int
+    #: entries that are not bsr's (foreign names, symlinks, FIFOs): never read, moved or deleted
+    junk: int = 0
 
 
 @dataclass(frozen=True)
@@ -97,6 +118,9 @@ class VerifyReport:
     checked: int = 0
     bytes: int = 0
     bad: list[BadObject] = field(default_factory=list)
+    #: objects that vanished between the listing and their read (a running engine evicted,
+    #: quarantined or re-saved them): not bad
+    gone: int = 0
 
     @property
     def clean(self) -> bool:
@@ -121,9 +145,54 @@ class QuarantinedFile:
 
 
 # --------------------------------------------------------------------- the directory
-def _marker_name() -> str:
-    name = getattr(_file, "MARKER_NAME", ".bsr-tier")
-    return name if isinstance(name, str) else ".bsr-tier"
+class _Quiet:
+    """The admin commands report through their results (and exit codes), not log events."""
+
+    def _drop(self, event: str, **fields: object) -> None:
+        pass
+
+    info = warning = _drop
+
+
+_log = _Quiet()
+
+
+@contextlib.contextmanager
+def _opened(path: str | os.PathLike[str], *, change: bool = False) -> Iterator[_Admin]:
+    admin = _Admin(Path(path), change=change)
+    try:
+        yield admin
+    finally:
+        admin.close()
+
+
+class _Admin:
+    """An open root: its directory descriptors and, to change it, its shared ledger (lock)."""
+
+    def __init__(self, root: Path, *, change: bool) -> None:
+        self.root = root
+        self.store = StoreRoot(root, "store", _log)
+        self.dirs: Dirs = self.store.open_existing(NotAStoreError)
+        self.space: SharedSpace | None = None
+        if change:
+            try:
+                self.space = SharedSpace(self.store, self.dirs, None, 1, member=False)
+            except BaseException:
+                self.dirs.close()
+                raise
+
+    def close(self) -> None:
+        if self.space is not None:
+            self.space.close()
+        self.dirs.close()
+
+    def objects(self, report: ScanReport | None = None) -> Iterator[tuple[int, str, str]]:
+        if self.dirs.objects >= 0:
+            yield from walk_objects(self.dirs.objects, report)
+
+    def sub(self, oid: str) -> int:
+        """A descriptor of ``oid``'s fan-out directory (OSError when it is gone or not ours)."""
+        return os.open(oid[:2], DIR_FLAGS, dir_fd=self.dirs.objects)
 
 
 def open_store(path: str | os.PathLike[str]) -> Path:
@@ -132,51 +201,10 @@ def open_store(path: str | os.PathLike[str]) -> Path:
 
     Raises:
         NotAStoreError: missing, not a directory, or not a FileTier root.
+        TierRootError: a subdirectory of it is a symlink or a file.
     """
-    root = Path(path)
-    hint = "pass the directory given to FileTier(path, ...)"
-    if not root.is_dir():
-        raise NotAStoreError(f"{str(root)!r} is not a directory; {hint}", path=str(root))
-    marker = root / _marker_name()
-    if marker.is_file() and not marker.is_symlink():
-        kind = getattr(_file, "MARKER_KIND", None)
-        try:
-            found = json.loads(marker.read_text("utf-8")).get("kind")
-        except (OSError, ValueError, AttributeError):
-            found = None
-        if kind is None or found == kind:
-            return root
-        raise NotAStoreError(
-            f"{str(root)!r} has a {marker.name} marker of kind {found!r}, not {kind!r}; {hint}",
-            path=str(root),
-        )
-    entries = {e.name for e in root.iterdir()}
-    if "objects" in entries and entries <= {"objects", "tmp", "quarantine"}:
-        return root
-    raise NotAStoreError(
-        f"{str(root)!r} is not a bsr FileTier store (no {marker.name} marker, and it holds "
-        f"more than objects/, tmp/ and quarantine/); {hint}",
-        path=str(root),
-    )
-
-
-def _object_files(root: Path) -> Iterator[tuple[Path, str]]:
-    """Regular files named like objects, in their fan-out directory; nothing is followed."""
-    objects = root / "objects"
-    if objects.is_symlink() or not objects.is_dir():
-        return
-    for sub in sorted(objects.iterdir()):
-        if sub.is_symlink() or not sub.is_dir():
-            continue
-        for f in sorted(sub.iterdir()):
-            oid = f.name[: -len(".bsr")] if f.name.endswith(".bsr") else ""
-            if not _file._ID_RE.match(oid) or sub.name != oid[:2]:
-                continue
-            try:
-                if stat.S_ISREG(os.lstat(f).st_mode):
-                    yield f, oid
-            except FileNotFoundError:
-                continue
+    with _opened(path) as admin:
+        return admin.root
 
 
 def _group_names() -> dict[bytes, str]:
@@ -186,14 +214,20 @@ def _group_names() -> dict[bytes, str]:
     }
 
 
-def _describe(path: Path, oid: str, names: dict[bytes, str]) -> ObjectInfo:
-    st = path.stat()
+def _describe(
+    admin: _Admin, sub_fd: int, name: str, oid: str, names: dict[bytes, str]
+) -> ObjectInfo:
+    path = admin.root / object_relpath(oid)
+    fd, st = open_regular(name, dir_fd=sub_fd)
     try:
-        with open(path, "rb") as fh:
-            head = fh.read(_FIELDS.size)
-        magic, _v, _f, ns, _key, group, index, plen, _psum, _hsum = _FIELDS.unpack(head)
-    except Exception:
+        head = os.pread(fd, _FIELDS.size, 0)
+    except OSError:
+        head = b""
+    finally:
+        os.close(fd)
+    if len(head) < _FIELDS.size:
         return ObjectInfo(path, oid, st.st_size, st.st_mtime)
+    magic, _v, _f, ns, _key, group, index, plen, _psum, _hsum = _FIELDS.unpack(head)
     if magic != MAGIC:
         return ObjectInfo(path, oid, st.st_size, st.st_mtime)
     return ObjectInfo(
@@ -208,43 +242,75 @@ def _describe(path: Path, oid: str, names: dict[bytes, str]) -> ObjectInfo:
     )
 
 
-def list_objects(path: str | os.PathLike[str]) -> list[ObjectInfo]:
-    """Every visible object, oldest modification first (FileTier's LRU order after open)."""
-    root = open_store(path)
+def _list(admin: _Admin, report: ScanReport | None = None) -> list[ObjectInfo]:
     names = _group_names()
     out = []
-    for f, oid in _object_files(root):
+    for sub_fd, name, oid in admin.objects(report):
         try:
-            out.append(_describe(f, oid, names))
+            out.append(_describe(admin, sub_fd, name, oid, names))
         except FileNotFoundError:
             continue  # removed meanwhile
+        except NotRegularFileError:
+            if report is not None:
+                report.junk.append(object_relpath(oid))
+        except OSError:  # EACCES, EIO: listed, without a header (verify reports it)
+            with contextlib.suppress(OSError):
+                st = os.stat(name, dir_fd=sub_fd, follow_symlinks=False)
+                where = admin.root / object_relpath(oid)
+                out.append(ObjectInfo(where, oid, st.st_size, st.st_mtime))
     out.sort(key=lambda o: (o.mtime, o.object_id))
     return out
 
 
-def list_quarantine(path: str | os.PathLike[str]) -> list[QuarantinedFile]:
-    """Files in ``quarantine/`` (named ``<object id>.<reason>.<rand>``), oldest first."""
-    root = open_store(path)
-    q = root / "quarantine"
-    out = []
-    if q.is_dir():
-        for f in q.iterdir():
-            if f.is_symlink() or not f.is_file():
-                continue
-            parts = f.name.split(".")
-            reason = (
-                ".".join(parts[1:-1]) if len(parts) >= 3 else (parts[1] if len(parts) > 1 else "")
-            )
-            st = f.stat()
-            out.append(QuarantinedFile(f, parts[0], reason, st.st_size, st.st_mtime))
-    out.sort(key=lambda e: (e.mtime, e.path.name))
+def list_objects(path: str | os.PathLike[str]) -> list[ObjectInfo]:
+    """Every visible object, oldest modification first (FileTier's LRU order after open)."""
+    with _opened(path) as admin:
+        return _list(admin)
+
+
+def _quarantine_files(admin: _Admin, report: ScanReport | None = None) -> list[QuarantinedFile]:
+    out: list[QuarantinedFile] = []
+    if admin.dirs.quarantine < 0:
+        return out
+    with os.scandir(admin.dirs.quarantine) as it:
+        entries = list(it)
+    for e in entries:
+        m = QUARANTINE_NAME_RE.match(e.name)
+        if m is None or not e.is_file(follow_symlinks=False):
+            if report is not None:
+                report.junk.append(f"quarantine/{e.name}")
+            continue
+        try:
+            st = e.stat(follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        where = admin.root / "quarantine" / e.name
+        out.append(QuarantinedFile(where, m.group(1), m.group(2), st.st_size, st.st_mtime))
+    out.sort(key=lambda q: (q.mtime, q.path.name))
     return out
+
+
+def list_quarantine(path: str | os.PathLike[str]) -> list[QuarantinedFile]:
+    """Files in ``quarantine/`` of its name grammar (``<object id>.<reason>.<8 hex>``), oldest
+    first; anything else there is not bsr's and is not listed."""
+    with _opened(path) as admin:
+        return _quarantine_files(admin)
 
 
 def store_stats(path: str | os.PathLike[str]) -> StoreStats:
     """Objects and bytes in total and per namespace fingerprint, quarantine and temp files."""
-    root = open_store(path)
-    objs = list_objects(root)
+    with _opened(path) as admin:
+        report = ScanReport()
+        objs = _list(admin, report)
+        quarantined = _quarantine_files(admin, report)
+        temps = 0
+        if admin.dirs.tmp >= 0:
+            with os.scandir(admin.dirs.tmp) as it:
+                for e in it:
+                    if TMP_NAME_RE.match(e.name) and e.is_file(follow_symlinks=False):
+                        temps += 1
+                    else:
+                        report.junk.append(f"tmp/{e.name}")
     per: dict[str, list[ObjectInfo]] = {}
     unreadable = 0
     for o in objs:
@@ -268,10 +334,8 @@ def store_stats(path: str | os.PathLike[str]) -> StoreStats:
                 max_chunk_index=max(o.chunk_index or 0 for o in items),
             )
         )
-    quarantined = list_quarantine(root)
-    tmp = root / "tmp"
     return StoreStats(
-        root=root,
+        root=Path(path),
         objects=len(objs),
         bytes=sum(o.size for o in objs),
         payload_bytes=sum(o.payload_len or 0 for o in objs),
@@ -279,57 +343,66 @@ def store_stats(path: str | os.PathLike[str]) -> StoreStats:
         unreadable=unreadable,
         quarantined=len(quarantined),
         quarantined_bytes=sum(q.size for q in quarantined),
-        temp_files=sum(1 for f in tmp.iterdir() if f.is_file()) if tmp.is_dir() else 0,
+        temp_files=temps,
+        junk=len(report.junk),
     )
 
 
 # --------------------------------------------------------------------- scrub
-def check_object_file(path: Path, *, block: int = 8 << 20) -> tuple[str, str] | None:
-    """``None`` if the file is an intact bsr object, else ``(reason, detail)``.
+#: what :func:`check_object` returns for an object that vanished before or while it was read
+GONE = ("gone", "vanished while verifying (evicted or re-saved by a running engine)")
+
+
+def check_object(sub_fd: int, name: str, *, block: int = 8 << 20) -> tuple[str, str] | None:
+    """``None`` if the object file ``name`` (in the fan-out directory ``sub_fd``) is intact,
+    :data:`GONE` if it is not there (any more), else ``(reason, detail)``.
 
     Reasons are the ones a FileTier uses in quarantine file names: ``truncated``, ``badmagic``,
     ``corrupt`` (header or payload checksum), ``foreign`` (another format version),
-    ``unreadable`` (an I/O error).
+    ``unreadable`` (an I/O error). Opened like FileTier opens it: never following a link or
+    blocking on a FIFO.
     """
     try:
-        with open(path, "rb", buffering=0) as fh:
-            size = os.fstat(fh.fileno()).st_size
-            header = fh.read(HEADER_SIZE)
-            if len(header) < HEADER_SIZE:
-                return "truncated", f"{len(header)} bytes, an object has at least {HEADER_SIZE}"
-            magic, version, flags, _ns, _k, _g, _i, plen, psum, hsum = _FIELDS.unpack_from(header)
-            if magic != MAGIC:
-                return "badmagic", "not a bsr object (bad magic)"
-            scratch = bytearray(header)
-            scratch[_SUM_OFFSET : _SUM_OFFSET + 8] = b"\x00" * 8
-            if xxhash.xxh3_64_intdigest(bytes(scratch)) != hsum:
-                return "corrupt", "header checksum mismatch"
-            if version != FORMAT_VERSION or flags != 0:
-                return "foreign", f"format version {version}, this bsr reads {FORMAT_VERSION}"
-            if object_size(plen) != size:
-                return "truncated", f"file is {size} bytes, header says {object_size(plen)}"
-            h = xxhash.xxh3_64()
-            left = plen
-            buf = bytearray(min(block, max(plen, 1)))
-            view = memoryview(buf)
-            while left:
-                n = fh.readinto(view[: min(left, len(buf))])
-                if not n:
-                    return "truncated", f"payload ends {left} bytes early"
-                h.update(view[:n])
-                left -= n
-            if h.intdigest() != psum:
-                return "corrupt", "payload checksum mismatch"
+        fd, st = open_regular(name, dir_fd=sub_fd)
+    except (FileNotFoundError, NotRegularFileError):
+        return GONE  # what stands there now is not an object of ours
     except OSError as exc:
         return "unreadable", f"{exc.strerror or exc} (errno {exc.errno})"
+    try:
+        return _check_fd(fd, st.st_size, block)
+    except OSError as exc:
+        return "unreadable", f"{exc.strerror or exc} (errno {exc.errno})"
+    finally:
+        os.close(fd)
+
+
+def _check_fd(fd: int, size: int, block: int) -> tuple[str, str] | None:
+    header = os.pread(fd, HEADER_SIZE, 0)
+    if len(header) < HEADER_SIZE:
+        return "truncated", f"{len(header)} bytes, an object has at least {HEADER_SIZE}"
+    magic, version, flags, _ns, _k, _g, _i, plen, psum, hsum = _FIELDS.unpack_from(header)
+    if magic != MAGIC:
+        return "badmagic", "not a bsr object (bad magic)"
+    scratch = bytearray(header)
+    scratch[_SUM_OFFSET : _SUM_OFFSET + 8] = b"\x00" * 8
+    if xxhash.xxh3_64_intdigest(bytes(scratch)) != hsum:
+        return "corrupt", "header checksum mismatch"
+    if version != FORMAT_VERSION or flags != 0:
+        return "foreign", f"format version {version}, this bsr reads {FORMAT_VERSION}"
+    if object_size(plen) != size:
+        return "truncated", f"file is {size} bytes, header says {object_size(plen)}"
+    h = xxhash.xxh3_64()
+    left, offset = plen, HEADER_SIZE
+    while left:
+        chunk = os.pread(fd, min(left, block), offset)
+        if not chunk:
+            return "truncated", f"payload ends {left} bytes early"
+        h.update(chunk)
+        left -= len(chunk)
+        offset += len(chunk)
+    if h.intdigest() != psum:
+        return "corrupt", "payload checksum mismatch"
     return None
-
-
-def _quarantine_file(root: Path, path: Path, oid: str, reason: str) -> Path:
-    dest = root / "quarantine" / f"{oid}.{reason}.{secrets.token_hex(4)}"
-    dest.parent.mkdir(exist_ok=True)
-    os.replace(path, dest)
-    return dest
 
 
 def verify_store(
@@ -343,60 +416,130 @@ def verify_store(
 
     Args:
         path: the store root.
-        quarantine: move each bad object aside (as a FileTier does on a failed read).
+        quarantine: move each bad object aside (as a FileTier does on a failed read), under the
+            root's lock, after checking it again there (a running engine may have saved it
+            again meanwhile).
         progress: called after each object (for a progress bar).
         objects: the objects to check (default: :func:`list_objects`).
     """
-    root = open_store(path)
     report = VerifyReport()
-    for o in list_objects(root) if objects is None else objects:
-        problem = check_object_file(o.path)
-        report.checked += 1
-        report.bytes += o.size
-        if problem is not None:
-            reason, detail = problem
+    with _opened(path, change=quarantine) as admin:
+        for o in _list(admin) if objects is None else objects:
+            report.checked += 1
+            problem = _check_one(admin, o.object_id)
             moved = None
-            if quarantine and o.path.exists():
-                moved = _quarantine_file(root, o.path, o.object_id, reason)
-            report.bad.append(BadObject(o.path, o.object_id, reason, detail, moved))
-        if progress is not None:
-            progress(o)
+            if problem is not None and problem != GONE and quarantine:
+                moved = _move_bad(admin, o.object_id, problem[0])
+            if problem == GONE or moved == "":  # gone, or intact again, when moved
+                report.gone += 1
+            else:
+                report.bytes += o.size
+            if problem is not None and problem != GONE and moved != "":
+                dest = None if moved is None else admin.root / moved
+                report.bad.append(BadObject(o.path, o.object_id, *problem, dest))
+            if progress is not None:
+                progress(o)
     return report
+
+
+def _check_one(admin: _Admin, oid: str) -> tuple[str, str] | None:
+    try:
+        sub_fd = admin.sub(oid)
+    except OSError:
+        return GONE
+    try:
+        return check_object(sub_fd, oid + OBJECT_SUFFIX)
+    finally:
+        os.close(sub_fd)
+
+
+def _move_bad(admin: _Admin, oid: str, reason: str) -> str | None:
+    """Quarantine a bad object under the root's lock: its name in the root, "" when it was gone
+    or intact again by then, None when it could not be moved."""
+    assert admin.space is not None
+    try:
+        sub_fd = admin.sub(oid)
+    except OSError:
+        return ""
+    try:
+
+        def still_bad() -> bool:
+            problem = check_object(sub_fd, oid + OBJECT_SUFFIX)
+            return problem is not None and problem != GONE
+
+        moved, dest = admin.space.quarantine(sub_fd, oid, reason, still_bad=still_bad)
+    finally:
+        os.close(sub_fd)
+    if moved is Moved.MOVED:
+        return f"quarantine/{dest}"
+    return "" if moved is Moved.MISSING else None
 
 
 # --------------------------------------------------------------------- cleanup
 def gc_store(path: str | os.PathLike[str], max_bytes: int, *, dry_run: bool = False) -> GcReport:
-    """Delete oldest objects (by modification time) until at most ``max_bytes`` remain."""
+    """Delete oldest objects (by modification time) until at most ``max_bytes`` remain.
+
+    Each deletion takes the root's lock and updates the shared ledger, like an engine's own
+    eviction; a running engine then misses the objects removed.
+    """
     if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
         raise ConfigError(f"max_bytes must be an int >= 0, got {max_bytes!r}")
-    root = open_store(path)
-    objs = list_objects(root)
-    total = sum(o.size for o in objs)
-    removed: list[ObjectInfo] = []
-    for o in objs:
-        if total <= max_bytes:
-            break
-        if not dry_run:
-            o.path.unlink(missing_ok=True)
-        removed.append(o)
-        total -= o.size
-    if removed and not dry_run:
-        for d in {o.path.parent for o in removed}:
-            _file._fsync_dir(d)
+    with _opened(path, change=not dry_run) as admin:
+        objs = _list(admin)
+        total = sum(o.size for o in objs)
+        victims: list[ObjectInfo] = []
+        for o in objs:
+            if total <= max_bytes:
+                break
+            victims.append(o)
+            total -= o.size
+        removed = victims if dry_run else _remove(admin, victims)
     return GcReport(
         removed=tuple(removed),
         freed_bytes=sum(o.size for o in removed),
         remaining_objects=len(objs) - len(removed),
-        remaining_bytes=total,
+        remaining_bytes=sum(o.size for o in objs) - sum(o.size for o in removed),
     )
+
+
+def _remove(admin: _Admin, victims: list[ObjectInfo], batch: int = 64) -> list[ObjectInfo]:
+    """Unlink ``victims`` a batch at a time under the root's lock; those actually removed."""
+    assert admin.space is not None
+    removed: list[ObjectInfo] = []
+    for i in range(0, len(victims), batch):
+        part = victims[i : i + batch]
+        with admin.space.locked() as led:
+            for o in part:
+                size = admin.store.unlink_object(admin.dirs, o.object_id)
+                if size is not None:
+                    led.nbytes = max(0, led.nbytes - size)
+                    removed.append(o)
+    for sub in sorted({o.object_id[:2] for o in removed}):
+        with contextlib.suppress(OSError):
+            fd = os.open(sub, DIR_FLAGS, dir_fd=admin.dirs.objects)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    return removed
 
 
 def purge_quarantine(
     path: str | os.PathLike[str], *, dry_run: bool = False
 ) -> list[QuarantinedFile]:
-    """Delete every file in ``quarantine/``; returns what was (or would be) deleted."""
-    files = list_quarantine(path)
-    if not dry_run:
+    """Delete the files of ``quarantine/`` that bsr put there (its name grammar, regular
+    files); returns what was (or would be) deleted. Anything else there is left alone."""
+    with _opened(path) as admin:
+        files = _quarantine_files(admin)
+        if dry_run:
+            return files
+        done = []
         for q in files:
-            q.path.unlink(missing_ok=True)
-    return files
+            try:
+                st = os.stat(q.path.name, dir_fd=admin.dirs.quarantine, follow_symlinks=False)
+                if stat.S_ISREG(st.st_mode):
+                    os.unlink(q.path.name, dir_fd=admin.dirs.quarantine)
+                    done.append(q)
+            except FileNotFoundError:
+                continue
+        return done

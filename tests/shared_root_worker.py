@@ -1,0 +1,109 @@
+"""A process holding one FileTier root open beside others, driven line by line on stdin.
+
+Used by ``tests/tiers/test_file_tier_shared.py``: ``python tests/shared_root_worker.py ROOT
+CAPACITY`` opens ``FileTier(ROOT, CAPACITY)`` and an engine over it, prints ``ready PID``, then
+answers one command per line with one line:
+
+- ``write A B``: write objects ``A..B-1`` (payload ``i``) -> ``ok``
+- ``contains A B``: which of objects ``A..B-1`` the tier holds -> ``present 0101...``
+- ``read I``: read object ``I`` -> ``same`` (its payload, verified), ``miss``, or ``error TYPE``
+- ``save N SEED``: the engine saves ``N`` chunks of prompt ``SEED`` -> ``saved CHUNKS``
+- ``restore N SEED``: the engine restores it into a fresh cache -> ``restored STATE TOKENS SAME``
+- ``stats`` -> ``stats OBJECTS BYTES PEAK EVICTIONS``
+- ``quit``: close everything and exit.
+
+Objects and prompts are pure functions of their index, so every process knows what any other
+one wrote.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import anyio
+import numpy as np
+import structlog
+import torch
+
+import bsr
+
+PAYLOAD = 60_000  # one object is 64 KiB on disk (header + payload, padded)
+LAYOUT = bsr.StateLayout(chunk_tokens=16, groups=(bsr.StateGroup("kv", 2, 128, dtype="uint8"),))
+BLOCK = 8
+
+
+NS = bsr.Namespace("shared-objects").fingerprint(LAYOUT)
+
+
+def key(i: int) -> bsr.ChunkKey:
+    return bsr.chunk_keys(NS, list(range(i * 16, i * 16 + 16)), 16)[0]
+
+
+def payload(i: int) -> np.ndarray:
+    return np.random.default_rng(i).integers(0, 256, PAYLOAD, dtype=np.uint8)
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return [seed * 100_000 + t for t in range(n)]
+
+
+def filled(seed: int, n: int) -> bsr.PagedKVCache:
+    cache = bsr.PagedKVCache(LAYOUT, -(-n // BLOCK), BLOCK)
+    t = cache.tensor("kv")
+    t.copy_(torch.randint(0, 256, t.shape, generator=torch.Generator().manual_seed(seed),
+                          dtype=torch.uint8))  # fmt: skip
+    return cache
+
+
+async def serve(root: Path, capacity: int) -> None:
+    tier = bsr.FileTier(root, capacity, reader="posix", fsync=False)
+    engine = bsr.RestoreEngine(LAYOUT, [tier], window=2, io_depth=2,
+                               namespace=bsr.Namespace("shared-root"))  # fmt: skip
+    async with engine:
+        print("ready", flush=True)
+        for line in sys.stdin:
+            cmd, *args = line.split()
+            if cmd == "quit":
+                break
+            print(await run(tier, engine, cmd, [int(a) for a in args]), flush=True)
+
+
+async def run(tier: bsr.FileTier, engine: bsr.RestoreEngine, cmd: str, a: list[int]) -> str:
+    if cmd == "write":
+        for i in range(a[0], a[1]):
+            await tier.write(key(i), "kv", payload(i))
+        return "ok"
+    if cmd == "contains":
+        got = await tier.contains_many([bsr.ObjectKey(key(i), "kv") for i in range(a[0], a[1])])
+        return "present " + "".join("1" if g else "0" for g in got)
+    if cmd == "read":
+        dst = np.zeros(PAYLOAD + 4096, dtype=np.uint8)
+        try:
+            n = await tier.read_into(key(a[0]), "kv", dst)
+        except bsr.ObjectNotFoundError:
+            return "miss"
+        except bsr.BsrError as exc:
+            return f"error {type(exc).__name__}"
+        return "same" if np.array_equal(dst[:n], payload(a[0])) else "DIFFERENT"
+    if cmd in ("save", "restore"):
+        n = a[0] * LAYOUT.chunk_tokens
+        tokens, src = prompt(a[1], n), filled(a[1], n)
+        ids = list(range(src.num_blocks))
+        if cmd == "save":
+            return f"saved {(await engine.save(tokens, src, ids)).chunks}"
+        dst = bsr.PagedKVCache(LAYOUT, src.num_blocks, BLOCK)
+        r = await engine.restore(tokens, dst, ids)
+        k = r.committed_tokens // BLOCK
+        same = torch.equal(dst.tensor("kv")[:, :k], src.tensor("kv")[:, :k])
+        return f"restored {r.state.value} {r.committed_tokens} {same}"
+    if cmd == "stats":
+        s = tier.statistics()
+        return f"stats {s.objects} {s.bytes} {s.peak_bytes} {s.evictions}"
+    return f"unknown {cmd}"
+
+
+if __name__ == "__main__":
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
+    anyio.run(serve, Path(sys.argv[1]), int(sys.argv[2]))
