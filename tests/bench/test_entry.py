@@ -55,6 +55,7 @@ FLAGS = {
     "--vllm-prefixes": None,
     "--vllm-python": None,
     "--vllm-repeats": None,
+    "--vllm-model": "llama",
     "--window": None,
     "--windows": None,
 }
