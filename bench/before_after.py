@@ -6,9 +6,12 @@ neither is the working tree) and a worker subprocess per revision, with that rev
 first on ``PYTHONPATH``, runs the working tree's bench code (``bench/bsr_bench``: it uses only
 the public ``bsr`` API, so it runs against either) to measure the ``overhead`` and
 ``concurrency`` sections, the key derivation of a 512K-token list, numpy array and torch
-tensor, and FileTier restores (``O_DIRECT``) of a Llama-3-8B 8K-token state and of a 512
-KiB-chunk state against the best raw read and the best fio configuration of the same object
-files, plus the W sweep (smallest W at 95% of the best). Rounds alternate the revisions
+tensor, and FileTier restores (``O_DIRECT``, each revision's default reader) of 8K-token
+states of the bench's llama3-8b (32 MiB chunks), dsv4-flash (16 MiB) and kv-512k (512 KiB)
+layouts against the best raw read and the best configuration of the working tree's fio grid on
+the same object files, plus the W sweep (smallest W at 95% of the best), and the SSD concurrency
+figure on the dsv4-flash state (TTFT with one read in flight over TTFT at the revision's default
+depth, fio io_uring qd 64 / qd 1 on the same files beside it). Rounds alternate the revisions
 (ABBA...), so drift on a shared machine hits both alike; the document keeps every round and
 reports, per figure, the median over rounds and the after/before ratio.
 
@@ -70,41 +73,66 @@ def _chunk_keys(ns: bytes, tokens: Any, chunk_tokens: int) -> list[Any]:
         return list(chunk_keys(ns, tokens, chunk_tokens))
 
 
-FILE_LAYOUTS = {  # name: (kv_layout arguments, tokens)
-    "llama3-8b": ({"num_layers": 32, "num_kv_heads": 8, "head_dim": 128}, 8192),
-    "kv-512KiB": ({"num_layers": 2, "num_kv_heads": 2, "head_dim": 64, "dtype": "float32"}, 8192),
+FILE_LAYOUTS = {  # the bench's built-in layouts (bsr_bench.common.layouts): name -> tokens
+    "llama3-8b": 8192,  # 32 MiB chunks
+    "dsv4-flash": 8192,  # 16,408,576 B chunks in two groups (kv, indexer)
+    "kv-512k": 8192,  # 512 KiB chunks
 }
+#: the SSD concurrency figure (the paper's row, small): this layout's saved state restored with
+#: one read in flight and at the revision's default depth, cold (O_DIRECT)
+SSD_LAYOUT = "dsv4-flash"
 
 
 def _sizes(files: list[str]) -> list[int]:
     return [os.path.getsize(f) for f in files]
 
 
+def _file_tier(root: Path, cap: int, read_depth: int | None) -> Any:
+    """Each revision's own default FileTier reader (io_uring where it has one); ``read_depth``
+    where the revision has it (a revision without it reads with the engine's io_depth threads
+    and has no ring depth to set)."""
+    import bsr
+
+    if read_depth is None:
+        return bsr.FileTier(root, cap, direct_io=True)
+    try:
+        return bsr.FileTier(root, cap, direct_io=True, read_depth=read_depth)  # type: ignore[call-arg]
+    except TypeError:
+        return bsr.FileTier(root, cap, direct_io=True)
+
+
 async def _file_worker(repeats: int) -> dict[str, Any]:
-    """FileTier restores (O_DIRECT) vs the best raw read and the best fio configuration of the
-    same object files, rotated; and the W sweep at io_depth min(W, 4)."""
+    """FileTier restores (O_DIRECT) vs the best raw read and the best configuration of the fio
+    grid on the same object files, rotated; the W sweep at io_depth min(W, 4); and the SSD
+    concurrency figure (one read in flight vs the default depth, fio io_uring qd 1 beside it)."""
     import numpy as np
     import torch
 
     import bsr
     from bsr_bench.common import fio
+    from bsr_bench.common.layouts import resolve_layout
     from bsr_bench.common.raw import RawReader
 
     binary = fio.fio_binary()
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="bsr-ba-file-") as tmp:
-        for name, (kv, n) in FILE_LAYOUTS.items():
-            layout = bsr.kv_layout(**kv)  # type: ignore[arg-type]
+        for name, n in FILE_LAYOUTS.items():
+            layout = resolve_layout(name).layout
             root = Path(tmp) / name
             cap = 2 * n * layout.token_bytes + (64 << 20)
             tokens = np.random.default_rng(1).integers(0, 2**31 - 1, size=n, dtype=np.int64)
             blocks = np.arange(n // 16, dtype=np.int64)
             cache = bsr.PagedKVCache(layout, len(blocks), 16)
-            flat = cache.tensor("kv").view(-1)
-            flat[: flat.numel() // 8 * 8].view(torch.int64).random_()
+            for g in layout.groups:
+                flat = cache.tensor(g.name).view(-1)
+                flat[: flat.numel() // 8 * 8].view(torch.int64).random_()
 
-            def engine(w: int, d: int) -> tuple[bsr.RestoreEngine, bsr.FileTier]:
-                tier = bsr.FileTier(root, cap, reader="posix", direct_io=True)  # noqa: B023
+            def engine(
+                w: int,
+                d: int,
+                read_depth: int | None = None,
+            ) -> tuple[bsr.RestoreEngine, bsr.FileTier]:
+                tier = _file_tier(root, cap, read_depth)  # noqa: B023
                 eng = bsr.RestoreEngine(
                     layout,  # noqa: B023
                     [tier],
@@ -118,7 +146,8 @@ async def _file_worker(repeats: int) -> dict[str, Any]:
             async with eng:
                 await eng.save(tokens, cache, blocks)
             ns = bsr.Namespace("ba").fingerprint(layout)
-            files = [str(tier.object_path(k, "kv")) for k in _chunk_keys(ns, tokens, 256)]
+            keys = _chunk_keys(ns, tokens, layout.chunk_tokens)
+            files = [str(tier.object_path(keys[c], g)) for c, g in layout.needed_objects(len(keys))]
             sizes = _sizes(files)
             nbytes, biggest = sum(sizes), max(sizes)
             grid = fio.fitted_grid(fio.FIO_GRID, files) if binary else ()
@@ -155,8 +184,63 @@ async def _file_worker(repeats: int) -> dict[str, Any]:
                 fig["smallest_window_95"] = await _window(
                     engine, tokens[:2048], cache, blocks, repeats
                 )
+            if name == SSD_LAYOUT:
+                fig.update(await _ssd(engine, tokens, cache, blocks, files, repeats, binary))
             out[name] = fig
     return out
+
+
+async def _ssd(
+    engine: Any,
+    tokens: Any,
+    cache: Any,
+    blocks: Any,
+    files: list[str],
+    repeats: int,
+    binary: str | None,
+) -> dict[str, Any]:
+    """TTFT with one read in flight (read depth 1 where the revision has one, io_depth 1) over
+    TTFT at the default (the tier's own depth, io_depth 4, W 8), rotated; fio io_uring at
+    1 MiB blocks, qd 1 and qd 64, on the same files beside it (the device's own ratio)."""
+    from bsr_bench.common import fio
+
+    ttft: dict[str, list[float]] = {"one": [], "default": []}
+    engines = {"one": engine(8, 1, 1)[0], "default": engine(8, 4)[0]}
+    grid = (
+        fio.fitted_grid(
+            [fio.FioConfig("io_uring", 1 << 20, 1), fio.FioConfig("io_uring", 1 << 20, 64)], files
+        )
+        if binary
+        else ()
+    )
+    fio_bw: dict[int, list[float]] = {c.depth: [] for c in grid}
+    for e in engines.values():
+        await e.open()
+    try:
+        for r in range(repeats):
+            order = ["one", "default"] if r % 2 == 0 else ["default", "one"]
+            for which in order:
+                t0 = time.perf_counter()
+                res = await engines[which].restore(tokens, cache, blocks)
+                ttft[which].append(time.perf_counter() - t0)
+                if not res.committed:
+                    raise SystemExit(f"ssd {which}: restore ended {res.state} ({res.reason})")
+            for c in grid:
+                fio_bw[c.depth].append(
+                    fio.run_fio(binary or "fio", files, c, direct=True).bandwidth_Bps
+                )
+    finally:
+        for e in engines.values():
+            await e.aclose()
+    one, default = (statistics.median(ttft[k]) for k in ("one", "default"))
+    fig = {
+        "ssd_ttft_1_s": one,
+        "ssd_ttft_default_s": default,
+        "ssd_ttft_1_vs_default": one / default,
+    }
+    if grid:
+        fig["ssd_fio_qd64_vs_qd1"] = statistics.median(fio_bw[64]) / statistics.median(fio_bw[1])
+    return fig
 
 
 async def _window(engine: Any, tokens: Any, cache: Any, blocks: Any, repeats: int) -> int:
@@ -284,9 +368,22 @@ MARKDOWN_ROWS = (
     ("keys.512K.list_s", "keys of a 512K-token list", 1e3, "ms"),
     ("keys.512K.numpy_s", "keys of a 512K-token numpy array", 1e3, "ms"),
     ("file.llama3-8b.bsr_vs_fio", "FileTier llama3-8b 8K: BSR / best fio bandwidth", 1, ""),
+    ("file.dsv4-flash.bsr_vs_fio", "FileTier dsv4-flash 8K: BSR / best fio bandwidth", 1, ""),
     ("file.llama3-8b.bsr_vs_raw", "FileTier llama3-8b 8K: BSR / best raw bandwidth", 1, ""),
-    ("file.kv-512KiB.bsr_vs_raw", "FileTier 512 KiB chunks: BSR / best raw bandwidth", 1, ""),
-    ("file.kv-512KiB.bsr_vs_fio", "FileTier 512 KiB chunks: BSR / best fio bandwidth", 1, ""),
+    ("file.kv-512k.bsr_vs_raw", "FileTier 512 KiB chunks: BSR / best raw bandwidth", 1, ""),
+    ("file.kv-512k.bsr_vs_fio", "FileTier 512 KiB chunks: BSR / best fio bandwidth", 1, ""),
+    (
+        "file.dsv4-flash.ssd_ttft_1_vs_default",
+        "SSD concurrency, dsv4-flash 8K cold: TTFT at 1 read in flight / at the default",
+        1,
+        "",
+    ),
+    (
+        "file.dsv4-flash.ssd_fio_qd64_vs_qd1",
+        "the device beside it: fio io_uring 1 MiB qd 64 / qd 1 bandwidth",
+        1,
+        "",
+    ),
     ("file.llama3-8b.smallest_window_95", "smallest W at 95% of the best (2K tokens)", 1, ""),
     (
         "concurrency.N8.aggregate_vs_single",
@@ -318,6 +415,14 @@ def markdown(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _load() -> list[float] | None:
+    """The 1, 5 and 15 minute load averages (other work on a shared machine)."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--before", default="17a7d59", help="the earlier revision (default 17a7d59)")
@@ -340,29 +445,31 @@ def main(argv: list[str] | None = None) -> int:
         trees = {"before": Path(tmp) / "before", "after": Path(tmp) / "after"}
         commits = {k: _export(getattr(ns, k), t) for k, t in trees.items()}
         rounds: dict[str, list[dict[str, float]]] = {"before": [], "after": []}
+        load_start = _load()
+        loads: list[dict[str, Any]] = []
         for r in range(ns.rounds):
             order = ["before", "after"] if r % 2 == 0 else ["after", "before"]
             for which in order:
+                load = _load()
                 doc = _run_worker(trees[which], ns.repeats, Path(tmp) / f"{which}-{r}.json")
                 rounds[which].append(_figures(doc))
-                print(f"round {r} {which} done", file=sys.stderr)
+                loads.append({"round": r, "revision": which, "load_average_before": load})
+                print(f"round {r} {which} done (load {load})", file=sys.stderr)
     names = sorted(rounds["before"][0])
     summary = {}
     for name in names:
         b = statistics.median(x[name] for x in rounds["before"])
         a = statistics.median(x[name] for x in rounds["after"])
         summary[name] = {"before": b, "after": a, "after_vs_before": a / b if b else None}
-    try:
-        load: list[float] | None = [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        load = None
     doc_out = {
         "tool": "bench/before_after.py",
         "started_at": stamp,
         "commits": commits,
         "args": vars(ns),
         "cpus": os.cpu_count(),
-        "load_average_end": load,
+        "load_average_start": load_start,
+        "load_average_end": _load(),
+        "load_average_per_worker": loads,
         "note": "medians over alternating rounds of medians over repeats; a shared machine, so "
         "read the after/before ratios, not the absolute figures",
         "rounds": rounds,

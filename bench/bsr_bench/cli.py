@@ -23,6 +23,7 @@ import structlog
 from . import hcache, vllm_hybrid, vllm_ttft
 from .common.stats import BenchError
 from .paper import options as paper_options
+from .paper import ssd
 from .restore import options as restore_options
 
 Program = Callable[[argparse.Namespace], dict[str, Any]]
@@ -32,6 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """Every ``bsr bench`` flag."""
     restore_options.add_arguments(p)
     paper_options.add_arguments(p)  # --l1-ladder, --tp
+    ssd.add_arguments(p)  # --ssd-concurrency
     vllm_ttft.add_arguments(p)  # --engine vllm
     vllm_hybrid.add_arguments(p)  # --engine vllm --vllm-model gemma3-tiny
     hcache.add_arguments(p)  # --hcache
@@ -42,8 +44,8 @@ def build_parser(prog: str = "bsr bench") -> argparse.ArgumentParser:
         prog=prog,
         description="Save states of growing size, restore them with BSR (bounded window) and "
         "the whole-plan baseline, read the same files raw, prefill the same tokens, and write "
-        "one JSON document plus plots (see bench/README.md). --l1-ladder, --tp, --hcache and "
-        "--engine vllm run the other programs instead.",
+        "one JSON document plus plots (see bench/README.md). --l1-ladder, --tp, "
+        "--ssd-concurrency, --hcache and --engine vllm run the other programs instead.",
     )
     add_arguments(parser)
     return parser
@@ -57,6 +59,8 @@ def program(ns: argparse.Namespace) -> tuple[str, Program]:
         return "--engine vllm --vllm-model gemma3-tiny", vllm_hybrid.run_from_namespace
     if ns.engine == "vllm":  # TTFT inside vLLM's CPU engine
         return "--engine vllm", vllm_ttft.run_from_namespace
+    if ns.ssd_concurrency:  # the paper's SSD concurrency row
+        return "--ssd-concurrency", ssd.run_ssd
     if ns.l1_ladder or ns.tp:  # paper scale
         from . import paper
 

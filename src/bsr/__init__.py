@@ -74,6 +74,7 @@ from .tiers._host import HostTier as HostTier
 from .tiers._mooncake import MooncakeTier as MooncakeTier
 from .tiers._readers import KvikioReader as KvikioReader
 from .tiers._readers import PosixReader as PosixReader
+from .tiers._readers import UringReader as UringReader
 from .transfer._cache import PagedKVCache as PagedKVCache
 from .transfer._staging import StagingPool as StagingPool
 from .transfer._staging import StagingStatistics as StagingStatistics
@@ -125,6 +126,7 @@ __all__ = (
     "PagedKVCache",
     "Policy",
     "PosixReader",
+    "UringReader",
     "Probe",
     "Reason",
     "RequestLifecycle",

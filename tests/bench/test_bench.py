@@ -173,7 +173,7 @@ def test_quick_remote_mooncake(tmp_path: Path) -> None:
     jsonschema.validate(doc, load_schema())
     assert doc["args"]["remote"] == "mooncake" and doc["remote"]["tier"] == "mooncake"
     window = doc["config"]["window"]
-    assert {p["layout"] for p in doc["results"]} == {"llama3-8b", "dsv4-flash"}
+    assert {p["layout"] for p in doc["results"]} == {"llama3-8b", "dsv4-flash", "kv-512k"}
     for p in doc["results"]:
         r = p["remote"]
         assert r["tier"] == "mooncake"
@@ -195,6 +195,7 @@ ISSUE_TARGETS = {
     "per_chunk_overhead_small_s",
     "host_restore_vs_memcpy_large",
     "keys_list_s",
+    "keys_numpy_s",
     "concurrent_aggregate_vs_single",
     "concurrent_staging_within_window",
     "smallest_window_at_95pct",
@@ -393,15 +394,28 @@ def test_issue_targets_follow_the_sections() -> None:
             "points": [ov(4096, 19e-6, 0.01), ov(8 << 20, 1e-3, 0.7), ov(32 << 20, 1e-3, 0.55)]
         },
         "results": [
-            {"matched_recompute": False, "slot_bytes": 1, "ratios": {"bsr_vs_fio_bandwidth": 0.95}},
-            {"matched_recompute": False, "slot_bytes": 1, "ratios": {"bsr_vs_fio_bandwidth": 0.85}},
+            {
+                "matched_recompute": False,
+                "slot_bytes": 32 << 20,
+                "ratios": {"bsr_vs_fio_bandwidth": 0.95},
+            },
+            {
+                "matched_recompute": False,
+                "slot_bytes": 16408576,
+                "ratios": {"bsr_vs_fio_bandwidth": 0.85},
+            },
+            {
+                "matched_recompute": False,
+                "slot_bytes": 512 << 10,
+                "ratios": {"bsr_vs_fio_bandwidth": 0.81},
+            },
             {
                 "matched_recompute": True,
                 "slot_bytes": 524288,
                 "ratios": {"bsr_vs_raw_bandwidth": 0.92},
             },
         ],
-        "keys": {"tokens": 512 * 1024, "list_s": {"median": 6e-3}},
+        "keys": {"tokens": 512 * 1024, "list_s": {"median": 6e-3}, "numpy_s": {"median": 4e-3}},
         "concurrency": {
             "window": 8,
             "peak_slots_in_use": 8,
@@ -416,9 +430,11 @@ def test_issue_targets_follow_the_sections() -> None:
     assert got == {
         "per_chunk_overhead_small_s": (19e-6, True),
         "host_restore_vs_memcpy_large": (0.55, False),  # the lowest of the >= 8 MiB points
-        "bsr_bandwidth_vs_fio": (0.85, False),
+        "bsr_bandwidth_vs_fio": (0.85, False),  # the lowest of the 8-33 MiB-chunk points
+        "bsr_bandwidth_vs_fio_small_chunks": (0.81, True),
         "bsr_bandwidth_vs_raw_small_chunks": (0.92, True),
-        "keys_list_s": (6e-3, False),
+        "keys_list_s": (6e-3, True),
+        "keys_numpy_s": (4e-3, False),
         "concurrent_aggregate_vs_single": (0.93, True),
         "concurrent_staging_within_window": (1.0, True),
         "smallest_window_at_95pct": (8, False),
@@ -464,3 +480,21 @@ def test_fio_reads_a_long_list_of_files_completely(tmp_path: Path) -> None:
     for config in (FioConfig("psync", 64 << 10, 1), FioConfig("libaio", 64 << 10, 4)):
         read = run_fio(binary, files, config, direct=False)
         assert read.io_bytes == 80 * (64 << 10), config.name
+
+
+def test_the_file_tier_reads_with_bsrs_default_reader(
+    quick_run: tuple[dict[str, Any], Path, str],
+) -> None:
+    """Every layout's FileTier reads with bsr's own default (io_uring where the kernel allows
+    it) at one read depth chosen after the save; the JSON says which."""
+    from bsr.tiers._uring import uring_status
+
+    doc, _, _ = quick_run
+    st = doc["storage"]
+    assert st["reader"] == ("uring" if uring_status().usable else "posix")
+    asked = {lay["name"] for lay in doc["layouts"]}
+    assert set(st["read"]) == asked
+    for read in st["read"].values():
+        assert read["reader"] == st["reader"]
+        if read["reader"] == "uring":
+            assert read["depth"] >= 1 and read["source"] in ("default", "calibrated")

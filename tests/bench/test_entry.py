@@ -52,6 +52,8 @@ FLAGS = {
     "--sizes": None,
     "--sweep-tokens": None,
     "--tp": None,
+    "--ssd-concurrency": False,
+    "--ssd-depths": None,
     "--vllm-prefixes": None,
     "--vllm-python": None,
     "--vllm-repeats": None,

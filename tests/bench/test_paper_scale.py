@@ -278,3 +278,55 @@ def test_tp2_agreement_and_fault(tmp_path: Path) -> None:
         assert f["state"] == "Invalidated" and f["committed_tokens"] == 0
     assert all(v["holds"] for v in doc["invariants"].values())
     assert isinstance(doc["agreement"]["overhead_s_max"], float)
+
+
+def test_ssd_concurrency_row(tmp_path: Path) -> None:
+    """The SSD row at a tiny size: every depth restores the same state byte-exact, RWS stays
+    W x slot at every depth, the ratios follow from the medians, fio sits beside each point."""
+    from bsr_bench.common.fio import fio_binary
+    from bsr_bench.paper.ssd import run_ssd
+
+    ns = build_parser().parse_args(
+        [
+            "--ssd-concurrency",
+            "--layout",
+            TINY,
+            "--ladder-sizes",
+            "256",
+            "--ssd-depths",
+            "1,4",
+            "-W",
+            "4",
+            "--repeats",
+            "2",
+            "--path",
+            str(tmp_path),
+            "--destination",
+            "file",
+            "--json",
+            str(tmp_path / "ssd.json"),
+        ]
+    )
+    doc = run_ssd(ns, console=_Quiet())
+    assert json.loads((tmp_path / "ssd.json").read_text())["tool"] == "bsr bench --ssd-concurrency"
+    rows = {r["reads_in_flight"]: r for r in doc["points"]}
+    assert list(rows) == ["1", "4", "default"]
+    assert rows["1"]["read_depth"] == 1 and rows["1"]["io_depth"] == 1
+    assert rows["4"]["read_depth"] == 4 and rows["4"]["io_depth"] == 4
+    slot = doc["slot_bytes"]
+    assert all(r["rws_peak_bytes"] == 4 * slot for r in rows.values())
+    assert doc["rws_equals_w_x_slot"] is True
+    assert all(r["ttft_s"]["n"] == 2 for r in rows.values())
+    assert set(doc["verified"]) == {"1", "4", "default"}
+    assert all(v["ok"] for v in doc["verified"].values())
+    one, default = rows["1"]["ttft_s"]["median"], rows["default"]["ttft_s"]["median"]
+    assert doc["ratios"]["ttft_1_vs_default"] == pytest.approx(one / default)
+    assert doc["target"]["value"] == doc["ratios"]["ttft_1_vs_default"]
+    assert doc["target"]["met"] == (doc["target"]["value"] >= 2.0)
+    if fio_binary() is None:
+        assert all(r["fio_bandwidth_Bps"] is None for r in rows.values())
+    else:
+        assert all(r["fio_bandwidth_Bps"] and r["fio_bandwidth_Bps"] > 0 for r in rows.values())
+        assert doc["ratios"]["fio_default_vs_1"] == pytest.approx(
+            rows["default"]["fio_bandwidth_Bps"] / rows["1"]["fio_bandwidth_Bps"]
+        )

@@ -158,17 +158,24 @@ def reference_keys(ns: bytes, tokens: list[int], chunk_tokens: int) -> list[byte
     import struct
 
     out: list[bytes] = []
-    prev = ns
+    prev = hashlib.sha256(b"bsr-chunk-v2" + ns + struct.pack("<I", chunk_tokens)).digest()
     for i in range(len(tokens) // chunk_tokens):
-        h = hashlib.blake2b(prev, digest_size=32, person=b"bsr-chunk")
-        for t in tokens[i * chunk_tokens : (i + 1) * chunk_tokens]:
-            h.update(struct.pack("<q", t))
+        chunk = tokens[i * chunk_tokens : (i + 1) * chunk_tokens]
+        fmt = "<I" if all(t < 2**32 for t in chunk) else "<Q"
+        h = hashlib.sha256(prev + bytes([struct.calcsize(fmt)]))
+        for t in chunk:
+            h.update(struct.pack(fmt, t))
         prev = h.digest()
         out.append(prev)
     return out
 
 
-token_lists = st.lists(st.integers(0, 2**63 - 1), max_size=80)
+token_lists = st.lists(
+    st.one_of(
+        st.integers(0, 2**32 - 1), st.integers(2**32 - 2, 2**32 + 2), st.integers(0, 2**63 - 1)
+    ),
+    max_size=80,
+)
 
 
 @settings(max_examples=150, deadline=None)
@@ -293,3 +300,43 @@ def test_lone_surrogate_in_an_engine_config_is_a_config_error(
     data = {"model_id": "m", "tiers": [{"kind": "host", "capacity_bytes": 1 << 20}], **fields}
     with pytest.raises(bsr.ConfigError, match=f"{fragment}.*cannot be encoded as UTF-8"):
         bsr.EngineConfig.from_dict(data).namespace()
+
+
+def test_a_wide_token_changes_only_its_own_chunk_and_later_keys() -> None:
+    """A token >= 2**32 makes its chunk hash 8-byte tokens; the chunks before it keep the keys
+    of the same prefix alone (the prefix property), and the 4- and 8-byte encodings of equal
+    values never meet."""
+    ns = b"w" * 16
+    narrow = list(range(12))
+    wide = [*narrow[:8], 2**32 + 5, *narrow[9:]]
+    a, b = chunk_keys(ns, narrow, 4), chunk_keys(ns, wide, 4)
+    assert a[:2] == b[:2] and a[2] != b[2]
+    assert chunk_keys(ns, wide[:8], 4) == b[:2]
+    # the value 5 as a 4-byte token and 2**32 + 5 (8 bytes) differ in the chunk's key
+    assert chunk_keys(ns, [5, 0, 0, 0], 4) != chunk_keys(ns, [2**32 + 5, 0, 0, 0], 4)
+
+
+def test_key_chain_is_version_2_and_differs_from_the_first_chain() -> None:
+    """The first chain (BLAKE2b over int64 tokens, format version 1) gives other keys for the
+    same tokens: old stores miss, never misread (the version is in the namespace too)."""
+    import hashlib
+
+    from bsr.core._keys import FORMAT_VERSION
+
+    assert FORMAT_VERSION == 2
+    ns = fp()
+    prev, old = ns, []
+    for i in range(len(TOKENS) // 4):
+        h = hashlib.blake2b(prev, digest_size=32, person=b"bsr-chunk")
+        h.update(np.asarray(TOKENS[i * 4 : (i + 1) * 4], dtype="<i8").tobytes())
+        prev = h.digest()
+        old.append(prev)
+    new = digests(ns)
+    assert len(new) == len(old) and not set(new) & set(old)
+
+
+def test_chunk_size_is_bound_into_the_chain() -> None:
+    ns = b"c" * 16
+    assert (
+        chunk_keys(ns, list(range(8)), 8)[0].digest != chunk_keys(ns, list(range(8)), 4)[1].digest
+    )

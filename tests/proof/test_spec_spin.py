@@ -11,22 +11,20 @@ they fail: CI must run them.
 
 from __future__ import annotations
 
-import functools
 import json
-import os
 import re
-import shutil
-import subprocess
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from spin_check import Tools, build_pan, pan, run_pan, tools
+
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "spec" / "bsr.pml"
 TABLE = ROOT / "spec" / "request_lifecycle.json"
+NAME = "bsr.pml"  # pan names the model's file in its reports (the unreached-code check reads it)
 
 # Table transitions the model deliberately leaves out, each with the reason. Empty: the model
 # exercises every transition of the table, including the opt-in `truncate` policy (init picks
@@ -35,102 +33,9 @@ NOT_MODELLED: dict[tuple[str, str, str], str] = {}
 
 Triple = tuple[str, str, str]
 
-SPIN_TIMEOUT_S = 60.0
-CC_TIMEOUT_S = 120.0
-PAN_TIMEOUT_S = 120.0
-
-
-# ---------------------------------------------------------------------------------------------
-# tools
-
-
-def _in_ci() -> bool:
-    return os.environ.get("CI", "").strip().lower() == "true"
-
-
-@dataclass(frozen=True)
-class Tools:
-    spin: str
-    cc: str
-
-
-@functools.cache
-def _find_tools() -> Tools | None:
-    spin = shutil.which("spin")
-    cc = shutil.which("gcc") or shutil.which("cc")
-    return None if spin is None or cc is None else Tools(spin=spin, cc=cc)
-
 
 def _tools() -> Tools:
-    """spin and a C compiler, or skip the test; under CI=true, fail it instead of skipping."""
-    found = _find_tools()
-    if found is None:
-        msg = (
-            "spin or gcc/cc not on PATH: the Promela model spec/bsr.pml cannot be verified "
-            "(install spin, e.g. `apt-get install spin`, and a C compiler)"
-        )
-        if _in_ci():
-            pytest.fail(f"CI=true, so this is a failure, not a skip: {msg}")
-        pytest.skip(msg)
-    return found
-
-
-@dataclass(frozen=True)
-class PanRun:
-    output: str
-    seconds: float
-
-    @property
-    def errors(self) -> int:
-        m = re.search(r"errors: (\d+)", self.output)
-        assert m is not None, f"no 'errors:' line in pan output:\n{self.output}"
-        return int(m.group(1))
-
-    def stat(self, name: str) -> int:
-        m = re.search(rf"(\d+) {name}", self.output)
-        assert m is not None, f"no '{name}' in pan output"
-        return int(m.group(1))
-
-    @property
-    def depth(self) -> int:
-        m = re.search(r"depth reached (\d+)", self.output)
-        assert m is not None, "no depth in pan output"
-        return int(m.group(1))
-
-
-def _run(argv: Sequence[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
-    try:
-        return subprocess.run(
-            list(argv), cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False
-        )
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"{' '.join(argv)} ran over {timeout:.0f} s: {exc}")
-
-
-def _build_pan(tools: Tools, model_text: str, workdir: Path, cflags: Sequence[str]) -> Path:
-    workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "bsr.pml").write_text(model_text)
-    gen = _run([tools.spin, "-a", "bsr.pml"], workdir, SPIN_TIMEOUT_S)
-    assert gen.returncode == 0 and (workdir / "pan.c").exists(), (
-        f"spin -a failed:\n{gen.stdout}\n{gen.stderr}"
-    )
-    # -w: pan.c trips gcc's -Wstringop-overflow on array indexing; harmless.
-    cc = _run([tools.cc, "-w", *cflags, "-o", "pan", "pan.c"], workdir, CC_TIMEOUT_S)
-    assert cc.returncode == 0, f"compiling pan.c failed:\n{cc.stdout}\n{cc.stderr}"
-    return workdir / "pan"
-
-
-def _pan(
-    tools: Tools,
-    model_text: str,
-    workdir: Path,
-    cflags: Sequence[str],
-    args: Sequence[str] = (),
-) -> PanRun:
-    pan = _build_pan(tools, model_text, workdir, cflags)
-    start = time.monotonic()
-    proc = _run([str(pan), *args], workdir, PAN_TIMEOUT_S)
-    return PanRun(output=proc.stdout + proc.stderr, seconds=time.monotonic() - start)
+    return tools("spec/bsr.pml")
 
 
 def _model_text() -> str:
@@ -154,9 +59,9 @@ VERIFY_MODES: dict[str, tuple[list[str], list[str]]] = {
 
 @pytest.mark.parametrize("mode", list(VERIFY_MODES))
 def test_model_verifies_exhaustively(tmp_path: Path, mode: str) -> None:
-    tools = _tools()
+    found = _tools()
     cflags, args = VERIFY_MODES[mode]
-    run = _pan(tools, _model_text(), tmp_path, cflags, args)
+    run = pan(found, _model_text(), tmp_path, cflags, args, NAME)
     out = run.output
     assert "Full statespace search" in out, out
     assert "Search not completed" not in out, out
@@ -365,15 +270,14 @@ def _instrument_for_reachability(text: str, triples: set[Triple]) -> str:
 
 def test_every_modelled_transition_is_reachable(tmp_path: Path) -> None:
     """Exhaustively, not just textually: spin finds a run firing each (source, trigger)."""
-    tools = _tools()
+    found = _tools()
     model = _parse_model(_model_text())
     triples = model.triples
     text = _instrument_for_reachability(_model_text(), triples)
-    pan = _build_pan(tools, text, tmp_path, ["-O0", "-DSAFETY"])
+    pan_bin = build_pan(found, text, tmp_path, ["-O0", "-DSAFETY"], NAME)
     unreachable: list[Triple] = []
     for triple in sorted(triples):
-        proc = _run([str(pan), "-N", f"p_{_reach_var(triple)}"], tmp_path, PAN_TIMEOUT_S)
-        out = proc.stdout + proc.stderr
+        out = run_pan(pan_bin, ["-N", f"p_{_reach_var(triple)}"]).output
         hit = re.search(rf"pan:1: assertion violated .*\b{_reach_var(triple)}\b", out)
         if not hit:
             assert "errors: 0" in out, f"unexpected pan output for {triple}:\n{out}"
@@ -483,13 +387,13 @@ def _mutate(text: str, mutation: Mutation) -> str:
 
 @pytest.mark.parametrize("name", list(MUTATIONS))
 def test_mutation_is_caught(tmp_path: Path, name: str) -> None:
-    tools = _tools()
+    found = _tools()
     mutation = MUTATIONS[name]
     # -O0: the compile dominates, and pan stops at the first violation
-    run = _pan(tools, _mutate(_model_text(), mutation), tmp_path, ["-O0", "-DSAFETY"])
+    run = pan(found, _mutate(_model_text(), mutation), tmp_path, ["-O0", "-DSAFETY"], (), NAME)
     assert run.errors >= 1, f"{name} ({mutation.doc}) was not caught:\n{run.output}"
-    first = re.search(r"pan:1: (.*)", run.output)
+    first = run.first_violation
     assert first is not None, run.output
-    assert re.search(mutation.expect, first.group(1)), (
-        f"{name}: expected /{mutation.expect}/, pan reported: {first.group(1)}"
+    assert re.search(mutation.expect, first), (
+        f"{name}: expected /{mutation.expect}/, pan reported: {first}"
     )

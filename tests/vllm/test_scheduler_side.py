@@ -197,10 +197,14 @@ def test_requests_sharing_chunks_wait_for_the_first_load(worker: Worker) -> None
     assert ask_until(sched, r1) == (192, True)
     sched.update_state_after_alloc(r1, blocks(0, 6), 192)
     step(sched)
-    # r2's lookup is answered (None meanwhile), then r2 waits: r1 is loading its chunks
-    wait_for(lambda: sched.get_num_new_matched_tokens(r2, 0) == (None, False)
-             and sched.stats.data["deferred"] >= 1)  # fmt: skip
-    assert sched.get_num_new_matched_tokens(r2, 0) == (None, False)
+    # asked step after step: None while r2's lookup is out, then None because r1 is loading
+    # r2's chunks (deferred); however long the answer takes on a busy machine
+    end = time.monotonic() + 30
+    while not sched.stats.data["deferred"]:
+        assert time.monotonic() < end, "never deferred"
+        assert sched.get_num_new_matched_tokens(r2, 0) == (None, False)
+        time.sleep(0.005)
+    assert sched.get_num_new_matched_tokens(r2, 0) == (None, False)  # still deferred
     outcome(sched, r1=True)
     step(sched, scheduled=[r1])  # r1 runs: its blocks are in vLLM's prefix cache
     # vLLM now finds r2's prefix in its own cache: nothing more to load
@@ -233,10 +237,122 @@ def test_only_computed_or_verified_kv_is_saved(worker: Worker) -> None:
     assert stats(sched)["saves_skipped"] == {"unverified": 2}
     assert step(sched).saves == []
     outcome(sched, r1=False)  # the failed load is handled by now: computed KV is saved again
-    r3 = request("r3", [5] * 100)
+    r3 = request("r3", [5] * 100)  # vLLM gives it blocks 100 and 101 afresh, to compute
+    worker.hit = 0
+    assert ask_until(sched, r3) == (0, False)
+    sched.update_state_after_alloc(r3, blocks(100, 4), 0)
     assert finish(sched, r3, 104) == (True, None)
     (save,) = step(sched).saves
     assert save.req_id == "r3" and len(save.tokens) == 64 and save.block_ids == ((100, 101),)
+
+
+def admit(sched: BsrScheduler, req: Request, local_hit: int, table: KVCacheBlocks) -> None:
+    """vLLM admits ``req`` with its own prefix-cache hit of ``local_hit`` tokens: the
+    connector is asked past it (nothing to load here), then told the blocks."""
+    assert sched.get_num_new_matched_tokens(req, local_hit) == (0, False)
+    sched.update_state_after_alloc(req, table, 0)
+
+
+def failed_sync_load(sched: BsrScheduler, req: Request) -> None:
+    """A sync load of ``req`` into blocks 100..106, reported failed. vLLM cached the blocks
+    when it allocated them (a sync load's are cached at once), before bsr wrote them."""
+    assert ask_until(sched, req) == (192, False)
+    sched.update_state_after_alloc(req, blocks(100, 7), 192)
+    step(sched)
+
+
+def test_a_failed_sync_load_left_in_vllms_cache_is_never_saved(worker: Worker) -> None:
+    """Found by the connector model (spec/connector.pml): a request aborted while its sync load
+    fails is not in vLLM's running list when vLLM handles the step's invalid blocks, so nothing
+    recomputes or evicts them, and vLLM's prefix cache hands them to the next request with that
+    prompt. That request's KV is not computed or verified: it must never be saved."""
+    sched = scheduler(worker, load="sync")
+    r1 = request("r1")
+    failed_sync_load(sched, r1)
+    assert finish(sched, r1, 200) == (False, None)  # aborted before the outcome: not saved
+    outcome(sched, r1=False)
+    r2 = request("r2")  # the same prompt: vLLM's own cache holds its 192 tokens (r1's blocks)
+    admit(sched, r2, 192, blocks(100, 7))
+    assert finish(sched, r2, 200) == (False, None)
+    assert step(sched).saves == []
+    assert stats(sched)["saves_skipped"] == {"unverified": 2}
+
+
+def test_a_request_handed_blocks_of_a_sync_load_that_fails_is_never_saved(
+    worker: Worker,
+) -> None:
+    """Found by the connector model: r2 is admitted on r1's cached blocks while r1's sync load
+    runs (in the same step, or in the next one under async scheduling); the load fails. vLLM
+    has r1 recompute the blocks, but r2 may have computed over them meanwhile (vLLM keeps what
+    r2 computed when another request recomputes the shared block), so r2 is never saved."""
+    sched = scheduler(worker, load="sync")
+    r1, r2 = request("r1"), request("r2")
+    failed_sync_load(sched, r1)
+    admit(sched, r2, 192, blocks(100, 7))  # before the load's outcome
+    outcome(sched, r1=False)
+    assert finish(sched, r1, 200) == (True, None)  # r1 recomputed its blocks in place
+    assert finish(sched, r2, 200) == (False, None)
+    (save,) = step(sched).saves
+    assert save.req_id == "r1" and save.block_ids == (tuple(range(100, 106)),)
+
+
+def test_a_failed_sync_load_recomputed_in_place_heals(worker: Worker) -> None:
+    """vLLM truncates a running request at the first block its sync load failed to fill and
+    recomputes from there into the same blocks: once the request finished past them, they hold
+    computed KV, and requests that find them in vLLM's cache afterwards are saved again."""
+    sched = scheduler(worker, load="sync")
+    r1, r2 = request("r1"), request("r2")
+    failed_sync_load(sched, r1)
+    outcome(sched, r1=False)
+    assert finish(sched, r1, 200) == (True, None)
+    admit(sched, r2, 192, blocks(100, 7))
+    assert finish(sched, r2, 200) == (True, None)
+    assert [s.req_id for s in step(sched).saves] == ["r1", "r2"]
+
+
+def test_a_request_preempted_during_its_failing_sync_load_is_never_saved(
+    worker: Worker,
+) -> None:
+    """Found by the connector model: vLLM preempts r1 (async scheduling) while the step with
+    its sync load runs; r1 is not running when the failure is reported, so nothing recomputes
+    the blocks, and readmitted r1 finds them in vLLM's cache: never saved."""
+    sched = scheduler(worker, load="sync")
+    r1 = request("r1")
+    failed_sync_load(sched, r1)
+    outcome(sched, r1=False)
+    admit(sched, r1, 192, blocks(100, 7))  # readmitted after the preemption
+    assert finish(sched, r1, 200) == (False, None)
+    assert step(sched).saves == []
+
+
+def test_blocks_computed_over_a_failed_sync_load_are_never_saved() -> None:
+    """Found by the connector model with two preemptions: the step of a sync load computes the
+    rest of the prompt over the loaded blocks, and vLLM caches those blocks in the same step. If
+    the load fails and its request is aborted (or preempted) before vLLM handles the failure,
+    they stay in vLLM's cache holding KV computed over garbage. Once the loaded blocks
+    themselves have been given out afresh (the chain re-rooted on a recomputed first chunk),
+    a request with that prompt is admitted on them: never saved."""
+    w = Worker(hit=64)  # bsr holds the first chunk only: the step computes the other two
+    try:
+        sched = scheduler(w, load="sync")
+        r1 = request("r1")
+        assert ask_until(sched, r1) == (64, False)
+        sched.update_state_after_alloc(r1, blocks(100, 7), 64)  # load: 100, 101; computed: rest
+        step(sched)
+        assert finish(sched, r1, 200) == (False, None)  # aborted before the outcome
+        outcome(sched, r1=False)
+        # vLLM gives 100 and 101 out afresh (to r3, a short prompt); another request computes
+        # the prompt from token 0 into 300..306: the first chunk's hashes now name 300 and 301,
+        # the later ones still name 102..105 first (vLLM hands out the first block cached)
+        admit(sched, request("r3", PROMPT[:40]), 0, blocks(100, 2))
+        r2 = request("r2")
+        table = [300, 301, 102, 103, 104, 105, 306]
+        admit(sched, r2, 192, KVCacheBlocks(([KVCacheBlock(b) for b in table],)))
+        r2.num_computed_tokens = 200
+        assert sched.request_finished(r2, (table,)) == (False, None)
+        assert step(sched).saves == []
+    finally:
+        w.server.close()
 
 
 def test_a_verified_load_is_saved_with_the_request(worker: Worker) -> None:

@@ -3,14 +3,16 @@
 Where it runs: ``bsr bench``, in a subprocess per configuration, between the restore repeats of
 each size (the rotation that orders raw reads, BSR and whole-plan restores also orders fio).
 
-How it works: for each configuration of a small grid (:data:`FIO_GRID`: ``psync`` with 1 and 4
-jobs at 4 MiB blocks, ``libaio`` at queue depth 4 and 16 with 1 MiB blocks) a job file lists
-the point's object files (symlinked under short names in a temporary directory, so the list
-fits fio's option length; split over the jobs by bytes for ``psync``, all in one job for
-``libaio``), with ``direct=1`` when the run's cache mode is ``direct`` (the page cache is
-prepared as for every other read otherwise). fio's own aggregate bandwidth (``group_reporting``)
-is kept per configuration; the best configuration's median is the reference that
-``bsr_bandwidth_vs_fio`` divides by.
+How it works: for each configuration of the grid (:data:`FIO_GRID`: ``psync`` with 1 and 4 jobs
+at 4 MiB blocks; ``libaio`` at queue depth 4, 16 and 64 and ``io_uring`` at 16 and 64 with 1
+MiB blocks; ``io_uring`` at depth 64 with 128 KiB blocks: the physical reference must be the
+best the device gives) a job file lists the point's object files (symlinked under short names in
+a temporary directory, so the list fits fio's option length; split over the jobs by bytes for
+``psync``, all in one job for the queued engines), with ``direct=1`` when the run's cache mode
+is ``direct`` (the page cache is prepared as for every other read otherwise). fio's own
+aggregate bandwidth (``group_reporting``) is kept per configuration; the best configuration's
+median is the reference that ``bsr_bandwidth_vs_fio`` divides by. :func:`run_fio` also serves
+the SSD concurrency row (one io_uring configuration per depth, ``bsr bench --ssd-concurrency``).
 
 fio only issues whole blocks, so a file's tail shorter than the block size is not read (object
 files are a 4 KiB header plus a payload, so for large chunks this is one page), and a file
@@ -45,7 +47,7 @@ class FioConfig:
     """One point of the fio grid: I/O engine, block size and parallelism.
 
     ``depth`` is the number of jobs for ``psync`` (one read in flight each) and the queue depth
-    of the single job for ``libaio``.
+    of the single job for ``libaio`` and ``io_uring``.
     """
 
     engine: str
@@ -65,6 +67,10 @@ FIO_GRID: tuple[FioConfig, ...] = (
     FioConfig("psync", 4 << 20, 4),
     FioConfig("libaio", 1 << 20, 4),
     FioConfig("libaio", 1 << 20, 16),
+    FioConfig("libaio", 1 << 20, 64),
+    FioConfig("io_uring", 1 << 20, 16),
+    FioConfig("io_uring", 1 << 20, 64),
+    FioConfig("io_uring", 128 << 10, 64),
 )
 QUICK_FIO_GRID: tuple[FioConfig, ...] = (FioConfig("psync", 4 << 20, 1),)
 

@@ -96,11 +96,23 @@ def qwen25_7b() -> NamedLayout:
     )
 
 
+def kv_512k() -> NamedLayout:
+    """512 KiB chunks: 8 layers x 8 KV heads x 128 head_dim bf16 (32 KiB/token), 16 tokens."""
+    return NamedLayout(
+        "kv-512k",
+        kv_layout(num_layers=8, num_kv_heads=8, head_dim=128, dtype="bfloat16", chunk_tokens=16),
+        "builtin",
+        "small chunks: 8 layers x 8 KV heads x 128 head_dim x (K,V) bf16 = 32,768 B/token in "
+        "16-token chunks of 512 KiB (one object file each: the per-object costs show)",
+    )
+
+
 BUILTIN: dict[str, Callable[[], NamedLayout]] = {
     "llama3-8b": llama3_8b,
     "dsv4-flash": dsv4_flash,
     "llama3-70b-tp8": llama3_70b_tp8,
     "qwen2.5-7b": qwen25_7b,
+    "kv-512k": kv_512k,
 }
 
 

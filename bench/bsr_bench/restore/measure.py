@@ -90,6 +90,8 @@ class BenchRun:
         self.sweep_skipped: list[dict[str, int]] = []
         self.verified: dict[str, bool] = {}
         self.direct_active: bool | None = None
+        #: per layout: the FileTier's reader and read depth (``storage.read`` in the JSON)
+        self.reads: dict[str, dict[str, Any]] = {}
         self.mode = CacheMode.DIRECT
         self.root = Path(".")
         self.phases: dict[str, float] = {}
@@ -163,6 +165,8 @@ class BenchRun:
             with self.phase(f"save {named.name}"):
                 save = await state.save(remote.tier() if remote is not None else None)
             self.ui.advance()
+            if state.read_calibration is not None:
+                self.reads[named.name] = state.read_calibration
             max_file = max(_sizes(state.files(lay.chunk_tokens)))
             direct = self.mode is CacheMode.DIRECT
             seq_reader = RawReader(max_file, 1, direct=direct)

@@ -17,7 +17,7 @@ from .recompute import PRESETS
 from .remote import REMOTE_CHOICES, check_available
 
 DEFAULT_SIZES = (2048, 4096, 8192)
-DEFAULT_LAYOUTS = ("llama3-8b", "dsv4-flash")
+DEFAULT_LAYOUTS = ("llama3-8b", "dsv4-flash", "kv-512k")
 DEFAULT_WINDOWS = (1, 2, 4, 8)
 DEFAULT_IO_DEPTHS = (1, 2, 4)
 

@@ -168,7 +168,8 @@ async def _run_async(opts: BenchOptions, ui: BenchUI) -> dict[str, Any]:
         "cache_note": cache_note,
         "direct_io_active": run.direct_active,
         "fsync": True,
-        "reader": "posix",
+        "reader": next((r["reader"] for r in run.reads.values()), "posix"),
+        "read": run.reads,
     }
     config = {
         "window": opts.window,

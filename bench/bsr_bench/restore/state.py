@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import anyio
 import numpy as np
@@ -126,6 +127,9 @@ class SavedState:
         self.direct_active: bool | None = None
         #: the FileTier the state was saved through (it names the object files)
         self.file_tier: FileTier | None = None
+        #: the io_uring read depth every engine's FileTier uses (chosen once, after the save)
+        self.read_depth: int | None = None
+        self.read_calibration: dict[str, Any] | None = None
 
     @property
     def capacity_bytes(self) -> int:
@@ -138,12 +142,7 @@ class SavedState:
         """An engine on a fresh FileTier over the state's directory, or on ``tier`` alone."""
         baseline = await settled_rss()
         if tier is None:
-            tier = FileTier(
-                self.root,
-                self.capacity_bytes,
-                reader="posix",
-                direct_io=self.mode is CacheMode.DIRECT,
-            )
+            tier = self.file_tier_fresh()
         engine = RestoreEngine(
             self.layout,
             [tier],
@@ -155,6 +154,33 @@ class SavedState:
         )
         await engine.open()
         return OpenEngine(engine, tier, baseline, window, io_depth)
+
+    def file_tier_fresh(self) -> FileTier:
+        """A FileTier over the state's directory with bsr's default reader (io_uring where it
+        works) at the state's read depth (None before :meth:`calibrate`: the tier's default)."""
+        return FileTier(
+            self.root,
+            self.capacity_bytes,
+            direct_io=self.mode is CacheMode.DIRECT,
+            read_depth=self.read_depth,
+        )
+
+    async def calibrate(self) -> dict[str, Any]:
+        """Choose the read depth once for every engine of this state: what a FileTier opened
+        over it picks (its calibration on open, O_DIRECT and >= 64 MiB; else its default)."""
+        tier = self.file_tier_fresh()
+        async with tier:
+            cal = tier.read_calibration
+            reader = tier.reader
+        depth = getattr(reader, "depth", None)
+        self.read_depth = depth if isinstance(depth, int) else None
+        self.read_calibration = {
+            "reader": getattr(reader, "name", type(reader).__name__),
+            "depth": self.read_depth,
+            **({} if cal is None else {"source": cal["source"], "bandwidth_Bps": {
+                str(k): v for k, v in cal["bandwidth_Bps"].items()}}),
+        }  # fmt: skip
+        return self.read_calibration
 
     # ------------------------------------------------------------------ save
     def _digest_of(self) -> dict[str, int]:
@@ -205,6 +231,7 @@ class SavedState:
                 raise BenchError(f"saving {self.named.name} into {remote.name} failed: {rres}")
             self.remote_save_result = rres
         self.clear_cache()
+        await self.calibrate()
         return result
 
     def verify(self) -> bool:

@@ -147,7 +147,7 @@ def _path(value: Any, key: str) -> str:
 
 
 def _reader(value: Any, key: str) -> str:
-    options = ["auto", "posix", "kvikio"]
+    options = ["auto", "uring", "posix", "kvikio"]
     if value not in options:
         raise _err(key, f"must be one of {options}", value)
     return str(value)
@@ -207,6 +207,8 @@ class FileTierConfig:
     direct_io: bool = field(default=False, metadata=_opt(_bool))
     fsync: bool = field(default=True, metadata=_opt(_bool))
     io_threads: int = field(default=8, metadata=_opt(_pos_int))
+    #: io_uring requests in flight; 0: chosen by the tier (calibrated on open)
+    read_depth: int = field(default=0, metadata=_opt(_nonneg_int))
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -222,6 +224,7 @@ class FileTierConfig:
             direct_io=self.direct_io,
             fsync=self.fsync,
             io_threads=self.io_threads,
+            read_depth=self.read_depth or None,
         )
 
 

@@ -116,6 +116,10 @@ class RestoreGate:
     def withdraw(self, tier: str) -> None:
         self.health.release(tier)
 
+    def report_ok(self, tier: str) -> None:
+        """``report`` of an ``OK`` outcome, without the record (called once per object read)."""
+        self.health.success(tier)
+
     def report(self, outcome: ReadOutcome) -> None:
         kind = outcome.outcome
         if kind in (Outcome.OK, Outcome.MISS, Outcome.CORRUPT):

@@ -142,6 +142,26 @@ class TierLease:
         return f"{type(self).__name__}(objects={len(self.objects)})"
 
 
+class Borrowed:
+    """A verified payload lent by a tier in place (:meth:`Tier.borrow_blocking`).
+
+    ``payload`` is a flat uint8 NumPy view of the tier's own bytes: read it, never write it, and
+    :meth:`release` it (idempotent) as soon as it has been copied; until then the tier keeps the
+    object pinned.
+    """
+
+    __slots__ = ("_release", "payload")
+
+    def __init__(self, payload: Any, release: Any) -> None:
+        self.payload = payload
+        self._release = release
+
+    def release(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+
 def as_byte_view(dst: Any) -> memoryview:
     """A writable flat byte view of a CPU buffer (uint8 tensor, numpy array, bytearray...)."""
     if isinstance(dst, torch.Tensor):
@@ -183,6 +203,10 @@ class Tier(abc.ABC):
     #: the pipeline may run a small batch (a few hundred KiB) on the event loop itself instead of
     #: paying a worker-thread hop (implies ``blocking_reads``)
     inline_reads: ClassVar[bool] = False
+    #: borrow_blocking() is implemented: the tier holds objects in host memory and can lend a
+    #: verified payload where it lies (pinned until released), so a host install copies it
+    #: once, with no staging copy
+    borrow_reads: ClassVar[bool] = False
 
     def __init__(self, name: str) -> None:
         # a name is a log field, a result key and a metric label: text with a UTF-8 form
@@ -198,6 +222,14 @@ class Tier(abc.ABC):
             c = self._counters
             for field, n in deltas.items():
                 setattr(c, field, getattr(c, field) + n)
+
+    def _count_hit(self, nbytes: int) -> None:
+        """``_count(hits=1, reads=1, bytes_read=nbytes)`` without the generic loop (per read)."""
+        with self._counters_lock:
+            c = self._counters
+            c.hits += 1
+            c.reads += 1
+            c.bytes_read += nbytes
 
     # ------------------------------------------------------------------ lifecycle
     async def open(self) -> None:
@@ -262,6 +294,15 @@ class Tier(abc.ABC):
             f"{type(self).__name__} has no blocking reads (blocking_reads is False); "
             "call await read_into()"
         )
+
+    def borrow_blocking(self, key: ChunkKey, group: str) -> Borrowed:
+        """Verify ``(key, group)`` where the tier keeps it and lend its payload, pinned (never
+        evicted or changed) until :meth:`Borrowed.release`. Same errors as ``read_into``.
+
+        Only tiers with ``borrow_reads = True`` implement it (any thread, like
+        :meth:`read_into_blocking`).
+        """
+        raise NotImplementedError(f"{type(self).__name__} lends no payloads (borrow_reads)")
 
     def usage(self) -> TierUsage:
         """What the tier holds now. Default: unknown (zeros); override to report it."""
@@ -366,6 +407,11 @@ class TierWrapper(Tier, Generic[T]):
         # a wrapper that changes blocking reads (delay, faults) may block: never on the loop
         unchanged = type(self).read_into_blocking is TierWrapper.read_into_blocking
         return self.inner.inline_reads and bool(self.blocking_reads) and unchanged
+
+    @property  # type: ignore[misc]
+    def borrow_reads(self) -> bool:  # type: ignore[override]
+        # a wrapper exists to change reads (delay, faults, accounting): never lend around it
+        return False
 
     @property
     def closed(self) -> bool:

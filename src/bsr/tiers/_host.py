@@ -28,7 +28,7 @@ from ..core._object import (
     payload_checksum,
     verify_payload,
 )
-from ._base import as_byte_view, as_payload_view
+from ._base import Borrowed, as_byte_view, as_payload_view
 from ._lru import IndexedTier, LruIndex
 
 Blob = np.ndarray[Any, np.dtype[np.uint8]]
@@ -46,6 +46,7 @@ class HostTier(IndexedTier):
     durable = False
     blocking_reads = True
     inline_reads = True  # a verified memcpy out of DRAM
+    borrow_reads = True  # a verified payload lent where it lies (borrow_blocking)
 
     def __init__(self, capacity_bytes: int, *, name: str = "host") -> None:
         super().__init__(name)
@@ -72,11 +73,38 @@ class HostTier(IndexedTier):
             raise
         finally:
             self._index.unpin(okey.object_id)
-        self._count(hits=1, reads=1, bytes_read=plen)
+        self._count_hit(plen)
         return plen
 
-    def _copy_verified(self, okey: ObjectKey, blob: Blob, dst: Any) -> int:
-        view = as_byte_view(dst)
+    def borrow_blocking(self, key: ChunkKey, group: str) -> Borrowed:
+        """Verify the object where it lies and lend its payload, pinned until released.
+
+        The restore pipeline installs a host-destination chunk from here with one copy (no
+        staging slot copy); the pin keeps the object from eviction meanwhile (its bytes are
+        immutable once written), and the payload is checked here, before anything is copied.
+        """
+        self._check_open()
+        okey = ObjectKey(key, group)
+        oid = okey.object_id
+        got = self._index.pin(oid)
+        if got is None:
+            self._count(misses=1)
+            raise ObjectNotFoundError(
+                "object not in host tier", tier=self.name, key=key.hex[:16], group=group
+            )
+        try:
+            blob = got[1]
+            plen, psum = self._checked_header(okey, blob)
+            payload = blob[HEADER_SIZE : HEADER_SIZE + plen]
+            verify_payload(payload, plen, psum, okey, where=self.name)
+        except BaseException:
+            self._index.unpin(oid)
+            self._count(errors=1)
+            raise
+        self._count_hit(plen)
+        return Borrowed(payload, lambda: self._index.unpin(oid))
+
+    def _checked_header(self, okey: ObjectKey, blob: Blob) -> tuple[int, int]:
         plen, psum = decode_header(blob[:HEADER_SIZE], okey, where=self.name)
         if len(blob) < HEADER_SIZE + plen:
             raise TruncatedObjectError(
@@ -85,6 +113,11 @@ class HostTier(IndexedTier):
                 key=okey.chunk.hex[:16],
                 group=okey.group,
             )
+        return plen, psum
+
+    def _copy_verified(self, okey: ObjectKey, blob: Blob, dst: Any) -> int:
+        view = as_byte_view(dst)
+        plen, psum = self._checked_header(okey, blob)
         if plen > len(view):
             raise ConfigError(
                 f"destination holds {len(view)} bytes, object payload is {plen}", tier=self.name

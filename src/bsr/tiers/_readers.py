@@ -1,8 +1,12 @@
-"""Object readers for file-backed tiers: POSIX positional reads (default) and kvikio.
+"""Object readers for file-backed tiers: io_uring, POSIX positional reads and kvikio.
 
 Where it runs: worker threads, called by :class:`~bsr.FileTier`. A reader fills a 4 KiB header
-buffer and the caller's payload buffer from one file, in one positional vector read where it can
-(``preadv``), and reports how many bytes arrived; verification is the tier's job.
+buffer and the caller's payload buffer from one file and reports how many bytes arrived;
+verification is the tier's job. :class:`UringReader` (the default where io_uring works) splits
+an object into requests of at most ``block_bytes`` and keeps up to ``depth`` of them in flight
+across all of the tier's threads, each landing straight in the caller's buffer;
+:class:`PosixReader` (its fallback, and the reader where io_uring is missing or refused) reads
+header and payload in one positional vector read (``preadv``) per object.
 
 Files are opened by :func:`open_regular` only: ``O_NOFOLLOW | O_NONBLOCK`` (a symlink is refused,
 a FIFO or device cannot block the open) and ``fstat`` before any byte is read, so a path that is
@@ -18,18 +22,23 @@ to buffered reads and the reader records that in :attr:`PosixReader.direct_activ
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import errno
 import fcntl
 import mmap
 import os
 import stat
 import threading
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
 
 import numpy as np
 
-from ..core._layout import ALIGNMENT
+from .._errors import TierIOError
+from ..core._layout import ALIGNMENT, align_up
 from ..core._object import HEADER_SIZE
+from ._uring import Ring, RingError, uring_status
 
 _HAS_ODIRECT = hasattr(os, "O_DIRECT")
 _O_DIRECT: int = getattr(os, "O_DIRECT", 0)
@@ -43,6 +52,19 @@ class ObjectReader(Protocol):
     def read(self, path: str, header: memoryview, payload: memoryview) -> int:
         """Fill ``header`` (HEADER_SIZE bytes) then ``payload`` from ``path``; return bytes read."""
         ...
+
+
+class ReadCancelledError(OSError):
+    """A read whose requests were withdrawn from the ring because its caller abandoned it
+    (:func:`cancellation`); nothing about the object or the device is known from it."""
+
+    def __init__(self) -> None:
+        super().__init__(errno.ECANCELED, "read withdrawn: its request was abandoned")
+
+
+class ReadWithdrawnError(TierIOError):
+    """A tier read withdrawn because its request ended: no outcome for the object or the tier
+    (the tier ladder reports it to nobody's breaker and quarantines nothing)."""
 
 
 class NotRegularFileError(Exception):
@@ -115,6 +137,14 @@ def is_aligned(buf: memoryview, alignment: int = ALIGNMENT) -> bool:
     return arr.ctypes.data % alignment == 0 and len(buf) % alignment == 0
 
 
+def _unaligned_buffered(fd: int, header: memoryview, payload: memoryview) -> None:
+    """Drop ``O_DIRECT`` from ``fd`` when a buffer is not 4 KiB aligned (then read buffered)."""
+    if _O_DIRECT and not (is_aligned(header) and is_aligned(payload)):
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        if flags & _O_DIRECT:
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~_O_DIRECT)
+
+
 class PosixReader:
     """Positional reads with ``os.preadv`` (one syscall for header + payload)."""
 
@@ -146,10 +176,7 @@ class PosixReader:
 
     def read_fd(self, fd: int, header: memoryview, payload: memoryview) -> int:
         """Fill ``header`` then ``payload`` from the open file ``fd``; return bytes read."""
-        if _O_DIRECT:
-            flags = fcntl.fcntl(fd, fcntl.F_GETFL)
-            if flags & _O_DIRECT and not (is_aligned(header) and is_aligned(payload)):
-                fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~_O_DIRECT)  # unaligned: read buffered
+        _unaligned_buffered(fd, header, payload)
         total = 0
         want = len(header) + len(payload)
         bufs: list[Any] = [header, payload]
@@ -212,12 +239,332 @@ def kvikio_usable() -> bool:
     return True
 
 
-def default_reader(kind: str = "auto", *, direct: bool = False) -> ObjectReader:
-    """Choose a reader: ``"auto"`` (kvikio with a CUDA driver, else POSIX), "posix", "kvikio"."""
-    if kind == "posix" or (kind == "auto" and not kvikio_usable()):
+def default_reader(
+    kind: str = "auto", *, direct: bool = False, depth: int | None = None
+) -> ObjectReader:
+    """Choose a reader: ``"auto"`` (kvikio with a CUDA driver, else io_uring where it works,
+    else POSIX), ``"uring"`` (io_uring; POSIX where it does not work), ``"posix"``, ``"kvikio"``.
+    """
+    if kind == "auto" and kvikio_usable():
+        return KvikioReader()
+    if kind in ("auto", "uring"):
+        if uring_status().usable:
+            return UringReader(direct=direct, depth=depth)
         return PosixReader(direct=direct)
-    if kind in ("kvikio", "auto"):
+    if kind == "posix":
+        return PosixReader(direct=direct)
+    if kind == "kvikio":
         return KvikioReader()
     from .._errors import ConfigError
 
-    raise ConfigError(f"unknown reader {kind!r}; use 'auto', 'posix' or 'kvikio'")
+    raise ConfigError(f"unknown reader {kind!r}; use 'auto', 'uring', 'posix' or 'kvikio'")
+
+
+# ---------------------------------------------------------------------- io_uring
+#: requests in flight per FileTier when nothing chose the depth (a calibration may change it)
+DEFAULT_DEPTH = 32
+#: the largest request (bytes) an object read is split into
+DEFAULT_BLOCK_BYTES = 1 << 20
+#: the largest ring a thread makes (a read keeps at most this many requests in flight)
+RING_ENTRIES_MAX = 1024
+#: how often a thread waiting on the ring looks whether its read was abandoned (seconds)
+CANCEL_POLL_S = 0.1
+
+_CANCEL = threading.local()
+#: rings dropped with requests still in flight (never closed: see UringReader._drain)
+_UNDRAINED: list[Any] = []
+
+
+@contextlib.contextmanager
+def cancellation(check: Callable[[], bool]) -> Iterator[None]:
+    """Reads of this thread inside the block poll ``check()`` while they wait on the ring; once
+    it is true their requests are cancelled in the kernel and the read raises ``ECANCELED``
+    (only after every request completed: the buffer is never written after the read returns).
+    """
+    prev = getattr(_CANCEL, "check", None)
+    _CANCEL.check = check
+    try:
+        yield
+    finally:
+        _CANCEL.check = prev
+
+
+class _Depth:
+    """The cap on read requests in flight, shared by every thread of one reader."""
+
+    def __init__(self, n: int) -> None:
+        self.limit = n
+        self.free = n
+        self.peak = 0  # the most requests in flight at once
+        self._cond = threading.Condition()
+
+    def take(self, want: int, block: bool, check: Callable[[], bool] | None) -> int:
+        """Up to ``want`` requests; with ``block``, wait for at least one (0 if cancelled)."""
+        with self._cond:
+            while block and self.free <= 0:
+                self._cond.wait(CANCEL_POLL_S if check is not None else None)
+                if check is not None and check():
+                    return 0
+            k = max(0, min(want, self.free))
+            self.free -= k
+            self.peak = max(self.peak, self.limit - self.free)
+            return k
+
+    def give(self, k: int) -> None:
+        with self._cond:
+            self.free += k
+            self._cond.notify_all()
+
+    def resize(self, n: int) -> None:
+        with self._cond:
+            self.free += n - self.limit
+            self.limit = n
+            self._cond.notify_all()
+
+
+def _address(buf: memoryview) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(buf)) if len(buf) else 0
+
+
+class UringReader(PosixReader):
+    """Object reads through io_uring: up to ``depth`` requests in flight per tier.
+
+    Where it runs: FileTier's worker threads, one ring each (made on the thread's first read).
+    An object is read as one request for its header and requests of at most ``block_bytes`` for
+    its payload, straight into the caller's buffers; requests are queued while the tier-wide
+    depth allows and the thread waits in the kernel (GIL released) for their completions, so
+    one thread keeps a whole object's requests in flight and a tier's threads share the depth.
+    A ring the kernel refuses (``EPERM``, ``ENOSYS``: io_uring disabled or filtered) turns the
+    reader into its :class:`PosixReader` base for good (``disabled_reason``); any other ring
+    failure reads that one object with ``preadv`` (``fallback_reads``).
+
+    Args:
+        direct: open files ``O_DIRECT`` (dropped where the filesystem refuses it).
+        depth: requests in flight across the reader's threads (None: :data:`DEFAULT_DEPTH`,
+            which :meth:`~bsr.FileTier.open` may replace with a calibrated one).
+        block_bytes: the largest single request (a multiple of 4 KiB).
+    """
+
+    name = "uring"
+
+    def __init__(
+        self,
+        *,
+        direct: bool = False,
+        depth: int | None = None,
+        block_bytes: int = DEFAULT_BLOCK_BYTES,
+    ) -> None:
+        super().__init__(direct=direct)
+        if block_bytes < ALIGNMENT or block_bytes % ALIGNMENT:
+            from .._errors import ConfigError
+
+            raise ConfigError(f"block_bytes must be a multiple of 4096, got {block_bytes}")
+        self.depth_chosen = depth is not None
+        self._depth = _Depth(depth if depth is not None else DEFAULT_DEPTH)
+        self.block_bytes = block_bytes
+        self.disabled_reason: str | None = None
+        self.fallback_reads = 0
+        self._local = threading.local()
+
+    @property
+    def depth(self) -> int:
+        """Requests in flight at most, across every thread of this reader."""
+        return self._depth.limit
+
+    @property
+    def peak_in_flight(self) -> int:
+        """The most requests this reader had in flight at once."""
+        return self._depth.peak
+
+    def set_depth(self, depth: int) -> None:
+        if depth < 1:
+            from .._errors import ConfigError
+
+            raise ConfigError(f"read depth must be >= 1, got {depth}")
+        self._depth.resize(depth)
+
+    def _ring(self) -> Ring | None:
+        owned: _OwnedRing | None = getattr(self._local, "ring", None)
+        if owned is not None:
+            return owned.ring
+        if self.disabled_reason is not None:
+            return None
+        try:
+            ring = Ring(min(RING_ENTRIES_MAX, max(64, 1 << (self.depth - 1).bit_length())))
+        except RingError as exc:
+            if exc.errno in (errno.EPERM, errno.ENOSYS, errno.EACCES):
+                with self._lock:
+                    self.disabled_reason = f"io_uring refused: {exc}"
+            return None
+        self._local.ring = _OwnedRing(ring)
+        return ring
+
+    def read_fd(
+        self, fd: int, header: memoryview, payload: memoryview, *, size: int | None = None
+    ) -> int:
+        """Fill ``header`` then ``payload`` from ``fd`` (``size``: the file's size, from the
+        caller's ``fstat``); return the bytes read contiguously from the start."""
+        ring = self._ring()
+        if ring is None:
+            with self._lock:
+                self.fallback_reads += 1
+            return super().read_fd(fd, header, payload)
+        _unaligned_buffered(fd, header, payload)
+        if size is None:
+            size = os.fstat(fd).st_size
+        pieces = [(0, _address(header), len(header))]
+        want = min(len(payload), align_up(max(0, size - len(header))))
+        base = _address(payload)
+        for off in range(0, want, self.block_bytes):
+            pieces.append((len(header) + off, base + off, min(self.block_bytes, want - off)))
+        got = self._run(ring, fd, pieces)
+        total = 0
+        for (_, _, length), n in zip(pieces, got):
+            total += n
+            if n < length:
+                break
+        return total
+
+    def _run(self, ring: Ring, fd: int, pieces: list[tuple[int, int, int]]) -> list[int]:
+        """Keep ``pieces`` in flight within the depth until each completed; bytes per piece."""
+        check = getattr(_CANCEL, "check", None)
+        got = [0] * len(pieces)
+        tags: dict[int, int] = {}
+        nxt = 0
+        error = 0
+        cancelled = False
+        depth = self._depth
+        try:
+            while nxt < len(pieces) or tags:
+                room = ring.entries - len(tags)  # the depth may exceed what this ring holds
+                if nxt < len(pieces) and not error and not cancelled and room > 0:
+                    k = depth.take(min(len(pieces) - nxt, room), block=not tags, check=check)
+                    if k == 0 and not tags:  # cancelled while waiting for the depth
+                        cancelled = True
+                        continue
+                    for i in range(nxt, nxt + k):
+                        off, addr, length = pieces[i]
+                        tags[ring.read(fd, off, addr, length)] = i
+                    nxt += k
+                if not tags:
+                    continue
+                all_queued = nxt == len(pieces) or error or cancelled
+                timeout = CANCEL_POLL_S if check is not None else None
+                ring.enter(wait=len(tags) if all_queued else 1, timeout_s=timeout)
+                for tag, res in ring.reap():
+                    if tag not in tags:
+                        continue
+                    i = tags.pop(tag)
+                    depth.give(1)
+                    if res < 0:
+                        error = error or -res
+                    else:
+                        got[i] = res
+                        if res < pieces[i][2]:
+                            nxt = len(pieces)  # end of file: nothing more to read
+                if check is not None and not cancelled and tags and check():
+                    cancelled = True
+                    for tag in tags:
+                        ring.cancel(tag)
+                    ring.enter()
+        except BaseException:
+            # the ring failed under us: wait (bounded) for what is in flight, so the kernel does
+            # not write into the buffers after we return, and start a new ring next time
+            self._drain(ring, tags)
+            depth.give(len(tags))
+            self._drop_ring(closed=not tags)
+            raise
+        if cancelled:
+            raise ReadCancelledError
+        if error:
+            raise OSError(error, os.strerror(error))
+        return got
+
+    @staticmethod
+    def _drain(ring: Ring, tags: dict[int, int], rounds: int = 50) -> None:
+        for _ in range(rounds):
+            if not tags:
+                return
+            try:
+                ring.enter(wait=len(tags), timeout_s=CANCEL_POLL_S)
+                for tag, _ in ring.reap():
+                    tags.pop(tag, None)
+            except Exception:
+                return
+
+    def _drop_ring(self, closed: bool) -> None:
+        owned = getattr(self._local, "ring", None)
+        self._local.ring = None
+        if owned is not None and not closed:
+            _UNDRAINED.append(owned)  # requests may still write into their buffers: keep it open
+
+
+class _OwnedRing:
+    """A thread's ring, closed when the thread's locals go (the thread ended)."""
+
+    __slots__ = ("ring",)
+
+    def __init__(self, ring: Ring) -> None:
+        self.ring = ring
+
+    def __del__(self) -> None:
+        self.ring.close()
+
+
+# ---------------------------------------------------------------------- depth calibration
+#: depths a calibration compares, and the bytes it reads at each
+CALIBRATION_DEPTHS = (4, 16, 64)
+CALIBRATION_BYTES = 32 << 20
+#: the smallest depth within this fraction of the best calibrated bandwidth wins
+CALIBRATION_FRACTION = 0.9
+
+
+def calibrate_depth(
+    reader: UringReader,
+    open_object: Callable[[str], tuple[int, os.stat_result]],
+    objects: Iterable[tuple[str, int]],
+    *,
+    depths: tuple[int, ...] = CALIBRATION_DEPTHS,
+    budget: int = CALIBRATION_BYTES,
+) -> dict[str, Any]:
+    """Measure ``reader`` over ``objects`` (``(name, size)``, taken in order until there are
+    ``len(depths) x budget`` bytes) at each of ``depths`` and keep the smallest depth within
+    :data:`CALIBRATION_FRACTION` of the best bandwidth; return the measurements.
+
+    Each depth reads its own run of objects (they wrap around when there are too few), so no
+    depth reads what the one before it just read. Meant for ``O_DIRECT`` reads: through the
+    page cache it would measure memory.
+    """
+    import time
+
+    chosen: list[tuple[str, int]] = []
+    total = 0
+    for name, size in objects:
+        chosen.append((name, size))
+        total += size
+        if total >= len(depths) * budget:
+            break
+    if not chosen:
+        return {"depth": reader.depth, "source": "default", "bandwidth_Bps": {}}
+    header = aligned_buffer(HEADER_SIZE)
+    payload = aligned_buffer(max(ALIGNMENT, align_up(max(size for _, size in chosen))))
+    room = len(payload) - len(payload) % ALIGNMENT
+    results: dict[int, float] = {}
+    pos = 0
+    for depth in depths:
+        reader.set_depth(depth)
+        done = 0
+        t0 = time.perf_counter()
+        while done < budget and done < total:
+            name, _ = chosen[pos % len(chosen)]
+            pos += 1
+            fd, st = open_object(name)
+            try:
+                done += reader.read_fd(fd, header, payload[:room], size=st.st_size)
+            finally:
+                os.close(fd)
+        results[depth] = done / max(time.perf_counter() - t0, 1e-9)
+    best = max(results.values())
+    depth = min(d for d, bw in results.items() if bw >= CALIBRATION_FRACTION * best)
+    reader.set_depth(depth)
+    return {"depth": depth, "source": "calibrated", "bandwidth_Bps": results}

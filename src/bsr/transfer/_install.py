@@ -15,6 +15,7 @@ event that tells when the slot may be reused.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -74,15 +75,26 @@ class HostInstaller:
             arr = self._slots[slot] = slot.tensor.numpy()
         return arr
 
-    def install(self, chunk: int, groups: tuple[str, ...], slot: Slot) -> None:
-        """Copy chunk ``chunk`` (its ``groups``) from ``slot`` into the cache blocks."""
+    def install(
+        self,
+        chunk: int,
+        groups: tuple[str, ...],
+        slot: Slot,
+        lent: Mapping[str, np.ndarray[Any, Any]] | None = None,
+    ) -> None:
+        """Copy chunk ``chunk`` (its ``groups``) from ``slot`` into the cache blocks; a group in
+        ``lent`` is copied from that flat uint8 payload instead (a tier's own memory)."""
         lo = chunk * self.bpc
         skip = min(max(0, self.first_block - lo), self.bpc)
         if skip == self.bpc:
             return
         if self._dst is None:
             for g in groups:
-                region = slot.tensor[self.layout.slot_offset(g) :]
+                payload = lent.get(g) if lent else None
+                if payload is not None:
+                    region = torch.from_numpy(payload)
+                else:
+                    region = slot.tensor[self.layout.slot_offset(g) :]
                 install_chunk(self.cache, g, self.tables.chunk_blocks(g, chunk), region, first=skip)
             return
         src = self.slot_array(slot)
@@ -95,10 +107,15 @@ class HostInstaller:
                 if not blocks:
                     continue
             dst, word, words = self._dst[g]
-            off = self._offsets[g]
             layers = dst.shape[0]
             n = layers * self.bpc * words * word.itemsize
-            chunk3 = src[off : off + n].view(word).reshape(layers, self.bpc, words)
+            payload = lent.get(g) if lent else None
+            if payload is not None:
+                flat = payload[:n]
+            else:
+                off = self._offsets[g]
+                flat = src[off : off + n]
+            chunk3 = flat.view(word).reshape(layers, self.bpc, words)
             staged = chunk3[:, skip:] if rows is None else chunk3[:, rows]
             n_blocks, first = len(blocks), blocks[0]
             if blocks[-1] - first == n_blocks - 1 and blocks == list(

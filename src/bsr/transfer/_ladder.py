@@ -25,7 +25,8 @@ from .._errors import (
     TierTimeoutError,
 )
 from ..core._keys import ChunkKey, ObjectKey
-from ..tiers._base import Tier
+from ..tiers._base import Borrowed, Tier
+from ..tiers._readers import ReadWithdrawnError
 
 
 class Outcome(str, enum.Enum):
@@ -76,7 +77,11 @@ class ReadGate(Protocol):
         """None if ``tier`` may be asked for the object now, else why it is skipped."""
 
     def report(self, outcome: ReadOutcome) -> None:
-        """Record what an admitted attempt came to (exactly once per admitted attempt)."""
+        """Record what an admitted attempt came to (exactly once per admitted attempt).
+
+        A gate may also offer ``report_ok(tier)``, the same as reporting an ``OK`` outcome
+        without building it (the ladder uses it when present: one call per object read).
+        """
 
     def withdraw(self, tier: str) -> None:
         """An admitted attempt was cancelled before it came to anything."""
@@ -104,6 +109,9 @@ class LadderResult:
     attempts: int = 0
     corrupt: bool = False
     errors: tuple[str, ...] = ()
+    #: the payload lent in place by a tier with ``borrow_reads`` (nothing was read into the
+    #: region then); the caller copies it and releases it
+    borrowed: Borrowed | None = None
 
     @property
     def ok(self) -> bool:
@@ -126,6 +134,7 @@ class TierLadder:
         self.tiers = dict(tiers)
         self._blocking = {n for n, t in self.tiers.items() if getattr(t, "blocking_reads", False)}
         self._inline = {n for n in self._blocking if getattr(self.tiers[n], "inline_reads", False)}
+        self._borrow = {n for n in self._blocking if getattr(self.tiers[n], "borrow_reads", False)}
 
     def all_blocking(self, names: Sequence[str]) -> bool:
         """Whether every named tier supports :meth:`~bsr.Tier.read_into_blocking`."""
@@ -134,6 +143,10 @@ class TierLadder:
     def all_inline(self, names: Sequence[str]) -> bool:
         """Whether every named tier reads at memory speed (``inline_reads``)."""
         return self._inline.issuperset(names)
+
+    def lends(self, name: str) -> bool:
+        """Whether the tier ``name`` lends verified payloads in place (``borrow_reads``)."""
+        return name in self._borrow
 
     def _expect(self, n: int, expected: int, tier: str, group: str) -> None:
         if n != expected:
@@ -155,7 +168,11 @@ class TierLadder:
     ) -> bool:
         """Report one attempt; return whether it succeeded."""
         if exc is None:
-            gate.report(ReadOutcome(name, key, group, chunk, Outcome.OK, n))
+            report_ok = getattr(gate, "report_ok", None)
+            if report_ok is not None:
+                report_ok(name)
+            else:
+                gate.report(ReadOutcome(name, key, group, chunk, Outcome.OK, n))
             result.tier, result.nbytes = name, n
             result.errors = tuple(errors)
             return True
@@ -198,15 +215,29 @@ class TierLadder:
         holders: Sequence[str],
         region: Any,
         expected: int,
+        borrow: bool = False,
     ) -> LadderResult:
-        """Read ``(key, group)`` into ``region`` in the calling (worker) thread."""
+        """Read ``(key, group)`` into ``region`` in the calling (worker) thread; with
+        ``borrow``, a tier that lends payloads in place lends it instead (``result.borrowed``).
+        """
         result, errors = LadderResult(), list[str]()
         for name in self._admitted(gate, key, group, holders, result, errors):
             exc: BaseException | None = None
             n = 0
             try:
-                n = self.tiers[name].read_into_blocking(key, group, region)
+                if borrow and name in self._borrow:
+                    lent = self.tiers[name].borrow_blocking(key, group)
+                    n = len(lent.payload)
+                    if n != expected:
+                        lent.release()
+                    else:
+                        result.borrowed = lent
+                else:
+                    n = self.tiers[name].read_into_blocking(key, group, region)
                 self._expect(n, expected, name, group)
+            except ReadWithdrawnError as e:  # the request ended: the attempt came to nothing
+                gate.withdraw(name)
+                return self._exhausted(result, [*errors, f"{name}: {e}"])
             except Exception as e:
                 exc = e
             if self._finish(gate, result, errors, name, key, group, chunk, exc, n):
@@ -231,6 +262,9 @@ class TierLadder:
             try:
                 n = await self.tiers[name].read_into(key, group, region)
                 self._expect(n, expected, name, group)
+            except ReadWithdrawnError as e:
+                gate.withdraw(name)
+                return self._exhausted(result, [*errors, f"{name}: {e}"])
             except Exception as e:
                 exc = e
             except BaseException:  # cancelled: the attempt came to nothing

@@ -46,7 +46,8 @@ from ..core._lifecycle import Reason
 from ..core._options import Policy, Strategy
 from ..core._plan import groups_by_chunk
 from ..core._results import Probe
-from ..tiers._base import Tier
+from ..tiers._base import Borrowed, Tier
+from ..tiers._readers import cancellation
 from ._cache import PagedKVCache
 from ._install import CudaInstaller, HostInstaller
 from ._ladder import LadderResult, ReadGate, TierLadder
@@ -108,27 +109,28 @@ class InstallGate:
     CLOSE_WAIT_S = 5.0
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # waited on only while closing
         self._active = 0
         self._closed = False
 
     def enter(self) -> bool:
-        with self._cond:
+        with self._lock:
             if self._closed:
                 return False
             self._active += 1
             return True
 
     def leave(self) -> None:
-        with self._cond:
+        with self._lock:
             self._active -= 1
-            if not self._active:
-                self._cond.notify_all()
+            if self._closed and not self._active:
+                self._idle.notify_all()
 
     def close(self) -> None:
-        with self._cond:
+        with self._lock:
             self._closed = True
-            self._cond.wait_for(lambda: self._active == 0, self.CLOSE_WAIT_S)
+            self._idle.wait_for(lambda: self._active == 0, self.CLOSE_WAIT_S)
 
 
 class RestoreRun:
@@ -377,9 +379,21 @@ class WindowPipeline:
     def _batch_size(self, job: _Job, n: int) -> int:
         if job.cuda or job.whole_plan:
             return 1  # one slot per chunk: each stays busy until its copy is done
+        chunk_bytes = max(1, self.layout.chunk_bytes)
+        if chunk_bytes <= INLINE_BYTES and self._all_inline(job):
+            # these batches run one after another on the event loop anyway: as large as an
+            # inline batch may be, so the per-batch steps (slot, turn, task switch) are rare
+            return max(1, INLINE_BYTES // chunk_bytes)
         # several batches per worker, so chunks move roughly in chunk order across workers
         per_worker = math.ceil(n / (4 * self.window))
-        return max(1, min(per_worker, BATCH_BYTES // max(1, self.layout.chunk_bytes)))
+        return max(1, min(per_worker, BATCH_BYTES // chunk_bytes))
+
+    def _all_inline(self, job: _Job) -> bool:
+        """Whether every holder of every chunk reads at memory speed (host destination)."""
+        if job.host is None:
+            return False
+        names = {n for per in job.probe.holders for hs in per.values() for n in hs}
+        return self.ladder.all_inline(list(names))
 
     async def _worker(self, job: _Job, batches: _Batches, tg: TaskGroup) -> None:
         run = job.run
@@ -394,7 +408,7 @@ class WindowPipeline:
             # a lone large chunk: read it under a transfer turn, copy it into the cache after
             # giving the turn back, so io_depth reads stay in flight while copies run
             split = mode == "thread" and len(batch) == 1 and job.host is not None
-            split = split and not job.whole_plan
+            split = split and not job.whole_plan and not self._lent(job, batch[0])
             async with job.turns:
                 if mode == "inline":
                     self._batch_blocking(job, batch, slot)
@@ -445,7 +459,9 @@ class WindowPipeline:
                     return None
                 state[0] = "running"
             try:
-                return fn(*args)
+                # reads stuck in an io_uring see the run end and withdraw their requests
+                with cancellation(lambda: job.run.abandoned):
+                    return fn(*args)
             finally:
                 done.set()
 
@@ -505,29 +521,52 @@ class WindowPipeline:
         self, job: _Job, batch: Sequence[int], slot: Slot, install: bool = True
     ) -> None:
         """Worker thread: read, verify and (host destination, ``install``) install each chunk of
-        ``batch``; without ``install`` a chunk read is recorded in ``job.read_ok``."""
-        run = job.run
-        for c in batch:
-            if not run.wanted(c) or not self._read_chunk_blocking(job, c, slot):
-                return
-            if not install:
-                job.read_ok.add(c)
-            elif not job.whole_plan and not job.cuda:
-                if not self._install_host(job, c, slot):
-                    return
-            elif job.whole_plan:
-                job.staged[c] = slot
+        ``batch``; without ``install`` a chunk read is recorded in ``job.read_ok``.
 
-    def _read_chunk_blocking(self, job: _Job, c: int, slot: Slot) -> bool:
+        A host install takes a group's payload in place from a tier that lends it (HostTier:
+        verified where it lies, pinned meanwhile, one copy into the cache); only the other
+        groups go through the slot.
+        """
+        run = job.run
+        lend = install and job.host is not None and not job.whole_plan
+        for c in batch:
+            if not run.wanted(c):
+                return
+            lent: dict[str, Borrowed] = {}
+            try:
+                if not self._read_chunk_blocking(job, c, slot, lent if lend else None):
+                    return
+                if not install:
+                    job.read_ok.add(c)
+                elif not job.whole_plan and not job.cuda:
+                    if not self._install_host(job, c, slot, lent):
+                        return
+                elif job.whole_plan:
+                    job.staged[c] = slot
+            finally:
+                for b in lent.values():
+                    b.release()
+
+    def _lent(self, job: _Job, c: int) -> bool:
+        """Whether every group of chunk ``c`` is first asked of a tier that lends in place."""
+        holders = job.probe.holders[c]
+        return all(holders[g] and self.ladder.lends(holders[g][0]) for g in job.run.needed[c])
+
+    def _read_chunk_blocking(
+        self, job: _Job, c: int, slot: Slot, lent: dict[str, Borrowed] | None = None
+    ) -> bool:
+        """Read (or, with ``lent``, borrow where a tier lends) every group of chunk ``c``."""
         key = job.probe.keys[c]
         for g in job.run.needed[c]:
             result = self.ladder.read_blocking(
                 job.gate, key, c, g, job.probe.holders[c][g], self._region(job, slot, g),
-                self._expected[g],
+                self._expected[g], borrow=lent is not None,
             )  # fmt: skip
             if not result.ok:
                 self._read_failed(job, c, g, result)
                 return False
+            if result.borrowed is not None and lent is not None:
+                lent[g] = result.borrowed
             job.run.record_read(result)
         return True
 
@@ -555,15 +594,19 @@ class WindowPipeline:
                 return
 
     # ------------------------------------------------------------------ installing
-    def _install_host(self, job: _Job, c: int, slot: Slot) -> bool:
-        """Copy chunk ``c`` from ``slot`` into the cache (any thread); False if it failed."""
+    def _install_host(
+        self, job: _Job, c: int, slot: Slot, lent: dict[str, Borrowed] | None = None
+    ) -> bool:
+        """Copy chunk ``c`` from ``slot`` (and the ``lent`` payloads) into the cache (any
+        thread); False if it failed."""
         run = job.run
         groups = run.needed[c]
         assert job.host is not None
         if not run.installs.enter():
             return False  # the request is over
         try:
-            job.host.install(c, groups, slot)
+            payloads = {g: b.payload for g, b in lent.items()} if lent else None
+            job.host.install(c, groups, slot, payloads)
         except Exception as exc:  # a failed copy is a failed chunk, never a raise
             run.fail(ChunkFailure(c, groups[0], Reason.INSTALL_FAILED, [repr(exc)]))
             return False

@@ -26,6 +26,16 @@ How it works:
   was computed or verified-installed is ever saved: a request with a load whose outcome is not
   known yet or failed, or that shares blocks with such a load, is not saved (vLLM may finish an
   aborted request before it processes that step's failed-load report).
+* **Failed sync loads.** vLLM caches a sync load's blocks when it allocates them, before bsr
+  writes them. If the load fails, vLLM recomputes them in place only for a request still
+  running when it handles the failure; a request aborted or preempted before that leaves them
+  in vLLM's prefix cache as they are, and vLLM hands them to the next request with that prefix.
+  The same goes for the blocks the load's step computed over them (the rest of the request's
+  table: vLLM caches them in the same step). So the blocks of a failed sync load and of its
+  step stay *poisoned* until vLLM gives them out afresh (past some request's own hit) or their
+  request recomputed them in place, and a request that vLLM admits on a poisoned block, or on a
+  block of a sync load whose outcome is not known yet that then fails, is *tainted*: never
+  saved. (``spec/connector.pml`` models this; spin found both cases.)
 """
 
 from __future__ import annotations
@@ -33,7 +43,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -68,6 +78,9 @@ class _Req:
     loading: bool = False  # a load was sent and its outcome is not known
     failed: bool = False  # a load failed: never load again (vLLM recomputes)
     unverified: bool = False  # this request's KV includes a load not verified: never save
+    tainted: bool = False  # admitted on a block holding no verified KV: never save
+    waits_on: set[str] = field(default_factory=set)  # sync loads whose blocks it was handed
+    readmitted: bool = False  # admitted again after its load failed (preempted meanwhile)
     digests: tuple[bytes, ...] = ()  # chained digests of the prompt's full chunks
 
 
@@ -91,7 +104,10 @@ class BsrScheduler:
         self._forget_all = False
         self._saving: set[str] = set()
         self._inflight: dict[bytes, str] = {}  # chunk digest -> request loading it (async)
-        self._unverified_blocks: dict[str, frozenset[int]] = {}  # loads not known good yet
+        # blocks a load not known good writes (sync: and its step computes over them)
+        self._unverified_blocks: dict[str, frozenset[int]] = {}
+        self._poisoned: dict[int, str] = {}  # block -> request whose sync load failed to fill it
+        self._admission_hit: dict[str, int] = {}  # vLLM's own hit at the request's admission
         self.stats = BsrConnectorStats()
 
     # ------------------------------------------------------------------ handshake
@@ -105,6 +121,7 @@ class BsrScheduler:
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         """Tokens past vLLM's own hit that bsr can load, ``None`` while the answer is out."""
+        self._admission_hit[request.request_id] = num_computed_tokens
         if not self.settings.loads or self.client.path is None:
             return 0, False
         prompt = request.prompt_token_ids or ()
@@ -202,7 +219,12 @@ class BsrScheduler:
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        st = self._reqs.get(request.request_id)
+        rid = request.request_id
+        table = blocks.get_block_ids()[0]  # sync mode (_admit): one KV cache group
+        local_hit = self._admission_hit.pop(rid, None)
+        if local_hit is not None and not self.opts.asynchronous:
+            self._admit(rid, table, local_hit)
+        st = self._reqs.get(rid)
         if num_external_tokens <= 0 or st is None or st.hit is None:
             return
         end = st.start + num_external_tokens
@@ -216,11 +238,44 @@ class BsrScheduler:
         job = LoadJob(request.request_id, tuple(prompt[:end]), st.start, tables, lookup)
         self._loads.append(job)
         st.used, st.loading, st.unverified, st.end = True, True, True, end
-        self._unverified_blocks[request.request_id] = real_blocks(tables)
+        # the blocks bsr writes (vLLM's own hit before them holds its computed KV); a sync
+        # load's step also computes the rest of the table over them, and vLLM caches all of it
+        # at once: if the load fails, every one of them holds wrong KV (sync loads have one KV
+        # cache group: several are refused at startup)
+        first = st.start // self.block
+        if self.opts.asynchronous:
+            written = real_blocks(tuple(t[first:] for t in tables))
+        else:
+            written = frozenset(table[first:])
+        self._unverified_blocks[rid] = written
         if self.opts.asynchronous:
             for d in self._digests(st, prompt)[st.start // self.chunk : end // self.chunk]:
                 self._inflight.setdefault(d, request.request_id)
         self.stats.count("hit_tokens", num_external_tokens)
+
+    def _admit(self, rid: str, table: list[int], local_hit: int) -> None:
+        """Sync mode: the blocks vLLM admits a request with (see "Failed sync loads").
+
+        Blocks past vLLM's own hit are fresh: whatever a failed load left in them is gone. A hit
+        block that a failed sync load wrote taints the request; one that a sync load not known
+        good yet writes makes it wait on that load's outcome.
+        """
+        if not self._poisoned and not self._unverified_blocks and rid not in self._reqs:
+            return
+        first_fresh = local_hit // self.block
+        for b in table[first_fresh:]:
+            self._poisoned.pop(b, None)
+        hit_blocks = set(table[:first_fresh])
+        st = self._reqs.get(rid)
+        if any(b in self._poisoned for b in hit_blocks):
+            st = self._reqs.setdefault(rid, _Req())
+            st.tainted = True
+        for other, written in self._unverified_blocks.items():
+            if other != rid and not hit_blocks.isdisjoint(written):
+                st = self._reqs.setdefault(rid, _Req())
+                st.waits_on.add(other)
+        if st is not None and st.failed:
+            st.readmitted = True
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> BsrConnectorMetadata:
         meta = BsrConnectorMetadata(
@@ -252,7 +307,14 @@ class BsrScheduler:
                 self._outcome(rid, ok)
 
     def _outcome(self, rid: str, ok: bool) -> None:
-        self._unverified_blocks.pop(rid, None)
+        written = self._unverified_blocks.pop(rid, frozenset())
+        if not self.opts.asynchronous:
+            if not ok:  # vLLM's prefix cache may hand them out as they are
+                self._poisoned.update(dict.fromkeys(written, rid))
+            for other in self._reqs.values():
+                if rid in other.waits_on:
+                    other.waits_on.discard(rid)
+                    other.tainted = other.tainted or not ok
         st = self._reqs.get(rid)
         if st is None:
             self._release_inflight(rid)
@@ -276,27 +338,37 @@ class BsrScheduler:
         """
         rid = request.request_id
         st = self._reqs.pop(rid, None)
+        self._admission_hit.pop(rid, None)
+        computed = min(int(request.num_computed_tokens), len(request.all_token_ids))
         if st is not None:
             self._drop_lookup(st)
             if not st.loading:
                 self._release_inflight(rid)
+            if self._poisoned and not st.readmitted:
+                # its own failed sync load's blocks that vLLM had it compute again in place
+                for b in (b for t in block_ids for b in t[: computed // self.block]):
+                    if self._poisoned.get(b) == rid:
+                        del self._poisoned[b]
         if not self.settings.saves:
             return False, None
-        if st is not None and st.unverified:
+        if st is not None and (st.unverified or st.tainted or st.waits_on):
             # its load is still running (async: vLLM itself holds the blocks until the workers
             # report the load received, which they do once bsr can no longer write into
-            # them), its outcome is not known yet, or it failed: never save that KV
+            # them), its outcome is not known yet, or it failed; or vLLM admitted it on the
+            # blocks of a failed sync load: never save that KV
             self.stats.count_key("saves_skipped", "unverified")
             return False, None
-        computed = min(int(request.num_computed_tokens), len(request.all_token_ids))
         n = (computed // self.chunk) * self.chunk
         if n == 0:
             return False, None
         tables = tuple(tuple(t[: n // self.block]) for t in block_ids)
         blocks = real_blocks(tables)
-        if any(blocks & pending for pending in self._unverified_blocks.values()):
+        if any(blocks & pending for pending in self._unverified_blocks.values()) or any(
+            b in self._poisoned for b in blocks
+        ):
             # shares blocks with a load whose outcome is not known yet (sync loads fill
-            # blocks that vLLM caches at once): they may never have been written
+            # blocks that vLLM caches at once): they may never have been written; or with a
+            # failed sync load's
             self.stats.count_key("saves_skipped", "unverified")
             return False, None
         if len(self._saving) >= self.opts.max_pending_saves:
