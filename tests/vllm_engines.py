@@ -8,6 +8,7 @@ engine.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import random
@@ -52,6 +53,32 @@ GEMMA3 = {
     "pad_token_id": 0,
 }
 
+#: A tiny DeepSeek-V2 (MLA: one 576-value latent per token and layer, no K/V halves). vLLM's CPU
+#: MLA decode kernel needs ``kv_lora_rank=512`` and ``qk_rope_head_dim=64``; both layers dense
+#: (``first_k_dense_replace``), so no MoE kernel runs.
+DEEPSEEK_V2 = {
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "moe_intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "kv_lora_rank": 512,
+    "q_lora_rank": None,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 64,
+    "v_head_dim": 64,
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "first_k_dense_replace": 2,
+    "vocab_size": 512,
+    "max_position_embeddings": 4096,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "tie_word_embeddings": False,
+}
+
 
 def write_llama(path: Path, seed: int = 0, **overrides: Any) -> None:
     """Real random weights written by transformers (vLLM's dummy weights ignore the context)."""
@@ -70,6 +97,16 @@ def write_gemma3(path: Path, seed: int = 0, **overrides: Any) -> None:
 
     torch.manual_seed(seed)
     model = Gemma3ForCausalLM(Gemma3TextConfig(**{**GEMMA3, **overrides}))
+    model.to(torch.bfloat16).save_pretrained(path)
+
+
+def write_deepseek_v2(path: Path, seed: int = 0, **overrides: Any) -> None:
+    """A random tiny DeepSeek-V2 (MLA), written by transformers."""
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    torch.manual_seed(seed)
+    model = DeepseekV2ForCausalLM(DeepseekV2Config(**{**DEEPSEEK_V2, **overrides}))
     model.to(torch.bfloat16).save_pretrained(path)
 
 
@@ -132,6 +169,16 @@ def cached_of(result: dict[str, Any]) -> list[list[int]]:
 def store_objects(root: Path) -> list[Path]:
     """Object files of a FileTier root, or of the per-rank roots below it (TP > 1)."""
     return sorted(p for p in root.glob("**/objects/**/*.bsr") if p.is_file())
+
+
+def group_objects(root: Path, group: str) -> list[Path]:
+    """The object files of ``root`` that hold bsr state group ``group`` (their header says;
+    ``run_engine.of_group``, which the store actions use too)."""
+    spec = importlib.util.spec_from_file_location("bsr_run_engine", RUN_ENGINE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return [p for p in store_objects(root) if module.of_group(p, group)]
 
 
 # ------------------------------------------------------------------ shared prompts and store

@@ -100,6 +100,7 @@ if TYPE_CHECKING:  # what mypy and readers see; at run time __getattr__ imports 
     from .transfer._cache import PagedKVCache as PagedKVCache
     from .transfer._staging import StagingPool as StagingPool
     from .transfer._staging import StagingStatistics as StagingStatistics
+    from .transfer._tables import NULL_BLOCK as NULL_BLOCK
 
 #: where each lazily imported public name lives (the module, relative to this package)
 _LAZY: dict[str, tuple[str, ...]] = {
@@ -108,6 +109,7 @@ _LAZY: dict[str, tuple[str, ...]] = {
         "FORMAT_VERSION",
         "ChunkKey",
         "KeyedTokens",
+        "NULL_BLOCK",
         "Namespace",
         "ObjectKey",
         "as_token_array",
@@ -151,6 +153,7 @@ _LAZY: dict[str, tuple[str, ...]] = {
     ),
     ".transfer._cache": ("PagedKVCache",),
     ".transfer._staging": ("StagingPool", "StagingStatistics"),
+    ".transfer._tables": ("NULL_BLOCK",),
 }
 _WHERE = {name: module for module, names in _LAZY.items() for name in names}
 #: the names bsr 0.2 gave the tier options classes (the same classes)

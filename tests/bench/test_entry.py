@@ -61,6 +61,7 @@ FLAGS = {
     "--vllm-prefixes": None,
     "--vllm-python": None,
     "--vllm-repeats": None,
+    "--vllm-model": "llama",
     "--vllm-sections": None,
     "--window": None,
     "--windows": None,

@@ -490,6 +490,8 @@ NOT_MODELLED = {
     "_forget": "leases",
     "_restore": "RestoreEngine.restore's call: the restore task on the Loop",
     "_account_save": "stats of a save",
+    "tables": "vLLM's block ids per KV cache group as bsr's tables (the model has one group)",
+    "unreachable": "a load refused before it runs: one of the failed loads the model has",
 }
 
 

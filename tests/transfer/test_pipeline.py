@@ -155,7 +155,8 @@ async def run_pipeline(
         else WholePlanBuffer(n, LAYOUT.slot_bytes, pin=False)
     )
     try:
-        await pipe.run(run, slots, make_probe(keys, [t.name for t in tiers]), cache, ids,
+        tables = cache.block_tables(ids, n * LAYOUT.chunk_tokens)
+        await pipe.run(run, slots, make_probe(keys, [t.name for t in tiers]), cache, tables,
                        strategy, gate)  # fmt: skip
     finally:
         pipe.release_all(run, slots)
@@ -326,7 +327,8 @@ async def test_a_stuck_read_parks_its_slot_until_the_thread_returns() -> None:
         run = RestoreRun("t", n, LAYOUT, bsr.Policy.ALL_OR_NOTHING)
         acct = pool.account()
         with anyio.move_on_after(0.2) as scope:
-            await pipe.run(run, acct, make_probe(keys, ["mem"]), cache, ids,
+            await pipe.run(run, acct, make_probe(keys, ["mem"]), cache,
+                           cache.block_tables(ids, n * LAYOUT.chunk_tokens),
                            bsr.Strategy.BOUNDED, RecordingGate())  # fmt: skip
         assert scope.cancelled_caught  # the caller was not held by the stuck read
         await pipe.drain(run, 0.05)

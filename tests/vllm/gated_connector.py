@@ -33,7 +33,7 @@ import anyio
 
 import bsr
 from bsr.vllm import BsrConnector
-from bsr.vllm._metadata import LoadJob
+from bsr.vllm._metadata import NULL_BLOCK_ID, LoadJob
 from bsr.vllm._worker import BsrWorker
 
 POISON = 0x5A
@@ -132,7 +132,8 @@ class GatedWorker(BsrWorker):
 
     def _blocks(self, job: LoadJob) -> list[int]:
         """The blocks bsr could write for ``job``: from vLLM's own hit on."""
-        return list(job.block_ids[job.start_tokens // self.settings.block_size :])
+        first = job.start_tokens // self.settings.block_size
+        return [b for table in job.block_ids for b in table[first:] if b != NULL_BLOCK_ID]
 
     def _views(self, block: int) -> list[Any]:
         assert self.cache is not None

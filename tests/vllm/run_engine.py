@@ -13,6 +13,7 @@ driven one engine step at a time, for aborts, hung stores and requests added whi
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -23,6 +24,9 @@ from typing import Any
 
 #: what a damaged object holds in place of KV: 1024 bfloat16 values of 32768.0
 DAMAGE = b"\x00\x47" * 1024
+#: where an object's header keeps the digest of its state group (magic, version, flags,
+#: namespace, key come first)
+GROUP_OFFSET = 8 + 2 + 2 + 16 + 32
 #: the metrics a run reports (name prefixes)
 METRICS = ("vllm:bsr_", "vllm:num_preemptions", "vllm:prefix_cache_hits")
 
@@ -32,8 +36,24 @@ def store_objects(root: str) -> list[Path]:
     return sorted(p for p in Path(root).glob("**/objects/**/*.bsr") if p.is_file())
 
 
+def group_digest(group: str) -> bytes:
+    """The digest of a state group name in an object's header (bsr's object format)."""
+    return hashlib.blake2b(group.encode(), digest_size=16, person=b"bsr-group").digest()
+
+
+def of_group(path: Path, group: str) -> bool:
+    """Whether the object file at ``path`` holds state group ``group`` (its header says)."""
+    with open(path, "rb") as f:
+        f.seek(GROUP_OFFSET)
+        return f.read(16) == group_digest(group)
+
+
 def apply(action: dict[str, Any]) -> int:
-    """Change a file store behind the running engine's back; returns how many objects."""
+    """Change a file store behind the running engine's back; returns how many objects.
+
+    ``group``: only the objects of that bsr state group (e.g. ``"kv0"``, vLLM's first KV cache
+    group).
+    """
     if action["kind"] == "wait_objects":  # until the saves so far have landed
         deadline = time.monotonic() + 180
         while len(store_objects(action["path"])) < action["count"]:
@@ -44,6 +64,8 @@ def apply(action: dict[str, Any]) -> int:
     if action["kind"] not in ("damage", "evict", "fifo"):
         raise ValueError(f"unknown store action {action['kind']!r}")
     objs = store_objects(action["path"])
+    if action.get("group") is not None:
+        objs = [p for p in objs if of_group(p, action["group"])]
     for p in objs:
         if action["kind"] == "damage":  # overwrite payload bytes (the 4 KiB header stays)
             with open(p, "r+b") as f:

@@ -95,12 +95,85 @@ def test_refusals_say_what_is_wrong() -> None:
 
 def test_group_window_only_for_vllm_sliding_window_groups() -> None:
     """vLLM's own spec classes: a FullAttentionSpec carrying a sliding_window (the hybrid
-    manager off merges a sliding-window model into one such group) is full length."""
+    manager off merges a sliding-window model into one such group) is full length; a
+    SlidingWindowSpec group stores what vLLM keeps after a load: the next token attends to
+    ``sliding_window - 1`` tokens, and ``extra_retained_tokens`` more stay below them."""
     kvi = pytest.importorskip("vllm.v1.kv_cache_interface")
     common = {"block_size": 32, "num_kv_heads": 2, "head_size": 64, "dtype": torch.bfloat16}
-    assert group_window(kvi.SlidingWindowSpec(sliding_window=64, **common)) == 64
+    assert group_window(kvi.SlidingWindowSpec(sliding_window=64, **common)) == 63
+    extra = kvi.SlidingWindowSpec(sliding_window=64, extra_retained_tokens=5, **common)
+    assert group_window(extra) == 68
     assert group_window(kvi.FullAttentionSpec(sliding_window=64, **common)) is None
     assert group_window(kvi.FullAttentionSpec(**common)) is None
     assert group_window(kvi.MLAAttentionSpec(**{**common, "num_kv_heads": 1})) is None
     with pytest.raises(bsr.LayoutError, match="ChunkedLocalAttentionSpec"):
         group_window(kvi.ChunkedLocalAttentionSpec(attention_chunk_size=64, **common))
+    # subclasses of the full spec that free or pin blocks otherwise are not taken as full
+    with pytest.raises(bsr.LayoutError, match="RSWASpec"):
+        group_window(kvi.RSWASpec(rswa_window=64, **common))
+    with pytest.raises(bsr.LayoutError, match="SinkFullAttentionSpec"):
+        group_window(kvi.SinkFullAttentionSpec(sink_len=4, **common))
+
+
+def test_vllm_window_matches_the_blocks_vllm_keeps_after_a_load() -> None:
+    """The blocks vLLM's SlidingWindowManager keeps real for a load of ``n`` tokens (those of
+    ``get_num_skipped_tokens(n)`` on are real, the ones below are its null block) are exactly
+    the blocks of the chunks bsr's window needs, never fewer (a kept block bsr does not write
+    would be cached unwritten) and without a real block below them."""
+    kvi = pytest.importorskip("vllm.v1.kv_cache_interface")
+    stkm = pytest.importorskip("vllm.v1.core.single_type_kv_cache_manager")
+    common = {"num_kv_heads": 2, "head_size": 64, "dtype": torch.bfloat16}
+    for block, chunk, window, extra in [(32, 64, 64, 0), (16, 256, 1024, 0), (16, 256, 128, 0),
+                                        (32, 64, 100, 7), (16, 64, 16, 0), (32, 64, 65, 0),
+                                        (32, 64, 64, 40)]:  # fmt: skip
+        spec = kvi.SlidingWindowSpec(
+            block_size=block, sliding_window=window, extra_retained_tokens=extra, **common
+        )
+        w = group_window(spec)
+        layout = bsr.StateLayout(chunk, (bsr.StateGroup("swa", 1, 8, window_tokens=w),))
+        for n_chunks in range(1, 12):
+            n = n_chunks * chunk
+            skipped = stkm.SlidingWindowManager.get_num_skipped_tokens(
+                type("M", (), {"sliding_window": window, "extra_retained_tokens": extra})(), n
+            )
+            first_real = skipped // block
+            first_read = layout.needed_chunks("swa", n_chunks).start * chunk // block
+            # every real block lies in a chunk bsr reads; no chunk bsr needs lies wholly below
+            assert first_read <= first_real, (block, chunk, window, n)
+            assert first_real - first_read < chunk // block, (block, chunk, window, n)
+            # the tokens the next one attends to (and those vLLM retains) are in real blocks
+            assert first_real * block <= max(0, n - w)
+
+
+def test_mla_latent_cache_is_one_part_per_layer() -> None:
+    """vLLM CPU_MLA's per-layer KV ``[num_blocks, 1, block_size, 576]`` bf16: no K/V halves."""
+    g = torch.Generator().manual_seed(3)
+    kv = {n: torch.randn(NB, 1, BS, 576, generator=g).bfloat16() for n in NAMES}
+    layout, cache = derive(
+        kv, [GroupSpec("kv", NAMES)], num_blocks=NB, block_tokens=BS, chunk_tokens=2 * BS
+    )
+    (grp,) = layout.groups
+    assert (grp.num_layers, grp.token_bytes, grp.dtype) == (L, 576 * 2, "bfloat16")
+    region = torch.randint(0, 256, (layout.group_chunk_bytes("kv"),), dtype=torch.uint8)
+    install_chunk(cache, "kv", torch.tensor([5, 2]), region)
+    got = torch.cat([raw_block(kv[n], b) for n in NAMES for b in (5, 2)])
+    assert torch.equal(got, region)
+
+
+def test_hybrid_groups_over_shared_tensors() -> None:
+    """vLLM's hybrid manager: layer 0 (sliding group) and layer 1 (full group) share a tensor,
+    as do layers 2 and 3; the cache knows the two groups alias block for block."""
+    g = torch.Generator().manual_seed(4)
+    shared = [torch.randn(NB, 2, BS, H * D, generator=g).bfloat16() for _ in range(2)]
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+    kv = {names[0]: shared[0], names[1]: shared[0], names[2]: shared[1], names[3]: shared[1]}
+    specs = [
+        GroupSpec("kv0", (names[0], names[2]), window_tokens=BS - 1),
+        GroupSpec("kv1", (names[1], names[3])),
+    ]
+    layout, cache = derive(kv, specs, num_blocks=NB, block_tokens=BS, chunk_tokens=2 * BS)
+    assert layout.group_names == ("kv0", "kv1") and cache.aliased == (("kv0", "kv1"),)
+    assert layout.group("kv0").window_tokens == BS - 1
+    with pytest.raises(bsr.BlockTableError, match="share memory"):
+        cache.block_tables([1, 2], 2 * BS)
+    assert cache.block_tables({"kv0": [-1, 3], "kv1": [1, 2]}, 2 * BS).serves(1)

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 import bsr
-from bsr.vllm._options import ConnectorOptions, chunk_tokens
+from bsr.vllm._options import ConnectorOptions, check_groups, chunk_tokens
 
 
 def test_defaults_are_async_and_valid() -> None:
@@ -64,3 +64,31 @@ def test_chunk_tokens_follow_the_block_size() -> None:
     assert chunk_tokens(64, 32) == 64
     with pytest.raises(bsr.ConfigError, match="multiple of vLLM's block_size=32"):
         chunk_tokens(48, 32)
+
+
+def _groups(*specs: Any) -> Any:
+    """vLLM's own KVCacheConfig with one group per spec."""
+    kvi = pytest.importorskip("vllm.v1.kv_cache_interface")
+    groups = [kvi.KVCacheGroupSpec([f"model.layers.{i}.attn"], s) for i, s in enumerate(specs)]
+    return kvi.KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def test_several_kv_cache_groups_need_async_loads_and_one_block_size() -> None:
+    """vLLM refuses block-level load failures with several KV cache groups (a sync load error
+    stopped its engine): sync loads are refused at startup, naming the key; async is fine."""
+    kvi = pytest.importorskip("vllm.v1.kv_cache_interface")
+    import torch
+
+    common = {"num_kv_heads": 2, "head_size": 64, "dtype": torch.bfloat16}
+    full = kvi.FullAttentionSpec(block_size=32, **common)
+    swa = kvi.SlidingWindowSpec(block_size=32, sliding_window=64, **common)
+    sync, default = ConnectorOptions.from_dict({"load": "sync"}), ConnectorOptions.from_dict({})
+    check_groups(_groups(swa, full), default, 32)
+    check_groups(_groups(full), sync, 32)
+    with pytest.raises(bsr.ConfigError) as info:
+        check_groups(_groups(swa, full), sync, 32)
+    assert info.value.fields["key"] == "bsr_connector.load" and "load='async'" in str(info.value)
+    other = kvi.SlidingWindowSpec(block_size=16, sliding_window=64, **common)
+    with pytest.raises(bsr.ConfigError, match="block_size=16") as info:
+        check_groups(_groups(other, full), default, 32)
+    assert info.value.fields["key"] == "block_size"

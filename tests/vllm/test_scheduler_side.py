@@ -142,7 +142,7 @@ def outcome(sched: BsrScheduler, **loads: bool) -> None:
 def finish(sched: BsrScheduler, req: Request, computed: int) -> tuple[bool, Any]:
     req.num_computed_tokens = computed
     n = -(-computed // BLOCK)
-    return sched.request_finished(req, list(range(100, 100 + n)))
+    return sched.request_finished(req, (list(range(100, 100 + n)),))
 
 
 def stats(sched: BsrScheduler) -> dict[str, Any]:
@@ -179,7 +179,7 @@ def test_a_local_hit_is_subtracted_and_the_load_starts_past_it(worker: Worker) -
     sched.update_state_after_alloc(req, blocks(10, 6), 96)
     (job,) = step(sched).loads
     assert (job.start_tokens, job.end_tokens) == (96, 192)
-    assert job.tokens == tuple(PROMPT[:192]) and job.block_ids == tuple(range(10, 16))
+    assert job.tokens == tuple(PROMPT[:192]) and job.block_ids == (tuple(range(10, 16)),)
     assert job.lookup_id is not None  # the worker's leased probe of exactly these tokens
     assert stats(sched)["hit_tokens"] == 96
 
@@ -254,7 +254,7 @@ def test_only_computed_or_verified_kv_is_saved(worker: Worker) -> None:
     sched.update_state_after_alloc(r3, blocks(100, 4), 0)
     assert finish(sched, r3, 104) == (True, None)
     (save,) = step(sched).saves
-    assert save.req_id == "r3" and len(save.tokens) == 64 and save.block_ids == (100, 101)
+    assert save.req_id == "r3" and len(save.tokens) == 64 and save.block_ids == ((100, 101),)
 
 
 def admit(sched: BsrScheduler, req: Request, local_hit: int, table: KVCacheBlocks) -> None:
@@ -304,7 +304,7 @@ def test_a_request_handed_blocks_of_a_sync_load_that_fails_is_never_saved(
     assert finish(sched, r1, 200) == (True, None)  # r1 recomputed its blocks in place
     assert finish(sched, r2, 200) == (False, None)
     (save,) = step(sched).saves
-    assert save.req_id == "r1" and save.block_ids == tuple(range(100, 106))
+    assert save.req_id == "r1" and save.block_ids == (tuple(range(100, 106)),)
 
 
 def test_a_failed_sync_load_recomputed_in_place_heals(worker: Worker) -> None:
@@ -360,7 +360,7 @@ def test_blocks_computed_over_a_failed_sync_load_are_never_saved() -> None:
         table = [300, 301, 102, 103, 104, 105, 306]
         admit(sched, r2, 192, KVCacheBlocks(([KVCacheBlock(b) for b in table],)))
         r2.num_computed_tokens = 200
-        assert sched.request_finished(r2, table) == (False, None)
+        assert sched.request_finished(r2, (table,)) == (False, None)
         assert step(sched).saves == []
     finally:
         w.server.close()

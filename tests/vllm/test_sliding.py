@@ -1,12 +1,14 @@
 """A sliding-window model (tiny Gemma3) through BsrConnector: no layer is treated as windowed
 unless vLLM keeps it windowed.
 
-With vLLM's hybrid KV cache manager off (what vLLM does for a connector without ``SupportsHMA``)
-the model's layers form ONE KV cache group whose spec is a ``FullAttentionSpec`` that carries the
-model's ``sliding_window``: every layer keeps full-length KV and vLLM's prefix cache treats every
-block as holding every layer. bsr must then store and restore every chunk of every layer; treating
-the group as windowed stored the last chunks only and restored them as if they were the whole
-prefix (the full-attention layers' earlier KV was never written), and the output diverged.
+With vLLM's hybrid KV cache manager off (what vLLM did for this connector before it declared
+``SupportsHMA``, and does with ``--disable-hybrid-kv-cache-manager``; ``test_hybrid.py`` runs
+it on) the model's layers form ONE KV cache group whose spec is a ``FullAttentionSpec`` that
+carries the model's ``sliding_window``: every layer keeps full-length KV and vLLM's prefix cache
+treats every block as holding every layer. bsr must then store and restore every chunk of every
+layer; treating the group as windowed stored the last chunks only and restored them as if they
+were the whole prefix (the full-attention layers' earlier KV was never written), and the output
+diverged.
 """
 
 from __future__ import annotations
@@ -50,15 +52,16 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out: dict[str, Any] = {"tmp": tmp}
     out["baseline"] = run(tmp, "baseline", **common)
     out["baseline_one_group"] = run(tmp, "baseline_one_group", disable_hybrid=True, **common)
+    one_group = {**common, "disable_hybrid": True}
     out["store"] = run(
         tmp,
         "store",
         connector=connector(store),
         await_objects=[str(store), STORED_OBJECTS],
-        **common,
+        **one_group,
     )
     out["objects"] = len(store_objects(store))
-    out["restore"] = run(tmp, "restore", connector=connector(store, save=False), **common)
+    out["restore"] = run(tmp, "restore", connector=connector(store, save=False), **one_group)
     return out
 
 

@@ -10,7 +10,7 @@ cannot commit, :func:`invalidation_reason` says why. Nothing here does I/O or to
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 from ._layout import StateLayout
 from ._lifecycle import Reason
@@ -18,10 +18,18 @@ from ._options import Policy
 from ._plan import longest_prefix, prefix_usable
 
 Installed = Collection[tuple[int, str]]
+#: ``serves(prefix_chunks)``: whether the caller's block tables hold a block wherever that prefix
+#: needs one (a sliding-window group's table may have none outside its window); None: always
+Serves = Callable[[int], bool] | None
 
 
-def installed_usable(layout: StateLayout, prefix_chunks: int, installed: Installed) -> bool:
-    """Whether every (chunk, group) a prefix of ``prefix_chunks`` chunks needs is installed."""
+def installed_usable(
+    layout: StateLayout, prefix_chunks: int, installed: Installed, serves: Serves = None
+) -> bool:
+    """Whether every (chunk, group) a prefix of ``prefix_chunks`` chunks needs is installed
+    (and, with ``serves``, the block tables hold every block the prefix needs)."""
+    if serves is not None and prefix_chunks > 0 and not serves(prefix_chunks):
+        return False
     return prefix_usable(layout, prefix_chunks, lambda c, g: (c, g) in installed)
 
 
@@ -33,6 +41,7 @@ def local_vote(
     limit: int,
     installed: Installed,
     timed_out: bool,
+    serves: Serves = None,
 ) -> int:
     """The longest prefix (in chunks) this rank can vouch for after its window drained.
 
@@ -44,28 +53,42 @@ def local_vote(
         limit: chunks at or past ``limit`` were abandoned (a chunk below failed).
         installed: the (chunk, group) objects installed and verified on this rank.
         timed_out: the deadline fired during the window: vote 0, whatever landed.
+        serves: whether the block tables hold every block a prefix needs (None: always).
     """
     if timed_out or target <= 0:
         return 0
     if policy is Policy.TRUNCATE:
-        return longest_prefix(layout, min(limit, target), lambda c, g: (c, g) in installed)
-    return target if installed_usable(layout, target, installed) else 0
+
+        def have(c: int, g: str) -> bool:
+            return (c, g) in installed
+
+        p = longest_prefix(layout, min(limit, target), have)
+        while p and serves is not None and not serves(p):
+            p = longest_prefix(layout, p - 1, have)
+        return p
+    return target if installed_usable(layout, target, installed, serves) else 0
 
 
 def choose_trigger(
-    layout: StateLayout, policy: Policy, *, target: int, agreed: int, installed: Installed
+    layout: StateLayout,
+    policy: Policy,
+    *,
+    target: int,
+    agreed: int,
+    installed: Installed,
+    serves: Serves = None,
 ) -> str | None:
     """The Windowing -> Installed trigger the agreed prefix allows, or None (invalidate).
 
     ``chunks_installed`` when the whole target was agreed and is installed here; ``truncate``
     under the truncate policy when a shorter non-empty agreed prefix is installed here.
     """
-    if target > 0 and agreed == target and installed_usable(layout, target, installed):
+    if target > 0 and agreed == target and installed_usable(layout, target, installed, serves):
         return "chunks_installed"
     if (
         policy is Policy.TRUNCATE
         and 0 < agreed < target
-        and installed_usable(layout, agreed, installed)
+        and installed_usable(layout, agreed, installed, serves)
     ):
         return "truncate"
     return None

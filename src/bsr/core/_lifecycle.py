@@ -15,7 +15,7 @@ from __future__ import annotations
 import enum
 import json
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
@@ -104,10 +104,15 @@ class RequestFacts:
     installed: Collection[tuple[int, str]] = field(default_factory=frozenset)
     agreed_chunks: int = 0
     all_ranks_voted_yes: bool = False
+    #: whether the caller's block tables hold every block a prefix needs (None: always)
+    serves: Callable[[int], bool] | None = None
 
     def installed_through(self, prefix_chunks: int) -> bool:
-        """Whether every object a prefix of ``prefix_chunks`` chunks needs is installed."""
+        """Whether every object a prefix of ``prefix_chunks`` chunks needs is installed, into
+        blocks the block tables hold."""
         if self.layout is None or prefix_chunks <= 0:
+            return False
+        if self.serves is not None and not self.serves(prefix_chunks):
             return False
         return prefix_usable(self.layout, prefix_chunks, lambda c, g: (c, g) in self.installed)
 

@@ -67,7 +67,15 @@ class Probe:
 
 @dataclass(frozen=True)
 class SaveResult:
-    """Outcome of :meth:`RestoreEngine.save`."""
+    """Outcome of :meth:`RestoreEngine.save`.
+
+    Attributes:
+        saved_tokens: the prefix stored: every full chunk of the tokens, or a shorter prefix when
+            the block tables hold no block where a longer prefix's state lies (e.g. a
+            sliding-window group's blocks already outside its window); 0 when none fits.
+        chunks: ``saved_tokens`` in chunks.
+        objects_written, objects_skipped, bytes_written, errors: per tier.
+    """
 
     saved_tokens: int
     chunks: int
@@ -116,7 +124,10 @@ class RestoreResult:
         timings: probe, install (windowing), settle, commit and total seconds (:class:`Timings`).
         reason: why it ended there.
         invalid_block_ids: blocks written by this restore that hold no valid state (every touched
-            block when Invalidated; blocks past the committed prefix under ``truncate``).
+            block when Invalidated; blocks past the committed prefix under ``truncate``), of
+            every group.
+        invalid_block_ids_by_group: the same per state group (for callers whose groups have
+            block tables of their own, whose ids may repeat across groups).
         trace: the request's transitions.
         strategy, policy: what was asked for.
         fallbacks: reads served by a lower tier after a higher one failed.
@@ -138,6 +149,7 @@ class RestoreResult:
     fallbacks: int = 0
     quarantined: int = 0
     errors: tuple[str, ...] = field(default=())
+    invalid_block_ids_by_group: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def committed(self) -> bool:

@@ -37,7 +37,7 @@ from .._check import (
     positive_float,
     short_repr,
 )
-from .._errors import ClosedError, ConfigError, CoordinatorError
+from .._errors import BlockTableError, ClosedError, ConfigError, CoordinatorError
 from .._log import logger
 from .._resource import AsyncResource
 from ..core._commit import (
@@ -64,6 +64,7 @@ from ..transfer._pipeline import (
 )
 from ..transfer._save import save_chunks
 from ..transfer._staging import StagingPool, StagingStatistics
+from ..transfer._tables import BlockTables
 from ._config import EngineConfig, check_window_memory
 from ._coordinator import Coordinator, LocalCoordinator
 from ._decisions import Quarantine, RestoreGate, TierQuarantine
@@ -492,6 +493,16 @@ class RestoreEngine(AsyncResource):
         With several ranks every rank must call ``restore`` for the same tokens, all with a
         probe or all without.
 
+        ``block_ids``: the request's block table, one for every state group, or a mapping group
+        name -> table (every group of the layout) when the groups' blocks differ, e.g. groups
+        whose tensors share memory (vLLM's hybrid KV cache manager: their tables must hold
+        different blocks) or a sliding-window group that has blocks for its window only. An
+        entry may be ``bsr.NULL_BLOCK`` (-1, no block): bsr neither reads from nor writes to it.
+        The tables must hold a block wherever the whole token prefix's state goes (every
+        token of a full-attention group, the last ``window_tokens`` tokens of a windowed one),
+        else ``BlockTableError``; a shorter probed prefix whose window lies in ``NULL_BLOCK``
+        entries cannot commit (``install_failed``).
+
         ``start_tokens`` (a multiple of the cache's ``block_tokens``): the caller already holds
         valid state for the first ``start_tokens`` tokens in these blocks (e.g. a serving
         engine's own prefix-cache hit). Those tokens are still keyed and probed (the chained keys
@@ -502,6 +513,8 @@ class RestoreEngine(AsyncResource):
         caller's claim; ``bytes_by_tier`` counts only what was read.
 
         Raises:
+            BlockTableError: malformed block tables (see ``PagedKVCache.block_tables``), or a
+                ``NULL_BLOCK`` where the whole prefix's state goes.
             ConfigError: bad arguments, or a ``probe`` that another engine made (refused
                 before anything moves; that probe and its lease are left to their engine) or
                 that was made for other tokens.
@@ -568,7 +581,8 @@ class RestoreEngine(AsyncResource):
         self._check_cache(cache)
         first_block, valid_chunks = self._start(start_tokens, cache)
         n_full = self.layout.num_chunks(token_count(tokens))
-        ids = cache.block_table(block_ids, n_full * self.layout.chunk_tokens)
+        tables = cache.block_tables(block_ids, n_full * self.layout.chunk_tokens)
+        _check_serves(tables, n_full, first_block, self.layout.chunk_tokens)
         deadline = optional_positive_float(deadline_s, "deadline_s")
         deadline = self.deadline_s if deadline is None else deadline
         rid = request_id or f"r{next(self._ids)}-{uuid.uuid4().hex[:8]}"
@@ -578,7 +592,8 @@ class RestoreEngine(AsyncResource):
         self._counts["restores"] += 1
         return RestoreRequest(
             rid=rid, life=life, log=self._log.bind(request_id=rid), tokens=tokens, cache=cache,
-            ids=ids, policy=life.facts.policy, strategy=choice(Strategy, strategy, "strategy"),
+            tables=tables, policy=life.facts.policy,
+            strategy=choice(Strategy, strategy, "strategy"),
             deadline_at=None if deadline is None else started + deadline, t0=started,
             first_block=first_block, valid_chunks=valid_chunks,
         )  # fmt: skip
@@ -645,7 +660,15 @@ class RestoreEngine(AsyncResource):
         req.run = run
         req.life.facts.target_chunks = run.target
         req.life.facts.installed = run.installed  # the live record the guards evaluate
+        req.life.facts.serves = req.serves if req.tables.has_placeholders else None
         req.gate = RestoreGate(run, self.health, self._quarantine, req.log)
+        if req.policy is Policy.ALL_OR_NOTHING and not req.serves(run.target):
+            # a shorter prefix than the tables were made for, whose window lies in blocks the
+            # tables do not hold: nothing can commit, so nothing is read
+            group, block = req.tables.unserved(run.target, req.first_block) or ("", 0)
+            why = f"block table of group {group!r} has no block at index {block}"
+            run.fail(ChunkFailure(block // req.tables.bpc, group, Reason.INSTALL_FAILED, [why]))
+            return
         if req.strategy is Strategy.BOUNDED:
             req.slots = self._open_pool().account()
         else:
@@ -660,7 +683,7 @@ class RestoreEngine(AsyncResource):
         t = time.perf_counter()
         with anyio.move_on_after(req.remaining()) as scope:
             await self._window.run(
-                run, req.slots, req.probe, req.cache, req.ids, req.strategy, req.gate,
+                run, req.slots, req.probe, req.cache, req.tables, req.strategy, req.gate,
                 req.on_installed,
             )  # fmt: skip
         # the deadline fired, even if the window ended another way while shielded
@@ -717,18 +740,20 @@ class RestoreEngine(AsyncResource):
         run, life = req.run, req.life
         assert run is not None
         t = time.perf_counter()
+        serves = life.facts.serves
         vote = local_vote(
             self.layout, req.policy, target=run.target, limit=run.limit,
-            installed=run.installed, timed_out=req.timed_out,
+            installed=run.installed, timed_out=req.timed_out, serves=serves,
         )  # fmt: skip
         try:
             agreed = await self._prober.agree(
-                vote, lambda p: installed_usable(self.layout, p, run.installed)
+                vote, lambda p: installed_usable(self.layout, p, run.installed, serves)
             )
             life.facts.agreed_chunks = agreed
             trigger = choose_trigger(
-                self.layout, req.policy, target=run.target, agreed=agreed, installed=run.installed
-            )
+                self.layout, req.policy, target=run.target, agreed=agreed,
+                installed=run.installed, serves=serves,
+            )  # fmt: skip
             if trigger is not None:
                 life.fire(trigger)
             yes = await self.coordinator.agree_all(life.state is RequestState.INSTALLED)
@@ -744,7 +769,7 @@ class RestoreEngine(AsyncResource):
             life.fire("commit", commit_reason(agreed=agreed, target=run.target))
             return
         installed_here = life.state is RequestState.INSTALLED or installed_usable(
-            self.layout, run.target, run.installed
+            self.layout, run.target, run.installed, serves
         )
         failure = run.failure.reason if run.failure is not None else None
         life.invalidate(
@@ -804,18 +829,21 @@ class RestoreEngine(AsyncResource):
 
         Writes through to every tier (or the named ``tiers``), skipping objects a tier already
         holds. Sliding-window groups store only the chunks their window needs at the end of the
-        saved prefix. Staging comes from the same W-slot pool as restores. A tier's write error is
-        counted in the result and logged; it does not stop the other tiers.
+        saved prefix. ``block_ids``: one table for every group, or a mapping group -> table (see
+        :meth:`restore`); when a table holds ``NULL_BLOCK`` where a needed chunk lies, only the
+        longest prefix whose every needed chunk lies in real blocks is stored (``saved_tokens``
+        says which). Staging comes from the same W-slot pool as restores. A tier's write error
+        is counted in the result and logged; it does not stop the other tiers.
         """
         pool = self._open_pool()
         self._leases.reclaim()
         self._check_cache(cache)
         keyed = await self._prober.keyed(tokens)
-        ids = cache.block_table(block_ids, len(keyed.keys) * self.layout.chunk_tokens)
+        tables = cache.block_tables(block_ids, len(keyed.keys) * self.layout.chunk_tokens)
         targets = self.tiers if tiers is None else [self._tier(name) for name in tiers]
         quarantine = self._quarantine
         result = await save_chunks(
-            layout=self.layout, tiers=targets, account=pool.account(), cache=cache, ids=ids,
+            layout=self.layout, tiers=targets, account=pool.account(), cache=cache, tables=tables,
             keys=list(keyed.keys), io_depth=self.io_depth, log=self._log,
             # a fresh copy replaces a quarantined one: probes may see it again
             on_written=lambda tier, okey: quarantine.lift(tier.name, okey.object_id),
@@ -835,3 +863,18 @@ class RestoreEngine(AsyncResource):
             if t.name == name:
                 return t
         raise ConfigError(f"no tier named {name!r}; tiers are {[t.name for t in self.tiers]}")
+
+
+def _check_serves(tables: BlockTables, n_full: int, first_block: int, chunk_tokens: int) -> None:
+    """Refuse tables that hold no block where the whole token prefix's state would go."""
+    bad = tables.unserved(n_full, first_block)
+    if bad is not None:
+        group, block = bad
+        raise BlockTableError(
+            f"the block table of group {group!r} holds NULL_BLOCK at index {block}, where a "
+            f"restore of {n_full * chunk_tokens} tokens installs that group's state; give it a "
+            "block there (a sliding-window group needs blocks for its window only), or restore "
+            "fewer tokens",
+            group=group,
+            index=block,
+        )

@@ -10,13 +10,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from ..core._lifecycle import RequestLifecycle, RequestState
 from ..core._options import Policy, Strategy
 from ..core._results import Probe, RestoreResult, Timings
 from ..transfer._cache import PagedKVCache
 from ..transfer._pipeline import OnInstalled, RestoreRun, SlotSource
+from ..transfer._tables import BlockTables
 from ._decisions import RestoreGate
 
 
@@ -29,7 +28,7 @@ class RestoreRequest:
     log: Any
     tokens: Any
     cache: PagedKVCache
-    ids: torch.Tensor
+    tables: BlockTables
     policy: Policy
     strategy: Strategy
     deadline_at: float | None
@@ -54,17 +53,22 @@ class RestoreRequest:
     def timed(self, phase: str, since: float) -> None:
         self.phase_s[phase] = self.phase_s.get(phase, 0.0) + time.perf_counter() - since
 
-    def invalid_blocks(self) -> tuple[int, ...]:
-        """Blocks this restore wrote that hold no valid state (all of them unless Committed)."""
+    def serves(self, prefix_chunks: int) -> bool:
+        """Whether the block tables hold every block a prefix needs, past ``first_block``."""
+        return self.tables.serves(prefix_chunks, self.first_block)
+
+    def invalid_blocks(self) -> dict[str, tuple[int, ...]]:
+        """Per group, the blocks this restore wrote that hold no valid state (all of them
+        unless Committed)."""
         if self.run is None:
-            return ()
-        out: set[int] = set()
-        bpc = self.cache.blocks_per_chunk
+            return {}
+        out: dict[str, set[int]] = {}
         for c in self.run.touched_chunks:
             if c >= self.committed_chunks:
-                lo = max(c * bpc, self.first_block)
-                out.update(int(b) for b in self.ids[lo : (c + 1) * bpc].tolist())
-        return tuple(sorted(out))
+                for g in self.run.needed.get(c, ()):
+                    written = self.tables.written_blocks(g, c, self.first_block)
+                    out.setdefault(g, set()).update(written)
+        return {g: tuple(sorted(bs)) for g, bs in out.items() if bs}
 
     def result(self, chunk_tokens: int) -> RestoreResult:
         """The public outcome of this request (it must be terminal)."""
@@ -72,6 +76,7 @@ class RestoreRequest:
         if self.life.state is not RequestState.COMMITTED:
             self.committed_chunks = 0
         run, probed = self.run, self.probe.prefix_chunks if self.probe else 0
+        invalid = self.invalid_blocks()
         return RestoreResult(
             request_id=self.rid,
             state=self.life.state,
@@ -87,7 +92,8 @@ class RestoreRequest:
                 self.phase_s.get("settle", 0.0),
             ),
             reason=self.life.reason,
-            invalid_block_ids=self.invalid_blocks(),
+            invalid_block_ids=tuple(sorted({b for bs in invalid.values() for b in bs})),
+            invalid_block_ids_by_group=invalid,
             trace=tuple(self.life.trace),
             strategy=self.strategy,
             policy=self.policy,

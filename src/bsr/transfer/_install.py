@@ -24,6 +24,7 @@ import torch
 from ..core._layout import StateLayout
 from ._cache import PagedKVCache, install_chunk
 from ._staging import Slot
+from ._tables import BlockTables
 
 
 def _word(row: int, *arrays: np.ndarray[Any, Any]) -> np.dtype[Any]:
@@ -41,20 +42,20 @@ class HostInstaller:
     Args:
         layout: the state layout.
         cache: the destination.
-        ids: the request's validated block table (int64, CPU).
+        tables: the request's validated block tables (one per group; ``NULL_BLOCK`` entries
+            are never written).
         first_block: blocks of the table before this index are never written (they hold state
             the caller already has; a chunk that straddles it is installed from it on).
     """
 
     def __init__(
-        self, layout: StateLayout, cache: PagedKVCache, ids: torch.Tensor, first_block: int = 0
+        self, layout: StateLayout, cache: PagedKVCache, tables: BlockTables, first_block: int = 0
     ) -> None:
         self.layout = layout
         self.cache = cache
-        self.ids = ids
+        self.tables = tables
         self.bpc = cache.blocks_per_chunk
         self.first_block = first_block
-        self._blocks = ids.tolist()
         self._slots: dict[Slot, np.ndarray[Any, Any]] = {}
         self._offsets = {g.name: layout.slot_offset(g.name) for g in layout.groups}
         self._dst: dict[str, tuple[np.ndarray[Any, Any], np.dtype[Any], int]] | None = None
@@ -88,23 +89,23 @@ class HostInstaller:
         if skip == self.bpc:
             return
         if self._dst is None:
-            table = self.cache.chunk_blocks(self.ids, chunk)
             for g in groups:
                 payload = lent.get(g) if lent else None
                 if payload is not None:
                     region = torch.from_numpy(payload)
                 else:
                     region = slot.tensor[self.layout.slot_offset(g) :]
-                install_chunk(self.cache, g, table, region, first=skip)
+                install_chunk(self.cache, g, self.tables.chunk_blocks(g, chunk), region, first=skip)
             return
         src = self.slot_array(slot)
-        blocks = self._blocks[lo + skip : lo + self.bpc]
-        n_blocks = len(blocks)
-        first = blocks[0]
-        consecutive = blocks[-1] - first == n_blocks - 1 and blocks == list(
-            range(first, first + n_blocks)
-        )
         for g in groups:
+            blocks = self.tables.blocks(g)[lo + skip : lo + self.bpc]
+            rows: list[int] | None = None
+            if min(blocks) < 0:  # placeholders: no block there, nothing to write
+                rows = [skip + i for i, b in enumerate(blocks) if b >= 0]
+                blocks = [b for b in blocks if b >= 0]
+                if not blocks:
+                    continue
             dst, word, words = self._dst[g]
             layers = dst.shape[0]
             n = layers * self.bpc * words * word.itemsize
@@ -114,8 +115,12 @@ class HostInstaller:
             else:
                 off = self._offsets[g]
                 flat = src[off : off + n]
-            staged = flat.view(word).reshape(layers, self.bpc, words)[:, skip:]
-            if consecutive:
+            chunk3 = flat.view(word).reshape(layers, self.bpc, words)
+            staged = chunk3[:, skip:] if rows is None else chunk3[:, rows]
+            n_blocks, first = len(blocks), blocks[0]
+            if blocks[-1] - first == n_blocks - 1 and blocks == list(
+                range(first, first + n_blocks)
+            ):
                 dst[:, first : first + n_blocks, :] = staged
             else:
                 dst[:, blocks, :] = staged
@@ -127,7 +132,7 @@ class CudaInstaller:
     Args:
         layout: the state layout.
         cache: the destination (on a CUDA device).
-        ids: the request's block table.
+        tables: the request's block tables (``NULL_BLOCK`` entries are never written).
         stream: the side stream (made once per engine).
         first_block: blocks of the table before this index are never written.
     """
@@ -136,25 +141,25 @@ class CudaInstaller:
         self,
         layout: StateLayout,
         cache: PagedKVCache,
-        ids: torch.Tensor,
+        tables: BlockTables,
         stream: Any,
         first_block: int = 0,
     ) -> None:
         self.layout = layout
         self.cache = cache
-        self.ids = ids
+        self.tables = tables
         self.stream = stream
         self.first_block = first_block
 
     def install(self, chunk: int, groups: tuple[str, ...], slot: Slot) -> Any:
         """Enqueue the copy of ``chunk``; return the CUDA event recorded after it."""
-        blocks = self.cache.chunk_blocks(self.ids, chunk)
-        skip = min(max(0, self.first_block - chunk * len(blocks)), len(blocks))
+        bpc = self.cache.blocks_per_chunk
+        skip = min(max(0, self.first_block - chunk * bpc), bpc)
         with torch.cuda.stream(self.stream):
-            for g in groups if skip < len(blocks) else ():
+            for g in groups if skip < bpc else ():
                 install_chunk(
-                    self.cache, g, blocks, slot.tensor[self.layout.slot_offset(g) :],
-                    non_blocking=True, first=skip,
+                    self.cache, g, self.tables.chunk_blocks(g, chunk),
+                    slot.tensor[self.layout.slot_offset(g) :], non_blocking=True, first=skip,
                 )  # fmt: skip
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(self.stream)

@@ -53,6 +53,7 @@ from ._cache import PagedKVCache
 from ._install import CudaInstaller, HostInstaller
 from ._ladder import LadderResult, ReadGate, TierLadder
 from ._staging import Slot, StagingAccount
+from ._tables import BlockTables
 
 #: aim for about this many payload bytes per worker-thread call on the host path
 BATCH_BYTES = 4 << 20
@@ -251,7 +252,7 @@ class _Job:
         slots: SlotSource,
         probe: Probe,
         cache: PagedKVCache,
-        ids: torch.Tensor,
+        tables: BlockTables,
         gate: ReadGate,
         whole_plan: bool,
     ) -> None:
@@ -259,12 +260,12 @@ class _Job:
         self.slots = slots
         self.probe = probe
         self.cache = cache
-        self.ids = ids
+        self.tables = tables
         self.gate = gate
         self.whole_plan = whole_plan
         self.cuda = cache.device.type == "cuda"
         first = run.first_block
-        self.host = HostInstaller(cache.layout, cache, ids, first) if not self.cuda else None
+        self.host = HostInstaller(cache.layout, cache, tables, first) if not self.cuda else None
         self.device: CudaInstaller | None = None
         self.staged: dict[int, Slot] = {}  # whole-plan: chunks read, waiting for the install
         self.on_installed: OnInstalled | None = None
@@ -348,7 +349,7 @@ class WindowPipeline:
         slots: SlotSource,
         probe: Probe,
         cache: PagedKVCache,
-        ids: torch.Tensor,
+        tables: BlockTables,
         strategy: Strategy,
         gate: ReadGate,
         on_installed: OnInstalled | None = None,
@@ -360,13 +361,15 @@ class WindowPipeline:
         event loop once each chunk is in the cache, in no particular order; if it raises, the
         chunk counts as failed to install, so the request cannot commit it.
         """
-        job = _Job(run, slots, probe, cache, ids, gate, strategy is Strategy.WHOLE_PLAN)
+        job = _Job(run, slots, probe, cache, tables, gate, strategy is Strategy.WHOLE_PLAN)
         job.on_installed = on_installed
         job.turns = anyio.CapacityLimiter(self.io_depth)
         if job.cuda:
             if self.cuda_stream is None:
                 self.cuda_stream = torch.cuda.Stream(device=cache.device)  # type: ignore[no-untyped-call]
-            job.device = CudaInstaller(self.layout, cache, ids, self.cuda_stream, run.first_block)
+            job.device = CudaInstaller(
+                self.layout, cache, tables, self.cuda_stream, run.first_block
+            )
         chunks = sorted(c for c in run.needed if c not in run.skipped)
         batches = _Batches(chunks, self._batch_size(job, len(chunks)))
         async with anyio.create_task_group() as tg:

@@ -25,6 +25,7 @@ from ..core._results import SaveResult
 from ..tiers._base import Tier
 from ._cache import PagedKVCache, gather_chunk
 from ._staging import Slot, StagingAccount
+from ._tables import BlockTables
 
 
 class _SavePlan:
@@ -104,7 +105,7 @@ async def save_chunks(
     tiers: Sequence[Tier],
     account: StagingAccount,
     cache: PagedKVCache,
-    ids: torch.Tensor,
+    tables: BlockTables,
     keys: Sequence[ChunkKey],
     io_depth: int,
     log: Any,
@@ -113,18 +114,20 @@ async def save_chunks(
 ) -> SaveResult:
     """Store every object a prefix of ``len(keys)`` chunks needs into every tier lacking it.
 
+    Only the longest prefix whose every needed object lies in real blocks of ``tables`` is
+    stored (:meth:`BlockTables.savable_prefix`: an object always holds its whole chunk).
     ``on_written(tier, object_key)`` is called after each object a tier newly stored. A copy the
     engine retired (``is_retired``: it failed a read) is replaced: deleted, then written again.
     """
     t0 = time.perf_counter()
+    keys = keys[: tables.savable_prefix(len(keys))]
     plan = _SavePlan(layout, tiers, keys)
     todo = await plan.find_missing(log, is_retired)
     limiter = anyio.CapacityLimiter(io_depth)
 
     def gather(c: int, slot: Slot) -> None:
-        blocks = cache.chunk_blocks(ids, c)
         for g in todo[c]:
-            gather_chunk(cache, g, blocks, slot.tensor[layout.slot_offset(g) :])
+            gather_chunk(cache, g, tables.chunk_blocks(g, c), slot.tensor[layout.slot_offset(g) :])
 
     async def save_chunk(c: int, slot: Slot) -> None:
         try:

@@ -29,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 
 from .._log import logger
@@ -49,8 +50,12 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-class BsrConnector(KVConnectorBase_V1):  # type: ignore[misc]
+class BsrConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     """bsr's verified, all-or-nothing restore behind vLLM's v1 KV connector API.
+
+    It supports vLLM's hybrid KV cache manager (``SupportsHMA``): with several KV cache groups
+    (sliding-window and full-attention layers apart) each group is a bsr state group with its
+    own block tables, and a load commits every group or none.
 
     Args:
         vllm_config: vLLM's config; ``kv_transfer_config.kv_connector_extra_config["bsr"]`` is
@@ -117,6 +122,11 @@ class BsrConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def request_finished(
         self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         delay, _ = self._sched().request_finished(request, block_ids)
         return bool(delay), None

@@ -9,10 +9,12 @@ backend's stride order may permute the logical dimensions). bsr moves whole bloc
 bytes, so all it needs is, per layer, *parts* whose bytes per block are contiguous. The tensor's
 dimensions are put in memory order (largest stride first), the block dimension (the one of size
 ``num_blocks``) is found, every outer dimension before it is split off (K and V halves become two
-parts) and each part is checked to hold its block's bytes contiguously. Every part of every layer
-of one vLLM KV cache group is one "layer" of a bsr :class:`~bsr.StateGroup`, so the group's
-``num_layers`` is ``layers x parts``. The layout fingerprint covers all of it: a different
-backend layout is a miss, never a wrong read.
+parts) and each part is checked to hold its block's bytes contiguously; a layout with no outer
+dimension (MLA's one latent vector per token, ``[num_blocks, 1, block_size, 576]`` on vLLM's
+``CPU_MLA`` backend) is one part. Every part of every layer of one vLLM KV cache group is one
+"layer" of a bsr :class:`~bsr.StateGroup`, so the group's ``num_layers`` is ``layers x parts``.
+The layout fingerprint covers all of it: a different backend layout is a miss, never a wrong
+read.
 """
 
 from __future__ import annotations
@@ -52,31 +54,50 @@ class GroupSpec:
     window_tokens: int | None = None
 
 
+#: vLLM KV cache specs whose every block holds every token's KV (nothing freed while a request
+#: runs); subclasses that free or share blocks otherwise (R-SWA, sinks, ...) are refused
+FULL_SPECS = frozenset({"FullAttentionSpec", "MLAAttentionSpec"})
+#: specs of a sliding window: vLLM frees a request's blocks below its window
+WINDOW_SPECS = frozenset({"SlidingWindowSpec"})
+
+
 def group_window(spec: object) -> int | None:
-    """The sliding window bsr may use for a vLLM KV cache group, from its ``kv_cache_spec``.
+    """The trailing tokens bsr stores for a vLLM KV cache group, from its ``kv_cache_spec``.
 
     Only a ``SlidingWindowSpec`` group (vLLM's hybrid manager on) keeps a window's KV: vLLM
-    frees that group's blocks outside the window and its prefix cache needs only the window.
-    Any other attention spec is full length, even one that carries a ``sliding_window``: with the
-    hybrid manager off, vLLM merges a sliding-window model's layers into one ``FullAttentionSpec``
-    group whose ``sliding_window`` is set, every block holds every layer's KV, and a later request
-    may reuse any block of the prefix from vLLM's own cache, so every chunk must be restored.
+    frees that group's blocks below the window and its prefix cache needs only the window. The
+    next token attends to the last ``sliding_window - 1`` tokens, and vLLM keeps
+    ``extra_retained_tokens`` more below them (and may cache them as valid), so bsr stores
+    ``sliding_window - 1 + extra_retained_tokens`` trailing tokens: exactly the blocks vLLM
+    keeps real after a load, no fewer (a block vLLM keeps but bsr did not write would be cached
+    unwritten) and no more (vLLM hands blocks below them over as its null block).
+
+    Every other known attention spec is full length, even one that carries a
+    ``sliding_window``: with the hybrid manager off, vLLM merges a sliding-window model's layers
+    into one ``FullAttentionSpec`` group whose ``sliding_window`` is set, every block holds every
+    layer's KV, and a later request may reuse any block of the prefix from vLLM's own cache, so
+    every chunk must be restored. ``MLAAttentionSpec`` (one latent vector per token) is full
+    attention too.
 
     Raises:
         LayoutError: a spec kind bsr does not know how to store (Mamba state, chunked local
-            attention, a ring buffer, ...): refusing is safer than guessing what it reuses.
+            attention, a ring buffer, R-SWA, ...): refusing is safer than guessing what it reuses.
     """
-    kinds = {cls.__name__ for cls in type(spec).__mro__}
-    if "SlidingWindowSpec" in kinds:
+    kind = type(spec).__name__
+    if kind in WINDOW_SPECS:
         window = int(spec.sliding_window)  # type: ignore[attr-defined]
-        if window <= 0:
-            raise LayoutError(f"KV cache group with sliding_window={window} is not supported")
-        return window
-    if "FullAttentionSpec" in kinds:
+        extra = int(getattr(spec, "extra_retained_tokens", 0) or 0)
+        if window <= 0 or extra < 0:
+            raise LayoutError(
+                f"KV cache group with sliding_window={window}, extra_retained_tokens={extra} "
+                "is not supported"
+            )
+        return max(1, window - 1 + extra)
+    if kind in FULL_SPECS:
         return None
     raise LayoutError(
-        f"vLLM KV cache spec {type(spec).__name__} is not supported by BsrConnector "
-        "(it stores full-attention, MLA and sliding-window attention KV)"
+        f"vLLM KV cache spec {kind} is not supported by BsrConnector (it stores "
+        f"{sorted(FULL_SPECS | WINDOW_SPECS)} groups: full attention, MLA and sliding windows)"
     )
 
 
@@ -132,10 +153,15 @@ def derive(
         block_tokens: vLLM's block size.
         chunk_tokens: bsr's chunk size, a multiple of ``block_tokens``.
 
+    Layers of different groups may share one tensor (vLLM's hybrid KV cache manager lays one
+    layer of each group over the same buffer): the cache then knows those groups alias block
+    for block (``PagedKVCache.aliased``), and each load and save gives them different blocks.
+
     Raises:
         LayoutError: chunk size not a multiple of the block size, a layer missing, layers of
-            one group that differ in layout, two layers sharing storage, or an unsupported
-            backend layout.
+            one group that differ in layout, two layers of one group sharing storage, layers
+            of two groups sharing it other than block for block, or an unsupported backend
+            layout.
     """
     if chunk_tokens % block_tokens:
         raise LayoutError(
@@ -144,10 +170,10 @@ def derive(
         )
     state_groups: list[StateGroup] = []
     views: dict[str, list[torch.Tensor]] = {}
-    seen: dict[int, str] = {}
     for spec in groups:
         parts: list[torch.Tensor] = []
         signature: tuple[object, ...] | None = None
+        seen: dict[int, str] = {}  # layers of other groups may share a tensor (hybrid manager)
         for name in spec.layer_names:
             t = kv_caches.get(name)
             if t is None:

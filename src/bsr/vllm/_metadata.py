@@ -9,8 +9,10 @@ process, and back: vLLM pickles these between the processes.
   ended in the step, so the scheduler knows which KV is verified before it ever saves it.
 * :class:`BsrHandshake` (workers -> scheduler, once at startup): where the lookup socket is.
 
-Block tables are vLLM's block ids of the request's first (and only) KV cache group; a model with
-several groups (issue "hybrid models") will carry one table per group here.
+Block tables are vLLM's block ids, one table per KV cache group (one group, or several with
+vLLM's hybrid KV cache manager: sliding-window and full-attention layers apart), in vLLM's group
+order; vLLM's null block 0 stands where a sliding-window group holds no block (below its
+window), and bsr never reads or writes it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+#: vLLM's null block id: where a group holds no block (a sliding window's blocks below the window)
+NULL_BLOCK_ID = 0
+
 
 @dataclass(frozen=True)
 class LoadJob:
@@ -33,14 +38,14 @@ class LoadJob:
         tokens: the prefix to restore; its full chunks are what the scheduler promised.
         start_tokens: vLLM already holds this many tokens in these blocks (its own prefix-cache
             hit, whole blocks): bsr reads and writes only past them.
-        block_ids: the request's blocks, covering ``tokens``.
+        block_ids: the request's blocks per KV cache group, covering ``tokens``.
         lookup_id: the worker's leased probe of ``tokens`` to reuse (``None``: probe again).
     """
 
     req_id: str
     tokens: tuple[int, ...]
     start_tokens: int
-    block_ids: tuple[int, ...]
+    block_ids: tuple[tuple[int, ...], ...]
     lookup_id: int | None = None
 
     @property
@@ -50,11 +55,11 @@ class LoadJob:
 
 @dataclass(frozen=True)
 class SaveJob:
-    """Store the full chunks of ``tokens`` held in the request's blocks."""
+    """Store the full chunks of ``tokens`` held in the request's blocks (per KV cache group)."""
 
     req_id: str
     tokens: tuple[int, ...]
-    block_ids: tuple[int, ...]
+    block_ids: tuple[tuple[int, ...], ...]
 
 
 @dataclass

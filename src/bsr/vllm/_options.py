@@ -170,6 +170,7 @@ def settings(vllm_config: Any, kv_cache_config: Any) -> ConnectorSettings:
     engine = EngineConfig.from_dict(extra["bsr"])
     options = ConnectorOptions.from_dict(extra.get(SECTION))
     block_size = positive_int(int(vllm_config.cache_config.block_size), "block_size")
+    check_groups(kv_cache_config, options, block_size)
     role = str(ktc.kv_role)
     return ConnectorSettings(
         engine=engine,
@@ -216,10 +217,33 @@ def check_parallelism(vllm_config: Any, kv_cache_config: Any) -> int:
             "BsrConnector supports tensor parallelism only (pipeline_parallel_size=1, "
             f"data_parallel_size=1), got pp={pp}, dp={dp}"
         )
-    groups = list(getattr(kv_cache_config, "kv_cache_groups", ()) or ())
-    if len(groups) > 1:
-        raise ConfigError(
-            "BsrConnector supports one KV cache group (vLLM reports block-level load "
-            f"failures for one group only), got {len(groups)}"
-        )
     return non_negative_int(int(pc.tensor_parallel_size), "tensor_parallel_size") or 1
+
+
+def check_groups(kv_cache_config: Any, options: ConnectorOptions, block_size: int) -> None:
+    """Refuse KV cache groups the connector cannot serve (several groups are fine).
+
+    With several groups (vLLM's hybrid KV cache manager: sliding-window and full-attention
+    layers apart) vLLM accepts a failed load only as a failed request (``failed_recving``,
+    asynchronous loads); a synchronous load can report only blocks, which vLLM refuses for
+    several groups (its engine stops), so ``load="sync"`` is refused here. Every group must
+    use vLLM's one block size (bsr's block tables share one block geometry).
+    """
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", ()) or ())
+    if len(groups) > 1 and not options.asynchronous:
+        raise ConfigError(
+            f"bsr_connector.load='sync' cannot report a failed load to vLLM for a model with "
+            f"{len(groups)} KV cache groups (vLLM accepts only a failed request then, which "
+            "needs asynchronous loads); use load='async' (the default), or turn vLLM's hybrid "
+            "KV cache manager off (--disable-hybrid-kv-cache-manager)",
+            key=f"{SECTION}.load",
+        )
+    for g in groups:
+        size = getattr(getattr(g, "kv_cache_spec", None), "block_size", block_size)
+        if int(size) != block_size:
+            raise ConfigError(
+                f"KV cache group of layers {list(getattr(g, 'layer_names', []))[:2]}... uses "
+                f"block_size={size}, vLLM's block_size is {block_size}; BsrConnector needs one "
+                "block size for every group",
+                key="block_size",
+            )

@@ -51,7 +51,7 @@ import numpy as np
 
 from .._log import logger
 from ._lookup import LookupClient
-from ._metadata import BsrConnectorMetadata, BsrWorkerMetadata, LoadJob, SaveJob
+from ._metadata import NULL_BLOCK_ID, BsrConnectorMetadata, BsrWorkerMetadata, LoadJob, SaveJob
 from ._options import ConnectorSettings
 from ._stats import BsrConnectorStats
 
@@ -221,7 +221,7 @@ class BsrScheduler:
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         rid = request.request_id
-        table = blocks.get_block_ids()[0]
+        table = blocks.get_block_ids()[0]  # sync mode (_admit): one KV cache group
         local_hit = self._admission_hit.pop(rid, None)
         if local_hit is not None and not self.opts.asynchronous:
             self._admit(rid, table, local_hit)
@@ -231,19 +231,24 @@ class BsrScheduler:
         end = st.start + num_external_tokens
         prompt = request.prompt_token_ids or ()
         n_blocks = -(-end // self.block)
+        # one table per KV cache group (a sliding-window group's blocks below its window are
+        # vLLM's null block 0)
+        tables = tuple(tuple(t[:n_blocks]) for t in blocks.get_block_ids())
         # the worker leased a probe of exactly prompt[:hit]; any other end probes again
         lookup = st.lookup_id if end == st.hit else None
-        job = LoadJob(
-            request.request_id, tuple(prompt[:end]), st.start, tuple(table[:n_blocks]), lookup
-        )
+        job = LoadJob(request.request_id, tuple(prompt[:end]), st.start, tables, lookup)
         self._loads.append(job)
         st.used, st.loading, st.unverified, st.end = True, True, True, end
         # the blocks bsr writes (vLLM's own hit before them holds its computed KV); a sync
         # load's step also computes the rest of the table over them, and vLLM caches all of it
-        # at once: if the load fails, every one of them holds wrong KV
+        # at once: if the load fails, every one of them holds wrong KV (sync loads have one KV
+        # cache group: several are refused at startup)
         first = st.start // self.block
-        written = job.block_ids[first:] if self.opts.asynchronous else tuple(table[first:])
-        self._unverified_blocks[rid] = frozenset(written)
+        if self.opts.asynchronous:
+            written = real_blocks(tuple(t[first:] for t in tables))
+        else:
+            written = frozenset(table[first:])
+        self._unverified_blocks[rid] = written
         if self.opts.asynchronous:
             for d in self._digests(st, prompt)[st.start // self.chunk : end // self.chunk]:
                 self._inflight.setdefault(d, request.request_id)
@@ -333,8 +338,14 @@ class BsrScheduler:
             self._release_inflight(rid)
 
     # ------------------------------------------------------------------ saves
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, Any]:
-        """Schedule a save of the request's computed full chunks; hold its blocks until done."""
+    def request_finished(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, Any]:
+        """Schedule a save of the request's computed full chunks; hold its blocks until done.
+
+        ``block_ids``: the request's blocks per KV cache group (vLLM's
+        ``request_finished_all_groups``).
+        """
         rid = request.request_id
         st = self._reqs.pop(rid, None)
         self._admission_hit.pop(rid, None)
@@ -345,7 +356,7 @@ class BsrScheduler:
                 self._release_inflight(rid)
             if self._poisoned and not st.readmitted:
                 # its own failed sync load's blocks that vLLM had it compute again in place
-                for b in block_ids[: computed // self.block]:
+                for b in (b for t in block_ids for b in t[: computed // self.block]):
                     if self._poisoned.get(b) == rid:
                         del self._poisoned[b]
         if not self.settings.saves:
@@ -360,8 +371,9 @@ class BsrScheduler:
         n = (computed // self.chunk) * self.chunk
         if n == 0:
             return False, None
-        blocks = tuple(block_ids[: n // self.block])
-        if any(set(blocks) & pending for pending in self._unverified_blocks.values()) or any(
+        tables = tuple(tuple(t[: n // self.block]) for t in block_ids)
+        blocks = real_blocks(tables)
+        if any(blocks & pending for pending in self._unverified_blocks.values()) or any(
             b in self._poisoned for b in blocks
         ):
             # shares blocks with a load whose outcome is not known yet (sync loads fill
@@ -372,7 +384,7 @@ class BsrScheduler:
         if len(self._saving) >= self.opts.max_pending_saves:
             self.stats.count_key("saves_skipped", "busy")
             return False, None
-        self._saves.append(SaveJob(rid, tuple(request.all_token_ids[:n]), blocks))
+        self._saves.append(SaveJob(rid, tuple(request.all_token_ids[:n]), tables))
         self._saving.add(rid)
         return True, None
 
@@ -392,3 +404,9 @@ class BsrScheduler:
 
     def shutdown(self) -> None:
         self.client.close()
+
+
+def real_blocks(tables: tuple[tuple[int, ...], ...]) -> frozenset[int]:
+    """Every block of every group's table but vLLM's null block 0 (block ids are unique across
+    groups: vLLM's groups share one block pool)."""
+    return frozenset(b for t in tables for b in t if b != NULL_BLOCK_ID)

@@ -45,6 +45,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from bsr import (
+    NULL_BLOCK,
     BsrError,
     FileTierOptions,
     PagedKVCache,
@@ -60,7 +61,14 @@ from .._log import logger
 from ._bridge import LoopThread
 from ._layout import GroupSpec, derive, group_window, layer_order
 from ._lookup import LookupServer, private_socket_path
-from ._metadata import BsrConnectorMetadata, BsrHandshake, BsrWorkerMetadata, LoadJob, SaveJob
+from ._metadata import (
+    NULL_BLOCK_ID,
+    BsrConnectorMetadata,
+    BsrHandshake,
+    BsrWorkerMetadata,
+    LoadJob,
+    SaveJob,
+)
 from ._options import ConnectorSettings
 from ._stats import BsrConnectorStats
 
@@ -112,6 +120,7 @@ class BsrWorker:
         self.tp_rank = 0
         self.engine: RestoreEngine | None = None
         self.cache: PagedKVCache | None = None
+        self.groups: tuple[str, ...] = ()  # bsr's group per vLLM KV cache group, in vLLM's order
         self.loop: LoopThread | None = None
         self._server: LookupServer | None = None
         self._probes: dict[int, tuple[float, Probe]] = {}  # loop thread only
@@ -131,9 +140,11 @@ class BsrWorker:
         num_blocks = int(getattr(self._kv_cache_config, "num_blocks", 0) or 0)
         if num_blocks <= 0:
             num_blocks = int(next(iter(kv_caches.values())).shape[0])
+        specs = self._group_specs(kv_caches)
+        self.groups = tuple(spec.name for spec in specs)
         layout, cache = derive(
             kv_caches,
-            self._group_specs(kv_caches),
+            specs,
             num_blocks=num_blocks,
             block_tokens=self.settings.block_size,
             chunk_tokens=self.settings.chunk_tokens,
@@ -317,8 +328,9 @@ class BsrWorker:
             ok = self._account(load)
             if not ok:  # every block bsr was to fill: vLLM recomputes from the first
                 job, block = load.job, self.settings.block_size
+                (table,) = job.block_ids  # sync loads: one KV cache group (checked at startup)
                 self._load_errors.update(
-                    job.block_ids[job.start_tokens // block : -(-job.end_tokens // block)]
+                    table[job.start_tokens // block : -(-job.end_tokens // block)]
                 )
 
     def _wait_sync(self, loads: list[_Load]) -> None:
@@ -349,15 +361,50 @@ class BsrWorker:
         finally:
             load.done.set()
 
+    def tables(self, block_ids: tuple[tuple[int, ...], ...]) -> dict[str, list[int]]:
+        """bsr's block tables by group from vLLM's (its null block 0 is ``NULL_BLOCK``)."""
+        if len(block_ids) != len(self.groups):
+            raise BsrError(
+                f"vLLM sent {len(block_ids)} block tables for {len(self.groups)} KV cache groups"
+            )
+        return {
+            g: [NULL_BLOCK if b == NULL_BLOCK_ID else b for b in table]
+            for g, table in zip(self.groups, block_ids)
+        }
+
+    def unreachable(self, job: LoadJob) -> str | None:
+        """A block of the load that vLLM will take as loaded but bsr would not write, if any.
+
+        A restore writes every block of the chunks a group needs from ``start_tokens`` on; a
+        sliding-window group's table must hold vLLM's null block below them (vLLM keeps as many
+        blocks as bsr's window covers, see ``group_window``). Anything else would be cached by
+        vLLM as loaded and never written, so such a load is refused (reported failed).
+        """
+        engine = self.engine
+        assert engine is not None
+        layout, block = engine.layout, self.settings.block_size
+        n, first = len(job.tokens) // layout.chunk_tokens, job.start_tokens // block
+        for g, table in zip(self.groups, job.block_ids):
+            lo = layout.needed_chunks(g, n).start * layout.chunk_tokens // block
+            real = [i for i in range(first, min(lo, len(table))) if table[i] != NULL_BLOCK_ID]
+            if real:
+                return f"group {g!r} has a block at index {real[0]} below its window"
+        return None
+
     async def _restore(self, load: _Load) -> RestoreResult:
         job, engine, cache = load.job, self.engine, self.cache
         assert engine is not None and cache is not None
         entry = self._probes.pop(job.lookup_id, None) if job.lookup_id is not None else None
+        why = self.unreachable(job)
+        if why is not None:
+            if entry is not None:
+                entry[1].release()
+            raise BsrError(f"load refused: {why}")
         deadline = self.settings.engine.deadline_s or self.opts.load_deadline_s
         return await engine.restore(
             np.asarray(job.tokens, dtype=np.int64),
             cache,
-            list(job.block_ids),
+            self.tables(job.block_ids),
             deadline_s=deadline,
             probe=None if entry is None else entry[1],
             request_id=job.req_id,
@@ -411,7 +458,7 @@ class BsrWorker:
         engine, cache = self.engine, self.cache
         assert engine is not None and cache is not None
         try:
-            return await engine.save(list(job.tokens), cache, list(job.block_ids))
+            return await engine.save(list(job.tokens), cache, self.tables(job.block_ids))
         except BsrError as exc:
             self._log.warning("bsr.vllm.save_refused", request=job.req_id, error=str(exc))
             return None

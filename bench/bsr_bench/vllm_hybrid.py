@@ -1,0 +1,375 @@
+"""``bsr bench --engine vllm --vllm-model gemma3-tiny``: a sliding-window model in vLLM's CPU
+engine, bytes restored and TTFT with vLLM's hybrid KV cache manager on vs off, and recompute.
+
+Where it runs: like :mod:`.vllm_ttft`, the bench process only orchestrates; every engine runs in
+a child process (``python -m bsr_bench.vllm_hybrid child spec.json out.json``) of the vLLM
+interpreter, which finds this package through ``PYTHONPATH``.
+
+How it works: a random-weight Gemma3-style text model (``config.json`` only,
+``load_format="dummy"``; Gemma3's pattern of five sliding-window layers to one full-attention
+layer, window :data:`WINDOW`) is served three ways, one engine each, vLLM's own prefix cache off
+so that every request recomputes or goes through the connector:
+
+* **recompute**: no connector;
+* **hybrid**: :class:`bsr.vllm.BsrConnector` with vLLM's hybrid KV cache manager on (bsr
+  declares ``SupportsHMA``): one KV cache group per layer kind, the sliding groups store and
+  restore only the chunks their window needs;
+* **one_group**: the same connector with ``disable_hybrid_kv_cache_manager``: one group, every
+  layer keeps (and bsr stores and restores) full-length KV.
+
+Per prefix length, a first request stores the prefix; untimed requests repeat until the
+connector restores it whole; then each timed request ``prefix + fresh suffix`` restores the
+prefix's full chunks and prefills the suffix. A sample is the wall time of ``LLM.generate`` with
+``max_tokens=1``; the bytes a restore read come from bsr's ``vllm:bsr_loaded_bytes`` counter
+(over the timed requests, divided by their number), the stored bytes from the object files.
+The JSON keeps every sample with min/median/max and the ratios of medians measured in the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from .common.stats import BenchError, Dist, ratio
+from .common.workers import child_env
+from .vllm_common import root_cause, tokens, vllm_python
+from .vllm_ttft import SUFFIX_TOKENS
+
+#: the sliding window of the model's sliding layers, in tokens
+WINDOW = 512
+#: The bench model: Gemma3's layer pattern (five sliding-window layers, then one full one).
+MODEL: dict[str, Any] = {
+    "architectures": ["Gemma3ForCausalLM"],
+    "model_type": "gemma3_text",
+    "hidden_size": 512,
+    "intermediate_size": 1408,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "vocab_size": 4096,
+    "max_position_embeddings": 16384,
+    "sliding_window": WINDOW,
+    "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+    "query_pre_attn_scalar": 64,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+MODELS = ("llama", "gemma3-tiny")
+DEFAULT_PREFIXES = (1024, 2048, 4096)
+BLOCK_SIZE = 128
+CHUNK_TOKENS = 256
+MODES = ("recompute", "hybrid", "one_group")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flag that picks this program under ``--engine vllm``."""
+    g = p.add_argument_group("vLLM hybrid models (--engine vllm --vllm-model gemma3-tiny)")
+    g.add_argument(
+        "--vllm-model",
+        choices=MODELS,
+        default="llama",
+        help="llama: TTFT of a full-attention Llama (recompute, bsr, vLLM's offloading "
+        "connector); gemma3-tiny: a sliding-window model, bytes restored and TTFT with vLLM's "
+        "hybrid KV cache manager on vs off, and recompute",
+    )
+
+
+# --------------------------------------------------------------------------- child side
+def _store_bytes(root: str) -> tuple[int, int]:
+    files = [p for p in (Path(root) / "objects").glob("**/*.bsr") if p.is_file()]
+    return len(files), sum(p.stat().st_size for p in files)
+
+
+def _loaded_bytes(llm: Any) -> float:
+    return sum(
+        float(m.value)
+        for m in llm.get_metrics()
+        if m.name == "vllm:bsr_loaded_bytes" and hasattr(m, "value")
+    )
+
+
+def _settle(root: str, deadline_s: float = 120.0) -> None:
+    """Wait until the saves after a request have landed (the object count stops growing)."""
+    end, last, stable = time.monotonic() + deadline_s, -1, 0
+    while time.monotonic() < end and stable < 5:
+        n = _store_bytes(root)[0]
+        stable = stable + 1 if n == last and n > 0 else 0
+        last = n
+        time.sleep(0.2)
+
+
+def child(spec_path: str, out_path: str) -> None:
+    """One engine: time ``prefix + suffix`` requests for every prefix length (child process)."""
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    spec = json.loads(Path(spec_path).read_text())
+    mode = spec["mode"]
+    kw: dict[str, Any] = {}
+    if mode != "recompute":
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="BsrConnector",
+            kv_connector_module_path="bsr.vllm",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config={
+                "bsr": {
+                    "tiers": [{"kind": "file", "path": spec["store"], "capacity_bytes": 8 << 30}],
+                    "chunk_tokens": CHUNK_TOKENS,
+                    "window": 8,
+                    "io_depth": 4,
+                }
+            },
+        )
+    result: dict[str, Any] = {"mode": mode, "points": []}
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=spec["model"],
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype="bfloat16",
+        block_size=BLOCK_SIZE,
+        max_model_len=max(spec["prefixes"]) + 2 * SUFFIX_TOKENS,
+        kv_cache_memory_bytes=1 << 30,
+        enable_prefix_caching=False,
+        disable_hybrid_kv_cache_manager=(mode == "one_group"),
+        disable_log_stats=False,
+        seed=0,
+        **kw,
+    )
+    result["start_s"] = time.perf_counter() - t0
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
+    for n in spec["prefixes"]:
+        prefix = tokens(n, spec["seed"] + n, MODEL["vocab_size"])
+
+        def ask(i: int, prefix: list[int] = prefix) -> tuple[float, int]:
+            prompt = prefix + tokens(SUFFIX_TOKENS, spec["seed"] * 7919 + i, MODEL["vocab_size"])
+            t = time.perf_counter()
+            (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+            return time.perf_counter() - t, int(out.num_cached_tokens or 0)
+
+        point: dict[str, Any] = {"prefix_tokens": n}
+        before = _store_bytes(spec["store"]) if mode != "recompute" else (0, 0)
+        ask(-1)  # warm-up; with bsr also stores the prefix (saved after the request ends)
+        if mode != "recompute":
+            _settle(spec["store"])
+            after = _store_bytes(spec["store"])
+            point["stored_objects"] = after[0] - before[0]
+            point["stored_bytes"] = after[1] - before[1]
+            for i in range(10):  # a file is visible before the tier has indexed it
+                if ask(-2 - i)[1] >= n:
+                    break
+                time.sleep(0.2)
+        loaded0 = _loaded_bytes(llm) if mode != "recompute" else 0.0
+        samples, cached = [], []
+        for r in range(spec["repeats"]):
+            s, c = ask(r)
+            samples.append(s)
+            cached.append(c)
+        if mode != "recompute":
+            point["loaded_bytes_per_restore"] = (_loaded_bytes(llm) - loaded0) / spec["repeats"]
+        point.update(ttft_s=samples, cached_tokens=cached)
+        result["points"].append(point)
+    Path(out_path).write_text(json.dumps(result))
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    finally:
+        sys.stdout.flush()
+        os._exit(0)
+
+
+# --------------------------------------------------------------------------- bench side
+def _run_child(python: str, spec: dict[str, Any], work: Path, timeout_s: float) -> dict[str, Any]:
+    name = spec["mode"]
+    (work / f"{name}.json").write_text(json.dumps(spec))
+    out = work / f"{name}.out.json"
+    proc = subprocess.run(
+        [python, "-m", "bsr_bench.vllm_hybrid", "child", str(work / f"{name}.json"), str(out)],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    if out.exists():
+        return dict(json.loads(out.read_text()))
+    return {"mode": name, "error": root_cause(proc.stderr), "returncode": proc.returncode}
+
+
+def run_from_namespace(ns: argparse.Namespace) -> dict[str, Any]:
+    """``bsr bench --engine vllm --vllm-model gemma3-tiny``: run, print, return the document."""
+    doc = run_hybrid(ns)
+    _print_table(doc)
+    return doc
+
+
+def run_hybrid(ns: argparse.Namespace) -> dict[str, Any]:
+    from .common.machine import commit_info, machine_info  # not in the child: psutil, torch
+
+    quick = bool(getattr(ns, "quick", False))
+    given = getattr(ns, "vllm_prefixes", None)
+    prefixes = (
+        tuple(int(x) for x in given.split(","))
+        if given
+        else ((1024, 2048) if quick else DEFAULT_PREFIXES)
+    )
+    if any(n < 2 * WINDOW or n % CHUNK_TOKENS for n in prefixes):
+        raise BenchError(
+            f"--vllm-prefixes must be multiples of {CHUNK_TOKENS} of at least {2 * WINDOW} "
+            f"tokens (twice the model's window), got {prefixes}"
+        )
+    repeats = getattr(ns, "vllm_repeats", None)
+    if repeats is None:
+        repeats = 2 if quick else 5
+    if repeats < 1:
+        raise BenchError("--vllm-repeats must be >= 1")
+    python = vllm_python(getattr(ns, "vllm_python", None))
+    check = subprocess.run(
+        [python, "-c", "import vllm, bsr; print(vllm.__version__)"], capture_output=True, text=True
+    )
+    if check.returncode != 0:
+        raise BenchError(
+            f"{python} cannot import vllm and bsr; build the vLLM environment (make .venv-vllm) "
+            "or pass --vllm-python"
+        )
+    seed = int(getattr(ns, "seed", 0) or 0)
+    work = Path(tempfile.mkdtemp(prefix="bsr-vllm-hybrid-"))
+    t_start = time.perf_counter()
+    try:
+        (work / "model").mkdir()
+        (work / "model" / "config.json").write_text(json.dumps(MODEL))
+        base = {"model": str(work / "model"), "prefixes": list(prefixes), "repeats": repeats}
+        runs = {
+            m: _run_child(
+                python, {**base, "seed": seed, "mode": m, "store": str(work / f"store-{m}")}, work,
+                1800,
+            )
+            for m in MODES
+        }  # fmt: skip
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    for m in MODES:
+        if "error" in runs[m]:
+            raise BenchError(f"the {m} engine failed: {runs[m]['error']}")
+    doc = {
+        "kind": "vllm_hybrid",
+        "vllm": check.stdout.strip(),
+        "model": MODEL,
+        "block_size": BLOCK_SIZE,
+        "chunk_tokens": CHUNK_TOKENS,
+        "suffix_tokens": SUFFIX_TOKENS,
+        "repeats": repeats,
+        "seed": seed,
+        "tier": "file (page cache warm: written by the store request)",
+        "points": _points(runs),
+        "engine_start_s": {m: runs[m].get("start_s") for m in MODES},
+        "machine": machine_info(),
+        "commit": commit_info(),
+        "duration_s": time.perf_counter() - t_start,
+    }
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    path = Path(getattr(ns, "json", None) or f"bench/results/vllm-hybrid-{stamp}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=2))
+    doc["json_path"] = str(path)
+    if not getattr(ns, "no_plots", False):
+        doc["plot"] = plot(doc, Path(getattr(ns, "plots", None) or "bench/results"))
+    return doc
+
+
+def _points(runs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per prefix: every mode's TTFT distribution, bytes, and the ratios of medians."""
+    out = []
+    for rec, hyb, one in zip(*(runs[m]["points"] for m in MODES)):
+        runs_at = (rec, hyb, one)
+        d = {m: Dist.of(p["ttft_s"]) for m, p in zip(MODES, runs_at)}
+        out.append(
+            {
+                "prefix_tokens": rec["prefix_tokens"],
+                **{f"{m}_ttft_s": d[m].to_dict() for m in MODES},
+                **{f"{m}_cached_tokens": p["cached_tokens"] for m, p in zip(MODES, runs_at)},
+                **{
+                    f"{m}_{k}": p[k]
+                    for m, p in zip(MODES[1:], (hyb, one))
+                    for k in ("loaded_bytes_per_restore", "stored_bytes", "stored_objects")
+                },
+                "bytes_one_group_over_hybrid": ratio(
+                    one["loaded_bytes_per_restore"], hyb["loaded_bytes_per_restore"], "bytes"
+                ),
+                "ttft_recompute_over_hybrid": ratio(
+                    d["recompute"].median, d["hybrid"].median, "recompute/hybrid"
+                ),
+                "ttft_one_group_over_hybrid": ratio(
+                    d["one_group"].median, d["hybrid"].median, "one_group/hybrid"
+                ),
+            }
+        )
+    return out
+
+
+def plot(doc: dict[str, Any], out_dir: Path) -> str:
+    """Bytes read per restore and median TTFT per prefix length, one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = doc["points"]
+    xs = [p["prefix_tokens"] for p in pts]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for m, label in (("hybrid", "hybrid manager on"), ("one_group", "hybrid manager off")):
+        ax1.plot(xs, [p[f"{m}_loaded_bytes_per_restore"] / 2**20 for p in pts], "o-", label=label)
+    ax1.set(xlabel="restored prefix (tokens)", ylabel="MiB read per restore", title="bytes")
+    for m, label in (
+        ("recompute", "recompute"),
+        ("hybrid", "bsr, hybrid manager on"),
+        ("one_group", "bsr, hybrid manager off"),
+    ):
+        ax2.plot(xs, [p[f"{m}_ttft_s"]["median"] for p in pts], "o-", label=label)
+    ax2.set(xlabel="prefix (tokens)", ylabel="median TTFT (s)", title="time to first token")
+    for ax in (ax1, ax2):
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"vLLM {doc['vllm']} CPU, tiny Gemma3 (5 sliding : 1 full, window {WINDOW})")
+    fig.tight_layout()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "vllm_hybrid.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
+def _print_table(doc: dict[str, Any]) -> None:
+    print(f"vLLM {doc['vllm']} CPU, tiny Gemma3, TTFT median of {doc['repeats']} (s), MiB read")
+    print(
+        f"{'prefix':>7} {'recompute':>10} {'hybrid':>8} {'1 group':>8} "
+        f"{'MiB hyb':>8} {'MiB 1grp':>9} {'bytes x':>8}"
+    )
+    for p in doc["points"]:
+        print(
+            f"{p['prefix_tokens']:>7} {p['recompute_ttft_s']['median']:>10.3f} "
+            f"{p['hybrid_ttft_s']['median']:>8.3f} {p['one_group_ttft_s']['median']:>8.3f} "
+            f"{p['hybrid_loaded_bytes_per_restore'] / 2**20:>8.2f} "
+            f"{p['one_group_loaded_bytes_per_restore'] / 2**20:>9.2f} "
+            f"{p['bytes_one_group_over_hybrid']:>7.2f}x"
+        )
+    print(f"JSON: {doc['json_path']}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "child":
+        child(sys.argv[2], sys.argv[3])
+    else:
+        raise SystemExit("usage: python -m bsr_bench.vllm_hybrid child SPEC OUT")
