@@ -10,7 +10,8 @@ the config's ``sliding_window``), each group numbering its layers in model order
 layer is stored as ``[K of every KV head..., V of every KV head...]`` in the model's dtype, so
 ``token_bytes = 2 * num_key_value_heads * head_dim * itemsize``. Token ``t`` of a request lives
 in block ``block_ids[t // block_tokens]`` at row ``t % block_tokens``, like every
-:class:`~bsr.PagedKVCache`.
+:class:`~bsr.PagedKVCache`; a mapping group -> table gives each group its own table, where the
+sliding group's may hold ``bsr.NULL_BLOCK`` outside the tokens its layers keep.
 
 Supported configs (checked against transformers 5.x, with fallbacks for the 4.x cache API):
 
@@ -43,9 +44,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import Namespace, PagedKVCache, StateGroup, StateLayout, model_config_digest
+from . import NULL_BLOCK, Namespace, PagedKVCache, StateGroup, StateLayout, model_config_digest
 from ._check import int_at_least, int_between, positive_int
-from ._errors import ConfigError, LayoutError
+from ._errors import BlockTableError, ConfigError, LayoutError
 
 if TYPE_CHECKING:
     from transformers import DynamicCache
@@ -346,12 +347,21 @@ def _model_layers(past_key_values: Any) -> list[tuple[torch.Tensor, torch.Tensor
 
 
 def _token_rows(
-    cache: PagedKVCache, ids: torch.Tensor, lo: int, hi: int
+    cache: PagedKVCache, ids: torch.Tensor, lo: int, hi: int, group: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks and rows of tokens ``[lo, hi)`` in one group's table; none may be NULL_BLOCK."""
     t = torch.arange(lo, hi, dtype=torch.int64)
-    blocks = ids[t // cache.block_tokens].to(cache.device)
-    rows = (t % cache.block_tokens).to(cache.device)
-    return blocks, rows
+    blocks = ids[t // cache.block_tokens]
+    if hi > lo and bool((blocks == NULL_BLOCK).any()):
+        index = int(t[blocks == NULL_BLOCK][0]) // cache.block_tokens
+        raise BlockTableError(
+            f"the block table of group {group!r} holds NULL_BLOCK at index {index}, where tokens "
+            f"[{lo}, {hi}) of that group go; give it a block there (a sliding-window group "
+            "needs blocks for its last window - 1 tokens only)",
+            group=group,
+            index=index,
+        )
+    return blocks.to(cache.device), (t % cache.block_tokens).to(cache.device)
 
 
 def write_kv_to_cache(
@@ -374,7 +384,10 @@ def write_kv_to_cache(
             a 4.x cache with ``key_cache``/``value_cache``, or a legacy tuple of ``(K, V)``);
             tensors are ``[batch, kv_heads, seq, head_dim]``.
         cache: the destination, built with :func:`layout_for_config`.
-        block_ids: the request's block table (at least ``ceil(num_tokens / block_tokens)`` ids).
+        block_ids: the request's block table (at least ``ceil(num_tokens / block_tokens)`` ids),
+            or a mapping group -> table (see :meth:`bsr.PagedKVCache.block_tables`): a
+            sliding-window group's table may hold ``bsr.NULL_BLOCK`` outside the tokens it
+            writes (its last ``sliding_window - 1`` before ``num_tokens``).
         num_tokens: tokens to write; the model cache may hold more.
         config: the model's config; needed when the layout has a sliding-window group (without it
             every layer is taken as full attention in a single ``"kv"`` group).
@@ -386,6 +399,7 @@ def write_kv_to_cache(
         LayoutError: the cache layout, dtype or shapes do not match the model cache.
         ConfigError: ``num_tokens`` exceeds what the model cache holds, ``start`` is outside
             ``[0, num_tokens]``, or a layer already dropped tokens ``[start, num_tokens)`` needs.
+        BlockTableError: a table is malformed, or holds ``NULL_BLOCK`` where tokens are written.
     """
     int_at_least(num_tokens, "num_tokens", 0)
     int_between(
@@ -398,17 +412,18 @@ def write_kv_to_cache(
     )
     layers = _model_layers(past_key_values)
     placements = _placements_for(config, cache, len(layers))
-    ids = cache.block_table(block_ids, num_tokens)
+    tables = cache.block_tables(block_ids, num_tokens)
     if num_tokens == start:
         return
     for p, (k, v, seen) in zip(placements, layers):
+        ids = tables.table(p.group)
         elems = _check_layer_kv(p, k, v, cache, batch_index)
         lo, first_held = _layer_span(p, int(k.shape[-2]), seen, start, num_tokens)
         sel = slice(lo - first_held, num_tokens - first_held)
         kk = k[batch_index, :, sel, :].transpose(0, 1)  # [n, kv_heads, head_dim]
         vv = v[batch_index, :, sel, :].transpose(0, 1)
         data = torch.cat((kk, vv), dim=1).reshape(num_tokens - lo, elems)
-        blocks, rows = _token_rows(cache, ids, lo, num_tokens)
+        blocks, rows = _token_rows(cache, ids, lo, num_tokens, p.group)
         dst = cache.typed(p.group)[p.index]
         dst[blocks, rows] = data.to(cache.device)
 
@@ -482,7 +497,9 @@ def read_kv_from_cache(
 
     Args:
         cache: the source paged cache (e.g. after a committed :meth:`RestoreEngine.restore`).
-        block_ids: the request's block table.
+        block_ids: the request's block table, or a mapping group -> table; a sliding-window
+            group's table may hold ``bsr.NULL_BLOCK`` outside its last ``sliding_window - 1``
+            tokens.
         num_tokens: tokens to rebuild (e.g. ``result.committed_tokens``).
         config: the model's config.
         device: where the K/V tensors go (default: the cache's device).
@@ -490,13 +507,14 @@ def read_kv_from_cache(
     Raises:
         ModuleNotFoundError: transformers is not installed.
         LayoutError: the cache layout does not match the config.
+        BlockTableError: a table is malformed, or holds ``NULL_BLOCK`` where tokens are read.
     """
     from transformers import DynamicCache
 
     int_at_least(num_tokens, "num_tokens", 0)
     placements = layer_placements(config)
     _check_cache_matches(cache, placements)
-    ids = cache.block_table(block_ids, num_tokens)
+    tables = cache.block_tables(block_ids, num_tokens)
     target = torch.device(device) if device is not None else cache.device
     try:
         out = DynamicCache(config=config)
@@ -507,7 +525,7 @@ def read_kv_from_cache(
     layers = getattr(out, "layers", None)
     for p in placements:
         lo = 0 if p.window is None else max(0, num_tokens - (p.window - 1))
-        blocks, rows = _token_rows(cache, ids, lo, num_tokens)
+        blocks, rows = _token_rows(cache, tables.table(p.group), lo, num_tokens, p.group)
         data = cache.typed(p.group)[p.index][blocks, rows]  # [n, 2 * kv_heads * head_dim]
         kv = data.view(num_tokens - lo, 2, p.num_kv_heads, p.head_dim).to(target)
         k = kv[:, 0].transpose(0, 1).unsqueeze(0).contiguous()  # [1, kv_heads, n, head_dim]

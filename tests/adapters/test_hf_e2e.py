@@ -498,3 +498,70 @@ async def test_hybrid_sliding_model_round_trip(tmp_path: Path) -> None:
     got = continue_decoding(model, prompt, PREFIX, rebuilt)
     assert_same_logits(got, split_reference)
     assert_same_logits(got, full_reference)  # see assert_matches_never_evicted
+
+
+def _window_table(ids: torch.Tensor, first_real_block: int) -> torch.Tensor:
+    """``ids`` with ``NULL_BLOCK`` before ``first_real_block``, as a serving engine that frees a
+    sliding group's blocks outside its window would hand them over."""
+    out = ids.clone()
+    out[:first_real_block] = bsr.NULL_BLOCK
+    return out
+
+
+@pytest.mark.anyio
+async def test_hybrid_sliding_model_with_a_table_per_group(tmp_path: Path) -> None:
+    """Per-group tables: the sliding group holds blocks for its window's chunks only (NULL_BLOCK
+    elsewhere), save and restore go through them, and the rebuilt cache decodes as the
+    never-evicted run; a table with NULL_BLOCK where tokens are read or written is refused."""
+    torch.manual_seed(99)
+    window = 40
+    config = transformers.Qwen2Config(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=512,
+        use_sliding_window=True,
+        sliding_window=window,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        attn_implementation="eager",
+    )
+    model = transformers.Qwen2ForCausalLM(config).eval()
+    prompt = make_prompt(seed=21)
+    layout = hf.layout_for_config(config, chunk_tokens=CHUNK)
+    # the sliding group needs chunks 3 and 4 of the 5-chunk prefix: blocks from chunk 3 on
+    first = 3 * CHUNK // BLOCK
+    assert list(layout.needed_chunks("swa_kv", PREFIX // CHUNK)) == [3, 4]
+    src_ids = shuffled(PROMPT_BLOCKS, seed=22)
+    src_tables = {"kv": src_ids, "swa_kv": _window_table(src_ids, first)}
+    src = bsr.PagedKVCache(layout, NUM_BLOCKS, BLOCK)
+    with torch.no_grad():
+        _, past = _forward(model, prompt[:, :PREFIX], None)
+    hf.write_kv_to_cache(past, src, src_tables, PREFIX, config=config)
+
+    # a NULL_BLOCK where the sliding layers' last window - 1 tokens go is refused, naming it
+    late = _window_table(src_ids, PREFIX // BLOCK - 1)
+    with pytest.raises(bsr.BlockTableError, match="swa_kv") as err:
+        hf.write_kv_to_cache(past, src, {"kv": src_ids, "swa_kv": late}, PREFIX, config=config)
+    assert err.value.group == "swa_kv"
+    with pytest.raises(bsr.BlockTableError, match="swa_kv"):
+        hf.read_kv_from_cache(src, {"kv": src_ids, "swa_kv": late}, PREFIX, config)
+    reference = continue_decoding(model, prompt, PREFIX, past)  # moves `past` on
+
+    dst_ids = shuffled(PROMPT_BLOCKS, seed=23)
+    dst_tables = {"kv": dst_ids, "swa_kv": _window_table(dst_ids, first)}
+    dst = bsr.PagedKVCache(layout, NUM_BLOCKS, BLOCK)
+    async with make_engine(layout, tiers_at(tmp_path / "l2"), **ENGINE) as engine:
+        saved = await engine.save(prompt[0, :PREFIX], src, src_tables)
+    # kv: all 5 chunks; swa_kv: its 2 window chunks, read from real blocks only
+    assert saved.objects_written == {"host": 7, "file": 7}, saved
+    async with make_engine(layout, tiers_at(tmp_path / "l2"), **ENGINE) as engine:
+        result = await engine.restore(prompt[0], dst, dst_tables)
+    assert result.state is COMMITTED, result
+    assert result.committed_tokens == PREFIX
+    rebuilt = hf.read_kv_from_cache(dst, dst_tables, PREFIX, config)
+    assert rebuilt.get_seq_length() == PREFIX
+    got = continue_decoding(model, prompt, PREFIX, rebuilt)
+    assert_same_logits(got, reference)
