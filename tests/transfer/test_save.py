@@ -26,6 +26,7 @@ LAYOUT = two_group_layout()
 N_CHUNKS, BLOCK_TOKENS, NBLOCKS = 4, 8, 32
 CACHE = filled_cache(LAYOUT, NBLOCKS, BLOCK_TOKENS, seed=7)
 IDS = shuffled_blocks(NBLOCKS, N_CHUNKS * LAYOUT.chunk_tokens // BLOCK_TOKENS, seed=8)
+TABLES = CACHE.block_tables(IDS, N_CHUNKS * LAYOUT.chunk_tokens)  # one table for every group
 NS_FP = bsr.Namespace("save-model").fingerprint(LAYOUT)
 KEYS = bsr.chunk_keys(NS_FP, tokens_for(N_CHUNKS * LAYOUT.chunk_tokens), LAYOUT.chunk_tokens)
 WANTED = LAYOUT.needed_objects(N_CHUNKS)
@@ -82,7 +83,7 @@ def test_save_chunks_follows_the_model(
             )
         pool = bsr.StagingPool(window, LAYOUT.slot_bytes, pin=False, prefault=False)
         return await save_chunks(
-            layout=LAYOUT, tiers=tiers, account=pool.account(), cache=CACHE, ids=IDS,
+            layout=LAYOUT, tiers=tiers, account=pool.account(), cache=CACHE, tables=TABLES,
             keys=KEYS, io_depth=io_depth, log=structlog.get_logger(),
             on_written=lambda t, ok: heard.append((t.name, ok.chunk.index, ok.group)),
             is_retired=lambda t, ok: (t.name, ok.object_id) in retired_keys,
