@@ -386,7 +386,7 @@ def test_blocks_the_next_step_computes_over_a_failed_sync_load_are_never_saved()
         table = [300, 301, 302, 303, 104, 105, 306]
         admit(sched, r2, 192, KVCacheBlocks(([KVCacheBlock(b) for b in table],)))
         r2.num_computed_tokens = 200
-        assert sched.request_finished(r2, table) == (False, None)
+        assert sched.request_finished(r2, (table,)) == (False, None)
         assert step(sched).saves == []
     finally:
         w.server.close()
