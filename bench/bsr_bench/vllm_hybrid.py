@@ -39,8 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from .common.stats import BenchError, Dist, ratio
-from .common.workers import child_env
-from .vllm_common import root_cause, tokens, vllm_python
+from .vllm_common import run_child, tokens, vllm_python
 from .vllm_ttft import SUFFIX_TOKENS
 
 #: the sliding window of the model's sliding layers, in tokens
@@ -192,22 +191,6 @@ def child(spec_path: str, out_path: str) -> None:
 
 
 # --------------------------------------------------------------------------- bench side
-def _run_child(python: str, spec: dict[str, Any], work: Path, timeout_s: float) -> dict[str, Any]:
-    name = spec["mode"]
-    (work / f"{name}.json").write_text(json.dumps(spec))
-    out = work / f"{name}.out.json"
-    proc = subprocess.run(
-        [python, "-m", "bsr_bench.vllm_hybrid", "child", str(work / f"{name}.json"), str(out)],
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-    )
-    if out.exists():
-        return dict(json.loads(out.read_text()))
-    return {"mode": name, "error": root_cause(proc.stderr), "returncode": proc.returncode}
-
-
 def run_from_namespace(ns: argparse.Namespace) -> dict[str, Any]:
     """``bsr bench --engine vllm --vllm-model gemma3-tiny``: run, print, return the document."""
     doc = run_hybrid(ns)
@@ -252,9 +235,9 @@ def run_hybrid(ns: argparse.Namespace) -> dict[str, Any]:
         (work / "model" / "config.json").write_text(json.dumps(MODEL))
         base = {"model": str(work / "model"), "prefixes": list(prefixes), "repeats": repeats}
         runs = {
-            m: _run_child(
-                python, {**base, "seed": seed, "mode": m, "store": str(work / f"store-{m}")}, work,
-                1800,
+            m: run_child(
+                python, ["bsr_bench.vllm_hybrid", "child"],
+                {**base, "seed": seed, "mode": m, "store": str(work / f"store-{m}")}, work, m, 1800,
             )
             for m in MODES
         }  # fmt: skip
