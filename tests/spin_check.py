@@ -132,3 +132,22 @@ def pan(
 ) -> PanRun:
     """Build pan for ``model_text`` and run it once."""
     return run_pan(build_pan(found, model_text, workdir, cflags, name), args)
+
+
+@dataclass(frozen=True)
+class Mutation:
+    """A plausible bug written into a model as exact text edits, and what must catch it."""
+
+    edits: tuple[tuple[str, str], ...]  # (exact text, replacement), each text unique
+    expect: str  # regex the first violation pan reports must match
+    doc: str
+    liveness: bool = False  # caught by an ltl claim (a run that never ends), not an assertion
+
+
+def mutate(text: str, mutation: Mutation) -> str:
+    """``text`` with the mutation's edits applied; each anchor must occur exactly once."""
+    for old, new in mutation.edits:
+        count = text.count(old)
+        assert count == 1, f"mutation anchor found {count} times (model changed?): {old!r}"
+        text = text.replace(old, new)
+    return text

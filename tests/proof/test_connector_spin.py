@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from spin_check import PanRun, Tools, build_pan, pan, run_pan, tools
+from spin_check import Mutation, PanRun, Tools, build_pan, mutate, pan, run_pan, tools
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "spec" / "connector.pml"
@@ -263,14 +263,6 @@ def test_the_interleavings_are_reachable(tmp_path: Path) -> None:
 # (c) the checks can fail
 
 
-@dataclass(frozen=True)
-class Mutation:
-    edits: tuple[tuple[str, str], ...]  # (exact text, replacement), each text unique
-    expect: str  # regex the first violation pan reports must match
-    doc: str
-    liveness: bool = False  # caught by the ltl (a run that never ends), not an assertion
-
-
 A = r"assertion violated \(content\[b\]=="  # (a) a save read a block without verified KV
 B = r"assertion violated (\s*!\(wrep\[r\]\)|\(sync_mode\|\|)"  # (b) a write after the report
 C = r"assertion violated (rcpend|ocpend)\[r\]"  # (c) a second report
@@ -434,14 +426,6 @@ MUTATIONS: dict[str, Mutation] = {
 }
 
 
-def _mutate(text: str, mutation: Mutation) -> str:
-    for old, new in mutation.edits:
-        count = text.count(old)
-        assert count == 1, f"mutation anchor found {count} times (model changed?): {old!r}"
-        text = text.replace(old, new)
-    return text
-
-
 @pytest.mark.parametrize("name", list(MUTATIONS))
 def test_mutation_is_caught(tmp_path: Path, name: str) -> None:
     found = _tools()
@@ -449,7 +433,7 @@ def test_mutation_is_caught(tmp_path: Path, name: str) -> None:
     cflags, args = LIVENESS if mutation.liveness else SAFETY
     # -O0: the compile dominates, and pan stops at the first violation
     run: PanRun = pan(
-        found, _mutate(_model_text(), mutation), tmp_path, ["-O0", *cflags[1:]], args, NAME
+        found, mutate(_model_text(), mutation), tmp_path, ["-O0", *cflags[1:]], args, NAME
     )
     assert run.errors >= 1, f"{name} ({mutation.doc}) was not caught:\n{run.output}"
     first = run.first_violation

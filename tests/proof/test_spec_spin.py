@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from spin_check import Tools, build_pan, pan, run_pan, tools
+from spin_check import Mutation, Tools, build_pan, mutate, pan, run_pan, tools
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "spec" / "bsr.pml"
@@ -289,13 +289,6 @@ def test_every_modelled_transition_is_reachable(tmp_path: Path) -> None:
 # (c) the check can fail
 
 
-@dataclass(frozen=True)
-class Mutation:
-    edits: tuple[tuple[str, str], ...]  # (exact text, replacement), each text unique
-    expect: str  # regex the first violation pan reports must match
-    doc: str
-
-
 I1 = r"assertion violated \(\(\(\(j/2\)%3\)>=\w+\)\|\|\(inst\[j\]&&ver\[j\]\)\)"  # commit/reader
 I1_OBSERVER = I1.replace(r"\w+", "pub")  # the reader process
 I2 = r"assertion violated .*committed\["  # end of run: one outcome, the agreed prefix or 0
@@ -377,20 +370,12 @@ MUTATIONS: dict[str, Mutation] = {
 }
 
 
-def _mutate(text: str, mutation: Mutation) -> str:
-    for old, new in mutation.edits:
-        count = text.count(old)
-        assert count == 1, f"mutation anchor found {count} times (model changed?): {old!r}"
-        text = text.replace(old, new)
-    return text
-
-
 @pytest.mark.parametrize("name", list(MUTATIONS))
 def test_mutation_is_caught(tmp_path: Path, name: str) -> None:
     found = _tools()
     mutation = MUTATIONS[name]
     # -O0: the compile dominates, and pan stops at the first violation
-    run = pan(found, _mutate(_model_text(), mutation), tmp_path, ["-O0", "-DSAFETY"], (), NAME)
+    run = pan(found, mutate(_model_text(), mutation), tmp_path, ["-O0", "-DSAFETY"], (), NAME)
     assert run.errors >= 1, f"{name} ({mutation.doc}) was not caught:\n{run.output}"
     first = run.first_violation
     assert first is not None, run.output
