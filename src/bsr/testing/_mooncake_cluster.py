@@ -42,7 +42,14 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ._ports import PortTaken, ProcessExited, free_port, port_listeners, wait_listening
+from ._ports import (
+    PortTaken,
+    ProcessExited,
+    free_port,
+    port_listeners,
+    stop_process,
+    wait_listening,
+)
 
 #: the Mooncake wheel the tests are written against
 MOONCAKE_REQUIREMENT = "mooncake-transfer-engine-non-cuda==0.3.13.post1"
@@ -207,17 +214,7 @@ class _Proc:
             os.kill(self.pid, sig)
 
     def stop(self, grace_s: float = 5.0) -> None:
-        if not self.alive():
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, signal.SIGCONT)  # a frozen process cannot handle SIGTERM
-            os.kill(self.pid, signal.SIGTERM)
-        try:
-            self.popen.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signal.SIGKILL)
-            self.popen.wait(timeout=grace_s)
+        stop_process(self.popen, grace_s)
 
     def tail(self, nbytes: int = 3000) -> str:
         try:

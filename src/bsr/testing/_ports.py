@@ -14,11 +14,14 @@ one of the process's open file descriptors (``/proc/<pid>/fd/*`` -> ``socket:[in
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import time
 from collections.abc import Iterator
+from typing import Any
 
 _LISTEN = "0A"
 
@@ -121,3 +124,19 @@ def wait_listening(
         if time.monotonic() >= deadline:
             raise TimeoutError(f"{what} (pid {proc.pid}) did not listen on port {port} in time")
         time.sleep(poll_s)
+
+
+def stop_process(popen: subprocess.Popen[Any], grace_s: float = 5.0) -> None:
+    """Stop a server this process started, by its PID: SIGTERM (after SIGCONT: a frozen process
+    cannot handle SIGTERM), then SIGKILL if it has not exited within ``grace_s``."""
+    if popen.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(popen.pid, signal.SIGCONT)
+        os.kill(popen.pid, signal.SIGTERM)
+    try:
+        popen.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(popen.pid, signal.SIGKILL)
+        popen.wait(timeout=grace_s)

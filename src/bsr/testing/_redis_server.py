@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ._mooncake_cluster import _all_threads_stopped, _unheld_ports
-from ._ports import PortTaken, ProcessExited, wait_listening
+from ._ports import PortTaken, ProcessExited, stop_process, wait_listening
 
 #: the Debian package holding redis-server and redis-cli (installed by ``make system-deps``)
 REDIS_PACKAGE = "redis-server"
@@ -143,18 +143,8 @@ class RedisServer:
         self.start()
 
     def stop(self, grace_s: float = 5.0) -> None:
-        if not self.alive():
-            return
-        assert self.popen is not None
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, signal.SIGCONT)  # a frozen process cannot handle SIGTERM
-            os.kill(self.pid, signal.SIGTERM)
-        try:
-            self.popen.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signal.SIGKILL)
-            self.popen.wait(timeout=grace_s)
+        if self.popen is not None:
+            stop_process(self.popen, grace_s)
 
     def cli(self, *args: str, timeout_s: float = 30.0) -> str:
         """Run ``redis-cli -p <port> args...`` against this server; its stdout."""
