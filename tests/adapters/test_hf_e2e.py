@@ -424,18 +424,9 @@ def test_write_read_round_trip_partial_block(llama: Llama) -> None:
 
 
 # --------------------------------------------------------------------------- hybrid model
-@pytest.mark.anyio
-async def test_hybrid_sliding_model_round_trip(tmp_path: Path) -> None:
-    """Qwen2 with interleaved sliding-window and full layers: groups "kv" and "swa_kv".
-
-    Layer 0 is a sliding layer, as in Gemma 2/3 and Mistral: transformers takes the position of
-    the next token from layer 0's token count, so a rebuilt sliding layer must report all
-    ``PREFIX`` tokens, not just the ``window - 1`` it holds.
-    """
-    torch.manual_seed(99)
-    window = 40
-    layer_types = ["sliding_attention", "full_attention"] * 2
-    config = transformers.Qwen2Config(
+def _hybrid_qwen2(window: int, layer_types: list[str]) -> Any:
+    """A small Qwen2 config mixing sliding-window and full-attention layers."""
+    return transformers.Qwen2Config(
         hidden_size=128,
         intermediate_size=256,
         num_hidden_layers=4,
@@ -448,6 +439,20 @@ async def test_hybrid_sliding_model_round_trip(tmp_path: Path) -> None:
         layer_types=layer_types,
         attn_implementation="eager",
     )
+
+
+@pytest.mark.anyio
+async def test_hybrid_sliding_model_round_trip(tmp_path: Path) -> None:
+    """Qwen2 with interleaved sliding-window and full layers: groups "kv" and "swa_kv".
+
+    Layer 0 is a sliding layer, as in Gemma 2/3 and Mistral: transformers takes the position of
+    the next token from layer 0's token count, so a rebuilt sliding layer must report all
+    ``PREFIX`` tokens, not just the ``window - 1`` it holds.
+    """
+    torch.manual_seed(99)
+    window = 40
+    layer_types = ["sliding_attention", "full_attention"] * 2
+    config = _hybrid_qwen2(window, layer_types)
     assert config.layer_types == layer_types
     model = transformers.Qwen2ForCausalLM(config).eval()
     prompt = make_prompt(seed=11)
@@ -515,19 +520,7 @@ async def test_hybrid_sliding_model_with_a_table_per_group(tmp_path: Path) -> No
     never-evicted run; a table with NULL_BLOCK where tokens are read or written is refused."""
     torch.manual_seed(99)
     window = 40
-    config = transformers.Qwen2Config(
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=512,
-        use_sliding_window=True,
-        sliding_window=window,
-        layer_types=["sliding_attention", "full_attention"] * 2,
-        attn_implementation="eager",
-    )
+    config = _hybrid_qwen2(window, ["sliding_attention", "full_attention"] * 2)
     model = transformers.Qwen2ForCausalLM(config).eval()
     prompt = make_prompt(seed=21)
     layout = hf.layout_for_config(config, chunk_tokens=CHUNK)
