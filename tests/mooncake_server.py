@@ -19,12 +19,12 @@ from bsr.testing._mooncake_cluster import (
     MooncakeCluster,
     MooncakeUnavailable,
     find_mooncake,
-    free_port,
     loopback_shim,
     mooncake_problem,
     require_mooncake,
     start_cluster,
 )
+from bsr.testing._ports import free_port
 
 __all__ = [
     "MOONCAKE_REQUIREMENT",

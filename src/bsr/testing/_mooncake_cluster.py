@@ -45,9 +45,9 @@ from pathlib import Path
 from ._ports import (
     PortTaken,
     ProcessExited,
-    free_port,
-    port_listeners,
+    all_threads_stopped,
     stop_process,
+    unheld_ports,
     wait_listening,
 )
 
@@ -256,7 +256,7 @@ class MooncakeCluster:
         proc = self.procs["master"]
         proc.signal(signal.SIGSTOP)
         deadline = time.monotonic() + timeout_s
-        while not _all_threads_stopped(proc.pid):
+        while not all_threads_stopped(proc.pid):
             if not proc.alive() or time.monotonic() > deadline:
                 raise RuntimeError(f"master (pid {proc.pid}) did not stop within {timeout_s} s")
             time.sleep(0.001)
@@ -293,23 +293,6 @@ class MooncakeCluster:
         return env
 
 
-def _all_threads_stopped(pid: int) -> bool:
-    """Whether every thread of ``pid`` is in the stopped state (``T`` in /proc)."""
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except FileNotFoundError:
-        return False
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat", encoding="ascii", errors="replace") as fh:
-                state = fh.read().rsplit(") ", 1)[1][:1]
-        except (FileNotFoundError, ProcessLookupError, IndexError):
-            continue  # the thread exited meanwhile
-        if state not in ("T", "t"):
-            return False
-    return bool(tids)
-
-
 def _spawn(name: str, argv: list[str], port: int, log_dir: Path, shim: Path) -> _Proc:
     log = log_dir / f"{name}.log"
     env = dict(os.environ)
@@ -326,17 +309,6 @@ def _spawn(name: str, argv: list[str], port: int, log_dir: Path, shim: Path) -> 
     return _Proc(name, popen, port, log)
 
 
-def _unheld_ports(n: int) -> list[int]:
-    """``n`` distinct ports, each free on 127.0.0.1 now and held by no listener (see
-    :func:`free_port`; a port some process listens on is never handed to a server)."""
-    out: list[int] = []
-    while len(out) < n:
-        port = free_port()
-        if port not in out and not port_listeners(port):
-            out.append(port)
-    return out
-
-
 def _start(
     cluster: MooncakeCluster,
     name: str,
@@ -346,7 +318,7 @@ def _start(
 ) -> list[int]:
     """Start ``name`` on ``nports`` fresh ports (``argv(ports)``); return once its own PID
     listens on the first one. Raises what :func:`wait_listening` raises."""
-    ports = _unheld_ports(nports)
+    ports = unheld_ports(nports)
     proc = _spawn(name, argv(ports), ports[0], cluster.log_dir, cluster.shim)
     cluster.procs[name] = proc
     wait_listening(proc.popen, ports[0], deadline, name)

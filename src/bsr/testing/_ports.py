@@ -56,6 +56,34 @@ def free_ports(n: int) -> list[int]:
     return out
 
 
+def unheld_ports(n: int) -> list[int]:
+    """``n`` distinct ports, each free on 127.0.0.1 now and held by no listener (see
+    :func:`free_port`; a port some process listens on is never handed to a server)."""
+    out: list[int] = []
+    while len(out) < n:
+        port = free_port()
+        if port not in out and not port_listeners(port):
+            out.append(port)
+    return out
+
+
+def all_threads_stopped(pid: int) -> bool:
+    """Whether every thread of ``pid`` is in the stopped state (``T`` in /proc)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return False
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", encoding="ascii", errors="replace") as fh:
+                state = fh.read().rsplit(") ", 1)[1][:1]
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue  # the thread exited meanwhile
+        if state not in ("T", "t"):
+            return False
+    return bool(tids)
+
+
 def _listen_table(pid: int | str) -> Iterator[tuple[int, int]]:
     """``(port, socket inode)`` of every TCP socket in LISTEN in ``pid``'s network namespace."""
     for proto in ("tcp", "tcp6"):

@@ -24,8 +24,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ._mooncake_cluster import _all_threads_stopped, _unheld_ports
-from ._ports import PortTaken, ProcessExited, stop_process, wait_listening
+from ._ports import (
+    PortTaken,
+    ProcessExited,
+    all_threads_stopped,
+    stop_process,
+    unheld_ports,
+    wait_listening,
+)
 
 #: the Debian package holding redis-server and redis-cli (installed by ``make system-deps``)
 REDIS_PACKAGE = "redis-server"
@@ -128,7 +134,7 @@ class RedisServer:
         """SIGSTOP, returning once every thread is stopped: it keeps its socket, answers nothing."""
         os.kill(self.pid, signal.SIGSTOP)
         deadline = time.monotonic() + timeout_s
-        while not _all_threads_stopped(self.pid):
+        while not all_threads_stopped(self.pid):
             if not self.alive() or time.monotonic() > deadline:
                 raise RuntimeError(f"redis-server (pid {self.pid}) did not stop in {timeout_s} s")
             time.sleep(0.001)
@@ -159,7 +165,7 @@ class RedisServer:
 
 def _start_one(root: Path, name: str, **kw: object) -> RedisServer:
     for _ in range(START_ATTEMPTS):
-        (port,) = _unheld_ports(1)
+        (port,) = unheld_ports(1)
         server = RedisServer(port, root / f"{name}-{port}", **kw)  # type: ignore[arg-type]
         try:
             server.start()
