@@ -332,7 +332,7 @@ async def test_hung_tier_hits_the_deadline(tmp_path: Path, layout: bsr.StateLayo
         elapsed = time.monotonic() - t0
         assert r.state is bsr.RequestState.INVALIDATED and r.reason is bsr.Reason.DEADLINE
         assert r.committed_tokens == 0
-        assert 0.3 <= elapsed < 0.3 + 0.5
+        assert 0.3 <= elapsed < 0.3 + 5  # the hang is forever: 5 s of slack for a busy machine
         assert eng.staging.statistics().in_use == 0
 
 
@@ -488,7 +488,7 @@ async def test_a_hanging_tier_quarantine_cannot_hold_the_deadline(tmp_path: Path
         await eng.save(toks, src, torch.arange(4))
         t0 = time.monotonic()
         r = await eng.restore(toks, bsr.PagedKVCache(layout, 8, 16), torch.arange(4))
-        assert time.monotonic() - t0 < 0.3 + 0.5
+        assert time.monotonic() - t0 < 0.3 + 5  # the stuck delete takes 30 s
         assert r.state is bsr.RequestState.INVALIDATED and r.committed_tokens == 0
         assert r.reason in (bsr.Reason.DEADLINE, bsr.Reason.CORRUPT)
         assert eng.staging.statistics().in_use == 0

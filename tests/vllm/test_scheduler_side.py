@@ -158,7 +158,7 @@ def test_none_until_the_answer_is_in_and_one_lookup_per_request() -> None:
         for _ in range(5):  # vLLM asks every step; the scheduler never waits
             t0 = time.monotonic()
             assert sched.get_num_new_matched_tokens(req, 0) == (None, False)
-            assert time.monotonic() - t0 < 1.0  # a generous bound on a local socket send
+            assert time.monotonic() - t0 < 5.0  # the held worker never answers: 5 s is no wait
         wait_for(lambda: bool(w.pending))
         assert w.asked == [192]  # the prompt's full chunks, one token left for vLLM
         w.release()
