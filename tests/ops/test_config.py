@@ -190,6 +190,16 @@ def test_engine_from_config_namespace_rules(tmp_path: Path) -> None:
         bsr.EngineConfig.from_dict({**base, "tenant": "acme"}), layout=layout
     )
     assert tenant.namespace.salt == b"acme"
+    # an explicit namespace must carry the config's tenant: another salt would share prefixes
+    acme = bsr.EngineConfig.from_dict({**no_model, "tenant": "acme"})
+    for other in (bsr.Namespace("x"), bsr.Namespace("x", salt=b"globex")):
+        with pytest.raises(bsr.ConfigError, match="tenant") as ei:
+            bsr.RestoreEngine.from_config(acme, layout=layout, namespace=other)
+        assert ei.value.fields["key"] == "tenant"
+    same = bsr.RestoreEngine.from_config(
+        acme, layout=layout, namespace=bsr.Namespace("x", salt=b"acme")
+    )
+    assert same.namespace.salt == b"acme"
     group = bsr.InProcessGroup(2)
     ranked = bsr.RestoreEngine.from_config(
         bsr.EngineConfig.from_dict(base), layout=layout, coordinator=group.coordinator(1)

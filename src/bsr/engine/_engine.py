@@ -226,7 +226,8 @@ class RestoreEngine(AsyncResource):
 
         Raises:
             ConfigError: the layout's chunk size differs from ``config.chunk_tokens``, no
-                namespace can be made, or the namespace disagrees with the config's ``model_id``.
+                namespace can be made, or the namespace disagrees with the config's ``model_id``
+                or ``tenant`` (its salt).
         """
         if not isinstance(config, EngineConfig):
             raise ConfigError(
@@ -252,6 +253,14 @@ class RestoreEngine(AsyncResource):
                 f"model_id: the config says {config.model_id!r} but namespace.model_id is "
                 f"{namespace.model_id!r}; drop one or make them agree",
                 key="model_id",
+            )
+        elif config.tenant is not None and bytes(namespace.salt) != config.tenant.encode():
+            # a tenant's prefixes must never be served to another tenant by a silent override
+            raise ConfigError(
+                f"tenant: the config says {config.tenant!r} but the namespace's salt is "
+                f"{bytes(namespace.salt)!r}; pass namespace=bsr.Namespace(..., "
+                f"salt={config.tenant.encode()!r}) or drop tenant from the config",
+                key="tenant",
             )
         return cls(
             layout,
