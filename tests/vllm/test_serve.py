@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -41,12 +40,6 @@ MODEL = {
     "eos_token_id": 2,
 }
 PROMPT = [3 + (i * 37) % 490 for i in range(200)]  # 3 full chunks of 64 + 8 tokens
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def serve(model: Path, store: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
@@ -89,8 +82,30 @@ def post(port: int, path: str, body: dict[str, Any] | None = None) -> dict[str, 
     return dict(json.loads(text))
 
 
-def wait_ready(port: int, proc: subprocess.Popen[bytes], log: Path) -> None:
+def start(model: Path, store: Path, log: Path) -> tuple[subprocess.Popen[bytes], int]:
+    """A server that itself listens on its port (checked by PID, so no other process's port is
+    mistaken for it; a port taken meanwhile is given up for another) and answers ``/health``."""
+    from bsr.testing._ports import PortTaken, ProcessExited, unheld_ports, wait_listening
+
     deadline = time.monotonic() + 600
+    for _ in range(5):
+        (port,) = unheld_ports(1)
+        proc = serve(model, store, port, log)
+        try:
+            wait_listening(proc, port, deadline, "vllm serve", poll_s=0.5)
+            wait_healthy(port, proc, log, deadline)
+            return proc, port
+        except PortTaken:
+            stop(proc)
+        except ProcessExited:
+            pytest.fail(f"vllm serve exited {proc.returncode}:\n{log.read_text()[-4000:]}")
+        except BaseException:
+            stop(proc)
+            raise
+    pytest.fail("five ports in a row were taken by other processes")
+
+
+def wait_healthy(port: int, proc: subprocess.Popen[bytes], log: Path, deadline: float) -> None:
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             pytest.fail(f"vllm serve exited {proc.returncode}:\n{log.read_text()[-4000:]}")
@@ -165,10 +180,9 @@ def test_vllm_serve_restores_a_prefix_in_a_fresh_server(tmp_path: Path) -> None:
     results = []
     seen: dict[str, float] = {}
     for run in ("store", "restore"):
-        port, log = free_port(), tmp_path / f"{run}.log"
-        proc = serve(model, store, port, log)
+        log = tmp_path / f"{run}.log"
+        proc, port = start(model, store, log)
         try:
-            wait_ready(port, proc, log)
             results.append(complete(port, model))
             if run == "store":  # the save runs after the request: wait for its objects
                 eventually(lambda: len(objects(store)) >= 3, "the saved objects")
