@@ -88,6 +88,21 @@ def test_bsr_rws_is_flat_and_equals_window_times_slot(
         assert wp[-1] == points[-1]["chunks"] * points[-1]["slot_bytes"]
 
 
+def test_the_engines_split_of_each_restore_fits_in_its_ttft(
+    quick_run: tuple[dict[str, Any], Path, str],
+) -> None:
+    doc, _, _ = quick_run
+    phases = ("probe_s", "install_s", "settle_s", "commit_s")
+    for p in doc["results"]:
+        r = p["bsr"]
+        # sample i of every phase is the same restore call as sample i of ttft_s: disjoint
+        # parts of it, together at most its wall time
+        for i, ttft in enumerate(r["ttft_s"]["values"]):
+            parts = [r[phase]["values"][i] for phase in phases]
+            assert all(x >= 0 for x in parts) and sum(parts) <= ttft, (p["layout"], parts, ttft)
+            assert parts[1] > 0, p["layout"]  # windowing moved the bytes
+
+
 def test_layout_sizes(quick_run: tuple[dict[str, Any], Path, str]) -> None:
     doc, _, _ = quick_run
     layouts = {lay["name"]: lay for lay in doc["layouts"]}

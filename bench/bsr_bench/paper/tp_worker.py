@@ -48,6 +48,7 @@ def _sample(result: RestoreResult, wall: float, rss_growth: int) -> dict[str, An
         "wall_s": wall,
         "probe_s": t.probe_s,
         "install_s": t.install_s,
+        "settle_s": t.settle_s,
         "commit_s": t.commit_s,
         "invalid_blocks": len(result.invalid_block_ids),
         "rss_growth_bytes": rss_growth,

@@ -56,6 +56,7 @@ def _restore_json(
         "ttft_s": _dist([s.total_s for s in samples]),
         "probe_s": _dist([s.probe_s for s in samples]),
         "install_s": _dist([s.install_s for s in samples]),
+        "settle_s": _dist([s.settle_s for s in samples]),
         "commit_s": _dist([s.commit_s for s in samples]),
         "bandwidth_Bps": _dist([file_bytes / s.total_s for s in samples]),
         "rws_peak_bytes": max(rws),

@@ -72,6 +72,7 @@ class RestoreSample:
     total_s: float
     probe_s: float
     install_s: float
+    settle_s: float
     commit_s: float
     rws_peak_bytes: int
     rss_growth_bytes: int
@@ -296,6 +297,7 @@ class SavedState:
             total_s=wall,
             probe_s=t.probe_s,
             install_s=t.install_s,
+            settle_s=t.settle_s,
             commit_s=t.commit_s,
             rws_peak_bytes=result.rws_peak_bytes,
             rss_growth_bytes=max(0, peak.peak - opened.rss_baseline),
