@@ -46,6 +46,7 @@ from ._ports import (
     PortTaken,
     ProcessExited,
     all_threads_stopped,
+    dies_with_this_process,
     stop_process,
     unheld_ports,
     wait_listening,
@@ -305,6 +306,7 @@ def _spawn(name: str, argv: list[str], port: int, log_dir: Path, shim: Path) -> 
             stderr=subprocess.STDOUT,
             env=env,
             start_new_session=True,
+            preexec_fn=dies_with_this_process(),
         )
     return _Proc(name, popen, port, log)
 

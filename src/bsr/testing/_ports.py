@@ -15,12 +15,15 @@ one of the process's open file descriptors (``/proc/<pid>/fd/*`` -> ``socket:[in
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import os
 import signal
 import socket
 import subprocess
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 _LISTEN = "0A"
@@ -36,6 +39,42 @@ class PortTaken(RuntimeError):
 
 class ProcessExited(RuntimeError):
     """The started process exited before it listened on its port."""
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _load_prctl() -> Any:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        return libc.prctl
+    except (OSError, AttributeError):  # not Linux / no libc: servers are stopped by fixtures
+        return None
+
+
+_PRCTL = _load_prctl()
+
+
+def dies_with_this_process() -> Callable[[], None] | None:
+    """A ``preexec_fn`` for :class:`subprocess.Popen`: the server gets SIGKILL when the process
+    that started it dies, so a test session killed by a timeout or ``kill -9`` leaves no server
+    behind holding ports and memory (Linux ``PR_SET_PDEATHSIG``).
+
+    The signal follows the *thread* that forked, so this is only given for the main thread (a
+    worker thread ending would kill the server); elsewhere it is ``None`` and the fixture's own
+    stop is the only one.
+    """
+    if _PRCTL is None or threading.current_thread() is not threading.main_thread():
+        return None
+    parent = os.getpid()
+    prctl = _PRCTL
+
+    def tie() -> None:  # in the child, between fork and exec
+        prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the tie took
+            os._exit(1)
+
+    return tie
 
 
 def free_port() -> int:

@@ -28,6 +28,7 @@ from ._ports import (
     PortTaken,
     ProcessExited,
     all_threads_stopped,
+    dies_with_this_process,
     stop_process,
     unheld_ports,
     wait_listening,
@@ -118,6 +119,7 @@ class RedisServer:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                preexec_fn=dies_with_this_process(),
             )
         wait_listening(
             self.popen, self.port, time.monotonic() + timeout_s, f"redis-server:{self.port}"
