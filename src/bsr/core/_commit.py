@@ -15,7 +15,7 @@ from collections.abc import Callable, Collection
 from ._layout import StateLayout
 from ._lifecycle import Reason
 from ._options import Policy
-from ._plan import longest_prefix, prefix_usable
+from ._plan import longest_prefix, prefix_in
 
 Installed = Collection[tuple[int, str]]
 #: ``serves(prefix_chunks)``: whether the caller's block tables hold a block wherever that prefix
@@ -30,7 +30,7 @@ def installed_usable(
     (and, with ``serves``, the block tables hold every block the prefix needs)."""
     if serves is not None and prefix_chunks > 0 and not serves(prefix_chunks):
         return False
-    return prefix_usable(layout, prefix_chunks, lambda c, g: (c, g) in installed)
+    return prefix_in(layout, prefix_chunks, installed)
 
 
 def local_vote(

@@ -142,12 +142,19 @@ class ChunkKey:
         return key
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class ObjectKey:
     """One stored object: a chunk key and a state group."""
 
     chunk: ChunkKey
     group: str
+
+    def __init__(self, chunk: ChunkKey, group: str) -> None:
+        # the frozen dataclass's own __init__ sets each field through object.__setattr__; a
+        # probe makes one of these per (chunk, group) of every restore
+        d = self.__dict__
+        d["chunk"] = chunk
+        d["group"] = group
 
     @functools.cached_property
     def object_id(self) -> str:

@@ -27,7 +27,7 @@ from .._errors import GuardRejectedError, IllegalTransitionError
 from .._log import logger
 from ._layout import StateLayout
 from ._options import Policy
-from ._plan import prefix_usable
+from ._plan import prefix_in
 
 
 class RequestState(str, enum.Enum):
@@ -114,7 +114,7 @@ class RequestFacts:
             return False
         if self.serves is not None and not self.serves(prefix_chunks):
             return False
-        return prefix_usable(self.layout, prefix_chunks, lambda c, g: (c, g) in self.installed)
+        return prefix_in(self.layout, prefix_chunks, self.installed)
 
 
 class _Model:

@@ -6,7 +6,8 @@ No I/O here; the engine asks these functions with a predicate ``have(chunk, grou
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Collection
 
 from ._layout import StateLayout
 
@@ -30,6 +31,22 @@ def groups_by_chunk(layout: StateLayout, prefix_chunks: int) -> dict[int, tuple[
 def prefix_usable(layout: StateLayout, prefix_chunks: int, have: Have) -> bool:
     """Whether every object the prefix needs is available."""
     return all(have(c, g) for c, g in needed_objects(layout, prefix_chunks))
+
+
+@functools.lru_cache(maxsize=1024)
+def _needed_set(layout: StateLayout, prefix_chunks: int) -> frozenset[tuple[int, str]]:
+    return frozenset(layout.needed_objects(prefix_chunks))
+
+
+def prefix_in(
+    layout: StateLayout, prefix_chunks: int, objects: Collection[tuple[int, str]]
+) -> bool:
+    """Whether ``objects`` holds every (chunk, group) the prefix needs: :func:`prefix_usable`
+    with ``have = in objects``, as one set comparison (a restore asks this several times)."""
+    need = _needed_set(layout, prefix_chunks)
+    if isinstance(objects, (set, frozenset)):
+        return need <= objects
+    return all(o in objects for o in need)
 
 
 def longest_prefix(layout: StateLayout, upper_chunks: int, have: Have) -> int:

@@ -150,9 +150,11 @@ class Prober:
                 self.log.warning("bsr.probe.tier_timeout", tier=tier.name, s=round(budget, 6))
                 continue
             self.health.success(tier.name)
+            name, quarantine, per = tier.name, self.quarantine, len(groups)
+            checked = len(quarantine) > 0  # nearly always empty: skip the object ids then
             for i, (o, p) in enumerate(zip(objs, present)):
-                if p and (tier.name, o.object_id) not in self.quarantine:
-                    found[i // len(groups)][o.group].append(tier.name)
+                if p and not (checked and (name, o.object_id) in quarantine):
+                    found[i // per][o.group].append(name)
         return [{g: tuple(names) for g, names in h.items()} for h in found]
 
     async def agree(self, local: int, usable: Callable[[int], bool]) -> int:
