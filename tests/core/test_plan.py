@@ -17,6 +17,7 @@ from bsr.core._plan import (
     longest_prefix,
     longest_prefix_upto,
     needed_objects,
+    prefix_in,
     prefix_usable,
 )
 
@@ -149,6 +150,9 @@ def test_plan_matches_brute_force_model(
         assert set(needed_objects(layout, p)) == model_needed(windows, p)
         assert len(needed_objects(layout, p)) == len(model_needed(windows, p))  # no duplicates
         assert prefix_usable(layout, p, pred) == (model_needed(windows, p) <= have)
+        # the set form the commit and the lifecycle use, for a set and for another collection
+        assert prefix_in(layout, p, have) == (model_needed(windows, p) <= have)
+        assert prefix_in(layout, p, sorted(have)) == (model_needed(windows, p) <= have)
     best = max(p for p in range(n + 1) if model_needed(windows, p) <= have)
     assert longest_prefix(layout, n, pred) == best
     assert longest_prefix_upto(lambda p: prefix_usable(layout, p, pred), n) == best
