@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from .common.stats import BenchError, Dist, ratio
-from .vllm_common import run_child, tokens, vllm_python
+from .vllm_common import run_child, tokens, vllm_python, vllm_version
 from .vllm_ttft import SUFFIX_TOKENS
 
 #: the sliding window of the model's sliding layers, in tokens
@@ -219,14 +218,7 @@ def run_hybrid(ns: argparse.Namespace) -> dict[str, Any]:
     if repeats < 1:
         raise BenchError("--vllm-repeats must be >= 1")
     python = vllm_python(getattr(ns, "vllm_python", None))
-    check = subprocess.run(
-        [python, "-c", "import vllm, bsr; print(vllm.__version__)"], capture_output=True, text=True
-    )
-    if check.returncode != 0:
-        raise BenchError(
-            f"{python} cannot import vllm and bsr; build the vLLM environment (make .venv-vllm) "
-            "or pass --vllm-python"
-        )
+    version = vllm_version(python)
     seed = int(getattr(ns, "seed", 0) or 0)
     work = Path(tempfile.mkdtemp(prefix="bsr-vllm-hybrid-"))
     t_start = time.perf_counter()
@@ -248,7 +240,7 @@ def run_hybrid(ns: argparse.Namespace) -> dict[str, Any]:
             raise BenchError(f"the {m} engine failed: {runs[m]['error']}")
     doc = {
         "kind": "vllm_hybrid",
-        "vllm": check.stdout.strip(),
+        "vllm": version,
         "model": MODEL,
         "block_size": BLOCK_SIZE,
         "chunk_tokens": CHUNK_TOKENS,
