@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
+import functools
 import os
 import signal
 import socket
@@ -44,15 +44,14 @@ class ProcessExited(RuntimeError):
 _PR_SET_PDEATHSIG = 1
 
 
-def _load_prctl() -> Any:
+@functools.cache
+def _prctl() -> Any:
+    """libc's ``prctl`` from the symbols already in this process (no library search at import:
+    ``find_library`` would run ``ldconfig``), or None where there is none."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        return libc.prctl
-    except (OSError, AttributeError):  # not Linux / no libc: servers are stopped by fixtures
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux: servers are stopped by the fixtures only
         return None
-
-
-_PRCTL = _load_prctl()
 
 
 def dies_with_this_process() -> Callable[[], None] | None:
@@ -64,10 +63,10 @@ def dies_with_this_process() -> Callable[[], None] | None:
     worker thread ending would kill the server); elsewhere it is ``None`` and the fixture's own
     stop is the only one.
     """
-    if _PRCTL is None or threading.current_thread() is not threading.main_thread():
+    prctl = _prctl()
+    if prctl is None or threading.current_thread() is not threading.main_thread():
         return None
     parent = os.getpid()
-    prctl = _PRCTL
 
     def tie() -> None:  # in the child, between fork and exec
         prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
