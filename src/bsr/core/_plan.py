@@ -33,7 +33,9 @@ def prefix_usable(layout: StateLayout, prefix_chunks: int, have: Have) -> bool:
     return all(have(c, g) for c, g in needed_objects(layout, prefix_chunks))
 
 
-@functools.lru_cache(maxsize=1024)
+# a restore asks about its own one or two prefix lengths several times; a few entries serve
+# the restores in flight, and each entry is O(prefix) (thousands of pairs at paper scale)
+@functools.lru_cache(maxsize=16)
 def _needed_set(layout: StateLayout, prefix_chunks: int) -> frozenset[tuple[int, str]]:
     return frozenset(layout.needed_objects(prefix_chunks))
 
