@@ -43,6 +43,7 @@ if TYPE_CHECKING:  # what mypy and readers see; at run time __getattr__ imports 
     from .core._keys import FORMAT_VERSION as FORMAT_VERSION
     from .core._keys import ChunkKey as ChunkKey
     from .core._keys import KeyedTokens as KeyedTokens
+    from .core._keys import KeyExtra as KeyExtra
     from .core._keys import Namespace as Namespace
     from .core._keys import ObjectKey as ObjectKey
     from .core._keys import as_token_array as as_token_array
@@ -108,6 +109,7 @@ _LAZY: dict[str, tuple[str, ...]] = {
     ".core._keys": (
         "FORMAT_VERSION",
         "ChunkKey",
+        "KeyExtra",
         "KeyedTokens",
         "NULL_BLOCK",
         "Namespace",
@@ -212,6 +214,7 @@ __all__ = (
     "IllegalTransitionError",
     "InProcessCoordinator",
     "InProcessGroup",
+    "KeyExtra",
     "KeyedTokens",
     "KvikioReader",
     "LayoutError",

@@ -316,14 +316,16 @@ def test_a_wide_token_changes_only_its_own_chunk_and_later_keys() -> None:
     assert chunk_keys(ns, [5, 0, 0, 0], 4) != chunk_keys(ns, [2**32 + 5, 0, 0, 0], 4)
 
 
-def test_key_chain_is_version_2_and_differs_from_the_first_chain() -> None:
-    """The first chain (BLAKE2b over int64 tokens, format version 1) gives other keys for the
-    same tokens: old stores miss, never misread (the version is in the namespace too)."""
+def test_key_chain_is_version_3_and_differs_from_the_earlier_chains() -> None:
+    """The first chain (BLAKE2b over int64 tokens, format version 1) and the chain of format
+    version 2 (the same SHA-256 chain, no extra keys, version 2 in the namespace) give other keys
+    for the same tokens: old stores miss, never misread. Format 2 stores were keyed by token ids
+    alone (a connector merged tenants and adapters there), so none of them may be reused."""
     import hashlib
 
     from bsr.core._keys import FORMAT_VERSION
 
-    assert FORMAT_VERSION == 2
+    assert FORMAT_VERSION == 3
     ns = fp()
     prev, old = ns, []
     for i in range(len(TOKENS) // 4):
@@ -333,6 +335,18 @@ def test_key_chain_is_version_2_and_differs_from_the_first_chain() -> None:
         old.append(prev)
     new = digests(ns)
     assert len(new) == len(old) and not set(new) & set(old)
+    # the namespace fingerprint as format 2 made it (the same fields, version 2)
+    h = hashlib.blake2b(digest_size=16, person=b"bsr-namespace")
+    h.update(len(b"m").to_bytes(4, "little") + b"m")
+    h.update((0).to_bytes(4, "little") + (1).to_bytes(4, "little"))
+    h.update((0).to_bytes(4, "little"))
+    h.update(LAYOUT.fingerprint)
+    v3 = h.copy()
+    v3.update((3).to_bytes(4, "little"))
+    assert v3.digest() == ns  # the reference above is this namespace's, but for the version
+    h.update((2).to_bytes(4, "little"))
+    v2 = digests(h.digest())
+    assert not set(new) & set(v2)
 
 
 def test_chunk_size_is_bound_into_the_chain() -> None:
@@ -340,3 +354,146 @@ def test_chunk_size_is_bound_into_the_chain() -> None:
     assert (
         chunk_keys(ns, list(range(8)), 8)[0].digest != chunk_keys(ns, list(range(8)), 4)[1].digest
     )
+
+
+# ---------------------------------------------------------------------- extra keys
+# The reference for extras: the module docstring's definition written the slow way, position
+# by position (which extras cover which token of the chunk), then packed with struct.
+
+
+def reference_keys_with_extras(
+    ns: bytes, tokens: list[int], chunk_tokens: int, extras: list[bsr.KeyExtra]
+) -> list[bytes]:
+    import hashlib
+    import struct
+
+    out: list[bytes] = []
+    prev = hashlib.sha256(b"bsr-chunk-v2" + ns + struct.pack("<I", chunk_tokens)).digest()
+    for i in range(len(tokens) // chunk_tokens):
+        lo, hi = i * chunk_tokens, (i + 1) * chunk_tokens
+        chunk = tokens[lo:hi]
+        fmt = "<I" if all(t < 2**32 for t in chunk) else "<Q"
+        h = hashlib.sha256(prev + bytes([struct.calcsize(fmt)]))
+        for t in chunk:
+            h.update(struct.pack(fmt, t))
+        items = []
+        for e in extras:
+            covered = [p for p in range(lo, hi) if e.start <= p and (e.end is None or p < e.end)]
+            if covered:
+                items.append((covered[0] - lo, covered[-1] + 1 - lo, e.key))
+        if items:
+            h.update(b"x" + struct.pack("<I", len(items)))
+            for s, t, key in sorted(items):
+                h.update(struct.pack("<III", s, t, len(key)) + key)
+        prev = h.digest()
+        out.append(prev)
+    return out
+
+
+extra_lists = st.lists(
+    st.builds(
+        lambda key, start, length: bsr.KeyExtra(
+            key, start, None if length == 0 else start + length
+        ),
+        st.binary(min_size=1, max_size=6),
+        st.integers(0, 40),
+        st.integers(0, 12),
+    ),
+    max_size=4,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 2**33), max_size=40),
+    chunk=st.integers(1, 9),
+    extras=extra_lists,
+    ns=st.binary(min_size=16, max_size=16),
+)
+def test_keys_with_extras_match_the_reference(
+    tokens: list[int], chunk: int, extras: list[bsr.KeyExtra], ns: bytes
+) -> None:
+    keys = chunk_keys(ns, tokens, chunk, extras=extras)
+    assert [k.digest for k in keys] == reference_keys_with_extras(ns, tokens, chunk, extras)
+    # the order they are given in does not matter
+    assert chunk_keys(ns, tokens, chunk, extras=list(reversed(extras))) == keys
+    kt = prepare_tokens(ns, tokens, chunk, extras=extras)
+    assert kt.keys == tuple(keys) and set(kt.extras) == set(extras)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 50), min_size=8, max_size=40),
+    extras=extra_lists,
+    key=st.binary(min_size=1, max_size=4),
+    start=st.integers(0, 39),
+    length=st.integers(1, 10),
+)
+def test_an_extra_changes_exactly_the_keys_from_its_first_chunk_on(
+    tokens: list[int], extras: list[bsr.KeyExtra], key: bytes, start: int, length: int
+) -> None:
+    """Binding one more value to [start, start+length) leaves every chunk before the range's
+    first chunk as it was (a prefix is still shared) and changes every key from there on (the
+    chain): what changes a chunk's state can never be served from a store of the other."""
+    ns, chunk = b"e" * 16, 4
+    added = bsr.KeyExtra(b"\xff" + key, start, start + length)  # never equal to one in extras
+    before = chunk_keys(ns, tokens, chunk, extras=extras)
+    after = chunk_keys(ns, tokens, chunk, extras=[*extras, added])
+    first = start // chunk
+    assert before[:first] == after[:first]
+    assert all(b != a for b, a in zip(before[first:], after[first:]))
+
+
+@settings(max_examples=100, deadline=None)
+@given(tokens=st.lists(st.integers(0, 50), max_size=40), more=st.lists(st.integers(0, 50)))
+def test_a_whole_request_extra_keeps_the_prefix_property(
+    tokens: list[int], more: list[int]
+) -> None:
+    """An adapter (an extra over the whole request, ``end=None``) gives a prompt and its longer
+    continuation (the next turn) the same keys for the shared chunks, and none shared with the
+    same tokens under another adapter or none."""
+    ns, chunk = b"p" * 16, 4
+    a, b = bsr.KeyExtra(b"lora:a"), bsr.KeyExtra(b"lora:b")
+    short = chunk_keys(ns, tokens, chunk, extras=[a])
+    long = chunk_keys(ns, tokens + more, chunk, extras=[a])
+    assert long[: len(short)] == short
+    other = chunk_keys(ns, tokens, chunk, extras=[b])
+    plain = chunk_keys(ns, tokens, chunk)
+    assert not {k.digest for k in short} & ({k.digest for k in other} | {k.digest for k in plain})
+
+
+def test_a_salt_on_the_first_token_separates_every_chunk() -> None:
+    ns = b"s" * 16
+    alice = chunk_keys(ns, TOKENS, 4, extras=[bsr.KeyExtra(b"salt:alice", 0, 1)])
+    bob = chunk_keys(ns, TOKENS, 4, extras=[bsr.KeyExtra(b"salt:bob", 0, 1)])
+    plain = chunk_keys(ns, TOKENS, 4)
+    assert len(alice) == 5 and not {k.digest for k in alice} & {k.digest for k in bob}
+    assert not {k.digest for k in alice} & {k.digest for k in plain}
+    assert chunk_keys(ns, TOKENS, 4, extras=[bsr.KeyExtra(b"salt:alice", 0, 1)]) == alice
+
+
+def test_the_same_image_at_another_offset_in_its_chunk_has_another_key() -> None:
+    ns = b"i" * 16
+    at1 = chunk_keys(ns, TOKENS, 8, extras=[bsr.KeyExtra(b"img:x", 1, 5)])
+    at2 = chunk_keys(ns, TOKENS, 8, extras=[bsr.KeyExtra(b"img:x", 2, 6)])
+    assert at1[0] != at2[0]
+
+
+@pytest.mark.parametrize(
+    ("make", "fragment"),
+    [
+        (lambda: bsr.KeyExtra("salt"), "encode it first"),  # type: ignore[arg-type]
+        (lambda: bsr.KeyExtra(b""), "non-empty bytes"),
+        (lambda: bsr.KeyExtra(7), "non-empty bytes"),  # type: ignore[arg-type]
+        (lambda: bsr.KeyExtra(b"k", -1), r"start must be an int in \[0"),
+        (lambda: bsr.KeyExtra(b"k", 1.5), r"start must be an int"),  # type: ignore[arg-type]
+        (lambda: bsr.KeyExtra(b"k", 4, 4), "end must be None"),
+        (lambda: bsr.KeyExtra(b"k", 4, 2), "end must be None"),
+        (lambda: bsr.KeyExtra(b"k", True), "start must be an int"),
+        (lambda: bsr.KeyExtra(b"k" * 5000), "at most 4096"),
+        (lambda: chunk_keys(b"n" * 16, TOKENS, 4, extras=[b"salt"]), "bsr.KeyExtra objects"),  # type: ignore[list-item]
+    ],
+)
+def test_bad_extras_raise_typed_errors(make: object, fragment: str) -> None:
+    with pytest.raises(bsr.TokenError, match=fragment):
+        make()  # type: ignore[operator]

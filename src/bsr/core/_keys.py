@@ -15,12 +15,29 @@ chunk is below 2**32 (every real vocabulary), else 8; ``w_i`` itself (one byte) 
 so the encoding is injective and key ``i`` depends on chunks ``0..i`` only (a prefix has the
 keys of the longer request). Independent of PYTHONHASHSEED, process and platform.
 
+Extra keys (format version 3): token ids alone do not say what computed a chunk's state. A
+tenant's salt, a LoRA adapter, an image in the prompt, prompt embeddings all change the KV of
+the same token ids. A :class:`KeyExtra` binds such a value to a token range; every chunk the
+range overlaps hashes it after its tokens::
+
+    key_i  = SHA-256(key_{i-1} || w_i || enc(tokens[i*C:(i+1)*C]) || ext_i)
+    ext_i  = "x" || u32 count || (u32 s || u32 e || u32 len(key) || key) for each extra,
+             sorted, with [s, e) its range clipped to the chunk and made relative to it
+
+``ext_i`` is empty for a chunk no extra overlaps (the chain of format 2 then). The token bytes
+of a chunk have a known length, so the encoding stays injective; the clipped range depends only
+on the chunk, so an extra over the whole request (an adapter) gives a prompt and its longer
+continuation the same keys, and a chunk's key still depends on chunks ``0..i`` only. Because the
+keys chain, an extra bound to chunk ``j`` changes every key from ``j`` on.
+
 Why this chain (format version 2): the first chain (BLAKE2b over int64 tokens) spent about 4 ms
 hashing the 4 MiB of a 524,288-token prompt; 4-byte tokens halve the bytes and SHA-256 runs in
 hardware on current x86 (SHA-NI) and ARMv8 CPUs (about 2 GB/s against BLAKE2b's 1 GB/s here).
 Both are cryptographic hashes: a chunk key names a prefix, and a collision would serve one
 tenant's state to another. The format version is part of every namespace fingerprint, so state
-stored under the first chain is a miss, never a misread.
+stored under an earlier chain is a miss, never a misread. Format 3 added the extra keys: a store
+written by format 2 was keyed by token ids alone (its connector merged tenants, adapters and
+images), so none of it is reused.
 """
 
 from __future__ import annotations
@@ -40,8 +57,9 @@ from .._errors import ConfigError, TokenError
 from ._layout import StateLayout, utf8_name
 
 #: Version of the stored object format and key derivation. Part of every namespace.
-#: 2: the SHA-256 chain over 4-byte tokens (1: BLAKE2b over 8-byte tokens).
-FORMAT_VERSION = 2
+#: 3: extra keys per token range; 2: the SHA-256 chain over 4-byte tokens; 1: BLAKE2b over
+#: 8-byte tokens.
+FORMAT_VERSION = 3
 
 KEY_BYTES = 32
 
@@ -113,6 +131,135 @@ class Namespace:
             cfg = self.config_digest.encode()
             h.update(b"config" + len(cfg).to_bytes(4, "little") + cfg)
         return h.digest()
+
+
+@dataclass(frozen=True)
+class KeyExtra:
+    """Something besides the token ids that changes the state computed for a token range.
+
+    A tenant's salt, a LoRA adapter, an image or audio clip placed in the prompt, prompt
+    embeddings: two requests with the same token ids compute different KV when any of these
+    differ, so their keys must differ too. An extra binds ``key`` into the key of every chunk
+    that ``[start, end)`` overlaps (and, as the keys chain, into every later chunk's key). Two
+    requests share a chunk's stored state only when their tokens and the extras overlapping
+    every chunk up to it are equal, range included (clipped to the chunk).
+
+    Typical extras: a tenant salt as ``KeyExtra(b"tenant:" + salt, 0, 1)`` (the first chunk,
+    hence every chunk); an adapter as ``KeyExtra(b"lora:" + adapter_digest)`` (the whole
+    request); an image as ``KeyExtra(b"image:" + content_hash, offset, offset + length)`` over
+    its placeholder tokens. Prefix the key with its kind so values of two kinds never meet.
+
+    Args:
+        key: the value's identity (bytes, e.g. a digest of the adapter's weights).
+        start: first token the value affects.
+        end: one past the last token it affects; ``None``: to the end of the request.
+
+    Raises:
+        TokenError: ``key`` is not non-empty bytes, or the range is not ``0 <= start < end``.
+    """
+
+    key: bytes
+    start: int = 0
+    end: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.key, str):
+            raise TokenError(
+                "KeyExtra.key must be bytes, got str; encode it first, e.g. key.encode('utf-8')"
+            )
+        if not isinstance(self.key, (bytes, bytearray, memoryview)) or not len(self.key):
+            raise TokenError(
+                f"KeyExtra.key must be non-empty bytes, got {type(self.key).__name__}; pass the "
+                "identity of what changes the state (a salt, an adapter digest, a content hash)"
+            )
+        object.__setattr__(self, "key", bytes(self.key))
+        if len(self.key) > MAX_EXTRA_KEY_BYTES:
+            raise TokenError(
+                f"KeyExtra.key is {len(self.key)} bytes, at most {MAX_EXTRA_KEY_BYTES}; pass a "
+                "digest of the value instead of the value itself"
+            )
+        if not is_int(self.start) or not 0 <= self.start < MAX_EXTRA_POSITION:
+            raise TokenError(f"KeyExtra.start must be an int in [0, 2**48), got {self.start!r}")
+        if self.end is not None and (
+            not is_int(self.end) or not self.start < self.end <= MAX_EXTRA_POSITION
+        ):
+            raise TokenError(
+                f"KeyExtra.end must be None (to the end) or an int > start={self.start}, "
+                f"got {self.end!r}"
+            )
+        object.__setattr__(self, "start", int(self.start))
+        if self.end is not None:
+            object.__setattr__(self, "end", int(self.end))
+
+    def sort_key(self) -> tuple[int, int, bytes]:
+        return (self.start, -1 if self.end is None else self.end, self.key)
+
+
+#: the longest ``KeyExtra.key`` (a digest, a name: never the value itself)
+MAX_EXTRA_KEY_BYTES = 4096
+#: token positions an extra's range may name (far beyond any prompt)
+MAX_EXTRA_POSITION = 1 << 48
+
+Extras = Sequence[KeyExtra]
+
+
+def check_extras(extras: Extras | None) -> tuple[KeyExtra, ...]:
+    """``extras`` as a sorted tuple (the order a caller passes them in does not matter)."""
+    if not extras:
+        return ()
+    if isinstance(extras, KeyExtra):
+        extras = (extras,)
+    out = tuple(extras)
+    for e in out:
+        if not isinstance(e, KeyExtra):
+            raise TokenError(
+                f"extras must be bsr.KeyExtra objects, got {type(e).__name__}; wrap each value "
+                "as bsr.KeyExtra(key, start, end)"
+            )
+    return tuple(sorted(out, key=KeyExtra.sort_key))
+
+
+def extras_by_chunk(extras: tuple[KeyExtra, ...], chunk_tokens: int, n: int) -> dict[int, bytes]:
+    """``ext_i`` of every chunk below ``n`` that an extra overlaps (see the module docstring)."""
+    per: dict[int, list[tuple[int, int, bytes]]] = {}
+    for e in extras:
+        first = e.start // chunk_tokens
+        last = n - 1 if e.end is None else min(n - 1, (e.end - 1) // chunk_tokens)
+        for c in range(first, last + 1):
+            lo = c * chunk_tokens
+            s = max(e.start, lo) - lo
+            t = chunk_tokens if e.end is None else min(e.end, lo + chunk_tokens) - lo
+            per.setdefault(c, []).append((s, t, e.key))
+    out: dict[int, bytes] = {}
+    encoded: dict[tuple[tuple[int, int, bytes], ...], bytes] = {}  # interior chunks repeat
+    for c, items in per.items():
+        items.sort()
+        canon = tuple(items)
+        ext = encoded.get(canon)
+        if ext is None:
+            parts = [b"x", len(items).to_bytes(4, "little")]
+            for s, t, key in items:
+                parts.append(
+                    s.to_bytes(4, "little") + t.to_bytes(4, "little")
+                    + len(key).to_bytes(4, "little") + key
+                )  # fmt: skip
+            ext = encoded[canon] = b"".join(parts)
+        out[c] = ext
+    return out
+
+
+def extras_digest(extras: tuple[KeyExtra, ...]) -> bytes:
+    """One canonical encoding of a sorted ``extras`` tuple (for the probe's identity check)."""
+    if not extras:
+        return b""
+    parts = [len(extras).to_bytes(4, "little")]
+    for e in extras:
+        end = 0 if e.end is None else e.end + 1
+        parts.append(
+            e.start.to_bytes(8, "little") + end.to_bytes(8, "little")
+            + len(e.key).to_bytes(4, "little") + e.key
+        )  # fmt: skip
+    return hashlib.sha256(b"".join(parts)).digest()
 
 
 _object_new = object.__new__
@@ -305,9 +452,16 @@ def _chain_seed(namespace_fp: bytes, chunk_tokens: int) -> bytes:
 
 
 def chunk_digests(
-    namespace_fp: bytes, arr: np.ndarray[Any, np.dtype[np.int64]], chunk_tokens: int, n: int
+    namespace_fp: bytes,
+    arr: np.ndarray[Any, np.dtype[np.int64]],
+    chunk_tokens: int,
+    n: int,
+    extras: tuple[KeyExtra, ...] = (),
 ) -> list[bytes]:
-    """The chain's digests of the first ``n`` chunks of ``arr`` (see the module docstring)."""
+    """The chain's digests of the first ``n`` chunks of ``arr`` (see the module docstring).
+
+    ``extras``: sorted, as :func:`check_extras` returns them.
+    """
     if n <= 0:
         return []
     body = arr[: n * chunk_tokens]
@@ -319,6 +473,8 @@ def chunk_digests(
     out: list[bytes] = []
     append = out.append
     sha = _SHA256
+    if extras:
+        return _chain_with_extras(prev, body, data4, wide, chunk_tokens, n, extras)
     if not wide.any():
         for i in range(n):
             h = sha(prev + b"\x04")
@@ -341,8 +497,43 @@ def chunk_digests(
     return out
 
 
+def _chain_with_extras(
+    prev: bytes,
+    body: np.ndarray[Any, np.dtype[np.int64]],
+    data4: memoryview,
+    wide: Any,
+    chunk_tokens: int,
+    n: int,
+    extras: tuple[KeyExtra, ...],
+) -> list[bytes]:
+    """The chain when extras are bound: each chunk's tokens, then its ``ext_i``."""
+    suffix = extras_by_chunk(extras, chunk_tokens, n)
+    data8 = body.data.cast("B")
+    step4, step8 = chunk_tokens * 4, chunk_tokens * 8
+    flags = cast("list[bool]", wide.tolist())
+    out: list[bytes] = []
+    for i, w in enumerate(flags):
+        if w:
+            h = _SHA256(prev + b"\x08")
+            h.update(data8[i * step8 : (i + 1) * step8])
+        else:
+            h = _SHA256(prev + b"\x04")
+            h.update(data4[i * step4 : (i + 1) * step4])
+        ext = suffix.get(i)
+        if ext is not None:
+            h.update(ext)
+        prev = h.digest()
+        out.append(prev)
+    return out
+
+
 def chunk_keys(
-    namespace_fp: bytes, tokens: TokensLike, chunk_tokens: int, *, max_chunks: int | None = None
+    namespace_fp: bytes,
+    tokens: TokensLike,
+    chunk_tokens: int,
+    *,
+    max_chunks: int | None = None,
+    extras: Extras | None = None,
 ) -> list[ChunkKey]:
     """Chained keys of every full chunk of ``tokens`` (at most ``max_chunks``).
 
@@ -352,17 +543,19 @@ def chunk_keys(
             :func:`as_token_array` returned).
         chunk_tokens: tokens per chunk (the layout's ``chunk_tokens``).
         max_chunks: derive at most this many keys.
+        extras: what besides the tokens changes the state (:class:`KeyExtra`), in any order.
 
     Pure and synchronous (see :data:`OFFLOAD_TOKENS`).
     """
     positive_int(chunk_tokens, "chunk_tokens")
     arr = as_token_array(tokens)
+    ext = check_extras(extras)
     n = len(arr) // chunk_tokens
     if max_chunks is not None:
         n = max(0, min(n, max_chunks))
     ns = bytes(namespace_fp)
     new = ChunkKey._new
-    return [new(d, i, ns) for i, d in enumerate(chunk_digests(ns, arr, chunk_tokens, n))]
+    return [new(d, i, ns) for i, d in enumerate(chunk_digests(ns, arr, chunk_tokens, n, ext))]
 
 
 @dataclass(frozen=True)
@@ -377,6 +570,8 @@ class KeyedTokens:
     keys: tuple[ChunkKey, ...]
     namespace: bytes
     chunk_tokens: int
+    #: the extras bound into the keys, sorted (:func:`check_extras`)
+    extras: tuple[KeyExtra, ...] = ()
 
     def keys_for(self, num_tokens: int) -> tuple[ChunkKey, ...]:
         """Keys of the full chunks of the first ``num_tokens`` tokens (a prefix shares keys)."""
@@ -384,14 +579,22 @@ class KeyedTokens:
 
 
 def prepare_tokens(
-    namespace_fp: bytes, tokens: TokensLike, chunk_tokens: int, *, max_chunks: int | None = None
+    namespace_fp: bytes,
+    tokens: TokensLike,
+    chunk_tokens: int,
+    *,
+    max_chunks: int | None = None,
+    extras: Extras | None = None,
 ) -> KeyedTokens:
     """Convert ``tokens`` and derive their chunk keys in one pure, synchronous call.
 
-    The engine runs it inline for short prompts and in a worker thread when
+    ``extras``: what besides the token ids changes the state (:class:`KeyExtra`: a tenant's
+    salt, an adapter, an image, prompt embeddings), bound into the keys of the chunks they
+    overlap. The engine runs it inline for short prompts and in a worker thread when
     ``token_count(tokens) > OFFLOAD_TOKENS`` (``anyio.to_thread.run_sync(prepare_tokens, ...)``),
     so a long prompt never holds the event loop for long.
     """
     arr = as_token_array(tokens)
-    keys = chunk_keys(namespace_fp, arr, chunk_tokens, max_chunks=max_chunks)
-    return KeyedTokens(arr, tuple(keys), bytes(namespace_fp), chunk_tokens)
+    ext = check_extras(extras)
+    keys = chunk_keys(namespace_fp, arr, chunk_tokens, max_chunks=max_chunks, extras=ext)
+    return KeyedTokens(arr, tuple(keys), bytes(namespace_fp), chunk_tokens, ext)

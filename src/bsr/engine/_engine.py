@@ -47,7 +47,16 @@ from ..core._commit import (
     invalidation_reason,
     local_vote,
 )
-from ..core._keys import ChunkKey, Namespace, ObjectKey, TokensLike, chunk_keys, token_count
+from ..core._keys import (
+    ChunkKey,
+    Extras,
+    Namespace,
+    ObjectKey,
+    TokensLike,
+    check_extras,
+    chunk_keys,
+    token_count,
+)
 from ..core._layout import StateLayout
 from ..core._lifecycle import Reason, RequestLifecycle, RequestState
 from ..core._options import Policy, Strategy, choice
@@ -404,9 +413,10 @@ class RestoreEngine(AsyncResource):
             raise ConfigError(f"cache must be a bsr.PagedKVCache, got {type(cache).__name__}")
         cache.check_layout(self.layout)
 
-    def keys(self, tokens: TokensLike) -> list[ChunkKey]:
-        """Chained keys of every full chunk of ``tokens`` in this engine's namespace."""
-        return chunk_keys(self.namespace_fp, tokens, self.layout.chunk_tokens)
+    def keys(self, tokens: TokensLike, *, extras: Extras | None = None) -> list[ChunkKey]:
+        """Chained keys of every full chunk of ``tokens`` (with ``extras``, see
+        :class:`~bsr.KeyExtra`) in this engine's namespace."""
+        return chunk_keys(self.namespace_fp, tokens, self.layout.chunk_tokens, extras=extras)
 
     def objects(self, probe: Probe) -> list[tuple[str, ObjectKey]]:
         """``(tier name, object)`` of every object a restore of ``probe`` reads first."""
@@ -420,6 +430,7 @@ class RestoreEngine(AsyncResource):
         self,
         tokens: TokensLike,
         *,
+        extras: Extras | None = None,
         lease_ttl_s: float | None = None,
         deadline_s: float | None = None,
         local: bool = False,
@@ -435,10 +446,13 @@ class RestoreEngine(AsyncResource):
         nothing for this probe and the cut-off counts against its circuit breaker); the probe
         holds what the other tiers answered. ``local``: this rank's prefix alone, with no
         agreement (no collective, so one rank may call it by itself) and no lease; pass such a
-        probe to ``restore`` only with one rank.
+        probe to ``restore`` only with one rank. ``extras``: what besides the token ids changes
+        the state (:class:`~bsr.KeyExtra`: a tenant's salt, an adapter, an image, prompt
+        embeddings); the same extras must be given to ``save`` and ``restore``.
         """
         self._open_pool()
         self._leases.reclaim()
+        extras = check_extras(extras)
         ttl = optional_positive_float(lease_ttl_s, "lease_ttl_s")
         deadline = optional_positive_float(deadline_s, "deadline_s")
         if Check.flag(local, "local") and ttl is not None:
@@ -447,7 +461,9 @@ class RestoreEngine(AsyncResource):
                 "local=True"
             )
         probe = (
-            await self._prober.probe(tokens, deadline_s=deadline, partial=True, agree=not local)
+            await self._prober.probe(
+                tokens, deadline_s=deadline, partial=True, agree=not local, extras=extras
+            )
         ).probe
         if ttl is not None and probe.prefix_chunks:
             probe = replace(probe, lease=await self._lease(probe, ttl))
@@ -488,6 +504,7 @@ class RestoreEngine(AsyncResource):
         probe: Probe | None = None,
         on_installed: OnInstalled | None = None,
         start_tokens: int = 0,
+        extras: Extras | None = None,
     ) -> RestoreResult:
         """Restore the longest reusable prefix of ``tokens`` into ``cache`` at ``block_ids``.
 
@@ -521,6 +538,9 @@ class RestoreEngine(AsyncResource):
         whole prefix, counting those chunks as installed, so it is only as valid as the
         caller's claim; ``bytes_by_tier`` counts only what was read.
 
+        ``extras``: what besides the token ids changed the state (:class:`~bsr.KeyExtra`), as
+        given to the ``save`` that stored it (and to ``lookup``, with a ``probe``).
+
         Raises:
             BlockTableError: malformed block tables (see ``PagedKVCache.block_tables``), or a
                 ``NULL_BLOCK`` where the whole prefix's state goes.
@@ -541,6 +561,7 @@ class RestoreEngine(AsyncResource):
             request_id,
             started,
             start_tokens,
+            extras,
         )
         req.on_installed = on_installed
         try:
@@ -578,6 +599,7 @@ class RestoreEngine(AsyncResource):
         request_id: str | None,
         started: float,
         start_tokens: int = 0,
+        extras: Extras | None = None,
     ) -> RestoreRequest:
         """Check the arguments and open the request's record (no I/O).
 
@@ -588,6 +610,7 @@ class RestoreEngine(AsyncResource):
         self._open_pool()
         self._leases.reclaim()
         self._check_cache(cache)
+        ext = check_extras(extras)
         first_block, valid_chunks = self._start(start_tokens, cache)
         n_full = self.layout.num_chunks(token_count(tokens))
         tables = cache.block_tables(block_ids, n_full * self.layout.chunk_tokens)
@@ -600,7 +623,8 @@ class RestoreEngine(AsyncResource):
         life.facts.policy = self.policy if policy is None else choice(Policy, policy, "policy")
         self._counts["restores"] += 1
         return RestoreRequest(
-            rid=rid, life=life, log=self._log.bind(request_id=rid), tokens=tokens, cache=cache,
+            rid=rid, life=life, log=self._log.bind(request_id=rid), tokens=tokens, extras=ext,
+            cache=cache,
             tables=tables, policy=life.facts.policy,
             strategy=choice(Strategy, strategy, "strategy"),
             deadline_at=None if deadline is None else started + deadline, t0=started,
@@ -623,7 +647,9 @@ class RestoreEngine(AsyncResource):
         t = time.perf_counter()
         try:
             if given is None:
-                out = await self._prober.probe(req.tokens, deadline_s=req.remaining())
+                out = await self._prober.probe(
+                    req.tokens, deadline_s=req.remaining(), extras=req.extras
+                )
             else:
                 out = await self._reuse_probe(req, given)
         except CoordinatorError:
@@ -644,14 +670,15 @@ class RestoreEngine(AsyncResource):
     async def _reuse_probe(self, req: RestoreRequest, probe: Probe) -> ProbeOutcome:
         """Check a lookup's probe against the tokens; every rank then agrees it was in time."""
         with anyio.move_on_after(req.remaining()) as scope:
-            keyed = await self._prober.keyed(req.tokens)
+            keyed = await self._prober.keyed(req.tokens, req.extras)
         if not scope.cancelled_caught and (
             probe.chunk_tokens != self.layout.chunk_tokens
             or probe.digest != digest(self.namespace_fp, keyed)
         ):
             raise ConfigError(
-                "probe was made for other tokens or by an engine of another namespace; pass "
-                "the Probe that lookup() returned for these tokens (or no probe)"
+                "probe was made for other tokens, other extras or by an engine of another "
+                "namespace; pass the Probe that lookup() returned for these tokens and extras "
+                "(or no probe)"
             )
         timed_out = scope.cancelled_caught
         in_time = await self._prober.agree_on_time(timed_out)
@@ -833,6 +860,7 @@ class RestoreEngine(AsyncResource):
         block_ids: Any,
         *,
         tiers: Sequence[str] | None = None,
+        extras: Extras | None = None,
     ) -> SaveResult:
         """Store every full chunk of ``tokens`` held in ``cache`` at ``block_ids``.
 
@@ -842,12 +870,14 @@ class RestoreEngine(AsyncResource):
         :meth:`restore`); when a table holds ``NULL_BLOCK`` where a needed chunk lies, only the
         longest prefix whose every needed chunk lies in real blocks is stored (``saved_tokens``
         says which). Staging comes from the same W-slot pool as restores. A tier's write error
-        is counted in the result and logged; it does not stop the other tiers.
+        is counted in the result and logged; it does not stop the other tiers. ``extras``: what
+        besides the token ids changed the state (:class:`~bsr.KeyExtra`: a tenant's salt, an
+        adapter, an image, prompt embeddings); a later ``restore`` finds it only with the same.
         """
         pool = self._open_pool()
         self._leases.reclaim()
         self._check_cache(cache)
-        keyed = await self._prober.keyed(tokens)
+        keyed = await self._prober.keyed(tokens, check_extras(extras))
         tables = cache.block_tables(block_ids, len(keyed.keys) * self.layout.chunk_tokens)
         targets = self.tiers if tiers is None else [self._tier(name) for name in tiers]
         quarantine = self._quarantine

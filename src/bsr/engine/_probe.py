@@ -18,6 +18,7 @@ every other failure).
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -30,9 +31,11 @@ import xxhash
 from ..core._keys import (
     OFFLOAD_TOKENS,
     ChunkKey,
+    Extras,
     KeyedTokens,
     ObjectKey,
     TokensLike,
+    extras_digest,
     prepare_tokens,
     token_count,
 )
@@ -67,9 +70,12 @@ class ProbeOutcome:
 
 
 def digest(namespace_fp: bytes, keyed: KeyedTokens) -> bytes:
-    """A digest of (namespace, tokens): a probe made for other tokens is refused by restore."""
+    """A digest of (namespace, tokens, extras): a probe made for other tokens or other extra
+    keys is refused by restore."""
     h = xxhash.xxh3_128(namespace_fp)
     h.update(keyed.tokens.tobytes() if not keyed.tokens.flags.c_contiguous else keyed.tokens.data)
+    if keyed.extras:
+        h.update(b"extras" + extras_digest(keyed.extras))
     return h.digest()
 
 
@@ -107,13 +113,16 @@ class Prober:
         self.coordinator = coordinator
         self.log = log
 
-    async def keyed(self, tokens: TokensLike) -> KeyedTokens:
-        """Convert and key ``tokens`` (off the event loop when the prompt is long)."""
-        args = (self.namespace_fp, tokens, self.layout.chunk_tokens)
+    async def keyed(self, tokens: TokensLike, extras: Extras | None = None) -> KeyedTokens:
+        """Convert and key ``tokens`` with ``extras`` (off the event loop when the prompt is
+        long)."""
+        work = functools.partial(
+            prepare_tokens, self.namespace_fp, tokens, self.layout.chunk_tokens, extras=extras
+        )
         if token_count(tokens) > OFFLOAD_TOKENS:
             # pure work: abandoning it on cancellation (a deadline) is safe
-            return await anyio.to_thread.run_sync(prepare_tokens, *args, abandon_on_cancel=True)
-        return prepare_tokens(*args)
+            return await anyio.to_thread.run_sync(work, abandon_on_cancel=True)
+        return work()
 
     def empty(self, n: int) -> Holders:
         return [{g.name: () for g in self.layout.groups} for _ in range(n)]
@@ -179,6 +188,7 @@ class Prober:
         deadline_s: float | None,
         partial: bool = False,
         agree: bool = True,
+        extras: Extras | None = None,
     ) -> ProbeOutcome:
         """Probe ``tokens``; return the probe and whether a deadline ended it on any rank.
 
@@ -194,7 +204,7 @@ class Prober:
         keyed: KeyedTokens | None = None
         holders: Holders = []
         with anyio.move_on_after(math.inf if deadline_s is None else deadline_s):
-            keyed = await self.keyed(tokens)
+            keyed = await self.keyed(tokens, extras)
         if keyed is not None:
             holders = await self.holders(keyed.keys, deadline_at)
             await anyio.lowlevel.checkpoint()

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..core._keys import KeyExtra
 from ..core._lifecycle import RequestLifecycle, RequestState
 from ..core._options import Policy, Strategy
 from ..core._results import Probe, RestoreResult, Timings
@@ -27,6 +28,7 @@ class RestoreRequest:
     life: RequestLifecycle
     log: Any
     tokens: Any
+    extras: tuple[KeyExtra, ...]
     cache: PagedKVCache
     tables: BlockTables
     policy: Policy
