@@ -40,13 +40,13 @@ from typing import TYPE_CHECKING
 
 import anyio
 
-from . import PagedKVCache, Probe, RestoreResult, SaveResult, as_token_array
+from . import KeyExtra, PagedKVCache, Probe, RestoreResult, SaveResult, as_token_array
 from ._check import int_at_least, int_between, non_negative_int, positive_int
 from ._errors import BlockTableError, ConfigError, ConversationBusyError, OutOfBlocksError
 
 if TYPE_CHECKING:
     from . import RestoreEngine
-    from .core._keys import TokensLike
+    from .core._keys import Extras, TokensLike
 
 __all__ = (
     "Admission",
@@ -167,6 +167,7 @@ async def admit(
     reserve_tokens: int = 0,
     block_ids: Sequence[int] | None = None,
     deadline_s: float | None = None,
+    extras: Extras | None = None,
 ) -> Admission:
     """lookup -> allocate -> restore -> how many tokens to prefill.
 
@@ -178,6 +179,8 @@ async def admit(
         reserve_tokens: extra token room to allocate (e.g. tokens to be generated).
         block_ids: blocks already allocated for the request (then none are allocated).
         deadline_s: the restore's deadline.
+        extras: what besides the tokens changes the request's KV (:class:`~bsr.KeyExtra`: the
+            tenant's salt, the adapter, images), the same as the ``engine.save`` that stored it.
 
     On an Invalidated restore nothing in the blocks is valid: the admission says prefill
     everything (the blocks stay allocated to the request). Raises
@@ -203,13 +206,15 @@ async def admit(
                 f"{len(ids)} blocks cannot hold {n + reserve_tokens} tokens of "
                 f"{cache.block_tokens}; pass at least {need}"
             )
-    probe = await engine.lookup(arr)
+    probe = await engine.lookup(arr, extras=extras)
     if block_ids is None:
         ids = allocator.allocate(need)
     try:
         if not probe.hit:
             return Admission(tuple(ids), n, 0, "none", probe)
-        result = await engine.restore(arr, cache, ids, deadline_s=deadline_s, probe=probe)
+        result = await engine.restore(
+            arr, cache, ids, deadline_s=deadline_s, probe=probe, extras=extras
+        )
     except BaseException:
         if block_ids is None:  # taken here: given back on failure and cancellation
             allocator.free(ids)
@@ -248,6 +253,20 @@ class _Conversation:
     state: _State
     #: set when an eviction of this conversation ends (saved and gone, or back to idle)
     evicted: anyio.Event | None = None
+    #: what besides its tokens its KV was computed with (its tenant, adapter, images)
+    extras: tuple[KeyExtra, ...] = ()
+
+
+def _same_inputs(a: tuple[KeyExtra, ...], b: tuple[KeyExtra, ...], n: int) -> bool:
+    """Whether two sets of extras bind the same values to the first ``n`` tokens (then KV
+    computed for ``tokens[:n]`` under one serves the other)."""
+
+    def clipped(extras: tuple[KeyExtra, ...]) -> list[tuple[bytes, int, int]]:
+        return sorted(
+            (e.key, e.start, n if e.end is None else min(e.end, n)) for e in extras if e.start < n
+        )
+
+    return clipped(a) == clipped(b)
 
 
 class ConversationCache:
@@ -361,7 +380,9 @@ class ConversationCache:
         try:
             saved = None
             if conv.valid >= self.engine.layout.chunk_tokens:
-                saved = await self.engine.save(conv.tokens[: conv.valid], self.cache, conv.blocks)
+                saved = await self.engine.save(
+                    conv.tokens[: conv.valid], self.cache, conv.blocks, extras=conv.extras
+                )
         except BaseException:
             conv.state = _State.IDLE  # the save failed or was cancelled: it stays resident
             raise
@@ -390,14 +411,21 @@ class ConversationCache:
         self.allocator.free(conv.blocks)
 
     async def admit(
-        self, conv_id: Hashable, tokens: TokensLike, *, reserve_tokens: int = 0
+        self,
+        conv_id: Hashable,
+        tokens: TokensLike,
+        *,
+        reserve_tokens: int = 0,
+        extras: Extras | None = None,
     ) -> Admission:
         """Admit the next turn of ``conv_id`` (``tokens``: its whole history so far).
 
-        Resident and ``tokens`` extends what the cache holds: reuse it in place (growing the
-        block table). Otherwise admit it through bsr (:func:`admit`), evicting least recently
-        used idle conversations until its blocks fit. A conversation being evicted is waited
-        for, then admitted through bsr.
+        Resident and ``tokens`` extends what the cache holds, computed with the same
+        ``extras`` (:class:`~bsr.KeyExtra`: its tenant, adapter, images) over those tokens:
+        reuse it in place (growing the block table). Otherwise admit it through bsr
+        (:func:`admit`), evicting least recently used idle conversations until its blocks fit.
+        A conversation being evicted is waited for, then admitted through bsr. The turn's
+        ``extras`` are the conversation's from now on: its eviction saves under them.
 
         Raises:
             ConversationBusyError: a turn of ``conv_id`` is already in flight.
@@ -409,6 +437,7 @@ class ConversationCache:
         if n == 0:
             raise ConfigError("admit needs at least one token")
         non_negative_int(reserve_tokens, "reserve_tokens")
+        ext = KeyExtra.canonical(extras)
         need = blocks_for(n + reserve_tokens, self.cache.block_tokens)
         while True:
             conv = self._convs.get(conv_id)
@@ -419,11 +448,17 @@ class ConversationCache:
                 continue
             raise self._busy(conv_id, conv, "admit another turn")
         self._stats["admitted"] += 1
-        if conv is not None and conv.valid and toks[: conv.valid] == conv.tokens[: conv.valid]:
+        if (
+            conv is not None
+            and conv.valid
+            and toks[: conv.valid] == conv.tokens[: conv.valid]
+            and _same_inputs(conv.extras, ext, conv.valid)
+        ):
+            conv.extras = ext
             return await self._admit_resident(conv_id, conv, toks, need)
-        if conv is not None:  # diverged history: start over
+        if conv is not None:  # diverged history, or other inputs: start over
             self.drop(conv_id)
-        return await self._admit_new(conv_id, toks, reserve_tokens, need)
+        return await self._admit_new(conv_id, toks, reserve_tokens, need, ext)
 
     async def _admit_resident(
         self, conv_id: Hashable, conv: _Conversation, toks: list[int], need: int
@@ -443,10 +478,15 @@ class ConversationCache:
         return Admission(tuple(conv.blocks), n, cached, "resident")
 
     async def _admit_new(
-        self, conv_id: Hashable, toks: list[int], reserve_tokens: int, need: int
+        self,
+        conv_id: Hashable,
+        toks: list[int],
+        reserve_tokens: int,
+        need: int,
+        extras: tuple[KeyExtra, ...],
     ) -> Admission:
         # held from the start, so a second turn of this conversation sees it busy
-        conv = self._convs[conv_id] = _Conversation([], 0, [], _State.ADMITTING)
+        conv = self._convs[conv_id] = _Conversation([], 0, [], _State.ADMITTING, extras=extras)
         try:
             conv.blocks = await self._take_blocks(need, conv_id)
             adm = await admit(
@@ -456,6 +496,7 @@ class ConversationCache:
                 self.allocator,
                 reserve_tokens=reserve_tokens,
                 block_ids=conv.blocks,
+                extras=extras,
             )
         except BaseException:
             del self._convs[conv_id]
@@ -503,13 +544,18 @@ class ConversationCache:
 
     @contextlib.asynccontextmanager
     async def turn(
-        self, conv_id: Hashable, tokens: TokensLike, *, reserve_tokens: int = 0
+        self,
+        conv_id: Hashable,
+        tokens: TokensLike,
+        *,
+        reserve_tokens: int = 0,
+        extras: Extras | None = None,
     ) -> AsyncIterator[Admission]:
         """``async with cache.turn(conv_id, history) as adm:`` admit, run the model, commit.
 
         Leaving the block without :meth:`commit` (an error, a cancellation) aborts the turn.
         """
-        adm = await self.admit(conv_id, tokens, reserve_tokens=reserve_tokens)
+        adm = await self.admit(conv_id, tokens, reserve_tokens=reserve_tokens, extras=extras)
         try:
             yield adm
         finally:

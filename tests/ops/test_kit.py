@@ -173,6 +173,61 @@ async def test_busy_conversations_are_never_evicted(tmp_path: Path) -> None:
             await convs.evict("x")
 
 
+@pytest.mark.anyio
+async def test_tenants_and_adapters_never_share_a_conversation_s_kv(tmp_path: Path) -> None:
+    """Two tenants send the same history: each one's turns restore only what it computed (the
+    'KV' of each differs, as a salt or adapter makes it); an adapter switched mid-conversation
+    starts over instead of reusing the resident KV."""
+    layout = two_group_layout()
+    ct = layout.chunk_tokens
+    history = tokens_for(2 * ct + 3, seed=1)
+    refs = {
+        "alice": filled_cache(layout, 64, 8, seed=11),
+        "bob": filled_cache(layout, 64, 8, seed=12),
+    }
+    salt = {t: [bsr.KeyExtra(f"tenant:{t}".encode(), 0, 1)] for t in refs}
+
+    def fill(convs: ConversationCache, conv: str, tenant: str, adm: Admission) -> None:
+        for g in layout.groups:
+            dst = convs.cache.tensor(g.name)
+            for t in range(adm.cached_tokens, len(history)):
+                dst[:, adm.block_ids[t // 8], t % 8] = refs[tenant].tensor(g.name)[:, t // 8, t % 8]
+        convs.commit(conv, history, len(history))
+
+    async with make_engine(layout, [bsr.HostTier(1 << 24), bsr.FileTier(tmp_path, 1 << 26)]) as eng:
+        convs = ConversationCache(eng, bsr.PagedKVCache(layout, 12, 8))
+        adm = await convs.admit("a", history, extras=salt["alice"])
+        fill(convs, "a", "alice", adm)
+        await convs.evict("a")  # saved under alice's salt
+        adm = await convs.admit("b", history, extras=salt["bob"])
+        assert adm.source == "none" and adm.cached_tokens == 0  # never alice's KV
+        fill(convs, "b", "bob", adm)
+        await convs.evict("b")
+        for conv, tenant in (("a", "alice"), ("b", "bob")):
+            again = await convs.admit(conv, history, extras=salt[tenant])
+            assert again.source == "restored" and again.cached_tokens == 2 * ct
+            for g in layout.groups:
+                for t in range(0, 2 * ct, 3):
+                    got = convs.cache.tensor(g.name)[:, again.block_ids[t // 8], t % 8]
+                    assert bool((got == refs[tenant].tensor(g.name)[:, t // 8, t % 8]).all())
+            convs.commit(conv, history, len(history))
+            await convs.evict(conv)
+        # the same conversation under another adapter: the resident KV is not reused
+        adm = await convs.admit("a", history, extras=salt["alice"])
+        convs.commit("a", history, len(history))
+        switched = await convs.admit(
+            "a", [*history, 5], extras=[*salt["alice"], bsr.KeyExtra(b"lora:x")]
+        )
+        assert switched.source == "none" and switched.cached_tokens == 0
+        convs.commit("a", [*history, 5], 0)
+        same = await convs.admit(
+            "a", [*history, 5], extras=[*salt["alice"], bsr.KeyExtra(b"lora:x")]
+        )
+        assert same.source == "none"  # nothing valid was kept by the last turn
+        with pytest.raises(bsr.TokenError, match="KeyExtra"):
+            await convs.admit("c", history, extras=[b"tenant:alice"])  # type: ignore[list-item]
+
+
 def glue_lines(path: Path = EXAMPLE) -> int:
     """Code lines between the example's 'glue: begin' and 'glue: end' markers."""
     text = path.read_text()

@@ -194,6 +194,16 @@ class KeyExtra:
     def sort_key(self) -> tuple[int, int, bytes]:
         return (self.start, -1 if self.end is None else self.end, self.key)
 
+    @staticmethod
+    def canonical(extras: Extras | None) -> tuple[KeyExtra, ...]:
+        """``extras`` (any order, a single one, or None) checked, as the sorted tuple the
+        engine keys with.
+
+        Raises:
+            TokenError: an item is not a :class:`KeyExtra`.
+        """
+        return check_extras(extras)
+
 
 #: the longest ``KeyExtra.key`` (a digest, a name: never the value itself)
 MAX_EXTRA_KEY_BYTES = 4096
@@ -204,7 +214,8 @@ Extras = Sequence[KeyExtra]
 
 
 def check_extras(extras: Extras | None) -> tuple[KeyExtra, ...]:
-    """``extras`` as a sorted tuple (the order a caller passes them in does not matter)."""
+    """``extras`` checked, as a sorted tuple (the order a caller passes them in does not
+    matter); ``None`` or empty: ``()``. Public as :meth:`KeyExtra.canonical`."""
     if not extras:
         return ()
     if isinstance(extras, KeyExtra):
