@@ -16,15 +16,25 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import anyio.lowlevel
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import bsr
 from bsr.vllm._bridge import LoopThread
-from bsr.vllm._lookup import LookupClient, LookupServer, private_socket_path, remove_stale_dirs
+from bsr.vllm._lookup import (
+    LookupClient,
+    LookupServer,
+    decode_extras,
+    encode_extras,
+    private_socket_path,
+    remove_stale_dirs,
+)
 
 
 def wait_for(cond: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
@@ -47,11 +57,12 @@ def path() -> Iterator[str]:
             os.unlink(leftover)
 
 
-def summing(server_ref: list[LookupServer]) -> Callable[[int, int, np.ndarray], None]:
-    """A handler that answers from another thread, later (as the connector's loop does)."""
+def summing(server_ref: list[LookupServer]) -> Callable[[int, int, np.ndarray, Any], None]:
+    """A handler that answers from another thread, later (as the connector's loop does): the
+    sum of the tokens plus, per extra key, its start and its key's length."""
 
-    def handler(cid: int, seq: int, tokens: np.ndarray) -> None:
-        total = int(tokens.sum())
+    def handler(cid: int, seq: int, tokens: np.ndarray, extras: Any) -> None:
+        total = int(tokens.sum()) + sum(e.start + len(e.key) for e in extras)
         threading.Timer(0.01, lambda: server_ref[0].reply(cid, seq, total)).start()
 
     return handler
@@ -112,7 +123,11 @@ def test_lookups_are_pipelined_and_matched_by_sequence_number(path: str) -> None
         assert client.submit(1, [1, 2, 3])
         assert client.submit(2, list(range(10_000)))  # one connection, several in flight
         assert client.submit(3, [5])
-        assert collect(client, 3) == {1: 6, 2: sum(range(10_000)), 3: 5}
+        # the extra keys travel with the tokens
+        assert client.submit(4, [5], [bsr.KeyExtra(b"salt:a", 0, 1), bsr.KeyExtra(b"img", 7, 9)])
+        assert collect(client, 4) == {
+            1: 6, 2: sum(range(10_000)), 3: 5, 4: 5 + (0 + 6) + (7 + 3)
+        }  # fmt: skip
         assert client.failures == 0
     finally:
         client.close()
@@ -126,7 +141,7 @@ def test_the_client_never_waits_for_an_answer(path: str) -> None:
     started = threading.Event()
     pending: list[tuple[int, int]] = []
 
-    def never(cid: int, seq: int, tokens: np.ndarray) -> None:
+    def never(cid: int, seq: int, tokens: np.ndarray, extras: Any) -> None:
         pending.append((cid, seq))
         started.set()
 
@@ -168,7 +183,7 @@ def test_socket_is_owner_only_whatever_the_umask(path: str) -> None:
     old = os.umask(0)
     try:
         p = private_socket_path()
-        server = LookupServer(p, lambda cid, seq, t: None)
+        server = LookupServer(p, lambda cid, seq, t, x: None)
     finally:
         os.umask(old)
     try:
@@ -182,7 +197,7 @@ def test_socket_is_owner_only_whatever_the_umask(path: str) -> None:
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid")
 def test_another_uid_cannot_reach_the_socket(path: str) -> None:
-    server = LookupServer(path, lambda cid, seq, t: server.reply(cid, seq, 1))
+    server = LookupServer(path, lambda cid, seq, t, x: server.reply(cid, seq, 1))
     try:
         r, w = os.pipe()
         pid = os.fork()
@@ -210,10 +225,10 @@ def test_another_uid_cannot_reach_the_socket(path: str) -> None:
 
 
 def test_a_second_server_on_the_same_path_is_refused(path: str) -> None:
-    first = LookupServer(path, lambda cid, seq, t: first.reply(cid, seq, 11))
+    first = LookupServer(path, lambda cid, seq, t, x: first.reply(cid, seq, 11))
     try:
         with pytest.raises(bsr.ConfigError, match="another server already answers"):
-            LookupServer(path, lambda cid, seq, t: None)
+            LookupServer(path, lambda cid, seq, t, x: None)
         client = LookupClient(path)
         assert client.submit(1, [1])
         assert collect(client, 1) == {1: 11}  # the first server still answers
@@ -228,7 +243,7 @@ def test_a_stale_socket_is_replaced_and_a_foreign_file_is_left_alone(
     stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     stale.bind(path)
     stale.close()  # a socket file nobody answers on (a dead process's)
-    server = LookupServer(path, lambda cid, seq, t: server.reply(cid, seq, 5))
+    server = LookupServer(path, lambda cid, seq, t, x: server.reply(cid, seq, 5))
     client = LookupClient(path)
     try:
         assert client.submit(1, [1])
@@ -239,7 +254,7 @@ def test_a_stale_socket_is_replaced_and_a_foreign_file_is_left_alone(
     other = tmp_path / "other.sock"
     other.write_text("not a socket")
     with pytest.raises(bsr.ConfigError, match="not a socket"):
-        LookupServer(str(other), lambda cid, seq, t: None)
+        LookupServer(str(other), lambda cid, seq, t, x: None)
     assert other.read_text() == "not a socket"
 
 
@@ -249,7 +264,7 @@ def lookup_threads() -> int:
 
 def test_connections_are_bounded_and_served_by_one_thread(path: str) -> None:
     before = lookup_threads()
-    server = LookupServer(path, lambda cid, seq, t: server.reply(cid, seq, 3), max_connections=2)
+    server = LookupServer(path, lambda cid, seq, t, x: server.reply(cid, seq, 3), max_connections=2)
     peers = []
     try:
         for _ in range(6):  # idle peers: they connect and send nothing
@@ -270,7 +285,7 @@ def test_connections_are_bounded_and_served_by_one_thread(path: str) -> None:
 
 
 def test_an_incomplete_request_is_dropped_after_the_read_timeout(path: str) -> None:
-    server = LookupServer(path, lambda cid, seq, t: None, read_timeout_s=0.2)
+    server = LookupServer(path, lambda cid, seq, t, x: None, read_timeout_s=0.2)
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         s.connect(path)
@@ -284,9 +299,57 @@ def test_an_incomplete_request_is_dropped_after_the_read_timeout(path: str) -> N
         server.close()
 
 
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(
+        st.builds(
+            lambda key, start, length: bsr.KeyExtra(key, start, start + length if length else None),
+            st.binary(min_size=1, max_size=40),
+            st.integers(0, 2**40),
+            st.integers(0, 2**20),
+        ),
+        max_size=6,
+    )
+)
+def test_extra_keys_round_trip_through_the_wire_format(extras: list[bsr.KeyExtra]) -> None:
+    assert decode_extras(encode_extras(extras)) == tuple(extras)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"\x01\x00\x00\x00",  # one extra announced, none there
+        (1).to_bytes(4, "little") + struct.pack("<QQI", 0, 0, 9) + b"short",  # truncated key
+        (1).to_bytes(4, "little") + struct.pack("<QQI", 5, 3, 1) + b"k",  # end before start
+        (0).to_bytes(4, "little") + b"junk",  # trailing bytes
+    ],
+)
+def test_a_lookup_with_malformed_extra_keys_is_dropped(path: str, raw: bytes) -> None:
+    """A request whose extra keys do not decode is never looked up (it could be looked up
+    without them): its connection is closed, and the server goes on serving others."""
+    asked: list[int] = []
+    server = LookupServer(path, lambda cid, seq, t, x: asked.append(seq))
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(path)
+        tokens = np.arange(4, dtype="<i8").tobytes()
+        s.sendall(struct.pack("<cQII", b"L", 1, 4, len(raw)) + tokens + raw)
+        s.settimeout(30)
+        assert s.recv(1) == b""  # closed, no answer
+        client = LookupClient(path)
+        try:
+            assert client.submit(2, [1, 2], [bsr.KeyExtra(b"ok")])
+            wait_for(lambda: asked == [2], "the well-formed lookup")
+        finally:
+            client.close()
+    finally:
+        s.close()
+        server.close()
+
+
 def test_close_ends_the_thread_and_every_connection(path: str) -> None:
     before = lookup_threads()
-    server = LookupServer(path, lambda cid, seq, t: None)
+    server = LookupServer(path, lambda cid, seq, t, x: None)
     client = LookupClient(path)
     assert client.submit(1, [1, 2, 3])  # a lookup that will never be answered
     wait_for(lambda: server.connections == 1, "the connection")
@@ -297,7 +360,7 @@ def test_close_ends_the_thread_and_every_connection(path: str) -> None:
 
 
 def test_garbage_closes_only_that_connection(path: str) -> None:
-    server = LookupServer(path, lambda cid, seq, t: server.reply(cid, seq, 9))
+    server = LookupServer(path, lambda cid, seq, t, x: server.reply(cid, seq, 9))
     bad = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     client = LookupClient(path)
     try:
@@ -322,7 +385,7 @@ def test_dead_engines_socket_dirs_are_swept_and_live_ones_kept(tmp_path: Path) -
         d.mkdir(mode=0o700)
         server = None
         if live:
-            server = LookupServer(str(d / "lookup.sock"), lambda cid, seq, t: None)
+            server = LookupServer(str(d / "lookup.sock"), lambda cid, seq, t, x: None)
         else:
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             s.bind(str(d / "lookup.sock"))

@@ -38,11 +38,15 @@ class Worker:
     def __init__(self, hit: int = 192, hold: bool = False) -> None:
         self.hit, self.hold = hit, hold
         self.asked: list[int] = []
+        self.extras: list[tuple[bsr.KeyExtra, ...]] = []  # each lookup's extra keys
         self.pending: list[tuple[int, int]] = []
         self.server = LookupServer(private_socket_path(), self._handle)
 
-    def _handle(self, cid: int, seq: int, tokens: np.ndarray) -> None:
+    def _handle(
+        self, cid: int, seq: int, tokens: np.ndarray, extras: tuple[bsr.KeyExtra, ...]
+    ) -> None:
         self.asked.append(len(tokens))
+        self.extras.append(extras)
         if self.hold:
             self.pending.append((cid, seq))
         else:

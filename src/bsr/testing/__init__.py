@@ -17,6 +17,11 @@
 - Real servers on loopback, started and stopped by PID: :func:`start_cluster` (Mooncake),
   :func:`start_redis_server` and :func:`start_redis_cluster` (``redis-server``;
   :func:`redis_problem` says why they cannot run here).
+- :func:`check_key_partition` / :func:`assert_key_partition`: a key-partition conformance suite
+  for a serving deployment (a vLLM server or ``LLM`` with a KV connector): a tenant's salt, an
+  adapter, an image or prompt embeddings never get another value's KV, and still hit their own
+  (:class:`PartitionCase`, :class:`Variant`; clients :class:`OpenAIKeyClient`,
+  :class:`LLMKeyClient`, or your own :class:`KeyClient`).
 - Fixtures that own what they start: :func:`listening_ports` (the TCP ports a PID itself
   listens on) and :func:`wait_listening` (wait for it; :class:`PortTaken` when another process
   holds the port, so start again on another).
@@ -48,6 +53,15 @@ from ._faults import peek_stored as peek_stored
 from ._faults import put_raw_stored as put_raw_stored
 from ._faults import storage_tier as storage_tier
 from ._faults import truncate_stored as truncate_stored
+from ._key_partition import CaseReport as CaseReport
+from ._key_partition import Completion as Completion
+from ._key_partition import KeyClient as KeyClient
+from ._key_partition import LLMKeyClient as LLMKeyClient
+from ._key_partition import OpenAIKeyClient as OpenAIKeyClient
+from ._key_partition import PartitionCase as PartitionCase
+from ._key_partition import Variant as Variant
+from ._key_partition import assert_key_partition as assert_key_partition
+from ._key_partition import check_key_partition as check_key_partition
 from ._mooncake_cluster import MOONCAKE_REQUIREMENT as MOONCAKE_REQUIREMENT
 from ._mooncake_cluster import MooncakeUnavailable as MooncakeUnavailable
 from ._mooncake_cluster import mooncake_problem as mooncake_problem
@@ -110,16 +124,22 @@ def __getattr__(name: str) -> Any:
 
 __all__ = (
     "CampaignStats",
+    "CaseReport",
+    "Completion",
     "Fault",
     "FaultKind",
     "FaultPlan",
     "FaultyTier",
     "InvariantViolation",
+    "KeyClient",
+    "LLMKeyClient",
     "LatencyTier",
     "LayoutCase",
     "MOONCAKE_REQUIREMENT",
     "MooncakeUnavailable",
     "MultiRankRestoreMachine",
+    "OpenAIKeyClient",
+    "PartitionCase",
     "PortTaken",
     "RecordingFaultyTier",
     "RedisClusterHarness",
@@ -129,6 +149,9 @@ __all__ = (
     "Status",
     "TierConformance",
     "TierFactory",
+    "Variant",
+    "assert_key_partition",
+    "check_key_partition",
     "corrupt_stored",
     "default_tier_factory",
     "derived_tokens",

@@ -6,10 +6,12 @@ from the worker on the CPU build).
 
 How it works: the scheduler has no KV tensors and no engine, so it asks the worker over a Unix
 socket. Requests and answers are pipelined and matched by a sequence number: a request is
-``b"L"``, a little-endian uint64 sequence number, a uint32 token count and the tokens as int64;
-the answer is the sequence number and one int64, the reusable prefix in tokens (0 on any
-failure). The client never waits for an answer: :meth:`LookupClient.submit` sends and returns,
-:meth:`LookupClient.poll` takes whatever answers have arrived. The server is one thread over a
+``b"L"``, a little-endian uint64 sequence number, a uint32 token count, a uint32 byte count of
+the extra keys, the tokens as int64, then the extra keys (:func:`encode_extras`: what besides the
+tokens the request's KV depends on, :mod:`bsr.vllm._request_keys`); the answer is the sequence
+number and one int64, the reusable prefix in tokens (0 on any failure). The client never waits
+for an answer: :meth:`LookupClient.submit` sends and returns, :meth:`LookupClient.poll` takes
+whatever answers have arrived. The server is one thread over a
 ``selectors`` loop: it reads requests, hands each to a handler that must not block (the
 connector starts the lookup on its event loop and answers from there through :meth:`reply`),
 and writes the answers back.
@@ -42,18 +44,49 @@ from pathlib import Path
 
 import numpy as np
 
-from bsr import ConfigError
+from bsr import BsrError, ConfigError, KeyExtra
 
 from .._log import logger
 
-_REQUEST = struct.Struct("<cQI")
+_REQUEST = struct.Struct("<cQII")
 _ANSWER = struct.Struct("<Qq")
+_EXTRA = struct.Struct("<QQI")
 #: Largest prompt a lookup carries (tokens); longer prompts are probed on their first part.
 MAX_LOOKUP_TOKENS = 1 << 22
+#: Largest encoding of a lookup's extra keys (bytes)
+MAX_EXTRAS_BYTES = 1 << 24
 _RECV = 1 << 20
 
-#: ``handler(conn_id, seq, tokens)``: start the lookup; answer later with ``server.reply``
-Handler = Callable[[int, int, np.ndarray], None]
+#: ``handler(conn_id, seq, tokens, extras)``: start the lookup; answer later with
+#: ``server.reply``
+Handler = Callable[[int, int, np.ndarray, tuple[KeyExtra, ...]], None]
+
+
+def encode_extras(extras: Sequence[KeyExtra]) -> bytes:
+    """``extras`` as bytes: a uint32 count, then each as (uint64 start, uint64 end or 0 for
+    "to the end", uint32 key length, key)."""
+    parts = [len(extras).to_bytes(4, "little")]
+    for e in extras:
+        parts.append(_EXTRA.pack(e.start, 0 if e.end is None else e.end, len(e.key)) + e.key)
+    return b"".join(parts)
+
+
+def decode_extras(raw: bytes) -> tuple[KeyExtra, ...]:
+    """The extras :func:`encode_extras` wrote (ValueError, or bsr.TokenError, if malformed)."""
+    if not raw:
+        return ()
+    count, pos, out = int.from_bytes(raw[:4], "little"), 4, []
+    for _ in range(count):
+        start, end, n = _EXTRA.unpack_from(raw, pos)
+        pos += _EXTRA.size
+        key = raw[pos : pos + n]
+        if len(key) != n:
+            raise ValueError("truncated extra key")
+        pos += n
+        out.append(KeyExtra(key, start, end or None))
+    if pos != len(raw):
+        raise ValueError("trailing bytes after the extra keys")
+    return tuple(out)
 
 
 PREFIX = "bsr-vllm-"
@@ -315,17 +348,22 @@ class LookupServer:
 
     def _parse(self, cid: int, conn: _Conn) -> None:
         while len(conn.rbuf) >= _REQUEST.size:
-            op, seq, n = _REQUEST.unpack_from(conn.rbuf)
-            if op != b"L" or n > MAX_LOOKUP_TOKENS:
-                raise ValueError(f"not a lookup request (op {op!r}, {n} tokens)")
-            end = _REQUEST.size + 8 * n
+            op, seq, n, m = _REQUEST.unpack_from(conn.rbuf)
+            if op != b"L" or n > MAX_LOOKUP_TOKENS or m > MAX_EXTRAS_BYTES:
+                raise ValueError(f"not a lookup request (op {op!r}, {n} tokens, {m} B extras)")
+            mid = _REQUEST.size + 8 * n
+            end = mid + m
             if len(conn.rbuf) < end:
                 return
-            tokens = np.frombuffer(bytes(conn.rbuf[_REQUEST.size : end]), dtype="<i8")
+            tokens = np.frombuffer(bytes(conn.rbuf[_REQUEST.size : mid]), dtype="<i8")
+            try:
+                extras = decode_extras(bytes(conn.rbuf[mid:end]))
+            except (ValueError, struct.error, BsrError) as exc:
+                raise ValueError(f"malformed extra keys: {exc}") from None
             del conn.rbuf[:end]
             conn.started = time.monotonic() if conn.rbuf else None
             try:
-                self._handler(cid, seq, tokens)
+                self._handler(cid, seq, tokens, extras)
             except Exception as exc:  # a failed lookup is a miss, never a dead server
                 logger.warning("bsr.vllm.lookup_failed", error=repr(exc))
                 self.reply(cid, seq, 0)
@@ -371,13 +409,19 @@ class LookupClient:
         self._rbuf = bytearray()
         self.failures = 0
 
-    def submit(self, seq: int, tokens: Sequence[int] | np.ndarray) -> bool:
-        """Send lookup ``seq`` of ``tokens``; False if it could not be sent (a miss)."""
+    def submit(
+        self, seq: int, tokens: Sequence[int] | np.ndarray, extras: Sequence[KeyExtra] = ()
+    ) -> bool:
+        """Send lookup ``seq`` of ``tokens`` (keyed with ``extras``); False if it could not be
+        sent (a miss)."""
         arr = np.asarray(tokens, dtype="<i8")[:MAX_LOOKUP_TOKENS]
+        raw = encode_extras(extras)
+        if len(raw) > MAX_EXTRAS_BYTES:
+            return False  # never sent: a miss
         try:
             conn = self._connect()
             conn.settimeout(self.send_timeout_s)
-            conn.sendall(_REQUEST.pack(b"L", seq, len(arr)) + arr.tobytes())
+            conn.sendall(_REQUEST.pack(b"L", seq, len(arr), len(raw)) + arr.tobytes() + raw)
             return True
         except (OSError, ConnectionError) as exc:
             self._fail(exc)

@@ -25,6 +25,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from bsr import KeyExtra
+
 #: vLLM's null block id: where a group holds no block (a sliding window's blocks below the window)
 NULL_BLOCK_ID = 0
 
@@ -40,6 +42,8 @@ class LoadJob:
             hit, whole blocks): bsr reads and writes only past them.
         block_ids: the request's blocks per KV cache group, covering ``tokens``.
         lookup_id: the worker's leased probe of ``tokens`` to reuse (``None``: probe again).
+        extras: what besides the tokens the request's KV depends on (its salt, adapter,
+            images, prompt embeddings: :mod:`bsr.vllm._request_keys`).
     """
 
     req_id: str
@@ -47,6 +51,7 @@ class LoadJob:
     start_tokens: int
     block_ids: tuple[tuple[int, ...], ...]
     lookup_id: int | None = None
+    extras: tuple[KeyExtra, ...] = ()
 
     @property
     def end_tokens(self) -> int:
@@ -55,11 +60,13 @@ class LoadJob:
 
 @dataclass(frozen=True)
 class SaveJob:
-    """Store the full chunks of ``tokens`` held in the request's blocks (per KV cache group)."""
+    """Store the full chunks of ``tokens`` held in the request's blocks (per KV cache group),
+    keyed with ``extras`` (see :class:`LoadJob`)."""
 
     req_id: str
     tokens: tuple[int, ...]
     block_ids: tuple[tuple[int, ...], ...]
+    extras: tuple[KeyExtra, ...] = ()
 
 
 @dataclass

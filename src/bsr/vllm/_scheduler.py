@@ -5,12 +5,18 @@ called from it); one instance per engine. It has no KV tensors and no bsr engine
 
 How it works:
 
+* **Keys.** A request is keyed by its token ids and by what else its KV depends on (its
+  ``cache_salt``, LoRA adapter, multimodal items, prompt embeddings: :mod:`bsr.vllm._request_keys`),
+  computed once when the scheduler first sees it; a request bsr cannot key, or whose
+  per-request options (``kv_transfer_params["bsr"]``) are bad or say so, is neither loaded nor
+  saved.
 * **Lookups.** ``get_num_new_matched_tokens`` sends the request's prompt (its full chunks,
-  leaving at least one prompt token for vLLM to compute) to the worker's bsr engine over the
-  lookup socket (:mod:`bsr.vllm._lookup`) and answers ``None`` ("ask again later", which vLLM
-  allows) until the answer is in. A store that hangs therefore costs the scheduler nothing: the
-  worker cuts the lookup off after ``lookup_timeout_s`` (the tier's breaker counts it) and
-  answers 0; an answer that never comes is taken as a miss once it is that late plus a grace.
+  leaving at least one prompt token for vLLM to compute) and its extra keys to the worker's bsr
+  engine over the lookup socket (:mod:`bsr.vllm._lookup`) and answers ``None`` ("ask again
+  later", which vLLM allows) until the answer is in. A store that hangs therefore costs the
+  scheduler nothing: the worker cuts the lookup off after ``lookup_timeout_s`` (the tier's
+  breaker counts it) and answers 0; an answer that never comes is taken as a miss once it is
+  that late plus a grace.
 * **Promises.** The answer is the reusable prefix from token 0; vLLM's own prefix-cache hit
   (``num_computed_tokens``, whole blocks) is subtracted, so bsr loads only past it. In async
   mode (the default) the answer is ``(n, True)``: vLLM parks the request in
@@ -41,18 +47,18 @@ How it works:
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
+from bsr import chunk_keys
 
 from .._log import logger
 from ._lookup import LookupClient
 from ._metadata import NULL_BLOCK_ID, BsrConnectorMetadata, BsrWorkerMetadata, LoadJob, SaveJob
 from ._options import ConnectorSettings
+from ._request_keys import RequestKeys, request_keys
 from ._stats import BsrConnectorStats
 
 if TYPE_CHECKING:
@@ -63,6 +69,13 @@ if TYPE_CHECKING:
 
 #: how much later than ``lookup_timeout_s`` an answer may come before the scheduler gives up
 LOOKUP_GRACE_S = 1.0
+#: seeds the chunk digests that tell the scheduler's loads in flight apart (never stored)
+INFLIGHT_NAMESPACE = b"bsr-vllm-inflight"
+
+
+def prompt_tokens(request: Any) -> list[int]:
+    """The prompt's token ids as vLLM computes them (a prompt-embedding position holds 0)."""
+    return list(request.all_token_ids[: int(request.num_prompt_tokens)])
 
 
 @dataclass
@@ -83,6 +96,7 @@ class _Req:
     waits_on: set[str] = field(default_factory=set)  # sync loads whose blocks it was handed
     readmitted: bool = False  # admitted again after its load failed (preempted meanwhile)
     digests: tuple[bytes, ...] = ()  # chained digests of the prompt's full chunks
+    prompt: list[int] = field(default_factory=list)  # the prompt's token ids
 
 
 class BsrScheduler:
@@ -109,6 +123,7 @@ class BsrScheduler:
         self._unverified_blocks: dict[str, frozenset[int]] = {}
         self._poisoned: dict[int, str] = {}  # block -> request whose sync load failed to fill it
         self._admission_hit: dict[str, int] = {}  # vLLM's own hit at the request's admission
+        self._keys: dict[str, RequestKeys] = {}  # what each request is keyed by, until it ends
         self.stats = BsrConnectorStats()
 
     # ------------------------------------------------------------------ handshake
@@ -125,28 +140,53 @@ class BsrScheduler:
         self._admission_hit[request.request_id] = num_computed_tokens
         if not self.settings.loads or self.client.path is None:
             return 0, False
-        prompt = request.prompt_token_ids or ()
-        usable = (max(0, len(prompt) - 1) // self.chunk) * self.chunk
+        keys = self.keys_of(request)
+        if not keys.loads:
+            return 0, False
+        usable = (max(0, int(request.num_prompt_tokens) - 1) // self.chunk) * self.chunk
+        cap = keys.options.max_load_tokens
+        if cap is not None:  # whole chunks, at most that many past vLLM's own hit
+            usable = min(usable, (num_computed_tokens + cap) // self.chunk * self.chunk)
         rid = request.request_id
         st = self._reqs.get(rid)
         if usable <= num_computed_tokens or (st is not None and st.failed):
             return 0, False
         if st is None:
             st = self._reqs[rid] = _Req()
+        if not st.prompt:
+            st.prompt = prompt_tokens(request)
+        prompt = st.prompt
         self._collect()
         answered = st.hit is not None and not st.used and st.probed == usable
-        if not answered and not self._await_answer(rid, st, prompt, usable):
+        if not answered and not self._await_answer(rid, st, prompt, usable, keys):
             return None, False
         hit = int(st.hit or 0)
         if hit <= num_computed_tokens:
             return 0, False
-        if self.opts.asynchronous and self._loading_elsewhere(rid, st, prompt, num_computed_tokens):
+        if self.opts.asynchronous and self._loading_elsewhere(rid, st, keys, num_computed_tokens):
             self.stats.count("deferred")
             return None, False
         st.start, st.end = num_computed_tokens, hit
         return hit - num_computed_tokens, self.opts.asynchronous
 
-    def _await_answer(self, rid: str, st: _Req, prompt: Any, usable: int) -> bool:
+    def keys_of(self, request: Request) -> RequestKeys:
+        """What ``request`` is keyed by (computed once; counted when bsr cannot use it)."""
+        rid = request.request_id
+        keys = self._keys.get(rid)
+        if keys is None:
+            keys = self._keys[rid] = request_keys(request, self.chunk)
+            if keys.unkeyable is not None:
+                self.stats.count_key("unkeyable_requests", keys.unkeyable)
+                self._log.info("bsr.vllm.unkeyable", request=rid, reason=keys.unkeyable)
+            if keys.error is not None:
+                field_ = str(keys.error.fields.get("field", "kv_transfer_params.bsr"))
+                self.stats.count_key("rejected_options", field_)
+                self._log.warning("bsr.vllm.bad_request_option", request=rid, error=str(keys.error))
+        return keys
+
+    def _await_answer(
+        self, rid: str, st: _Req, prompt: Any, usable: int, keys: RequestKeys
+    ) -> bool:
         """Send the lookup if needed; True once ``st.hit`` holds a usable answer."""
         fresh = st.lookup_id is None or st.used or st.probed != usable
         if fresh:
@@ -157,7 +197,7 @@ class BsrScheduler:
             self._by_lookup[seq] = rid
             self._unanswered.add(seq)
             self.stats.count("lookups")
-            if not self.client.submit(seq, prompt[:usable]):
+            if not self.client.submit(seq, prompt[:usable], keys.extras):
                 self._by_lookup.pop(seq, None)
                 self._unanswered.discard(seq)
                 # no worker to ask (yet): a miss, asked again next time
@@ -196,23 +236,22 @@ class BsrScheduler:
                 self._forget.append(st.lookup_id)
         st.lookup_id = None
 
-    def _digests(self, st: _Req, prompt: Any) -> tuple[bytes, ...]:
-        """Chained digests of the prompt's full chunks (each names the whole prefix so far)."""
+    def _digests(self, st: _Req, keys: RequestKeys) -> tuple[bytes, ...]:
+        """Chained digests of the prompt's full chunks (each names the whole prefix so far,
+        with the request's extra keys: another tenant's load of the same tokens is not this
+        request's)."""
         n = st.probed // self.chunk
         if len(st.digests) < n:
-            out = list(st.digests)
-            h = out[-1] if out else b""
-            for c in range(len(out), n):
-                raw = np.asarray(prompt[c * self.chunk : (c + 1) * self.chunk], dtype="<i8")
-                h = hashlib.blake2b(h + raw.tobytes(), digest_size=16).digest()
-                out.append(h)
-            st.digests = tuple(out)
+            found = chunk_keys(
+                INFLIGHT_NAMESPACE, st.prompt[: n * self.chunk], self.chunk, extras=keys.extras
+            )
+            st.digests = tuple(k.digest for k in found)
         return st.digests[:n]
 
-    def _loading_elsewhere(self, rid: str, st: _Req, prompt: Any, computed: int) -> bool:
+    def _loading_elsewhere(self, rid: str, st: _Req, keys: RequestKeys, computed: int) -> bool:
         if not self._inflight:
             return False
-        digests = self._digests(st, prompt)
+        digests = self._digests(st, keys)
         first, last = computed // self.chunk, int(st.hit or 0) // self.chunk
         return any(self._inflight.get(d, rid) != rid for d in digests[first:last])
 
@@ -229,14 +268,17 @@ class BsrScheduler:
         if num_external_tokens <= 0 or st is None or st.hit is None:
             return
         end = st.start + num_external_tokens
-        prompt = request.prompt_token_ids or ()
+        prompt = st.prompt
+        keys = self.keys_of(request)
         n_blocks = -(-end // self.block)
         # one table per KV cache group (a sliding-window group's blocks below its window are
         # vLLM's null block 0)
         tables = tuple(tuple(t[:n_blocks]) for t in blocks.get_block_ids())
         # the worker leased a probe of exactly prompt[:hit]; any other end probes again
         lookup = st.lookup_id if end == st.hit else None
-        job = LoadJob(request.request_id, tuple(prompt[:end]), st.start, tables, lookup)
+        job = LoadJob(
+            request.request_id, tuple(prompt[:end]), st.start, tables, lookup, keys.extras
+        )
         self._loads.append(job)
         st.used, st.loading, st.unverified, st.end = True, True, True, end
         # the blocks bsr writes (vLLM's own hit before them holds its computed KV); a sync
@@ -250,7 +292,7 @@ class BsrScheduler:
             written = frozenset(table[first:])
         self._unverified_blocks[rid] = written
         if self.opts.asynchronous:
-            for d in self._digests(st, prompt)[st.start // self.chunk : end // self.chunk]:
+            for d in self._digests(st, keys)[st.start // self.chunk : end // self.chunk]:
                 self._inflight.setdefault(d, request.request_id)
         self.stats.count("hit_tokens", num_external_tokens)
 
@@ -349,6 +391,13 @@ class BsrScheduler:
         rid = request.request_id
         st = self._reqs.pop(rid, None)
         self._admission_hit.pop(rid, None)
+        keys = self.keys_of(request)
+        del self._keys[rid]
+        params = (
+            None
+            if keys.error is None
+            else {"bsr": {"error": keys.error.message, **keys.error.fields}}
+        )
         computed = min(int(request.num_computed_tokens), len(request.all_token_ids))
         if st is not None:
             self._drop_lookup(st)
@@ -360,17 +409,21 @@ class BsrScheduler:
                     if self._poisoned.get(b) == rid:
                         del self._poisoned[b]
         if not self.settings.saves:
-            return False, None
+            return False, params
+        if not keys.stores:  # it opted out, or bsr cannot key it: never stored
+            why = "unkeyable" if keys.unkeyable else "rejected_options" if keys.error else "opt_out"
+            self.stats.count_key("saves_skipped", why)
+            return False, params
         if st is not None and (st.unverified or st.tainted or st.waits_on):
             # its load is still running (async: vLLM itself holds the blocks until the workers
             # report the load received, which they do once bsr can no longer write into
             # them), its outcome is not known yet, or it failed; or vLLM admitted it on the
             # blocks of a failed sync load: never save that KV
             self.stats.count_key("saves_skipped", "unverified")
-            return False, None
+            return False, params
         n = (computed // self.chunk) * self.chunk
         if n == 0:
-            return False, None
+            return False, params
         tables = tuple(tuple(t[: n // self.block]) for t in block_ids)
         blocks = real_blocks(tables)
         if any(blocks & pending for pending in self._unverified_blocks.values()) or any(
@@ -380,13 +433,13 @@ class BsrScheduler:
             # blocks that vLLM caches at once): they may never have been written; or with a
             # failed sync load's
             self.stats.count_key("saves_skipped", "unverified")
-            return False, None
+            return False, params
         if len(self._saving) >= self.opts.max_pending_saves:
             self.stats.count_key("saves_skipped", "busy")
-            return False, None
-        self._saves.append(SaveJob(rid, tuple(request.all_token_ids[:n]), tables))
+            return False, params
+        self._saves.append(SaveJob(rid, tuple(request.all_token_ids[:n]), tables, keys.extras))
         self._saving.add(rid)
-        return True, None
+        return True, params
 
     # ------------------------------------------------------------------ the rest
     def reset_cache(self) -> bool:

@@ -38,6 +38,8 @@ KEYED = (
     "failed_loads",  # reason -> loads that did not commit what was promised
     "saved_bytes",  # tier -> bytes written by saves
     "saves_skipped",  # reason -> finished requests not saved
+    "unkeyable_requests",  # reason -> requests bsr could not key (neither loaded nor saved)
+    "rejected_options",  # field -> requests whose kv_transfer_params["bsr"] was bad
 )
 #: peaks, aggregated by max
 PEAKS = ("rws_peak_bytes",)  # the largest restoration working set of one load (staging bytes)
@@ -128,6 +130,16 @@ KEYED_METRICS = {
     ),
     "saved_bytes": ("vllm:bsr_saved_bytes", "Bytes bsr saves wrote, by tier.", "tier"),
     "saves_skipped": ("vllm:bsr_saves_skipped", "Finished requests bsr did not save.", "reason"),
+    "unkeyable_requests": (
+        "vllm:bsr_unkeyable_requests",
+        "Requests bsr could not key (neither loaded nor saved), by reason.",
+        "reason",
+    ),
+    "rejected_options": (
+        "vllm:bsr_rejected_options",
+        "Requests whose kv_transfer_params['bsr'] was invalid (served without bsr), by field.",
+        "field",
+    ),
 }
 
 

@@ -48,6 +48,7 @@ from bsr import (
     NULL_BLOCK,
     BsrError,
     FileTierOptions,
+    KeyExtra,
     PagedKVCache,
     Probe,
     RestoreEngine,
@@ -250,38 +251,46 @@ class BsrWorker:
         return None if self._server is None else BsrHandshake(self._server.path)
 
     # ================================================================== lookups
-    def _on_lookup(self, conn_id: int, seq: int, tokens: np.ndarray) -> None:
+    def _on_lookup(
+        self, conn_id: int, seq: int, tokens: np.ndarray, extras: tuple[KeyExtra, ...]
+    ) -> None:
         """Server thread: start the lookup on the loop and return at once."""
         assert self.loop is not None
-        self.loop.submit(self._lookup_job, conn_id, seq, tokens)
+        self.loop.submit(self._lookup_job, conn_id, seq, tokens, extras)
 
-    async def _lookup_job(self, conn_id: int, seq: int, tokens: np.ndarray) -> None:
+    async def _lookup_job(
+        self, conn_id: int, seq: int, tokens: np.ndarray, extras: tuple[KeyExtra, ...]
+    ) -> None:
         hit = 0
         try:
             with anyio.move_on_after(self.opts.lookup_timeout_s):
-                hit = await self._lookup(seq, tokens)
+                hit = await self._lookup(seq, tokens, extras)
         except Exception as exc:  # a failed lookup is a miss
             self._log.warning("bsr.vllm.lookup_failed", error=repr(exc))
         finally:
             if self._server is not None:
                 self._server.reply(conn_id, seq, hit)
 
-    async def _lookup(self, seq: int, tokens: np.ndarray) -> int:
-        """The reusable prefix of ``tokens``; its probe (of exactly that prefix) is leased."""
+    async def _lookup(self, seq: int, tokens: np.ndarray, extras: tuple[KeyExtra, ...] = ()) -> int:
+        """The reusable prefix of ``tokens`` (keyed with ``extras``); its probe (of exactly that
+        prefix) is leased."""
         engine = self.engine
         if engine is None:
             return 0
         timeout = self.opts.lookup_timeout_s
         if self.settings.tp_size > 1:  # rank 0 alone: no collective, no lease (see restore)
-            return (await engine.lookup(tokens, deadline_s=timeout, local=True)).prefix_tokens
+            probe = await engine.lookup(tokens, extras=extras, deadline_s=timeout, local=True)
+            return probe.prefix_tokens
         t_end = time.perf_counter() + timeout
         ttl = self.opts.lease_ttl_s
-        probe = await engine.lookup(tokens, lease_ttl_s=ttl, deadline_s=timeout)
+        probe = await engine.lookup(tokens, extras=extras, lease_ttl_s=ttl, deadline_s=timeout)
         hit = probe.prefix_tokens
         if 0 < hit < len(tokens):  # a restore reuses a probe of exactly its own tokens
             try:
                 left = max(t_end - time.perf_counter(), 1e-3)
-                exact = await engine.lookup(tokens[:hit], lease_ttl_s=ttl, deadline_s=left)
+                exact = await engine.lookup(
+                    tokens[:hit], extras=extras, lease_ttl_s=ttl, deadline_s=left
+                )
             finally:
                 probe.release()
             probe = exact
@@ -409,6 +418,7 @@ class BsrWorker:
             probe=None if entry is None else entry[1],
             request_id=job.req_id,
             start_tokens=job.start_tokens,
+            extras=job.extras,
         )
 
     def _cancel(self, load: _Load) -> None:
@@ -458,7 +468,9 @@ class BsrWorker:
         engine, cache = self.engine, self.cache
         assert engine is not None and cache is not None
         try:
-            return await engine.save(list(job.tokens), cache, self.tables(job.block_ids))
+            return await engine.save(
+                list(job.tokens), cache, self.tables(job.block_ids), extras=job.extras
+            )
         except BsrError as exc:
             self._log.warning("bsr.vllm.save_refused", request=job.req_id, error=str(exc))
             return None
