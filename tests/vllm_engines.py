@@ -110,6 +110,36 @@ def write_deepseek_v2(path: Path, seed: int = 0, **overrides: Any) -> None:
     model.to(torch.bfloat16).save_pretrained(path)
 
 
+def write_lora(path: Path, seed: int, rank: int = 8, scale: float = 0.5) -> Path:
+    """A LoRA adapter for the :data:`LLAMA` model on q/k/v/o (random non-zero A and B, float32),
+    in the layout peft's ``save_pretrained`` writes (``adapter_config.json``,
+    ``adapter_model.safetensors``)."""
+    import torch
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(seed)
+    hidden, heads = LLAMA["hidden_size"], LLAMA["num_attention_heads"]
+    head_dim = hidden // heads
+    kv = LLAMA["num_key_value_heads"] * head_dim
+    shapes = {"q_proj": (hidden, hidden), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
+              "o_proj": (hidden, hidden)}  # fmt: skip
+    tensors = {}
+    for layer in range(LLAMA["num_hidden_layers"]):
+        for name, (fan_in, fan_out) in shapes.items():
+            pre = f"base_model.model.model.layers.{layer}.self_attn.{name}"
+            tensors[f"{pre}.lora_A.weight"] = torch.randn(rank, fan_in, generator=gen) * scale
+            tensors[f"{pre}.lora_B.weight"] = torch.randn(fan_out, rank, generator=gen) * scale
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
+        "lora_dropout": 0.0, "bias": "none", "target_modules": list(shapes),
+        "base_model_name_or_path": "random-llama",
+    }  # fmt: skip
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    return path
+
+
 def toks(n: int, seed: int) -> list[int]:
     """``n`` random token ids in [3, 500) (clear of bos/eos/pad), reproducible by ``seed``."""
     rng = random.Random(seed)

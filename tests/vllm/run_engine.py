@@ -8,7 +8,9 @@ class, role and failure policy, store actions to apply after the engine started 
 ``evict``, ``fifo``), and either batches of prompts (``llm.generate``) or a ``script``: steps
 driven one engine step at a time, for aborts, hung stores and requests added while others run
 (see :func:`run_script`). With ``log_stats`` the run also reports vLLM's metrics (bsr's
-``vllm:bsr_*`` counters, preemptions) after each batch or where the script asks.
+``vllm:bsr_*`` counters, preemptions) after each batch or where the script asks. ``generate``
+runs single requests with a LoRA adapter and a ``cache_salt`` each; ``key_partition`` runs
+``bsr.testing.check_key_partition`` in the engine's process (:func:`run_key_partition`).
 """
 
 from __future__ import annotations
@@ -187,6 +189,48 @@ def _run_until(engine: Any, rows: dict[str, Any], op: dict[str, Any], out: dict[
         out["notes"][f"watchdog:{op.get('name', ','.join(ids))}"] = fired.is_set()
 
 
+def generate_each(llm: Any, items: list[dict[str, Any]], params: Any) -> list[list[int]]:
+    """Greedy tokens of each ``{"prompt", "lora": [name, id, path] | None, "cache_salt"}``."""
+    from vllm.lora.request import LoRARequest
+
+    out = []
+    for item in items:
+        request: dict[str, Any] = {"prompt_token_ids": item["prompt"]}
+        if item.get("cache_salt"):
+            request["cache_salt"] = item["cache_salt"]
+        lora = item.get("lora")
+        (o,) = llm.generate(
+            [request], params, lora_request=None if lora is None else LoRARequest(*lora),
+            use_tqdm=False,
+        )  # fmt: skip
+        out.append(list(o.outputs[0].token_ids))
+    return out
+
+
+def run_key_partition(llm: Any, spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """bsr's key-partition suite over this engine: ``cases`` (kind, a and b as ``{"name",
+    "fields"}``, changes_output, prompt_tokens), ``chunk_tokens``, ``seed``; a save has landed
+    once the FileTier root at ``store`` holds more objects."""
+    from bsr.testing import LLMKeyClient, PartitionCase, Variant, check_key_partition
+    from bsr.testing._key_partition import report_dict
+
+    cases = [
+        PartitionCase(
+            c["kind"],
+            Variant(c["a"]["name"], c["a"]["fields"]),
+            Variant(c["b"]["name"], c["b"]["fields"]),
+            c.get("changes_output", True),
+            c.get("prompt_tokens", 200),
+        )
+        for c in spec["cases"]
+    ]
+    client = LLMKeyClient(llm, saves=lambda: len(store_objects(spec["store"])))
+    reports = check_key_partition(
+        client, cases, chunk_tokens=spec["chunk_tokens"], seed=spec["seed"]
+    )
+    return [report_dict(r) for r in reports]
+
+
 def reset_prefix_cache(llm: Any) -> None:
     """Empty vLLM's prefix cache (once finished requests' saves have given their blocks back)."""
     deadline = time.monotonic() + 120
@@ -226,6 +270,7 @@ def main(spec_path: str, out_path: str) -> None:
         tensor_parallel_size=spec.get("tensor_parallel_size", 1),
         disable_hybrid_kv_cache_manager=spec.get("disable_hybrid", None),
         disable_log_stats=not spec.get("log_stats", False),
+        **spec.get("llm_args", {}),
         **kw,
     )
     out: dict[str, Any] = {"start_s": time.perf_counter() - t0, "actions": [], "batches": []}
@@ -236,6 +281,10 @@ def main(spec_path: str, out_path: str) -> None:
     )
     if "script" in spec:
         out["script"] = run_script(llm, spec["script"], params)
+    if "generate" in spec:
+        out["generated"] = generate_each(llm, spec["generate"], params)
+    if "key_partition" in spec:
+        out["key_partition"] = run_key_partition(llm, spec["key_partition"])
     for i, batch in enumerate(spec.get("batches", [])):
         for action in spec.get("before_batch", {}).get(str(i), []):
             out["actions"].append(apply(action))

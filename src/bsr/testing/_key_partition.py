@@ -28,6 +28,7 @@ import base64
 import io
 import json
 import random
+import re
 import time
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
@@ -95,6 +96,7 @@ class CaseReport:
     """What one case found; ``problems`` is empty when the store kept the values apart."""
 
     case: PartitionCase
+    prompt: tuple[int, ...]
     reference_a: Completion
     reference_b: Completion
     cross: Completion
@@ -128,10 +130,8 @@ def check_key_partition(
             never answer).
         save_timeout_s: how long to wait for a save to land.
     """
-    rng = random.Random(seed)
     reports = []
-    for case in cases:
-        prompt = [rng.randrange(*vocab) for _ in range(case.prompt_tokens)]
+    for case, prompt in zip(cases, draw_prompts(cases, seed, vocab)):
         n = _prompt_len(prompt, case)
         expected = (n - 1) // chunk_tokens * chunk_tokens
         ref_b = client.complete(prompt, case.b, store=False)
@@ -140,7 +140,7 @@ def check_key_partition(
         _wait_for_save(client, before, save_timeout_s, f"{case.kind}: {case.a.name}'s save")
         cross = client.complete(prompt, case.b, store=False)
         hit = client.complete(prompt, case.a, store=False)
-        rep = CaseReport(case, ref_a, ref_b, cross, hit, expected)
+        rep = CaseReport(case, tuple(prompt), ref_a, ref_b, cross, hit, expected)
         if ref_b.cached_tokens or ref_a.cached_tokens:
             rep.problems.append(
                 f"a fresh prompt was served cached tokens ({ref_b.cached_tokens} under "
@@ -174,6 +174,33 @@ def check_key_partition(
             )
         reports.append(rep)
     return reports
+
+
+def report_dict(report: CaseReport) -> dict[str, Any]:
+    """A report as plain JSON values (for a log or another process)."""
+    runs = {
+        "reference_a": report.reference_a,
+        "reference_b": report.reference_b,
+        "cross": report.cross,
+        "hit": report.hit,
+    }
+    return {
+        "kind": report.case.kind,
+        "a": report.case.a.name,
+        "b": report.case.b.name,
+        "prompt": list(report.prompt),
+        "expected_hit": report.expected_hit,
+        "problems": list(report.problems),
+        **{k: {"tokens": list(c.tokens), "cached": c.cached_tokens} for k, c in runs.items()},
+    }
+
+
+def draw_prompts(
+    cases: Sequence[PartitionCase], seed: int | None, vocab: tuple[int, int] = (3, 500)
+) -> list[list[int]]:
+    """The prompts :func:`check_key_partition` sends for ``cases`` with ``seed`` (one each)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(*vocab) for _ in range(case.prompt_tokens)] for case in cases]
 
 
 def assert_key_partition(reports: Sequence[CaseReport]) -> None:
@@ -257,20 +284,20 @@ class OpenAIKeyClient:
         return metric_value(text, name, **labels)
 
 
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
 def metric_value(text: str, name: str, **labels: str) -> float:
     """Sum of the samples of ``name`` in a Prometheus text exposition that carry ``labels``."""
     total = 0.0
     for line in text.splitlines():
-        if not line.startswith(name) or line.startswith("#"):
+        if line.startswith("#") or not line.startswith(name):
             continue
         head, _, value = line.rpartition(" ")
         metric, _, rest = head.partition("{")
         if metric != name:
             continue
-        found = dict(
-            (k, v.strip('"'))
-            for k, _, v in (p.partition("=") for p in rest.rstrip("}").split(",") if p)
-        )
+        found = dict(_LABEL.findall(rest))
         if all(found.get(k) == v for k, v in labels.items()):
             total += float(value)
     return total

@@ -128,8 +128,8 @@ class BsrConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        delay, _ = self._sched().request_finished(request, block_ids)
-        return bool(delay), None
+        delay, params = self._sched().request_finished(request, block_ids)
+        return bool(delay), params
 
     def set_xfer_handshake_metadata(
         self, metadata: dict[int, KVConnectorHandshakeMetadata]

@@ -102,7 +102,7 @@ def _checked(check: Any, value: Any, what: str) -> Any:
     try:
         return check(value, what)
     except ConfigError as exc:
-        raise RequestOptionError(str(exc), field=what) from None
+        raise RequestOptionError(exc.message, field=what) from None
 
 
 @dataclass(frozen=True)
