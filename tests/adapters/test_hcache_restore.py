@@ -354,23 +354,17 @@ def test_runs_of_consecutive_chunks() -> None:
     assert _runs([0, 1, 3, 4, 5, 7]) == [range(0, 2), range(3, 6), range(7, 8)]
 
 
-def test_hcache_restores_only_under_the_extras_it_saved_with(tmp_path: Path) -> None:
+@pytest.mark.anyio
+async def test_hcache_restores_only_under_the_extras_it_saved_with(tmp_path: Path) -> None:
     """A tenant's (or adapter's) hidden states and KV are never rebuilt for another."""
     served = Served(build("llama", layers=4), ["hidden", "hidden", "kv", "kv"])
     alice, bob = [bsr.KeyExtra(b"tenant:alice", 0, 1)], [bsr.KeyExtra(b"tenant:bob", 0, 1)]
-
-    async def main() -> tuple[hcache.HCacheRestore, hcache.HCacheRestore]:
-        async with served.engine(tmp_path) as engine:
-            hc, toks = served.hc, served.toks[0]
-            await hc.save(
-                engine, toks[:PREFIX], served.kv, served.store, served.src_ids, extras=alice
-            )
-            dst = bsr.PagedKVCache(hc.kv_layout, NUM_BLOCKS, BLOCK)
-            other = await hc.restore(engine, toks[:PROMPT], dst, served.dst_ids, extras=bob)
-            own = await hc.restore(engine, toks[:PROMPT], dst, served.dst_ids, extras=alice)
-            return other, own
-
-    other, own = anyio.run(main)
+    hc, toks = served.hc, served.toks[0]
+    async with served.engine(tmp_path) as engine:
+        await hc.save(engine, toks[:PREFIX], served.kv, served.store, served.src_ids, extras=alice)
+        dst = bsr.PagedKVCache(hc.kv_layout, NUM_BLOCKS, BLOCK)
+        other = await hc.restore(engine, toks[:PROMPT], dst, served.dst_ids, extras=bob)
+        own = await hc.restore(engine, toks[:PROMPT], dst, served.dst_ids, extras=alice)
     assert other.committed_tokens == 0
     assert other.engine is not None and other.engine.bytes_read == 0
     assert own.committed_tokens == PREFIX
