@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import structlog
@@ -30,6 +31,31 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             "needs a CUDA device (torch.cuda.is_available() is False); bench/gpu/run.py runs "
             "the cuda tests on a GPU machine (docs/gpu.md)"
         )
+
+
+#: modules whose tests are long, independent and share no module-scoped fixture: under
+#: pytest-xdist each of their tests is a unit of its own, so both workers run them side by side
+SPLIT_MODULES = frozenset({"tests/proof/test_connector_spin.py"})
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: without xdist it is never called
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``make test`` runs the main suite on pytest-xdist workers (``-n 2``). A module is one unit
+    of work, as with ``--dist loadfile``: a worker runs all of it, so a module-scoped fixture (a
+    server, a cluster, a model, a bench run, a report) is built once, by that worker, which owns
+    it (its ports, its processes, its temp directory). Units are handed out largest first. The
+    tests of :data:`SPLIT_MODULES` are units of their own. Another ``--dist`` than load,
+    loadfile or loadscope gets xdist's own scheduler."""
+    if config.getoption("dist") not in ("load", "loadfile", "loadscope"):
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return nodeid if module in SPLIT_MODULES else module
+
+    return ModuleScheduling(config, log)
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -110,11 +110,9 @@ async def test_verify_quarantine_moves_the_damaged_object_only(old_store: Path) 
         assert (await eng.save(TOKENS, _cache(), [0, 1, 2])).chunks == 3
     new = sorted(set(_objects(old_store)) - set(OLD))
     victim = next((old_store / "objects").rglob(f"{new[1]}.bsr"))
-    with open(victim, "r+b") as fh:  # one payload byte flipped, the header intact
-        fh.seek(4096 + 7)
-        byte = fh.read(1)
-        fh.seek(4096 + 7)
-        fh.write(bytes([byte[0] ^ 0xFF]))
+    raw = bytearray(victim.read_bytes())
+    raw[4096 + 7] ^= 0xFF  # one payload byte flipped, the header intact
+    victim.write_bytes(bytes(raw))
     p = bsr_main("store", "verify", str(old_store), "--quarantine", "--json")
     assert p.returncode == 1, p.stdout + p.stderr
     report = json.loads(p.stdout)
