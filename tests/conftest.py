@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import structlog
 import torch
+from hypothesis import HealthCheck, settings
 
 import bsr
 from helpers import two_group_layout
@@ -32,6 +33,22 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             "the cuda tests on a GPU machine (docs/gpu.md)"
         )
 
+
+# Hypothesis under CI (.ci/run sets CI=true): derandomized, so every CI run draws the same
+# examples and a failure reproduces from its seed; no example database; no per-example deadline
+# (a loaded machine is slow, not wrong). Example counts are not cut: each test's own
+# max_examples (and the default 100) hold, so every property a mutation was caught by is
+# checked as before. `pytest --hypothesis-profile=ci` loads it anywhere.
+settings.register_profile(
+    "ci",
+    derandomize=True,
+    database=None,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+if os.environ.get("CI", "").strip().lower() == "true":
+    settings.load_profile("ci")
 
 #: modules whose tests are long, independent and share no module-scoped fixture: under
 #: pytest-xdist each of their tests is a unit of its own, so both workers run them side by side
