@@ -71,6 +71,7 @@ def _model_first_budget(points: list[dict[str, Any]], tokens: int, need: int) ->
     return next((b for b in budgets if b >= need), None)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("destination", ["memory", "file"])
 def test_ladder_document_and_invariants(tmp_path: Path, destination: str) -> None:
     opts = _ladder_opts(tmp_path, destination=destination)

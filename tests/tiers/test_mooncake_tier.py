@@ -480,6 +480,7 @@ async def test_hung_master_times_out_and_recovers(fresh_mooncake_cluster: Moonca
         assert np.array_equal(dst, payload(0, 4096))
 
 
+@pytest.mark.slow
 @needs_mooncake
 @pytest.mark.parametrize("how", ["skipped", "restarted"])
 @pytest.mark.parametrize("taken", ["master", "memory", "gateway"])
