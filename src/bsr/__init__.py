@@ -190,6 +190,7 @@ def __getattr__(name: str) -> Any:
 def __dir__() -> list[str]:
     return sorted({*(n for n in globals() if n.startswith("_")), *__all__, "kit", "__version__"})
 
+
 __all__ = (
     "AbandonableCalls",
     "BlockTableError",
