@@ -484,7 +484,8 @@ async def test_hung_master_times_out_and_recovers(fresh_mooncake_cluster: Moonca
 @needs_mooncake
 @pytest.mark.parametrize("how", ["skipped", "restarted"])
 @pytest.mark.parametrize("taken", ["master", "memory", "gateway"])
-def test_cluster_owns_its_ports_when_a_chosen_port_is_taken(
+@pytest.mark.anyio
+async def test_cluster_owns_its_ports_when_a_chosen_port_is_taken(
     monkeypatch: pytest.MonkeyPatch, taken: str, how: str
 ) -> None:
     """Issue 19 item 11, the flake made deterministic: another process listens on the port the
@@ -523,28 +524,25 @@ def test_cluster_owns_its_ports_when_a_chosen_port_is_taken(
             def master_state() -> str:  # "T": stopped
                 return Path(f"/proc/{c.pids['master']}/stat").read_text().rsplit(") ", 1)[1][0]
 
-            async def main() -> None:
-                # as test_hung_master_times_out_and_recovers, with room for writes under load
-                async with make_tier(c, timeout_s=3.0) as tier:
-                    for i, k in enumerate(keys):  # every segment the master knows is alive
-                        assert await tier.write(k, "kv", payload(i, 4096))
-                    c.pause_master()
-                    state = master_state()
-                    assert state == "T"  # pause_master returns once the master is stopped
-                    t0 = time.monotonic()
-                    try:
-                        got = await tier.contains_many([ObjectKey(k, "kv") for k in keys])
-                    except TierTimeoutError:
-                        pass
-                    else:
-                        pytest.fail(
-                            f"the tier answered {got} in {time.monotonic() - t0:.3f} s with the "
-                            f"master stopped (state {state})"
-                        )
-                    finally:
-                        c.resume_master()
-
-            anyio.run(main)
+            # as test_hung_master_times_out_and_recovers, with room for writes under load
+            async with make_tier(c, timeout_s=3.0) as tier:
+                for i, k in enumerate(keys):  # every segment the master knows is alive
+                    assert await tier.write(k, "kv", payload(i, 4096))
+                c.pause_master()
+                state = master_state()
+                assert state == "T"  # pause_master returns once the master is stopped
+                t0 = time.monotonic()
+                try:
+                    got = await tier.contains_many([ObjectKey(k, "kv") for k in keys])
+                except TierTimeoutError:
+                    pass
+                else:
+                    pytest.fail(
+                        f"the tier answered {got} in {time.monotonic() - t0:.3f} s with the "
+                        f"master stopped (state {state})"
+                    )
+                finally:
+                    c.resume_master()
         # stopped by PID: none of its processes is left
         assert all(not p.alive() for p in c.procs.values())
 
