@@ -61,11 +61,14 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     of work, as with ``--dist loadfile``: a worker runs all of it, so a module-scoped fixture (a
     server, a cluster, a model, a bench run, a report) is built once, by that worker, which owns
     it (its ports, its processes, its temp directory). Units are handed out largest first. The
-    tests of :data:`SPLIT_MODULES` are units of their own. Another ``--dist`` than load,
+    tests of :data:`SPLIT_MODULES` are units of their own and go first (the longest tests of
+    the suite: started last, one would run alone at the end). Another ``--dist`` than load,
     loadfile or loadscope gets xdist's own scheduler."""
     if config.getoption("dist") not in ("load", "loadfile", "loadscope"):
         return None
     from xdist.scheduler import LoadScopeScheduling
+
+    config.option.loadscopereorder = False  # the workers' collection order (below) is the order
 
     class ModuleScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
@@ -73,6 +76,22 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             return nodeid if module in SPLIT_MODULES else module
 
     return ModuleScheduling(config, log)
+
+
+def _module(item: pytest.Item) -> str:
+    return item.nodeid.split("::", 1)[0]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """On an xdist worker: the order the scheduler hands units out in (see
+    :func:`pytest_xdist_make_scheduler`). :data:`SPLIT_MODULES` first, then the modules with the
+    most tests; each module's tests stay together and in their order."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    counts: dict[str, int] = {}
+    for item in items:
+        counts[_module(item)] = counts.get(_module(item), 0) + 1
+    items.sort(key=lambda i: (_module(i) not in SPLIT_MODULES, -counts[_module(i)]))
 
 
 @pytest.fixture(autouse=True, scope="session")
