@@ -23,7 +23,19 @@ from pathlib import Path
 
 import pytest
 
-from spin_check import Mutation, PanRun, Tools, build_pan, mutate, pan, run_pan, tools
+from spin_check import (
+    PAN_TEST_TIMEOUT_S,
+    Mutation,
+    PanRun,
+    Tools,
+    build_pan,
+    mutate,
+    pan,
+    run_pan,
+    tools,
+)
+
+pytestmark = pytest.mark.timeout(PAN_TEST_TIMEOUT_S)  # a hang guard (spin_check)
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "spec" / "connector.pml"

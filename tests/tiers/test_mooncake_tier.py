@@ -698,8 +698,12 @@ async def _wait_unstuck(tier: MooncakeTier) -> None:
 async def test_timed_out_read_never_writes_into_the_destination() -> None:
     tier, store = fake_tier(timeout_s=0.2)
     k = make_keys(1)[0]
-
-    await tier.write(k, "kv", payload(1, 8192))
+    # the setup write through a tier with a generous timeout on the same store: 0.2 s is for
+    # the read under test (a write at 0.2 s timed out once at load average 17)
+    writer, _ = fake_tier(timeout_s=60.0)
+    writer._store = store
+    await writer.write(k, "kv", payload(1, 8192))
+    await writer.aclose()
     store.frozen.set()
     dst = np.zeros(8192, dtype=np.uint8)
     t0 = time.monotonic()
