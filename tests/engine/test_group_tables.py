@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import anyio
 import numpy as np
 import pytest
 import torch
@@ -190,7 +189,7 @@ def freed_blocks(window: int | None, tokens: int, bt: int) -> int:
 
 
 # ------------------------------------------------------------------ the test
-def run_case(case: dict[str, Any], root: Path) -> None:
+async def run_case(case: dict[str, Any], root: Path) -> None:
     layout: bsr.StateLayout = case["layout"]
     ct, bt = layout.chunk_tokens, case["bt"]
     groups = list(layout.groups)
@@ -204,12 +203,6 @@ def run_case(case: dict[str, Any], root: Path) -> None:
         pin_staging=False, prefault_staging=False,
     )  # fmt: skip
     stored: set[tuple[tuple[int, ...], str]] = set()
-
-    async def main() -> None:
-        async with engine:
-            for i, (n, past, tail) in enumerate(case["saves"]):
-                await save(i, case["base"][:n], past, tail)
-            await restore(case["restore"])
 
     async def save(i: int, tokens: list[int], past: int | None, tail: int) -> None:
         src = make_cache(layout, nb, bt, case["alias"], case["stacked"], case["seed"] + i)
@@ -327,19 +320,24 @@ def run_case(case: dict[str, Any], root: Path) -> None:
         want_bytes = sum(layout.group_chunk_bytes(g) for _, g in needed_objects(groups, probed, ct))
         assert res.bytes_read == want_bytes  # a window group reads its window's chunks only
 
-    anyio.run(main)
+    async with engine:
+        for i, (n, past, tail) in enumerate(case["saves"]):
+            await save(i, case["base"][:n], past, tail)
+        await restore(case["restore"])
 
 
+@pytest.mark.anyio
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
-def test_group_tables_against_the_oracle(case: dict[str, Any]) -> None:
+async def test_group_tables_against_the_oracle(case: dict[str, Any]) -> None:
     with tempfile.TemporaryDirectory() as d:
-        run_case(case, Path(d))
+        await run_case(case, Path(d))
 
 
+@pytest.mark.anyio
 @pytest.mark.parametrize("stacked", [False, True], ids=["per_layer", "stacked"])
 @pytest.mark.parametrize("damage", [None, 0, 5], ids=["intact", "damage_full", "damage_window"])
-def test_a_window_straddling_a_chunk_restores_into_its_real_blocks(
+async def test_a_window_straddling_a_chunk_restores_into_its_real_blocks(
     tmp_path: Path, stacked: bool, damage: int | None
 ) -> None:
     """A 20-token window over 16-token chunks of 4-token blocks: the restore of 3 chunks reads
@@ -359,4 +357,4 @@ def test_a_window_straddling_a_chunk_restores_into_its_real_blocks(
         "saves": [(48 + 5, None, 0)], "restore": list(range(48 + 5)), "shared_table": False,
         "stacked": stacked, "damage": damage, "bad_null": False, "seed": 7,
     }  # fmt: skip
-    run_case(case, tmp_path)
+    await run_case(case, tmp_path)

@@ -57,7 +57,8 @@ def test_codec_never_hands_out_unverified_bytes() -> None:
 
 
 # ------------------------------------------------------------------ abandonable calls
-def test_abandoned_call_returns_at_once_and_releases_when_the_worker_returns() -> None:
+@pytest.mark.anyio
+async def test_abandoned_call_returns_at_once_and_releases_when_the_worker_returns() -> None:
     gate = threading.Event()
     released: list[str] = []
     abandons: list[int] = []
@@ -65,45 +66,38 @@ def test_abandoned_call_returns_at_once_and_releases_when_the_worker_returns() -
         limiter=anyio.CapacityLimiter(1), max_stuck=1, on_abandon=lambda: abandons.append(1)
     )
     ran: list[str] = []
-
-    async def main() -> None:
-        with anyio.move_on_after(0.2) as scope:
-            await calls.run(gate.wait, release=lambda: released.append("hung"))
-        assert scope.cancelled_caught
-        assert calls.stuck == 1 and abandons == [1] and released == []  # still running
-        # max_stuck reached: the next call fails fast and releases what it was given
-        with pytest.raises(bsr.TierIOError, match="abandoned blocking calls"):
-            await calls.run(lambda: ran.append("x"), release=lambda: released.append("refused"))
-        assert released == ["refused"] and ran == []
-        gate.set()
-        with anyio.fail_after(30):
-            while calls.stuck:  # noqa: ASYNC110 - the worker returns once the gate opens
-                await anyio.sleep(0.01)
-        assert released == ["refused", "hung"]  # released exactly once, by the worker
-        assert await calls.run(lambda: 7, release=lambda: released.append("ok")) == 7
-        assert released == ["refused", "hung"]  # a normal return releases nothing
-
-    anyio.run(main)
+    with anyio.move_on_after(0.2) as scope:
+        await calls.run(gate.wait, release=lambda: released.append("hung"))
+    assert scope.cancelled_caught
+    assert calls.stuck == 1 and abandons == [1] and released == []  # still running
+    # max_stuck reached: the next call fails fast and releases what it was given
+    with pytest.raises(bsr.TierIOError, match="abandoned blocking calls"):
+        await calls.run(lambda: ran.append("x"), release=lambda: released.append("refused"))
+    assert released == ["refused"] and ran == []
+    gate.set()
+    with anyio.fail_after(30):
+        while calls.stuck:  # noqa: ASYNC110 - the worker returns once the gate opens
+            await anyio.sleep(0.01)
+    assert released == ["refused", "hung"]  # released exactly once, by the worker
+    assert await calls.run(lambda: 7, release=lambda: released.append("ok")) == 7
+    assert released == ["refused", "hung"]  # a normal return releases nothing
 
 
-def test_call_cancelled_before_it_starts_never_runs() -> None:
+@pytest.mark.anyio
+async def test_call_cancelled_before_it_starts_never_runs() -> None:
     gate = threading.Event()
     ran: list[int] = []
     released: list[int] = []
     calls = bsr.AbandonableCalls(limiter=anyio.CapacityLimiter(1))
-
-    async def main() -> None:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(calls.run, gate.wait)  # holds the one worker token
-            await anyio.sleep(0.05)
-            with anyio.move_on_after(0.1):
-                await calls.run(lambda: ran.append(1), release=lambda: released.append(1))
-            assert released == [1]  # never started: released at once
-            gate.set()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(calls.run, gate.wait)  # holds the one worker token
         await anyio.sleep(0.05)
-        assert ran == []
-
-    anyio.run(main)
+        with anyio.move_on_after(0.1):
+            await calls.run(lambda: ran.append(1), release=lambda: released.append(1))
+        assert released == [1]  # never started: released at once
+        gate.set()
+    await anyio.sleep(0.05)
+    assert ran == []
 
 
 # ------------------------------------------------------------------ options written once
