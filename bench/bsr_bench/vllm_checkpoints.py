@@ -37,10 +37,11 @@ from .vllm_common import run_child, tokens, vllm_python
 
 #: checkpoint intervals (chunks) run by default; None: no periodic checkpoints
 DEFAULT_INTERVALS: tuple[int | None, ...] = (1, 2, 4, 8, 16, None)
-#: document lengths (tokens): the shared prefixes
+#: document lengths (tokens): the shared prefixes (4, 6, 8 and 11 full chunks of 256)
 DOCUMENTS = (1100, 1700, 2300, 2900)
-#: question lengths (tokens): each document is asked each of them, one question per request
-QUESTIONS = (48, 120, 200)
+#: question lengths (tokens): each document is asked each of them, one question per request;
+#: each is longer than a chunk, so no prompt's own lookup end falls on its document's end
+QUESTIONS = (300, 420, 560)
 
 
 def parse_intervals(text: str) -> tuple[int | None, ...]:

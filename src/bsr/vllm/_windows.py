@@ -122,7 +122,6 @@ class WindowSaver:
         """
         if not self.enabled or not self._tracks:
             return []
-        spec = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
         jobs = []
         for rid, n in scheduler_output.num_scheduled_tokens.items():
             track = self._tracks.get(rid)
@@ -132,9 +131,10 @@ class WindowSaver:
             before = int(req.num_computed_tokens)
             if track.next_end is None:  # ends at or below a hit were computed by another
                 track.next_end = (before // self.chunk + 1) * self.chunk
-            # draft tokens may be rejected: only the tokens this step surely computes count;
-            # a token not known here yet (asynchronous scheduling) waits for a later step
-            reached = min(before + int(n) - len(spec.get(rid, ())), len(req.all_token_ids))
+            # only tokens known here count: vLLM keeps draft tokens (which may be rejected)
+            # apart from all_token_ids, and with asynchronous scheduling a step's last input
+            # token is known a step later (its window is saved then, still whole)
+            reached = min(before + int(n), len(req.all_token_ids))
             ends = []
             while track.next_end <= reached:
                 end, track.next_end = track.next_end, track.next_end + self.chunk
