@@ -139,9 +139,7 @@ class BsrConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
                 self.scheduler.blocks_of = manager.get_block_ids
 
     def has_pending_push_work(self) -> bool:
-        return self.scheduler is not None and self.scheduler.windows.pending
-
-    def has_pending_block_frees(self) -> bool:
+        # window saves hold blocks until the workers report them: keep vLLM stepping till then
         return self.scheduler is not None and self.scheduler.windows.pending
 
     def set_xfer_handshake_metadata(

@@ -28,8 +28,9 @@ tables with only those blocks real, which each worker saves after this step's fo
 them. Every rank reports each job done (:class:`~bsr.vllm._metadata.BsrWorkerMetadata`), and the
 references are given back once all have (``BlockPool.free_blocks``); meanwhile the connector
 tells vLLM it has work pending (``has_pending_push_work``: vLLM keeps stepping so the reports
-come back) and blocks to give back (``has_pending_block_frees``: vLLM waits for them rather than
-preempting). A window is saved only from KV vLLM computed or bsr verified: never for a request
+come back). A window save is bounded by the load deadline (a hung store holds its blocks no
+longer), and vLLM is not told to wait for them rather than preempt: it only has fewer free
+blocks meanwhile. A window is saved only from KV vLLM computed or bsr verified: never for a request
 whose load is not known good, nor from blocks a load not known good writes (the scheduler's own
 rule for saves).
 """

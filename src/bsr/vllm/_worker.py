@@ -477,17 +477,20 @@ class BsrWorker:
                 self._window_saves[job.job_id] = self.loop.submit(self._save_windows, job)
 
     async def _save_windows(self, job: WindowJob) -> list[SaveResult]:
+        """Save each end's window alone (the job's other blocks are vLLM's null block); bounded
+        by the load deadline, since the scheduler holds the blocks until it is done."""
         engine, cache = self.engine, self.cache
         assert engine is not None and cache is not None
-        out = []
+        out: list[SaveResult] = []
         block = self.settings.block_size
-        for end in job.ends:  # each end's window alone (the other blocks are vLLM's null)
-            tables = tuple(t[: end // block] for t in job.block_ids)
-            try:
-                out.append(await engine.save(list(job.tokens[:end]), cache, self.tables(tables)))
-            except BsrError as exc:
-                log = self._log.warning
-                log("bsr.vllm.window_save_refused", request=job.req_id, error=str(exc))
+        with anyio.move_on_after(self.settings.engine.deadline_s or self.opts.load_deadline_s):
+            for end in job.ends:
+                tables = self.tables(tuple(t[: end // block] for t in job.block_ids))
+                try:
+                    out.append(await engine.save(list(job.tokens[:end]), cache, tables))
+                except BsrError as exc:
+                    log = self._log.warning
+                    log("bsr.vllm.window_save_refused", request=job.req_id, error=str(exc))
         return out
 
     # ================================================================== every step
