@@ -30,9 +30,9 @@ references are given back once all have (``BlockPool.free_blocks``); meanwhile t
 tells vLLM it has work pending (``has_pending_push_work``: vLLM keeps stepping so the reports
 come back). A window save is bounded by the load deadline (a hung store holds its blocks no
 longer), and vLLM is not told to wait for them rather than preempt: it only has fewer free
-blocks meanwhile. A window is saved only from KV vLLM computed or bsr verified: never for a request
-whose load is not known good, nor from blocks a load not known good writes (the scheduler's own
-rule for saves).
+blocks meanwhile. A window is saved only from KV vLLM computed or bsr verified: never for a
+request whose load is not known good, nor from blocks a load not known good writes (the
+scheduler's own rule for saves).
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .._log import logger
 from ._metadata import NULL_BLOCK_ID, WindowJob
 from ._options import ConnectorSettings
 from ._stats import BsrConnectorStats
@@ -86,7 +85,6 @@ class WindowSaver:
         self._tracks: dict[str, _Track] = {}
         self._pinned: dict[int, tuple[list[int], int]] = {}  # job -> (blocks, reports missing)
         self._seq = itertools.count(1)
-        self._log = logger.bind(role="scheduler", model=settings.model_id)
 
     # ------------------------------------------------------------------ requests
     def track(self, request: Request) -> None:
