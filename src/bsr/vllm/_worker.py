@@ -470,20 +470,30 @@ class BsrWorker:
 
     def start_window_saves(self, jobs: list[WindowJob]) -> None:
         """Start this step's window saves on the loop (after the step's forward wrote them)."""
+        written = None
+        if jobs and self.cache is not None and self.cache.device.type == "cuda":
+            # the forward was launched, not necessarily run: its writes come before this event
+            written = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            written.record()
         for job in jobs:
             if self.engine is None or self.loop is None or self.cache is None:
                 self._windows_done[job.job_id] = 1  # nothing to read: the blocks may go
             else:
-                self._window_saves[job.job_id] = self.loop.submit(self._save_windows, job)
+                self._window_saves[job.job_id] = self.loop.submit(self._save_windows, job, written)
 
-    async def _save_windows(self, job: WindowJob) -> list[SaveResult]:
-        """Save each end's window alone (the job's other blocks are vLLM's null block); bounded
-        by the load deadline, since the scheduler holds the blocks until it is done."""
+    async def _save_windows(
+        self, job: WindowJob, written: torch.cuda.Event | None = None
+    ) -> list[SaveResult]:
+        """Save each end's window alone (the job's other blocks are vLLM's null block), once
+        the step's forward has written it; bounded by the load deadline, since the scheduler
+        holds the blocks until it is done."""
         engine, cache = self.engine, self.cache
         assert engine is not None and cache is not None
         out: list[SaveResult] = []
         block = self.settings.block_size
         with anyio.move_on_after(self.settings.engine.deadline_s or self.opts.load_deadline_s):
+            if written is not None:
+                await anyio.to_thread.run_sync(written.synchronize, abandon_on_cancel=True)
             for end in job.ends:
                 tables = self.tables(tuple(t[: end // block] for t in job.block_ids))
                 try:
