@@ -8,8 +8,9 @@ and a sliding-window group's table holding ``NULL_BLOCK`` for the blocks outside
 
 The oracle below is written from the token ranges, not from bsr's planning code: a prefix of
 ``p`` chunks needs every token of a full-attention group and the last ``window`` tokens of a
-windowed one; an object is the whole chunk of one group; a save can store a prefix only if every
-object it needs lies in real blocks; a restore commits the longest stored prefix only if the
+windowed one; an object is the whole chunk of one group; a save stores only whole chunks (a full
+group its longest prefix of them, a windowed group its window at the end of the tokens and at the
+longest prefix every group can serve), and a restore commits the longest stored prefix only if the
 destination tables hold a real block wherever that prefix's needed tokens go. Each token's bytes
 are a pure function of the prefix up to its chunk's end (like real KV state).
 """
@@ -229,12 +230,24 @@ async def run_case(case: dict[str, Any], root: Path) -> None:
             return all(b != NULL for b in tables[g][c * ct // bt : (c + 1) * ct // bt])
 
         fits = [p for p in range(n, 0, -1) if all(whole(*o) for o in needed_objects(groups, p, ct))]
-        want = fits[0] if fits else 0
+        fit = fits[0] if fits else 0
+        # what the save stores: each full group its longest whole prefix, each windowed group
+        # its window at the end and at the longest prefix every group fits, where whole
+        full = [g for g in groups if g.window_tokens is None]
+        m = next((p for p in range(n, 0, -1)
+                  if all(whole(c, g.name) for g in full for c in range(p))), 0)  # fmt: skip
+        chosen = {(c, g.name) for g in full for c in range(m)}
+        for g in groups:
+            if g.window_tokens is not None:
+                for end in {n, fit}:
+                    win = needed_chunks(g.window_tokens, end, ct)
+                    if all(whole(c, g.name) for c in win):
+                        chosen.update((c, g.name) for c in win)
+        want = max(p for p in range(n + 1) if needed_objects(groups, p, ct) <= chosen)
+        assert want >= fit
         assert result.saved_tokens == want * ct, (result.saved_tokens, want, nulls)
         note(f"save: {'whole' if want == n else 'shorter prefix' if want else 'nothing'}")
-        stored.update(
-            (tuple(tokens[: (c + 1) * ct]), g) for c, g in needed_objects(groups, want, ct)
-        )
+        stored.update((tuple(tokens[: (c + 1) * ct]), g) for c, g in chosen)
 
     async def restore(tokens: list[int]) -> None:
         n = len(tokens) // ct

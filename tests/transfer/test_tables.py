@@ -97,9 +97,10 @@ def test_what_a_prefix_needs_from_the_tables() -> None:
     assert t.unserved(1) == ("win", 0)
     assert t.serves(1, first_block=2)  # blocks before first_block are the caller's
     assert t.written_blocks("win", 1) == [5, 6] and t.written_blocks("win", 0) == []
-    # a save: win's chunk 0 is not whole, so only prefixes whose window avoids it fit
-    assert t.savable_prefix(2) == 2
+    # a save reads a chunk only whole: win's chunk 0 is not, its chunk 1 is
+    assert [t.whole(c, "win") for c in (0, 1)] == [False, True]
+    assert [t.whole(c, "full") for c in (0, 1)] == [True, True]
     t = cache.block_tables({"full": [1, 2, 3, 4], "win": [-1, 7, 5, 6]}, 16)
-    assert t.savable_prefix(2) == 2 and t.savable_prefix(1) == 0
+    assert [t.whole(c, "win") for c in (0, 1)] == [False, True]
     t = cache.block_tables({"full": [1, 2, -1, 4], "win": [8, 7, 5, 6]}, 16)
-    assert t.savable_prefix(2) == 1  # the full group's chunk 1 has no block 2
+    assert [t.whole(c, "full") for c in (0, 1)] == [True, False]  # no block 2

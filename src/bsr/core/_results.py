@@ -70,9 +70,12 @@ class SaveResult:
     """Outcome of :meth:`RestoreEngine.save`.
 
     Attributes:
-        saved_tokens: the prefix stored: every full chunk of the tokens, or a shorter prefix when
-            the block tables hold no block where a longer prefix's state lies (e.g. a
-            sliding-window group's blocks already outside its window); 0 when none fits.
+        saved_tokens: the longest prefix a restore can read from what this save stored: every
+            full chunk of the tokens, or a shorter prefix when the block tables hold no block
+            where a longer prefix's state lies (e.g. a sliding-window group's blocks already
+            outside its window); 0 when none fits. A group without a window may have stored
+            more chunks than that (its longest prefix in real blocks), for a later save of a
+            sliding window to complete.
         chunks: ``saved_tokens`` in chunks.
         objects_written, objects_skipped, bytes_written, errors: per tier.
     """

@@ -20,7 +20,7 @@ import torch
 from .._errors import BsrError
 from ..core._keys import ChunkKey, ObjectKey
 from ..core._layout import StateLayout
-from ..core._plan import needed_objects
+from ..core._plan import plan_save
 from ..core._results import SaveResult
 from ..tiers._base import Tier
 from ._cache import PagedKVCache, gather_chunk
@@ -31,11 +31,17 @@ from ._tables import BlockTables
 class _SavePlan:
     """Which tiers lack which objects of the prefix, and the counters of one save."""
 
-    def __init__(self, layout: StateLayout, tiers: Sequence[Tier], keys: Sequence[ChunkKey]):
+    def __init__(
+        self,
+        layout: StateLayout,
+        tiers: Sequence[Tier],
+        keys: Sequence[ChunkKey],
+        wanted: Sequence[tuple[int, str]],
+    ):
         self.layout = layout
         self.tiers = list(tiers)
         self.keys = keys
-        self.wanted = needed_objects(layout, len(keys))
+        self.wanted = list(wanted)
         self.written = {t.name: 0 for t in tiers}
         self.skipped = {t.name: 0 for t in tiers}
         self.nbytes = {t.name: 0 for t in tiers}
@@ -111,17 +117,21 @@ async def save_chunks(
     log: Any,
     on_written: Callable[[Tier, ObjectKey], None] | None = None,
     is_retired: Callable[[Tier, ObjectKey], bool] | None = None,
+    checkpoint_chunks: int | None = None,
 ) -> SaveResult:
-    """Store every object a prefix of ``len(keys)`` chunks needs into every tier lacking it.
+    """Store the objects of ``len(keys)`` chunks that ``tables`` hold into every tier lacking them.
 
-    Only the longest prefix whose every needed object lies in real blocks of ``tables`` is
-    stored (:meth:`BlockTables.savable_prefix`: an object always holds its whole chunk).
-    ``on_written(tier, object_key)`` is called after each object a tier newly stored. A copy the
-    engine retired (``is_retired``: it failed a read) is replaced: deleted, then written again.
+    What is stored is planned by :func:`~bsr.core._plan.plan_save` from the chunks that lie
+    wholly in real blocks of ``tables`` (an object always holds its whole chunk): the groups
+    without a window their longest whole prefix, each sliding-window group its window at the
+    end, at the longest prefix every group can serve and, with ``checkpoint_chunks``, at every
+    window checkpoint. ``on_written(tier, object_key)`` is called after each object a tier newly
+    stored. A copy the engine retired (``is_retired``: it failed a read) is replaced: deleted,
+    then written again.
     """
     t0 = time.perf_counter()
-    keys = keys[: tables.savable_prefix(len(keys))]
-    plan = _SavePlan(layout, tiers, keys)
+    shape = plan_save(layout, len(keys), tables.whole, checkpoint_chunks)
+    plan = _SavePlan(layout, tiers, keys, shape.objects)
     todo = await plan.find_missing(log, is_retired)
     limiter = anyio.CapacityLimiter(io_depth)
 
@@ -145,8 +155,8 @@ async def save_chunks(
             slot = await account.acquire()
             tg.start_soon(save_chunk, c, slot)
     return SaveResult(
-        saved_tokens=len(keys) * layout.chunk_tokens,
-        chunks=len(keys),
+        saved_tokens=shape.restorable_chunks * layout.chunk_tokens,
+        chunks=shape.restorable_chunks,
         objects_written=plan.written,
         objects_skipped=plan.skipped,
         bytes_written=plan.nbytes,

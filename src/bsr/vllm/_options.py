@@ -136,6 +136,8 @@ class ConnectorSettings:
         loads: this role loads (``kv_both``, ``kv_consumer``).
         saves: this role saves (``kv_both``, ``kv_producer``) and ``options.save`` is on.
         failure_policy: vLLM's ``kv_load_failure_policy``.
+        group_windows: per vLLM KV cache group, the trailing tokens bsr keeps of a sliding
+            window group (:func:`bsr.vllm._layout.group_window`), ``None`` for a full one.
     """
 
     engine: EngineConfig
@@ -149,6 +151,7 @@ class ConnectorSettings:
     loads: bool
     saves: bool
     failure_policy: str
+    group_windows: tuple[int | None, ...] = (None,)
 
 
 def settings(vllm_config: Any, kv_cache_config: Any) -> ConnectorSettings:
@@ -184,7 +187,18 @@ def settings(vllm_config: Any, kv_cache_config: Any) -> ConnectorSettings:
         loads=role != "kv_producer",
         saves=role != "kv_consumer" and options.save,
         failure_policy=str(ktc.kv_load_failure_policy),
+        group_windows=group_windows(kv_cache_config),
     )
+
+
+def group_windows(kv_cache_config: Any) -> tuple[int | None, ...]:
+    """Each KV cache group's window as bsr stores it (``None``: full attention)."""
+    from ._layout import group_window  # torch; the parsing above needs none
+
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", ()) or ())
+    if not groups:
+        return (None,)
+    return tuple(group_window(g.kv_cache_spec) for g in groups)
 
 
 def default_model_id(vllm_config: Any) -> str:
