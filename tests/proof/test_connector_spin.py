@@ -499,6 +499,7 @@ NOT_MODELLED = {
     "_plan_windows": "window saves: not modelled yet (see above)",
     "start_window_saves": "window saves: not modelled yet (see above)",
     "_save_windows": "window saves: not modelled yet (see above)",
+    "keys_of": "a request's keys (tokens and extras): the model's CID(r, i) names them abstractly",
     "tables": "vLLM's block ids per KV cache group as bsr's tables (the model has one group)",
     "unreachable": "a load refused before it runs: one of the failed loads the model has",
 }
