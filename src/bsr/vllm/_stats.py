@@ -37,7 +37,8 @@ KEYED = (
     "loaded_bytes",  # tier -> bytes read by loads
     "failed_loads",  # reason -> loads that did not commit what was promised
     "saved_bytes",  # tier -> bytes written by saves
-    "saves_skipped",  # reason -> finished requests not saved
+    "saves_skipped",  # reason -> finished requests not saved (or not in full: "timeout",
+    # "root_locked"; the scheduler's "busy" and "unverified")
 )
 #: peaks, aggregated by max
 PEAKS = ("rws_peak_bytes",)  # the largest restoration working set of one load (staging bytes)

@@ -23,7 +23,10 @@ How it works:
   reported received only once its task has ended, when bsr's install gate is closed and no copy
   into its blocks can happen any more, so vLLM hands its blocks to another request only then.
 * Saves. ``wait_for_save`` starts the saves the scheduler sent; ``get_transfer_results``
-  reports each once done, and vLLM frees its blocks then.
+  reports each once done, and vLLM frees its blocks then. A save is cut at ``save_timeout_s``
+  (a stuck store, a root locked by a stopped peer) and reported done once its task has ended
+  (nothing reads the blocks then), counted in ``saves_skipped`` as ``timeout``; a save that
+  skipped a busy tier is counted there under the tier's reason (``root_locked``).
 * Outcomes (:class:`BsrWorkerMetadata`) and stats (:class:`BsrConnectorStats`) go back with
   every step; request counts from rank 0 only.
 """
@@ -81,6 +84,8 @@ SYNC_GRACE_S = 2.0
 UNWIND_S = 30.0
 #: finished request ids kept for saves that have not arrived yet, in engine steps
 FINISHED_KEEP_STEPS = 64
+#: what a save cut by ``save_timeout_s`` returns (its ``saves_skipped`` reason)
+SAVE_TIMED_OUT = "timeout"
 
 
 @dataclass
@@ -126,7 +131,7 @@ class BsrWorker:
         self._probes: dict[int, tuple[float, Probe]] = {}  # loop thread only
         self._tp_lock: anyio.Lock | None = None
         self._loads: dict[str, _Load] = {}
-        self._saves: dict[str, concurrent.futures.Future[SaveResult | None]] = {}
+        self._saves: dict[str, concurrent.futures.Future[SaveResult | str | None]] = {}
         self._finished: dict[str, int] = {}  # request -> step it was reported finished
         self._step = 0
         self._load_errors: set[int] = set()
@@ -448,20 +453,29 @@ class BsrWorker:
         """Start this step's saves on the loop; they hold their blocks until reported done."""
         for job in saves:
             if self.engine is None or self.loop is None or self.cache is None:
-                done: concurrent.futures.Future[SaveResult | None] = concurrent.futures.Future()
+                done: concurrent.futures.Future[SaveResult | str | None] = (
+                    concurrent.futures.Future()
+                )
                 done.set_result(None)
                 self._saves[job.req_id] = done
             else:
                 self._saves[job.req_id] = self.loop.submit(self._save_one, job)
 
-    async def _save_one(self, job: SaveJob) -> SaveResult | None:
+    async def _save_one(self, job: SaveJob) -> SaveResult | str | None:
         engine, cache = self.engine, self.cache
         assert engine is not None and cache is not None
         try:
-            return await engine.save(list(job.tokens), cache, self.tables(job.block_ids))
+            with anyio.move_on_after(self.opts.save_timeout_s):
+                return await engine.save(list(job.tokens), cache, self.tables(job.block_ids))
         except BsrError as exc:
             self._log.warning("bsr.vllm.save_refused", request=job.req_id, error=str(exc))
             return None
+        # cut: the save's task has ended (its copies out of the blocks are done), so the
+        # blocks may go back to vLLM; what it stored so far stays stored
+        self._log.warning(
+            "bsr.vllm.save_timed_out", request=job.req_id, timeout_s=self.opts.save_timeout_s
+        )
+        return SAVE_TIMED_OUT
 
     # ================================================================== every step
     def transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
@@ -492,15 +506,22 @@ class BsrWorker:
                 del self._finished[rid]
         return out
 
-    def _account_save(self, fut: concurrent.futures.Future[SaveResult | None]) -> None:
+    def _account_save(self, fut: concurrent.futures.Future[SaveResult | str | None]) -> None:
         result = None if fut.cancelled() or fut.exception() else fut.result()
+        if isinstance(result, str):  # cut by save_timeout_s
+            if self.tp_rank == 0:
+                self.stats.count_key("saves_skipped", result)
+            return
         if result is None:
             return
         for tier, n in result.bytes_written.items():
             if n:
                 self.stats.count_key("saved_bytes", tier, n)
         if self.tp_rank == 0:
-            self.stats.count("saves")
+            for reason in result.skipped:  # a tier was busy (a root locked by another process)
+                self.stats.count_key("saves_skipped", reason)
+            if not result.skipped:
+                self.stats.count("saves")
 
     def load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
