@@ -27,7 +27,10 @@ only under the root's lock (:mod:`bsr.tiers._shared`). A write reserves its byte
 unpinned) and creates its temp file, is written and fsync'ed, renamed into ``objects/`` under the
 lock and the directory fsync'ed; only then is it added to the index, so a probe never sees a
 partial object (invariant 6) and concurrent writers, of this process or others, never overshoot
-``capacity_bytes``. Every failure path removes the temp file and gives the reservation back. A
+``capacity_bytes``. Every failure path removes the temp file and gives the reservation back. No
+step waits for the root's lock past ``lock_timeout_s`` or its caller's cancel (a process sharing
+the root may be stopped while it holds it): a write then raises :class:`~bsr.TierBusyError` and
+``open`` joins without the lock; reads never take it (:meth:`FileTier._locked`). A
 probe asks the directory for objects the index lacks (another process wrote them). On open the
 index is rebuilt by scanning ``objects/`` (each header is checked against the file size; damaged
 files are quarantined), temp files of dead writers are removed, and the root is trimmed to

@@ -196,8 +196,8 @@ class SharedSpace:
         capacity_bytes: the bound this process keeps ``objects/`` plus reservations under.
         member: hold the members' lock (FileTier) or not (``bsr store``, which only takes the
             mutex for each change).
-        wait: wait for the root's lock (``bsr store``); without it (FileTier) every locked step
-            raises :class:`RootBusy` at once while the lock is held elsewhere.
+        wait: wait for the root's lock (``bsr store``); without it (FileTier) a locked step
+            tries it for at most :data:`PATIENCE_S`, then raises :class:`RootBusy`.
     """
 
     def __init__(
@@ -222,6 +222,7 @@ class SharedSpace:
         self._rescanned_at = -1
         #: reservations given back while the lock was held elsewhere (dropped at the next step)
         self._owed: set[str] = set()
+        self._owed_lock = threading.Lock()  # added to without the mutex (it may be busy)
         #: the ledger as last seen under the lock (for usage and statistics)
         self.seen = Ledger()
         self.peak = 0
@@ -337,10 +338,10 @@ class SharedSpace:
                 "bsr.tier.ledger_healed", removals=n, subtracted=subtracted,
                 note="a process died while removing objects under the root's lock",
             )  # fmt: skip
-        if self._owed:
-            for name in self._owed:
-                led.reserved.pop(name, None)
-            self._owed.clear()
+        with self._owed_lock:
+            owed, self._owed = self._owed, set()
+        for name in owed:
+            led.reserved.pop(name, None)
 
     def _settle_removals(self, led: Ledger) -> int:
         """Subtract the journaled removals whose file is gone, clear the journal; the bytes."""
@@ -507,7 +508,8 @@ class SharedSpace:
         except (RootBusy, OSError):
             with contextlib.suppress(OSError):
                 os.unlink(p.name, dir_fd=self.dirs.tmp)
-            self._owed.add(p.name)
+            with self._owed_lock:
+                self._owed.add(p.name)
         if p.fd >= 0:
             os.close(p.fd)
             p.fd = -1
