@@ -28,6 +28,7 @@ from ._errors import ObjectError as ObjectError
 from ._errors import ObjectNotFoundError as ObjectNotFoundError
 from ._errors import OutOfBlocksError as OutOfBlocksError
 from ._errors import StagingError as StagingError
+from ._errors import TierBusyError as TierBusyError
 from ._errors import TierError as TierError
 from ._errors import TierFullError as TierFullError
 from ._errors import TierIOError as TierIOError
@@ -253,6 +254,7 @@ __all__ = (
     "StateLayout",
     "Strategy",
     "Tier",
+    "TierBusyError",
     "TierError",
     "TierFullError",
     "TierIOError",

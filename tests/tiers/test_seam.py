@@ -240,3 +240,46 @@ def test_a_registered_kind_works_in_every_config(tmp_path: Path) -> None:
     finally:
         bsr.unregister_tier("dict")
     assert "dict" not in bsr.tier_kinds()
+
+
+# ------------------------------------------------------------------ hostile plugins
+_PLUGINS = {
+    "raises": "raise RuntimeError('the plugin cannot start: no licence server')\n",
+    "syntax": "def broken(:\n    pass\n",
+    "getattr": "def __getattr__(name):\n    raise RuntimeError(f'lazy attribute {name} failed')\n",
+}
+
+
+@pytest.mark.parametrize("how", sorted(_PLUGINS))
+def test_a_plugin_that_fails_at_import_is_a_config_error_naming_kind_and_module(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """A tier plugin whose module raises at import, does not parse, or raises on attribute
+    access: register_tier, tier_options (through an installed entry point) and EngineConfig
+    each raise ConfigError naming the kind and the module (before: the plugin's own
+    RuntimeError / SyntaxError escaped untyped)."""
+    module = f"bsr_hostile_plugin_{how}"
+    (tmp_path / f"{module}.py").write_text(_PLUGINS[how])
+    dist = tmp_path / f"{module}-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module}\nVersion: 0.1\n")
+    kind = f"hostile_{how}"
+    (dist / "entry_points.txt").write_text(f"[bsr.tiers]\n{kind} = {module}:Options\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert kind in bsr.tier_kinds()  # the entry point is seen; its module is not imported yet
+
+    with pytest.raises(bsr.ConfigError) as info:
+        bsr.register_tier("hostile_by_name", f"{module}:Options")
+    assert info.value.fields["kind"] == "hostile_by_name"
+    assert info.value.fields["module"] == module and module in str(info.value)
+    assert "hostile_by_name" not in bsr.tier_kinds()
+
+    with pytest.raises(bsr.ConfigError) as info:
+        bsr.tier_options(kind)
+    assert info.value.fields["kind"] == kind and info.value.fields["module"] == module
+    assert repr(kind) in str(info.value) and module in str(info.value)
+
+    with pytest.raises(bsr.ConfigError) as info:
+        bsr.EngineConfig.from_dict({"tiers": [{"kind": kind}]})
+    assert info.value.fields["key"] == "tiers[0].kind"
+    assert repr(kind) in str(info.value) and module in str(info.value)

@@ -23,7 +23,7 @@ import itertools
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import anyio
@@ -102,6 +102,9 @@ class EngineStatistics:
         abandoned_workers: worker threads left running after their request ended (a read stuck
             in the kernel); their slots are parked until they return.
         leases: probe leases currently held (those past their TTL are reclaimed first).
+        saves_skipped: saves that skipped a tier because it stayed busy, by reason
+            (``"root_locked"``: a FileTier root whose lock another process held; see
+            ``SaveResult.skipped``).
     """
 
     staging: StagingStatistics
@@ -114,6 +117,7 @@ class EngineStatistics:
     breakers: tuple[BreakerState, ...] = ()
     abandoned_workers: int = 0
     leases: int = 0
+    saves_skipped: dict[str, int] = field(default_factory=dict)
 
 
 #: the parsers of the options RestoreEngine shares with EngineConfig (one rule set for both)
@@ -213,6 +217,7 @@ class RestoreEngine(AsyncResource):
         self._leases = LeaseBook()
         self._ids = itertools.count()
         self._counts = {"restores": 0, "committed": 0, "invalidated": 0, "saves": 0}
+        self._saves_skipped: dict[str, int] = {}
         self._log = logger.bind(rank=namespace.tp_rank, model=namespace.model_id)
         self._listeners: list[Callable[[Record], None]] = []
         self._prober = Prober(
@@ -397,6 +402,7 @@ class RestoreEngine(AsyncResource):
             breakers=tuple(self.health.state(t.name) for t in self.tiers),
             abandoned_workers=self._window.abandoned_workers,
             leases=len(self._leases),
+            saves_skipped=dict(self._saves_skipped),
         )
 
     def subscribe(self, listener: Callable[[Record], None]) -> Callable[[], None]:
@@ -913,10 +919,13 @@ class RestoreEngine(AsyncResource):
             checkpoint_chunks=every,
         )  # fmt: skip
         self._counts["saves"] += 1
+        for reason in result.skipped:
+            self._saves_skipped[reason] = self._saves_skipped.get(reason, 0) + 1
         self._log.info(
             "bsr.save.done", tokens=result.saved_tokens, chunks=result.chunks,
             written=result.objects_written, skipped=result.objects_skipped,
-            errors=result.errors, duration_s=round(result.duration_s, 6),
+            busy_skipped=result.skipped, errors=result.errors,
+            duration_s=round(result.duration_s, 6),
         )  # fmt: skip
         self._notify(result)
         return result

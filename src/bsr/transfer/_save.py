@@ -5,7 +5,9 @@ Where it runs: the engine's event loop; gathers and tier writes run in worker th
 Each chunk takes one slot from the engine's W-slot pool (the same budget restores use), gathers
 the groups some tier lacks into it, writes them to every tier missing them (at most ``io_depth``
 writes in flight), and gives the slot back in ``finally``. A tier failing a write is counted and
-logged; the other tiers still get the object.
+logged; the other tiers still get the object. A tier that says it is busy (``TierBusyError``:
+a FileTier root whose lock another process held past its bound) is skipped for the rest of the
+save, counted by reason (``SaveResult.skipped``), never waited for again.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 import anyio
 import torch
 
-from .._errors import BsrError
+from .._errors import BsrError, TierBusyError
 from ..core._keys import ChunkKey, ObjectKey
 from ..core._layout import StateLayout
 from ..core._plan import plan_save
@@ -46,6 +48,8 @@ class _SavePlan:
         self.skipped = {t.name: 0 for t in tiers}
         self.nbytes = {t.name: 0 for t in tiers}
         self.errors = {t.name: 0 for t in tiers}
+        self.busy: dict[str, str] = {}  # tier -> why it was busy: skipped for the rest
+        self.skipped_by: dict[str, int] = {}  # reason -> objects not written
         self.missing: dict[tuple[int, str], list[Tier]] = {(c, g): [] for c, g in self.wanted}
         self.replace: set[tuple[str, int, str]] = set()
 
@@ -87,11 +91,20 @@ class _SavePlan:
     ) -> None:
         """Write one object to one tier, counting the outcome (a failure is not raised)."""
         key = self.keys[c]
+        if t.name in self.busy:  # it said it is busy: the rest of this save skips it
+            self._skip(self.busy[t.name])
+            return
         try:
             async with limiter:
                 if (t.name, c, g) in self.replace:
                     await t.delete(key, g)
                 ok = await t.write(key, g, payload)
+        except TierBusyError as exc:
+            reason = str(exc.fields.get("reason") or "busy")
+            self.busy.setdefault(t.name, reason)
+            self._skip(reason)
+            log.warning("bsr.save.tier_busy", tier=t.name, chunk=c, group=g, reason=reason)
+            return
         except (BsrError, OSError) as exc:
             self.errors[t.name] += 1
             log.warning("bsr.save.write_failed", tier=t.name, chunk=c, group=g, error=str(exc))
@@ -103,6 +116,9 @@ class _SavePlan:
         self.nbytes[t.name] += payload.numel()
         if on_written is not None:
             on_written(t, ObjectKey(key, g))
+
+    def _skip(self, reason: str) -> None:
+        self.skipped_by[reason] = self.skipped_by.get(reason, 0) + 1
 
 
 async def save_chunks(
@@ -163,4 +179,5 @@ async def save_chunks(
         errors=plan.errors,
         rws_peak_bytes=account.peak_bytes,
         duration_s=time.perf_counter() - t0,
+        skipped=plan.skipped_by,
     )

@@ -59,7 +59,7 @@ def table_array(
         dtype = block_ids.dtype
         if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
             raise BlockTableError(f"block_ids{where} must be integers, got {dtype}", **fields)
-        arr = block_ids.detach().cpu().numpy()
+        arr = _tensor_ids(block_ids, where, fields)
     else:
         try:
             arr = np.asarray(block_ids)
@@ -107,6 +107,42 @@ def table_array(
             **fields,
         )
     return np.ascontiguousarray(arr)
+
+
+def _tensor_ids(t: torch.Tensor, where: str, fields: dict[str, Any]) -> np.ndarray[Any, Any]:
+    """The ids of an integer tensor as a NumPy array, or a BlockTableError saying why not.
+
+    Only a dense tensor with data can be read: a meta tensor has no values, a sparse, nested
+    or quantized one is no plain sequence of ids, and anything else torch cannot copy to the
+    host is refused the same way (never torch's own NotImplementedError or TypeError).
+    """
+    kind = (
+        "meta"
+        if t.is_meta
+        else "nested"
+        if getattr(t, "is_nested", False)
+        else "quantized"
+        if t.is_quantized
+        else None
+        if t.layout == torch.strided
+        else str(t.layout).removeprefix("torch.")
+    )
+    fix = "pass a dense CPU (or CUDA) integer tensor, a NumPy array or a list of ints"
+    if kind is not None:
+        raise BlockTableError(
+            f"block_ids{where} is a {kind} tensor, which holds no readable block ids; {fix}",
+            kind=kind,
+            **fields,
+        )
+    try:
+        arr: np.ndarray[Any, Any] = t.detach().cpu().resolve_conj().resolve_neg().numpy()
+    except Exception as exc:  # a tensor subclass or device torch cannot read back
+        raise BlockTableError(
+            f"block_ids{where} cannot be read back to the host ({type(exc).__name__}: {exc}); "
+            f"{fix}",
+            **fields,
+        ) from None
+    return arr
 
 
 def repeated_ids(ids: np.ndarray[Any, Any]) -> list[int]:

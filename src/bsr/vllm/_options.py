@@ -71,6 +71,10 @@ class ConnectorOptions:
         max_pending_saves: saves outstanding at once; more finished requests are not saved.
         save: store finished requests' KV (the role can turn it off too).
         shutdown_timeout_s: how long shutdown waits for saves in flight.
+        save_timeout_s: the most one finished request's save may take; a save still running
+            then is cut (what it stored so far stays) and reported done, counted in
+            ``saves_skipped{reason="timeout"}``, so a stuck store never keeps the request's
+            blocks from vLLM's KV pool.
         lookup_connections: connections the worker's lookup socket accepts at once.
         lookup_read_timeout_s: a lookup message must arrive whole within this.
     """
@@ -82,6 +86,7 @@ class ConnectorOptions:
     max_pending_saves: int = field(default=64, metadata=_opt(_count))
     save: bool = field(default=True, metadata=_opt(_flag))
     shutdown_timeout_s: float = field(default=30.0, metadata=_opt(_seconds))
+    save_timeout_s: float = field(default=10.0, metadata=_opt(_seconds))
     lookup_connections: int = field(default=4, metadata=_opt(_count))
     lookup_read_timeout_s: float = field(default=5.0, metadata=_opt(_seconds))
 

@@ -38,7 +38,8 @@ KEYED = (
     "loaded_bytes",  # tier -> bytes read by loads
     "failed_loads",  # reason -> loads that did not commit what was promised
     "saved_bytes",  # tier -> bytes written by saves
-    "saves_skipped",  # reason -> finished requests not saved
+    "saves_skipped",  # reason -> finished requests not saved (or not in full: "timeout",
+    # "root_locked"; the scheduler's "busy" and "unverified")
     "unkeyable_requests",  # reason -> requests bsr could not key (neither loaded nor saved)
     "rejected_options",  # field -> requests whose kv_transfer_params["bsr"] was bad
     "windows_skipped",  # reason -> sliding windows worth saving that were not

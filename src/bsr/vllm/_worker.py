@@ -26,6 +26,10 @@ How it works:
   reports each once done, and vLLM frees its blocks then. Window saves (a sliding group's window
   while its request runs, :mod:`bsr.vllm._windows`) start there too, after the step's forward
   wrote the window; each is reported done to the scheduler, which holds their blocks till then.
+  A save is cut at ``save_timeout_s`` (a stuck store, a root locked by a stopped peer) and
+  reported done once its task has ended (nothing reads the blocks then), counted in
+  ``saves_skipped`` as ``timeout``; a save that skipped a busy tier is counted there under the
+  tier's reason (``root_locked``).
 * Outcomes (:class:`BsrWorkerMetadata`) and stats (:class:`BsrConnectorStats`) go back with
   every step; request counts from rank 0 only.
 """
@@ -85,6 +89,8 @@ SYNC_GRACE_S = 2.0
 UNWIND_S = 30.0
 #: finished request ids kept for saves that have not arrived yet, in engine steps
 FINISHED_KEEP_STEPS = 64
+#: what a save cut by ``save_timeout_s`` returns (its ``saves_skipped`` reason)
+SAVE_TIMED_OUT = "timeout"
 
 
 @dataclass
@@ -130,7 +136,7 @@ class BsrWorker:
         self._probes: dict[int, tuple[float, Probe]] = {}  # loop thread only
         self._tp_lock: anyio.Lock | None = None
         self._loads: dict[str, _Load] = {}
-        self._saves: dict[str, concurrent.futures.Future[SaveResult | None]] = {}
+        self._saves: dict[str, concurrent.futures.Future[SaveResult | str | None]] = {}
         self._window_saves: dict[int, concurrent.futures.Future[list[SaveResult]]] = {}
         self._windows_done: dict[int, int] = {}  # window jobs to report (job -> 1)
         self._finished: dict[str, int] = {}  # request -> step it was reported finished
@@ -463,22 +469,31 @@ class BsrWorker:
         """Start this step's saves on the loop; they hold their blocks until reported done."""
         for job in saves:
             if self.engine is None or self.loop is None or self.cache is None:
-                done: concurrent.futures.Future[SaveResult | None] = concurrent.futures.Future()
+                done: concurrent.futures.Future[SaveResult | str | None] = (
+                    concurrent.futures.Future()
+                )
                 done.set_result(None)
                 self._saves[job.req_id] = done
             else:
                 self._saves[job.req_id] = self.loop.submit(self._save_one, job)
 
-    async def _save_one(self, job: SaveJob) -> SaveResult | None:
+    async def _save_one(self, job: SaveJob) -> SaveResult | str | None:
         engine, cache = self.engine, self.cache
         assert engine is not None and cache is not None
         try:
-            return await engine.save(
-                list(job.tokens), cache, self.tables(job.block_ids), extras=job.extras
-            )
+            with anyio.move_on_after(self.opts.save_timeout_s):
+                return await engine.save(
+                    list(job.tokens), cache, self.tables(job.block_ids), extras=job.extras
+                )
         except BsrError as exc:
             self._log.warning("bsr.vllm.save_refused", request=job.req_id, error=str(exc))
             return None
+        # cut: the save's task has ended (its copies out of the blocks are done), so the
+        # blocks may go back to vLLM; what it stored so far stays stored
+        self._log.warning(
+            "bsr.vllm.save_timed_out", request=job.req_id, timeout_s=self.opts.save_timeout_s
+        )
+        return SAVE_TIMED_OUT
 
     def start_window_saves(self, jobs: list[WindowJob]) -> None:
         """Start this step's window saves on the loop (after the step's forward wrote them)."""
@@ -497,13 +512,13 @@ class BsrWorker:
         self, job: WindowJob, written: torch.cuda.Event | None = None
     ) -> list[SaveResult]:
         """Save each end's window alone (the job's other blocks are vLLM's null block), once
-        the step's forward has written it; bounded by the load deadline, since the scheduler
-        holds the blocks until it is done."""
+        the step's forward has written it; bounded by ``save_timeout_s`` like a request's save,
+        since the scheduler holds the blocks until it is done."""
         engine, cache = self.engine, self.cache
         assert engine is not None and cache is not None
         out: list[SaveResult] = []
         block = self.settings.block_size
-        with anyio.move_on_after(self.settings.engine.deadline_s or self.opts.load_deadline_s):
+        with anyio.move_on_after(self.opts.save_timeout_s):
             if written is not None:
                 await anyio.to_thread.run_sync(written.synchronize, abandon_on_cancel=True)
             for end in job.ends:
@@ -554,13 +569,20 @@ class BsrWorker:
                     self._account_written(result)
         return out
 
-    def _account_save(self, fut: concurrent.futures.Future[SaveResult | None]) -> None:
+    def _account_save(self, fut: concurrent.futures.Future[SaveResult | str | None]) -> None:
         result = None if fut.cancelled() or fut.exception() else fut.result()
+        if isinstance(result, str):  # cut by save_timeout_s
+            if self.tp_rank == 0:
+                self.stats.count_key("saves_skipped", result)
+            return
         if result is None:
             return
         self._account_written(result)
         if self.tp_rank == 0:
-            self.stats.count("saves")
+            for reason in result.skipped:  # a tier was busy (a root locked by another process)
+                self.stats.count_key("saves_skipped", reason)
+            if not result.skipped:
+                self.stats.count("saves")
 
     def _account_written(self, result: SaveResult) -> None:
         for tier, n in result.bytes_written.items():
