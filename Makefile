@@ -50,15 +50,17 @@ bench-deps:
 PYTEST_WORKERS ?= 2
 XDIST = $(if $(filter-out 0 1,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS),)
 
-# every phase in order, timed; the table of phases, times and test counts prints at the end
+# every phase in order, timed; the table of phases, times and test counts prints at the end.
+# The vLLM environment comes before the main suite: the bench's vLLM tests (tests/bench/
+# test_vllm_*.py, run by the main suite's Python) need it and skip without it.
 test:
 	@$(PY) tools/test_phases.py \
 		"setup=$(MAKE) --no-print-directory setup system-deps" \
+		"vLLM setup=$(MAKE) --no-print-directory $(VLLM_VENV)/.bsr-installed" \
 		"lint-imports=$(MAKE) --no-print-directory lint-imports" \
 		"main suite=$(MAKE) --no-print-directory test-main" \
 		"gpu dry run=$(MAKE) --no-print-directory gpu-dry-run" \
 		"wheel check=$(MAKE) --no-print-directory wheel-check" \
-		"vLLM setup=$(MAKE) --no-print-directory $(VLLM_VENV)/.bsr-installed" \
 		"vLLM tests=$(MAKE) --no-print-directory test-vllm"
 
 test-main: setup
@@ -84,9 +86,10 @@ $(VLLM_VENV)/.bsr-installed: pyproject.toml
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
-# the vLLM connector tests, each engine in its own process
+# the vLLM connector tests, each engine in its own process, on PYTEST_WORKERS workers like the
+# main suite (a module is one unit: its engines and servers belong to one worker)
 test-vllm: $(VLLM_VENV)/.bsr-installed
-	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm
+	$(VLLM_VENV)/bin/python -m pytest -q $(XDIST) tests/vllm
 
 # LMCache 0.5.6 for `bsr bench --l1-ladder --lmcache` (its own environment; the CPU torch first
 # so pip never pulls a CUDA build). Optional: without it the ladder says so and skips LMCache.
