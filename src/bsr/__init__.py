@@ -56,18 +56,23 @@ if TYPE_CHECKING:  # what mypy and readers see; at run time __getattr__ imports 
     from .core._lifecycle import RequestLifecycle as RequestLifecycle
     from .core._lifecycle import RequestState as RequestState
     from .core._lifecycle import TransitionRecord as TransitionRecord
+    from .core._results import LoadDecision as LoadDecision
     from .core._results import Policy as Policy
     from .core._results import Probe as Probe
     from .core._results import RestoreResult as RestoreResult
     from .core._results import SaveResult as SaveResult
     from .core._results import Strategy as Strategy
     from .core._results import Timings as Timings
+    from .core._sightings import SightingCounter as SightingCounter
+    from .core._sightings import SightingStatistics as SightingStatistics
     from .engine._config import EngineConfig as EngineConfig
     from .engine._coordinator import Coordinator as Coordinator
     from .engine._coordinator import InProcessCoordinator as InProcessCoordinator
     from .engine._coordinator import InProcessGroup as InProcessGroup
     from .engine._coordinator import LocalCoordinator as LocalCoordinator
     from .engine._coordinator import TorchDistributedCoordinator as TorchDistributedCoordinator
+    from .engine._cost import CostModel as CostModel
+    from .engine._cost import CostStatistics as CostStatistics
     from .engine._engine import EngineStatistics as EngineStatistics
     from .engine._engine import RestoreEngine as RestoreEngine
     from .engine._health import BreakerState as BreakerState
@@ -98,6 +103,8 @@ if TYPE_CHECKING:  # what mypy and readers see; at run time __getattr__ imports 
     from .tiers._registry import tier_kinds as tier_kinds
     from .tiers._registry import tier_options as tier_options
     from .tiers._registry import unregister_tier as unregister_tier
+    from .tiers._watch import ObjectRemoved as ObjectRemoved
+    from .tiers._watch import Removal as Removal
     from .transfer._cache import PagedKVCache as PagedKVCache
     from .transfer._staging import StagingPool as StagingPool
     from .transfer._staging import StagingStatistics as StagingStatistics
@@ -120,7 +127,16 @@ _LAZY: dict[str, tuple[str, ...]] = {
     ),
     ".core._layout": ("StateGroup", "StateLayout", "kv_layout"),
     ".core._lifecycle": ("Reason", "RequestLifecycle", "RequestState", "TransitionRecord"),
-    ".core._results": ("Policy", "Probe", "RestoreResult", "SaveResult", "Strategy", "Timings"),
+    ".core._results": (
+        "LoadDecision",
+        "Policy",
+        "Probe",
+        "RestoreResult",
+        "SaveResult",
+        "Strategy",
+        "Timings",
+    ),
+    ".core._sightings": ("SightingCounter", "SightingStatistics"),
     ".engine._config": ("EngineConfig",),
     ".engine._coordinator": (
         "Coordinator",
@@ -129,6 +145,7 @@ _LAZY: dict[str, tuple[str, ...]] = {
         "LocalCoordinator",
         "TorchDistributedCoordinator",
     ),
+    ".engine._cost": ("CostModel", "CostStatistics"),
     ".engine._engine": ("EngineStatistics", "RestoreEngine"),
     ".engine._health": ("BreakerState",),
     ".tiers._abandon": ("AbandonableCalls",),
@@ -153,6 +170,7 @@ _LAZY: dict[str, tuple[str, ...]] = {
         "tier_options",
         "unregister_tier",
     ),
+    ".tiers._watch": ("ObjectRemoved", "Removal"),
     ".transfer._cache": ("PagedKVCache",),
     ".transfer._staging": ("StagingPool", "StagingStatistics"),
     ".transfer._tables": ("NULL_BLOCK",),
@@ -199,6 +217,8 @@ __all__ = (
     "ConversationBusyError",
     "Coordinator",
     "CoordinatorError",
+    "CostModel",
+    "CostStatistics",
     "CorruptObjectError",
     "EngineConfig",
     "EngineStatistics",
@@ -218,6 +238,7 @@ __all__ = (
     "KeyedTokens",
     "KvikioReader",
     "LayoutError",
+    "LoadDecision",
     "LocalCoordinator",
     "MooncakeTier",
     "MooncakeTierConfig",
@@ -228,6 +249,7 @@ __all__ = (
     "ObjectHeader",
     "ObjectKey",
     "ObjectNotFoundError",
+    "ObjectRemoved",
     "OutOfBlocksError",
     "PagedKVCache",
     "Policy",
@@ -235,11 +257,14 @@ __all__ = (
     "UringReader",
     "Probe",
     "Reason",
+    "Removal",
     "RequestLifecycle",
     "RequestState",
     "RestoreEngine",
     "RestoreResult",
     "SaveResult",
+    "SightingCounter",
+    "SightingStatistics",
     "StagingError",
     "StagingPool",
     "StagingStatistics",

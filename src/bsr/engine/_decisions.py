@@ -21,7 +21,7 @@ is written meanwhile.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from ..core._keys import ChunkKey, ObjectKey
@@ -32,12 +32,18 @@ from ._health import TierHealth
 
 class Quarantine:
     """The (tier, object id) pairs this engine no longer uses, and the moves out of their
-    tiers still owed. Thread-safe."""
+    tiers still owed. Thread-safe.
 
-    def __init__(self) -> None:
+    Args:
+        on_add: called with ``(tier, object id)`` after an object is newly quarantined (the
+            engine reports it as removed from that tier), outside the lock.
+    """
+
+    def __init__(self, on_add: Callable[[str, str], None] | None = None) -> None:
         self._items: set[tuple[str, str]] = set()
         self._deferred: dict[tuple[str, str], TierQuarantine] = {}
         self._lock = threading.Lock()
+        self._on_add = on_add
 
     def __contains__(self, item: tuple[str, str]) -> bool:
         return item in self._items
@@ -55,7 +61,9 @@ class Quarantine:
             if (tier, object_id) in self._items:
                 return False
             self._items.add((tier, object_id))
-            return True
+        if self._on_add is not None:
+            self._on_add(tier, object_id)
+        return True
 
     def lift(self, tier: str, object_id: str) -> None:
         """A fresh copy was written: the object may be used again (and must stay)."""
