@@ -213,6 +213,9 @@ class RestoreResult:
     invalid_block_ids_by_group: dict[str, tuple[int, ...]] = field(default_factory=dict)
     #: policy ``"cost"``: what it chose to load and from what (None under other policies)
     decision: LoadDecision | None = None
+    #: seconds each tier had at least one of this restore's reads in flight (its reads'
+    #: verified throughput is ``bytes_by_tier[t] / read_s_by_tier[t]``)
+    read_s_by_tier: dict[str, float] = field(default_factory=dict)
 
     @property
     def committed(self) -> bool:

@@ -4,9 +4,10 @@ Where it runs: the engine's event loop (:meth:`CostModel.decide` is pure arithme
 probe; the ``observe_*`` methods take one lock, so a server may feed them from any thread).
 
 How it works: a probe says, before any byte moves, which tier holds every (chunk, group) of
-the reusable prefix. The engine measures each tier's read rate from its own restores (bytes
-read per tier over the time the restore spent reading and installing them; a restore that read
-from several tiers splits its time by the current estimates), and the server tells it how fast
+the reusable prefix. The engine measures each tier's read rate from its own restores: the
+bytes read from the tier over the time the restore had at least one read from it in flight
+(``RestoreResult.read_s_by_tier``, timed by the read gate; reads verified, ``io_depth`` of them
+at once), and the server tells it how fast
 its model prefills (:meth:`CostModel.observe_prefill`: tokens over seconds of prefill, or a
 rate it measured itself). Loading the first ``k`` chunks of a probed prefix of ``P`` chunks
 costs the reads of every object those ``k`` chunks need (a sliding-window group only its
@@ -96,14 +97,22 @@ class CostModel:
             self._read_samples += 1
 
     def observe_restore(self, result: RestoreResult) -> None:
-        """Measure read rates from a restore that read something and committed.
+        """Measure read rates from a restore's reads: each tier's bytes over the time it had at
+        least one of them in flight (``result.read_s_by_tier``).
 
-        The time is the restore's own minus its probe; with several tiers it is split in
-        proportion to each tier's bytes over its current rate estimate (a tier not measured
-        yet counts at the mean of the others, or all alike).
+        A result without those times (made elsewhere) is measured by the restore's own time
+        minus its probe, split across tiers in proportion to each tier's bytes over its current
+        rate estimate (a tier not measured yet counts at the mean of the others, or all alike).
         """
         by_tier = {t: n for t, n in result.bytes_by_tier.items() if n > 0}
-        if not result.committed or not by_tier:
+        if not by_tier:
+            return
+        timed = {t: result.read_s_by_tier.get(t, 0.0) for t in by_tier}
+        if all(s > 0 for s in timed.values()):
+            for t, n in by_tier.items():
+                self.observe_read(t, n, timed[t])
+            return
+        if not result.committed:
             return
         seconds = result.timings.total_s - result.timings.probe_s
         if not seconds > 0:

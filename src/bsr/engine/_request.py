@@ -105,4 +105,5 @@ class RestoreRequest:
             quarantined=run.quarantined if run else 0,
             errors=tuple(run.errors) if run else (),
             decision=self.decision,
+            read_s_by_tier={} if self.gate is None else self.gate.busy_by_tier(),
         )
