@@ -122,6 +122,17 @@ def test_an_unmeasured_rate_decides_nothing() -> None:
     assert model.decide(layout, probe_of(layout, holders), prefill_rate=1e12).choice == "recompute"
 
 
+def test_a_tie_loads_the_longer_prefix() -> None:
+    """Loading a chunk takes exactly as long as recomputing it: load (today's behaviour)."""
+    layout = bsr.StateLayout(chunk_tokens=32, groups=(bsr.StateGroup("kv", 2, 256),))
+    model = bsr.CostModel()
+    model.observe_read("host", layout.group_chunk_bytes("kv"), 1.0)  # a chunk a second
+    model.observe_prefill(32, 1.0)  # a chunk's tokens a second
+    d = model.decide(layout, probe_of(layout, [{"kv": ("host",)}] * 3))
+    assert d.choice == "load" and d.load_chunks == 3
+    assert d.load_s == d.full_recompute_s == 3.0
+
+
 def test_rates_are_weighted_means_and_a_mixed_restore_splits_its_time() -> None:
     model = bsr.CostModel(alpha=0.5)
     model.observe_read("a", 100, 1.0)

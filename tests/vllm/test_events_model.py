@@ -26,6 +26,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 from hypothesis import HealthCheck, settings
@@ -33,6 +34,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
 import bsr
+
+pytest.importorskip("vllm.distributed.kv_transfer")
 from bsr.tiers._store import gc_store
 from bsr.vllm._events import EventRelay, SaveEvents
 from bsr.vllm._fleet import WorkerFleet

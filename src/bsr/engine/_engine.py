@@ -136,7 +136,8 @@ class RestoreEngine(AsyncResource):
         io_depth: reads in flight per restore (1 <= io_depth <= W).
         namespace: model id, tp rank/size, salt; keys are disjoint across namespaces.
         coordinator: cross-rank agreement (default: single rank).
-        policy: default commit policy (``"all_or_nothing"`` or ``"truncate"``).
+        policy: default commit policy (``"all_or_nothing"``, ``"truncate"`` or ``"cost"``: load
+            only what is faster to load than to recompute, see :class:`~bsr.CostModel`).
         deadline_s: default per-restore deadline (None: no deadline).
         pin_staging: allocate pinned staging when CUDA is available.
         prefault_staging: touch the staging window at open (no page faults in the first
