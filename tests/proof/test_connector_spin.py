@@ -476,6 +476,13 @@ NOT_MODELLED = {
     "_account_save": "stats of a save",
     "tables": "vLLM's block ids per KV cache group as bsr's tables (the model has one group)",
     "unreachable": "a load refused before it runs: one of the failed loads the model has",
+    "keys_of": "what a request is keyed by (its extra keys and options): no KV",
+    "_offer": "the lookup's answer (policy cost may offer a shorter prefix): no KV",
+    "_split": "hits by source: counts, no KV",
+    "hit_sources": "the same",
+    "take_events": "KV events: notices of what the tiers hold, no KV",
+    "_admitted": "admission: a save of fewer of the request's computed chunks (a prefix of the "
+    "same save, the same blocks held)",
 }
 
 
