@@ -73,13 +73,16 @@ def scheduler(worker: Worker, kv_events: bool = False, **opts: Any) -> BsrSchedu
     return sched
 
 
-def request(rid: str, prompt: list[int] = PROMPT, hashed: bool = False) -> Request:
+def request(
+    rid: str, prompt: list[int] = PROMPT, hashed: bool = False, params: Any = None, **kw: Any
+) -> Request:
     hasher = None
     if hashed:  # vLLM's own block hashes, as its engine core computes them
         fn = get_hash_fn_by_name("sha256")
         init_none_hash(fn)
         hasher = get_request_block_hasher(BLOCK, fn)
-    return Request(rid, list(prompt), SamplingParams(max_tokens=8), None, block_hasher=hasher)
+    sp = SamplingParams(max_tokens=8, extra_args={"kv_transfer_params": params} if params else None)
+    return Request(rid, list(prompt), sp, None, block_hasher=hasher, **kw)
 
 
 def ask_until(sched: BsrScheduler, req: Request, computed: int = 0) -> tuple[int | None, bool]:
@@ -190,10 +193,14 @@ def test_the_workers_notices_become_vllms_events_once_every_rank_holds_the_chunk
         sched = scheduler(w)
         sched.relay.tp_size = 2
         sched.update_connector_output(
-            KVConnectorOutput(kv_connector_worker_meta=BsrWorkerMetadata({}, [notice(True, 0)]))
+            KVConnectorOutput(
+                kv_connector_worker_meta=BsrWorkerMetadata({}, events=[notice(True, 0)])
+            )
         )
         assert sched.take_events() == []  # rank 1 does not hold its shard yet
-        meta = BsrWorkerMetadata({}, [notice(True, 1)]).aggregate(BsrWorkerMetadata({}, []))
+        meta = BsrWorkerMetadata({}, events=[notice(True, 1)]).aggregate(
+            BsrWorkerMetadata({}, events=[])
+        )
         sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=meta))
         (ev,) = vllm_events(sched.take_events())
         assert isinstance(ev, BlockStored) and ev.medium == "CPU" and ev.group_idx == 0
@@ -203,7 +210,9 @@ def test_the_workers_notices_become_vllms_events_once_every_rank_holds_the_chunk
         assert ev.token_ids == list(range(CHUNK)) and ev.ownership == "host"
         sched.update_connector_output(  # one rank lost its shard: the chunk is gone
             KVConnectorOutput(
-                kv_connector_worker_meta=BsrWorkerMetadata({}, [notice(False, 1, cause="evicted")])
+                kv_connector_worker_meta=BsrWorkerMetadata(
+                    {}, events=[notice(False, 1, cause="evicted")]
+                )
             )
         )
         (ev,) = vllm_events(sched.take_events())
