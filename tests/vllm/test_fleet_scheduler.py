@@ -15,6 +15,7 @@ import pytest
 pytest.importorskip("vllm.distributed.kv_transfer")
 from vllm import SamplingParams
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import (
@@ -177,6 +178,32 @@ def test_a_save_carries_the_requests_own_block_hashes(worker: Worker) -> None:
     assert finish(plain, request("s", hashed=True), 200) == (True, None)
     (job,) = step(plain).saves
     assert job.events is None
+
+
+def test_a_request_bsr_does_not_store_carries_no_save_and_no_event(worker: Worker) -> None:
+    """An opted-out, badly optioned or unkeyable request is never saved: no save job, so no
+    block hashes travel and no worker can announce it (vLLM's own hashes of it would cover the
+    salt, adapter or image; bsr's keys could not)."""
+    sched = scheduler(worker, kv_events=True)
+    image = MultiModalFeatureSpec(
+        data=None, modality="image", identifier="", mm_position=PlaceholderRange(10, 80)
+    )  # an empty identifier: bsr cannot key what the image adds
+    unstored = [
+        request("opt-out", hashed=True, params={"bsr": {"store": False}}),
+        request("bad", hashed=True, params={"bsr": {"store": "no"}}),
+        request("image", hashed=True, mm_features=[image]),
+    ]
+    for req in unstored:
+        assert finish(sched, req, 200)[0] is False
+    meta = step(sched)
+    assert meta.saves == [] and meta.windows == []
+    assert sched.take_events() == []
+    data = sched.take_stats()
+    assert data is not None
+    assert data.data["saves_skipped"] == {"opt_out": 1, "rejected_options": 1, "unkeyable": 1}
+    assert finish(sched, request("kept", hashed=True), 200) == (True, None)  # the control
+    (job,) = step(sched).saves
+    assert job.events is not None and len(job.events.block_hashes) == 6
 
 
 def notice(stored: bool, rank: int, medium: str = "CPU", cause: str = "") -> ChunkNotice:
