@@ -70,7 +70,7 @@ def block_hashes(tokens: list[int]) -> tuple[bytes, ...]:
 
 
 @asynccontextmanager
-async def rig(allowed: int, *more: bsr.Tier) -> AsyncIterator[Rig]:
+async def rig(allowed: int, *more: bsr.Tier, timeout_s: float = 60.0) -> AsyncIterator[Rig]:
     host = bsr.HostTier(1 << 24)
     tier = HeldWrites(host, allowed)
     engine = bsr.RestoreEngine(
@@ -82,7 +82,7 @@ async def rig(allowed: int, *more: bsr.Tier) -> AsyncIterator[Rig]:
     kv.copy_(torch.from_numpy(gen.integers(0, 256, tuple(kv.shape), dtype=np.uint8)))
     settings = ConnectorSettings(
         engine=bsr.EngineConfig.from_dict({"tiers": [{"kind": "host", "capacity_bytes": 1}]}),
-        options=ConnectorOptions.from_dict({"save_timeout_s": 0.5}),
+        options=ConnectorOptions.from_dict({"save_timeout_s": timeout_s}),
         block_size=BLOCK, chunk_tokens=CHUNK, tp_size=1, model_id="m", config_digest="",
         engine_id="e", loads=True, saves=True, failure_policy="recompute", kv_events=True,
     )  # fmt: skip
@@ -104,8 +104,9 @@ def job() -> SaveJob:
 
 
 async def test_a_save_cut_by_save_timeout_s_announces_nothing() -> None:
-    async with rig(allowed=1) as r:  # chunk 0 lands, chunk 1's write hangs
-        with anyio.fail_after(30):  # a hang guard, not a timing claim
+    # chunk 0 lands, chunk 1's write hangs; 3 s leaves a busy machine ample time for chunk 0
+    async with rig(allowed=1, timeout_s=3.0) as r:
+        with anyio.fail_after(60):  # a hang guard, not a timing claim
             out = await r.worker._save_one(job())
         assert out == SAVE_TIMED_OUT
         assert r.host.usage().objects == 1  # chunk 0 was stored before the cut ...
@@ -115,7 +116,7 @@ async def test_a_save_cut_by_save_timeout_s_announces_nothing() -> None:
 
 async def test_control_a_save_that_lands_announces_every_chunk() -> None:
     async with rig(allowed=1 << 30) as r:
-        with anyio.fail_after(30):
+        with anyio.fail_after(120):  # a hang guard
             out = await r.worker._save_one(job())
         assert isinstance(out, bsr.SaveResult) and out.chunks == 3
         notices = r.fleet.notices()
@@ -132,7 +133,7 @@ async def test_a_tier_the_save_skipped_as_root_locked_is_not_announced(tmp_path:
         fd = os.open(root / ".bsr-ledger", os.O_RDWR)  # another holder of the root's lock
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
-            with anyio.fail_after(30):
+            with anyio.fail_after(120):  # a hang guard
                 out = await r.worker._save_one(job())
         finally:
             os.close(fd)
