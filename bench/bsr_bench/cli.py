@@ -20,7 +20,7 @@ from typing import Any
 
 import structlog
 
-from . import hcache, vllm_hybrid, vllm_ttft
+from . import hcache, vllm_cost, vllm_hybrid, vllm_ttft
 from .common.stats import BenchError
 from .paper import options as paper_options
 from .paper import ssd
@@ -36,6 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     ssd.add_arguments(p)  # --ssd-concurrency
     vllm_ttft.add_arguments(p)  # --engine vllm
     vllm_hybrid.add_arguments(p)  # --engine vllm --vllm-model gemma3-tiny
+    vllm_cost.add_arguments(p)  # --engine vllm --vllm-cost
     hcache.add_arguments(p)  # --hcache
 
 
@@ -55,6 +56,8 @@ def program(ns: argparse.Namespace) -> tuple[str, Program]:
     """The program the flags ask for: (its flag, for messages; its entry point)."""
     if ns.hcache:  # HCache restore vs KV restore vs recompute
         return "--hcache", hcache.run_from_namespace
+    if ns.engine == "vllm" and ns.vllm_cost:  # policy "cost" vs always-load vs recompute
+        return "--engine vllm --vllm-cost", vllm_cost.run_from_namespace
     if ns.engine == "vllm" and ns.vllm_model == "gemma3-tiny":  # hybrid manager on vs off
         return "--engine vllm --vllm-model gemma3-tiny", vllm_hybrid.run_from_namespace
     if ns.engine == "vllm":  # TTFT inside vLLM's CPU engine

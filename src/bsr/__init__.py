@@ -60,18 +60,23 @@ if TYPE_CHECKING:  # what mypy and readers see; at run time __getattr__ imports 
     from .core._lifecycle import RequestLifecycle as RequestLifecycle
     from .core._lifecycle import RequestState as RequestState
     from .core._lifecycle import TransitionRecord as TransitionRecord
+    from .core._results import LoadDecision as LoadDecision
     from .core._results import Policy as Policy
     from .core._results import Probe as Probe
     from .core._results import RestoreResult as RestoreResult
     from .core._results import SaveResult as SaveResult
     from .core._results import Strategy as Strategy
     from .core._results import Timings as Timings
+    from .core._sightings import SightingCounter as SightingCounter
+    from .core._sightings import SightingStatistics as SightingStatistics
     from .engine._config import EngineConfig as EngineConfig
     from .engine._coordinator import Coordinator as Coordinator
     from .engine._coordinator import InProcessCoordinator as InProcessCoordinator
     from .engine._coordinator import InProcessGroup as InProcessGroup
     from .engine._coordinator import LocalCoordinator as LocalCoordinator
     from .engine._coordinator import TorchDistributedCoordinator as TorchDistributedCoordinator
+    from .engine._cost import CostModel as CostModel
+    from .engine._cost import CostStatistics as CostStatistics
     from .engine._engine import EngineStatistics as EngineStatistics
     from .engine._engine import RestoreEngine as RestoreEngine
     from .engine._health import BreakerState as BreakerState
@@ -102,6 +107,8 @@ if TYPE_CHECKING:  # what mypy and readers see; at run time __getattr__ imports 
     from .tiers._registry import tier_kinds as tier_kinds
     from .tiers._registry import tier_options as tier_options
     from .tiers._registry import unregister_tier as unregister_tier
+    from .tiers._watch import ObjectRemoved as ObjectRemoved
+    from .tiers._watch import Removal as Removal
     from .transfer._cache import PagedKVCache as PagedKVCache
     from .transfer._staging import StagingPool as StagingPool
     from .transfer._staging import StagingStatistics as StagingStatistics
@@ -124,7 +131,16 @@ _LAZY: dict[str, tuple[str, ...]] = {
     ),
     ".core._layout": ("StateGroup", "StateLayout", "kv_layout"),
     ".core._lifecycle": ("Reason", "RequestLifecycle", "RequestState", "TransitionRecord"),
-    ".core._results": ("Policy", "Probe", "RestoreResult", "SaveResult", "Strategy", "Timings"),
+    ".core._results": (
+        "LoadDecision",
+        "Policy",
+        "Probe",
+        "RestoreResult",
+        "SaveResult",
+        "Strategy",
+        "Timings",
+    ),
+    ".core._sightings": ("SightingCounter", "SightingStatistics"),
     ".engine._config": ("EngineConfig",),
     ".engine._coordinator": (
         "Coordinator",
@@ -133,6 +149,7 @@ _LAZY: dict[str, tuple[str, ...]] = {
         "LocalCoordinator",
         "TorchDistributedCoordinator",
     ),
+    ".engine._cost": ("CostModel", "CostStatistics"),
     ".engine._engine": ("EngineStatistics", "RestoreEngine"),
     ".engine._health": ("BreakerState",),
     ".tiers._abandon": ("AbandonableCalls",),
@@ -157,6 +174,7 @@ _LAZY: dict[str, tuple[str, ...]] = {
         "tier_options",
         "unregister_tier",
     ),
+    ".tiers._watch": ("ObjectRemoved", "Removal"),
     ".transfer._cache": ("PagedKVCache",),
     ".transfer._staging": ("StagingPool", "StagingStatistics"),
     ".transfer._tables": ("NULL_BLOCK",),
@@ -206,6 +224,8 @@ __all__ = (
     "ConversationBusyError",
     "Coordinator",
     "CoordinatorError",
+    "CostModel",
+    "CostStatistics",
     "CorruptObjectError",
     "EngineConfig",
     "EngineStatistics",
@@ -225,6 +245,7 @@ __all__ = (
     "KeyedTokens",
     "KvikioReader",
     "LayoutError",
+    "LoadDecision",
     "LocalCoordinator",
     "MooncakeTier",
     "MooncakeTierConfig",
@@ -235,6 +256,7 @@ __all__ = (
     "ObjectHeader",
     "ObjectKey",
     "ObjectNotFoundError",
+    "ObjectRemoved",
     "OutOfBlocksError",
     "PagedKVCache",
     "Policy",
@@ -242,11 +264,14 @@ __all__ = (
     "UringReader",
     "Probe",
     "Reason",
+    "Removal",
     "RequestLifecycle",
     "RequestState",
     "RestoreEngine",
     "RestoreResult",
     "SaveResult",
+    "SightingCounter",
+    "SightingStatistics",
     "StagingError",
     "StagingPool",
     "StagingStatistics",

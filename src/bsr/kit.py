@@ -40,7 +40,15 @@ from typing import TYPE_CHECKING
 
 import anyio
 
-from . import KeyExtra, PagedKVCache, Probe, RestoreResult, SaveResult, as_token_array
+from . import (
+    KeyExtra,
+    PagedKVCache,
+    Probe,
+    RestoreResult,
+    SaveResult,
+    SightingCounter,
+    as_token_array,
+)
 from ._check import int_at_least, int_between, non_negative_int, positive_int
 from ._errors import BlockTableError, ConfigError, ConversationBusyError, OutOfBlocksError
 
@@ -236,6 +244,11 @@ class ConversationStatistics:
     prefilled_tokens: int
     evictions: int
     saved_tokens: int
+    #: evictions that saved nothing because the conversation's prefix was not seen
+    #: ``admit_after_sightings`` times
+    not_admitted: int = 0
+    #: evictions that saved nothing because a turn said ``store=False``
+    opted_out: int = 0
 
 
 class _State(enum.Enum):
@@ -255,6 +268,11 @@ class _Conversation:
     evicted: anyio.Event | None = None
     #: what besides its tokens its KV was computed with (its tenant, adapter, images)
     extras: tuple[KeyExtra, ...] = ()
+    #: may be saved (False once a turn said ``store=False``: its KV holds that turn's data)
+    store: bool = True
+    #: the chained digests of its history's full chunks, sighted at its last turn (None: no
+    #: admission limit)
+    digests: tuple[bytes, ...] | None = None
 
 
 def _same_inputs(a: tuple[KeyExtra, ...], b: tuple[KeyExtra, ...], n: int) -> bool:
@@ -276,6 +294,12 @@ class ConversationCache:
         engine: an open engine (saves on eviction, restores on admission).
         cache: the paged cache.
         allocator: its block allocator (default: every block of ``cache``).
+        admit_after_sightings: an eviction saves only the leading chunks of a conversation's
+            history that turns (of any conversation) were admitted with at least this many
+            times; 1 (default) saves every full chunk. A prefix seen once is not worth
+            storing when nothing will ask for it again.
+        sightings: the sighting counter (default: a :class:`~bsr.SightingCounter` of 1 MiB),
+            e.g. one shared with another server loop.
 
     Where it runs: the server's event loop; turns of different conversations may run
     concurrently (see the module docstring). A turn is :meth:`admit` (reserve room for the
@@ -286,13 +310,27 @@ class ConversationCache:
     """
 
     def __init__(
-        self, engine: RestoreEngine, cache: PagedKVCache, allocator: BlockAllocator | None = None
+        self,
+        engine: RestoreEngine,
+        cache: PagedKVCache,
+        allocator: BlockAllocator | None = None,
+        *,
+        admit_after_sightings: int = 1,
+        sightings: SightingCounter | None = None,
     ) -> None:
         if not isinstance(cache, PagedKVCache):
             raise ConfigError(f"cache must be a bsr.PagedKVCache, got {type(cache).__name__}")
         self.engine = engine
         self.cache = cache
         self.allocator = allocator or BlockAllocator(cache.num_blocks)
+        self.admit_after_sightings = positive_int(admit_after_sightings, "admit_after_sightings")
+        if sightings is not None and not isinstance(sightings, SightingCounter):
+            raise ConfigError(
+                f"sightings must be a bsr.SightingCounter, got {type(sightings).__name__}"
+            )
+        self.sightings = sightings
+        if self.sightings is None and self.admit_after_sightings > 1:
+            self.sightings = SightingCounter()
         self._convs: OrderedDict[Hashable, _Conversation] = OrderedDict()
         names = [f.name for f in dataclasses.fields(ConversationStatistics) if f.name != "resident"]
         self._stats = dict.fromkeys(names, 0)
@@ -379,9 +417,17 @@ class ConversationCache:
         conv.state, conv.evicted = _State.EVICTING, anyio.Event()
         try:
             saved = None
-            if conv.valid >= self.engine.layout.chunk_tokens:
+            chunk = self.engine.layout.chunk_tokens
+            n = conv.valid
+            if conv.digests is not None:  # the leading chunks seen often enough by now
+                n = min(n, self._admitted(conv.digests) * chunk)
+            if n >= chunk and not conv.store:
+                self._stats["opted_out"] += 1
+            elif n < chunk <= conv.valid:
+                self._stats["not_admitted"] += 1
+            elif n >= chunk:
                 saved = await self.engine.save(
-                    conv.tokens[: conv.valid], self.cache, conv.blocks, extras=conv.extras
+                    conv.tokens[:n], self.cache, conv.blocks, extras=conv.extras
                 )
         except BaseException:
             conv.state = _State.IDLE  # the save failed or was cancelled: it stays resident
@@ -417,6 +463,7 @@ class ConversationCache:
         *,
         reserve_tokens: int = 0,
         extras: Extras | None = None,
+        store: bool = True,
     ) -> Admission:
         """Admit the next turn of ``conv_id`` (``tokens``: its whole history so far).
 
@@ -426,6 +473,8 @@ class ConversationCache:
         (:func:`admit`), evicting least recently used idle conversations until its blocks fit.
         A conversation being evicted is waited for, then admitted through bsr. The turn's
         ``extras`` are the conversation's from now on: its eviction saves under them.
+        ``store=False``: this turn's data must never be stored ("do not store"): the
+        conversation's KV now holds it, so its evictions save nothing from here on.
 
         Raises:
             ConversationBusyError: a turn of ``conv_id`` is already in flight.
@@ -437,8 +486,11 @@ class ConversationCache:
         if n == 0:
             raise ConfigError("admit needs at least one token")
         non_negative_int(reserve_tokens, "reserve_tokens")
+        if not isinstance(store, bool):
+            raise ConfigError(f"store must be True or False, got {store!r}")
         ext = KeyExtra.canonical(extras)
         need = blocks_for(n + reserve_tokens, self.cache.block_tokens)
+        digests = self._sight(toks, ext)  # this turn is a sighting, before anything is evicted
         while True:
             conv = self._convs.get(conv_id)
             if conv is None or conv.state is _State.IDLE:
@@ -455,10 +507,34 @@ class ConversationCache:
             and _same_inputs(conv.extras, ext, conv.valid)
         ):
             conv.extras = ext
-            return await self._admit_resident(conv_id, conv, toks, need)
-        if conv is not None:  # diverged history, or other inputs: start over
-            self.drop(conv_id)
-        return await self._admit_new(conv_id, toks, reserve_tokens, need, ext)
+            adm = await self._admit_resident(conv_id, conv, toks, need)
+        else:
+            if conv is not None:  # diverged history, or other inputs: start over
+                self.drop(conv_id)
+            adm = await self._admit_new(conv_id, toks, reserve_tokens, need, ext)
+        turn = self._convs[conv_id]
+        turn.store = turn.store and store
+        turn.digests = digests
+        return adm
+
+    def _sight(self, toks: list[int], extras: tuple[KeyExtra, ...]) -> tuple[bytes, ...] | None:
+        """Count a turn's sighting of every prefix of its history; the chunks' digests (None:
+        no admission limit)."""
+        if self.sightings is None or self.admit_after_sightings <= 1:
+            return None
+        digests = tuple(k.digest for k in self.engine.keys(toks, extras=extras))
+        self.sightings.add(digests)
+        return digests
+
+    def _admitted(self, digests: tuple[bytes, ...]) -> int:
+        """Leading chunks seen at least ``admit_after_sightings`` times by now."""
+        assert self.sightings is not None
+        n = 0
+        for d in digests:
+            if self.sightings.count(d) < self.admit_after_sightings:
+                break
+            n += 1
+        return n
 
     async def _admit_resident(
         self, conv_id: Hashable, conv: _Conversation, toks: list[int], need: int
@@ -550,12 +626,15 @@ class ConversationCache:
         *,
         reserve_tokens: int = 0,
         extras: Extras | None = None,
+        store: bool = True,
     ) -> AsyncIterator[Admission]:
         """``async with cache.turn(conv_id, history) as adm:`` admit, run the model, commit.
 
         Leaving the block without :meth:`commit` (an error, a cancellation) aborts the turn.
         """
-        adm = await self.admit(conv_id, tokens, reserve_tokens=reserve_tokens, extras=extras)
+        adm = await self.admit(
+            conv_id, tokens, reserve_tokens=reserve_tokens, extras=extras, store=store
+        )
         try:
             yield adm
         finally:

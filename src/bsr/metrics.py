@@ -37,6 +37,9 @@ Metric names (prefix ``bsr`` by default; one engine per registry and prefix):
 ``bsr_engine_quarantined_objects``      objects the engine refuses to read (until re-saved)
 ``bsr_breaker_open{tier}``              1 while the tier's breaker is open, else 0
 ``bsr_breaker_trips_total{tier}``       times the breaker opened
+``bsr_load_decisions_total{choice}``    policy ``"cost"``: restores by what it chose to load
+``bsr_tier_read_rate_bytes_per_second`` the read rate the cost model measured, label ``tier``
+``bsr_prefill_rate_tokens_per_second``  the prefill rate the server reported to the cost model
 ======================================  =======================================================
 
 Example::
@@ -108,6 +111,7 @@ _METRICS: tuple[tuple[str, str, str, str, tuple[str, ...]], ...] = (
     ("save_errors", "counter", "save_errors", "Write errors during saves", ("tier",)),
     ("saves_skipped", "counter", "saves_skipped", "Saves that skipped a busy tier", ("reason",)),
     ("save_seconds", "histogram", "save_duration_seconds", "Save wall time", ()),
+    ("load_decisions", "counter", "load_decisions", "Policy 'cost' decisions", ("choice",)),
 )
 
 
@@ -140,6 +144,7 @@ class PrometheusMetrics:
     save_errors: Any
     saves_skipped: Any
     save_seconds: Any
+    load_decisions: Any
 
     def __init__(
         self,
@@ -197,6 +202,8 @@ class PrometheusMetrics:
             self.quarantined.inc(record.quarantined)
             self.restore_seconds.labels(outcome).observe(record.timings.total_s)
             self.restore_rws.observe(record.rws_peak_bytes)
+            if record.decision is not None:
+                self.load_decisions.labels(record.decision.choice).inc()
         elif isinstance(record, Probe):
             self.lookups.labels("hit" if record.hit else "miss").inc()
             self.probe_seconds.observe(record.duration_s)
@@ -254,6 +261,18 @@ class _EngineCollector(Collector):
             ("engine_quarantined_objects", "Objects the engine refuses to read", st.quarantined),
         ):
             yield GaugeMetricFamily(f"{p}_{name}", doc, value=value)
+        cost = self.engine.cost.statistics()
+        rates = GaugeMetricFamily(
+            f"{p}_tier_read_rate_bytes_per_second", "Read rate restores measured", labels=["tier"]
+        )
+        for tier, rate in sorted(cost.read_rates.items()):
+            rates.add_metric([_label(tier)], rate)
+        yield rates
+        if cost.prefill_rate is not None:
+            yield GaugeMetricFamily(
+                f"{p}_prefill_rate_tokens_per_second", "Prefill rate the server reported",
+                value=cost.prefill_rate,
+            )  # fmt: skip
         gauges = {
             "objects": ("Objects stored in the tier", "objects"),
             "bytes": ("Bytes stored in the tier", "bytes"),

@@ -179,7 +179,7 @@ def model_vote(
 ) -> int:
     if timed_out:
         return 0
-    if policy is AON:
+    if policy is not TRUNC:  # all_or_nothing, and cost (which commits its choice that way)
         return target if target > 0 and model_needs(windows, target) <= have else 0
     ok = [p for p in range(min(limit, target) + 1) if model_needs(windows, p) <= have]
     return max(ok)

@@ -89,10 +89,39 @@ async def test_exposition_matches_results(tmp_path: Path) -> None:
         assert got[("t_tier_hits_total", (("tier", t.name),))] == t.hits
         assert got[("t_breaker_open", (("tier", t.name),))] == 0
     assert got[("t_tier_hits_total", (("tier", "file"),))] >= 1
+    rates = engine.cost.statistics().read_rates  # what the restores measured, per tier
+    assert rates.keys() == {"host", "file"}
+    for tier, rate in rates.items():
+        assert got[("t_tier_read_rate_bytes_per_second", (("tier", tier),))] == pytest.approx(rate)
+    assert ("t_prefill_rate_tokens_per_second", ()) not in got  # nobody reported a prefill
 
     assert not any(k[0].startswith("t_staging") for k in _samples(registry))  # closed
     metrics.close()
     assert _samples(registry) == {}
+
+
+@pytest.mark.anyio
+async def test_cost_decisions_are_counted() -> None:
+    layout = two_group_layout()
+    n = 2 * layout.chunk_tokens
+    src = filled_cache(layout, 64, 8)
+    engine = make_engine(layout, [bsr.HostTier(1 << 24)], policy="cost")
+    registry = prometheus_client.CollectorRegistry()
+    bsr.metrics.PrometheusMetrics(engine, registry=registry, prefix="c")
+    async with engine:
+        await engine.save(tokens_for(n), src, list(range(n // 8)))
+        first = await engine.restore(tokens_for(n), bsr.PagedKVCache(layout, 64, 8), list(range(8)))
+        engine.cost.observe_prefill(10**9, 1.0)  # a prefill far faster than any read
+        second = await engine.restore(
+            tokens_for(n), bsr.PagedKVCache(layout, 64, 8), list(range(8))
+        )
+        got = _samples(registry)
+    assert first.decision is not None and first.decision.choice == "unmeasured"
+    assert second.decision is not None and second.decision.choice == "recompute"
+    assert got[("c_load_decisions_total", (("choice", "unmeasured"),))] == 1
+    assert got[("c_load_decisions_total", (("choice", "recompute"),))] == 1
+    assert got[("c_restores_total", (("outcome", "committed"), ("reason", "recompute")))] == 1
+    assert got[("c_prefill_rate_tokens_per_second", ())] == 10**9
 
 
 @pytest.mark.anyio

@@ -502,6 +502,12 @@ NOT_MODELLED = {
     "keys_of": "a request's keys (tokens and extras): the model's CID(r, i) names them abstractly",
     "tables": "vLLM's block ids per KV cache group as bsr's tables (the model has one group)",
     "unreachable": "a load refused before it runs: one of the failed loads the model has",
+    "_offer": "the lookup's answer (policy cost may offer a shorter prefix): no KV",
+    "_split": "hits by source: counts, no KV",
+    "hit_sources": "the same",
+    "take_events": "KV events: notices of what the tiers hold, no KV",
+    "_admitted": "admission: a save of fewer of the request's computed chunks (a prefix of the "
+    "same save, the same blocks held)",
 }
 
 

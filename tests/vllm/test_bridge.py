@@ -28,7 +28,9 @@ from hypothesis import strategies as st
 import bsr
 from bsr.vllm._bridge import LoopThread
 from bsr.vllm._lookup import (
+    LookupAnswer,
     LookupClient,
+    LookupHints,
     LookupServer,
     decode_extras,
     encode_extras,
@@ -57,13 +59,15 @@ def path() -> Iterator[str]:
             os.unlink(leftover)
 
 
-def summing(server_ref: list[LookupServer]) -> Callable[[int, int, np.ndarray, Any], None]:
+def summing(server_ref: list[LookupServer]) -> Callable[..., None]:
     """A handler that answers from another thread, later (as the connector's loop does): the
-    sum of the tokens plus, per extra key, its start and its key's length."""
+    sum of the tokens plus, per extra key, its start and its key's length; per tier, the hints'
+    start tokens and prefill rate, and the token count."""
 
-    def handler(cid: int, seq: int, tokens: np.ndarray, extras: Any) -> None:
+    def handler(cid: int, seq: int, tokens: np.ndarray, extras: Any, hints: LookupHints) -> None:
         total = int(tokens.sum()) + sum(e.start + len(e.key) for e in extras)
-        threading.Timer(0.01, lambda: server_ref[0].reply(cid, seq, total)).start()
+        by_tier = [hints.start_tokens, int(hints.prefill_rate), len(tokens)]
+        threading.Timer(0.01, lambda: server_ref[0].reply(cid, seq, total, by_tier)).start()
 
     return handler
 
@@ -128,6 +132,11 @@ def test_lookups_are_pipelined_and_matched_by_sequence_number(path: str) -> None
         assert collect(client, 4) == {
             1: 6, 2: sum(range(10_000)), 3: 5, 4: 5 + (0 + 6) + (7 + 3)
         }  # fmt: skip
+        # the hints travel with the lookup, the per-tier tokens with the answer
+        assert client.submit(5, [1, 2], (), LookupHints(start_tokens=64, prefill_rate=1234.5))
+        got: dict[int, LookupAnswer] = {}
+        wait_for(lambda: bool(got.update(client.poll_answers()) or got), "the answer")
+        assert got[5] == LookupAnswer(3, (64, 1234, 2, 0, 0, 0, 0, 0))
         assert client.failures == 0
     finally:
         client.close()
@@ -141,7 +150,7 @@ def test_the_client_never_waits_for_an_answer(path: str) -> None:
     started = threading.Event()
     pending: list[tuple[int, int]] = []
 
-    def never(cid: int, seq: int, tokens: np.ndarray, extras: Any) -> None:
+    def never(cid: int, seq: int, tokens: np.ndarray, extras: Any, hints: Any) -> None:
         pending.append((cid, seq))
         started.set()
 
@@ -166,7 +175,7 @@ def test_failures_are_misses_never_hangs(path: str) -> None:
     assert not client.submit(2, [1, 2])  # nobody listening
     assert client.failures == 2
 
-    def broken(cid: int, seq: int, tokens: np.ndarray) -> None:
+    def broken(cid: int, seq: int, tokens: np.ndarray, extras: Any, hints: Any) -> None:
         raise RuntimeError("store down")
 
     server = LookupServer(path, broken)
@@ -183,7 +192,7 @@ def test_socket_is_owner_only_whatever_the_umask(path: str) -> None:
     old = os.umask(0)
     try:
         p = private_socket_path()
-        server = LookupServer(p, lambda cid, seq, t, x: None)
+        server = LookupServer(p, lambda cid, seq, t, x, h: None)
     finally:
         os.umask(old)
     try:
@@ -197,7 +206,7 @@ def test_socket_is_owner_only_whatever_the_umask(path: str) -> None:
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid")
 def test_another_uid_cannot_reach_the_socket(path: str) -> None:
-    server = LookupServer(path, lambda cid, seq, t, x: server.reply(cid, seq, 1))
+    server = LookupServer(path, lambda cid, seq, t, x, h: server.reply(cid, seq, 1))
     try:
         r, w = os.pipe()
         pid = os.fork()
@@ -225,10 +234,10 @@ def test_another_uid_cannot_reach_the_socket(path: str) -> None:
 
 
 def test_a_second_server_on_the_same_path_is_refused(path: str) -> None:
-    first = LookupServer(path, lambda cid, seq, t, x: first.reply(cid, seq, 11))
+    first = LookupServer(path, lambda cid, seq, t, x, h: first.reply(cid, seq, 11))
     try:
         with pytest.raises(bsr.ConfigError, match="another server already answers"):
-            LookupServer(path, lambda cid, seq, t, x: None)
+            LookupServer(path, lambda cid, seq, t, x, h: None)
         client = LookupClient(path)
         assert client.submit(1, [1])
         assert collect(client, 1) == {1: 11}  # the first server still answers
@@ -243,7 +252,7 @@ def test_a_stale_socket_is_replaced_and_a_foreign_file_is_left_alone(
     stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     stale.bind(path)
     stale.close()  # a socket file nobody answers on (a dead process's)
-    server = LookupServer(path, lambda cid, seq, t, x: server.reply(cid, seq, 5))
+    server = LookupServer(path, lambda cid, seq, t, x, h: server.reply(cid, seq, 5))
     client = LookupClient(path)
     try:
         assert client.submit(1, [1])
@@ -254,7 +263,7 @@ def test_a_stale_socket_is_replaced_and_a_foreign_file_is_left_alone(
     other = tmp_path / "other.sock"
     other.write_text("not a socket")
     with pytest.raises(bsr.ConfigError, match="not a socket"):
-        LookupServer(str(other), lambda cid, seq, t, x: None)
+        LookupServer(str(other), lambda cid, seq, t, x, h: None)
     assert other.read_text() == "not a socket"
 
 
@@ -264,7 +273,9 @@ def lookup_threads() -> int:
 
 def test_connections_are_bounded_and_served_by_one_thread(path: str) -> None:
     before = lookup_threads()
-    server = LookupServer(path, lambda cid, seq, t, x: server.reply(cid, seq, 3), max_connections=2)
+    server = LookupServer(
+        path, lambda cid, seq, t, x, h: server.reply(cid, seq, 3), max_connections=2
+    )
     peers = []
     try:
         for _ in range(6):  # idle peers: they connect and send nothing
@@ -285,7 +296,7 @@ def test_connections_are_bounded_and_served_by_one_thread(path: str) -> None:
 
 
 def test_an_incomplete_request_is_dropped_after_the_read_timeout(path: str) -> None:
-    server = LookupServer(path, lambda cid, seq, t, x: None, read_timeout_s=0.2)
+    server = LookupServer(path, lambda cid, seq, t, x, h: None, read_timeout_s=0.2)
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         s.connect(path)
@@ -328,7 +339,7 @@ def test_a_lookup_with_malformed_extra_keys_is_dropped(path: str, raw: bytes) ->
     """A request whose extra keys do not decode is never looked up (it could be looked up
     without them): its connection is closed, and the server goes on serving others."""
     asked: list[int] = []
-    server = LookupServer(path, lambda cid, seq, t, x: asked.append(seq))
+    server = LookupServer(path, lambda cid, seq, t, x, h: asked.append(seq))
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         s.connect(path)
@@ -349,7 +360,7 @@ def test_a_lookup_with_malformed_extra_keys_is_dropped(path: str, raw: bytes) ->
 
 def test_close_ends_the_thread_and_every_connection(path: str) -> None:
     before = lookup_threads()
-    server = LookupServer(path, lambda cid, seq, t, x: None)
+    server = LookupServer(path, lambda cid, seq, t, x, h: None)
     client = LookupClient(path)
     assert client.submit(1, [1, 2, 3])  # a lookup that will never be answered
     wait_for(lambda: server.connections == 1, "the connection")
@@ -360,7 +371,7 @@ def test_close_ends_the_thread_and_every_connection(path: str) -> None:
 
 
 def test_garbage_closes_only_that_connection(path: str) -> None:
-    server = LookupServer(path, lambda cid, seq, t, x: server.reply(cid, seq, 9))
+    server = LookupServer(path, lambda cid, seq, t, x, h: server.reply(cid, seq, 9))
     bad = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     client = LookupClient(path)
     try:
@@ -385,7 +396,7 @@ def test_dead_engines_socket_dirs_are_swept_and_live_ones_kept(tmp_path: Path) -
         d.mkdir(mode=0o700)
         server = None
         if live:
-            server = LookupServer(str(d / "lookup.sock"), lambda cid, seq, t, x: None)
+            server = LookupServer(str(d / "lookup.sock"), lambda cid, seq, t, x, h: None)
         else:
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             s.bind(str(d / "lookup.sock"))

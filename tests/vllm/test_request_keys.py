@@ -172,7 +172,9 @@ class EngineWorker:
         self.asked: list[tuple[bsr.KeyExtra, ...]] = []
         self.server = LookupServer(private_socket_path(), self._on_lookup)
 
-    def _on_lookup(self, cid: int, seq: int, tokens: np.ndarray, extras: Any) -> None:
+    def _on_lookup(
+        self, cid: int, seq: int, tokens: np.ndarray, extras: Any, hints: Any = None
+    ) -> None:
         self.asked.append(extras)
 
         async def answer() -> None:

@@ -23,7 +23,7 @@ from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
 import bsr
-from bsr.vllm._lookup import LookupServer, private_socket_path
+from bsr.vllm._lookup import LookupHints, LookupServer, private_socket_path
 from bsr.vllm._metadata import BsrConnectorMetadata, BsrWorkerMetadata
 from bsr.vllm._options import ConnectorOptions, ConnectorSettings
 from bsr.vllm._scheduler import BsrScheduler
@@ -40,17 +40,25 @@ class Worker:
         self.asked: list[int] = []
         self.extras: list[tuple[bsr.KeyExtra, ...]] = []  # each lookup's extra keys
         self.pending: list[tuple[int, int]] = []
+        self.hints: list[LookupHints] = []  # each lookup's hints (vLLM's hit, prefill rate)
+        self.by_tier: list[int] = []  # the answer's tokens per tier
         self.server = LookupServer(private_socket_path(), self._handle)
 
     def _handle(
-        self, cid: int, seq: int, tokens: np.ndarray, extras: tuple[bsr.KeyExtra, ...]
+        self,
+        cid: int,
+        seq: int,
+        tokens: np.ndarray,
+        extras: tuple[bsr.KeyExtra, ...],
+        hints: LookupHints,
     ) -> None:
         self.asked.append(len(tokens))
         self.extras.append(extras)
+        self.hints.append(hints)
         if self.hold:
             self.pending.append((cid, seq))
         else:
-            self.server.reply(cid, seq, min(self.hit, len(tokens)))
+            self.server.reply(cid, seq, min(self.hit, len(tokens)), self.by_tier)
 
     def release(self) -> None:
         for cid, seq in self.pending:

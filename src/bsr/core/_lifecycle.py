@@ -63,6 +63,7 @@ class Reason(str, enum.Enum):
     ENGINE_CLOSED = "engine_closed"
     INTERNAL_ERROR = "internal_error"
     STAGING_BUDGET = "staging_budget"
+    RECOMPUTE = "recompute"
 
     def __str__(self) -> str:
         return self.value

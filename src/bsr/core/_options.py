@@ -17,6 +17,9 @@ class Policy(str, enum.Enum):
     ALL_OR_NOTHING = "all_or_nothing"
     #: commit the longest agreed prefix of fully installed chunks (never a partial chunk/group)
     TRUNCATE = "truncate"
+    #: load the part of the agreed prefix that is faster to load than to recompute by the
+    #: measured rates (the whole of it, a shorter prefix, or nothing), all-or-nothing
+    COST = "cost"
 
 
 class Strategy(str, enum.Enum):

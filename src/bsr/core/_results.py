@@ -19,6 +19,63 @@ class Releasable(Protocol):
 
 
 @dataclass(frozen=True)
+class LoadDecision:
+    """What policy ``"cost"`` chose for one probed prefix, and from what.
+
+    Attributes:
+        choice: ``"load"`` (the whole probed prefix), ``"partial"`` (a shorter prefix: the
+            rest is recomputed), ``"recompute"`` (nothing is loaded), ``"unmeasured"`` (a rate
+            it needs has no measurement yet: the whole prefix is loaded, which measures it) or
+            ``"empty"`` (nothing to decide: no chunk past the caller's own).
+        load_chunks: chunks loaded from token 0 (chunks below ``start_chunks`` are the
+            caller's own); the probed prefix past them is recomputed.
+        probed_chunks: the probed (agreed) prefix.
+        start_chunks: whole chunks the caller already holds (neither loaded nor recomputed).
+        bytes_by_tier: bytes a load of the whole probed prefix past ``start_chunks`` reads, per
+            tier (each object's first holder).
+        read_rates: the measured read rate of each of those tiers, bytes/s (None: none yet).
+        prefill_rate: the measured prefill rate, tokens/s (None: none yet).
+        load_s: estimated seconds to load the chosen chunks (0.0 for none).
+        recompute_s: estimated seconds to recompute the rest of the probed prefix.
+        full_load_s: estimated seconds to load the whole probed prefix (None: unmeasured).
+        full_recompute_s: estimated seconds to recompute it all (None: unmeasured).
+    """
+
+    choice: str
+    load_chunks: int
+    probed_chunks: int
+    start_chunks: int = 0
+    bytes_by_tier: dict[str, int] = field(default_factory=dict)
+    read_rates: dict[str, float | None] = field(default_factory=dict)
+    prefill_rate: float | None = None
+    load_s: float | None = None
+    recompute_s: float | None = None
+    full_load_s: float | None = None
+    full_recompute_s: float | None = None
+
+    @property
+    def loads(self) -> bool:
+        """Whether anything past the caller's own chunks is loaded."""
+        return self.load_chunks > self.start_chunks
+
+    def to_dict(self) -> dict[str, object]:
+        """The decision and its inputs as plain values (logs, traces, JSON)."""
+        return {
+            "choice": self.choice,
+            "load_chunks": self.load_chunks,
+            "probed_chunks": self.probed_chunks,
+            "start_chunks": self.start_chunks,
+            "bytes_by_tier": dict(self.bytes_by_tier),
+            "read_rates": dict(self.read_rates),
+            "prefill_rate": self.prefill_rate,
+            "load_s": self.load_s,
+            "recompute_s": self.recompute_s,
+            "full_load_s": self.full_load_s,
+            "full_recompute_s": self.full_recompute_s,
+        }
+
+
+@dataclass(frozen=True)
 class Probe:
     """Where the reusable prefix of a token sequence is, found without moving data.
 
@@ -50,6 +107,9 @@ class Probe:
     #: the tier leases taken by ``lookup(..., lease_ttl_s=...)`` (released by the restore that
     #: uses this probe, by :meth:`release`, or when their TTL passes)
     lease: Releasable | None = field(default=None, compare=False, repr=False)
+    #: policy ``"cost"``: how much of the prefix is worth loading, and from what (a restore
+    #: given this probe loads that much)
+    decision: LoadDecision | None = None
 
     def release(self) -> None:
         """Give back the leases this probe holds (idempotent; a restore does it for you)."""
@@ -139,6 +199,7 @@ class RestoreResult:
             block tables of their own, whose ids may repeat across groups).
         trace: the request's transitions.
         strategy, policy: what was asked for.
+        decision: policy ``"cost"``: the load-or-recompute decision and its inputs.
         fallbacks: reads served by a lower tier after a higher one failed.
         quarantined: objects taken out of service during this restore.
     """
@@ -159,6 +220,11 @@ class RestoreResult:
     quarantined: int = 0
     errors: tuple[str, ...] = field(default=())
     invalid_block_ids_by_group: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    #: policy ``"cost"``: what it chose to load and from what (None under other policies)
+    decision: LoadDecision | None = None
+    #: seconds each tier had at least one of this restore's reads in flight (its reads'
+    #: verified throughput is ``bytes_by_tier[t] / read_s_by_tier[t]``)
+    read_s_by_tier: dict[str, float] = field(default_factory=dict)
 
     @property
     def committed(self) -> bool:

@@ -108,7 +108,7 @@ class EngineConfig:
         io_depth: reads in flight per restore (``1 <= io_depth <= window``).
         chunk_tokens: tokens per chunk; ``None`` takes the layout's. When both are given they
             must agree.
-        policy: default commit policy, ``"all_or_nothing"`` or ``"truncate"``.
+        policy: default commit policy, ``"all_or_nothing"``, ``"truncate"`` or ``"cost"``.
         deadline_s: default per-restore deadline in seconds (``None``: none).
         breaker_threshold: consecutive tier failures that trip its breaker (``None``: never).
         breaker_cooldown_s: how long a tripped tier is skipped.

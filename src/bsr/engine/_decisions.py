@@ -21,7 +21,8 @@ is written meanwhile.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from ..core._keys import ChunkKey, ObjectKey
@@ -32,12 +33,18 @@ from ._health import TierHealth
 
 class Quarantine:
     """The (tier, object id) pairs this engine no longer uses, and the moves out of their
-    tiers still owed. Thread-safe."""
+    tiers still owed. Thread-safe.
 
-    def __init__(self) -> None:
+    Args:
+        on_add: called with ``(tier, object id)`` after an object is newly quarantined (the
+            engine reports it as removed from that tier), outside the lock.
+    """
+
+    def __init__(self, on_add: Callable[[str, str], None] | None = None) -> None:
         self._items: set[tuple[str, str]] = set()
         self._deferred: dict[tuple[str, str], TierQuarantine] = {}
         self._lock = threading.Lock()
+        self._on_add = on_add
 
     def __contains__(self, item: tuple[str, str]) -> bool:
         return item in self._items
@@ -55,7 +62,9 @@ class Quarantine:
             if (tier, object_id) in self._items:
                 return False
             self._items.add((tier, object_id))
-            return True
+        if self._on_add is not None:
+            self._on_add(tier, object_id)
+        return True
 
     def lift(self, tier: str, object_id: str) -> None:
         """A fresh copy was written: the object may be used again (and must stay)."""
@@ -105,22 +114,56 @@ class RestoreGate:
         self.log = log
         self.pending: list[TierQuarantine] = []
         self._lock = threading.Lock()
+        # per tier: reads in flight, since when one was, and the time one was (its busy time:
+        # what the cost model divides the tier's bytes by)
+        self._inflight: dict[str, int] = {}
+        self._since: dict[str, float] = {}
+        self._busy: dict[str, float] = {}
 
     def admit(self, tier: str, key: ChunkKey, group: str) -> str | None:
         if len(self.quarantine) and (tier, ObjectKey(key, group).object_id) in self.quarantine:
             return "object quarantined"
         if not self.health.admit(tier):
             return "circuit breaker open"
+        with self._lock:  # an admitted attempt ends in exactly one report, report_ok or withdraw
+            n = self._inflight.get(tier, 0)
+            if n == 0:
+                self._since[tier] = time.perf_counter()
+            self._inflight[tier] = n + 1
         return None
 
+    def _ended(self, tier: str) -> None:
+        with self._lock:
+            n = self._inflight.get(tier, 0) - 1
+            if n < 0:
+                return
+            self._inflight[tier] = n
+            if n == 0:
+                spent = time.perf_counter() - self._since[tier]
+                self._busy[tier] = self._busy.get(tier, 0.0) + spent
+
+    def busy_by_tier(self) -> dict[str, float]:
+        """Seconds each tier had at least one read of this restore in flight (the reads that
+        are still in flight count up to now)."""
+        now = time.perf_counter()
+        with self._lock:
+            out = dict(self._busy)
+            for t, n in self._inflight.items():
+                if n > 0:
+                    out[t] = out.get(t, 0.0) + now - self._since[t]
+        return out
+
     def withdraw(self, tier: str) -> None:
+        self._ended(tier)
         self.health.release(tier)
 
     def report_ok(self, tier: str) -> None:
         """``report`` of an ``OK`` outcome, without the record (called once per object read)."""
+        self._ended(tier)
         self.health.success(tier)
 
     def report(self, outcome: ReadOutcome) -> None:
+        self._ended(outcome.tier)
         kind = outcome.outcome
         if kind in (Outcome.OK, Outcome.MISS, Outcome.CORRUPT):
             self.health.success(outcome.tier)  # the tier answered

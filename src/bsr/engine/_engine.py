@@ -20,6 +20,7 @@ installed on this rank and every rank votes yes (invariants 1 and 2).
 from __future__ import annotations
 
 import itertools
+import math
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -37,7 +38,7 @@ from .._check import (
     positive_float,
     short_repr,
 )
-from .._errors import BlockTableError, ClosedError, ConfigError, CoordinatorError
+from .._errors import BlockTableError, BsrError, ClosedError, ConfigError, CoordinatorError
 from .._log import logger
 from .._resource import AsyncResource
 from ..core._commit import (
@@ -63,6 +64,7 @@ from ..core._options import Policy, Strategy, choice
 from ..core._plan import checkpoint_ends, needed_objects
 from ..core._results import Probe, RestoreResult, SaveResult
 from ..tiers._base import Tier, TierLease, TierStatistics
+from ..tiers._watch import Removal, RemovalFeed, RemovalListener
 from ..transfer._cache import PagedKVCache
 from ..transfer._pipeline import (
     ChunkFailure,
@@ -76,6 +78,7 @@ from ..transfer._staging import StagingPool, StagingStatistics
 from ..transfer._tables import BlockTables
 from ._config import DEFAULT_WINDOW_CHECKPOINT_CHUNKS, EngineConfig, check_window_memory
 from ._coordinator import Coordinator, LocalCoordinator
+from ._cost import CostModel
 from ._decisions import Quarantine, RestoreGate, TierQuarantine
 from ._health import BreakerState, TierHealth
 from ._leases import LeaseBook, ProbeLease
@@ -137,7 +140,8 @@ class RestoreEngine(AsyncResource):
         io_depth: reads in flight per restore (1 <= io_depth <= W).
         namespace: model id, tp rank/size, salt; keys are disjoint across namespaces.
         coordinator: cross-rank agreement (default: single rank).
-        policy: default commit policy (``"all_or_nothing"`` or ``"truncate"``).
+        policy: default commit policy (``"all_or_nothing"``, ``"truncate"`` or ``"cost"``: load
+            only what is faster to load than to recompute, see :class:`~bsr.CostModel`).
         deadline_s: default per-restore deadline (None: no deadline).
         pin_staging: allocate pinned staging when CUDA is available.
         prefault_staging: touch the staging window at open (no page faults in the first
@@ -213,7 +217,11 @@ class RestoreEngine(AsyncResource):
             cooldown_s=_OPTION["breaker_cooldown_s"](breaker_cooldown_s, "breaker_cooldown_s"),
         )
         self._pool: StagingPool | None = None  # set by open(): new -> open -> closed
-        self._quarantine = Quarantine()
+        #: what this engine itself takes out of its tiers' service (quarantine, audits)
+        self._removals = RemovalFeed("engine")
+        self._quarantine = Quarantine(on_add=self._quarantined)
+        #: measured read rates and prefill rate; decides policy "cost"
+        self.cost = CostModel()
         self._leases = LeaseBook()
         self._ids = itertools.count()
         self._counts = {"restores": 0, "committed": 0, "invalidated": 0, "saves": 0}
@@ -415,6 +423,60 @@ class RestoreEngine(AsyncResource):
         self._listeners.append(listener)
         return lambda: self._listeners.remove(listener) if listener in self._listeners else None
 
+    def on_removed(self, listener: RemovalListener) -> Callable[[], None]:
+        """Call ``listener(ObjectRemoved)`` whenever an object stops being served by a tier.
+
+        Every tier's own removals (:meth:`Tier.on_removed`: HostTier and FileTier report each
+        eviction, delete and quarantine as it happens), each object this engine quarantines
+        (it is never read again from that tier, whatever the tier still holds), and what
+        :meth:`audit` finds gone. Called on the event loop or a worker thread, at least once
+        per removal: keep it cheap, thread-safe and idempotent. Returns an unsubscribe function.
+        """
+        undo = [t.on_removed(listener) for t in self.tiers]
+        undo.append(self._removals.add(listener))
+
+        def unsubscribe() -> None:
+            for u in undo:
+                u()
+
+        return unsubscribe
+
+    def _quarantined(self, tier: str, object_id: str) -> None:
+        self._removals.emit(object_id, Removal.QUARANTINED, tier=tier)
+
+    async def audit(
+        self, objects: Sequence[tuple[str, ObjectKey]], *, deadline_s: float | None = None
+    ) -> list[bool | None]:
+        """Whether each ``(tier name, object)`` can still be served from that tier.
+
+        Asks the tier's storage itself (:meth:`Tier.recheck_many`: metadata only), so it finds
+        objects removed behind this engine's back (``bsr store gc`` or another server sharing a
+        FileTier root, a remote store's own eviction), and reports each one found gone to the
+        :meth:`on_removed` listeners (``Removal.VANISHED``). An object this engine quarantined
+        is not servable. ``None``: the tier did not answer (an error, or ``deadline_s``
+        passed); nothing is reported for it.
+        """
+        self._open_pool()
+        deadline = optional_positive_float(deadline_s, "deadline_s")
+        by_tier: dict[str, list[int]] = {}
+        for i, (name, _) in enumerate(objects):
+            self._tier(name)  # an unknown tier name is the caller's error
+            by_tier.setdefault(name, []).append(i)
+        out: list[bool | None] = [None] * len(objects)
+        with anyio.move_on_after(math.inf if deadline is None else deadline):
+            for name, idx in by_tier.items():
+                try:
+                    held = await self._tier(name).recheck_many([objects[i][1] for i in idx])
+                except (BsrError, OSError) as exc:
+                    self._log.warning("bsr.engine.audit_failed", tier=name, error=repr(exc))
+                    continue
+                for i, h in zip(idx, held):
+                    oid = objects[i][1].object_id
+                    out[i] = bool(h) and (name, oid) not in self._quarantine
+                    if not h:
+                        self._removals.emit(oid, Removal.VANISHED, tier=name)
+        return out
+
     def _notify(self, record: Record) -> None:
         for listener in list(self._listeners):
             try:
@@ -448,6 +510,8 @@ class RestoreEngine(AsyncResource):
         lease_ttl_s: float | None = None,
         deadline_s: float | None = None,
         local: bool = False,
+        start_tokens: int = 0,
+        prefill_tokens_per_s: float | None = None,
     ) -> Probe:
         """Find the reusable prefix of ``tokens`` across tiers, groups and ranks; moves no data.
 
@@ -463,6 +527,12 @@ class RestoreEngine(AsyncResource):
         probe to ``restore`` only with one rank. ``extras``: what besides the token ids changes
         the state (:class:`~bsr.KeyExtra`: a tenant's salt, an adapter, an image, prompt
         embeddings); the same extras must be given to ``save`` and ``restore``.
+
+        Under policy ``"cost"`` the probe carries a :class:`~bsr.LoadDecision`
+        (``probe.decision``): how much of the prefix is worth loading by the measured rates
+        (:attr:`cost`), past ``start_tokens`` the caller already holds, at
+        ``prefill_tokens_per_s`` if given (else the rate measured by :attr:`cost`). This
+        rank's alone: a restore given the probe agrees on it with the other ranks.
         """
         self._open_pool()
         self._leases.reclaim()
@@ -479,6 +549,10 @@ class RestoreEngine(AsyncResource):
                 tokens, deadline_s=deadline, partial=True, agree=not local, extras=extras
             )
         ).probe
+        if self.policy is Policy.COST:
+            probe = replace(probe, decision=self.cost.decide(
+                self.layout, probe, start_tokens=start_tokens, prefill_rate=prefill_tokens_per_s,
+            ))  # fmt: skip
         if ttl is not None and probe.prefix_chunks:
             probe = replace(probe, lease=await self._lease(probe, ttl))
         self._log.debug(
@@ -634,11 +708,13 @@ class RestoreEngine(AsyncResource):
         rid = request_id or f"r{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         life = RequestLifecycle(rid, rank=self.namespace.tp_rank)
         life.facts.layout = self.layout
-        life.facts.policy = self.policy if policy is None else choice(Policy, policy, "policy")
+        asked = self.policy if policy is None else choice(Policy, policy, "policy")
+        # policy "cost" decides how much to load, then commits that all-or-nothing
+        life.facts.policy = Policy.ALL_OR_NOTHING if asked is Policy.COST else asked
         self._counts["restores"] += 1
         return RestoreRequest(
             rid=rid, life=life, log=self._log.bind(request_id=rid), tokens=tokens, extras=ext,
-            cache=cache,
+            cache=cache, cost=asked is Policy.COST,
             tables=tables, policy=life.facts.policy,
             strategy=choice(Strategy, strategy, "strategy"),
             deadline_at=None if deadline is None else started + deadline, t0=started,
@@ -678,8 +754,35 @@ class RestoreEngine(AsyncResource):
             req.life.invalidate(Reason.DEADLINE if out.timed_out else Reason.RANK_FAILED)
         elif req.probe.prefix_chunks == 0:
             req.life.fire("probe_miss", Reason.EMPTY_PREFIX)
+        elif req.cost:
+            try:
+                worth = await self._decide(req, given)
+            except CoordinatorError:
+                req.life.invalidate(Reason.COORDINATOR_FAILED)
+                return
+            if worth:
+                req.life.fire("probe_hit")
+            else:
+                req.life.fire("probe_miss", Reason.RECOMPUTE)
         else:
             req.life.fire("probe_hit")
+
+    async def _decide(self, req: RestoreRequest, given: Probe | None) -> bool:
+        """Policy "cost": cut the agreed prefix to what is worth loading (agreed across ranks:
+        the shortest); whether any of it is."""
+        assert req.probe is not None
+        decision = given.decision if given is not None else None
+        if decision is None or decision.probed_chunks != req.probe.prefix_chunks:
+            start = req.first_block * req.cache.block_tokens
+            decision = self.cost.decide(self.layout, req.probe, start_tokens=start)
+        k = decision.load_chunks
+        if self.coordinator.world_size > 1:  # every rank with a hit runs this collective
+            k = await self.coordinator.agree_min(k)
+        req.decision = decision if k == decision.load_chunks else replace(decision, load_chunks=k)
+        req.probe = replace(req.probe, prefix_chunks=k)
+        req.life.facts.prefix_chunks = k
+        req.log.info("bsr.restore.decided", **req.decision.to_dict())
+        return k > 0
 
     async def _reuse_probe(self, req: RestoreRequest, probe: Probe) -> ProbeOutcome:
         """Check a lookup's probe against the tokens; every rank then agrees it was in time."""
@@ -857,6 +960,7 @@ class RestoreEngine(AsyncResource):
     def _finish(self, req: RestoreRequest) -> RestoreResult:
         result = req.result(self.layout.chunk_tokens)
         self._counts["committed" if result.committed else "invalidated"] += 1
+        self.cost.observe_restore(result)
         req.log.info(
             "bsr.restore.done", state=str(result.state), reason=str(result.reason),
             committed_tokens=result.committed_tokens, probed_tokens=result.probed_tokens,

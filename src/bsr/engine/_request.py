@@ -13,7 +13,7 @@ from typing import Any
 from ..core._keys import KeyExtra
 from ..core._lifecycle import RequestLifecycle, RequestState
 from ..core._options import Policy, Strategy
-from ..core._results import Probe, RestoreResult, Timings
+from ..core._results import LoadDecision, Probe, RestoreResult, Timings
 from ..transfer._cache import PagedKVCache
 from ..transfer._pipeline import OnInstalled, RestoreRun, SlotSource
 from ..transfer._tables import BlockTables
@@ -43,6 +43,8 @@ class RestoreRequest:
     on_installed: OnInstalled | None = None
     first_block: int = 0  # restore(start_tokens=...): blocks before it are never written
     valid_chunks: int = 0  # chunks the caller already holds: neither read nor installed
+    cost: bool = False  # policy "cost": decide how much to load (then all-or-nothing)
+    decision: LoadDecision | None = None  # what it decided
     t0: float = field(default_factory=time.perf_counter)
     phase_s: dict[str, float] = field(default_factory=dict)
 
@@ -98,8 +100,10 @@ class RestoreRequest:
             invalid_block_ids_by_group=invalid,
             trace=tuple(self.life.trace),
             strategy=self.strategy,
-            policy=self.policy,
+            policy=Policy.COST if self.cost else self.policy,
             fallbacks=run.fallbacks if run else 0,
             quarantined=run.quarantined if run else 0,
             errors=tuple(run.errors) if run else (),
+            decision=self.decision,
+            read_s_by_tier={} if self.gate is None else self.gate.busy_by_tier(),
         )

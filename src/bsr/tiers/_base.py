@@ -22,7 +22,7 @@ import dataclasses
 import math
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, ClassVar, Generic, TypeVar
@@ -34,6 +34,7 @@ from .._errors import ClosedError, ConfigError
 from .._log import logger
 from .._resource import AsyncResource
 from ..core._keys import ChunkKey, ObjectKey
+from ._watch import Removal, RemovalFeed, RemovalListener
 
 
 @dataclass(frozen=True)
@@ -220,6 +221,7 @@ class Tier(AsyncResource, abc.ABC):
         self._counters = _Counters()
         self._counters_lock = threading.Lock()
         self._log = logger.bind(tier=name)
+        self._removals = RemovalFeed(self.name)
 
     def _count(self, **deltas: int) -> None:
         """Add to counters; safe from worker threads (``x += 1`` on an attribute is not)."""
@@ -313,6 +315,32 @@ class Tier(AsyncResource, abc.ABC):
 
     async def contains(self, key: ChunkKey, group: str) -> bool:
         return (await self.contains_many([ObjectKey(key, group)]))[0]
+
+    async def recheck_many(self, objects: Sequence[ObjectKey]) -> list[bool]:
+        """For each object, whether the tier's storage itself still holds it (an audit).
+
+        Unlike :meth:`contains_many`, which may answer from what the tier remembers, this asks
+        the storage, so it sees objects removed behind the tier's back (another process, a
+        remote store's own eviction); a tier that forgets such an object reports it to its
+        removal listeners (:meth:`on_removed`). Default: ``contains_many`` (right for tiers
+        that ask their store on every probe). Metadata only.
+        """
+        return await self.contains_many(objects)
+
+    def on_removed(self, listener: RemovalListener) -> Callable[[], None]:
+        """Call ``listener(ObjectRemoved)`` whenever an object leaves this tier.
+
+        HostTier and FileTier report every eviction, delete and quarantine as their index
+        changes, and what :meth:`recheck_many` finds gone; other tiers report nothing by
+        themselves (the engine reports what it removes, and an audit what vanished). The
+        listener may be called from worker threads: keep it cheap and thread-safe. Returns a
+        function that unsubscribes it.
+        """
+        return self._removals.add(listener)
+
+    def _removed(self, object_id: str, cause: Removal) -> None:
+        """Report one removal to the listeners (a subclass calls this where objects leave)."""
+        self._removals.emit(object_id, cause)
 
     async def quarantine(self, key: ChunkKey, group: str, reason: str) -> None:
         """Take a failing object out of service so later probes treat it as a miss.
@@ -439,6 +467,16 @@ class TierWrapper(Tier, Generic[T]):
 
     async def lease(self, objects: Sequence[ObjectKey], ttl_s: float) -> TierLease:
         return await self.inner.lease(objects, ttl_s)
+
+    async def recheck_many(self, objects: Sequence[ObjectKey]) -> list[bool]:
+        return await self.inner.recheck_many(objects)
+
+    def on_removed(self, listener: RemovalListener) -> Callable[[], None]:
+        # the inner tier's removals under this wrapper's name (the name the engine knows)
+        if self.name == self.inner.name:
+            return self.inner.on_removed(listener)
+        name = self.name
+        return self.inner.on_removed(lambda r: listener(dataclasses.replace(r, tier=name)))
 
     def __repr__(self) -> str:
         named = f"{self.name!r}, " if self.name != self.inner.name else ""

@@ -113,6 +113,7 @@ from ._readers import (
 )
 from ._registry import TierOptions
 from ._shared import Pending, RootBusy, SharedSpace, ledger_error
+from ._watch import Removal
 
 HEADER_SIZE = ObjectCodec.HEADER_SIZE
 
@@ -555,6 +556,23 @@ class FileTier(IndexedTier):
                 self._index.put(oids[i], size, None)
                 have[i] = True
         return have
+
+    async def recheck_many(self, objects: Sequence[ObjectKey]) -> list[bool]:
+        """Ask the directory (not the index) whether each object's file is there; an indexed
+        object whose file is gone (``bsr store gc``, another process sharing the root) is
+        forgotten and reported as vanished, unless a read holds it (that read finds it gone)."""
+        self._ready()
+        oids = [o.object_id for o in objects]
+        sizes = await anyio.to_thread.run_sync(
+            self._probe_sync, oids, limiter=self._limiter, abandon_on_cancel=True
+        )
+        for oid, size in zip(oids, sizes):
+            if size:
+                if oid not in self._index:
+                    self._index.put_lru(oid, size, None)
+            elif not self._index.is_pinned(oid):
+                self._index.discard(oid, Removal.VANISHED)
+        return [bool(size) for size in sizes]
 
     def _probe_sync(self, oids: list[str]) -> list[int]:
         _, space = self._enter_space()

@@ -32,6 +32,7 @@ from .._check import positive_float, positive_int
 from .._errors import TierError, TierFullError
 from ..core._keys import ObjectKey
 from ._base import Tier, TierLease, TierStatistics, TierUsage
+from ._watch import Removal, RemovalListener
 
 V = TypeVar("V")
 
@@ -145,6 +146,20 @@ class LruIndex(Generic[V]):
         self._leases: dict[int, tuple[float, tuple[str, ...]]] = {}
         self._leased: dict[str, int] = {}
         self._next_lease = 0
+        #: called (under the lock, in the order the index changes) as an object leaves it
+        self._watchers: tuple[Callable[[str, Removal], None], ...] = ()
+
+    def watch(self, fn: Callable[[str, Removal], None]) -> None:
+        """Call ``fn(oid, cause)`` whenever an object leaves the index (an eviction, a
+        :meth:`discard`), under the index's lock, so in the order the index changed: ``fn``
+        must be cheap and must not call back into the index. :meth:`clear` reports nothing (a
+        tier closing, not objects leaving)."""
+        with self._lock:
+            self._watchers = (*self._watchers, fn)
+
+    def _left_locked(self, oid: str, cause: Removal) -> None:
+        for fn in self._watchers:
+            fn(oid, cause)
 
     # ------------------------------------------------------------------ queries
     def __contains__(self, oid: object) -> bool:
@@ -250,6 +265,8 @@ class LruIndex(Generic[V]):
                     del self._entries[oid]
                     self._bytes -= size
                     self._evictions += 1
+                    if self._watchers:
+                        self._left_locked(oid, Removal.EVICTED)
                     return oid, size, value
             return None
 
@@ -262,13 +279,16 @@ class LruIndex(Generic[V]):
             self._entries[oid] = (entry[0], value)
             return True
 
-    def discard(self, oid: str) -> bool:
-        """Forget ``oid`` (deleted, quarantined or vanished); whether it was held."""
+    def discard(self, oid: str, cause: Removal = Removal.DELETED) -> bool:
+        """Forget ``oid`` (deleted, quarantined or vanished: ``cause`` says which to the
+        watchers); whether it was held."""
         with self._lock:
             entry = self._entries.pop(oid, None)
             if entry is None:
                 return False
             self._bytes -= entry[0]
+            if self._watchers:
+                self._left_locked(oid, cause)
             return True
 
     def clear(self) -> None:
@@ -400,6 +420,8 @@ class LruIndex(Generic[V]):
             self._bytes -= osize
             self._evictions += 1
             out.append((oid, value))
+            if self._watchers:
+                self._left_locked(oid, Removal.EVICTED)
         return out
 
     def _commit(self, r: Reservation, oid: str, value: Any) -> bool:
@@ -485,9 +507,17 @@ class IndexedTier(Tier):
 
     _index: LruIndex[Any]
     capacity_bytes: int
+    _watching: bool = False
 
     def _ready(self) -> None:
         self._check_open()
+
+    def on_removed(self, listener: RemovalListener) -> Callable[[], None]:
+        """See :meth:`Tier.on_removed`: reported by the index as entries leave it."""
+        if not self._watching:  # the index reports to this tier's feed from now on
+            self._watching = True
+            self._index.watch(self._removed)
+        return super().on_removed(listener)
 
     def usage(self) -> TierUsage:
         s = self._index.statistics()

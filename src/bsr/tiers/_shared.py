@@ -75,6 +75,7 @@ from ._fileroot import (
 )
 from ._lru import LruIndex, RoomPending
 from ._readers import NotRegularFileError, file_kind, open_regular
+from ._watch import Removal
 
 LEDGER_KIND = "bsr.FileTier.ledger"
 LEDGER_VERSION = 1
@@ -718,7 +719,7 @@ class SharedSpace:
             on_disk = {oid for _, oid, _ in found}
             for oid in self.index.oids():
                 if oid not in on_disk and not self.index.is_pinned(oid):
-                    self.index.discard(oid)  # removed by another process
+                    self.index.discard(oid, Removal.VANISHED)  # removed by another process
             for _, oid, size in sorted(found, reverse=True):  # newest first: oldest ends first
                 self.index.put_lru(oid, size, None)
 

@@ -33,6 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from .._log import logger
+from ._kv_events import hit_sources, vllm_events
 from ._metadata import BsrConnectorMetadata, BsrHandshake
 from ._options import settings
 from ._scheduler import BsrScheduler
@@ -40,12 +41,16 @@ from ._stats import BsrConnectorStats, BsrPromMetrics
 from ._worker import BsrWorker
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
@@ -146,7 +151,28 @@ class BsrConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         self, metadata: dict[int, KVConnectorHandshakeMetadata]
     ) -> None:
         hs = metadata.get(0)
-        self._sched().set_lookup_socket(hs.lookup_socket if isinstance(hs, BsrHandshake) else None)
+        if isinstance(hs, BsrHandshake):
+            self._sched().set_lookup_socket(hs.lookup_socket, hs.tiers)
+        else:
+            self._sched().set_lookup_socket(None)
+
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        """The tokens bsr loads, by the tier the lookup's probe found them in (``host`` for a
+        HostTier, ``disk`` for a FileTier, ``external_unspecified`` for a remote store)."""
+        split = hit_sources(self._sched().hit_sources(request, num_external_tokens),
+                            num_external_tokens)  # fmt: skip
+        if split:
+            return split
+        return super().get_external_cache_hit_sources(request, num_external_tokens)  # type: ignore[no-any-return]
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """KV events of what bsr stored (durably, per tier) and removed since the last call,
+        for vLLM's publisher (``--kv-events-config``); see :mod:`bsr.vllm._events`."""
+        if self.scheduler is None:
+            return ()
+        return vllm_events(self.scheduler.take_events())
 
     def reset_cache(self) -> bool | None:
         return self._sched().reset_cache()

@@ -8,10 +8,13 @@ How it works: the scheduler has no KV tensors and no engine, so it asks the work
 socket. Requests and answers are pipelined and matched by a sequence number: a request is
 ``b"L"``, a little-endian uint64 sequence number, a uint32 token count, a uint32 byte count of
 the extra keys, the tokens as int64, then the extra keys (:func:`encode_extras`: what besides the
-tokens the request's KV depends on, :mod:`bsr.vllm._request_keys`); the answer is the sequence
-number and one int64, the reusable prefix in tokens (0 on any failure). The client never waits
-for an answer: :meth:`LookupClient.submit` sends and returns, :meth:`LookupClient.poll` takes
-whatever answers have arrived. The server is one thread over a
+tokens the request's KV depends on, :mod:`bsr.vllm._request_keys`), then the lookup's hints
+(:class:`LookupHints`: the tokens vLLM already holds, the scheduler's measured prefill rate). The
+answer is the sequence number, one int64, the prefix bsr offers in tokens (0 on any failure),
+and :data:`TIER_SLOTS` int64s: of the offered tokens past vLLM's own, how many each of the
+worker's tiers holds (tier ``i`` in slot ``i``; the last slot sums the tiers past it). The
+client never waits for an answer: :meth:`LookupClient.submit` sends and returns,
+:meth:`LookupClient.poll` takes whatever answers have arrived. The server is one thread over a
 ``selectors`` loop: it reads requests, hands each to a handler that must not block (the
 connector starts the lookup on its event loop and answers from there through :meth:`reply`),
 and writes the answers back.
@@ -49,17 +52,40 @@ from bsr import BsrError, ConfigError, KeyExtra
 from .._log import logger
 
 _REQUEST = struct.Struct("<cQII")
-_ANSWER = struct.Struct("<Qq")
+#: tiers whose tokens an answer reports one by one (the last slot sums the rest)
+TIER_SLOTS = 8
+_ANSWER = struct.Struct(f"<Qq{TIER_SLOTS}q")
 _EXTRA = struct.Struct("<QQI")
+_HINTS = struct.Struct("<Qd")
 #: Largest prompt a lookup carries (tokens); longer prompts are probed on their first part.
 MAX_LOOKUP_TOKENS = 1 << 22
 #: Largest encoding of a lookup's extra keys (bytes)
 MAX_EXTRAS_BYTES = 1 << 24
 _RECV = 1 << 20
 
-#: ``handler(conn_id, seq, tokens, extras)``: start the lookup; answer later with
+
+@dataclass(frozen=True)
+class LookupHints:
+    """What the scheduler knows besides the prompt: ``start_tokens`` vLLM already holds (its
+    own prefix-cache hit, whole blocks) and its measured prefill rate in tokens/s (0: none yet),
+    for the cost policy and the hit sources."""
+
+    start_tokens: int = 0
+    prefill_rate: float = 0.0
+
+
+@dataclass(frozen=True)
+class LookupAnswer:
+    """The worker's answer: ``hit`` tokens offered from token 0, and of those past
+    ``start_tokens`` the tokens each tier holds (``by_tier[i]``: the engine's tier ``i``)."""
+
+    hit: int
+    by_tier: tuple[int, ...] = ()
+
+
+#: ``handler(conn_id, seq, tokens, extras, hints)``: start the lookup; answer later with
 #: ``server.reply``
-Handler = Callable[[int, int, np.ndarray, tuple[KeyExtra, ...]], None]
+Handler = Callable[[int, int, np.ndarray, tuple[KeyExtra, ...], LookupHints], None]
 
 
 def encode_extras(extras: Sequence[KeyExtra]) -> bytes:
@@ -171,8 +197,9 @@ class LookupServer:
 
     Args:
         path: the socket path (:func:`private_socket_path`).
-        handler: called on the server thread with ``(conn_id, seq, tokens)`` for each request;
-            it must return at once and answer later with :meth:`reply` (an exception answers 0).
+        handler: called on the server thread with ``(conn_id, seq, tokens, extras, hints)`` for
+            each request; it must return at once and answer later with :meth:`reply` (an
+            exception answers 0).
         max_connections: peers served at once; more are closed on accept.
         read_timeout_s: a started request must arrive whole within this.
         idle_timeout_s: a connection with nothing to read or write is closed after this.
@@ -205,7 +232,9 @@ class LookupServer:
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
-        self._answers: queue.SimpleQueue[tuple[int, int, int]] = queue.SimpleQueue()
+        self._answers: queue.SimpleQueue[tuple[int, int, int, tuple[int, ...]]] = (
+            queue.SimpleQueue()
+        )
         self._conns: dict[int, _Conn] = {}
         self._ids = iter(range(1, 1 << 62))
         self._sel = selectors.DefaultSelector()
@@ -236,9 +265,13 @@ class LookupServer:
         os.unlink(path)  # a socket nobody answers on: left over by a process that died
 
     # ------------------------------------------------------------------ public
-    def reply(self, conn_id: int, seq: int, hit: int) -> None:
-        """Answer request ``seq`` of connection ``conn_id`` (any thread; dropped if closed)."""
-        self._answers.put((conn_id, seq, int(hit)))
+    def reply(self, conn_id: int, seq: int, hit: int, by_tier: Sequence[int] = ()) -> None:
+        """Answer request ``seq`` of connection ``conn_id`` (any thread; dropped if closed):
+        ``hit`` tokens, and the tokens each tier holds of them (see :class:`LookupAnswer`)."""
+        slots = [0] * TIER_SLOTS
+        for i, n in enumerate(by_tier):
+            slots[min(i, TIER_SLOTS - 1)] += int(n)
+        self._answers.put((conn_id, seq, int(hit), tuple(slots)))
         with contextlib.suppress(OSError):
             self._wake_w.send(b"\0")
 
@@ -313,12 +346,12 @@ class LookupServer:
                 pass
         while True:
             try:
-                cid, seq, hit = self._answers.get_nowait()
+                cid, seq, hit, slots = self._answers.get_nowait()
             except queue.Empty:
                 return
             conn = self._conns.get(cid)
             if conn is not None:
-                conn.wbuf += _ANSWER.pack(seq, hit)
+                conn.wbuf += _ANSWER.pack(seq, hit, *slots)
                 self._sel.modify(conn.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, cid)
 
     def _serve(self, cid: int, mask: int) -> None:
@@ -353,17 +386,19 @@ class LookupServer:
                 raise ValueError(f"not a lookup request (op {op!r}, {n} tokens, {m} B extras)")
             mid = _REQUEST.size + 8 * n
             end = mid + m
-            if len(conn.rbuf) < end:
+            if len(conn.rbuf) < end + _HINTS.size:
                 return
             tokens = np.frombuffer(bytes(conn.rbuf[_REQUEST.size : mid]), dtype="<i8")
             try:
                 extras = decode_extras(bytes(conn.rbuf[mid:end]))
             except (ValueError, struct.error, BsrError) as exc:
                 raise ValueError(f"malformed extra keys: {exc}") from None
-            del conn.rbuf[:end]
+            start, rate = _HINTS.unpack_from(conn.rbuf, end)
+            hints = LookupHints(int(start), float(rate) if 0 < rate < float("inf") else 0.0)
+            del conn.rbuf[: end + _HINTS.size]
             conn.started = time.monotonic() if conn.rbuf else None
             try:
-                self._handler(cid, seq, tokens, extras)
+                self._handler(cid, seq, tokens, extras, hints)
             except Exception as exc:  # a failed lookup is a miss, never a dead server
                 logger.warning("bsr.vllm.lookup_failed", error=repr(exc))
                 self.reply(cid, seq, 0)
@@ -410,18 +445,24 @@ class LookupClient:
         self.failures = 0
 
     def submit(
-        self, seq: int, tokens: Sequence[int] | np.ndarray, extras: Sequence[KeyExtra] = ()
+        self,
+        seq: int,
+        tokens: Sequence[int] | np.ndarray,
+        extras: Sequence[KeyExtra] = (),
+        hints: LookupHints | None = None,
     ) -> bool:
-        """Send lookup ``seq`` of ``tokens`` (keyed with ``extras``); False if it could not be
-        sent (a miss)."""
+        """Send lookup ``seq`` of ``tokens`` (keyed with ``extras``, with the scheduler's
+        ``hints``); False if it could not be sent (a miss)."""
         arr = np.asarray(tokens, dtype="<i8")[:MAX_LOOKUP_TOKENS]
         raw = encode_extras(extras)
         if len(raw) > MAX_EXTRAS_BYTES:
             return False  # never sent: a miss
+        h = hints or LookupHints()
+        tail = _HINTS.pack(max(0, int(h.start_tokens)), float(h.prefill_rate))
         try:
             conn = self._connect()
             conn.settimeout(self.send_timeout_s)
-            conn.sendall(_REQUEST.pack(b"L", seq, len(arr), len(raw)) + arr.tobytes() + raw)
+            conn.sendall(_REQUEST.pack(b"L", seq, len(arr), len(raw)) + arr.tobytes() + raw + tail)
             return True
         except (OSError, ConnectionError) as exc:
             self._fail(exc)
@@ -429,7 +470,11 @@ class LookupClient:
 
     def poll(self) -> dict[int, int]:
         """Answers that have arrived: ``{seq: prefix tokens}`` (never waits)."""
-        out: dict[int, int] = {}
+        return {seq: a.hit for seq, a in self.poll_answers().items()}
+
+    def poll_answers(self) -> dict[int, LookupAnswer]:
+        """Answers that have arrived, whole (never waits)."""
+        out: dict[int, LookupAnswer] = {}
         conn = self._conn
         if conn is None:
             return out
@@ -447,8 +492,8 @@ class LookupClient:
             error = exc
         n = len(self._rbuf) // _ANSWER.size
         for i in range(n):
-            seq, hit = _ANSWER.unpack_from(self._rbuf, i * _ANSWER.size)
-            out[int(seq)] = max(0, int(hit))
+            seq, hit, *slots = _ANSWER.unpack_from(self._rbuf, i * _ANSWER.size)
+            out[int(seq)] = LookupAnswer(max(0, int(hit)), tuple(max(0, int(x)) for x in slots))
         del self._rbuf[: n * _ANSWER.size]
         if error is not None:
             self._fail(error)

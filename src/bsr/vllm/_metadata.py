@@ -6,8 +6,10 @@ process, and back: vLLM pickles these between the processes.
 * :class:`BsrConnectorMetadata` (scheduler -> workers, every step): the loads to start, the saves
   to start, and the lookups whose leases the workers may drop.
 * :class:`BsrWorkerMetadata` (workers -> scheduler, every step): the outcome of every load that
-  ended in the step, so the scheduler knows which KV is verified before it ever saves it.
-* :class:`BsrHandshake` (workers -> scheduler, once at startup): where the lookup socket is.
+  ended in the step, so the scheduler knows which KV is verified before it ever saves it, and
+  the KV event notices of the step (:mod:`bsr.vllm._events`).
+* :class:`BsrHandshake` (workers -> scheduler, once at startup): where the lookup socket is,
+  and the worker's tiers (their names and hit sources).
 
 Block tables are vLLM's block ids, one table per KV cache group (one group, or several with
 vLLM's hybrid KV cache manager: sliding-window and full-attention layers apart), in vLLM's group
@@ -26,6 +28,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from bsr import KeyExtra
+
+from ._events import ChunkNotice, SaveEvents
 
 #: vLLM's null block id: where a group holds no block (a sliding window's blocks below the window)
 NULL_BLOCK_ID = 0
@@ -61,12 +65,14 @@ class LoadJob:
 @dataclass(frozen=True)
 class SaveJob:
     """Store the full chunks of ``tokens`` held in the request's blocks (per KV cache group),
-    keyed with ``extras`` (see :class:`LoadJob`)."""
+    keyed with ``extras`` (see :class:`LoadJob`); ``events``: the request's vLLM block hashes
+    to announce the stored chunks with (None: KV events are off)."""
 
     req_id: str
     tokens: tuple[int, ...]
     block_ids: tuple[tuple[int, ...], ...]
     extras: tuple[KeyExtra, ...] = ()
+    events: SaveEvents | None = None
 
 
 @dataclass(frozen=True)
@@ -115,7 +121,8 @@ class BsrConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
 @dataclass
 class BsrWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
     """Loads that ended in one step: request id -> whether it committed every promised token;
-    and window saves that ended: job id -> how many ranks report it.
+    and window saves that ended: job id -> how many ranks report it; and every rank's KV event
+    notices of the step (in the order each rank made them).
 
     Only tensor-parallel rank 0 reports loads (the ranks agree on every commit); a request
     reported by several workers counts as loaded only if every report says so. Every rank
@@ -124,6 +131,7 @@ class BsrWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
 
     loads: dict[str, bool] = field(default_factory=dict)
     windows: dict[int, int] = field(default_factory=dict)
+    events: list[ChunkNotice] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, BsrWorkerMetadata):
@@ -134,11 +142,14 @@ class BsrWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
         windows = dict(self.windows)
         for job, n in other.windows.items():
             windows[job] = windows.get(job, 0) + n
-        return BsrWorkerMetadata(merged, windows)
+        return BsrWorkerMetadata(merged, windows, [*self.events, *other.events])
 
 
 @dataclass
 class BsrHandshake(KVConnectorHandshakeMetadata):  # type: ignore[misc]
-    """Where a worker serves the scheduler's lookups (``None``: it does not)."""
+    """Where a worker serves the scheduler's lookups (``None``: it does not), and its tiers
+    fastest first: ``(name, hit source)`` (vLLM's ``CacheHitSource`` value), in the order of a
+    lookup answer's per-tier tokens."""
 
     lookup_socket: str | None = None
+    tiers: tuple[tuple[str, str], ...] = ()

@@ -77,6 +77,13 @@ class ConnectorOptions:
             blocks from vLLM's KV pool.
         lookup_connections: connections the worker's lookup socket accepts at once.
         lookup_read_timeout_s: a lookup message must arrive whole within this.
+        admit_after_sightings: save only the leading chunks of a finished request that
+            requests were seen with at least this many times (1: save every full chunk).
+        kv_events_audit_s: with vLLM's KV events on, how often the worker rechecks that every
+            object it announced is still in its tier (finds what ``bsr store gc``, another
+            server or a remote store's own eviction removed).
+        kv_events_max_objects: objects a worker keeps announced (least recently stored first
+            out, withdrawn with a BlockRemoved).
     """
 
     load: str = field(default="async", metadata=_opt(_load_mode))
@@ -89,6 +96,9 @@ class ConnectorOptions:
     save_timeout_s: float = field(default=10.0, metadata=_opt(_seconds))
     lookup_connections: int = field(default=4, metadata=_opt(_count))
     lookup_read_timeout_s: float = field(default=5.0, metadata=_opt(_seconds))
+    admit_after_sightings: int = field(default=1, metadata=_opt(_count))
+    kv_events_audit_s: float = field(default=10.0, metadata=_opt(_seconds))
+    kv_events_max_objects: int = field(default=1 << 16, metadata=_opt(_count))
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):  # the same checks for direct construction
@@ -141,6 +151,8 @@ class ConnectorSettings:
         loads: this role loads (``kv_both``, ``kv_consumer``).
         saves: this role saves (``kv_both``, ``kv_producer``) and ``options.save`` is on.
         failure_policy: vLLM's ``kv_load_failure_policy``.
+        kv_events: vLLM publishes KV cache events (``--kv-events-config`` with
+            ``enable_kv_cache_events``): the connector announces what bsr stores and removes.
         group_windows: per vLLM KV cache group, the trailing tokens bsr keeps of a sliding
             window group (:func:`bsr.vllm._layout.group_window`), ``None`` for a full one.
     """
@@ -156,6 +168,7 @@ class ConnectorSettings:
     loads: bool
     saves: bool
     failure_policy: str
+    kv_events: bool = False
     group_windows: tuple[int | None, ...] = (None,)
 
 
@@ -192,6 +205,9 @@ def settings(vllm_config: Any, kv_cache_config: Any) -> ConnectorSettings:
         loads=role != "kv_producer",
         saves=role != "kv_consumer" and options.save,
         failure_policy=str(ktc.kv_load_failure_policy),
+        kv_events=bool(
+            getattr(getattr(vllm_config, "kv_events_config", None), "enable_kv_cache_events", False)
+        ),
         group_windows=group_windows(kv_cache_config),
     )
 

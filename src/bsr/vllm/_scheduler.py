@@ -46,19 +46,29 @@ How it works:
 * **Window saves.** A sliding-window group's window at prefix ends a request reaches while it
   runs (window checkpoints, the prompt's lookup end, each generated chunk) is saved before vLLM
   lets those blocks go (:mod:`bsr.vllm._windows`), under the same rule as saves.
+* **Fleet** (:mod:`bsr.vllm._events`, :mod:`bsr.vllm._fleet`): every lookup carries vLLM's own
+  hit and the prefill rate measured here (each engine step's scheduled tokens over the time
+  from its schedule to its output, steps of at least a chunk), for policy ``"cost"``; its
+  answer says which tier holds the offered tokens (``get_external_cache_hit_sources``). A save
+  carries the request's vLLM block hashes; the workers' KV event notices are relayed to vLLM's
+  publisher (``take_events``). With ``admit_after_sightings`` > 1 a finished request saves
+  only the leading chunks that many requests were seen with (a bounded sighting counter).
 """
 
 from __future__ import annotations
 
 import itertools
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from bsr import chunk_keys
+from bsr import CostModel, SightingCounter, chunk_keys
 
 from .._log import logger
-from ._lookup import LookupClient
+from ._events import ChunkNotice, EventRelay
+from ._kv_events import save_events
+from ._lookup import LookupClient, LookupHints
 from ._metadata import (
     NULL_BLOCK_ID,
     BsrConnectorMetadata,
@@ -82,6 +92,10 @@ if TYPE_CHECKING:
 LOOKUP_GRACE_S = 1.0
 #: seeds the chunk digests that tell the scheduler's loads in flight apart (never stored)
 INFLIGHT_NAMESPACE = b"bsr-vllm-inflight"
+#: seeds the digests the sighting counter counts (never stored)
+SIGHTING_NAMESPACE = b"bsr-vllm-sightings"
+#: steps scheduled and not yet seen finished that the prefill clock keeps
+STEP_CLOCK_DEPTH = 4
 
 
 def prompt_tokens(request: Any) -> list[int]:
@@ -108,6 +122,7 @@ class _Req:
     readmitted: bool = False  # admitted again after its load failed (preempted meanwhile)
     digests: tuple[bytes, ...] = ()  # chained digests of the prompt's full chunks
     prompt: list[int] = field(default_factory=list)  # the prompt's token ids
+    by_tier: tuple[int, ...] = ()  # the answer: tokens past vLLM's hit each tier holds
 
 
 class BsrScheduler:
@@ -136,14 +151,20 @@ class BsrScheduler:
         self._admission_hit: dict[str, int] = {}  # vLLM's own hit at the request's admission
         self._keys: dict[str, RequestKeys] = {}  # what each request is keyed by, until it ends
         self.stats = BsrConnectorStats()
+        self.tiers: tuple[tuple[str, str], ...] = ()  # the worker's (tier, hit source)
+        self.relay = EventRelay(settings.tp_size)  # KV event notices -> vLLM's publisher
+        self._steps: deque[tuple[float, int]] = deque()  # (scheduled at, tokens) per step
+        self.prefill = CostModel()  # the prefill rate measured here (policy "cost")
+        self.sightings = SightingCounter() if settings.options.admit_after_sightings > 1 else None
         self.windows = WindowSaver(settings, self.stats)
         self.blocks_of: Any = None  # vLLM's block ids of a request (bound with its manager)
 
     # ------------------------------------------------------------------ handshake
-    def set_lookup_socket(self, path: str | None) -> None:
+    def set_lookup_socket(self, path: str | None, tiers: tuple[tuple[str, str], ...] = ()) -> None:
         self.client.close()
         self.client.path = path
-        self._log.info("bsr.vllm.lookup_socket", path=path)
+        self.tiers = tuple(tiers)
+        self._log.info("bsr.vllm.lookup_socket", path=path, tiers=self.tiers)
 
     # ------------------------------------------------------------------ lookups
     def get_num_new_matched_tokens(
@@ -171,7 +192,8 @@ class BsrScheduler:
         prompt = st.prompt
         self._collect()
         answered = st.hit is not None and not st.used and st.probed == usable
-        if not answered and not self._await_answer(rid, st, prompt, usable, keys):
+        hints = LookupHints(num_computed_tokens, self.prefill.prefill_rate or 0.0)
+        if not answered and not self._await_answer(rid, st, prompt, usable, keys, hints):
             return None, False
         hit = int(st.hit or 0)
         if hit <= num_computed_tokens:
@@ -198,7 +220,13 @@ class BsrScheduler:
         return keys
 
     def _await_answer(
-        self, rid: str, st: _Req, prompt: Any, usable: int, keys: RequestKeys
+        self,
+        rid: str,
+        st: _Req,
+        prompt: Any,
+        usable: int,
+        keys: RequestKeys,
+        hints: LookupHints | None = None,
     ) -> bool:
         """Send the lookup if needed; True once ``st.hit`` holds a usable answer."""
         fresh = st.lookup_id is None or st.used or st.probed != usable
@@ -210,7 +238,7 @@ class BsrScheduler:
             self._by_lookup[seq] = rid
             self._unanswered.add(seq)
             self.stats.count("lookups")
-            if not self.client.submit(seq, prompt[:usable], keys.extras):
+            if not self.client.submit(seq, prompt[:usable], keys.extras, hints):
                 self._by_lookup.pop(seq, None)
                 self._unanswered.discard(seq)
                 # no worker to ask (yet): a miss, asked again next time
@@ -231,7 +259,7 @@ class BsrScheduler:
         """Take every answer that has arrived (never waits)."""
         if not self._unanswered:
             return
-        for seq, hit in self.client.poll().items():
+        for seq, answer in self.client.poll_answers().items():
             self._unanswered.discard(seq)
             rid = self._by_lookup.get(seq)
             st = self._reqs.get(rid) if rid is not None else None
@@ -239,7 +267,8 @@ class BsrScheduler:
                 self._by_lookup.pop(seq, None)
                 self._forget.append(seq)  # nobody will load it: its lease may go
                 continue
-            st.hit = min(hit, st.probed) // self.chunk * self.chunk
+            st.hit = min(answer.hit, st.probed) // self.chunk * self.chunk
+            st.by_tier = answer.by_tier
 
     def _drop_lookup(self, st: _Req) -> None:
         if st.lookup_id is not None:
@@ -310,6 +339,31 @@ class BsrScheduler:
             for d in self._digests(st, keys)[st.start // self.chunk : end // self.chunk]:
                 self._inflight.setdefault(d, request.request_id)
         self.stats.count("hit_tokens", num_external_tokens)
+        for (name, _), n in self._split(st, num_external_tokens).items():
+            self.stats.count_key("hit_tokens_by_tier", name, n)
+
+    def _split(self, st: _Req, total: int) -> dict[tuple[str, str], int]:
+        """``total`` promised tokens by ``(tier, hit source)``, in proportion to what the
+        lookup's answer said each tier holds (the remainder to the slowest tier)."""
+        weights = {self.tiers[i]: n for i, n in enumerate(st.by_tier[: len(self.tiers)]) if n > 0}
+        whole = sum(weights.values())
+        if total <= 0 or not whole:
+            return {}
+        out = {t: total * n // whole for t, n in weights.items()}
+        slowest = max(weights, key=self.tiers.index)
+        out[slowest] += total - sum(out.values())
+        return {t: n for t, n in out.items() if n > 0}
+
+    def hit_sources(self, request: Request, total: int) -> dict[str, int]:
+        """``total`` external hit tokens of ``request`` by vLLM's hit source (``host``,
+        ``disk``, ``external_unspecified``), from its lookup's answer (empty: unknown)."""
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            return {}
+        out: dict[str, int] = {}
+        for (_, source), n in self._split(st, total).items():
+            out[source] = out.get(source, 0) + n
+        return out
 
     def _admit(self, rid: str, table: list[int], local_hit: int) -> None:
         """Sync mode: the blocks vLLM admits a request with (see "Failed sync loads").
@@ -336,6 +390,11 @@ class BsrScheduler:
             st.readmitted = True
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> BsrConnectorMetadata:
+        self._steps.append(
+            (time.perf_counter(), int(getattr(scheduler_output, "total_num_scheduled_tokens", 0)))
+        )
+        while len(self._steps) > STEP_CLOCK_DEPTH:
+            self._steps.popleft()
         meta = BsrConnectorMetadata(
             loads=self._loads, saves=self._saves, forget_lookups=self._forget,
             forget_all=self._forget_all,
@@ -392,6 +451,8 @@ class BsrScheduler:
         if isinstance(meta, BsrWorkerMetadata):
             for rid, ok in meta.loads.items():
                 self._outcome(rid, ok)
+            if meta.events:
+                self.relay.add(meta.events)
             self.windows.done(meta.windows)
 
     def _outcome(self, rid: str, ok: bool) -> None:
@@ -474,9 +535,28 @@ class BsrScheduler:
         if len(self._saving) >= self.opts.max_pending_saves:
             self.stats.count_key("saves_skipped", "busy")
             return False, params
-        self._saves.append(SaveJob(rid, tuple(request.all_token_ids[:n]), tables, keys.extras))
+        n = self._admitted(request, n, keys)
+        if n == 0:
+            self.stats.count_key("saves_skipped", "not_admitted")
+            return False, params
+        tables = tuple(tuple(t[: n // self.block]) for t in block_ids)
+        events = save_events(request, n, self.block) if self.settings.kv_events else None
+        self._saves.append(
+            SaveJob(rid, tuple(request.all_token_ids[:n]), tables, keys.extras, events)
+        )
         self._saving.add(rid)
         return True, params
+
+    def _admitted(self, request: Request, n: int, keys: RequestKeys) -> int:
+        """Tokens of the first ``n`` worth saving: the leading chunks seen with at least
+        ``admit_after_sightings`` requests (this one counted), all of them by default."""
+        if self.sightings is None:
+            return n
+        found = chunk_keys(
+            SIGHTING_NAMESPACE, list(request.all_token_ids[:n]), self.chunk, extras=keys.extras
+        )
+        threshold = self.opts.admit_after_sightings
+        return self.sightings.admitted([k.digest for k in found], threshold) * self.chunk
 
     # ------------------------------------------------------------------ the rest
     def reset_cache(self) -> bool:
@@ -489,7 +569,19 @@ class BsrScheduler:
         self._log.info("bsr.vllm.reset_cache")
         return True
 
+    def take_events(self) -> list[ChunkNotice]:
+        """The KV event notices to publish since the last call (counted)."""
+        out = self.relay.take()
+        for n in out:
+            self.stats.count_key("kv_events", "stored" if n.stored else "removed")
+        return out
+
     def take_stats(self) -> BsrConnectorStats | None:
+        # vLLM asks once per engine step, after the step's output: time that step
+        if self._steps:
+            scheduled_at, tokens = self._steps.popleft()
+            if tokens >= self.chunk:  # a step that prefills (decode-only steps say little)
+                self.prefill.observe_prefill(tokens, time.perf_counter() - scheduled_at)
         return self.stats.take()
 
     def shutdown(self) -> None:

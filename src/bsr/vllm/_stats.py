@@ -42,6 +42,11 @@ KEYED = (
     # "root_locked"; the scheduler's "busy" and "unverified")
     "unkeyable_requests",  # reason -> requests bsr could not key (neither loaded nor saved)
     "rejected_options",  # field -> requests whose kv_transfer_params["bsr"] was bad
+    "hit_tokens_by_tier",  # tier -> promised tokens each tier holds (the lookup's probe)
+    "load_decisions",  # choice -> policy "cost" decisions (load, partial, recompute, unmeasured)
+    "cost_tokens",  # load / recompute -> tokens policy "cost" chose to load or to recompute
+    "kv_events",  # stored / removed -> KV events published (chunks x tiers)
+    "object_removals",  # cause -> objects that left an announced tier (rank 0)
     "windows_skipped",  # reason -> sliding windows worth saving that were not
 )
 #: peaks, aggregated by max
@@ -146,6 +151,31 @@ KEYED_METRICS = {
         "vllm:bsr_rejected_options",
         "Requests whose kv_transfer_params['bsr'] was invalid (served without bsr), by field.",
         "field",
+    ),
+    "hit_tokens_by_tier": (
+        "vllm:bsr_hit_tokens_by_tier",
+        "Tokens bsr promised beyond vLLM's prefix cache, by the tier that holds them.",
+        "tier",
+    ),
+    "load_decisions": (
+        "vllm:bsr_load_decisions",
+        "Load-or-recompute decisions of bsr's policy 'cost', by choice.",
+        "choice",
+    ),
+    "cost_tokens": (
+        "vllm:bsr_cost_tokens",
+        "Probed tokens bsr's policy 'cost' chose to load or to recompute.",
+        "choice",
+    ),
+    "kv_events": (
+        "vllm:bsr_kv_events",
+        "KV events bsr published (one per chunk and tier), by event.",
+        "event",
+    ),
+    "object_removals": (
+        "vllm:bsr_object_removals",
+        "Announced bsr objects that left a tier, by cause.",
+        "cause",
     ),
     "windows_skipped": (
         "vllm:bsr_windows_skipped",

@@ -56,6 +56,7 @@ from bsr import (
     FileTierOptions,
     KeyExtra,
     PagedKVCache,
+    Policy,
     Probe,
     RestoreEngine,
     RestoreResult,
@@ -66,8 +67,10 @@ from bsr import (
 
 from .._log import logger
 from ._bridge import LoopThread
+from ._fleet import WorkerFleet
+from ._kv_events import group_specs
 from ._layout import GroupSpec, derive, group_window, layer_order
-from ._lookup import LookupServer, private_socket_path
+from ._lookup import LookupHints, LookupServer, private_socket_path
 from ._metadata import (
     NULL_BLOCK_ID,
     BsrConnectorMetadata,
@@ -144,6 +147,8 @@ class BsrWorker:
         self._load_errors: set[int] = set()
         self._outcomes: dict[str, bool] = {}
         self.stats = BsrConnectorStats()
+        self.fleet: WorkerFleet | None = None  # events, per-tier answers, cost (_fleet.py)
+        self._audit: concurrent.futures.Future[None] | None = None
         self._log = logger.bind(role="worker", model=settings.model_id)
 
     # ================================================================== startup
@@ -187,6 +192,12 @@ class BsrWorker:
         else:
             self.engine = engine
             self._tp_lock = self.loop.call(_new_lock)
+            self.fleet = WorkerFleet(
+                self.settings, engine, self.groups, group_specs(self._kv_cache_config),
+                self.tp_rank, self.stats,
+            )  # fmt: skip
+            if self.fleet.journal is not None:
+                self._audit = self.loop.submit(self.fleet.audit_forever)
             if self.tp_rank == 0:  # the scheduler asks rank 0
                 self._server = LookupServer(
                     private_socket_path(),
@@ -259,59 +270,89 @@ class BsrWorker:
         )
 
     def handshake(self) -> BsrHandshake | None:
-        return None if self._server is None else BsrHandshake(self._server.path)
+        if self._server is None:
+            return None
+        return BsrHandshake(self._server.path, () if self.fleet is None else self.fleet.tiers())
 
     # ================================================================== lookups
     def _on_lookup(
-        self, conn_id: int, seq: int, tokens: np.ndarray, extras: tuple[KeyExtra, ...]
+        self,
+        conn_id: int,
+        seq: int,
+        tokens: np.ndarray,
+        extras: tuple[KeyExtra, ...],
+        hints: LookupHints | None = None,
     ) -> None:
         """Server thread: start the lookup on the loop and return at once."""
         assert self.loop is not None
-        self.loop.submit(self._lookup_job, conn_id, seq, tokens, extras)
+        self.loop.submit(self._lookup_job, conn_id, seq, tokens, extras, hints or LookupHints())
 
     async def _lookup_job(
-        self, conn_id: int, seq: int, tokens: np.ndarray, extras: tuple[KeyExtra, ...]
+        self,
+        conn_id: int,
+        seq: int,
+        tokens: np.ndarray,
+        extras: tuple[KeyExtra, ...],
+        hints: LookupHints,
     ) -> None:
-        hit = 0
+        hit, by_tier = 0, [0]
         try:
             with anyio.move_on_after(self.opts.lookup_timeout_s):
-                hit = await self._lookup(seq, tokens, extras)
+                hit, probe = await self._lookup(seq, tokens, extras, hints)
+                if probe is not None and self.fleet is not None:
+                    by_tier = self.fleet.by_tier(probe, hit, hints.start_tokens)
         except Exception as exc:  # a failed lookup is a miss
             self._log.warning("bsr.vllm.lookup_failed", error=repr(exc))
         finally:
             if self._server is not None:
-                self._server.reply(conn_id, seq, hit)
+                self._server.reply(conn_id, seq, hit, by_tier)
 
-    async def _lookup(self, seq: int, tokens: np.ndarray, extras: tuple[KeyExtra, ...] = ()) -> int:
-        """The reusable prefix of ``tokens`` (keyed with ``extras``); its probe (of exactly that
-        prefix) is leased."""
+    async def _lookup(
+        self,
+        seq: int,
+        tokens: np.ndarray,
+        extras: tuple[KeyExtra, ...] = (),
+        hints: LookupHints | None = None,
+    ) -> tuple[int, Probe | None]:
+        """The prefix of ``tokens`` (keyed with ``extras``) to offer, and the probe that found
+        it (of exactly that prefix, leased). Under policy "cost": the part worth loading past
+        the hints' ``start_tokens`` at their prefill rate."""
         engine = self.engine
         if engine is None:
-            return 0
+            return 0, None
+        h = hints or LookupHints()
         timeout = self.opts.lookup_timeout_s
+        how: dict[str, Any] = {
+            "extras": extras, "start_tokens": h.start_tokens,
+            "prefill_tokens_per_s": h.prefill_rate or None,
+        }  # fmt: skip
         if self.settings.tp_size > 1:  # rank 0 alone: no collective, no lease (see restore)
-            probe = await engine.lookup(tokens, extras=extras, deadline_s=timeout, local=True)
-            return probe.prefix_tokens
+            probe = await engine.lookup(tokens, deadline_s=timeout, local=True, **how)
+            return self._offer(probe, h, seq), probe
         t_end = time.perf_counter() + timeout
         ttl = self.opts.lease_ttl_s
-        probe = await engine.lookup(tokens, extras=extras, lease_ttl_s=ttl, deadline_s=timeout)
-        hit = probe.prefix_tokens
+        probe = await engine.lookup(tokens, lease_ttl_s=ttl, deadline_s=timeout, **how)
+        hit = self._offer(probe, h, seq)
         if 0 < hit < len(tokens):  # a restore reuses a probe of exactly its own tokens
             try:
                 left = max(t_end - time.perf_counter(), 1e-3)
-                exact = await engine.lookup(
-                    tokens[:hit], extras=extras, lease_ttl_s=ttl, deadline_s=left
-                )
+                exact = await engine.lookup(tokens[:hit], lease_ttl_s=ttl, deadline_s=left, **how)
             finally:
                 probe.release()
             probe = exact
             if exact.prefix_tokens != hit:  # something went meanwhile: answer without a lease
                 exact.release()
-                return exact.prefix_tokens
+                return exact.prefix_tokens, exact
         if hit == 0:
-            return 0
+            probe.release()
+            return 0, probe
         self._keep_probe(seq, probe)
-        return hit
+        return hit, probe
+
+    def _offer(self, probe: Probe, hints: LookupHints, seq: int) -> int:
+        if self.fleet is None:
+            return probe.prefix_tokens
+        return self.fleet.offer(probe, hints.start_tokens, seq)
 
     def _keep_probe(self, seq: int, probe: Probe) -> None:
         now = time.monotonic()
@@ -425,6 +466,8 @@ class BsrWorker:
             np.asarray(job.tokens, dtype=np.int64),
             cache,
             self.tables(job.block_ids),
+            # policy "cost" decided at the lookup what to load: load that, all of it
+            policy=Policy.ALL_OR_NOTHING if engine.policy is Policy.COST else None,
             deadline_s=deadline,
             probe=None if entry is None else entry[1],
             request_id=job.req_id,
@@ -478,18 +521,29 @@ class BsrWorker:
                 self._saves[job.req_id] = self.loop.submit(self._save_one, job)
 
     async def _save_one(self, job: SaveJob) -> SaveResult | str | None:
-        engine, cache = self.engine, self.cache
+        engine, cache, fleet = self.engine, self.cache, self.fleet
         assert engine is not None and cache is not None
+        since = None if fleet is None else fleet.begin()
+        result: SaveResult | None = None
         try:
             with anyio.move_on_after(self.opts.save_timeout_s):
-                return await engine.save(
+                result = await engine.save(
                     list(job.tokens), cache, self.tables(job.block_ids), extras=job.extras
                 )
+                if fleet is not None and since is not None:
+                    # announce what the tiers now hold, within what is left of the save's
+                    # bound (cut there: the save landed, nothing of it is announced)
+                    await fleet.after_save(job, result, since)
         except BsrError as exc:
             self._log.warning("bsr.vllm.save_refused", request=job.req_id, error=str(exc))
             return None
+        finally:
+            if fleet is not None:
+                fleet.end(since)
+        if result is not None:
+            return result
         # cut: the save's task has ended (its copies out of the blocks are done), so the
-        # blocks may go back to vLLM; what it stored so far stays stored
+        # blocks may go back to vLLM; what it stored so far stays stored, and is not announced
         self._log.warning(
             "bsr.vllm.save_timed_out", request=job.req_id, timeout_s=self.opts.save_timeout_s
         )
@@ -594,9 +648,10 @@ class BsrWorker:
         return errors
 
     def worker_meta(self) -> BsrWorkerMetadata | None:
-        if not self._outcomes and not self._windows_done:
+        notices = [] if self.fleet is None else self.fleet.notices()
+        if not self._outcomes and not self._windows_done and not notices:
             return None
-        meta = BsrWorkerMetadata(self._outcomes, self._windows_done)
+        meta = BsrWorkerMetadata(self._outcomes, self._windows_done, notices)
         self._outcomes, self._windows_done = {}, {}
         return meta
 
@@ -615,6 +670,10 @@ class BsrWorker:
         pending: list[concurrent.futures.Future[Any]] = [*self._saves.values()]
         pending.extend(self._window_saves.values())
         concurrent.futures.wait(pending, timeout=self.opts.shutdown_timeout_s)
+        if self._audit is not None:
+            self._audit.cancel()
+        if self.fleet is not None:
+            self.fleet.close()
         for load in self._loads.values():
             self._cancel(load)
         for load in self._loads.values():

@@ -1,0 +1,142 @@
+"""KV events at the worker's save: only a save that landed is announced.
+
+The worker side's own save path (``BsrWorker._save_one``: the save bounded by
+``save_timeout_s``, then ``WorkerFleet.after_save``) over a real bsr engine with a HostTier
+whose writes can be held (a tier wrapper in this module). A save cut by ``save_timeout_s``
+announces nothing, not even the chunks it wrote before it was cut (they stay stored, and a
+later save or lookup finds them; a router just does not hear of them from this save). The
+control, the same save with the writes let through, announces every chunk.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+import torch
+
+import bsr
+
+pytest.importorskip("vllm.distributed.kv_transfer")
+from bsr.vllm._events import SaveEvents
+from bsr.vllm._fleet import WorkerFleet
+from bsr.vllm._metadata import SaveJob
+from bsr.vllm._options import ConnectorOptions, ConnectorSettings
+from bsr.vllm._worker import SAVE_TIMED_OUT, BsrWorker
+
+pytestmark = pytest.mark.anyio
+
+CHUNK, BLOCK = 32, 8
+LAYOUT = bsr.StateLayout(chunk_tokens=CHUNK, groups=(bsr.StateGroup("kv", 2, 256),))
+TOKENS = [int(t) for t in np.random.default_rng(3).integers(3, 500, 3 * CHUNK)]
+
+
+class HeldWrites(bsr.TierWrapper[bsr.Tier]):
+    """Lets ``allowed`` writes through, then holds every later one until cancelled."""
+
+    def __init__(self, inner: bsr.Tier, allowed: int) -> None:
+        super().__init__(inner)
+        self.allowed = allowed
+
+    async def write(self, key: bsr.ChunkKey, group: str, payload: Any) -> bool:
+        if self.allowed <= 0:
+            await anyio.sleep_forever()
+        self.allowed -= 1
+        return await self.inner.write(key, group, payload)
+
+
+@dataclass
+class Rig:
+    worker: BsrWorker
+    fleet: WorkerFleet
+    host: bsr.HostTier
+
+
+def block_hashes(tokens: list[int]) -> tuple[bytes, ...]:
+    """Stand-ins for vLLM's chained block hashes."""
+    return tuple(
+        hashlib.sha256(str(tokens[: (b + 1) * BLOCK]).encode()).digest()
+        for b in range(len(tokens) // BLOCK)
+    )
+
+
+@asynccontextmanager
+async def rig(allowed: int, *more: bsr.Tier, timeout_s: float = 60.0) -> AsyncIterator[Rig]:
+    host = bsr.HostTier(1 << 24)
+    tier = HeldWrites(host, allowed)
+    engine = bsr.RestoreEngine(
+        LAYOUT, [tier, *more], window=2, io_depth=1, namespace=bsr.Namespace("fleet-worker")
+    )
+    cache = bsr.PagedKVCache(LAYOUT, 16, BLOCK)
+    kv = cache.tensor("kv")
+    gen = np.random.default_rng(0)
+    kv.copy_(torch.from_numpy(gen.integers(0, 256, tuple(kv.shape), dtype=np.uint8)))
+    settings = ConnectorSettings(
+        engine=bsr.EngineConfig.from_dict({"tiers": [{"kind": "host", "capacity_bytes": 1}]}),
+        options=ConnectorOptions.from_dict({"save_timeout_s": timeout_s}),
+        block_size=BLOCK, chunk_tokens=CHUNK, tp_size=1, model_id="m", config_digest="",
+        engine_id="e", loads=True, saves=True, failure_policy="recompute", kv_events=True,
+    )  # fmt: skip
+    await engine.open()
+    worker = BsrWorker(settings, None)
+    worker.engine, worker.cache, worker.groups = engine, cache, ("kv",)
+    fleet = WorkerFleet(settings, engine, ("kv",), [("full_attention", None)], 0, worker.stats)
+    worker.fleet = fleet
+    try:
+        yield Rig(worker, fleet, host)
+    finally:
+        fleet.close()
+        await engine.aclose()
+
+
+def job() -> SaveJob:
+    blocks = (tuple(range(1, 1 + len(TOKENS) // BLOCK)),)  # vLLM's block 0 is its null block
+    return SaveJob("r", tuple(TOKENS), blocks, (), SaveEvents(block_hashes(TOKENS)))
+
+
+async def test_a_save_cut_by_save_timeout_s_announces_nothing() -> None:
+    # chunk 0 lands, chunk 1's write hangs; 3 s leaves a busy machine ample time for chunk 0
+    async with rig(allowed=1, timeout_s=3.0) as r:
+        with anyio.fail_after(60):  # a hang guard, not a timing claim
+            out = await r.worker._save_one(job())
+        assert out == SAVE_TIMED_OUT
+        assert r.host.usage().objects == 1  # chunk 0 was stored before the cut ...
+        assert r.fleet.notices() == []  # ... and is not announced by the cut save
+        assert r.fleet.journal is not None and r.fleet.journal.announced() == []
+
+
+async def test_control_a_save_that_lands_announces_every_chunk() -> None:
+    async with rig(allowed=1 << 30) as r:
+        with anyio.fail_after(120):  # a hang guard
+            out = await r.worker._save_one(job())
+        assert isinstance(out, bsr.SaveResult) and out.chunks == 3
+        notices = r.fleet.notices()
+        assert [n.stored for n in notices] == [True] * 3
+        assert [n.info.block_hashes for n in notices] == [
+            block_hashes(TOKENS)[c * 4 : (c + 1) * 4] for c in range(3)
+        ]
+
+
+async def test_a_tier_the_save_skipped_as_root_locked_is_not_announced(tmp_path: Path) -> None:
+    root = tmp_path / "l2"
+    file = bsr.FileTier(root, 1 << 24, lock_timeout_s=0.2)
+    async with rig(1 << 30, file) as r:
+        fd = os.open(root / ".bsr-ledger", os.O_RDWR)  # another holder of the root's lock
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            with anyio.fail_after(120):  # a hang guard
+                out = await r.worker._save_one(job())
+        finally:
+            os.close(fd)
+        assert isinstance(out, bsr.SaveResult) and out.skipped.get("root_locked", 0) >= 1
+        notices = r.fleet.notices()
+        assert {n.tier for n in notices} == {"host"} and len(notices) == 3
