@@ -21,10 +21,10 @@ is written meanwhile.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from ..core._keys import ChunkKey, ObjectKey
+from ..core._keys import ChunkKey, ObjectKey, object_id
 from ..transfer._ladder import Outcome, ReadOutcome
 from ..transfer._pipeline import RestoreRun
 from ._health import TierHealth
@@ -112,6 +112,17 @@ class RestoreGate:
         if not self.health.admit(tier):
             return "circuit breaker open"
         return None
+
+    def admit_batch(self, tier: str, objects: Sequence[tuple[ChunkKey, str]]) -> bool:
+        """Whether every object of a batch may be asked of ``tier`` without admitting each: the
+        tier's breaker is closed (admission would change nothing) and none is quarantined.
+        False: the ladder admits and reports object by object."""
+        if not self.health.closed(tier):
+            return False
+        if len(self.quarantine):
+            q = self.quarantine
+            return not any((tier, object_id(key.digest, g)) in q for key, g in objects)
+        return True
 
     def withdraw(self, tier: str) -> None:
         self.health.release(tier)
