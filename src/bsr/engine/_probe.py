@@ -241,9 +241,7 @@ class Prober:
         def have(c: int, g: str) -> bool:
             return c < len(holders) and bool(holders[c][g])
 
-        local = (
-            LATE if timed_out and not partial else longest_prefix(self.layout, len(holders), have)
-        )
+        local = LATE if timed_out and not partial else self._local_prefix(holders, have)
         agreed = local
         if agree:
             # longest_prefix returned ``local`` because every object it needs is held: only a
@@ -253,6 +251,15 @@ class Prober:
             )
         probe = self._record(tokens, keyed, holders, max(local, 0), max(agreed, 0), t0)
         return ProbeOutcome(probe, timed_out, other_late=agreed == LATE and not timed_out)
+
+    def _local_prefix(self, holders: Holders, have: Callable[[int, str], bool]) -> int:
+        """This rank's longest usable prefix (:func:`~bsr.core._plan.longest_prefix`). Without
+        a sliding-window group every group needs every chunk, so it ends at the first chunk a
+        group has no holder for: found here in one pass over the chunks, not one call per
+        object (a 524,288-token probe has thousands)."""
+        if any(g.window_tokens is not None for g in self.layout.groups):
+            return longest_prefix(self.layout, len(holders), have)
+        return next((c for c, h in enumerate(holders) if not all(h.values())), len(holders))
 
     async def agree_on_time(self, timed_out: bool) -> bool:
         """Whether every rank's probing ended in time (one collective; a reused probe's)."""

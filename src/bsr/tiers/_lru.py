@@ -30,7 +30,7 @@ import anyio
 
 from .._check import positive_float, positive_int
 from .._errors import TierError, TierFullError
-from ..core._keys import ObjectKey
+from ..core._keys import ObjectKey, object_id
 from ._base import Tier, TierLease, TierStatistics, TierUsage
 
 V = TypeVar("V")
@@ -536,7 +536,7 @@ class IndexedTier(Tier):
 
     async def contains_many(self, objects: Sequence[ObjectKey]) -> list[bool]:
         self._ready()
-        return self._index.contains_many([o.object_id for o in objects])
+        return self._index.contains_many([object_id(o.chunk.digest, o.group) for o in objects])
 
     async def lease(self, objects: Sequence[ObjectKey], ttl_s: float) -> TierLease:
         """Pin the held ``objects`` against eviction until ``release()`` or ``ttl_s`` passes."""

@@ -39,7 +39,7 @@ _FEAT_SINGLE_MMAP = 1 << 0
 _FEAT_EXT_ARG = 1 << 8
 _ENTER_GETEVENTS = 1 << 0
 _ENTER_EXT_ARG = 1 << 3
-OP_NOP, OP_READ, OP_ASYNC_CANCEL = 0, 22, 14
+OP_NOP, OP_READV, OP_READ, OP_ASYNC_CANCEL = 0, 1, 22, 14
 _SQE = struct.Struct("<BBHiQQIIQHHiQQ")  # io_uring_sqe, 64 bytes
 _CQE = struct.Struct("<QiI")  # io_uring_cqe, 16 bytes
 _CANCEL_TAG = 1 << 63  # user_data of our own cancel requests
@@ -192,6 +192,15 @@ class Ring:
         tag = self._next_tag
         self._next_tag = tag + 1 if tag < _CANCEL_TAG - 1 else 1
         self._queue(OP_READ, fd, offset, addr, length, tag)
+        self.inflight += 1
+        return tag
+
+    def readv(self, fd: int, offset: int, iov_addr: int, count: int) -> int:
+        """Queue a vector read at ``offset`` into the ``count`` iovecs at ``iov_addr``; its
+        tag. The iovecs (and their buffers) must stay unused until the completion is reaped."""
+        tag = self._next_tag
+        self._next_tag = tag + 1 if tag < _CANCEL_TAG - 1 else 1
+        self._queue(OP_READV, fd, offset, iov_addr, count, tag)
         self.inflight += 1
         return tag
 

@@ -27,11 +27,11 @@ from ._staging import Slot
 from ._tables import BlockTables
 
 
-def _word(row: int, *arrays: np.ndarray[Any, Any]) -> np.dtype[Any]:
-    """The widest unsigned word dividing ``row`` to which every array is aligned."""
+def _word(row: int, *addresses: int) -> np.dtype[Any]:
+    """The widest unsigned word dividing ``row`` to which every address is aligned."""
     for dt in (np.uint64, np.uint32, np.uint16):
         size = np.dtype(dt).itemsize
-        if row % size == 0 and all(a.ctypes.data % size == 0 for a in arrays):
+        if row % size == 0 and all(a % size == 0 for a in addresses):
             return np.dtype(dt)
     return np.dtype(np.uint8)
 
@@ -70,7 +70,7 @@ class HostInstaller:
             for g, t in zip(layout.groups, tensors):
                 row = cache.block_tokens * g.token_bytes
                 arr = t.numpy().reshape(g.num_layers, cache.num_blocks, row)
-                word = _word(row, arr)
+                word = _word(row, t.data_ptr())
                 words = row // word.itemsize
                 self._dst[g.name] = (arr.view(word), word, words)
                 shape = (g.num_layers, self.bpc, words)

@@ -258,6 +258,64 @@ class TierLadder:
                 gate.report(ReadOutcome(name, key, group, chunk, Outcome.OK))
         return lent, failed
 
+    def admit_batch(
+        self, gate: ReadGate, objects: Sequence[tuple[ChunkKey, str, Sequence[str]]]
+    ) -> str | None:
+        """The one tier that is the first holder of every ``(key, group, holders)`` of a batch,
+        if it reads blocking and the gate admits the whole batch at once (``admit_batch``:
+        nothing to decide per object); else None (the ladder admits object by object)."""
+        admit_batch = getattr(gate, "admit_batch", None)
+        if admit_batch is None or not objects:
+            return None
+        first = objects[0][2]
+        name = first[0] if first else None
+        if name is None or name not in self._blocking:
+            return None
+        for _, _, holders in objects:
+            if not holders or holders[0] != name:
+                return None
+        return name if admit_batch(name, [(k, g) for k, g, _ in objects]) else None
+
+    def read_admitted_blocking(
+        self,
+        gate: ReadGate,
+        name: str,
+        key: ChunkKey,
+        chunk: int,
+        group: str,
+        holders: Sequence[str],
+        region: Any,
+        expected: int,
+    ) -> LadderResult:
+        """:meth:`read_blocking` of an object whose batch the gate admitted on ``name``
+        (:meth:`admit_batch`; ``holders[0]`` is ``name``): the first attempt needs no admission
+        and, when it succeeds, no report (the batch reports once, :meth:`batch_ok`); when it
+        fails it is reported like any attempt and the read goes on down the ladder."""
+        n = 0
+        try:
+            n = self.tiers[name].read_into_blocking(key, group, region)
+            if n == expected:
+                return LadderResult(tier=name, nbytes=n, attempts=1)
+            self._expect(n, expected, name, group)
+        except ReadWithdrawnError as e:  # the request ended: the attempt came to nothing
+            return self._exhausted(LadderResult(attempts=1), [f"{name}: {e}"])
+        except Exception as exc:
+            outcome, text = _failed_text(name, exc)
+            gate.report(ReadOutcome(name, key, group, chunk, outcome, 0, text, type(exc).__name__))
+            result = self.read_blocking(
+                gate, key, chunk, group, holders[1:], region, expected, prior=(text,)
+            )
+            result.corrupt = result.corrupt or outcome is Outcome.CORRUPT
+            return result
+        raise AssertionError("unreachable: a wrong length raised above")  # pragma: no cover
+
+    @staticmethod
+    def batch_ok(gate: ReadGate, name: str) -> None:
+        """The tier ``name`` served reads of an admitted batch (one success report)."""
+        report_ok = getattr(gate, "report_ok", None)
+        if report_ok is not None:
+            report_ok(name)
+
     def read_blocking(
         self,
         gate: ReadGate,

@@ -61,6 +61,12 @@ BATCH_BYTES = 4 << 20
 #: a batch from memory-speed tiers (``inline_reads``) up to this size runs on the event loop:
 #: copying it costs less than the worker-thread hop it would take
 INLINE_BYTES = 256 << 10
+#: a batch from memory-speed tiers too large to run on the event loop: one per worker, up to
+#: this size. Their work is CPU only (verify and copy), where each worker-thread hop costs the
+#: event loop and the worker thread a wake-up, a GIL hand-over and a context switch each way
+#: (about 0.1-0.2 ms of CPU on a busy 2-core machine, the cost of copying 1 MiB), so few large
+#: batches cost least; there is no device queue to keep in chunk order
+MEMORY_BATCH_BYTES = 16 << 20
 
 
 def _groups_by_chunk(layout: StateLayout, target: int) -> dict[int, tuple[str, ...]]:
@@ -412,10 +418,14 @@ class WindowPipeline:
         if job.cuda or job.whole_plan:
             return 1  # one slot per chunk: each stays busy until its copy is done
         chunk_bytes = max(1, self.layout.chunk_bytes)
-        if chunk_bytes <= INLINE_BYTES and self._all_inline(job):
-            # these batches run one after another on the event loop anyway: as large as an
-            # inline batch may be, so the per-batch steps (slot, turn, task switch) are rare
-            return max(1, INLINE_BYTES // chunk_bytes)
+        if self._all_inline(job):
+            if chunk_bytes <= INLINE_BYTES:
+                # these batches run one after another on the event loop anyway: as large as an
+                # inline batch may be, so the per-batch steps (slot, turn, task switch) are rare
+                return max(1, INLINE_BYTES // chunk_bytes)
+            # worker-thread batches of memory-speed reads: one per worker (see
+            # MEMORY_BATCH_BYTES)
+            return max(1, min(math.ceil(n / self.window), MEMORY_BATCH_BYTES // chunk_bytes))
         # several batches per worker, so chunks move roughly in chunk order across workers
         per_worker = math.ceil(n / (4 * self.window))
         return max(1, min(per_worker, BATCH_BYTES // chunk_bytes))
@@ -548,12 +558,38 @@ class WindowPipeline:
         lend = install and job.host is not None and not job.whole_plan
         if lend and self._batch_lent(job, batch, slot):
             return
+        # a batch whose first holder is one blocking tier, admitted at once: each object is
+        # read without its own admission and report (a failed one goes down the ladder)
+        admitted = None
+        if not lend or not all(self._lent(job, c) for c in batch):
+            holders, keys = job.probe.holders, job.probe.keys
+            admitted = self.ladder.admit_batch(
+                job.gate, [(keys[c], g, holders[c][g]) for c in batch for g in run.needed[c]]
+            )
+        try:
+            self._batch_chunks(job, batch, slot, install, lend, admitted)
+        finally:
+            if admitted is not None:
+                self.ladder.batch_ok(job.gate, admitted)
+
+    def _batch_chunks(
+        self,
+        job: _Job,
+        batch: Sequence[int],
+        slot: Slot,
+        install: bool,
+        lend: bool,
+        admitted: str | None,
+    ) -> None:
+        run = job.run
         for c in batch:
             if not run.wanted(c):
                 return
             lent: dict[str, Borrowed] = {}
             try:
-                if not self._read_chunk_blocking(job, c, slot, lent if lend else None):
+                if not self._read_chunk_blocking(
+                    job, c, slot, lent if lend else None, admitted
+                ):
                     return
                 if not install:
                     job.read_ok.add(c)
@@ -659,15 +695,28 @@ class WindowPipeline:
         return all(holders[g] and self.ladder.lends(holders[g][0]) for g in job.run.needed[c])
 
     def _read_chunk_blocking(
-        self, job: _Job, c: int, slot: Slot, lent: dict[str, Borrowed] | None = None
+        self,
+        job: _Job,
+        c: int,
+        slot: Slot,
+        lent: dict[str, Borrowed] | None = None,
+        admitted: str | None = None,
     ) -> bool:
-        """Read (or, with ``lent``, borrow where a tier lends) every group of chunk ``c``."""
+        """Read (or, with ``lent``, borrow where a tier lends) every group of chunk ``c``;
+        ``admitted``: the tier the gate admitted this chunk's batch on (:meth:`TierLadder.
+        admit_batch`), read first without a per-object admission."""
         key = job.probe.keys[c]
         for g in job.run.needed[c]:
-            result = self.ladder.read_blocking(
-                job.gate, key, c, g, job.probe.holders[c][g], self._region(job, slot, g),
-                self._expected[g], borrow=lent is not None,
-            )  # fmt: skip
+            if admitted is not None:
+                result = self.ladder.read_admitted_blocking(
+                    job.gate, admitted, key, c, g, job.probe.holders[c][g],
+                    self._region(job, slot, g), self._expected[g],
+                )  # fmt: skip
+            else:
+                result = self.ladder.read_blocking(
+                    job.gate, key, c, g, job.probe.holders[c][g], self._region(job, slot, g),
+                    self._expected[g], borrow=lent is not None,
+                )  # fmt: skip
             if not result.ok:
                 self._read_failed(job, c, g, result)
                 return False
