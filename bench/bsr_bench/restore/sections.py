@@ -35,7 +35,7 @@ from ..common.fio import (
 )
 from ..common.pagecache import CacheMode, prepare
 from ..common.stats import BenchError, ratio
-from .cpu import CPU_POINTS, QUICK_CPU_POINTS, cpu_targets, measure_cpu
+from .cpu import CPU_POINTS, CPU_REPEATS, QUICK_CPU_POINTS, cpu_targets, measure_cpu
 from .machinery import (
     CONCURRENCY_LEVELS,
     OVERHEAD_POINTS,
@@ -166,7 +166,7 @@ async def run_sections(
         ui.log("cpu: CPU seconds per GiB restored (HostTier, FileTier) vs the floor")
         out["cpu"] = await measure_cpu(
             QUICK_CPU_POINTS if quick else CPU_POINTS,
-            repeats,
+            repeats if quick else max(CPU_REPEATS, repeats),
             opts.window,
             opts.io_depth,
             opts.seed,

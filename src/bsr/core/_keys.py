@@ -565,8 +565,18 @@ def chunk_keys(
     Pure and synchronous (see :data:`OFFLOAD_TOKENS`).
     """
     positive_int(chunk_tokens, "chunk_tokens")
-    arr = as_token_array(tokens)
-    ext = check_extras(extras)
+    return _keys_of(namespace_fp, as_token_array(tokens), chunk_tokens, max_chunks,
+                    check_extras(extras))  # fmt: skip
+
+
+def _keys_of(
+    namespace_fp: bytes,
+    arr: np.ndarray[Any, np.dtype[np.int64]],
+    chunk_tokens: int,
+    max_chunks: int | None,
+    ext: tuple[KeyExtra, ...],
+) -> list[ChunkKey]:
+    """:func:`chunk_keys` of an array :func:`as_token_array` returned and checked extras."""
     n = len(arr) // chunk_tokens
     if max_chunks is not None:
         n = max(0, min(n, max_chunks))
@@ -617,7 +627,8 @@ def prepare_tokens(
     ``token_count(tokens) > OFFLOAD_TOKENS`` (``anyio.to_thread.run_sync(prepare_tokens, ...)``),
     so a long prompt never holds the event loop for long.
     """
+    positive_int(chunk_tokens, "chunk_tokens")
     arr = as_token_array(tokens)
     ext = check_extras(extras)
-    keys = chunk_keys(namespace_fp, arr, chunk_tokens, max_chunks=max_chunks, extras=ext)
+    keys = _keys_of(namespace_fp, arr, chunk_tokens, max_chunks, ext)  # converted once
     return KeyedTokens(arr, tuple(keys), bytes(namespace_fp), chunk_tokens, ext)

@@ -190,13 +190,13 @@ def compiled_table() -> tuple[str, CompiledTable]:
     for trigger, event in machine.events.items():
         for source, transitions in event.transitions.items():
             table[source][trigger] = tuple(
-                (t.dest, tuple((c.func, bool(c.target)) for c in t.conditions))
+                (str(t.dest), tuple((str(c.func), bool(c.target)) for c in t.conditions))
                 for t in transitions
             )
-    for model_guard in {f for by in table.values() for ts in by.values() for _, cs in ts
-                        for f, _ in cs}:  # fmt: skip
-        if not callable(getattr(_Model, model_guard, None)):
-            raise IllegalTransitionError(f"the lifecycle table names an unknown guard {model_guard}")
+    guards = {f for by in table.values() for ts in by.values() for _, cs in ts for f, _ in cs}
+    for guard in guards:
+        if not callable(getattr(_Model, guard, None)):
+            raise IllegalTransitionError(f"the lifecycle table names an unknown guard {guard!r}")
     return str(machine.initial), table
 
 

@@ -22,9 +22,8 @@ import numpy as np
 import xxhash
 
 from .._errors import ConfigError, CorruptObjectError, ObjectError, TruncatedObjectError
-from ..core._keys import ChunkKey, ObjectKey
+from ..core._keys import FORMAT_VERSION, ChunkKey, ObjectKey
 from ..core._layout import align_up
-from ..core._keys import FORMAT_VERSION
 from ..core._object import (
     _FIELDS,
     _SUM_OFFSET,
@@ -165,7 +164,9 @@ class ObjectCodec:
         """
         out: list[Any] = []
         append = out.append
-        unpack, hasher, digest64 = _FIELDS.unpack_from, xxhash.xxh3_64, xxhash.xxh3_64_intdigest
+        unpack: Any = _FIELDS.unpack_from  # takes any buffer too
+        hasher: Any = xxhash.xxh3_64  # takes any buffer (a NumPy view of the tier's bytes)
+        digest64: Any = xxhash.xxh3_64_intdigest
         group_digests: dict[str, bytes] = {}
         for blob, (key, group) in zip(blobs, objects):
             stored = len(blob)

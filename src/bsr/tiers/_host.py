@@ -121,14 +121,13 @@ class HostTier(IndexedTier):
         pinned = [oid for oid, e in zip(oids, entries) if e is not None]
         try:
             if len(pinned) == len(oids):  # the usual case: every object is here
-                items = ObjectCodec.verified_bodies(
-                    [e[1] for e in entries], objects, where=self.name  # type: ignore[index]
-                )
+                blobs = [e[1] for e in entries if e is not None]
+                items = ObjectCodec.verified_bodies(blobs, objects, where=self.name)
             else:
                 items = [None] * len(oids)
                 here = [i for i, e in enumerate(entries) if e is not None]
                 found = ObjectCodec.verified_bodies(
-                    [entries[i][1] for i in here],  # type: ignore[index]
+                    [e[1] for e in entries if e is not None],
                     [objects[i] for i in here],
                     where=self.name,
                 )

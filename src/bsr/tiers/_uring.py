@@ -128,6 +128,7 @@ class Ring:
         self.ext_arg = bool(params.features & _FEAT_EXT_ARG)
         self._next_tag = 1
         self.inflight = 0
+        self._timeouts: dict[float, tuple[object, int, object, object]] = {}
 
     def _mmap(self, size: int, offset: int) -> mmap.mmap:
         m = mmap.mmap(
@@ -223,9 +224,8 @@ class Ring:
         flags = _ENTER_GETEVENTS if wait else 0
         arg, argsz = None, 0
         if wait and timeout_s is not None and self.ext_arg:
-            ts = _Timespec(int(timeout_s), int((timeout_s % 1) * 1e9))
-            ga = _GeteventsArg(0, 0, 0, ctypes.addressof(ts))
-            arg, argsz, flags = ctypes.byref(ga), ctypes.sizeof(ga), flags | _ENTER_EXT_ARG
+            arg, argsz = self._timeout_arg(timeout_s)
+            flags |= _ENTER_EXT_ARG
         while True:
             n = self._sys(
                 _NR_ENTER, self.fd, self._pending, wait, flags, arg, ctypes.c_size_t(argsz)
@@ -241,6 +241,16 @@ class Ring:
             if err in (errno.EAGAIN, errno.EBUSY):  # completions must be reaped first
                 return
             raise RingError(err, f"io_uring_enter: {os.strerror(err)}")
+
+    def _timeout_arg(self, timeout_s: float) -> tuple[object, int]:
+        """The timed wait's argument (built once per timeout: a read waits with the same one
+        every time; the kernel only reads it during the call)."""
+        cached = self._timeouts.get(timeout_s)
+        if cached is None:
+            ts = _Timespec(int(timeout_s), int((timeout_s % 1) * 1e9))
+            ga = _GeteventsArg(0, 0, 0, ctypes.addressof(ts))
+            cached = self._timeouts[timeout_s] = (ctypes.byref(ga), ctypes.sizeof(ga), ts, ga)
+        return cached[0], cached[1]
 
     def reap(self) -> list[tuple[int, int]]:
         """Completions ready now, ``(tag, result)``: bytes read, or ``-errno``."""

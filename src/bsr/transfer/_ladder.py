@@ -215,23 +215,24 @@ class TierLadder:
         name: str,
         objects: Sequence[tuple[ChunkKey, int, str]],
         expected: Mapping[str, int],
-    ) -> tuple[LentPayloads, dict[int, str]] | None:
+    ) -> tuple[LentPayloads, dict[int, tuple[str, Outcome]]] | None:
         """Borrow every ``(key, chunk, group)`` of ``objects`` from the lending tier ``name`` in
         one call (the first holder of each), in the calling (worker) thread.
 
         Only when the gate admits the whole batch at once (``admit_batch``: nothing to decide
         per object); None otherwise, and the caller reads object by object. Returns the lent
         payloads and, by index, the attempts that failed (a miss, a corrupt object, a payload of
-        the wrong length), each already reported to the gate like any attempt; the caller
-        continues those down the ladder (:meth:`read_blocking` with ``prior``) and releases
-        the payloads once copied.
+        the wrong length: the error text and the outcome), each already reported to the gate
+        like any attempt; the caller continues those down the ladder (:meth:`read_blocking` with
+        ``prior``, a corrupt attempt marking the result corrupt) and releases the payloads once
+        copied.
         """
         admit_batch = getattr(gate, "admit_batch", None)
         pairs = [(key, group) for key, _, group in objects]
         if admit_batch is None or not admit_batch(name, pairs):
             return None
         lent = self.tiers[name].borrow_many_blocking(pairs)
-        failed: dict[int, str] = {}
+        failed: dict[int, tuple[str, Outcome]] = {}
         ok = False
         for i, got in enumerate(lent.items):
             key, chunk, group = objects[i]
@@ -247,7 +248,7 @@ class TierLadder:
                 ok = True
                 continue
             outcome, text = _failed_text(name, exc)
-            failed[i] = text
+            failed[i] = (text, outcome)
             gate.report(ReadOutcome(name, key, group, chunk, outcome, 0, text, type(exc).__name__))
         if ok:
             report_ok = getattr(gate, "report_ok", None)

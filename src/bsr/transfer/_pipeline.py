@@ -52,12 +52,12 @@ from ..tiers._base import Borrowed, Tier
 from ..tiers._readers import cancellation
 from ._cache import PagedKVCache
 from ._install import CudaInstaller, HostInstaller
-from ._ladder import LadderResult, ReadGate, TierLadder
+from ._ladder import LadderResult, Outcome, ReadGate, TierLadder
 from ._staging import Slot, StagingAccount
 from ._tables import BlockTables
 
-#: aim for about this many payload bytes per worker-thread call on the host path
-BATCH_BYTES = 4 << 20
+#: aim for at most this many payload bytes per worker-thread call on the host path
+BATCH_BYTES = 8 << 20
 #: a batch from memory-speed tiers (``inline_reads``) up to this size runs on the event loop:
 #: copying it costs less than the worker-thread hop it would take
 INLINE_BYTES = 256 << 10
@@ -426,8 +426,9 @@ class WindowPipeline:
             # worker-thread batches of memory-speed reads: one per worker (see
             # MEMORY_BATCH_BYTES)
             return max(1, min(math.ceil(n / self.window), MEMORY_BATCH_BYTES // chunk_bytes))
-        # several batches per worker, so chunks move roughly in chunk order across workers
-        per_worker = math.ceil(n / (4 * self.window))
+        # two batches per worker, so chunks move roughly in chunk order across workers (each
+        # batch is one worker-thread hop, whose wake-ups cost CPU on both sides)
+        per_worker = math.ceil(n / (2 * self.window))
         return max(1, min(per_worker, BATCH_BYTES // chunk_bytes))
 
     def _all_inline(self, job: _Job) -> bool:
@@ -587,9 +588,7 @@ class WindowPipeline:
                 return
             lent: dict[str, Borrowed] = {}
             try:
-                if not self._read_chunk_blocking(
-                    job, c, slot, lent if lend else None, admitted
-                ):
+                if not self._read_chunk_blocking(job, c, slot, lent if lend else None, admitted):
                     return
                 if not install:
                     job.read_ok.add(c)
@@ -650,11 +649,13 @@ class WindowPipeline:
                         if entered:
                             gate.leave()
                             entered = False
+                        text, outcome = failed[i]
                         result = self.ladder.read_blocking(
                             job.gate, keys[c], c, g, holders[c][g][1:],
                             self._region(job, slot, g), self._expected[g], borrow=True,
-                            prior=(failed[i],),
+                            prior=(text,),
                         )  # fmt: skip
+                        result.corrupt = result.corrupt or outcome is Outcome.CORRUPT
                         if not result.ok:
                             self._read_failed(job, c, g, result)
                             return True
