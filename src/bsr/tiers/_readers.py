@@ -413,7 +413,13 @@ class UringReader(PosixReader):
             with self._lock:
                 self.fallback_reads += 1
             return super().read_fd(fd, header, payload)
-        head, base = _address(header), _address(payload)
+        cached = getattr(self._local, "head", None)  # a thread reads into one header buffer
+        if cached is not None and cached[0] is header:
+            head = cached[1]
+        else:
+            head = _address(header)
+            self._local.head = (header, head)
+        base = _address(payload)
         if _O_DIRECT and (head | base | len(header) | len(payload)) % ALIGNMENT:
             _unaligned_buffered(fd, header, payload)  # one of them is not 4 KiB aligned
         if size is None:
@@ -467,11 +473,14 @@ class UringReader(PosixReader):
                 all_queued = nxt == len(pieces) or error or cancelled
                 timeout = CANCEL_POLL_S if check is not None else None
                 ring.enter(wait=len(tags) if all_queued else 1, timeout_s=timeout)
-                for tag, res in ring.reap():
+                done = ring.reap()
+                back = sum(1 for tag, _ in done if tag in tags)
+                if back:
+                    depth.give(back)  # their places in the depth, at once
+                for tag, res in done:
                     if tag not in tags:
                         continue
                     i = tags.pop(tag)
-                    depth.give(1)
                     if res < 0:
                         error = error or -res
                     else:

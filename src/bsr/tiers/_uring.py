@@ -43,6 +43,7 @@ OP_NOP, OP_READV, OP_READ, OP_ASYNC_CANCEL = 0, 1, 22, 14
 _SQE = struct.Struct("<BBHiQQIIQHHiQQ")  # io_uring_sqe, 64 bytes
 _CQE = struct.Struct("<QiI")  # io_uring_cqe, 16 bytes
 _CANCEL_TAG = 1 << 63  # user_data of our own cancel requests
+_NO_ARG = ctypes.c_size_t(0)  # io_uring_enter's argument size when there is no argument
 
 
 class _SqOffsets(ctypes.Structure):
@@ -128,7 +129,7 @@ class Ring:
         self.ext_arg = bool(params.features & _FEAT_EXT_ARG)
         self._next_tag = 1
         self.inflight = 0
-        self._timeouts: dict[float, tuple[object, int, object, object]] = {}
+        self._timeouts: dict[float, tuple[object, object, object, object]] = {}
 
     def _mmap(self, size: int, offset: int) -> mmap.mmap:
         m = mmap.mmap(
@@ -222,14 +223,12 @@ class Ring:
         """Hand queued entries to the kernel and wait until ``wait`` completions are there (or
         ``timeout_s`` passed, where the kernel supports a timed wait)."""
         flags = _ENTER_GETEVENTS if wait else 0
-        arg, argsz = None, 0
+        arg, argsz = None, _NO_ARG
         if wait and timeout_s is not None and self.ext_arg:
             arg, argsz = self._timeout_arg(timeout_s)
             flags |= _ENTER_EXT_ARG
         while True:
-            n = self._sys(
-                _NR_ENTER, self.fd, self._pending, wait, flags, arg, ctypes.c_size_t(argsz)
-            )
+            n = self._sys(_NR_ENTER, self.fd, self._pending, wait, flags, arg, argsz)
             if n >= 0:
                 self._pending -= min(self._pending, int(n))
                 return
@@ -242,14 +241,15 @@ class Ring:
                 return
             raise RingError(err, f"io_uring_enter: {os.strerror(err)}")
 
-    def _timeout_arg(self, timeout_s: float) -> tuple[object, int]:
-        """The timed wait's argument (built once per timeout: a read waits with the same one
-        every time; the kernel only reads it during the call)."""
+    def _timeout_arg(self, timeout_s: float) -> tuple[object, object]:
+        """The timed wait's argument and its size (built once per timeout: a read waits with
+        the same one every time; the kernel only reads it during the call)."""
         cached = self._timeouts.get(timeout_s)
         if cached is None:
             ts = _Timespec(int(timeout_s), int((timeout_s % 1) * 1e9))
             ga = _GeteventsArg(0, 0, 0, ctypes.addressof(ts))
-            cached = self._timeouts[timeout_s] = (ctypes.byref(ga), ctypes.sizeof(ga), ts, ga)
+            size = ctypes.c_size_t(ctypes.sizeof(ga))
+            cached = self._timeouts[timeout_s] = (ctypes.byref(ga), size, ts, ga)
         return cached[0], cached[1]
 
     def reap(self) -> list[tuple[int, int]]:
