@@ -223,7 +223,8 @@ class Ring:
         """Hand queued entries to the kernel and wait until ``wait`` completions are there (or
         ``timeout_s`` passed, where the kernel supports a timed wait)."""
         flags = _ENTER_GETEVENTS if wait else 0
-        arg, argsz = None, _NO_ARG
+        arg: object = None
+        argsz: object = _NO_ARG
         if wait and timeout_s is not None and self.ext_arg:
             arg, argsz = self._timeout_arg(timeout_s)
             flags |= _ENTER_EXT_ARG
