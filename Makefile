@@ -1,6 +1,8 @@
 # bsr: two commands on a fresh machine.
-#   make bench   - set up, then run the benchmark on built-in defaults (the main job)
-#   make test    - set up (packages + system tools), then run the whole test suite
+#   make bench      - set up, then run the benchmark on built-in defaults (the main job)
+#   make test       - set up (packages + system tools), then run the whole test suite, each phase
+#                     timed (the table at the end)
+#   make test-quick - the library suite without vLLM, for the edit-run loop
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -10,8 +12,8 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 VLLM_VENV ?= .venv-vllm
 LMCACHE_VENV ?= .venv-lmcache
 
-.PHONY: setup system-deps bench-deps test test-vllm lmcache-venv lint-imports bench lint typecheck clean \
-	gpu-wheels gpu-dry-run
+.PHONY: setup system-deps bench-deps test test-main test-quick test-vllm wheel-check lmcache-venv \
+	lint-imports bench lint typecheck clean gpu-wheels gpu-dry-run
 
 setup: $(VENV)/.bsr-installed
 
@@ -42,10 +44,34 @@ bench-deps:
 		|| ($(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q fio)) \
 		|| echo "fio not installed: bsr bench reports no bsr_bandwidth_vs_fio"
 
-test: setup system-deps lint-imports
-	$(BIN)/python -m pytest -q
-	$(MAKE) gpu-dry-run
-	$(MAKE) test-vllm
+# The main suite on PYTEST_WORKERS pytest-xdist workers (1: one process, no xdist); a module is one
+# unit of work, so a worker owns the servers and models its module's fixtures start
+# (tests/conftest.py)
+PYTEST_WORKERS ?= 2
+XDIST = $(if $(filter-out 0 1,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS),)
+
+# every phase in order, timed; the table of phases, times and test counts prints at the end
+test:
+	@$(PY) tools/test_phases.py \
+		"setup=$(MAKE) --no-print-directory setup system-deps" \
+		"lint-imports=$(MAKE) --no-print-directory lint-imports" \
+		"main suite=$(MAKE) --no-print-directory test-main" \
+		"gpu dry run=$(MAKE) --no-print-directory gpu-dry-run" \
+		"wheel check=$(MAKE) --no-print-directory wheel-check" \
+		"vLLM setup=$(MAKE) --no-print-directory $(VLLM_VENV)/.bsr-installed" \
+		"vLLM tests=$(MAKE) --no-print-directory test-vllm"
+
+test-main: setup
+	$(BIN)/python -m pytest -q $(XDIST)
+
+# the edit-run loop: the library suite without vLLM, the slowest model checks and bench runs
+# (marked slow; make test runs them), the GPU dry run and the wheel check
+test-quick: setup
+	$(BIN)/python -m pytest -q $(XDIST) -m "not slow" --ignore=tests/vllm
+
+# build the sdist and the wheel, install the wheel into a fresh venv and use it there
+wheel-check: setup
+	bash tools/wheel_check.sh $(BIN)/python "$(TORCH_CPU)"
 
 # vLLM's CPU build in its own environment (its dependency stack is large and pins its own
 # transformers); torch is pinned first so pip never pulls a CUDA build. vLLM's torchvision,
@@ -90,8 +116,8 @@ bench: setup bench-deps
 	$(BIN)/bsr bench
 
 lint:
-	$(BIN)/ruff check src tests bench
-	$(BIN)/ruff format --check src tests bench
+	$(BIN)/ruff check src tests bench tools
+	$(BIN)/ruff format --check src tests bench tools
 
 typecheck:
 	$(BIN)/mypy

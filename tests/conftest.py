@@ -5,10 +5,12 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import structlog
 import torch
+from hypothesis import HealthCheck, settings
 
 import bsr
 from helpers import two_group_layout
@@ -30,6 +32,66 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             "needs a CUDA device (torch.cuda.is_available() is False); bench/gpu/run.py runs "
             "the cuda tests on a GPU machine (docs/gpu.md)"
         )
+
+
+# Hypothesis under CI (.ci/run sets CI=true): derandomized, so every CI run draws the same
+# examples and a failure reproduces from its seed; no example database; no per-example deadline
+# (a loaded machine is slow, not wrong). Example counts are not cut: each test's own
+# max_examples (and the default 100) hold, so every property a mutation was caught by is
+# checked as before. `pytest --hypothesis-profile=ci` loads it anywhere.
+settings.register_profile(
+    "ci",
+    derandomize=True,
+    database=None,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+if os.environ.get("CI", "").strip().lower() == "true":
+    settings.load_profile("ci")
+
+#: modules whose tests are long, independent and share no module-scoped fixture: under
+#: pytest-xdist each of their tests is a unit of its own, so both workers run them side by side
+SPLIT_MODULES = frozenset({"tests/proof/test_connector_spin.py"})
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: without xdist it is never called
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``make test`` runs the main suite on pytest-xdist workers (``-n 2``). A module is one unit
+    of work, as with ``--dist loadfile``: a worker runs all of it, so a module-scoped fixture (a
+    server, a cluster, a model, a bench run, a report) is built once, by that worker, which owns
+    it (its ports, its processes, its temp directory). Units are handed out largest first. The
+    tests of :data:`SPLIT_MODULES` are units of their own and go first (the longest tests of
+    the suite: started last, one would run alone at the end). Another ``--dist`` than load,
+    loadfile or loadscope gets xdist's own scheduler."""
+    if config.getoption("dist") not in ("load", "loadfile", "loadscope"):
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    config.option.loadscopereorder = False  # the workers' collection order (below) is the order
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return nodeid if module in SPLIT_MODULES else module
+
+    return ModuleScheduling(config, log)
+
+
+def _module(item: pytest.Item) -> str:
+    return item.nodeid.split("::", 1)[0]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """On an xdist worker: the order the scheduler hands units out in (see
+    :func:`pytest_xdist_make_scheduler`). :data:`SPLIT_MODULES` first, then the modules with the
+    most tests; each module's tests stay together and in their order."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    counts: dict[str, int] = {}
+    for item in items:
+        counts[_module(item)] = counts.get(_module(item), 0) + 1
+    items.sort(key=lambda i: (_module(i) not in SPLIT_MODULES, -counts[_module(i)]))
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -10,6 +10,8 @@ answers one command per line with one line:
 - ``save N SEED``: the engine saves ``N`` chunks of prompt ``SEED`` -> ``saved CHUNKS``
 - ``restore N SEED``: the engine restores it into a fresh cache -> ``restored STATE TOKENS SAME``
 - ``stats`` -> ``stats OBJECTS BYTES PEAK EVICTIONS``
+- ``stop-in-lock``: take the root's lock the way every change does, print ``locked``, stop
+  this process with SIGSTOP while holding it; once continued (SIGCONT) leave it -> ``unlocked``
 - ``quit``: close everything and exit.
 
 Objects and prompts are pure functions of their index, so every process knows what any other
@@ -19,6 +21,8 @@ one wrote.
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -28,6 +32,14 @@ import structlog
 import torch
 
 import bsr
+
+try:
+    from bsr.tiers._shared import RootBusy
+except ImportError:  # a bsr before bounded locking, whose lock always waits (before/after runs)
+
+    class RootBusy(Exception):  # type: ignore[no-redef]
+        pass
+
 
 PAYLOAD = 60_000  # one object is 64 KiB on disk (header + payload, padded)
 LAYOUT = bsr.StateLayout(chunk_tokens=16, groups=(bsr.StateGroup("kv", 2, 128, dtype="uint8"),))
@@ -98,6 +110,17 @@ async def run(tier: bsr.FileTier, engine: bsr.RestoreEngine, cmd: str, a: list[i
         k = r.committed_tokens // BLOCK
         same = torch.equal(dst.tensor("kv")[:, :k], src.tensor("kv")[:, :k])
         return f"restored {r.state.value} {r.committed_tokens} {same}"
+    if cmd == "stop-in-lock":
+        space = tier._space
+        assert space is not None
+        while True:
+            try:
+                with space.locked():  # a stopped peer: frozen inside the root's lock
+                    print("locked", flush=True)
+                    os.kill(os.getpid(), signal.SIGSTOP)
+                return "unlocked"
+            except RootBusy:
+                await anyio.sleep(0.01)
     if cmd == "stats":
         s = tier.statistics()
         return f"stats {s.objects} {s.bytes} {s.peak_bytes} {s.evictions}"

@@ -1,5 +1,8 @@
 """``bsr bench --engine vllm --vllm-model gemma3-tiny``: a sliding-window model in vLLM's CPU
-engine, bytes restored and TTFT with vLLM's hybrid KV cache manager on vs off, and recompute.
+engine. Section ``manager``: bytes restored and TTFT with vLLM's hybrid KV cache manager on vs
+off, and recompute. Section ``checkpoints`` (:mod:`.vllm_checkpoints`): what each window
+checkpoint interval stores and reads against the hits it keeps (``--vllm-sections`` picks them,
+default both).
 
 Where it runs: like :mod:`.vllm_ttft`, the bench process only orchestrates; every engine runs in
 a child process (``python -m bsr_bench.vllm_hybrid child spec.json out.json``) of the vLLM
@@ -37,6 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from . import vllm_checkpoints
 from .common.stats import BenchError, Dist, ratio
 from .vllm_common import run_child, tokens, vllm_python, vllm_version
 from .vllm_ttft import SUFFIX_TOKENS
@@ -68,11 +72,18 @@ DEFAULT_PREFIXES = (1024, 2048, 4096)
 BLOCK_SIZE = 128
 CHUNK_TOKENS = 256
 MODES = ("recompute", "hybrid", "one_group")
+SECTIONS = ("manager", "checkpoints")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flag that picks this program under ``--engine vllm``."""
     g = p.add_argument_group("vLLM hybrid models (--engine vllm --vllm-model gemma3-tiny)")
+    g.add_argument(
+        "--vllm-checkpoint-intervals",
+        default=None,
+        help="gemma3-tiny, section checkpoints: window_checkpoint_chunks values to compare, "
+        "comma-separated, 'none' for no periodic checkpoints (default 1,2,4,8,16,none)",
+    )
     g.add_argument(
         "--vllm-model",
         choices=MODELS,
@@ -197,9 +208,27 @@ def run_from_namespace(ns: argparse.Namespace) -> dict[str, Any]:
     return doc
 
 
+def sections_of(ns: argparse.Namespace) -> tuple[str, ...]:
+    given = getattr(ns, "vllm_sections", None)
+    sections = tuple(s.strip() for s in given.split(",") if s.strip()) if given else SECTIONS
+    if (
+        not sections
+        or any(s not in SECTIONS for s in sections)
+        or len(set(sections)) != len(sections)
+    ):
+        raise BenchError(
+            "--vllm-sections with --vllm-model gemma3-tiny takes distinct names among manager, "
+            f"checkpoints; got {given!r}"
+        )
+    return sections
+
+
 def run_hybrid(ns: argparse.Namespace) -> dict[str, Any]:
     from .common.machine import commit_info, machine_info  # not in the child: psutil, torch
 
+    sections = sections_of(ns)
+    if "checkpoints" in sections:  # refuse a bad list before any engine starts
+        vllm_checkpoints.parse_intervals(getattr(ns, "vllm_checkpoint_intervals", None) or "1")
     quick = bool(getattr(ns, "quick", False))
     given = getattr(ns, "vllm_prefixes", None)
     prefixes = (
@@ -222,6 +251,7 @@ def run_hybrid(ns: argparse.Namespace) -> dict[str, Any]:
     seed = int(getattr(ns, "seed", 0) or 0)
     work = Path(tempfile.mkdtemp(prefix="bsr-vllm-hybrid-"))
     t_start = time.perf_counter()
+    runs: dict[str, dict[str, Any]] = {}
     try:
         (work / "model").mkdir()
         (work / "model" / "config.json").write_text(json.dumps(MODEL))
@@ -231,13 +261,16 @@ def run_hybrid(ns: argparse.Namespace) -> dict[str, Any]:
                 python, ["bsr_bench.vllm_hybrid", "child"],
                 {**base, "seed": seed, "mode": m, "store": str(work / f"store-{m}")}, work, m, 1800,
             )
-            for m in MODES
+            for m in (MODES if "manager" in sections else ())
         }  # fmt: skip
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    for m in MODES:
-        if "error" in runs[m]:
-            raise BenchError(f"the {m} engine failed: {runs[m]['error']}")
+    for m, r in runs.items():
+        if "error" in r:
+            raise BenchError(f"the {m} engine failed: {r['error']}")
+    checkpoints = (
+        vllm_checkpoints.run_checkpoints(ns, python) if "checkpoints" in sections else None
+    )
     doc = {
         "kind": "vllm_hybrid",
         "vllm": version,
@@ -248,8 +281,10 @@ def run_hybrid(ns: argparse.Namespace) -> dict[str, Any]:
         "repeats": repeats,
         "seed": seed,
         "tier": "file (page cache warm: written by the store request)",
-        "points": _points(runs),
-        "engine_start_s": {m: runs[m].get("start_s") for m in MODES},
+        "sections": list(sections),
+        "points": _points(runs) if runs else [],
+        "engine_start_s": {m: r.get("start_s") for m, r in runs.items()},
+        "checkpoints": checkpoints,
         "machine": machine_info(),
         "commit": commit_info(),
         "duration_s": time.perf_counter() - t_start,
@@ -260,7 +295,11 @@ def run_hybrid(ns: argparse.Namespace) -> dict[str, Any]:
     path.write_text(json.dumps(doc, indent=2))
     doc["json_path"] = str(path)
     if not getattr(ns, "no_plots", False):
-        doc["plot"] = plot(doc, Path(getattr(ns, "plots", None) or "bench/results"))
+        out = Path(getattr(ns, "plots", None) or "bench/results")
+        if doc["points"]:
+            doc["plot"] = plot(doc, out)
+        if checkpoints is not None:
+            doc["checkpoints_plot"] = vllm_checkpoints.plot(checkpoints, out)
     return doc
 
 
@@ -327,6 +366,11 @@ def plot(doc: dict[str, Any], out_dir: Path) -> str:
 
 
 def _print_table(doc: dict[str, Any]) -> None:
+    if doc["checkpoints"] is not None:
+        vllm_checkpoints.print_section(doc["checkpoints"])
+    if not doc["points"]:
+        print(f"JSON: {doc['json_path']}")
+        return
     print(f"vLLM {doc['vllm']} CPU, tiny Gemma3, TTFT median of {doc['repeats']} (s), MiB read")
     print(
         f"{'prefix':>7} {'recompute':>10} {'hybrid':>8} {'1 group':>8} "

@@ -90,7 +90,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--vllm-sections",
         default=None,
-        help="comma-separated sections to run: ttft, interference (default both)",
+        help="comma-separated sections to run: ttft, interference (default both); with "
+        "--vllm-model gemma3-tiny: manager (hybrid KV cache manager on vs off), checkpoints "
+        "(window checkpoint intervals: bytes vs hits) (default both)",
     )
     g.add_argument(
         "--vllm-prefixes",

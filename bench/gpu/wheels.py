@@ -51,7 +51,7 @@ PLATFORMS = (
     "manylinux1_x86_64",
 )
 #: bsr's test extra names these only for `make` targets that never run on the GPU machine
-NOT_NEEDED_THERE = {"import-linter", "bsr"}  # bsr: bsr-bench's own, from the tree
+NOT_NEEDED_THERE = {"import-linter", "pytest-xdist", "bsr"}  # bsr: bsr-bench's own, from the tree
 
 
 def names_in(path: Path) -> list[str]:

@@ -28,6 +28,7 @@ from ._errors import ObjectError as ObjectError
 from ._errors import ObjectNotFoundError as ObjectNotFoundError
 from ._errors import OutOfBlocksError as OutOfBlocksError
 from ._errors import StagingError as StagingError
+from ._errors import TierBusyError as TierBusyError
 from ._errors import TierError as TierError
 from ._errors import TierFullError as TierFullError
 from ._errors import TierIOError as TierIOError
@@ -39,6 +40,9 @@ from ._errors import UnknownGroupError as UnknownGroupError
 
 if TYPE_CHECKING:  # what mypy and readers see; at run time __getattr__ imports on first use
     from . import kit as kit
+
+    #: the installed distribution's version (``bsr._version``), read on first use
+    __version__: str
     from .core._config_digest import model_config_digest as model_config_digest
     from .core._keys import FORMAT_VERSION as FORMAT_VERSION
     from .core._keys import ChunkKey as ChunkKey
@@ -172,6 +176,11 @@ def __getattr__(name: str) -> Any:
 
     if name == "kit":
         return importlib.import_module(".kit", __name__)
+    if name == "__version__":
+        from ._version import installed_version
+
+        globals()[name] = version = installed_version()
+        return version
     target = _ALIASES.get(name, name)
     module = _WHERE.get(target)
     if module is None:
@@ -182,10 +191,8 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted({*(n for n in globals() if n.startswith("_")), *__all__, "kit"})
+    return sorted({*(n for n in globals() if n.startswith("_")), *__all__, "kit", "__version__"})
 
-
-__version__ = "0.1.0"
 
 __all__ = (
     "AbandonableCalls",
@@ -247,6 +254,7 @@ __all__ = (
     "StateLayout",
     "Strategy",
     "Tier",
+    "TierBusyError",
     "TierError",
     "TierFullError",
     "TierIOError",

@@ -94,6 +94,15 @@ class TierTimeoutError(TierError, TimeoutError):
     """A tier call did not finish within its timeout."""
 
 
+class TierBusyError(TierTimeoutError):
+    """A tier call was skipped because the tier stayed busy past its bound (``reason``: e.g.
+    ``"root_locked"``, a FileTier root whose lock another process held for ``lock_timeout_s``).
+
+    Nothing failed and nothing is wrong with the stored objects: a save skips that tier for
+    this request (``SaveResult.skipped``), and a later call may succeed.
+    """
+
+
 class TierFullError(TierError):
     """The object does not fit in the tier even after eviction."""
 

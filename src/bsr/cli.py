@@ -241,37 +241,64 @@ def _progress(total: int) -> Any:
     return (lambda o: bar.update(task, advance=o.size, name=o.object_id[:12])), bar.stop
 
 
+#: ``check_object``'s reason for an intact object of another format version (or flags): written
+#: by an older or newer bsr, not damaged; its keys are not this version's, so it is a miss
+OTHER_FORMAT = "foreign"
+
+
 def _store_verify(ns: argparse.Namespace) -> int:
+    """Scrub the store read-only, then (``--quarantine``) move only the damaged objects: an
+    object of another format version is reported as such, never as bad, and never moved."""
     from .tiers._store import list_objects, verify_store
 
     objs = list_objects(ns.path)
     advance, stop = _progress(sum(o.size for o in objs))
     try:
-        report = verify_store(ns.path, quarantine=ns.quarantine, progress=advance, objects=objs)
+        report = verify_store(ns.path, progress=advance, objects=objs)
     finally:
         stop()
+    other = [b for b in report.bad if b.reason == OTHER_FORMAT]
+    bad = [b for b in report.bad if b.reason != OTHER_FORMAT]
+    gone = report.gone
+    if ns.quarantine and bad:
+        # checked again under the root's lock before each move (re-saved meanwhile: left alone)
+        by_id = {o.object_id: o for o in objs}
+        moved = verify_store(ns.path, quarantine=True, objects=[by_id[b.object_id] for b in bad])
+        bad, gone = moved.bad, gone + moved.gone
     if ns.json:
         _emit_json(
             {
                 "checked": report.checked,
                 "bytes": report.bytes,
-                "bad": report.bad,
-                "gone": report.gone,
+                "bad": bad,
+                "other_format": other,
+                "gone": gone,
             }
         )
     else:
-        for b in report.bad:
-            moved = f" -> {b.quarantined_to}" if b.quarantined_to else ""
-            print(f"BAD {b.object_id} {b.reason}: {b.detail}{moved}")
-        verdict = "clean" if report.clean else f"{len(report.bad)} bad"
-        hint = "" if report.clean or ns.quarantine else " (rerun with --quarantine to move them)"
-        gone = (
-            f"; {report.gone} vanished meanwhile (evicted or re-saved by a running engine: not bad)"
-            if report.gone
+        for b in bad:
+            moved_to = f" -> {b.quarantined_to}" if b.quarantined_to else ""
+            print(f"BAD {b.object_id} {b.reason}: {b.detail}{moved_to}")
+        for b in other:
+            print(f"OTHER FORMAT {b.object_id}: {b.detail} (a miss for this bsr; left in place)")
+        verdict = "clean" if not bad else f"{len(bad)} bad"
+        hint = "" if not bad or ns.quarantine else " (rerun with --quarantine to move them)"
+        formats = (
+            f"; {len(other)} of another format version (not bad: a miss for this bsr, left in "
+            "place; `bsr store gc` removes objects oldest first)"
+            if other
             else ""
         )
-        print(f"verified {report.checked} objects ({_human(report.bytes)}): {verdict}{hint}{gone}")
-    return 0 if report.clean else 1
+        vanished = (
+            f"; {gone} vanished meanwhile (evicted or re-saved by a running engine: not bad)"
+            if gone
+            else ""
+        )
+        print(
+            f"verified {report.checked} objects ({_human(report.bytes)}): "
+            f"{verdict}{hint}{formats}{vanished}"
+        )
+    return 1 if bad else 0
 
 
 def _store_gc(ns: argparse.Namespace) -> int:
@@ -353,7 +380,11 @@ def _add_store(sub: Any) -> None:
         "checksum-scrub every object; exit 1 if any is bad (progress bar on a TTY)",
         _store_verify,
     )
-    verify.add_argument("--quarantine", action="store_true", help="move bad objects to quarantine/")
+    verify.add_argument(
+        "--quarantine",
+        action="store_true",
+        help="move damaged objects to quarantine/ (objects of another format version stay)",
+    )
     gc = cmd("gc", "delete least recently modified objects down to --max-bytes", _store_gc)
     gc.add_argument(
         "--max-bytes", required=True, metavar="N", help="bytes to keep, e.g. 500GiB or 1000000"
@@ -407,15 +438,29 @@ def _add_config(sub: Any) -> None:
     config.set_defaults(func=lambda ns: _missing(config))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
+class _VersionAction(argparse.Action):
+    """``--version``: the installed distribution's version, read only when asked for (the
+    metadata lookup stays out of every other command)."""
 
+    def __init__(self, option_strings: Sequence[str], dest: str, help: str) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kw: Any) -> None:
+        from . import __version__
+
+        print(f"bsr {__version__}")
+        parser.exit()
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="bsr",
         description="Bounded-State Restoration: restore evicted KV-cache state through a bounded "
         "staging window.",
     )
-    parser.add_argument("--version", action="version", version=f"bsr {__version__}")
+    parser.add_argument(
+        "--version", action=_VersionAction, help="print bsr's installed version and exit"
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     # the bench parses its own flags (`bsr bench --help` lists them): every argument after

@@ -33,7 +33,13 @@ model config), so state saved under one config is never restored into a model of
 Sliding layers of a ``DynamicCache`` keep only their last ``sliding_window - 1`` tokens. To save
 a prefix of ``n`` tokens those tokens must still be held, so write a sliding model's cache at the
 prefix end (e.g. prefill the chunk-aligned prefix, write it, then prefill the rest);
-:func:`write_kv_to_cache` raises when the needed tokens were already dropped.
+:func:`write_kv_to_cache` raises when the needed tokens were already dropped. For *window
+checkpoints* (``engine.save(..., window_checkpoints=True)``: the sliding group's window is also
+stored every ``window_checkpoint_chunks`` chunks, so a later prompt sharing only part of this one,
+a system prompt or a document, restores up to the last checkpoint below what it shares), prefill
+up to each of ``engine.checkpoint_tokens(n)`` in turn and write the cache at each
+(``start=`` the tokens written so far), then at the prefix end: the window at each checkpoint
+then lies in the paged cache, and only there does the save read the sliding group.
 """
 
 from __future__ import annotations

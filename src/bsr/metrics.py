@@ -28,6 +28,7 @@ Metric names (prefix ``bsr`` by default; one engine per registry and prefix):
 ``bsr_saves_total``                     saves
 ``bsr_saved_bytes_total{tier}``         payload bytes written per tier
 ``bsr_save_errors_total{tier}``         write errors per tier
+``bsr_saves_skipped_total{reason}``     saves that skipped a busy tier (``root_locked``)
 ``bsr_save_duration_seconds``           histogram of save wall time
 ``bsr_staging_slots``                   W, and ``_in_use``, ``_peak`` (slots), ``_waiting``
 ``bsr_staging_in_use_bytes``            staging bytes in use now (and ``_peak_bytes``)
@@ -105,6 +106,7 @@ _METRICS: tuple[tuple[str, str, str, str, tuple[str, ...]], ...] = (
     ("saves", "counter", "saves", "Saves", ()),
     ("saved_bytes", "counter", "saved_bytes", "Payload bytes written by saves", ("tier",)),
     ("save_errors", "counter", "save_errors", "Write errors during saves", ("tier",)),
+    ("saves_skipped", "counter", "saves_skipped", "Saves that skipped a busy tier", ("reason",)),
     ("save_seconds", "histogram", "save_duration_seconds", "Save wall time", ()),
 )
 
@@ -136,6 +138,7 @@ class PrometheusMetrics:
     saves: Any
     saved_bytes: Any
     save_errors: Any
+    saves_skipped: Any
     save_seconds: Any
 
     def __init__(
@@ -203,6 +206,8 @@ class PrometheusMetrics:
                 self.saved_bytes.labels(_label(tier)).inc(n)
             for tier, n in record.errors.items():
                 self.save_errors.labels(_label(tier)).inc(n)
+            for reason in record.skipped:
+                self.saves_skipped.labels(_label(reason)).inc()
             self.save_seconds.observe(record.duration_s)
 
     def close(self) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import anyio
 import pytest
 import torch
 
@@ -103,7 +102,7 @@ def _engine(layout: bsr.StateLayout, root: Path, ns: bsr.Namespace) -> bsr.Resto
     )
 
 
-def _kv_round_trip(
+async def _kv_round_trip(
     saver: Any, restorer: Any, root: Path, ns_of: Any
 ) -> tuple[bsr.RestoreResult, bsr.PagedKVCache, torch.Tensor]:
     layout = hf.layout_for_config(saver.config, chunk_tokens=CHUNK)
@@ -116,18 +115,17 @@ def _kv_round_trip(
     _serve(saver, src, src_ids)
     dst = bsr.PagedKVCache(layout, NUM_BLOCKS, BLOCK)
 
-    async def main() -> bsr.RestoreResult:
-        async with _engine(layout, root, ns_of(saver)) as eng:
-            assert (await eng.save(prompt(PROMPT)[0], src, src_ids)).ok
-        async with _engine(layout, root, ns_of(restorer)) as eng:
-            return await eng.restore(prompt(PROMPT)[0], dst, dst_ids)
-
-    # one backend (asyncio): what is under test is the namespace digest, not the loop
-    return anyio.run(main), dst, dst_ids
+    async with _engine(layout, root, ns_of(saver)) as eng:
+        assert (await eng.save(prompt(PROMPT)[0], src, src_ids)).ok
+    async with _engine(layout, root, ns_of(restorer)) as eng:
+        return await eng.restore(prompt(PROMPT)[0], dst, dst_ids), dst, dst_ids
 
 
-def test_kv_saved_under_another_config_is_a_miss(models: dict[str, Any], tmp_path: Path) -> None:
-    r, dst, _ = _kv_round_trip(
+@pytest.mark.anyio
+async def test_kv_saved_under_another_config_is_a_miss(
+    models: dict[str, Any], tmp_path: Path
+) -> None:
+    r, dst, _ = await _kv_round_trip(
         models["a"], models["eps"], tmp_path, lambda m: hf.namespace(m, MODEL_ID)
     )
     assert r.state is bsr.RequestState.COMMITTED and r.reason is bsr.Reason.EMPTY_PREFIX
@@ -135,9 +133,12 @@ def test_kv_saved_under_another_config_is_a_miss(models: dict[str, Any], tmp_pat
     assert not dst.tensor("kv").any()  # nothing restored
 
 
-def test_kv_saved_under_the_same_config_is_a_hit(models: dict[str, Any], tmp_path: Path) -> None:
+@pytest.mark.anyio
+async def test_kv_saved_under_the_same_config_is_a_hit(
+    models: dict[str, Any], tmp_path: Path
+) -> None:
     same = models["same"]
-    r, dst, dst_ids = _kv_round_trip(
+    r, dst, dst_ids = await _kv_round_trip(
         models["a"], same, tmp_path, lambda m: hf.namespace(m, MODEL_ID)
     )
     assert r.committed and r.committed_tokens == PREFIX
@@ -151,13 +152,16 @@ def test_kv_saved_under_the_same_config_is_a_hit(models: dict[str, Any], tmp_pat
     assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
-def test_control_model_id_alone_serves_the_other_configs_kv(
+@pytest.mark.anyio
+async def test_control_model_id_alone_serves_the_other_configs_kv(
     models: dict[str, Any], tmp_path: Path
 ) -> None:
     """What the binding prevents: without it the changed model commits the other config's K/V,
     and its next-token logits differ from its own never-evicted run."""
     eps = models["eps"]
-    r, dst, dst_ids = _kv_round_trip(models["a"], eps, tmp_path, lambda m: bsr.Namespace(MODEL_ID))
+    r, dst, dst_ids = await _kv_round_trip(
+        models["a"], eps, tmp_path, lambda m: bsr.Namespace(MODEL_ID)
+    )
     assert r.committed and r.committed_tokens == PREFIX
     rebuilt = hf.read_kv_from_cache(dst, dst_ids, PREFIX, eps.config)
     toks = prompt(PROMPT)
@@ -177,7 +181,7 @@ def _hc(model: Any) -> hcache.HCache:
     return hcache.HCache(model, plan, chunk_tokens=CHUNK)
 
 
-def _hc_save(hc: hcache.HCache, root: Path) -> None:
+async def _hc_save(hc: hcache.HCache, root: Path) -> None:
     n_blocks = -(-PROMPT // BLOCK)
     src_ids = shuffled(NUM_BLOCKS, n_blocks, 1)
     kv = bsr.PagedKVCache(hc.kv_layout, NUM_BLOCKS, BLOCK)
@@ -186,46 +190,44 @@ def _hc_save(hc: hcache.HCache, root: Path) -> None:
         past = next_cache(forward(hc.model, prompt(PROMPT), None))
     hf.write_kv_to_cache(past, kv, src_ids, PROMPT, config=hc.model.config)
 
-    async def main() -> None:
-        async with _engine(hc.layout, root, hc.namespace(MODEL_ID)) as eng:
-            assert (await hc.save(eng, prompt(PROMPT)[0, :PREFIX], kv, store, src_ids)).ok
-
-    anyio.run(main)
+    async with _engine(hc.layout, root, hc.namespace(MODEL_ID)) as eng:
+        assert (await hc.save(eng, prompt(PROMPT)[0, :PREFIX], kv, store, src_ids)).ok
 
 
-def _hc_restore(
+async def _hc_restore(
     hc: hcache.HCache, root: Path, ns: bsr.Namespace
 ) -> tuple[hcache.HCacheRestore, bsr.PagedKVCache, torch.Tensor]:
     dst_ids = shuffled(NUM_BLOCKS, -(-PROMPT // BLOCK), 2)
     dst = bsr.PagedKVCache(hc.kv_layout, NUM_BLOCKS, BLOCK)
 
-    async def main() -> hcache.HCacheRestore:
-        async with _engine(hc.layout, root, ns) as eng:
-            return await hc.restore(eng, prompt(PROMPT)[0], dst, dst_ids)
-
-    return anyio.run(main), dst, dst_ids
+    async with _engine(hc.layout, root, ns) as eng:
+        return await hc.restore(eng, prompt(PROMPT)[0], dst, dst_ids), dst, dst_ids
 
 
-def test_hcache_state_of_another_config_is_a_miss_or_refused(
+@pytest.mark.anyio
+async def test_hcache_state_of_another_config_is_a_miss_or_refused(
     models: dict[str, Any], tmp_path: Path
 ) -> None:
-    _hc_save(_hc(models["a"]), tmp_path)
+    await _hc_save(_hc(models["a"]), tmp_path)
     hc_eps = _hc(models["eps"])
-    res, dst, _ = _hc_restore(hc_eps, tmp_path, hc_eps.namespace(MODEL_ID))
+    res, dst, _ = await _hc_restore(hc_eps, tmp_path, hc_eps.namespace(MODEL_ID))
     assert res.committed_tokens == 0 and res.engine is not None
     assert res.engine.probed_tokens == 0 and res.engine.bytes_by_tier == {}
     assert not dst.tensor("kv").any()
     # an engine bound to another config (or to none) is refused before anything moves
     for ns in (_hc(models["a"]).namespace(MODEL_ID), bsr.Namespace(MODEL_ID)):
         with pytest.raises(bsr.ConfigError, match="config digest"):
-            _hc_restore(hc_eps, tmp_path, ns)
+            await _hc_restore(hc_eps, tmp_path, ns)
 
 
-def test_hcache_state_of_the_same_config_is_a_hit(models: dict[str, Any], tmp_path: Path) -> None:
-    _hc_save(_hc(models["a"]), tmp_path)
+@pytest.mark.anyio
+async def test_hcache_state_of_the_same_config_is_a_hit(
+    models: dict[str, Any], tmp_path: Path
+) -> None:
+    await _hc_save(_hc(models["a"]), tmp_path)
     same = models["same"]
     hc = _hc(same)
-    res, dst, dst_ids = _hc_restore(hc, tmp_path, hc.namespace(MODEL_ID))
+    res, dst, dst_ids = await _hc_restore(hc, tmp_path, hc.namespace(MODEL_ID))
     assert res.committed_tokens == PREFIX and res.reason is None
     rebuilt = hf.read_kv_from_cache(dst, dst_ids, PREFIX, same.config)
     toks = prompt(PROMPT)

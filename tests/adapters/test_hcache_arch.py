@@ -13,7 +13,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import anyio
 import pytest
 import torch
 
@@ -28,7 +27,7 @@ PREFIX = 3 * CHUNK
 PROMPT = PREFIX + 9
 
 
-def serve_and_restore(
+async def serve_and_restore(
     model: Any, methods: list[str], root: Path
 ) -> tuple[Any, hcache.HCacheRestore]:
     """Prefill with capture, save the plan's state, restore it elsewhere; return (cache, result)."""
@@ -46,19 +45,16 @@ def serve_and_restore(
     hf.write_kv_to_cache(past, kv, src_ids, PROMPT, config=model.config)
     dst = bsr.PagedKVCache(hc.kv_layout, NUM_BLOCKS, BLOCK)
 
-    async def main() -> hcache.HCacheRestore:
-        engine = bsr.RestoreEngine(
-            hc.layout,
-            [bsr.FileTier(root, 1 << 26)],
-            window=2,
-            io_depth=2,
-            namespace=hc.namespace("hcache-arch"),
-        )
-        async with engine:
-            await hc.save(engine, toks[0, :PREFIX], kv, store, src_ids)
-            return await hc.restore(engine, toks[0], dst, dst_ids)
-
-    res = anyio.run(main)
+    engine = bsr.RestoreEngine(
+        hc.layout,
+        [bsr.FileTier(root, 1 << 26)],
+        window=2,
+        io_depth=2,
+        namespace=hc.namespace("hcache-arch"),
+    )
+    async with engine:
+        await hc.save(engine, toks[0, :PREFIX], kv, store, src_ids)
+        res = await hc.restore(engine, toks[0], dst, dst_ids)
     rebuilt = hf.read_kv_from_cache(dst, dst_ids, res.committed_tokens, model.config)
     return rebuilt, res
 
@@ -66,14 +62,15 @@ def serve_and_restore(
 SUPPORTED = ["llama", "mistral", "qwen2", "gemma", "qwen3", "phi3", "phi3_partial", "olmo2"]
 
 
+@pytest.mark.anyio
 @pytest.mark.parametrize("kind", SUPPORTED)
-def test_supported_architecture_decodes_like_the_never_evicted_run(
+async def test_supported_architecture_decodes_like_the_never_evicted_run(
     kind: str, tmp_path: Path
 ) -> None:
     model = build(kind, kv_heads=4 if kind != "qwen2" else 2)
     report = hcache.check_model(model)
     assert report.ok and report.max_error <= report.tolerance
-    rebuilt, res = serve_and_restore(model, ["hidden"] * 3, tmp_path)
+    rebuilt, res = await serve_and_restore(model, ["hidden"] * 3, tmp_path)
     assert res.committed_tokens == PREFIX and res.reason is None
     toks = prompt(PROMPT)
     want = decode_from(model, toks, 0, None)
@@ -159,10 +156,11 @@ def test_capture_time_check_refuses_saving_on_mismatch() -> None:
         hc.save_view(kv, store)
 
 
-def test_damaged_hidden_state_is_visible_in_the_logits(tmp_path: Path) -> None:
+@pytest.mark.anyio
+async def test_damaged_hidden_state_is_visible_in_the_logits(tmp_path: Path) -> None:
     """Negative control: the decode comparison above can fail."""
     model = build("llama")
-    rebuilt, res = serve_and_restore(model, ["hidden"] * 3, tmp_path)
+    rebuilt, res = await serve_and_restore(model, ["hidden"] * 3, tmp_path)
     assert res.committed_tokens == PREFIX
     toks = prompt(PROMPT)
     want = decode_from(model, toks, 0, None)

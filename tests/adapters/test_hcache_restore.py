@@ -69,17 +69,14 @@ class Served:
             namespace=self.hc.namespace("hcache-restore"),
         )
 
-    def save_restore(
+    async def save_restore(
         self, root: Path, tier: Any = None
     ) -> tuple[bsr.PagedKVCache, hcache.HCacheRestore]:
         dst = bsr.PagedKVCache(self.hc.kv_layout, NUM_BLOCKS, BLOCK)
 
-        async def main() -> hcache.HCacheRestore:
-            async with self.engine(root, tier) as engine:
-                await self.hc.save(engine, self.toks[0, :PREFIX], self.kv, self.store, self.src_ids)
-                return await self.hc.restore(engine, self.toks[0, :PROMPT], dst, self.dst_ids)
-
-        return dst, anyio.run(main)
+        async with self.engine(root, tier) as engine:
+            await self.hc.save(engine, self.toks[0, :PREFIX], self.kv, self.store, self.src_ids)
+            return dst, await self.hc.restore(engine, self.toks[0, :PROMPT], dst, self.dst_ids)
 
 
 PLANS = {
@@ -92,12 +89,13 @@ PLANS = {
 
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
 @pytest.mark.parametrize("plan", list(PLANS))
-def test_every_plan_decodes_like_the_never_evicted_run(
+@pytest.mark.anyio
+async def test_every_plan_decodes_like_the_never_evicted_run(
     plan: str, kv_heads: int, tmp_path: Path
 ) -> None:
     model = build("llama", layers=4, kv_heads=kv_heads)
     served = Served(model, PLANS[plan])
-    dst, res = served.save_restore(tmp_path)
+    dst, res = await served.save_restore(tmp_path)
     assert res.committed_tokens == PREFIX and res.reason is None and res.invalid_block_ids == ()
     assert res.engine is not None and res.engine.committed_tokens == PREFIX
     # bytes read: exactly the plan's groups
@@ -135,14 +133,15 @@ def test_hidden_states_land_inside_the_kv_blocks_for_mha() -> None:
     )
 
 
-def test_a_failed_hidden_read_invalidates_the_whole_request(tmp_path: Path) -> None:
+@pytest.mark.anyio
+async def test_a_failed_hidden_read_invalidates_the_whole_request(tmp_path: Path) -> None:
     model = build("llama", layers=4, kv_heads=4)
     served = Served(model, ["hidden", "hidden", "kv", "kv"])
     plan = FaultPlan(
         seed=1, faults=(Fault(FaultKind.READ_ERROR, chunks=frozenset({2}), group="hidden.1"),)
     )
     tier = FaultyTier(bsr.FileTier(tmp_path, 1 << 26), plan)
-    _, res = served.save_restore(tmp_path, tier)
+    _, res = await served.save_restore(tmp_path, tier)
     assert res.committed_tokens == 0 and not res.committed
     assert res.engine is not None and res.engine.state is bsr.RequestState.INVALIDATED
     # what the engine touched, nothing outside the request's prefix
@@ -150,23 +149,25 @@ def test_a_failed_hidden_read_invalidates_the_whole_request(tmp_path: Path) -> N
     assert set(res.invalid_block_ids) <= set(served.dst_ids[: PREFIX // BLOCK].tolist())
 
 
-def test_a_failed_read_also_reports_the_recomputed_blocks(tmp_path: Path) -> None:
+@pytest.mark.anyio
+async def test_a_failed_read_also_reports_the_recomputed_blocks(tmp_path: Path) -> None:
     model = build("llama", layers=4, kv_heads=4)
     served = Served(model, ["recompute", "hidden", "kv", "kv"])
     plan = FaultPlan(
         seed=1, faults=(Fault(FaultKind.READ_ERROR, chunks=frozenset({3}), group="kv"),)
     )
-    _, res = served.save_restore(tmp_path, FaultyTier(bsr.FileTier(tmp_path, 1 << 26), plan))
+    _, res = await served.save_restore(tmp_path, FaultyTier(bsr.FileTier(tmp_path, 1 << 26), plan))
     assert res.committed_tokens == 0 and res.recompute_s > 0
     assert set(res.invalid_block_ids) == set(served.dst_ids[: PREFIX // BLOCK].tolist())
 
 
-def test_a_failed_projection_invalidates_the_whole_request(tmp_path: Path) -> None:
+@pytest.mark.anyio
+async def test_a_failed_projection_invalidates_the_whole_request(tmp_path: Path) -> None:
     model = build("llama", layers=4, kv_heads=4)
     served = Served(model, ["hidden", "hidden", "kv", "kv"])
     broken = served.hc.adapter._proj[1]
     broken.weight = broken.wk = torch.zeros(3, 3)  # the GEMM of layer 1 now raises
-    _, res = served.save_restore(tmp_path)
+    _, res = await served.save_restore(tmp_path)
     # the reads were fine; the engine commits (the failure came after its last chunk) or not
     # (the hook raised for a later chunk): either way nothing of the request is reusable
     assert res.engine is not None and res.engine.committed_tokens in (0, PREFIX)
@@ -177,13 +178,14 @@ def test_a_failed_projection_invalidates_the_whole_request(tmp_path: Path) -> No
     assert set(res.invalid_block_ids) == prefix_blocks
 
 
-def test_rope_is_computed_once_per_restore(tmp_path: Path) -> None:
+@pytest.mark.anyio
+async def test_rope_is_computed_once_per_restore(tmp_path: Path) -> None:
     model = build("llama", layers=4, kv_heads=4)
     served = Served(model, ["hidden", "hidden", "hidden", "kv"])  # three hidden groups
     calls: list[int] = []
     hook = model.model.rotary_emb.register_forward_hook(lambda *_: calls.append(1))
     try:
-        _, res = served.save_restore(tmp_path)
+        _, res = await served.save_restore(tmp_path)
     finally:
         hook.remove()
     assert res.committed_tokens == PREFIX and len(calls) == 1
@@ -237,24 +239,20 @@ async def test_truncate_commits_the_installed_prefix_for_every_layer(tmp_path: P
     assert max_diff(got, want) <= 1e-5 and same_tokens(got, want)
 
 
-def _restore_with(
+async def _restore_with(
     served: Served, root: Path, **kw: Any
 ) -> tuple[bsr.PagedKVCache, hcache.HCacheRestore]:
     dst = bsr.PagedKVCache(served.hc.kv_layout, NUM_BLOCKS, BLOCK)
 
-    async def main() -> hcache.HCacheRestore:
-        async with served.engine(root) as engine:
-            hc = served.hc
-            await hc.save(engine, served.toks[0, :PREFIX], served.kv, served.store, served.src_ids)
-            return await hc.restore(engine, served.toks[0, :PROMPT], dst, served.dst_ids, **kw)
-
-    # one backend (asyncio): model math, the same on either loop; the projection overlap is
-    # tested under both by test_truncate_commits_the_installed_prefix_for_every_layer
-    return dst, anyio.run(main)
+    async with served.engine(root) as engine:
+        hc = served.hc
+        await hc.save(engine, served.toks[0, :PREFIX], served.kv, served.store, served.src_ids)
+        return dst, await hc.restore(engine, served.toks[0, :PROMPT], dst, served.dst_ids, **kw)
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
-def test_chunks_are_projected_while_later_chunks_are_still_being_read(
+@pytest.mark.anyio
+async def test_chunks_are_projected_while_later_chunks_are_still_being_read(
     kv_heads: int, tmp_path: Path
 ) -> None:
     """The last chunk's on_installed (a caller's hook, called after HCache's own) waits until
@@ -287,7 +285,7 @@ def test_chunks_are_projected_while_later_chunks_are_still_being_read(
                     await anyio.sleep(0.001)
             overlapped.append(first_done.is_set())
 
-    dst, res = _restore_with(served, tmp_path, on_installed=wait_for_chunk0)
+    dst, res = await _restore_with(served, tmp_path, on_installed=wait_for_chunk0)
     assert overlapped == [True]  # chunk 0 was projected before the engine returned
     assert res.committed_tokens == PREFIX and res.reason is None
     assert sorted(seen) == list(range(PREFIX // CHUNK))
@@ -303,7 +301,10 @@ def test_chunks_are_projected_while_later_chunks_are_still_being_read(
     assert max_diff(got, want) <= 1e-5 and same_tokens(got, want)
 
 
-def test_a_projection_failing_on_one_chunk_invalidates_the_whole_request(tmp_path: Path) -> None:
+@pytest.mark.anyio
+async def test_a_projection_failing_on_one_chunk_invalidates_the_whole_request(
+    tmp_path: Path,
+) -> None:
     """Chunk 1's projection raises while the others succeed: nothing of the request is
     reported reusable, whichever chunks the engine had committed."""
     model = build("llama", layers=4, kv_heads=4)
@@ -317,18 +318,19 @@ def test_a_projection_failing_on_one_chunk_invalidates_the_whole_request(tmp_pat
 
     served.hc.rebuild = rebuild  # type: ignore[method-assign]
     for policy in ("all_or_nothing", "truncate"):
-        _, res = _restore_with(served, tmp_path / policy, policy=policy)
+        _, res = await _restore_with(served, tmp_path / policy, policy=policy)
         assert res.committed_tokens == 0 and not res.committed
         assert res.reason is not None and "chunk 1 GEMM failed" in res.reason
         assert set(res.invalid_block_ids) >= set(served.dst_ids[: PREFIX // BLOCK].tolist())
 
 
-def test_pipeline_off_projects_everything_in_one_pass_after_the_reads(tmp_path: Path) -> None:
+@pytest.mark.anyio
+async def test_pipeline_off_projects_everything_in_one_pass_after_the_reads(tmp_path: Path) -> None:
     """``pipeline=False`` (the benchmark's baseline): one rebuild of the whole prefix, after the
     engine returned; the restored K/V are the same as the pipelined restore's."""
     model = build("llama", layers=4, kv_heads=4)
     served = Served(model, ["hidden", "hidden", "kv", "kv"])
-    on, res_on = served.save_restore(tmp_path / "on")
+    on, res_on = await served.save_restore(tmp_path / "on")
     served.hc.pipeline = False
     calls: list[tuple[int, int]] = []
     real = served.hc.rebuild
@@ -338,7 +340,7 @@ def test_pipeline_off_projects_everything_in_one_pass_after_the_reads(tmp_path: 
         real(view, kv, ids, n, **kw)
 
     served.hc.rebuild = rebuild  # type: ignore[method-assign]
-    off, res_off = served.save_restore(tmp_path / "off")
+    off, res_off = await served.save_restore(tmp_path / "off")
     assert res_on.committed_tokens == res_off.committed_tokens == PREFIX
     assert calls == [(0, PREFIX)]
     n = torch.arange(PREFIX)
@@ -354,23 +356,17 @@ def test_runs_of_consecutive_chunks() -> None:
     assert _runs([0, 1, 3, 4, 5, 7]) == [range(0, 2), range(3, 6), range(7, 8)]
 
 
-def test_hcache_restores_only_under_the_extras_it_saved_with(tmp_path: Path) -> None:
+@pytest.mark.anyio
+async def test_hcache_restores_only_under_the_extras_it_saved_with(tmp_path: Path) -> None:
     """A tenant's (or adapter's) hidden states and KV are never rebuilt for another."""
     served = Served(build("llama", layers=4), ["hidden", "hidden", "kv", "kv"])
     alice, bob = [bsr.KeyExtra(b"tenant:alice", 0, 1)], [bsr.KeyExtra(b"tenant:bob", 0, 1)]
-
-    async def main() -> tuple[hcache.HCacheRestore, hcache.HCacheRestore]:
-        async with served.engine(tmp_path) as engine:
-            hc, toks = served.hc, served.toks[0]
-            await hc.save(
-                engine, toks[:PREFIX], served.kv, served.store, served.src_ids, extras=alice
-            )
-            dst = bsr.PagedKVCache(hc.kv_layout, NUM_BLOCKS, BLOCK)
-            other = await hc.restore(engine, toks[:PROMPT], dst, served.dst_ids, extras=bob)
-            own = await hc.restore(engine, toks[:PROMPT], dst, served.dst_ids, extras=alice)
-            return other, own
-
-    other, own = anyio.run(main)
+    hc, toks = served.hc, served.toks[0]
+    async with served.engine(tmp_path) as engine:
+        await hc.save(engine, toks[:PREFIX], served.kv, served.store, served.src_ids, extras=alice)
+        dst = bsr.PagedKVCache(hc.kv_layout, NUM_BLOCKS, BLOCK)
+        other = await hc.restore(engine, toks[:PROMPT], dst, served.dst_ids, extras=bob)
+        own = await hc.restore(engine, toks[:PROMPT], dst, served.dst_ids, extras=alice)
     assert other.committed_tokens == 0
     assert other.engine is not None and other.engine.bytes_read == 0
     assert own.committed_tokens == PREFIX

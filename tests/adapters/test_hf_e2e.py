@@ -558,3 +558,63 @@ async def test_hybrid_sliding_model_with_a_table_per_group(tmp_path: Path) -> No
     assert rebuilt.get_seq_length() == PREFIX
     got = continue_decoding(model, prompt, PREFIX, rebuilt)
     assert_same_logits(got, reference)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("checkpoints", [True, False], ids=["checkpoints", "end_only"])
+async def test_a_shared_prefix_of_a_sliding_model_restores_its_last_checkpoint(
+    tmp_path: Path, checkpoints: bool
+) -> None:
+    """Window checkpoints through ``bsr.hf``: a server that prefills a hybrid Qwen2 (window 32,
+    one chunk) up to each of ``engine.checkpoint_tokens(n)`` and writes the cache there (a
+    ``DynamicCache`` keeps a sliding layer's last window only) saves A with
+    ``window_checkpoints=True``; a prompt B that shares A's first 5 chunks restores 4 (the last
+    checkpoint; every 2 chunks), every group, and decodes exactly as B's never-evicted run.
+    Without checkpoints (the end's window only) B misses."""
+    torch.manual_seed(99)
+    config = _hybrid_qwen2(CHUNK, ["sliding_attention", "full_attention"] * 2)
+    model = transformers.Qwen2ForCausalLM(config).eval()
+    gen = torch.Generator().manual_seed(31)
+    a = torch.randint(0, VOCAB, (1, 7 * CHUNK), generator=gen)
+    b = torch.cat((a[:, : 5 * CHUNK + 10], torch.randint(0, VOCAB, (1, 50), generator=gen)), 1)
+    layout = hf.layout_for_config(config, chunk_tokens=CHUNK)
+    src_ids = shuffled(7 * CHUNK // BLOCK, seed=33)
+    src = bsr.PagedKVCache(layout, NUM_BLOCKS, BLOCK)
+    async with make_engine(
+        layout, tiers_at(tmp_path / "l2"), window_checkpoint_chunks=2, **ENGINE
+    ) as engine:
+        stops = [*engine.checkpoint_tokens(a.shape[1]), a.shape[1]]
+        assert stops == [2 * CHUNK, 4 * CHUNK, 6 * CHUNK, 7 * CHUNK]
+        past, done = None, 0
+        with torch.no_grad():
+            for stop in stops:  # prefill to each checkpoint, write what the window holds
+                _, past = _forward(model, a[:, done:stop], past)
+                hf.write_kv_to_cache(past, src, src_ids, stop, config=config, start=done)
+                done = stop
+        saved = await engine.save(a[0], src, src_ids, window_checkpoints=checkpoints)
+    assert saved.saved_tokens == 7 * CHUNK
+    # kv: 7 chunks; swa_kv: chunk 6 (the end's window) and, with checkpoints, chunks 1, 3, 5
+    assert saved.objects_written["file"] == 7 + (4 if checkpoints else 1)
+
+    dst_ids = shuffled(-(-b.shape[1] // BLOCK), seed=34)
+    dst = bsr.PagedKVCache(layout, NUM_BLOCKS, BLOCK)
+    async with make_engine(layout, tiers_at(tmp_path / "l2"), **ENGINE) as engine:
+        result = await engine.restore(b[0], dst, dst_ids)
+    if not checkpoints:
+        assert result.committed_tokens == 0
+        return
+    assert result.state is COMMITTED, result
+    assert result.committed_tokens == 4 * CHUNK
+    group_bytes = layout.group_chunk_bytes
+    assert result.bytes_read == 4 * group_bytes("kv") + group_bytes("swa_kv")
+    rebuilt = hf.read_kv_from_cache(dst, dst_ids, 4 * CHUNK, config)
+    got = continue_decoding(model, b, 4 * CHUNK, rebuilt)
+    # B's never-evicted run with A's prefill split over the shared part (the restored K/V was
+    # computed that way: a prefill on top of a cache rounds apart from one in one go)
+    past, done = None, 0
+    with torch.no_grad():
+        for stop in (2 * CHUNK, 4 * CHUNK):
+            _, past = _forward(model, b[:, done:stop], past)
+            done = stop
+    assert_same_logits(got, continue_decoding(model, b, 4 * CHUNK, past))
+    assert max_diff(got, continue_decoding(model, b, 0, None)) < 1e-4

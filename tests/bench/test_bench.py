@@ -54,6 +54,7 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any],
     return json.loads(json_path.read_text()), out, proc.stdout
 
 
+@pytest.mark.slow  # a whole `bsr bench --quick` run
 def test_json_matches_schema(quick_run: tuple[dict[str, Any], Path, str]) -> None:
     doc, _, _ = quick_run
     jsonschema.validate(doc, load_schema())
@@ -63,6 +64,7 @@ def test_json_matches_schema(quick_run: tuple[dict[str, Any], Path, str]) -> Non
     assert doc["storage"]["cache_mode"] in ("direct", "cold", "warm")
 
 
+@pytest.mark.slow  # a whole `bsr bench --quick` run
 def test_bsr_rws_is_flat_and_equals_window_times_slot(
     quick_run: tuple[dict[str, Any], Path, str],
 ) -> None:
@@ -88,6 +90,7 @@ def test_bsr_rws_is_flat_and_equals_window_times_slot(
         assert wp[-1] == points[-1]["chunks"] * points[-1]["slot_bytes"]
 
 
+@pytest.mark.slow  # a whole `bsr bench --quick` run
 def test_the_engines_split_of_each_restore_fits_in_its_ttft(
     quick_run: tuple[dict[str, Any], Path, str],
 ) -> None:
@@ -103,6 +106,7 @@ def test_the_engines_split_of_each_restore_fits_in_its_ttft(
             assert parts[1] > 0, p["layout"]  # windowing moved the bytes
 
 
+@pytest.mark.slow  # a whole `bsr bench --quick` run
 def test_layout_sizes(quick_run: tuple[dict[str, Any], Path, str]) -> None:
     doc, _, _ = quick_run
     layouts = {lay["name"]: lay for lay in doc["layouts"]}
@@ -112,6 +116,7 @@ def test_layout_sizes(quick_run: tuple[dict[str, Any], Path, str]) -> None:
     assert layouts["dsv4-flash"]["chunk_bytes"] == 16_408_576
 
 
+@pytest.mark.slow  # a whole `bsr bench --quick` run
 def test_every_ratio_present_and_finite(quick_run: tuple[dict[str, Any], Path, str]) -> None:
     doc, _, _ = quick_run
     summary = doc["summary"]["ratios"]
@@ -133,6 +138,7 @@ def test_every_ratio_present_and_finite(quick_run: tuple[dict[str, Any], Path, s
         assert math.isfinite(t["value"])
 
 
+@pytest.mark.slow  # a whole `bsr bench --quick` run
 def test_restored_bytes_verified_and_outputs_written(
     quick_run: tuple[dict[str, Any], Path, str],
 ) -> None:
@@ -145,6 +151,7 @@ def test_restored_bytes_verified_and_outputs_written(
     assert "bsr bench" in stdout and "llama3-8b" in stdout
 
 
+@pytest.mark.slow  # a whole `bsr bench --quick` run
 def test_quick_remote_mooncake(tmp_path: Path) -> None:
     """`--remote mooncake`: every point also restores from a MooncakeTier on a loopback cluster.
 
@@ -221,6 +228,7 @@ ISSUE_TARGETS = {
 }
 
 
+@pytest.mark.slow  # a whole `bsr bench --quick` run
 def test_sections_are_reported_with_their_targets(
     quick_run: tuple[dict[str, Any], Path, str],
 ) -> None:
@@ -253,6 +261,7 @@ def test_sections_are_reported_with_their_targets(
     assert "overhead: HostTier restore vs memcpy" in stdout and "concurrency:" in stdout
 
 
+@pytest.mark.slow  # a whole `bsr bench --quick` run
 def test_cpu_section_sets_each_restore_beside_its_floor(
     quick_run: tuple[dict[str, Any], Path, str],
 ) -> None:
@@ -355,6 +364,7 @@ def test_fio_reports_the_cpu_of_its_jobs(tmp_path: Path) -> None:
     assert read.cpu_s == pytest.approx((read.usr_s or 0) + (read.sys_s or 0))
 
 
+@pytest.mark.slow  # a whole `bsr bench --quick` run
 def test_fio_reference_or_a_note_that_it_is_missing(
     quick_run: tuple[dict[str, Any], Path, str],
 ) -> None:
@@ -612,6 +622,7 @@ def test_fio_reads_a_long_list_of_files_completely(tmp_path: Path) -> None:
         assert read.io_bytes == 80 * (64 << 10), config.name
 
 
+@pytest.mark.slow  # a whole `bsr bench --quick` run
 def test_quick_remote_redis(tmp_path: Path) -> None:
     """`--remote redis`: every point also restores from a RedisTier on a loopback redis-server,
     beside the FileTier figures, verified byte-exact (skipped without redis-server, a failure
@@ -650,6 +661,7 @@ def test_quick_remote_redis(tmp_path: Path) -> None:
     assert "remote tier (Redis, loopback" in proc.stdout
 
 
+@pytest.mark.slow  # a whole `bsr bench --quick` run
 def test_the_file_tier_reads_with_bsrs_default_reader(
     quick_run: tuple[dict[str, Any], Path, str],
 ) -> None:

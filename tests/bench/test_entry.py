@@ -63,6 +63,7 @@ FLAGS = {
     "--vllm-python": None,
     "--vllm-repeats": None,
     "--vllm-model": "llama",
+    "--vllm-checkpoint-intervals": None,
     "--vllm-sections": None,
     "--window": None,
     "--windows": None,

@@ -12,7 +12,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import anyio
 import pytest
 
 from bsr_bench.cli import build_parser
@@ -71,6 +70,7 @@ def _model_first_budget(points: list[dict[str, Any]], tokens: int, need: int) ->
     return next((b for b in budgets if b >= need), None)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("destination", ["memory", "file"])
 def test_ladder_document_and_invariants(tmp_path: Path, destination: str) -> None:
     opts = _ladder_opts(tmp_path, destination=destination)
@@ -176,25 +176,22 @@ def test_cli_flags_resolve() -> None:
         resolve_tp(build_parser().parse_args(["--tp", "1"]))
 
 
-def test_chunked_state_digests_detect_a_wrong_destination(tmp_path: Path) -> None:
+@pytest.mark.anyio
+async def test_chunked_state_digests_detect_a_wrong_destination(tmp_path: Path) -> None:
     named = resolve_layout(TINY)
     state = ChunkedState(named, tmp_path, 128, seed=1, ring_chunks=3, direct_io=False)
     dest = Destination(named, state.num_blocks, DestinationKind.FILE, tmp_path / "dst")
-    # the bench's own path, which runs on asyncio
-    save = anyio.run(state.save, dest.fresh())
+    save = await state.save(dest.fresh())  # the bench's own save path
     assert save["chunks"] == 8 and len(set(state.digests)) == 8  # random, distinct chunks
     cache = dest.fresh()  # all zeros: nothing restored yet
     assert not state.verify(cache, 128)["ok"]
     from bsr import RestoreEngine
 
-    async def restore() -> None:
-        async with RestoreEngine(
-            named.layout, [state.tier()], window=2, io_depth=2, namespace=state.namespace
-        ) as eng:
-            res = await eng.restore(state.tokens, cache, state.identity_ids())
-            assert res.committed and res.committed_tokens == 128
-
-    anyio.run(restore)
+    async with RestoreEngine(
+        named.layout, [state.tier()], window=2, io_depth=2, namespace=state.namespace
+    ) as eng:
+        res = await eng.restore(state.tokens, cache, state.identity_ids())
+        assert res.committed and res.committed_tokens == 128
     assert state.verify(cache, 128) == {
         "chunks_checked": 8,
         "chunks": 8,

@@ -8,6 +8,7 @@ InProcessGroup (real collectives, matched by call order).
 from __future__ import annotations
 
 import anyio
+import pytest
 import structlog
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -31,9 +32,10 @@ def model(locals_: list[int], usable: list[frozenset[int]]) -> int:
 rank_st = st.tuples(st.integers(LATE, MAX), st.frozensets(st.integers(1, MAX)))
 
 
+@pytest.mark.anyio
 @settings(max_examples=150, deadline=None)
 @given(st.lists(rank_st, min_size=1, max_size=4))
-def test_every_rank_agrees_on_the_longest_prefix_all_can_use(
+async def test_every_rank_agrees_on_the_longest_prefix_all_can_use(
     ranks: list[tuple[int, frozenset[int]]],
 ) -> None:
     group = bsr.InProcessGroup(len(ranks), timeout_s=30.0)
@@ -53,12 +55,9 @@ def test_every_rank_agrees_on_the_longest_prefix_all_can_use(
 
         got[r] = await prober.agree(local, can_use)
 
-    async def main() -> None:
-        async with anyio.create_task_group() as tg:
-            for r in range(len(ranks)):
-                tg.start_soon(rank, r)
-
-    anyio.run(main)
+    async with anyio.create_task_group() as tg:
+        for r in range(len(ranks)):
+            tg.start_soon(rank, r)
     expected = model([loc for loc, _ in ranks], [u for _, u in ranks])
     assert got == dict.fromkeys(range(len(ranks)), expected)
     # a rank is only ever asked about a prefix no longer than what every rank proposed

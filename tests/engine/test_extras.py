@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import anyio
 import pytest
 import torch
 from hypothesis import HealthCheck, given, note, settings
@@ -71,48 +70,46 @@ def requests(draw: st.DrawFn) -> tuple[list[int], list[bsr.KeyExtra]]:
     return tokens, extras
 
 
+@pytest.mark.anyio
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     reqs=st.lists(requests(), min_size=2, max_size=6),
     ops=st.lists(st.tuples(st.booleans(), st.integers(0, 5)), min_size=2, max_size=14),
 )
-def test_hits_and_bytes_follow_the_content_model(
+async def test_hits_and_bytes_follow_the_content_model(
     reqs: list[tuple[list[int], list[bsr.KeyExtra]]], ops: list[tuple[bool, int]]
 ) -> None:
-    async def main() -> None:
-        nb = 8
-        engine = make_engine(LAYOUT, [bsr.HostTier(1 << 24)], window=2, io_depth=1)
-        # model: prefix content -> (request whose save stored that chunk first, its chunk index)
-        stored: dict[tuple[Any, ...], int] = {}
-        sources = [filled_cache(LAYOUT, nb, CT, seed=i + 1) for i in range(len(reqs))]
-        ids = list(range(nb))
-        async with engine:
-            for is_save, i in ops:
-                i %= len(reqs)
-                tokens, extras = reqs[i]
-                contents = prefix_contents(tokens, extras)
-                if is_save:
-                    res = await engine.save(tokens, sources[i], ids, extras=extras)
-                    assert res.saved_tokens == len(contents) * CT
-                    for p in contents:
-                        stored.setdefault(p, i)
-                    continue
-                want = 0
-                while want < len(contents) and contents[want] in stored:
-                    want += 1
-                probe = await engine.lookup(tokens, extras=extras)
-                assert probe.prefix_tokens == want * CT, (probe.prefix_tokens, want)
-                dst = bsr.PagedKVCache(LAYOUT, nb, CT)
-                r = await engine.restore(tokens, dst, ids, extras=extras, probe=probe)
-                note(f"restore of request {i}: {want} chunks")
-                assert r.committed_tokens == want * CT
-                for c in range(want):  # each chunk holds what its first saver wrote
-                    src = sources[stored[contents[c]]]
-                    assert torch.equal(dst.tensor("kv")[:, c], src.tensor("kv")[:, c]), (
-                        f"chunk {c} of request {i} holds another request's bytes"
-                    )
-
-    anyio.run(main)
+    nb = 8
+    engine = make_engine(LAYOUT, [bsr.HostTier(1 << 24)], window=2, io_depth=1)
+    # model: prefix content -> (request whose save stored that chunk first, its chunk index)
+    stored: dict[tuple[Any, ...], int] = {}
+    sources = [filled_cache(LAYOUT, nb, CT, seed=i + 1) for i in range(len(reqs))]
+    ids = list(range(nb))
+    async with engine:
+        for is_save, i in ops:
+            i %= len(reqs)
+            tokens, extras = reqs[i]
+            contents = prefix_contents(tokens, extras)
+            if is_save:
+                res = await engine.save(tokens, sources[i], ids, extras=extras)
+                assert res.saved_tokens == len(contents) * CT
+                for p in contents:
+                    stored.setdefault(p, i)
+                continue
+            want = 0
+            while want < len(contents) and contents[want] in stored:
+                want += 1
+            probe = await engine.lookup(tokens, extras=extras)
+            assert probe.prefix_tokens == want * CT, (probe.prefix_tokens, want)
+            dst = bsr.PagedKVCache(LAYOUT, nb, CT)
+            r = await engine.restore(tokens, dst, ids, extras=extras, probe=probe)
+            note(f"restore of request {i}: {want} chunks")
+            assert r.committed_tokens == want * CT
+            for c in range(want):  # each chunk holds what its first saver wrote
+                src = sources[stored[contents[c]]]
+                assert torch.equal(dst.tensor("kv")[:, c], src.tensor("kv")[:, c]), (
+                    f"chunk {c} of request {i} holds another request's bytes"
+                )
 
 
 # ---------------------------------------------------------------------- the engine's API

@@ -8,8 +8,9 @@ and a sliding-window group's table holding ``NULL_BLOCK`` for the blocks outside
 
 The oracle below is written from the token ranges, not from bsr's planning code: a prefix of
 ``p`` chunks needs every token of a full-attention group and the last ``window`` tokens of a
-windowed one; an object is the whole chunk of one group; a save can store a prefix only if every
-object it needs lies in real blocks; a restore commits the longest stored prefix only if the
+windowed one; an object is the whole chunk of one group; a save stores only whole chunks (a full
+group its longest prefix of them, a windowed group its window at the end of the tokens and at the
+longest prefix every group can serve), and a restore commits the longest stored prefix only if the
 destination tables hold a real block wherever that prefix's needed tokens go. Each token's bytes
 are a pure function of the prefix up to its chunk's end (like real KV state).
 """
@@ -22,7 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import anyio
 import numpy as np
 import pytest
 import torch
@@ -190,7 +190,7 @@ def freed_blocks(window: int | None, tokens: int, bt: int) -> int:
 
 
 # ------------------------------------------------------------------ the test
-def run_case(case: dict[str, Any], root: Path) -> None:
+async def run_case(case: dict[str, Any], root: Path) -> None:
     layout: bsr.StateLayout = case["layout"]
     ct, bt = layout.chunk_tokens, case["bt"]
     groups = list(layout.groups)
@@ -204,12 +204,6 @@ def run_case(case: dict[str, Any], root: Path) -> None:
         pin_staging=False, prefault_staging=False,
     )  # fmt: skip
     stored: set[tuple[tuple[int, ...], str]] = set()
-
-    async def main() -> None:
-        async with engine:
-            for i, (n, past, tail) in enumerate(case["saves"]):
-                await save(i, case["base"][:n], past, tail)
-            await restore(case["restore"])
 
     async def save(i: int, tokens: list[int], past: int | None, tail: int) -> None:
         src = make_cache(layout, nb, bt, case["alias"], case["stacked"], case["seed"] + i)
@@ -236,12 +230,24 @@ def run_case(case: dict[str, Any], root: Path) -> None:
             return all(b != NULL for b in tables[g][c * ct // bt : (c + 1) * ct // bt])
 
         fits = [p for p in range(n, 0, -1) if all(whole(*o) for o in needed_objects(groups, p, ct))]
-        want = fits[0] if fits else 0
+        fit = fits[0] if fits else 0
+        # what the save stores: each full group its longest whole prefix, each windowed group
+        # its window at the end and at the longest prefix every group fits, where whole
+        full = [g for g in groups if g.window_tokens is None]
+        m = next((p for p in range(n, 0, -1)
+                  if all(whole(c, g.name) for g in full for c in range(p))), 0)  # fmt: skip
+        chosen = {(c, g.name) for g in full for c in range(m)}
+        for g in groups:
+            if g.window_tokens is not None:
+                for end in {n, fit}:
+                    win = needed_chunks(g.window_tokens, end, ct)
+                    if all(whole(c, g.name) for c in win):
+                        chosen.update((c, g.name) for c in win)
+        want = max(p for p in range(n + 1) if needed_objects(groups, p, ct) <= chosen)
+        assert want >= fit
         assert result.saved_tokens == want * ct, (result.saved_tokens, want, nulls)
         note(f"save: {'whole' if want == n else 'shorter prefix' if want else 'nothing'}")
-        stored.update(
-            (tuple(tokens[: (c + 1) * ct]), g) for c, g in needed_objects(groups, want, ct)
-        )
+        stored.update((tuple(tokens[: (c + 1) * ct]), g) for c, g in chosen)
 
     async def restore(tokens: list[int]) -> None:
         n = len(tokens) // ct
@@ -327,19 +333,24 @@ def run_case(case: dict[str, Any], root: Path) -> None:
         want_bytes = sum(layout.group_chunk_bytes(g) for _, g in needed_objects(groups, probed, ct))
         assert res.bytes_read == want_bytes  # a window group reads its window's chunks only
 
-    anyio.run(main)
+    async with engine:
+        for i, (n, past, tail) in enumerate(case["saves"]):
+            await save(i, case["base"][:n], past, tail)
+        await restore(case["restore"])
 
 
+@pytest.mark.anyio
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
-def test_group_tables_against_the_oracle(case: dict[str, Any]) -> None:
+async def test_group_tables_against_the_oracle(case: dict[str, Any]) -> None:
     with tempfile.TemporaryDirectory() as d:
-        run_case(case, Path(d))
+        await run_case(case, Path(d))
 
 
+@pytest.mark.anyio
 @pytest.mark.parametrize("stacked", [False, True], ids=["per_layer", "stacked"])
 @pytest.mark.parametrize("damage", [None, 0, 5], ids=["intact", "damage_full", "damage_window"])
-def test_a_window_straddling_a_chunk_restores_into_its_real_blocks(
+async def test_a_window_straddling_a_chunk_restores_into_its_real_blocks(
     tmp_path: Path, stacked: bool, damage: int | None
 ) -> None:
     """A 20-token window over 16-token chunks of 4-token blocks: the restore of 3 chunks reads
@@ -359,4 +370,4 @@ def test_a_window_straddling_a_chunk_restores_into_its_real_blocks(
         "saves": [(48 + 5, None, 0)], "restore": list(range(48 + 5)), "shared_table": False,
         "stacked": stacked, "damage": damage, "bad_null": False, "seed": 7,
     }  # fmt: skip
-    run_case(case, tmp_path)
+    await run_case(case, tmp_path)

@@ -257,6 +257,7 @@ class PauseMasterAfterReads(LatencyTier):
 
 
 # ---------------------------------------------------------------------- processes killed
+@pytest.mark.slow
 @pytest.mark.parametrize("with_ssd", [True, False], ids=["ssd", "no_ssd"])
 @pytest.mark.parametrize("victim", ["master", "memory"])
 @pytest.mark.anyio

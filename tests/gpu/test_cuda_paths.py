@@ -50,8 +50,11 @@ def _keys(case: Case) -> list[bsr.ChunkKey]:
     return bsr.chunk_keys(ns, case.tokens, case.layout.chunk_tokens)
 
 
+# each combination once, on the backend named (the device's time is short): the backend is the
+# anyio plugin's own fixture, parametrized here instead of over both backends
+@pytest.mark.anyio
 @pytest.mark.parametrize(
-    ("tier", "strategy", "backend"),
+    ("tier", "strategy", "anyio_backend"),
     [
         ("file", "bounded", "asyncio"),
         ("file", "bounded", "trio"),
@@ -60,29 +63,26 @@ def _keys(case: Case) -> list[bsr.ChunkKey]:
         ("host", "whole_plan", "trio"),
     ],
 )
-def test_restore_into_a_device_cache_holds_the_saved_bytes(
-    tmp_path: Path, device: str, tier: str, strategy: str, backend: str
+async def test_restore_into_a_device_cache_holds_the_saved_bytes(
+    tmp_path: Path, device: str, tier: str, strategy: str
 ) -> None:
     case = Case(chunks=12, seed=7)
     window = 4
     slot = case.layout.slot_bytes
 
-    async def main() -> None:
-        async with case.engine([_tier(tier, tmp_path)], window=window, io_depth=2) as eng:
-            saved = await eng.save(case.tokens, case.src, case.src_ids)
-            assert saved.ok and saved.chunks == case.chunks, saved
-            dst = case.destination(device)
-            r = await eng.restore(case.tokens, dst, case.dst_ids, strategy=strategy)
-            assert r.state is COMMITTED and r.committed_tokens == case.n_tokens, r
-            assert case.mismatches(dst, case.chunks) == []
-            assert case.stray_writes(dst) == 0
-            # bounded: W slots for a state 3x the window; whole-plan: one region per chunk
-            assert r.rws_peak_bytes == (window if strategy == "bounded" else case.chunks) * slot
-            settled, stats = staging_settled(eng)
-            assert settled, stats
-            assert stats.pinned is (device == "cuda")
-
-    anyio.run(main, backend=backend)
+    async with case.engine([_tier(tier, tmp_path)], window=window, io_depth=2) as eng:
+        saved = await eng.save(case.tokens, case.src, case.src_ids)
+        assert saved.ok and saved.chunks == case.chunks, saved
+        dst = case.destination(device)
+        r = await eng.restore(case.tokens, dst, case.dst_ids, strategy=strategy)
+        assert r.state is COMMITTED and r.committed_tokens == case.n_tokens, r
+        assert case.mismatches(dst, case.chunks) == []
+        assert case.stray_writes(dst) == 0
+        # bounded: W slots for a state 3x the window; whole-plan: one region per chunk
+        assert r.rws_peak_bytes == (window if strategy == "bounded" else case.chunks) * slot
+        settled, stats = staging_settled(eng)
+        assert settled, stats
+        assert stats.pinned is (device == "cuda")
 
 
 @pytest.mark.anyio

@@ -131,6 +131,7 @@ def campaign_settings(examples: int, steps: int) -> settings:
 
 # the long campaign outlasts the suite's per-test timeout (a timeout firing mid-example would
 # make Hypothesis report flaky data generation, not the timeout)
+@pytest.mark.slow
 @pytest.mark.timeout(0 if MODE == "long" else 600)
 @pytest.mark.parametrize("name", ["single", "multi"])
 def test_campaign(name: str, report: dict[str, Any]) -> None:

@@ -23,7 +23,19 @@ from pathlib import Path
 
 import pytest
 
-from spin_check import Mutation, PanRun, Tools, build_pan, mutate, pan, run_pan, tools
+from spin_check import (
+    PAN_TEST_TIMEOUT_S,
+    Mutation,
+    PanRun,
+    Tools,
+    build_pan,
+    mutate,
+    pan,
+    run_pan,
+    tools,
+)
+
+pytestmark = pytest.mark.timeout(PAN_TEST_TIMEOUT_S)  # a hang guard (spin_check)
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "spec" / "connector.pml"
@@ -50,6 +62,7 @@ SAFETY = (["-O1", "-DSAFETY", "-DNOCLAIM"], [DEPTH])
 LIVENESS = (["-O1"], ["-a", "-f", "-N", "terminates", DEPTH])
 
 
+@pytest.mark.slow
 def test_model_verifies_exhaustively(tmp_path: Path) -> None:
     """Every assertion (properties a-g), and the end checks of every run that ends (h)."""
     found = _tools()
@@ -67,6 +80,7 @@ def test_model_verifies_exhaustively(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.slow
 def test_every_fair_run_ends(tmp_path: Path) -> None:
     """ltl ``terminates`` (<> ended) under weak fairness: no run loops forever with a request,
     a load, a save or a block left over (a load never reported, a block never given back)."""
@@ -237,6 +251,7 @@ def _instrument(text: str, events: dict[str, Event]) -> str:
     return text[:head] + "\n" + "".join(decls) + text[head:]
 
 
+@pytest.mark.slow
 def test_the_interleavings_are_reachable(tmp_path: Path) -> None:
     """One exhaustive run of the instrumented model: an event's statement that pan never
     reached (in every copy of the inline it is in) is an interleaving no run of the model has."""
@@ -426,6 +441,7 @@ MUTATIONS: dict[str, Mutation] = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(MUTATIONS))
 def test_mutation_is_caught(tmp_path: Path, name: str) -> None:
     found = _tools()
@@ -474,6 +490,16 @@ NOT_MODELLED = {
     "_forget": "leases",
     "_restore": "RestoreEngine.restore's call: the restore task on the Loop",
     "_account_save": "stats of a save",
+    "_account_written": "stats of a save",
+    # window saves (bsr.vllm._windows) are NOT in the model yet: they only read blocks the
+    # scheduler holds a reference on in vLLM's block pool (BlockPool.touch) until every rank
+    # reported the save, and are saved under the rule of saves; tests/vllm/test_windows.py
+    # (the pins, against vLLM's own pool) and test_window_checkpoints.py (engine level) check
+    # them. Modelling the pin (a block vLLM frees but cannot reuse) is a follow-up.
+    "_plan_windows": "window saves: not modelled yet (see above)",
+    "start_window_saves": "window saves: not modelled yet (see above)",
+    "_save_windows": "window saves: not modelled yet (see above)",
+    "keys_of": "a request's keys (tokens and extras): the model's CID(r, i) names them abstractly",
     "tables": "vLLM's block ids per KV cache group as bsr's tables (the model has one group)",
     "unreachable": "a load refused before it runs: one of the failed loads the model has",
 }

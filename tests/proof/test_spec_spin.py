@@ -19,7 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from spin_check import Mutation, Tools, build_pan, mutate, pan, run_pan, tools
+from spin_check import PAN_TEST_TIMEOUT_S, Mutation, Tools, build_pan, mutate, pan, run_pan, tools
+
+pytestmark = pytest.mark.timeout(PAN_TEST_TIMEOUT_S)  # a hang guard (spin_check)
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "spec" / "bsr.pml"

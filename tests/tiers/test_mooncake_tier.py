@@ -480,10 +480,12 @@ async def test_hung_master_times_out_and_recovers(fresh_mooncake_cluster: Moonca
         assert np.array_equal(dst, payload(0, 4096))
 
 
+@pytest.mark.slow
 @needs_mooncake
 @pytest.mark.parametrize("how", ["skipped", "restarted"])
 @pytest.mark.parametrize("taken", ["master", "memory", "gateway"])
-def test_cluster_owns_its_ports_when_a_chosen_port_is_taken(
+@pytest.mark.anyio
+async def test_cluster_owns_its_ports_when_a_chosen_port_is_taken(
     monkeypatch: pytest.MonkeyPatch, taken: str, how: str
 ) -> None:
     """Issue 19 item 11, the flake made deterministic: another process listens on the port the
@@ -522,28 +524,25 @@ def test_cluster_owns_its_ports_when_a_chosen_port_is_taken(
             def master_state() -> str:  # "T": stopped
                 return Path(f"/proc/{c.pids['master']}/stat").read_text().rsplit(") ", 1)[1][0]
 
-            async def main() -> None:
-                # as test_hung_master_times_out_and_recovers, with room for writes under load
-                async with make_tier(c, timeout_s=3.0) as tier:
-                    for i, k in enumerate(keys):  # every segment the master knows is alive
-                        assert await tier.write(k, "kv", payload(i, 4096))
-                    c.pause_master()
-                    state = master_state()
-                    assert state == "T"  # pause_master returns once the master is stopped
-                    t0 = time.monotonic()
-                    try:
-                        got = await tier.contains_many([ObjectKey(k, "kv") for k in keys])
-                    except TierTimeoutError:
-                        pass
-                    else:
-                        pytest.fail(
-                            f"the tier answered {got} in {time.monotonic() - t0:.3f} s with the "
-                            f"master stopped (state {state})"
-                        )
-                    finally:
-                        c.resume_master()
-
-            anyio.run(main)
+            # as test_hung_master_times_out_and_recovers, with room for writes under load
+            async with make_tier(c, timeout_s=3.0) as tier:
+                for i, k in enumerate(keys):  # every segment the master knows is alive
+                    assert await tier.write(k, "kv", payload(i, 4096))
+                c.pause_master()
+                state = master_state()
+                assert state == "T"  # pause_master returns once the master is stopped
+                t0 = time.monotonic()
+                try:
+                    got = await tier.contains_many([ObjectKey(k, "kv") for k in keys])
+                except TierTimeoutError:
+                    pass
+                else:
+                    pytest.fail(
+                        f"the tier answered {got} in {time.monotonic() - t0:.3f} s with the "
+                        f"master stopped (state {state})"
+                    )
+                finally:
+                    c.resume_master()
         # stopped by PID: none of its processes is left
         assert all(not p.alive() for p in c.procs.values())
 
@@ -699,8 +698,12 @@ async def _wait_unstuck(tier: MooncakeTier) -> None:
 async def test_timed_out_read_never_writes_into_the_destination() -> None:
     tier, store = fake_tier(timeout_s=0.2)
     k = make_keys(1)[0]
-
-    await tier.write(k, "kv", payload(1, 8192))
+    # the setup write through a tier with a generous timeout on the same store: 0.2 s is for
+    # the read under test (a write at 0.2 s timed out once at load average 17)
+    writer, _ = fake_tier(timeout_s=60.0)
+    writer._store = store
+    await writer.write(k, "kv", payload(1, 8192))
+    await writer.aclose()
     store.frozen.set()
     dst = np.zeros(8192, dtype=np.uint8)
     t0 = time.monotonic()

@@ -89,10 +89,6 @@ def raw_client(url: str, cluster: bool = False) -> Any:
     return redis.Redis.from_url(url, socket_timeout=5)
 
 
-def run(fn: Any, *args: Any) -> None:
-    anyio.run(fn, *args)
-
-
 # ---------------------------------------------------------------------- conformance
 class _RawHooks(TierConformance):
     """Damage and seeding hooks that reach the store directly with a plain client."""
@@ -191,55 +187,49 @@ def make_tier(url: str, **kw: Any) -> Any:
     return RedisTier(url, **kw)
 
 
-def test_parts_of_one_object_share_a_cluster_slot(redis_cluster: RedisClusterHarness) -> None:
+@pytest.mark.anyio
+async def test_parts_of_one_object_share_a_cluster_slot(redis_cluster: RedisClusterHarness) -> None:
     keys = make_keys(8)
-
-    async def main() -> None:
-        tier = make_tier(redis_cluster.url, cluster=True, part_bytes=8192, timeout_s=10.0)
-        async with tier:
-            nodes = set()
-            for i, k in enumerate(keys):
-                assert await tier.write(k, "kv", payload(i, 5 * 8192))
-                names = tier.store_keys(k, "kv", 6)
-                owners = {redis_cluster.node_for(n).port for n in names}
-                assert len(owners) == 1, names  # the hash tag keeps the parts together
-                nodes |= owners
-                dst = np.zeros(5 * 8192, dtype=np.uint8)
-                assert await tier.read_into(k, "kv", dst) == 5 * 8192
-                assert dst.tobytes() == payload(i, 5 * 8192).tobytes()
-            assert len(nodes) > 1  # and different objects spread over the nodes
-
-    run(main)
+    tier = make_tier(redis_cluster.url, cluster=True, part_bytes=8192, timeout_s=10.0)
+    async with tier:
+        nodes = set()
+        for i, k in enumerate(keys):
+            assert await tier.write(k, "kv", payload(i, 5 * 8192))
+            names = tier.store_keys(k, "kv", 6)
+            owners = {redis_cluster.node_for(n).port for n in names}
+            assert len(owners) == 1, names  # the hash tag keeps the parts together
+            nodes |= owners
+            dst = np.zeros(5 * 8192, dtype=np.uint8)
+            assert await tier.read_into(k, "kv", dst) == 5 * 8192
+            assert dst.tobytes() == payload(i, 5 * 8192).tobytes()
+        assert len(nodes) > 1  # and different objects spread over the nodes
 
 
-def test_hostile_values_in_the_store_are_typed(redis_server: RedisServer) -> None:
+@pytest.mark.anyio
+async def test_hostile_values_in_the_store_are_typed(redis_server: RedisServer) -> None:
     """Wrong types, short values and evicted parts at bsr's keys: typed errors or misses."""
     keys = make_keys(4)
     client = raw_client(redis_server.url)
-
-    async def main() -> None:
-        tier = make_tier(redis_server.url, part_bytes=8192)
-        async with tier:
-            dst = np.zeros(4 * 8192, dtype=np.uint8)
-            client.rpush(tier.store_keys(keys[0], "kv")[0], b"x")  # a list, not a string
-            with pytest.raises(bsr.TierIOError, match="WRONGTYPE"):
-                await tier.read_into(keys[0], "kv", dst)
-            client.set(tier.store_keys(keys[1], "kv")[0], b"short")
-            with pytest.raises(bsr.ObjectError):
-                await tier.read_into(keys[1], "kv", dst)
-            assert await tier.write(keys[2], "kv", payload(2, 4 * 8192))
-            client.delete(tier.store_keys(keys[2], "kv", 5)[3])  # the server evicted one part
-            with pytest.raises(bsr.ObjectNotFoundError):
-                await tier.read_into(keys[2], "kv", dst)
-            # the first key evicted, parts left over: the object can be written again
-            assert await tier.write(keys[3], "kv", payload(3, 4 * 8192))
-            client.delete(tier.store_keys(keys[3], "kv")[0])
-            assert await tier.write(keys[3], "kv", payload(3, 4 * 8192))
-            assert await tier.read_into(keys[3], "kv", dst) == 4 * 8192
-            assert dst.tobytes() == payload(3, 4 * 8192).tobytes()
-            assert not dst[:0].any()
-
-    run(main)
+    tier = make_tier(redis_server.url, part_bytes=8192)
+    async with tier:
+        dst = np.zeros(4 * 8192, dtype=np.uint8)
+        client.rpush(tier.store_keys(keys[0], "kv")[0], b"x")  # a list, not a string
+        with pytest.raises(bsr.TierIOError, match="WRONGTYPE"):
+            await tier.read_into(keys[0], "kv", dst)
+        client.set(tier.store_keys(keys[1], "kv")[0], b"short")
+        with pytest.raises(bsr.ObjectError):
+            await tier.read_into(keys[1], "kv", dst)
+        assert await tier.write(keys[2], "kv", payload(2, 4 * 8192))
+        client.delete(tier.store_keys(keys[2], "kv", 5)[3])  # the server evicted one part
+        with pytest.raises(bsr.ObjectNotFoundError):
+            await tier.read_into(keys[2], "kv", dst)
+        # the first key evicted, parts left over: the object can be written again
+        assert await tier.write(keys[3], "kv", payload(3, 4 * 8192))
+        client.delete(tier.store_keys(keys[3], "kv")[0])
+        assert await tier.write(keys[3], "kv", payload(3, 4 * 8192))
+        assert await tier.read_into(keys[3], "kv", dst) == 4 * 8192
+        assert dst.tobytes() == payload(3, 4 * 8192).tobytes()
+        assert not dst[:0].any()
 
 
 @pytest.mark.parametrize(
@@ -293,95 +283,91 @@ async def _bounded(coro: Any) -> BaseException | Any:
     return out
 
 
-def test_fault_ladder_killed_paused_restarted(fresh_redis: RedisServer) -> None:
+@pytest.mark.anyio
+async def test_fault_ladder_killed_paused_restarted(fresh_redis: RedisServer) -> None:
     keys = make_keys(3)
     n = 3 * 4096
+    tier = make_tier(fresh_redis.url)
+    async with tier:
+        for i, k in enumerate(keys):
+            assert await tier.write(k, "kv", payload(i, n))
+        objs = [bsr.ObjectKey(k, "kv") for k in keys]
+        dst = np.zeros(n, dtype=np.uint8)
 
-    async def main() -> None:
-        tier = make_tier(fresh_redis.url)
-        async with tier:
-            for i, k in enumerate(keys):
-                assert await tier.write(k, "kv", payload(i, n))
-            objs = [bsr.ObjectKey(k, "kv") for k in keys]
-            dst = np.zeros(n, dtype=np.uint8)
+        # paused: every call is a timeout within the bound, the buffer untouched
+        fresh_redis.pause()
+        for call in (
+            tier.read_into(keys[0], "kv", dst),
+            tier.contains_many(objs),
+            tier.write(make_keys(1, model="x")[0], "kv", payload(9, n)),
+        ):
+            got = await _bounded(call)
+            assert isinstance(got, bsr.TierTimeoutError), got
+        assert not dst.any()
+        fresh_redis.resume()
+        with anyio.fail_after(BOUND_S):
+            while tier._calls.stuck:  # noqa: ASYNC110 - the abandoned calls return now
+                await anyio.sleep(0.02)
+        assert await tier.read_into(keys[0], "kv", dst) == n
+        assert dst.tobytes() == payload(0, n).tobytes()
 
-            # paused: every call is a timeout within the bound, the buffer untouched
-            fresh_redis.pause()
-            for call in (
-                tier.read_into(keys[0], "kv", dst),
-                tier.contains_many(objs),
-                tier.write(make_keys(1, model="x")[0], "kv", payload(9, n)),
-            ):
-                got = await _bounded(call)
-                assert isinstance(got, bsr.TierTimeoutError), got
-            assert not dst.any()
-            fresh_redis.resume()
-            with anyio.fail_after(BOUND_S):
-                while tier._calls.stuck:  # noqa: ASYNC110 - the abandoned calls return now
-                    await anyio.sleep(0.02)
-            assert await tier.read_into(keys[0], "kv", dst) == n
-            assert dst.tobytes() == payload(0, n).tobytes()
+        # killed: typed I/O errors (or timeouts) within the bound
+        fresh_redis.kill()
+        dst[:] = 0
+        for call in (tier.read_into(keys[1], "kv", dst), tier.contains_many(objs)):
+            got = await _bounded(call)
+            assert isinstance(got, (bsr.TierIOError, bsr.TierTimeoutError)), got
+        assert not dst.any()
 
-            # killed: typed I/O errors (or timeouts) within the bound
-            fresh_redis.kill()
-            dst[:] = 0
-            for call in (tier.read_into(keys[1], "kv", dst), tier.contains_many(objs)):
-                got = await _bounded(call)
-                assert isinstance(got, (bsr.TierIOError, bsr.TierTimeoutError)), got
-            assert not dst.any()
-
-            # restarted empty: misses (or one typed error on a stale connection), never bytes
-            fresh_redis.start()
-            for k in keys:
-                got = await _bounded(tier.read_into(k, "kv", dst))
-                assert isinstance(got, (bsr.ObjectNotFoundError, bsr.TierIOError)), got
-            assert await tier.contains_many(objs) == [False] * 3
-            assert not dst.any()
-            assert await tier.write(keys[2], "kv", payload(2, n))
-            assert await tier.read_into(keys[2], "kv", dst) == n
-            assert dst.tobytes() == payload(2, n).tobytes()
-
-    run(main)
+        # restarted empty: misses (or one typed error on a stale connection), never bytes
+        fresh_redis.start()
+        for k in keys:
+            got = await _bounded(tier.read_into(k, "kv", dst))
+            assert isinstance(got, (bsr.ObjectNotFoundError, bsr.TierIOError)), got
+        assert await tier.contains_many(objs) == [False] * 3
+        assert not dst.any()
+        assert await tier.write(keys[2], "kv", payload(2, n))
+        assert await tier.read_into(keys[2], "kv", dst) == n
+        assert dst.tobytes() == payload(2, n).tobytes()
 
 
-def test_full_server_is_typed_and_lru_server_evicts(tmp_path: Path) -> None:
+@pytest.mark.anyio
+async def test_full_server_is_typed_and_lru_server_evicts(tmp_path: Path) -> None:
     require_redis()
     n = 256 << 10
-
-    async def main(server: RedisServer, policy: str) -> None:
-        tier = make_tier(server.url, timeout_s=10.0)
-        keys = make_keys(40)
-        async with tier:
-            written = []
-            for i, k in enumerate(keys):
-                try:
-                    assert await tier.write(k, "kv", payload(i, n))
-                    written.append(i)
-                except bsr.TierFullError:
-                    assert policy == "noeviction"
-                    break
-            else:
-                assert policy == "allkeys-lru"
-            present = await tier.contains_many([bsr.ObjectKey(keys[i], "kv") for i in written])
-            if policy == "noeviction":
-                assert len(written) < len(keys) and all(present)
-            else:
-                assert not all(present)  # the server evicted some
-            dst = np.zeros(n, dtype=np.uint8)
-            for i in written:  # every read is the right bytes or a miss
-                try:
-                    assert await tier.read_into(keys[i], "kv", dst) == n
-                    assert dst.tobytes() == payload(i, n).tobytes()
-                except bsr.ObjectNotFoundError:
-                    assert policy == "allkeys-lru"
-
     for policy in ("noeviction", "allkeys-lru"):
-        with start_server(maxmemory="4mb", policy=policy, directory=tmp_path / policy) as s:
-            run(main, s, policy)
+        with start_server(maxmemory="4mb", policy=policy, directory=tmp_path / policy) as server:
+            tier = make_tier(server.url, timeout_s=10.0)
+            keys = make_keys(40)
+            async with tier:
+                written = []
+                for i, k in enumerate(keys):
+                    try:
+                        assert await tier.write(k, "kv", payload(i, n))
+                        written.append(i)
+                    except bsr.TierFullError:
+                        assert policy == "noeviction"
+                        break
+                else:
+                    assert policy == "allkeys-lru"
+                objs = [bsr.ObjectKey(keys[i], "kv") for i in written]
+                present = await tier.contains_many(objs)
+                if policy == "noeviction":
+                    assert len(written) < len(keys) and all(present)
+                else:
+                    assert not all(present)  # the server evicted some
+                dst = np.zeros(n, dtype=np.uint8)
+                for i in written:  # every read is the right bytes or a miss
+                    try:
+                        assert await tier.read_into(keys[i], "kv", dst) == n
+                        assert dst.tobytes() == payload(i, n).tobytes()
+                    except bsr.ObjectNotFoundError:
+                        assert policy == "allkeys-lru"
 
 
 # ---------------------------------------------------------------------- cluster, engine
-def test_cluster_node_killed_mid_restore_never_exposes_a_partial_prefix(
+@pytest.mark.anyio
+async def test_cluster_node_killed_mid_restore_never_exposes_a_partial_prefix(
     fresh_cluster: RedisClusterHarness,
 ) -> None:
     layout = two_group_layout()
@@ -399,40 +385,37 @@ def test_cluster_node_killed_mid_restore_never_exposes_a_partial_prefix(
             deadline_s=30.0,
         )  # fmt: skip
 
-    async def main() -> None:
-        async with engine() as eng:
-            saved = await eng.save(tokens.tolist(), src, ids)
-            assert saved.ok and saved.chunks == chunks, saved
-            clean = bsr.PagedKVCache(layout, num_blocks, block_tokens)
-            r = await eng.restore(tokens.tolist(), clean, ids)
-            assert r.committed_tokens == chunks * layout.chunk_tokens, r
-            assert blocks_equal(layout, src, ids, clean, ids, chunks)
+    async with engine() as eng:
+        saved = await eng.save(tokens.tolist(), src, ids)
+        assert saved.ok and saved.chunks == chunks, saved
+        clean = bsr.PagedKVCache(layout, num_blocks, block_tokens)
+        r = await eng.restore(tokens.tolist(), clean, ids)
+        assert r.committed_tokens == chunks * layout.chunk_tokens, r
+        assert blocks_equal(layout, src, ids, clean, ids, chunks)
 
-        # a node holding a later chunk is killed once the first chunk is installed
-        tier = eng.tiers[0]
-        last_key = bsr.chunk_keys(
-            bsr.Namespace("redis-mid").fingerprint(layout), tokens.tolist(), layout.chunk_tokens
-        )[chunks - 1]
-        victim = fresh_cluster.node_for(tier.store_keys(last_key, "kv")[0])
-        killed: list[int] = []
+    # a node holding a later chunk is killed once the first chunk is installed
+    tier = eng.tiers[0]
+    last_key = bsr.chunk_keys(
+        bsr.Namespace("redis-mid").fingerprint(layout), tokens.tolist(), layout.chunk_tokens
+    )[chunks - 1]
+    victim = fresh_cluster.node_for(tier.store_keys(last_key, "kv")[0])
+    killed: list[int] = []
 
-        def kill_once(chunk: int, groups: Any) -> None:
-            if not killed:
-                victim.kill()
-                killed.append(chunk)
+    def kill_once(chunk: int, groups: Any) -> None:
+        if not killed:
+            victim.kill()
+            killed.append(chunk)
 
-        async with engine() as eng:
-            dst = bsr.PagedKVCache(layout, num_blocks, block_tokens)
-            t0 = time.monotonic()
-            r = await eng.restore(tokens.tolist(), dst, ids, on_installed=kill_once)
-            assert time.monotonic() - t0 < 30.0 + BOUND_S
-            assert killed, r
-            detail = f"{r.state} {r.reason} {r.committed_tokens} {r.errors[:3]}"
-            # the window (2 slots) cannot have read the last chunk before the first installed:
-            # its node is gone, so all-or-nothing vouches for none of the prefix
-            assert r.state is bsr.RequestState.INVALIDATED, detail
-            assert r.reason is bsr.Reason.READ_FAILED and r.committed_tokens == 0, detail
-            assert any("ConnectionError" in e or "timed out" in e for e in r.errors), detail
-            assert eng.staging.statistics().in_use == 0
-
-    run(main)
+    async with engine() as eng:
+        dst = bsr.PagedKVCache(layout, num_blocks, block_tokens)
+        t0 = time.monotonic()
+        r = await eng.restore(tokens.tolist(), dst, ids, on_installed=kill_once)
+        assert time.monotonic() - t0 < 30.0 + BOUND_S
+        assert killed, r
+        detail = f"{r.state} {r.reason} {r.committed_tokens} {r.errors[:3]}"
+        # the window (2 slots) cannot have read the last chunk before the first installed:
+        # its node is gone, so all-or-nothing vouches for none of the prefix
+        assert r.state is bsr.RequestState.INVALIDATED, detail
+        assert r.reason is bsr.Reason.READ_FAILED and r.committed_tokens == 0, detail
+        assert any("ConnectionError" in e or "timed out" in e for e in r.errors), detail
+        assert eng.staging.statistics().in_use == 0

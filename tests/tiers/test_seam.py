@@ -57,7 +57,8 @@ def test_codec_never_hands_out_unverified_bytes() -> None:
 
 
 # ------------------------------------------------------------------ abandonable calls
-def test_abandoned_call_returns_at_once_and_releases_when_the_worker_returns() -> None:
+@pytest.mark.anyio
+async def test_abandoned_call_returns_at_once_and_releases_when_the_worker_returns() -> None:
     gate = threading.Event()
     released: list[str] = []
     abandons: list[int] = []
@@ -65,45 +66,38 @@ def test_abandoned_call_returns_at_once_and_releases_when_the_worker_returns() -
         limiter=anyio.CapacityLimiter(1), max_stuck=1, on_abandon=lambda: abandons.append(1)
     )
     ran: list[str] = []
-
-    async def main() -> None:
-        with anyio.move_on_after(0.2) as scope:
-            await calls.run(gate.wait, release=lambda: released.append("hung"))
-        assert scope.cancelled_caught
-        assert calls.stuck == 1 and abandons == [1] and released == []  # still running
-        # max_stuck reached: the next call fails fast and releases what it was given
-        with pytest.raises(bsr.TierIOError, match="abandoned blocking calls"):
-            await calls.run(lambda: ran.append("x"), release=lambda: released.append("refused"))
-        assert released == ["refused"] and ran == []
-        gate.set()
-        with anyio.fail_after(30):
-            while calls.stuck:  # noqa: ASYNC110 - the worker returns once the gate opens
-                await anyio.sleep(0.01)
-        assert released == ["refused", "hung"]  # released exactly once, by the worker
-        assert await calls.run(lambda: 7, release=lambda: released.append("ok")) == 7
-        assert released == ["refused", "hung"]  # a normal return releases nothing
-
-    anyio.run(main)
+    with anyio.move_on_after(0.2) as scope:
+        await calls.run(gate.wait, release=lambda: released.append("hung"))
+    assert scope.cancelled_caught
+    assert calls.stuck == 1 and abandons == [1] and released == []  # still running
+    # max_stuck reached: the next call fails fast and releases what it was given
+    with pytest.raises(bsr.TierIOError, match="abandoned blocking calls"):
+        await calls.run(lambda: ran.append("x"), release=lambda: released.append("refused"))
+    assert released == ["refused"] and ran == []
+    gate.set()
+    with anyio.fail_after(30):
+        while calls.stuck:  # noqa: ASYNC110 - the worker returns once the gate opens
+            await anyio.sleep(0.01)
+    assert released == ["refused", "hung"]  # released exactly once, by the worker
+    assert await calls.run(lambda: 7, release=lambda: released.append("ok")) == 7
+    assert released == ["refused", "hung"]  # a normal return releases nothing
 
 
-def test_call_cancelled_before_it_starts_never_runs() -> None:
+@pytest.mark.anyio
+async def test_call_cancelled_before_it_starts_never_runs() -> None:
     gate = threading.Event()
     ran: list[int] = []
     released: list[int] = []
     calls = bsr.AbandonableCalls(limiter=anyio.CapacityLimiter(1))
-
-    async def main() -> None:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(calls.run, gate.wait)  # holds the one worker token
-            await anyio.sleep(0.05)
-            with anyio.move_on_after(0.1):
-                await calls.run(lambda: ran.append(1), release=lambda: released.append(1))
-            assert released == [1]  # never started: released at once
-            gate.set()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(calls.run, gate.wait)  # holds the one worker token
         await anyio.sleep(0.05)
-        assert ran == []
-
-    anyio.run(main)
+        with anyio.move_on_after(0.1):
+            await calls.run(lambda: ran.append(1), release=lambda: released.append(1))
+        assert released == [1]  # never started: released at once
+        gate.set()
+    await anyio.sleep(0.05)
+    assert ran == []
 
 
 # ------------------------------------------------------------------ options written once
@@ -246,3 +240,46 @@ def test_a_registered_kind_works_in_every_config(tmp_path: Path) -> None:
     finally:
         bsr.unregister_tier("dict")
     assert "dict" not in bsr.tier_kinds()
+
+
+# ------------------------------------------------------------------ hostile plugins
+_PLUGINS = {
+    "raises": "raise RuntimeError('the plugin cannot start: no licence server')\n",
+    "syntax": "def broken(:\n    pass\n",
+    "getattr": "def __getattr__(name):\n    raise RuntimeError(f'lazy attribute {name} failed')\n",
+}
+
+
+@pytest.mark.parametrize("how", sorted(_PLUGINS))
+def test_a_plugin_that_fails_at_import_is_a_config_error_naming_kind_and_module(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """A tier plugin whose module raises at import, does not parse, or raises on attribute
+    access: register_tier, tier_options (through an installed entry point) and EngineConfig
+    each raise ConfigError naming the kind and the module (before: the plugin's own
+    RuntimeError / SyntaxError escaped untyped)."""
+    module = f"bsr_hostile_plugin_{how}"
+    (tmp_path / f"{module}.py").write_text(_PLUGINS[how])
+    dist = tmp_path / f"{module}-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module}\nVersion: 0.1\n")
+    kind = f"hostile_{how}"
+    (dist / "entry_points.txt").write_text(f"[bsr.tiers]\n{kind} = {module}:Options\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert kind in bsr.tier_kinds()  # the entry point is seen; its module is not imported yet
+
+    with pytest.raises(bsr.ConfigError) as info:
+        bsr.register_tier("hostile_by_name", f"{module}:Options")
+    assert info.value.fields["kind"] == "hostile_by_name"
+    assert info.value.fields["module"] == module and module in str(info.value)
+    assert "hostile_by_name" not in bsr.tier_kinds()
+
+    with pytest.raises(bsr.ConfigError) as info:
+        bsr.tier_options(kind)
+    assert info.value.fields["kind"] == kind and info.value.fields["module"] == module
+    assert repr(kind) in str(info.value) and module in str(info.value)
+
+    with pytest.raises(bsr.ConfigError) as info:
+        bsr.EngineConfig.from_dict({"tiers": [{"kind": kind}]})
+    assert info.value.fields["key"] == "tiers[0].kind"
+    assert repr(kind) in str(info.value) and module in str(info.value)

@@ -98,9 +98,10 @@ holders_st = st.lists(st.sampled_from(sorted(BEHAVIOURS)), max_size=6).map(
 )
 
 
+@pytest.mark.anyio
 @settings(max_examples=200, deadline=None)
 @given(holders=holders_st, data=st.data(), blocking=st.booleans())
-def test_the_ladder_follows_the_model(
+async def test_the_ladder_follows_the_model(
     holders: list[tuple[str, str]], data: st.DataObject, blocking: bool
 ) -> None:
     names = [n for n, _ in holders]
@@ -112,7 +113,7 @@ def test_the_ladder_follows_the_model(
     if blocking:
         result = ladder.read_blocking(gate, KEY, 3, "kv", names, region, EXPECTED)
     else:
-        result = anyio.run(ladder.read, gate, KEY, 3, "kv", names, region, EXPECTED)
+        result = await ladder.read(gate, KEY, 3, "kv", names, region, EXPECTED)
 
     # the model: walk the holders, skip the refused, stop at the first verified read
     tried: list[tuple[str, Outcome]] = []

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import anyio
+import pytest
 import structlog
 import torch
 from hypothesis import given, settings
@@ -49,6 +49,7 @@ def expected_bytes(c: int, g: str) -> bytes:
 obj_st = st.sampled_from(range(len(WANTED)))
 
 
+@pytest.mark.anyio
 @settings(max_examples=60, deadline=None)
 @given(
     present=st.fixed_dictionaries({t: st.sets(obj_st) for t in TIERS}),
@@ -57,7 +58,7 @@ obj_st = st.sampled_from(range(len(WANTED)))
     window=st.integers(1, 3),
     io_depth=st.integers(1, 3),
 )
-def test_save_chunks_follows_the_model(
+async def test_save_chunks_follows_the_model(
     present: dict[str, set[int]],
     retired: dict[str, set[int]],
     broken: set[str],
@@ -75,21 +76,18 @@ def test_save_chunks_follows_the_model(
     }
     heard: list[tuple[str, int, str]] = []
 
-    async def main() -> bsr.SaveResult:
-        for t, i in stale:
-            c, g = WANTED[i]
-            await hosts[t].write(
-                KEYS[c], g, torch.full((LAYOUT.group_chunk_bytes(g),), 7, dtype=torch.uint8)
-            )
-        pool = bsr.StagingPool(window, LAYOUT.slot_bytes, pin=False, prefault=False)
-        return await save_chunks(
-            layout=LAYOUT, tiers=tiers, account=pool.account(), cache=CACHE, tables=TABLES,
-            keys=KEYS, io_depth=io_depth, log=structlog.get_logger(),
-            on_written=lambda t, ok: heard.append((t.name, ok.chunk.index, ok.group)),
-            is_retired=lambda t, ok: (t.name, ok.object_id) in retired_keys,
-        )  # fmt: skip
-
-    res = anyio.run(main)
+    for t, i in stale:
+        c, g = WANTED[i]
+        await hosts[t].write(
+            KEYS[c], g, torch.full((LAYOUT.group_chunk_bytes(g),), 7, dtype=torch.uint8)
+        )
+    pool = bsr.StagingPool(window, LAYOUT.slot_bytes, pin=False, prefault=False)
+    res = await save_chunks(
+        layout=LAYOUT, tiers=tiers, account=pool.account(), cache=CACHE, tables=TABLES,
+        keys=KEYS, io_depth=io_depth, log=structlog.get_logger(),
+        on_written=lambda t, ok: heard.append((t.name, ok.chunk.index, ok.group)),
+        is_retired=lambda t, ok: (t.name, ok.object_id) in retired_keys,
+    )  # fmt: skip
 
     # the model
     written = dict.fromkeys(TIERS, 0)
@@ -119,16 +117,14 @@ def test_save_chunks_follows_the_model(
     assert sorted(heard) == sorted(new)
     assert 0 < res.rws_peak_bytes <= window * LAYOUT.slot_bytes or not new
 
-    async def read_back() -> None:
-        for t in TIERS:
-            for i, (c, g) in enumerate(WANTED):
-                held = (await hosts[t].contains_many([bsr.ObjectKey(KEYS[c], g)]))[0]
-                assert held is ((t, i) in holds), (t, c, g)
-                if not held:
-                    continue
-                buf = torch.zeros(LAYOUT.group_chunk_bytes(g), dtype=torch.uint8)
-                await hosts[t].read_into(KEYS[c], g, buf)
-                want = expected_bytes(c, g) if holds[(t, i)] == "good" else bytes([7]) * buf.numel()
-                assert buf.numpy().tobytes() == want, (t, c, g)
-
-    anyio.run(read_back)
+    # what each tier holds afterwards
+    for t in TIERS:
+        for i, (c, g) in enumerate(WANTED):
+            held = (await hosts[t].contains_many([bsr.ObjectKey(KEYS[c], g)]))[0]
+            assert held is ((t, i) in holds), (t, c, g)
+            if not held:
+                continue
+            buf = torch.zeros(LAYOUT.group_chunk_bytes(g), dtype=torch.uint8)
+            await hosts[t].read_into(KEYS[c], g, buf)
+            want = expected_bytes(c, g) if holds[(t, i)] == "good" else bytes([7]) * buf.numel()
+            assert buf.numpy().tobytes() == want, (t, c, g)

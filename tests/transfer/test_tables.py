@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -97,9 +99,54 @@ def test_what_a_prefix_needs_from_the_tables() -> None:
     assert t.unserved(1) == ("win", 0)
     assert t.serves(1, first_block=2)  # blocks before first_block are the caller's
     assert t.written_blocks("win", 1) == [5, 6] and t.written_blocks("win", 0) == []
-    # a save: win's chunk 0 is not whole, so only prefixes whose window avoids it fit
-    assert t.savable_prefix(2) == 2
+    # a save reads a chunk only whole: win's chunk 0 is not, its chunk 1 is
+    assert [t.whole(c, "win") for c in (0, 1)] == [False, True]
+    assert [t.whole(c, "full") for c in (0, 1)] == [True, True]
     t = cache.block_tables({"full": [1, 2, 3, 4], "win": [-1, 7, 5, 6]}, 16)
-    assert t.savable_prefix(2) == 2 and t.savable_prefix(1) == 0
+    assert [t.whole(c, "win") for c in (0, 1)] == [False, True]
     t = cache.block_tables({"full": [1, 2, -1, 4], "win": [8, 7, 5, 6]}, 16)
-    assert t.savable_prefix(2) == 1  # the full group's chunk 1 has no block 2
+    assert [t.whole(c, "full") for c in (0, 1)] == [True, False]  # no block 2
+
+
+def _hostile_tables() -> dict[str, object]:
+    ids = torch.tensor([1, 2, 3, 4])
+    with warnings.catch_warnings():  # CSR is "beta", quantized tensors "deprecated": still made
+        warnings.simplefilter("ignore")
+        return {
+            "meta": torch.empty(4, dtype=torch.int64, device="meta"),
+            "sparse_coo": ids.to_sparse(),
+            "sparse_csr": ids.view(2, 2).to_sparse_csr(),
+            "quantized": torch.quantize_per_tensor(ids.float(), 1.0, 0, torch.quint8),
+            "list_of_meta": [torch.tensor(1, device="meta")] * 4,
+        }
+
+
+@pytest.mark.parametrize("name", sorted(_hostile_tables()))
+def test_tables_torch_cannot_read_back_are_block_table_errors(name: str) -> None:
+    """Meta, sparse and quantized tensors (and lists of them) are typed errors naming what to
+    pass, on both entry points and in a mapping by group; before: torch's own
+    NotImplementedError / TypeError escaped."""
+    table = _hostile_tables()[name]
+    cache = bsr.PagedKVCache(LAYOUT, NB, BT)
+    with pytest.raises(bsr.BlockTableError, match="block_ids"):
+        cache.block_table(table, 16)
+    with pytest.raises(bsr.BlockTableError, match="block_ids"):
+        cache.block_tables(table, 16)
+    with pytest.raises(bsr.BlockTableError, match="of group 'win'") as info:
+        cache.block_tables({"full": [1, 2, 3, 4], "win": table}, 16)
+    assert info.value.fields["group"] == "win"
+
+
+@pytest.mark.anyio
+async def test_an_engine_refuses_a_meta_table_before_anything_moves() -> None:
+    layout = bsr.StateLayout(chunk_tokens=8, groups=(bsr.StateGroup("kv", 2, 16, dtype="uint8"),))
+    cache = bsr.PagedKVCache(layout, NB, BT)
+    meta = torch.empty(4, dtype=torch.int64, device="meta")
+    async with bsr.RestoreEngine(
+        layout, [bsr.HostTier(1 << 20)], window=2, io_depth=1, namespace=bsr.Namespace("t")
+    ) as eng:
+        with pytest.raises(bsr.BlockTableError, match="meta tensor"):
+            await eng.save(list(range(16)), cache, meta)
+        with pytest.raises(bsr.BlockTableError, match="meta tensor"):
+            await eng.restore(list(range(16)), cache, meta)
+        assert eng.statistics().staging.in_use == 0

@@ -5,8 +5,9 @@ process (vLLM spawns workers; a test process must not hold an engine). Usage:
 ``python run_engine.py spec.json out.json``. The spec names the model directory (a
 ``config.json`` only: random weights, no download), the connector config (or none) and its
 class, role and failure policy, store actions to apply after the engine started (``damage``,
-``evict``, ``fifo``), and either batches of prompts (``llm.generate``) or a ``script``: steps
-driven one engine step at a time, for aborts, hung stores and requests added while others run
+``evict``, ``fifo``), and either batches of prompts (``llm.generate``; a prompt may continue an
+earlier one with the tokens generated for it: the next turn of a conversation) or a ``script``:
+steps driven one engine step at a time, for aborts, hung stores and requests added while others run
 (see :func:`run_script`). With ``log_stats`` the run also reports vLLM's metrics (bsr's
 ``vllm:bsr_*`` counters, preemptions) after each batch or where the script asks. ``generate``
 runs single requests with a LoRA adapter and a ``cache_salt`` each; ``key_partition`` runs
@@ -231,6 +232,18 @@ def run_key_partition(llm: Any, spec: dict[str, Any]) -> list[dict[str, Any]]:
     return [report_dict(r) for r in reports]
 
 
+def continued(
+    prompt: list[int] | dict[str, Any], prompts: list[list[list[int]]], done: list[dict[str, Any]]
+) -> list[int]:
+    """A batch's prompt: a list of token ids, or the next turn of a conversation,
+    ``{"after": [batch, row], "then": [...]}``: that earlier prompt, the tokens this engine
+    generated for it, then ``then``."""
+    if isinstance(prompt, list):
+        return prompt
+    b, r = prompt["after"]
+    return [*prompts[b][r], *done[b]["rows"][r]["tokens"], *prompt["then"]]
+
+
 def reset_prefix_cache(llm: Any) -> None:
     """Empty vLLM's prefix cache (once finished requests' saves have given their blocks back)."""
     deadline = time.monotonic() + 120
@@ -285,11 +298,14 @@ def main(spec_path: str, out_path: str) -> None:
         out["generated"] = generate_each(llm, spec["generate"], params)
     if "key_partition" in spec:
         out["key_partition"] = run_key_partition(llm, spec["key_partition"])
+    prompts: list[list[list[int]]] = []  # each batch's prompts, as run
     for i, batch in enumerate(spec.get("batches", [])):
         for action in spec.get("before_batch", {}).get(str(i), []):
             out["actions"].append(apply(action))
         if i in spec.get("reset_prefix_cache_before", []):  # vLLM forgets its own cache
             reset_prefix_cache(llm)
+        batch = [continued(p, prompts, out["batches"]) for p in batch]
+        prompts.append(batch)
         t1 = time.perf_counter()
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params)
         done = {"rows": [row(o) for o in outs], "wall_s": time.perf_counter() - t1}

@@ -5,7 +5,9 @@ cache groups from vLLM's CPU build: a ``SlidingWindowSpec`` group and a full-att
 tensors share memory (one layer of each group over one buffer) and whose block tables differ
 (the sliding group's blocks below its window are vLLM's null block). bsr keeps one state group
 per vLLM group: the full group stores every chunk, the sliding group only the chunk its window
-needs, and a load commits both groups or neither (vLLM accepts only a failed request then).
+needs at each prefix end worth one (the prompt's lookup end, window checkpoints, generated
+chunks; ``test_window_checkpoints.py``), and a load commits both groups or neither (vLLM accepts
+only a failed request then).
 """
 
 from __future__ import annotations
@@ -39,8 +41,11 @@ BATCH = [toks(200, 11), toks(150, 12), toks(130, 13), toks(330, 14)]
 EXPECTED_CACHED = [192, 128, 128, 320]
 FULL_CHUNKS = sum(c // CHUNK for c in EXPECTED_CACHED)  # 3 + 2 + 2 + 5
 # the sliding group's window (63 tokens: vLLM keeps sliding_window - 1 below the next token)
-# lies in the last chunk of each prefix: one chunk per prompt
+# lies in the last chunk of each prefix: one chunk per prompt restored
 SLIDING_CHUNKS = len(BATCH)
+# stored: the window at each prompt's lookup end, and the window checkpoint (every 4 chunks by
+# default) at 256 tokens of the 330-token prompt
+SLIDING_STORED = SLIDING_CHUNKS + 1
 # a group's chunk: 64 tokens x 2 layers x (K + V of 2 heads x 64 dims, bfloat16)
 GROUP_CHUNK_BYTES = CHUNK * 2 * 2 * 2 * 64 * 2
 LOADED = "vllm:bsr_loaded_tokens"
@@ -63,7 +68,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         tmp,
         "store",
         connector=connector(store),
-        await_objects=[str(store), FULL_CHUNKS + SLIDING_CHUNKS],
+        await_objects=[str(store), FULL_CHUNKS + SLIDING_STORED],
         **common,
     )
     out["objects"] = len(store_objects(store))
@@ -94,8 +99,8 @@ def test_store_run_saves_the_full_group_whole_and_the_window_of_the_sliding_one(
     runs: dict[str, Any],
 ) -> None:
     assert tokens_of(runs["store"]) == tokens_of(runs["baseline"])
-    assert runs["by_group"] == {SLIDING: SLIDING_CHUNKS, FULL: FULL_CHUNKS}
-    assert runs["objects"] == FULL_CHUNKS + SLIDING_CHUNKS
+    assert runs["by_group"] == {SLIDING: SLIDING_STORED, FULL: FULL_CHUNKS}
+    assert runs["objects"] == FULL_CHUNKS + SLIDING_STORED
 
 
 def test_restore_gives_the_tokens_of_no_connector(runs: dict[str, Any]) -> None:
@@ -128,7 +133,7 @@ def test_one_groups_objects_damaged_or_evicted_recompute(
     load commits either group (nothing partial reaches vLLM), the requests fail as a whole and
     are recomputed, the engine stays up and the tokens are those of no connector."""
     r = runs[f"{what}-{which}"]
-    expected = SLIDING_CHUNKS if which == SLIDING else FULL_CHUNKS
+    expected = SLIDING_STORED if which == SLIDING else FULL_CHUNKS
     assert r["actions"] == [expected]
     assert tokens_of(r) == tokens_of(runs["baseline"])
     assert batch_metric(r, 0, LOADED) == 0

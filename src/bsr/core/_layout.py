@@ -65,6 +65,33 @@ def align_up(n: int, alignment: int = ALIGNMENT) -> int:
     return -(-n // alignment) * alignment
 
 
+def _check_prefix(prefix_chunks: object) -> None:
+    if isinstance(prefix_chunks, bool) or not isinstance(prefix_chunks, int) or prefix_chunks < 0:
+        raise LayoutError(f"prefix_chunks must be an int >= 0, got {prefix_chunks!r}")
+
+
+def check_every(every: object, what: str = "checkpoint_chunks") -> int | None:
+    """``every`` as a window checkpoint interval in chunks: a positive int, or ``None`` (none)."""
+    if every is None:
+        return None
+    if isinstance(every, bool) or not isinstance(every, int) or every <= 0:
+        raise LayoutError(
+            f"{what} must be a positive int (chunks between window checkpoints) or None, "
+            f"got {every!r}"
+        )
+    return every
+
+
+def checkpoint_ends(prefix_chunks: int, every: int | None) -> range:
+    """The window checkpoints strictly below a prefix of ``prefix_chunks`` chunks: every
+    ``every``-th chunk boundary (``every`` chunks, ``2 * every``, ...); none when ``every`` is
+    ``None``. A save with window checkpoints stores each sliding-window group's window at these
+    prefix ends as well as at the prefix's own end."""
+    if every is None:
+        return range(0)
+    return range(every, prefix_chunks, every)
+
+
 @dataclass(frozen=True)
 class StateGroup:
     """One homogeneous part of a model's reusable state (an allocator group).
@@ -247,15 +274,34 @@ class StateLayout:
         With the chunk keys of the prefix (``bsr.chunk_keys``) this names exactly the stored
         objects a restore reads, e.g. ``FileTier.object_path(keys[c], g)`` for each pair.
         """
-        if (
-            isinstance(prefix_chunks, bool)
-            or not isinstance(prefix_chunks, int)
-            or prefix_chunks < 0
-        ):
-            raise LayoutError(f"prefix_chunks must be an int >= 0, got {prefix_chunks!r}")
+        _check_prefix(prefix_chunks)
         per_chunk: dict[int, list[str]] = {}
         for g in self.groups:
             for c in self.needed_chunks(g.name, prefix_chunks):
+                per_chunk.setdefault(c, []).append(g.name)
+        return [(c, name) for c in sorted(per_chunk) for name in per_chunk[c]]
+
+    def stored_objects(
+        self, prefix_chunks: int, checkpoint_chunks: int | None = None
+    ) -> list[tuple[int, str]]:
+        """Every ``(chunk, group)`` object a save of ``prefix_chunks`` chunks stores when every
+        block holds its state, in chunk order (groups in layout order inside a chunk).
+
+        A group without a window stores every chunk. A sliding-window group stores the chunks of
+        its window at the end of the prefix and, with ``checkpoint_chunks`` = k, also at every
+        k-th chunk boundary below it (a *window checkpoint*): a later prefix that shares only the
+        first ``j`` chunks restores up to the last checkpoint at or below ``j``.
+        """
+        _check_prefix(prefix_chunks)
+        check_every(checkpoint_chunks)
+        ends = (*checkpoint_ends(prefix_chunks, checkpoint_chunks), prefix_chunks)
+        per_chunk: dict[int, list[str]] = {}
+        for g in self.groups:
+            chunks = set(range(prefix_chunks)) if g.window_tokens is None else set()
+            if g.window_tokens is not None:
+                for e in ends:
+                    chunks.update(self.needed_chunks(g.name, e))
+            for c in chunks:
                 per_chunk.setdefault(c, []).append(g.name)
         return [(c, name) for c in sorted(per_chunk) for name in per_chunk[c]]
 

@@ -1,17 +1,44 @@
-"""Pure planning: which (chunk, group) objects a prefix needs, and the longest usable prefix.
+"""Pure planning: which (chunk, group) objects a prefix needs, which a save stores, and the
+longest usable prefix.
 
 No I/O here; the engine asks these functions with a predicate ``have(chunk, group)`` that is
-"some tier holds it" during probing and "installed" after the window drains.
+"some tier holds it" during probing and "installed" after the window drains, and a save asks
+:func:`plan_save` with ``whole(chunk, group)``: "every block of that chunk of that group holds its
+state" (no ``NULL_BLOCK`` in it).
+
+What a save stores (:func:`plan_save`): a group without a window stores each chunk of the longest
+prefix whose chunks are all whole; a sliding-window group stores its window (the chunks
+:meth:`~bsr.StateLayout.needed_chunks` names) at a few *prefix ends*, each whole window or none:
+the end of the saved tokens, the longest prefix whose every group lies in whole chunks (what a
+save stored before window checkpoints), and, with window checkpoints every ``k`` chunks, every
+``k``-th chunk boundary below the end. A later request that shares only the first ``j`` chunks of
+the saved tokens then restores up to the last checkpoint at or below ``j``; the probe
+(:func:`longest_prefix`) needs no rule for that: it finds the longest prefix whose every needed
+object some tier holds, whichever save stored it.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Collection
+from dataclasses import dataclass
 
-from ._layout import StateLayout
+from ._layout import StateLayout, checkpoint_ends
 
 Have = Callable[[int, str], bool]
+
+__all__ = (
+    "Have",
+    "SavePlan",
+    "checkpoint_ends",
+    "groups_by_chunk",
+    "longest_prefix",
+    "longest_prefix_upto",
+    "needed_objects",
+    "plan_save",
+    "prefix_in",
+    "prefix_usable",
+)
 
 
 def needed_objects(layout: StateLayout, prefix_chunks: int) -> list[tuple[int, str]]:
@@ -66,6 +93,50 @@ def longest_prefix(layout: StateLayout, upper_chunks: int, have: Have) -> int:
         if all(have(c, g.name) for g in windowed for c in layout.needed_chunks(g.name, p)):
             return p
     return 0
+
+
+@dataclass(frozen=True)
+class SavePlan:
+    """What one save stores (:func:`plan_save`).
+
+    Attributes:
+        objects: every ``(chunk, group)`` to store, in chunk order (layout order inside a chunk).
+        full_chunks: the chunks every group without a window stores (a prefix).
+        restorable_chunks: the longest prefix a restore can read from ``objects`` alone.
+    """
+
+    objects: tuple[tuple[int, str], ...]
+    full_chunks: int
+    restorable_chunks: int
+
+
+def plan_save(
+    layout: StateLayout, upper: int, whole: Have, checkpoint_chunks: int | None = None
+) -> SavePlan:
+    """What a save of ``upper`` chunks stores, given which chunks lie ``whole`` in real blocks.
+
+    See the module docstring: the groups without a window store the longest prefix of whole
+    chunks; each windowed group stores, at each prefix end (``upper``, the longest prefix whose
+    every needed object is whole, and the window checkpoints below ``upper``), its window if
+    every chunk of it is whole.
+    """
+    full = [g.name for g in layout.groups if g.window_tokens is None]
+    windowed = [g.name for g in layout.groups if g.window_tokens is not None]
+    m = 0
+    while m < upper and all(whole(m, g) for g in full):
+        m += 1
+    ends = {upper, longest_prefix(layout, upper, whole)}
+    ends.update(checkpoint_ends(upper, checkpoint_chunks))
+    chosen: set[tuple[int, str]] = {(c, g) for g in full for c in range(m)}
+    for g in windowed:
+        for e in ends:
+            window = layout.needed_chunks(g, e)
+            if all(whole(c, g) for c in window):
+                chosen.update((c, g) for c in window)
+    order = {g: i for i, g in enumerate(layout.group_names)}
+    objects = tuple(sorted(chosen, key=lambda o: (o[0], order[o[1]])))
+    restorable = longest_prefix(layout, upper, lambda c, g: (c, g) in chosen)
+    return SavePlan(objects, m, restorable)
 
 
 def longest_prefix_upto(usable: Callable[[int], bool], upper: int) -> int:

@@ -70,11 +70,18 @@ class SaveResult:
     """Outcome of :meth:`RestoreEngine.save`.
 
     Attributes:
-        saved_tokens: the prefix stored: every full chunk of the tokens, or a shorter prefix when
-            the block tables hold no block where a longer prefix's state lies (e.g. a
-            sliding-window group's blocks already outside its window); 0 when none fits.
+        saved_tokens: the longest prefix a restore can read from what this save stored: every
+            full chunk of the tokens, or a shorter prefix when the block tables hold no block
+            where a longer prefix's state lies (e.g. a sliding-window group's blocks already
+            outside its window); 0 when none fits. A group without a window may have stored
+            more chunks than that (its longest prefix in real blocks), for a later save of a
+            sliding window to complete.
         chunks: ``saved_tokens`` in chunks.
         objects_written, objects_skipped, bytes_written, errors: per tier.
+        skipped: objects not written because a tier stayed busy past its bound, by reason
+            (``{"root_locked": 3}``: a FileTier root whose lock another process held); the
+            rest of the save skips that tier. Not an error: nothing failed, a later save of
+            the same tokens writes them.
     """
 
     saved_tokens: int
@@ -85,9 +92,11 @@ class SaveResult:
     errors: dict[str, int]
     rws_peak_bytes: int
     duration_s: float
+    skipped: dict[str, int] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
+        """No tier failed (a skip because a tier was busy is not a failure: see ``skipped``)."""
         return not any(self.errors.values())
 
 

@@ -39,6 +39,9 @@ from ..tiers._registry import TierOptions, tier_options
 
 #: a config file larger than this is refused before parsing (a config is a few lines)
 MAX_CONFIG_BYTES = 1 << 20
+#: a sliding-window group's window checkpoints, in chunks (see ``EngineConfig``): the bench's
+#: hybrid section measures bytes stored and read against the hits each interval keeps
+DEFAULT_WINDOW_CHECKPOINT_CHUNKS = 4
 #: the largest window (W) a config accepts: more slots than a 16M-token request has 256-token
 #: chunks cannot be used; the engine also checks W x slot bytes against the host's memory
 MAX_WINDOW = 1 << 16
@@ -113,6 +116,11 @@ class EngineConfig:
         prefault_staging: touch the staging window at open.
         model_id: the namespace's model id, used when no namespace is passed.
         tenant: optional tenant name; its UTF-8 bytes salt the namespace.
+        window_checkpoint_chunks: a sliding-window group's *window checkpoints*: a save asked
+            for them (``save(..., window_checkpoints=True)``; the vLLM connector always is) also
+            stores the group's window at every this-many-th chunk boundary, so a later prompt
+            sharing only the first ``j`` chunks restores up to the last checkpoint at or below
+            ``j``; ``None``: only the window at the end of each saved prefix.
     """
 
     tiers: tuple[TierOptions, ...] = option(_tiers)
@@ -127,6 +135,9 @@ class EngineConfig:
     prefault_staging: bool = option(Check.flag, True)
     model_id: str | None = option(Check.optional_text, None)
     tenant: str | None = option(Check.optional_text, None)
+    window_checkpoint_chunks: int | None = option(
+        Check.optional_positive_int, DEFAULT_WINDOW_CHECKPOINT_CHUNKS
+    )
 
     def __post_init__(self) -> None:
         check_options(self)  # direct construction is checked exactly like from_dict

@@ -23,7 +23,7 @@ import itertools
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import anyio
@@ -60,7 +60,7 @@ from ..core._keys import (
 from ..core._layout import StateLayout
 from ..core._lifecycle import Reason, RequestLifecycle, RequestState
 from ..core._options import Policy, Strategy, choice
-from ..core._plan import needed_objects
+from ..core._plan import checkpoint_ends, needed_objects
 from ..core._results import Probe, RestoreResult, SaveResult
 from ..tiers._base import Tier, TierLease, TierStatistics
 from ..transfer._cache import PagedKVCache
@@ -74,7 +74,7 @@ from ..transfer._pipeline import (
 from ..transfer._save import save_chunks
 from ..transfer._staging import StagingPool, StagingStatistics
 from ..transfer._tables import BlockTables
-from ._config import EngineConfig, check_window_memory
+from ._config import DEFAULT_WINDOW_CHECKPOINT_CHUNKS, EngineConfig, check_window_memory
 from ._coordinator import Coordinator, LocalCoordinator
 from ._decisions import Quarantine, RestoreGate, TierQuarantine
 from ._health import BreakerState, TierHealth
@@ -102,6 +102,9 @@ class EngineStatistics:
         abandoned_workers: worker threads left running after their request ended (a read stuck
             in the kernel); their slots are parked until they return.
         leases: probe leases currently held (those past their TTL are reclaimed first).
+        saves_skipped: saves that skipped a tier because it stayed busy, by reason
+            (``"root_locked"``: a FileTier root whose lock another process held; see
+            ``SaveResult.skipped``).
     """
 
     staging: StagingStatistics
@@ -114,6 +117,7 @@ class EngineStatistics:
     breakers: tuple[BreakerState, ...] = ()
     abandoned_workers: int = 0
     leases: int = 0
+    saves_skipped: dict[str, int] = field(default_factory=dict)
 
 
 #: the parsers of the options RestoreEngine shares with EngineConfig (one rule set for both)
@@ -150,6 +154,9 @@ class RestoreEngine(AsyncResource):
         staging_budget_bytes: host staging the engine may use. The bounded window must fit in
             it (else ConfigError); a whole-plan restore whose plan exceeds it ends Invalidated
             with reason ``staging_budget`` before allocating anything. None: no budget.
+        window_checkpoint_chunks: the interval, in chunks, of a sliding-window group's window
+            checkpoints in a save that asks for them (``save(..., window_checkpoints=True)``);
+            ``None``: none.
     """
 
     def __init__(
@@ -169,6 +176,7 @@ class RestoreEngine(AsyncResource):
         breaker_cooldown_s: float = 5.0,
         shield_timeout_s: float = 5.0,
         staging_budget_bytes: int | str | None = None,
+        window_checkpoint_chunks: int | None = DEFAULT_WINDOW_CHECKPOINT_CHUNKS,
     ) -> None:
         if not isinstance(layout, StateLayout):
             raise ConfigError(f"layout must be a StateLayout, got {type(layout).__name__}")
@@ -196,6 +204,9 @@ class RestoreEngine(AsyncResource):
         self.prefault_staging = _OPTION["prefault_staging"](prefault_staging, "prefault_staging")
         self.shield_timeout_s = positive_float(shield_timeout_s, "shield_timeout_s")
         self.staging_budget_bytes = self._check_budget(staging_budget_bytes)
+        self.window_checkpoint_chunks: int | None = _OPTION["window_checkpoint_chunks"](
+            window_checkpoint_chunks, "window_checkpoint_chunks"
+        )
         self.health = TierHealth(
             [t.name for t in self.tiers],
             threshold=_OPTION["breaker_threshold"](breaker_threshold, "breaker_threshold"),
@@ -206,6 +217,7 @@ class RestoreEngine(AsyncResource):
         self._leases = LeaseBook()
         self._ids = itertools.count()
         self._counts = {"restores": 0, "committed": 0, "invalidated": 0, "saves": 0}
+        self._saves_skipped: dict[str, int] = {}
         self._log = logger.bind(rank=namespace.tp_rank, model=namespace.model_id)
         self._listeners: list[Callable[[Record], None]] = []
         self._prober = Prober(
@@ -284,6 +296,7 @@ class RestoreEngine(AsyncResource):
             prefault_staging=config.prefault_staging,
             breaker_threshold=config.breaker_threshold,
             breaker_cooldown_s=config.breaker_cooldown_s,
+            window_checkpoint_chunks=config.window_checkpoint_chunks,
         )
 
     @staticmethod
@@ -389,6 +402,7 @@ class RestoreEngine(AsyncResource):
             breakers=tuple(self.health.state(t.name) for t in self.tiers),
             abandoned_workers=self._window.abandoned_workers,
             leases=len(self._leases),
+            saves_skipped=dict(self._saves_skipped),
         )
 
     def subscribe(self, listener: Callable[[Record], None]) -> Callable[[], None]:
@@ -861,19 +875,34 @@ class RestoreEngine(AsyncResource):
         *,
         tiers: Sequence[str] | None = None,
         extras: Extras | None = None,
+        window_checkpoints: bool = False,
     ) -> SaveResult:
         """Store every full chunk of ``tokens`` held in ``cache`` at ``block_ids``.
 
         Writes through to every tier (or the named ``tiers``), skipping objects a tier already
-        holds. Sliding-window groups store only the chunks their window needs at the end of the
-        saved prefix. ``block_ids``: one table for every group, or a mapping group -> table (see
-        :meth:`restore`); when a table holds ``NULL_BLOCK`` where a needed chunk lies, only the
-        longest prefix whose every needed chunk lies in real blocks is stored (``saved_tokens``
-        says which). Staging comes from the same W-slot pool as restores. A tier's write error
-        is counted in the result and logged; it does not stop the other tiers. ``extras``: what
-        besides the token ids changed the state (:class:`~bsr.KeyExtra`: a tenant's salt, an
-        adapter, an image, prompt embeddings); a later ``restore`` finds it only with the same.
+        holds. ``block_ids``: one table for every group, or a mapping group -> table (see
+        :meth:`restore`); only chunks lying wholly in real blocks are read (an object holds its
+        whole chunk). A group without a window stores its longest such prefix. A sliding-window
+        group stores the chunks of its window at the end of the tokens (and at the longest
+        prefix whose every group lies in real blocks, when the end's window does not);
+        with ``window_checkpoints`` also at every ``window_checkpoint_chunks``-th chunk
+        boundary below the end (where its table holds real blocks), so that a later prompt
+        sharing only a shorter prefix restores up to the last checkpoint at or below it. Ask
+        for checkpoints only when the sliding group's real blocks hold its state for their
+        tokens there: e.g. ``bsr.hf.write_kv_to_cache`` writes a sliding layer's last window
+        only, so write the cache at each of :meth:`checkpoint_tokens` first (or give the
+        group ``NULL_BLOCK`` where nothing was written). ``saved_tokens``: the longest prefix
+        a restore can read from what this save stored. Staging comes from the same W-slot pool
+        as restores. A tier's write error is counted in the result and logged; it does not
+        stop the other tiers. ``extras``: what besides the token ids changed the state
+        (:class:`~bsr.KeyExtra`: a tenant's salt, an adapter, an image, prompt embeddings); a
+        later ``restore`` finds it only with the same.
         """
+        every = (
+            self.window_checkpoint_chunks
+            if Check.flag(window_checkpoints, "window_checkpoints")
+            else None
+        )
         pool = self._open_pool()
         self._leases.reclaim()
         self._check_cache(cache)
@@ -887,15 +916,32 @@ class RestoreEngine(AsyncResource):
             # a fresh copy replaces a quarantined one: probes may see it again
             on_written=lambda tier, okey: quarantine.lift(tier.name, okey.object_id),
             is_retired=lambda tier, okey: (tier.name, okey.object_id) in quarantine,
+            checkpoint_chunks=every,
         )  # fmt: skip
         self._counts["saves"] += 1
+        for reason in result.skipped:
+            self._saves_skipped[reason] = self._saves_skipped.get(reason, 0) + 1
         self._log.info(
             "bsr.save.done", tokens=result.saved_tokens, chunks=result.chunks,
             written=result.objects_written, skipped=result.objects_skipped,
-            errors=result.errors, duration_s=round(result.duration_s, 6),
+            busy_skipped=result.skipped, errors=result.errors,
+            duration_s=round(result.duration_s, 6),
         )  # fmt: skip
         self._notify(result)
         return result
+
+    def checkpoint_tokens(self, num_tokens: int) -> tuple[int, ...]:
+        """The prefix lengths, in tokens, below ``num_tokens`` at which a save with
+        ``window_checkpoints`` stores each sliding-window group's window (every
+        ``window_checkpoint_chunks``-th chunk boundary; none without a window group or with
+        checkpoints off). A server whose model keeps only a sliding layer's last window (a
+        transformers ``DynamicCache``) writes its paged cache at each of them while it
+        prefills, and at the end."""
+        n = non_negative_int(num_tokens, "num_tokens")
+        if all(g.window_tokens is None for g in self.layout.groups):
+            return ()
+        ct, every = self.layout.chunk_tokens, self.window_checkpoint_chunks
+        return tuple(c * ct for c in checkpoint_ends(self.layout.num_chunks(n), every))
 
     def _tier(self, name: str) -> Tier:
         for t in self.tiers:

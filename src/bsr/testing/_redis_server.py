@@ -37,6 +37,8 @@ from ._ports import (
 #: the Debian package holding redis-server and redis-cli (installed by ``make system-deps``)
 REDIS_PACKAGE = "redis-server"
 START_ATTEMPTS = 5
+#: times a cluster is started afresh when ``redis-cli --cluster create`` fails
+CLUSTER_ATTEMPTS = 3
 
 
 class RedisUnavailable(RuntimeError):
@@ -229,13 +231,26 @@ def start_cluster(n: int = 3, *, timeout_s: float = 60.0) -> Iterator[RedisClust
         root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bsr-redis-cluster-")))
         harness = RedisClusterHarness()
         stack.callback(harness.stop)
-        for i in range(n):
-            harness.nodes.append(_start_one(root, f"node{i}", cluster=True))
-        addresses = [node.address for node in harness.nodes]
-        harness.nodes[0].cli(
-            "--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes",
-            timeout_s=timeout_s,
-        )  # fmt: skip
+        for attempt in range(CLUSTER_ATTEMPTS):
+            harness.nodes = [
+                _start_one(root / f"try{attempt}", f"node{i}", cluster=True) for i in range(n)
+            ]
+            addresses = [node.address for node in harness.nodes]
+            try:
+                harness.nodes[0].cli(
+                    "--cluster", "create", *addresses, "--cluster-replicas", "0",
+                    "--cluster-yes", timeout_s=timeout_s,
+                )  # fmt: skip
+                break
+            except subprocess.CalledProcessError as exc:
+                # seen on a machine at load average 17: the join failed; start fresh nodes
+                harness.stop()
+                if attempt == CLUSTER_ATTEMPTS - 1:
+                    said = (exc.stdout or b"").decode(errors="replace")[-2000:]
+                    raise RuntimeError(
+                        f"redis-cli --cluster create failed {CLUSTER_ATTEMPTS} times; "
+                        f"last: exit {exc.returncode}: {said}"
+                    ) from exc
         deadline = time.monotonic() + timeout_s
         while not all("cluster_state:ok" in node.cli("cluster", "info") for node in harness.nodes):
             if time.monotonic() > deadline:

@@ -82,11 +82,15 @@ class TierStatistics:
     abandoned_reads: int = 0
     #: objects that could not be read on open (EACCES, EIO...): skipped, neither indexed nor moved
     unreadable: int = 0
+    #: calls skipped because the tier stayed busy past its bound (:class:`~bsr.TierBusyError`:
+    #: e.g. a FileTier root whose lock another process held)
+    busy: int = 0
 
 
 class _Counters:
     __slots__ = (
         "abandoned_reads",
+        "busy",
         "bytes_read",
         "bytes_written",
         "errors",
@@ -105,7 +109,7 @@ class _Counters:
         self.hits = self.misses = self.evictions = self.errors = 0
         self.reads = self.writes = self.bytes_read = self.bytes_written = 0
         self.quarantined = self.peak_bytes = 0
-        self.junk = self.abandoned_reads = self.unreadable = 0
+        self.junk = self.abandoned_reads = self.unreadable = self.busy = 0
 
 
 class TierLease:
@@ -398,6 +402,7 @@ class Tier(AsyncResource, abc.ABC):
             junk=c.junk,
             abandoned_reads=c.abandoned_reads,
             unreadable=c.unreadable,
+            busy=c.busy,
         )
 
     def __repr__(self) -> str:

@@ -27,7 +27,10 @@ only under the root's lock (:mod:`bsr.tiers._shared`). A write reserves its byte
 unpinned) and creates its temp file, is written and fsync'ed, renamed into ``objects/`` under the
 lock and the directory fsync'ed; only then is it added to the index, so a probe never sees a
 partial object (invariant 6) and concurrent writers, of this process or others, never overshoot
-``capacity_bytes``. Every failure path removes the temp file and gives the reservation back. A
+``capacity_bytes``. Every failure path removes the temp file and gives the reservation back. No
+step waits for the root's lock past ``lock_timeout_s`` or its caller's cancel (a process sharing
+the root may be stopped while it holds it): a write then raises :class:`~bsr.TierBusyError` and
+``open`` joins without the lock; reads never take it (:meth:`FileTier._locked`). A
 probe asks the directory for objects the index lacks (another process wrote them). On open the
 index is rebuilt by scanning ``objects/`` (each header is checked against the file size; damaged
 files are quarantined), temp files of dead writers are removed, and the root is trimmed to
@@ -41,14 +44,16 @@ and counted as ``unreadable`` on open), never corruption.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import os
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 
@@ -59,6 +64,7 @@ from .._errors import (
     CorruptObjectError,
     ObjectError,
     ObjectNotFoundError,
+    TierBusyError,
     TierIOError,
     TruncatedObjectError,
 )
@@ -106,7 +112,7 @@ from ._readers import (
     open_regular,
 )
 from ._registry import TierOptions
-from ._shared import Pending, SharedSpace, ledger_error
+from ._shared import Pending, RootBusy, SharedSpace, ledger_error
 
 HEADER_SIZE = ObjectCodec.HEADER_SIZE
 
@@ -129,6 +135,9 @@ __all__ = (
 )
 
 _THREAD = threading.local()
+T = TypeVar("T")
+#: how often a write waiting for room that writes in progress hold looks again
+ROOM_POLL_S = 0.005
 #: a tier holding at least twice this many bytes calibrates its io_uring read depth on open
 CALIBRATE_MIN_BYTES = 32 << 20
 
@@ -151,6 +160,8 @@ class FileTierOptions(TierOptions):
     io_threads: int = option(Check.positive_int, 8)
     #: io_uring requests in flight; None (unset): chosen by the tier on open
     read_depth: int | None = option(Check.optional_positive_int, None)
+    #: the longest one step waits for the root's lock (or for room held by writes in progress)
+    lock_timeout_s: float = option(Check.non_negative_seconds, 2.0)
 
     def build(self) -> Tier:
         return FileTier(
@@ -162,6 +173,7 @@ class FileTierOptions(TierOptions):
             fsync=self.fsync,
             io_threads=self.io_threads,
             read_depth=self.read_depth,
+            lock_timeout_s=self.lock_timeout_s,
         )
 
 
@@ -188,6 +200,13 @@ class FileTier(IndexedTier):
             the data is disposable).
         io_threads: worker threads for this tier's blocking I/O; also the number of abandoned
             reads (stuck in the kernel) after which new reads fail fast with TierIOError.
+        lock_timeout_s: the longest a write's reservation, its commit, a delete or a quarantine
+            move waits for the root's lock (held by another process sharing the root: a stopped
+            or frozen one holds it as long as it is stopped), and a reservation for room that
+            writes in progress hold. Past it the call is skipped with :class:`~bsr.TierBusyError`
+            (a save then skips this tier, counted as ``SaveResult.skipped``), and ``open`` joins
+            without the lock. Never held while waiting: a caller's cancel or deadline ends the
+            wait at once. Reads never take the lock.
     """
 
     durable = True
@@ -204,6 +223,7 @@ class FileTier(IndexedTier):
         fsync: bool = True,
         io_threads: int = 8,
         read_depth: int | None = None,
+        lock_timeout_s: float = 2.0,
     ) -> None:
         o = self.options = FileTierOptions(
             path,  # type: ignore[arg-type]  # a PathLike too: Check.path takes it
@@ -214,8 +234,11 @@ class FileTier(IndexedTier):
             fsync=fsync,
             io_threads=io_threads,
             read_depth=read_depth,
+            lock_timeout_s=lock_timeout_s,
         )
         super().__init__(o.name)
+        self.lock_timeout_s = o.lock_timeout_s
+        self._root_stuck = False  # a step gave up on the root's lock, none got it since
         self.capacity_bytes = o.capacity_bytes
         self.io_threads = o.io_threads
         self.root = Path(o.path)
@@ -267,7 +290,7 @@ class FileTier(IndexedTier):
         self._check_open()
         if self._opened:
             return
-        report = await anyio.to_thread.run_sync(self._open_sync, limiter=self._limiter)
+        report = await self._open_root()
         self._opened = True
         if isinstance(self.reader, UringReader) and not self.reader.depth_chosen:
             enough = self._index.bytes >= 2 * CALIBRATE_MIN_BYTES
@@ -330,26 +353,47 @@ class FileTier(IndexedTier):
         self._log.info("bsr.tier.read_depth", **self.read_calibration)
         return self.read_calibration
 
-    def _open_sync(self) -> ScanReport:
-        dirs = self._store.open()
-        space: SharedSpace | None = None
+    async def _open_root(self) -> ScanReport:
+        """Claim and scan the root and join its shared ledger.
+
+        The ledger's lock is waited for at most ``lock_timeout_s`` (or the caller's cancel):
+        past it the tier joins without it (:meth:`SharedSpace.attach_unlocked`: it reads the
+        objects and leaves dead writers' temp files and the ledger to the next locked step),
+        so a process stopped while holding the lock never holds an open.
+        """
+        opened: list[tuple[Dirs, SharedSpace]] = []
+        report = ScanReport()
         try:
-            space = SharedSpace(self._store, dirs, self._index, self.capacity_bytes)
-            report = ScanReport()
+            await anyio.to_thread.run_sync(self._start_sync, opened, limiter=self._limiter)
+            space = opened[0][1]
             try:
-                space.attach(report)
+                locked = True
+                try:
+                    await self._locked(space.attach, report, what="joining the root's ledger")
+                except TierBusyError:
+                    locked = False
+                    self._log.warning(
+                        "bsr.tier.open_unlocked", path=str(self.root),
+                        waited_s=self.lock_timeout_s,
+                        note="another process held the root's lock; joined without it",
+                    )  # fmt: skip
+                    await anyio.to_thread.run_sync(
+                        self._attach_unlocked, space, report, limiter=self._limiter
+                    )
                 for _, oid, size in report.found:
                     self._index.put(oid, size, None)
-                evicted = space.trim()  # a smaller capacity than the root holds now
-                space.peak = space.seen.total  # counted from here: what this process keeps
+                evicted = 0  # without the lock: the next write makes its room
+                if locked:  # a smaller capacity than the root holds now
+                    with contextlib.suppress(TierBusyError):
+                        evicted = await self._locked(space.trim, what="trimming to capacity")
             except OSError as exc:  # flock or the ledger failed
                 raise ledger_error(self._store, exc) from exc
+            space.peak = space.seen.total  # counted from here: what this process keeps
             if evicted:
                 self._count(evictions=evicted)
         except BaseException:
-            if space is not None:
-                space.close()
-            dirs.close()
+            if opened:
+                _close(*opened[0])
             self._index.clear()
             raise
         self._count(
@@ -358,8 +402,79 @@ class FileTier(IndexedTier):
             quarantined=report.quarantined,
         )
         with self._lock:
-            self._dirs, self._space = dirs, space
+            self._dirs, self._space = opened[0]
         return report
+
+    def _start_sync(self, opened: list[tuple[Dirs, SharedSpace]]) -> None:
+        dirs = self._store.open()
+        try:
+            opened.append((dirs, SharedSpace(self._store, dirs, self._index, self.capacity_bytes)))
+        except BaseException:
+            dirs.close()
+            raise
+
+    def _attach_unlocked(self, space: SharedSpace, report: ScanReport) -> None:
+        try:
+            space.attach_unlocked(report)
+        except RootBusy:
+            self._count(busy=1)
+            raise self._busy_error("root_locked", "opening the root") from None
+
+    # ------------------------------------------------------------------ the root's lock
+    async def _locked(
+        self, fn: Callable[..., T], *args: Any, what: str, abandon: bool = False
+    ) -> T:
+        """``fn(*args)``: a worker-thread step that takes the root's lock without waiting
+        (trying for a moment, then raising :class:`RootBusy` while another process holds it),
+        tried again from the event loop, holding nothing in between, until it runs or
+        ``lock_timeout_s`` passed. Room that writes in progress hold (``RoomPending``) is
+        waited for the same way. A caller's cancel ends the wait at once; a step already
+        running finishes first (``abandon``: unless it has nothing to give back).
+
+        Once a step gave up on the lock, later steps try it once (one step's patience, 50 ms)
+        until one gets it: a peer stopped for long costs one ``lock_timeout_s``, then a short
+        try per call (saves hold staging slots while their writes wait).
+
+        Raises:
+            TierBusyError: the lock (or the room) stayed taken for ``lock_timeout_s`` (counted
+                in ``statistics().busy``).
+        """
+        start = time.monotonic()
+        while True:
+            try:
+                out = await anyio.to_thread.run_sync(
+                    fn, *args, limiter=self._limiter, abandon_on_cancel=abandon
+                )
+            except RootBusy:
+                reason = "root_locked"
+            except RoomPending:  # it had the lock
+                reason, self._root_stuck = "room_pending", False
+            else:
+                self._root_stuck = False
+                return out
+            stuck = self._root_stuck and reason == "root_locked"
+            if time.monotonic() - start >= (0.0 if stuck else self.lock_timeout_s):
+                if reason == "root_locked":
+                    self._root_stuck = True
+                self._count(busy=1)
+                raise self._busy_error(reason, what)
+            # each try waited up to PATIENCE_S in its thread (RootBusy); room held by writes in
+            # progress comes back when they end: look again shortly
+            await anyio.sleep(0 if reason == "root_locked" else ROOM_POLL_S)
+
+    def _busy_error(self, reason: str, what: str) -> TierBusyError:
+        held = (
+            "the root's lock stayed held by another process"
+            if reason == "root_locked"
+            else "the room it needs stayed reserved by writes in progress"
+        )
+        return TierBusyError(
+            f"{what} skipped: {held} (up to {self.lock_timeout_s:g} s; a process sharing "
+            f"{self.root} stopped or frozen?); reads go on, and a later call tries again",
+            tier=self.name,
+            reason=reason,
+            path=str(self.root),
+        )
 
     async def aclose(self) -> None:
         self._index.clear()
@@ -580,14 +695,18 @@ class FileTier(IndexedTier):
         size = ObjectCodec.stored_size(len(mv), padded=True)
         pending = await self._reserve(oid, size)
         renamed: list[bool] = []
+        where = object_relpath(oid)
         try:
             await anyio.to_thread.run_sync(
-                self._write_file, okey, mv, pending, renamed, limiter=self._limiter
+                self._write_temp, okey, mv, pending, limiter=self._limiter
             )
+            await self._locked(self._commit_sync, oid, pending, renamed, what=f"writing {where}")
+        except TierBusyError:
+            raise
         except OSError as exc:
             self._count(errors=1)
             raise TierIOError(
-                f"writing {object_relpath(oid)} failed: {exc.strerror or exc}",
+                f"writing {where} failed: {exc.strerror or exc}",
                 tier=self.name,
                 errno=exc.errno,
             ) from exc
@@ -596,41 +715,38 @@ class FileTier(IndexedTier):
                 new = oid not in self._index
                 self._index.put(oid, size, None)
             else:  # every failure path gives the bytes back and removes the temp file
-                with anyio.CancelScope(shield=True):
+                with anyio.CancelScope(shield=True):  # never waits for the lock: bounded
                     await anyio.to_thread.run_sync(self._abort_sync, pending)
         if new:
             self._count(writes=1, bytes_written=len(mv))
         return new
 
     async def _reserve(self, oid: str, size: int) -> Pending:
-        """Reserve ``size`` bytes in the shared ledger (evicting), waiting while only writes in
-        progress stand in the way."""
-        poll_s = 0.001
-        while True:
-            out: list[Pending] = []
-            try:
-                evicted = await anyio.to_thread.run_sync(
-                    self._reserve_sync, oid, size, out, limiter=self._limiter
-                )
-            except RoomPending:
-                await anyio.sleep(poll_s)
-                poll_s = min(poll_s * 2, 0.02)
-                continue
-            except OSError as exc:
-                self._count(errors=1)
-                raise TierIOError(
-                    f"reserving room for {object_relpath(oid)} failed: {exc.strerror or exc}",
-                    tier=self.name,
-                    errno=exc.errno,
-                ) from exc
-            except BaseException:
-                if out:  # reserved, then cancelled: give it back
-                    with anyio.CancelScope(shield=True):
-                        await anyio.to_thread.run_sync(self._abort_sync, out[0])
-                raise
-            if evicted:
-                self._count(evictions=evicted)
-            return out[0]
+        """Reserve ``size`` bytes in the shared ledger (evicting), waiting at most
+        ``lock_timeout_s`` for the root's lock or for room that writes in progress hold."""
+        out: list[Pending] = []
+        where = object_relpath(oid)
+        try:
+            evicted = await self._locked(
+                self._reserve_sync, oid, size, out, what=f"reserving room for {where}"
+            )
+        except TierBusyError:
+            raise
+        except OSError as exc:
+            self._count(errors=1)
+            raise TierIOError(
+                f"reserving room for {where} failed: {exc.strerror or exc}",
+                tier=self.name,
+                errno=exc.errno,
+            ) from exc
+        except BaseException:
+            if out:  # reserved, then cancelled: give it back
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(self._abort_sync, out[0])
+            raise
+        if evicted:
+            self._count(evictions=evicted)
+        return out[0]
 
     def _reserve_sync(self, oid: str, size: int, out: list[Pending]) -> int:
         _, space = self._enter_space()
@@ -654,17 +770,19 @@ class FileTier(IndexedTier):
         finally:
             self._leave()
 
-    def _write_file(
-        self, okey: ObjectKey, mv: memoryview, pending: Pending, renamed: list[bool]
-    ) -> None:
-        oid = okey.object_id
+    def _write_temp(self, okey: ObjectKey, mv: memoryview, pending: Pending) -> None:
+        """Write and fsync the object into its reserved temp file (no lock held)."""
         header = ObjectCodec.header(okey, mv)
         pad = b"\x00" * (ObjectCodec.stored_size(len(mv), padded=True) - HEADER_SIZE - len(mv))
+        _write_all(pending.fd, [header, mv, pad])
+        if self.fsync:
+            os.fsync(pending.fd)
+
+    def _commit_sync(self, oid: str, pending: Pending, renamed: list[bool]) -> None:
+        """Rename the written temp file into ``objects/`` under the root's lock (RootBusy
+        while another process holds it), then fsync the directory."""
         dirs, space = self._enter_space()
         try:
-            _write_all(pending.fd, [header, mv, pad])
-            if self.fsync:
-                os.fsync(pending.fd)
             sub_fd = self._object_dir(dirs, oid[:2])
             try:
                 space.commit(pending, oid, sub_fd)
@@ -704,8 +822,8 @@ class FileTier(IndexedTier):
         if not self._index.discard(oid):
             return False
         # abandonable: the index already forgot it; a hung unlink must not hold the caller
-        await anyio.to_thread.run_sync(
-            self._unlink_victims, [oid], limiter=self._limiter, abandon_on_cancel=True
+        await self._locked(
+            self._unlink_victims, [oid], what=f"deleting {object_relpath(oid)}", abandon=True
         )
         return True
 
@@ -737,7 +855,7 @@ class FileTier(IndexedTier):
                 self._leave()
 
         # abandonable, so the engine's bound on a shielded quarantine holds on a hung mount
-        await anyio.to_thread.run_sync(_move, limiter=self._limiter, abandon_on_cancel=True)
+        await self._locked(_move, what=f"quarantining {object_relpath(oid)}", abandon=True)
 
 
 def _close(dirs: Dirs, space: SharedSpace | None) -> None:

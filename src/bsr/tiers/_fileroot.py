@@ -532,28 +532,3 @@ class StoreRoot:
             return Moved.FAILED, 0, ""
         self.log.warning("bsr.tier.quarantine", object_id=oid, reason=why)
         return Moved.MOVED, st.st_size, dest
-
-    @staticmethod
-    def unlink_object(dirs: Dirs, oid: str) -> int | None:
-        """Remove our regular file of ``oid``; the bytes removed, or None when there was none.
-
-        A symlink, FIFO or directory in its place stays (it is not bsr's).
-
-        Raises:
-            OSError: the unlink failed (other than the file being gone).
-        """
-        try:
-            sub_fd = os.open(oid[:2], DIR_FLAGS, dir_fd=dirs.objects)
-        except OSError:
-            return None
-        try:
-            name = oid + OBJECT_SUFFIX
-            st = os.stat(name, dir_fd=sub_fd, follow_symlinks=False)
-            if not stat.S_ISREG(st.st_mode):
-                return None
-            os.unlink(name, dir_fd=sub_fd)
-            return st.st_size
-        except FileNotFoundError:
-            return None
-        finally:
-            os.close(sub_fd)

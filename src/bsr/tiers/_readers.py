@@ -445,58 +445,79 @@ class UringReader(PosixReader):
         return total
 
     def _run(self, ring: Ring, fd: int, pieces: list[tuple[int, int, int, int]]) -> list[int]:
-        """Keep ``pieces`` in flight within the depth until each completed; bytes per piece."""
+        """Keep ``pieces`` in flight within the depth until each completed; bytes per piece.
+
+        A piece is ``(offset, address, length, vectors)``: with ``vectors`` > 0, ``address`` is
+        that many iovecs (one vector request), else one buffer of ``length`` bytes.
+
+        Every request queued is reaped before this returns, whatever happens: a kernel error
+        in one request (``EBADF``, ``EIO``), a short read (end of file) or an abandoned caller
+        (``check``) stop the queueing of further pieces, and the loop then runs only while
+        requests are in flight (the places in the depth of those reaped go back once per
+        reap). Only a ring that fails under us (:class:`RingError` from ``io_uring_enter``)
+        leaves requests behind: they are drained, bounded, and the ring is dropped.
+        """
         check = getattr(_CANCEL, "check", None)
         got = [0] * len(pieces)
         tags: dict[int, int] = {}
         nxt = 0
         error = 0
         cancelled = False
+        stop = False  # no further piece is queued: an error, a cancel or the end of the file
         depth = self._depth
         try:
-            while nxt < len(pieces) or tags:
+            while tags or (nxt < len(pieces) and not stop):
                 room = ring.entries - len(tags)  # the depth may exceed what this ring holds
-                if nxt < len(pieces) and not error and not cancelled and room > 0:
+                if nxt < len(pieces) and not stop and room > 0:
                     k = depth.take(min(len(pieces) - nxt, room), block=not tags, check=check)
                     if k == 0 and not tags:  # cancelled while waiting for the depth
-                        cancelled = True
+                        cancelled = stop = True
                         continue
-                    for i in range(nxt, nxt + k):
-                        off, addr, length, vectors = pieces[i]
-                        if vectors:  # addr: that many iovecs
-                            tags[ring.readv(fd, off, addr, vectors)] = i
-                        else:
-                            tags[ring.read(fd, off, addr, length)] = i
-                    nxt += k
+                    queued = 0
+                    try:
+                        for i in range(nxt, nxt + k):
+                            off, addr, length, vectors = pieces[i]
+                            if vectors:  # addr: that many iovecs
+                                tags[ring.readv(fd, off, addr, vectors)] = i
+                            else:
+                                tags[ring.read(fd, off, addr, length)] = i
+                            queued += 1
+                    finally:
+                        depth.give(k - queued)  # places taken but never used
+                    nxt += queued
                 if not tags:
                     continue
-                all_queued = nxt == len(pieces) or error or cancelled
                 timeout = CANCEL_POLL_S if check is not None else None
-                ring.enter(wait=len(tags) if all_queued else 1, timeout_s=timeout)
-                done = ring.reap()
-                back = sum(1 for tag, _ in done if tag in tags)
-                if back:
-                    depth.give(back)  # their places in the depth, at once
-                for tag, res in done:
-                    if tag not in tags:
-                        continue
-                    i = tags.pop(tag)
-                    if res < 0:
-                        error = error or -res
-                    else:
-                        got[i] = res
-                        if res < pieces[i][2]:
-                            nxt = len(pieces)  # end of file: nothing more to read
-                if check is not None and not cancelled and tags and check():
-                    cancelled = True
-                    for tag in tags:
-                        ring.cancel(tag)
-                    ring.enter()
+                ring.enter(wait=len(tags) if stop or nxt == len(pieces) else 1, timeout_s=timeout)
+                back = 0
+                try:
+                    for tag, res in ring.reap():
+                        i = tags.pop(tag, -1)
+                        if i < 0:
+                            continue
+                        back += 1
+                        if res < 0:
+                            error = error or -res
+                            stop = True
+                        else:
+                            got[i] = res
+                            if res < pieces[i][2]:
+                                stop = True  # end of file: nothing more to read
+                finally:
+                    if back:
+                        depth.give(back)  # the places of those reaped, at once
+                if check is not None and not cancelled and check():
+                    cancelled = stop = True
+                    if tags:
+                        for tag in tags:
+                            ring.cancel(tag)
+                        ring.enter()
         except BaseException:
             # the ring failed under us: wait (bounded) for what is in flight, so the kernel does
             # not write into the buffers after we return, and start a new ring next time
+            outstanding = len(tags)
             self._drain(ring, tags)
-            depth.give(len(tags))
+            depth.give(outstanding)
             self._drop_ring(closed=not tags)
             raise
         if cancelled:

@@ -118,15 +118,41 @@ def unregister_tier(kind: str) -> None:
 
 
 def _import(kind: str, target: str) -> type[TierOptions]:
+    """Import ``"module:Class"`` for ``kind``; whatever goes wrong is a ConfigError naming both.
+
+    A plugin's module is third-party code: at import it may raise anything (an ImportError of
+    its own dependency, a RuntimeError, a SyntaxError in its source), and its module may refuse
+    the attribute with something other than AttributeError.
+    """
     module, _, attr = target.partition(":")
     try:
-        cls = getattr(importlib.import_module(module), attr)
+        mod = importlib.import_module(module)
     except ImportError as exc:
         raise ConfigError(
-            f"tier kind {kind!r} needs {module}, which cannot be imported: {exc}", kind=kind
+            f"tier kind {kind!r} needs {module}, which cannot be imported: {exc}",
+            kind=kind,
+            module=module,
         ) from exc
+    except Exception as exc:  # the module itself failed while importing
+        raise ConfigError(
+            f"tier kind {kind!r}: importing {module} failed ({type(exc).__name__}: {exc}); "
+            "fix or reinstall the package that provides it, or remove the kind from the config",
+            kind=kind,
+            module=module,
+        ) from exc
+    try:
+        cls = getattr(mod, attr)
     except AttributeError:
-        raise ConfigError(f"tier kind {kind!r}: {module} has no {attr}", kind=kind) from None
+        raise ConfigError(
+            f"tier kind {kind!r}: {module} has no {attr}", kind=kind, module=module
+        ) from None
+    except Exception as exc:  # a module-level __getattr__ that raised something else
+        raise ConfigError(
+            f"tier kind {kind!r}: reading {attr} from {module} failed "
+            f"({type(exc).__name__}: {exc})",
+            kind=kind,
+            module=module,
+        ) from exc
     if not (isinstance(cls, type) and issubclass(cls, TierOptions)):
         raise ConfigError(f"tier kind {kind!r}: {target} is not a bsr.TierOptions subclass")
     return cls

@@ -21,11 +21,23 @@ bytes in ``objects/`` plus the reservations never exceed the writer's ``capacity
   subtracted twice. When what this process knows is not enough and others have committed since
   it last looked, it rescans ``objects/`` (under the lock, so the count is exact) and may evict
   their objects too. Reads are not locked: an object removed by another process is a miss.
-- **Crashes** only ever make the ledger count too much, never too little: a writer killed after
-  its rename leaves its reservation standing, an evictor killed after its unlink leaves the
-  bytes counted. A reservation whose temp file is gone or no longer locked belongs to a dead
-  writer; when room runs short such reservations are dropped and the ledger recounted from
-  ``objects/``. A ledger that cannot be parsed is recounted too.
+- **Crashes** only ever make the ledger count too much, never too little, and what they leave is
+  healed before it can cost an object. A removal (eviction, delete, quarantine move) is
+  journaled: its object's id and size go into the ledger's ``removing`` before the unlink, and
+  leave it with the subtraction; a holder that finds ``removing`` entries when it takes the lock
+  is looking at a holder that died mid-removal, and subtracts those whose file is gone. A
+  writer killed after its rename or its reservation leaves a reservation whose temp file is gone
+  or no longer locked: it belongs to a dead writer. Before a write evicts anything, such
+  reservations are dropped (and the ledger recounted from ``objects/``); and when the ledger
+  says the root is already over capacity, it is recounted before anything is evicted, so one
+  write evicts no more than the bytes it needs. A ledger that cannot be parsed is recounted too.
+- **Bounded.** A FileTier never blocks on the lock: :meth:`SharedSpace.locked` tries it
+  (non-blocking ``flock``, every half millisecond) for at most :data:`PATIENCE_S`, then raises
+  :class:`RootBusy` holding nothing, and FileTier tries again from its event loop until its
+  bound or its caller's cancel (``FileTier.lock_timeout_s``). A write's reservation given back
+  while the lock is held elsewhere is "owed": its temp file is removed at once (so any process
+  may reclaim it as a dead writer's) and the reservation dropped by this process's next locked
+  step. ``bsr store`` waits for the lock (``wait=True``).
 - **Members.** Every open FileTier holds a shared ``flock`` on the root's marker for its
   lifetime. An opener that can take it exclusively (under the mutex) is alone: it removes every
   leftover temp file and rebuilds the ledger from its scan.
@@ -44,6 +56,7 @@ import os
 import secrets
 import stat
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -83,6 +96,9 @@ class Ledger:
     commits: int = 0
     #: False when the file was missing or unreadable: recount before use
     valid: bool = True
+    #: object id -> bytes of removals in progress (journaled by the holder of the lock; left
+    #: behind only by a holder that died mid-removal)
+    removing: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def total(self) -> int:
@@ -96,6 +112,8 @@ class Ledger:
             "reserved": self.reserved,
             "commits": self.commits,
         }
+        if self.removing:
+            doc["removing"] = self.removing
         return json.dumps(doc, sort_keys=True).encode()
 
     @classmethod
@@ -107,11 +125,28 @@ class Ledger:
             bytes_, reserved, commits = doc["bytes"], doc["reserved"], doc["commits"]
             ok = ok and _count(bytes_) and _count(commits) and isinstance(reserved, dict)
             ok = ok and all(isinstance(k, str) and _count(v) for k, v in reserved.items())
+            removing = doc.get("removing", {})
+            ok = ok and isinstance(removing, dict)
+            ok = ok and all(isinstance(k, str) and _count(v) for k, v in removing.items())
         except (UnicodeDecodeError, ValueError, KeyError, TypeError, RecursionError):
             ok = False
         if not ok:
             return cls(valid=False)
-        return cls(bytes_, dict(reserved), commits)
+        return cls(bytes_, dict(reserved), commits, removing=dict(removing))
+
+
+class RootBusy(Exception):
+    """The root's lock is held by another process (or thread of this one) right now; nothing
+    was done: try again later."""
+
+
+#: how long one locked step (without ``wait``) keeps trying for the root's lock before it
+#: raises RootBusy; FileTier tries again from its event loop until its bound or its caller's
+#: cancel, so this is also how late a cancel may be noticed
+PATIENCE_S = 0.05
+#: the pause between two tries (short: a process changing the root holds the lock for most
+#: of its changes, and the one that tries more often wins it)
+_TRY_EVERY_S = 0.0005
 
 
 def _count(v: Any) -> bool:
@@ -161,6 +196,8 @@ class SharedSpace:
         capacity_bytes: the bound this process keeps ``objects/`` plus reservations under.
         member: hold the members' lock (FileTier) or not (``bsr store``, which only takes the
             mutex for each change).
+        wait: wait for the root's lock (``bsr store``); without it (FileTier) a locked step
+            tries it for at most :data:`PATIENCE_S`, then raises :class:`RootBusy`.
     """
 
     def __init__(
@@ -171,16 +208,21 @@ class SharedSpace:
         capacity_bytes: int,
         *,
         member: bool = True,
+        wait: bool = False,
     ) -> None:
         self.store = store
         self.dirs = dirs
         self.index = index
         self.capacity_bytes = capacity_bytes
+        self.wait = wait
         self._mutex = threading.Lock()  # flock does not exclude threads sharing one descriptor
         self._ledger_fd = -1
         self._member_fd = -1
         self.writable = False
         self._rescanned_at = -1
+        #: reservations given back while the lock was held elsewhere (dropped at the next step)
+        self._owed: set[str] = set()
+        self._owed_lock = threading.Lock()  # added to without the mutex (it may be busy)
         #: the ledger as last seen under the lock (for usage and statistics)
         self.seen = Ledger()
         self.peak = 0
@@ -215,6 +257,12 @@ class SharedSpace:
                 self._member_fd = -1  # a 0.1 store on a read-only filesystem: no marker
 
     def close(self) -> None:
+        if self._owed and self._ledger_fd >= 0 and self.writable:
+            try:  # one try to settle what this process owes; else a dead writer's, reclaimed
+                with self.locked():
+                    pass
+            except (RootBusy, OSError):
+                pass
         for fd in (self._ledger_fd, self._member_fd):
             if fd >= 0:
                 os.close(fd)  # releases the members' lock and any ledger lock
@@ -223,33 +271,115 @@ class SharedSpace:
     # ------------------------------------------------------------------ the lock
     @contextlib.contextmanager
     def locked(self) -> Iterator[Ledger]:
-        """Hold the root's mutex; yields the ledger, written back when left (even on error)."""
-        with self._mutex:
+        """Hold the root's mutex; yields the ledger, written back when left (even on error).
+
+        Raises:
+            RootBusy: (without ``wait``) another process or thread holds it; nothing was done.
+        """
+        give_up = time.monotonic() + PATIENCE_S
+        if self.wait:
+            self._mutex.acquire()
+        elif not self._mutex.acquire(timeout=PATIENCE_S):
+            raise RootBusy
+        try:
             if self._ledger_fd < 0:
                 led = Ledger(valid=False)
                 yield led
                 self._saw(led)
                 return
-            fcntl.flock(self._ledger_fd, fcntl.LOCK_EX)
+            self._flock(give_up)
             try:
                 size = os.fstat(self._ledger_fd).st_size
                 led = Ledger.decode(os.pread(self._ledger_fd, min(size, _LEDGER_MAX), 0))
                 before = led.encode() if led.valid else b""
+                self._heal(led)
                 try:
                     yield led
                 finally:
+                    if led.removing:  # an error cut a removal short: settle it from the files
+                        self._settle_removals(led)
                     self._saw(led)
-                    body = led.encode()
-                    if self.writable and led.valid and body != before:
-                        pad = max(_LEDGER_PAD, size) - len(body)
-                        os.pwrite(self._ledger_fd, body + b" " * max(pad, 0), 0)
+                    if led.encode() != before:
+                        self._write(led)
             finally:
                 fcntl.flock(self._ledger_fd, fcntl.LOCK_UN)
+        finally:
+            self._mutex.release()
+
+    def _flock(self, give_up: float) -> None:
+        if self.wait:
+            fcntl.flock(self._ledger_fd, fcntl.LOCK_EX)
+            return
+        while True:
+            try:
+                fcntl.flock(self._ledger_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() >= give_up:
+                    raise RootBusy from None
+            time.sleep(_TRY_EVERY_S)
+
+    def _write(self, led: Ledger) -> None:
+        """Write the ledger back in place (under the lock), padded to its old size."""
+        if not (self.writable and led.valid):
+            return
+        body = led.encode()
+        size = os.fstat(self._ledger_fd).st_size
+        pad = max(_LEDGER_PAD, size) - len(body)
+        os.pwrite(self._ledger_fd, body + b" " * max(pad, 0), 0)
+
+    def _heal(self, led: Ledger) -> None:
+        """Settle, just after taking the lock, what earlier steps left: removals of a holder
+        that died mid-removal (subtracted where the file is gone) and reservations this
+        process gave back while the lock was held elsewhere."""
+        if led.valid and led.removing:
+            n, subtracted = len(led.removing), self._settle_removals(led)
+            self.store.log.warning(
+                "bsr.tier.ledger_healed", removals=n, subtracted=subtracted,
+                note="a process died while removing objects under the root's lock",
+            )  # fmt: skip
+        with self._owed_lock:
+            owed, self._owed = self._owed, set()
+        for name in owed:
+            led.reserved.pop(name, None)
+
+    def _settle_removals(self, led: Ledger) -> int:
+        """Subtract the journaled removals whose file is gone, clear the journal; the bytes."""
+        gone = sum(n for oid, n in led.removing.items() if not self._present(oid))
+        led.nbytes = max(0, led.nbytes - gone)
+        led.removing.clear()
+        return gone
+
+    def _present(self, oid: str) -> bool:
+        try:
+            sub_fd = os.open(oid[:2], DIR_FLAGS, dir_fd=self.dirs.objects)
+        except OSError:
+            return False
+        try:
+            st = os.stat(oid + OBJECT_SUFFIX, dir_fd=sub_fd, follow_symlinks=False)
+        except OSError:
+            return False
+        finally:
+            os.close(sub_fd)
+        return stat.S_ISREG(st.st_mode)
 
     def _saw(self, led: Ledger) -> None:
         if led.valid:
-            self.seen = dataclasses.replace(led, reserved=dict(led.reserved))
+            self.seen = dataclasses.replace(
+                led, reserved=dict(led.reserved), removing=dict(led.removing)
+            )
             self.peak = max(self.peak, led.total)
+
+    def peek(self) -> None:
+        """Read the ledger without the lock (for usage and statistics only: it may be torn)."""
+        if self._ledger_fd < 0:
+            return
+        try:
+            size = os.fstat(self._ledger_fd).st_size
+            led = Ledger.decode(os.pread(self._ledger_fd, min(size, _LEDGER_MAX), 0))
+        except OSError:
+            return
+        self._saw(led)
 
     # ------------------------------------------------------------------ opening
     def attach(self, report: ScanReport) -> None:
@@ -258,6 +388,10 @@ class SharedSpace:
         The first process in (no other member holds the marker's lock) removes every leftover
         temp file and rebuilds the ledger from its scan; a later one removes only the temp
         files no live writer holds, and reads the objects without the lock.
+
+        Raises:
+            RootBusy: the root's lock is held elsewhere (nothing done; try again, or
+                :meth:`attach_unlocked`).
         """
         with self.locked() as led:
             alone = self._try_alone()
@@ -273,6 +407,24 @@ class SharedSpace:
             self._join()
         if not alone:
             self.store.scan_objects(self.dirs, report)
+
+    def attach_unlocked(self, report: ScanReport) -> None:
+        """Join the root without its lock (another process held it past the opener's bound):
+        take the members' lock (shared, never waiting) and scan the objects, as a later member
+        does; temp files and the ledger are left as they are (the next locked step of any
+        member settles them).
+
+        Raises:
+            RootBusy: a first member is rebuilding the root (it holds the members' lock
+                exclusively).
+        """
+        if self._member_fd >= 0:
+            try:
+                fcntl.flock(self._member_fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise RootBusy from None
+        self.store.scan_objects(self.dirs, report)
+        self.peek()
 
     def _try_alone(self) -> bool:
         if self._member_fd < 0:
@@ -296,6 +448,7 @@ class SharedSpace:
         Raises:
             TierFullError: no room even after evicting everything evictable.
             RoomPending: room will come once writes in progress end (retry).
+            RootBusy: the root's lock is held elsewhere (nothing done; retry).
             OSError: the temp file cannot be created.
         """
         if size > self.capacity_bytes:
@@ -321,7 +474,11 @@ class SharedSpace:
         return Pending(name, fd, size), evicted
 
     def commit(self, p: Pending, oid: str, sub_fd: int) -> None:
-        """Rename the written temp file into ``objects/`` and count its bytes (under the lock)."""
+        """Rename the written temp file into ``objects/`` and count its bytes (under the lock).
+
+        Raises:
+            RootBusy: the root's lock is held elsewhere (nothing done; retry or :meth:`abort`).
+        """
         name = oid + OBJECT_SUFFIX
         with self.locked() as led:
             try:
@@ -337,20 +494,33 @@ class SharedSpace:
         p.fd = -1
 
     def abort(self, p: Pending) -> None:
-        """Give a reservation back and remove its temp file (the write failed or was cancelled)."""
-        with self.locked() as led:
-            led.reserved.pop(p.name, None)
-            try:
+        """Give a reservation back and remove its temp file (the write failed or was cancelled).
+
+        Never waits: with the lock held elsewhere the temp file is removed and its descriptor
+        closed at once (any process may now reclaim the reservation as a dead writer's), and
+        the reservation is dropped by this process's next locked step.
+        """
+        try:
+            with self.locked() as led:
+                led.reserved.pop(p.name, None)
+                with contextlib.suppress(OSError):
+                    os.unlink(p.name, dir_fd=self.dirs.tmp)
+        except (RootBusy, OSError):
+            with contextlib.suppress(OSError):
                 os.unlink(p.name, dir_fd=self.dirs.tmp)
-            except OSError:
-                pass
+            with self._owed_lock:
+                self._owed.add(p.name)
         if p.fd >= 0:
             os.close(p.fd)
             p.fd = -1
 
     def trim(self) -> int:
         """Evict until the root is within this process's capacity (a smaller one than before);
-        the number of objects evicted."""
+        the number of objects evicted.
+
+        Raises:
+            RootBusy: the root's lock is held elsewhere (nothing done).
+        """
         if not self.writable:
             return 0
         with self.locked() as led:
@@ -361,9 +531,13 @@ class SharedSpace:
 
     # ------------------------------------------------------------------ removals
     def unlink(self, oids: list[str]) -> int:
-        """Remove the files of ``oids`` (already out of the index) under the lock; how many."""
+        """Remove the files of ``oids`` (already out of the index) under the lock; how many.
+
+        Raises:
+            RootBusy: the root's lock is held elsewhere (nothing done).
+        """
         with self.locked() as led:
-            return sum(1 for oid in oids if self._unlink_counted(led, oid))
+            return sum(1 for size in self.remove_counted(led, oids) if size is not None)
 
     def quarantine(
         self, sub_fd: int, oid: str, reason: str, *, still_bad: Callable[[], bool] | None = None
@@ -373,34 +547,97 @@ class SharedSpace:
 
         ``still_bad``, when given, is asked under the lock first (``bsr store verify``: a
         process may have saved the object again, intact, since it was checked).
+
+        Raises:
+            RootBusy: the root's lock is held elsewhere (nothing done).
         """
         with self.locked() as led:
             if still_bad is not None and not still_bad():
                 return Moved.MISSING, ""
+            size = _regular_size(oid + OBJECT_SUFFIX, sub_fd)
+            if size is not None:
+                self._journal(led, {oid: size})
             moved, size, dest = self.store.move_to_quarantine(
                 self.dirs, sub_fd, oid + OBJECT_SUFFIX, oid, reason
             )
+            led.removing.pop(oid, None)
             led.nbytes = max(0, led.nbytes - size)
         return moved, dest
 
-    def _unlink_counted(self, led: Ledger, oid: str) -> bool:
+    def remove_counted(self, led: Ledger, oids: list[str]) -> list[int | None]:
+        """Unlink the object files of ``oids`` (under the lock, ``led`` its ledger), journaled:
+        their sizes go into the ledger's ``removing`` (written) before the first unlink. The
+        bytes each removal took off the count, or None where there was no file of ours (or
+        the unlink failed, logged)."""
+        subs: dict[str, int] = {}
         try:
-            size = self.store.unlink_object(self.dirs, oid)
-        except OSError as exc:
-            self.store.log.warning("bsr.tier.unlink_failed", object_id=oid, error=repr(exc))
-            return False
-        if size is None:
-            return False
-        led.nbytes = max(0, led.nbytes - size)
-        return True
+            sizes: dict[str, int] = {}
+            for oid in oids:
+                sub = oid[:2]
+                if sub not in subs:
+                    try:
+                        subs[sub] = os.open(sub, DIR_FLAGS, dir_fd=self.dirs.objects)
+                    except OSError:
+                        subs[sub] = -1
+                if subs[sub] >= 0:
+                    size = _regular_size(oid + OBJECT_SUFFIX, subs[sub])
+                    if size is not None:
+                        sizes[oid] = size
+            self._journal(led, sizes)
+            out: list[int | None] = []
+            for oid in oids:
+                size = sizes.get(oid)
+                if size is not None:
+                    try:
+                        os.unlink(oid + OBJECT_SUFFIX, dir_fd=subs[oid[:2]])
+                    except FileNotFoundError:
+                        size = None
+                    except OSError as exc:
+                        self.store.log.warning(
+                            "bsr.tier.unlink_failed", object_id=oid, error=repr(exc)
+                        )
+                        size = None
+                    led.removing.pop(oid, None)
+                    if size is not None:
+                        led.nbytes = max(0, led.nbytes - size)
+                out.append(size)
+            return out
+        finally:
+            for fd in subs.values():
+                if fd >= 0:
+                    os.close(fd)
+
+    def _journal(self, led: Ledger, sizes: dict[str, int]) -> None:
+        """Record removals about to happen, in the ledger on disk, before they happen."""
+        if sizes and led.valid:
+            led.removing.update(sizes)
+            self._write(led)
 
     # ------------------------------------------------------------------ room
     def _make_room(self, led: Ledger, size: int) -> int:
+        """Make room for ``size`` more bytes within the capacity, evicting least recently used
+        objects; returns how many were evicted.
+
+        The ledger is verified before it costs an object: first the reservations of dead
+        writers are dropped (which recounts); and when the ledger says the root is over
+        capacity already (so that more than ``size`` bytes would have to go), ``objects/`` is
+        recounted before anything is evicted. Eviction then stops as soon as the write fits,
+        so one write evicts what it needs and no more.
+        """
+        fresh = False  # the ledger's bytes were counted from objects/ in this step
         if not led.valid:
             self._recount(led)
+            fresh = True
+        if self._reclaim(led, sweep=False):  # cheap: one lock test per write in progress
+            fresh = True
+        if led.total + size <= self.capacity_bytes:
+            return 0
+        if self._reclaim(led, sweep=True):
+            fresh = True
+        if led.total > self.capacity_bytes and not fresh:
+            self._recount(led)  # over capacity before this write: trust a count, not the ledger
+            fresh = True
         evicted = self._evict_known(led, size)
-        if led.total + size > self.capacity_bytes and self._reclaim(led):
-            evicted += self._evict_known(led, size)
         if led.total + size > self.capacity_bytes and led.commits != self._rescanned_at:
             self._recount(led)  # others committed since we last looked: learn their objects
             evicted += self._evict_known(led, size)
@@ -418,17 +655,22 @@ class SharedSpace:
         return evicted
 
     def _evict_known(self, led: Ledger, size: int) -> int:
+        """Evict this process's least recently used unpinned objects until ``size`` bytes fit;
+        how many (a victim whose file another process removed already costs nothing)."""
         evicted = 0
         while self.index is not None and led.total + size > self.capacity_bytes:
             victim = self.index.pop_victim()
             if victim is None:
                 break
-            if self._unlink_counted(led, victim[0]):
+            if self.remove_counted(led, [victim[0]])[0] is not None:
                 evicted += 1
         return evicted
 
-    def _reclaim(self, led: Ledger) -> bool:
-        """Drop reservations of dead writers (their temp file gone or unlocked), then recount."""
+    def _reclaim(self, led: Ledger, *, sweep: bool = True) -> bool:
+        """Drop reservations of dead writers (their temp file gone or unlocked), recounting
+        when one was dropped (a writer killed after its rename left its bytes uncounted);
+        with ``sweep``, also remove dead writers' temp files the ledger does not know (a
+        writer killed inside its reservation). Whether it recounted."""
         dead = [name for name in led.reserved if self._temp_dead(name)]
         for name in dead:
             del led.reserved[name]
@@ -436,9 +678,19 @@ class SharedSpace:
                 os.unlink(name, dir_fd=self.dirs.tmp)
             except OSError:
                 pass
+        if sweep:
+            self._sweep_tmp(led)
         if dead:
             self._recount(led)
         return bool(dead)
+
+    def _sweep_tmp(self, led: Ledger) -> None:
+        with contextlib.suppress(OSError, TierRootError):
+            self.store.scan_tmp(
+                self.dirs,
+                ScanReport(),
+                lambda name: name not in led.reserved and self._temp_dead(name),
+            )
 
     def _temp_dead(self, name: str) -> bool:
         """Whether no live writer holds temp file ``name`` (its writer holds an exclusive lock)."""
@@ -508,6 +760,15 @@ class SharedSpace:
                 if fd >= 0:
                     os.close(fd)
         return out
+
+
+def _regular_size(name: str, sub_fd: int) -> int | None:
+    """The size of our regular file ``name`` in ``sub_fd``; None when missing or not ours."""
+    try:
+        st = os.stat(name, dir_fd=sub_fd, follow_symlinks=False)
+    except OSError:
+        return None
+    return st.st_size if stat.S_ISREG(st.st_mode) else None
 
 
 def _probe_one(name: str, sub_fd: int) -> int:

@@ -177,7 +177,7 @@ class _Admin:
         self.space: SharedSpace | None = None
         if change:
             try:
-                self.space = SharedSpace(self.store, self.dirs, None, 1, member=False)
+                self.space = SharedSpace(self.store, self.dirs, None, 1, member=False, wait=True)
             except BaseException:
                 self.dirs.close()
                 raise
@@ -508,12 +508,9 @@ def _remove(admin: _Admin, victims: list[ObjectInfo], batch: int = 64) -> list[O
     removed: list[ObjectInfo] = []
     for i in range(0, len(victims), batch):
         part = victims[i : i + batch]
-        with admin.space.locked() as led:
-            for o in part:
-                size = admin.store.unlink_object(admin.dirs, o.object_id)
-                if size is not None:
-                    led.nbytes = max(0, led.nbytes - size)
-                    removed.append(o)
+        with admin.space.locked() as led:  # journaled: a gc killed mid-batch is healed
+            sizes = admin.space.remove_counted(led, [o.object_id for o in part])
+            removed.extend(o for o, size in zip(part, sizes) if size is not None)
     for sub in sorted({o.object_id[:2] for o in removed}):
         with contextlib.suppress(OSError):
             fd = os.open(sub, DIR_FLAGS, dir_fd=admin.dirs.objects)

@@ -154,7 +154,9 @@ class Ring:
         self._sq_u32 = memoryview(sq).cast("I")  # aligned 32-bit loads and stores
         self._cq_u32 = memoryview(cq).cast("I")
         self._cq = cq
+        self._sq_head = p.sq_off.head // 4
         self._sq_tail = p.sq_off.tail // 4
+        self._sq_entries = p.sq_entries
         self._sq_mask = self._sq_u32[p.sq_off.ring_mask // 4]
         self._sq_array = p.sq_off.array // 4
         self._cq_head = p.cq_off.head // 4
@@ -179,6 +181,13 @@ class Ring:
     # ------------------------------------------------------------------ submit
     def _queue(self, op: int, fd: int, off: int, addr: int, length: int, user_data: int) -> None:
         tail = self._sq_u32[self._sq_tail]
+        if (tail - self._sq_u32[self._sq_head]) & 0xFFFFFFFF >= self._sq_entries:
+            # full of entries the kernel has not consumed yet (an enter that returned EBUSY):
+            # hand them over first; writing on would overwrite one and lose its completion
+            self.enter()
+            tail = self._sq_u32[self._sq_tail]
+            if (tail - self._sq_u32[self._sq_head]) & 0xFFFFFFFF >= self._sq_entries:
+                raise RingError(errno.EBUSY, "io_uring submission queue full")
         idx = tail & self._sq_mask
         _SQE.pack_into(self._sqes, idx * 64, op, 0, 0, fd, off, addr, length, 0, user_data,
                        0, 0, 0, 0, 0)  # fmt: skip

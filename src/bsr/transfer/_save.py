@@ -5,7 +5,9 @@ Where it runs: the engine's event loop; gathers and tier writes run in worker th
 Each chunk takes one slot from the engine's W-slot pool (the same budget restores use), gathers
 the groups some tier lacks into it, writes them to every tier missing them (at most ``io_depth``
 writes in flight), and gives the slot back in ``finally``. A tier failing a write is counted and
-logged; the other tiers still get the object.
+logged; the other tiers still get the object. A tier that says it is busy (``TierBusyError``:
+a FileTier root whose lock another process held past its bound) is skipped for the rest of the
+save, counted by reason (``SaveResult.skipped``), never waited for again.
 """
 
 from __future__ import annotations
@@ -17,10 +19,10 @@ from typing import Any
 import anyio
 import torch
 
-from .._errors import BsrError
+from .._errors import BsrError, TierBusyError
 from ..core._keys import ChunkKey, ObjectKey
 from ..core._layout import StateLayout
-from ..core._plan import needed_objects
+from ..core._plan import plan_save
 from ..core._results import SaveResult
 from ..tiers._base import Tier
 from ._cache import PagedKVCache, gather_chunk
@@ -31,15 +33,23 @@ from ._tables import BlockTables
 class _SavePlan:
     """Which tiers lack which objects of the prefix, and the counters of one save."""
 
-    def __init__(self, layout: StateLayout, tiers: Sequence[Tier], keys: Sequence[ChunkKey]):
+    def __init__(
+        self,
+        layout: StateLayout,
+        tiers: Sequence[Tier],
+        keys: Sequence[ChunkKey],
+        wanted: Sequence[tuple[int, str]],
+    ):
         self.layout = layout
         self.tiers = list(tiers)
         self.keys = keys
-        self.wanted = needed_objects(layout, len(keys))
+        self.wanted = list(wanted)
         self.written = {t.name: 0 for t in tiers}
         self.skipped = {t.name: 0 for t in tiers}
         self.nbytes = {t.name: 0 for t in tiers}
         self.errors = {t.name: 0 for t in tiers}
+        self.busy: dict[str, str] = {}  # tier -> why it was busy: skipped for the rest
+        self.skipped_by: dict[str, int] = {}  # reason -> objects not written
         self.missing: dict[tuple[int, str], list[Tier]] = {(c, g): [] for c, g in self.wanted}
         self.replace: set[tuple[str, int, str]] = set()
 
@@ -81,11 +91,20 @@ class _SavePlan:
     ) -> None:
         """Write one object to one tier, counting the outcome (a failure is not raised)."""
         key = self.keys[c]
+        if t.name in self.busy:  # it said it is busy: the rest of this save skips it
+            self._skip(self.busy[t.name])
+            return
         try:
             async with limiter:
                 if (t.name, c, g) in self.replace:
                     await t.delete(key, g)
                 ok = await t.write(key, g, payload)
+        except TierBusyError as exc:
+            reason = str(exc.fields.get("reason") or "busy")
+            self.busy.setdefault(t.name, reason)
+            self._skip(reason)
+            log.warning("bsr.save.tier_busy", tier=t.name, chunk=c, group=g, reason=reason)
+            return
         except (BsrError, OSError) as exc:
             self.errors[t.name] += 1
             log.warning("bsr.save.write_failed", tier=t.name, chunk=c, group=g, error=str(exc))
@@ -97,6 +116,9 @@ class _SavePlan:
         self.nbytes[t.name] += payload.numel()
         if on_written is not None:
             on_written(t, ObjectKey(key, g))
+
+    def _skip(self, reason: str) -> None:
+        self.skipped_by[reason] = self.skipped_by.get(reason, 0) + 1
 
 
 async def save_chunks(
@@ -111,17 +133,21 @@ async def save_chunks(
     log: Any,
     on_written: Callable[[Tier, ObjectKey], None] | None = None,
     is_retired: Callable[[Tier, ObjectKey], bool] | None = None,
+    checkpoint_chunks: int | None = None,
 ) -> SaveResult:
-    """Store every object a prefix of ``len(keys)`` chunks needs into every tier lacking it.
+    """Store the objects of ``len(keys)`` chunks that ``tables`` hold into every tier lacking them.
 
-    Only the longest prefix whose every needed object lies in real blocks of ``tables`` is
-    stored (:meth:`BlockTables.savable_prefix`: an object always holds its whole chunk).
-    ``on_written(tier, object_key)`` is called after each object a tier newly stored. A copy the
-    engine retired (``is_retired``: it failed a read) is replaced: deleted, then written again.
+    What is stored is planned by :func:`~bsr.core._plan.plan_save` from the chunks that lie
+    wholly in real blocks of ``tables`` (an object always holds its whole chunk): the groups
+    without a window their longest whole prefix, each sliding-window group its window at the
+    end, at the longest prefix every group can serve and, with ``checkpoint_chunks``, at every
+    window checkpoint. ``on_written(tier, object_key)`` is called after each object a tier newly
+    stored. A copy the engine retired (``is_retired``: it failed a read) is replaced: deleted,
+    then written again.
     """
     t0 = time.perf_counter()
-    keys = keys[: tables.savable_prefix(len(keys))]
-    plan = _SavePlan(layout, tiers, keys)
+    shape = plan_save(layout, len(keys), tables.whole, checkpoint_chunks)
+    plan = _SavePlan(layout, tiers, keys, shape.objects)
     todo = await plan.find_missing(log, is_retired)
     limiter = anyio.CapacityLimiter(io_depth)
 
@@ -145,12 +171,13 @@ async def save_chunks(
             slot = await account.acquire()
             tg.start_soon(save_chunk, c, slot)
     return SaveResult(
-        saved_tokens=len(keys) * layout.chunk_tokens,
-        chunks=len(keys),
+        saved_tokens=shape.restorable_chunks * layout.chunk_tokens,
+        chunks=shape.restorable_chunks,
         objects_written=plan.written,
         objects_skipped=plan.skipped,
         bytes_written=plan.nbytes,
         errors=plan.errors,
         rws_peak_bytes=account.peak_bytes,
         duration_s=time.perf_counter() - t0,
+        skipped=plan.skipped_by,
     )

@@ -14,9 +14,12 @@ an entry:
 * a restore installs a chunk into its real blocks only, and may commit a prefix only if every
   block the prefix's needed tokens occupy is real (:meth:`BlockTables.serves`): every token of a
   full-attention group, the last ``window_tokens`` tokens of a windowed one;
-* a save stores the longest prefix whose every needed (chunk, group) object lies in real blocks
-  (:meth:`BlockTables.savable_prefix`): a stored object always holds its whole chunk, because the
-  same object serves every prefix whose window covers that chunk.
+* a save stores only objects whose chunk lies wholly in real blocks (:meth:`BlockTables.whole`,
+  planned by :func:`bsr.core._plan.plan_save`): a stored object always holds its whole chunk,
+  because the same object serves every prefix whose window covers that chunk. A real block must
+  therefore hold its group's state for its tokens wherever a save may read it: a full-attention
+  group's prefix, a sliding-window group's window at the end of the saved tokens and, when the
+  save asks for window checkpoints, at each checkpoint.
 
 Groups whose tensors share memory (vLLM's hybrid manager lays one layer of each group over the
 same buffer) alias block for block: block ``b`` of one is block ``b`` of the other, so their
@@ -56,7 +59,7 @@ def table_array(
         dtype = block_ids.dtype
         if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
             raise BlockTableError(f"block_ids{where} must be integers, got {dtype}", **fields)
-        arr = block_ids.detach().cpu().numpy()
+        arr = _tensor_ids(block_ids, where, fields)
     else:
         try:
             arr = np.asarray(block_ids)
@@ -104,6 +107,42 @@ def table_array(
             **fields,
         )
     return np.ascontiguousarray(arr)
+
+
+def _tensor_ids(t: torch.Tensor, where: str, fields: dict[str, Any]) -> np.ndarray[Any, Any]:
+    """The ids of an integer tensor as a NumPy array, or a BlockTableError saying why not.
+
+    Only a dense tensor with data can be read: a meta tensor has no values, a sparse, nested
+    or quantized one is no plain sequence of ids, and anything else torch cannot copy to the
+    host is refused the same way (never torch's own NotImplementedError or TypeError).
+    """
+    kind = (
+        "meta"
+        if t.is_meta
+        else "nested"
+        if getattr(t, "is_nested", False)
+        else "quantized"
+        if t.is_quantized
+        else None
+        if t.layout == torch.strided
+        else str(t.layout).removeprefix("torch.")
+    )
+    fix = "pass a dense CPU (or CUDA) integer tensor, a NumPy array or a list of ints"
+    if kind is not None:
+        raise BlockTableError(
+            f"block_ids{where} is a {kind} tensor, which holds no readable block ids; {fix}",
+            kind=kind,
+            **fields,
+        )
+    try:
+        arr: np.ndarray[Any, Any] = t.detach().cpu().resolve_conj().resolve_neg().numpy()
+    except Exception as exc:  # a tensor subclass or device torch cannot read back
+        raise BlockTableError(
+            f"block_ids{where} cannot be read back to the host ({type(exc).__name__}: {exc}); "
+            f"{fix}",
+            **fields,
+        ) from None
+    return arr
 
 
 def repeated_ids(ids: np.ndarray[Any, Any]) -> list[int]:
@@ -207,15 +246,10 @@ class BlockTables:
         """Whether a restore of ``prefix_chunks`` chunks may commit into these tables."""
         return self.unserved(prefix_chunks, first_block) is None
 
-    def savable_prefix(self, upper: int) -> int:
-        """The longest prefix ``p <= upper`` whose every needed object lies in real blocks."""
-        for p in range(upper, 0, -1):
-            if all(
-                self.all_real(g, self.layout.needed_chunks(g, p).start * self.bpc, p * self.bpc)
-                for g in self.layout.group_names
-            ):
-                return p
-        return 0
+    def whole(self, chunk: int, group: str) -> bool:
+        """Whether every block of chunk ``chunk`` of ``group`` names a block (an object of it can
+        be gathered whole). The argument order is that of the planner's ``have(chunk, group)``."""
+        return self.all_real(group, chunk * self.bpc, (chunk + 1) * self.bpc)
 
     def written_blocks(self, group: str, chunk: int, first_block: int = 0) -> list[int]:
         """The real blocks of chunk ``chunk`` of ``group`` at or past ``first_block`` (what an

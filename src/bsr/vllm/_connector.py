@@ -131,6 +131,17 @@ class BsrConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         delay, params = self._sched().request_finished(request, block_ids)
         return bool(delay), params
 
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        if self.scheduler is not None:  # window saves hold references on blocks
+            self.scheduler.windows.pool = gpu_block_pool
+            manager = getattr(self, "_kv_cache_manager", None)
+            if manager is not None:
+                self.scheduler.blocks_of = manager.get_block_ids
+
+    def has_pending_push_work(self) -> bool:
+        # window saves hold blocks until the workers report them: keep vLLM stepping till then
+        return self.scheduler is not None and self.scheduler.windows.pending
+
     def set_xfer_handshake_metadata(
         self, metadata: dict[int, KVConnectorHandshakeMetadata]
     ) -> None:
@@ -168,6 +179,8 @@ class BsrConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         meta = self._connector_metadata
         if isinstance(meta, BsrConnectorMetadata) and meta.saves:
             self._work().start_saves(meta.saves)
+        if isinstance(meta, BsrConnectorMetadata) and meta.windows:
+            self._work().start_window_saves(meta.windows)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         return self._work().transfer_results(finished_req_ids)

@@ -69,6 +69,30 @@ class SaveJob:
     extras: tuple[KeyExtra, ...] = ()
 
 
+@dataclass(frozen=True)
+class WindowJob:
+    """Store the sliding-window groups' window at each of ``ends`` while the request runs
+    (:mod:`bsr.vllm._windows`): the scheduler holds a reference on the window's blocks until
+    every worker reported the job done.
+
+    Attributes:
+        job_id: the scheduler's id of the job (the workers report it done).
+        req_id: vLLM's request id (logs only).
+        tokens: the request's tokens up to the last end.
+        ends: prefix ends (tokens, chunk boundaries, ascending) whose windows to store.
+        block_ids: per KV cache group, blocks for ``tokens``: vLLM's null block everywhere but
+            the sliding groups' windows at ``ends``.
+        extras: what besides the tokens the request's KV depends on (see :class:`LoadJob`).
+    """
+
+    job_id: int
+    req_id: str
+    tokens: tuple[int, ...]
+    ends: tuple[int, ...]
+    block_ids: tuple[tuple[int, ...], ...]
+    extras: tuple[KeyExtra, ...] = ()
+
+
 @dataclass
 class BsrConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     """What the scheduler tells the workers for one step.
@@ -78,23 +102,28 @@ class BsrConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
         saves: saves of requests that finished (their blocks are held until the save is done).
         forget_lookups: lookups answered but not used by a load; their leases may go.
         forget_all: drop every leased lookup (``reset_cache``).
+        windows: window saves of running requests (after this step's forward).
     """
 
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
     forget_lookups: list[int] = field(default_factory=list)
     forget_all: bool = False
+    windows: list[WindowJob] = field(default_factory=list)
 
 
 @dataclass
 class BsrWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
-    """Loads that ended in one step: request id -> whether it committed every promised token.
+    """Loads that ended in one step: request id -> whether it committed every promised token;
+    and window saves that ended: job id -> how many ranks report it.
 
-    Only tensor-parallel rank 0 reports (the ranks agree on every commit); a request reported by
-    several workers counts as loaded only if every report says so.
+    Only tensor-parallel rank 0 reports loads (the ranks agree on every commit); a request
+    reported by several workers counts as loaded only if every report says so. Every rank
+    reports its window saves (each reads its own shard of the blocks).
     """
 
     loads: dict[str, bool] = field(default_factory=dict)
+    windows: dict[int, int] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, BsrWorkerMetadata):
@@ -102,7 +131,10 @@ class BsrWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
         merged = dict(self.loads)
         for rid, ok in other.loads.items():
             merged[rid] = merged.get(rid, True) and ok
-        return BsrWorkerMetadata(merged)
+        windows = dict(self.windows)
+        for job, n in other.windows.items():
+            windows[job] = windows.get(job, 0) + n
+        return BsrWorkerMetadata(merged, windows)
 
 
 @dataclass

@@ -71,6 +71,10 @@ class ConnectorOptions:
         max_pending_saves: saves outstanding at once; more finished requests are not saved.
         save: store finished requests' KV (the role can turn it off too).
         shutdown_timeout_s: how long shutdown waits for saves in flight.
+        save_timeout_s: the most one finished request's save may take; a save still running
+            then is cut (what it stored so far stays) and reported done, counted in
+            ``saves_skipped{reason="timeout"}``, so a stuck store never keeps the request's
+            blocks from vLLM's KV pool.
         lookup_connections: connections the worker's lookup socket accepts at once.
         lookup_read_timeout_s: a lookup message must arrive whole within this.
     """
@@ -82,6 +86,7 @@ class ConnectorOptions:
     max_pending_saves: int = field(default=64, metadata=_opt(_count))
     save: bool = field(default=True, metadata=_opt(_flag))
     shutdown_timeout_s: float = field(default=30.0, metadata=_opt(_seconds))
+    save_timeout_s: float = field(default=10.0, metadata=_opt(_seconds))
     lookup_connections: int = field(default=4, metadata=_opt(_count))
     lookup_read_timeout_s: float = field(default=5.0, metadata=_opt(_seconds))
 
@@ -136,6 +141,8 @@ class ConnectorSettings:
         loads: this role loads (``kv_both``, ``kv_consumer``).
         saves: this role saves (``kv_both``, ``kv_producer``) and ``options.save`` is on.
         failure_policy: vLLM's ``kv_load_failure_policy``.
+        group_windows: per vLLM KV cache group, the trailing tokens bsr keeps of a sliding
+            window group (:func:`bsr.vllm._layout.group_window`), ``None`` for a full one.
     """
 
     engine: EngineConfig
@@ -149,6 +156,7 @@ class ConnectorSettings:
     loads: bool
     saves: bool
     failure_policy: str
+    group_windows: tuple[int | None, ...] = (None,)
 
 
 def settings(vllm_config: Any, kv_cache_config: Any) -> ConnectorSettings:
@@ -184,7 +192,18 @@ def settings(vllm_config: Any, kv_cache_config: Any) -> ConnectorSettings:
         loads=role != "kv_producer",
         saves=role != "kv_consumer" and options.save,
         failure_policy=str(ktc.kv_load_failure_policy),
+        group_windows=group_windows(kv_cache_config),
     )
+
+
+def group_windows(kv_cache_config: Any) -> tuple[int | None, ...]:
+    """Each KV cache group's window as bsr stores it (``None``: full attention)."""
+    from ._layout import group_window  # torch; the parsing above needs none
+
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", ()) or ())
+    if not groups:
+        return (None,)
+    return tuple(group_window(g.kv_cache_spec) for g in groups)
 
 
 def default_model_id(vllm_config: Any) -> str:

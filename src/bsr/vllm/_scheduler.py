@@ -43,6 +43,9 @@ How it works:
   recomputed them in place, and a request that vLLM admits on a poisoned block, or on a block of a
   sync load whose outcome is not known yet that then fails, is *tainted*: never saved.
   (``spec/connector.pml`` models this; spin found both cases.)
+* **Window saves.** A sliding-window group's window at prefix ends a request reaches while it
+  runs (window checkpoints, the prompt's lookup end, each generated chunk) is saved before vLLM
+  lets those blocks go (:mod:`bsr.vllm._windows`), under the same rule as saves.
 """
 
 from __future__ import annotations
@@ -56,10 +59,18 @@ from bsr import chunk_keys
 
 from .._log import logger
 from ._lookup import LookupClient
-from ._metadata import NULL_BLOCK_ID, BsrConnectorMetadata, BsrWorkerMetadata, LoadJob, SaveJob
+from ._metadata import (
+    NULL_BLOCK_ID,
+    BsrConnectorMetadata,
+    BsrWorkerMetadata,
+    LoadJob,
+    SaveJob,
+    WindowJob,
+)
 from ._options import ConnectorSettings
 from ._request_keys import RequestKeys, request_keys
 from ._stats import BsrConnectorStats
+from ._windows import WindowSaver
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -125,6 +136,8 @@ class BsrScheduler:
         self._admission_hit: dict[str, int] = {}  # vLLM's own hit at the request's admission
         self._keys: dict[str, RequestKeys] = {}  # what each request is keyed by, until it ends
         self.stats = BsrConnectorStats()
+        self.windows = WindowSaver(settings, self.stats)
+        self.blocks_of: Any = None  # vLLM's block ids of a request (bound with its manager)
 
     # ------------------------------------------------------------------ handshake
     def set_lookup_socket(self, path: str | None) -> None:
@@ -260,6 +273,9 @@ class BsrScheduler:
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         rid = request.request_id
+        keys = self.keys_of(request)
+        if keys.stores and self.settings.saves:  # an opted-out or unkeyable one is never stored
+            self.windows.track(request, keys.extras)
         table = blocks.get_block_ids()[0]  # sync mode (_admit): one KV cache group
         local_hit = self._admission_hit.pop(rid, None)
         if local_hit is not None and not self.opts.asynchronous:
@@ -269,7 +285,6 @@ class BsrScheduler:
             return
         end = st.start + num_external_tokens
         prompt = st.prompt
-        keys = self.keys_of(request)
         n_blocks = -(-end // self.block)
         # one table per KV cache group (a sliding-window group's blocks below its window are
         # vLLM's null block 0)
@@ -326,6 +341,7 @@ class BsrScheduler:
             forget_all=self._forget_all,
         )  # fmt: skip
         self._loads, self._saves, self._forget, self._forget_all = [], [], [], False
+        meta.windows = self._plan_windows(scheduler_output)
         if self._unverified_blocks and not self.opts.asynchronous:
             # async scheduling runs a step ahead of a sync load's report: a request whose load
             # is not known good computes over it in this step too (a long prompt's next prefill
@@ -346,6 +362,25 @@ class BsrScheduler:
                     self._release_inflight(rid)
         return meta
 
+    def _plan_windows(self, scheduler_output: SchedulerOutput) -> list[WindowJob]:
+        """This step's window saves (:mod:`bsr.vllm._windows`), under the rule of saves."""
+        state = getattr(scheduler_output, "kv_connector_block_state", None)
+
+        def blocks_of(rid: str) -> Any:
+            if state is not None:
+                return state.get_block_ids(rid)
+            return None if self.blocks_of is None else self.blocks_of(rid)
+
+        def may_save(rid: str, blocks: frozenset[int]) -> bool:
+            st = self._reqs.get(rid)
+            if st is not None and (st.unverified or st.tainted or st.waits_on or st.loading):
+                return False
+            return not any(blocks & p for p in self._unverified_blocks.values()) and not any(
+                b in self._poisoned for b in blocks
+            )
+
+        return self.windows.plan(scheduler_output, blocks_of, may_save)
+
     def _release_inflight(self, rid: str) -> None:
         for d in [d for d, owner in self._inflight.items() if owner == rid]:
             del self._inflight[d]
@@ -357,6 +392,7 @@ class BsrScheduler:
         if isinstance(meta, BsrWorkerMetadata):
             for rid, ok in meta.loads.items():
                 self._outcome(rid, ok)
+            self.windows.done(meta.windows)
 
     def _outcome(self, rid: str, ok: bool) -> None:
         written = self._unverified_blocks.pop(rid, frozenset())
@@ -398,6 +434,7 @@ class BsrScheduler:
             if keys.error is None
             else {"bsr": {"error": keys.error.message, **keys.error.fields}}
         )
+        self.windows.forget(rid)
         computed = min(int(request.num_computed_tokens), len(request.all_token_ids))
         if st is not None:
             self._drop_lookup(st)

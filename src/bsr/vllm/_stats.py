@@ -31,15 +31,18 @@ COUNTERS = (
     "loaded_tokens",  # tokens those loads committed beyond vLLM's own hit
     "cancelled_loads",  # loads of requests that finished (aborted) while loading
     "saves",  # saves that ended
+    "window_saves",  # sliding windows saved while their request ran (prefix ends)
 )
 #: dicts of counters (tier or reason -> count), summed key by key
 KEYED = (
     "loaded_bytes",  # tier -> bytes read by loads
     "failed_loads",  # reason -> loads that did not commit what was promised
     "saved_bytes",  # tier -> bytes written by saves
-    "saves_skipped",  # reason -> finished requests not saved
+    "saves_skipped",  # reason -> finished requests not saved (or not in full: "timeout",
+    # "root_locked"; the scheduler's "busy" and "unverified")
     "unkeyable_requests",  # reason -> requests bsr could not key (neither loaded nor saved)
     "rejected_options",  # field -> requests whose kv_transfer_params["bsr"] was bad
+    "windows_skipped",  # reason -> sliding windows worth saving that were not
 )
 #: peaks, aggregated by max
 PEAKS = ("rws_peak_bytes",)  # the largest restoration working set of one load (staging bytes)
@@ -120,6 +123,10 @@ METRICS = {
     "loaded_tokens": ("vllm:bsr_loaded_tokens", "Tokens bsr loads committed into vLLM's cache."),
     "cancelled_loads": ("vllm:bsr_cancelled_loads", "bsr loads of requests that finished first."),
     "saves": ("vllm:bsr_saves", "bsr saves of finished requests that ended."),
+    "window_saves": (
+        "vllm:bsr_window_saves",
+        "Sliding windows bsr saved while their request ran (window checkpoints, ends).",
+    ),
 }
 KEYED_METRICS = {
     "loaded_bytes": ("vllm:bsr_loaded_bytes", "Bytes bsr loads read, by tier.", "tier"),
@@ -139,6 +146,11 @@ KEYED_METRICS = {
         "vllm:bsr_rejected_options",
         "Requests whose kv_transfer_params['bsr'] was invalid (served without bsr), by field.",
         "field",
+    ),
+    "windows_skipped": (
+        "vllm:bsr_windows_skipped",
+        "Sliding windows worth saving that bsr did not save, by reason.",
+        "reason",
     ),
 }
 

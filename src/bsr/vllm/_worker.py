@@ -23,7 +23,13 @@ How it works:
   reported received only once its task has ended, when bsr's install gate is closed and no copy
   into its blocks can happen any more, so vLLM hands its blocks to another request only then.
 * Saves. ``wait_for_save`` starts the saves the scheduler sent; ``get_transfer_results``
-  reports each once done, and vLLM frees its blocks then.
+  reports each once done, and vLLM frees its blocks then. Window saves (a sliding group's window
+  while its request runs, :mod:`bsr.vllm._windows`) start there too, after the step's forward
+  wrote the window; each is reported done to the scheduler, which holds their blocks till then.
+  A save is cut at ``save_timeout_s`` (a stuck store, a root locked by a stopped peer) and
+  reported done once its task has ended (nothing reads the blocks then), counted in
+  ``saves_skipped`` as ``timeout``; a save that skipped a busy tier is counted there under the
+  tier's reason (``root_locked``).
 * Outcomes (:class:`BsrWorkerMetadata`) and stats (:class:`BsrConnectorStats`) go back with
   every step; request counts from rank 0 only.
 """
@@ -37,7 +43,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import numpy as np
@@ -69,6 +75,7 @@ from ._metadata import (
     BsrWorkerMetadata,
     LoadJob,
     SaveJob,
+    WindowJob,
 )
 from ._options import ConnectorSettings
 from ._stats import BsrConnectorStats
@@ -82,6 +89,8 @@ SYNC_GRACE_S = 2.0
 UNWIND_S = 30.0
 #: finished request ids kept for saves that have not arrived yet, in engine steps
 FINISHED_KEEP_STEPS = 64
+#: what a save cut by ``save_timeout_s`` returns (its ``saves_skipped`` reason)
+SAVE_TIMED_OUT = "timeout"
 
 
 @dataclass
@@ -127,7 +136,9 @@ class BsrWorker:
         self._probes: dict[int, tuple[float, Probe]] = {}  # loop thread only
         self._tp_lock: anyio.Lock | None = None
         self._loads: dict[str, _Load] = {}
-        self._saves: dict[str, concurrent.futures.Future[SaveResult | None]] = {}
+        self._saves: dict[str, concurrent.futures.Future[SaveResult | str | None]] = {}
+        self._window_saves: dict[int, concurrent.futures.Future[list[SaveResult]]] = {}
+        self._windows_done: dict[int, int] = {}  # window jobs to report (job -> 1)
         self._finished: dict[str, int] = {}  # request -> step it was reported finished
         self._step = 0
         self._load_errors: set[int] = set()
@@ -458,22 +469,69 @@ class BsrWorker:
         """Start this step's saves on the loop; they hold their blocks until reported done."""
         for job in saves:
             if self.engine is None or self.loop is None or self.cache is None:
-                done: concurrent.futures.Future[SaveResult | None] = concurrent.futures.Future()
+                done: concurrent.futures.Future[SaveResult | str | None] = (
+                    concurrent.futures.Future()
+                )
                 done.set_result(None)
                 self._saves[job.req_id] = done
             else:
                 self._saves[job.req_id] = self.loop.submit(self._save_one, job)
 
-    async def _save_one(self, job: SaveJob) -> SaveResult | None:
+    async def _save_one(self, job: SaveJob) -> SaveResult | str | None:
         engine, cache = self.engine, self.cache
         assert engine is not None and cache is not None
         try:
-            return await engine.save(
-                list(job.tokens), cache, self.tables(job.block_ids), extras=job.extras
-            )
+            with anyio.move_on_after(self.opts.save_timeout_s):
+                return await engine.save(
+                    list(job.tokens), cache, self.tables(job.block_ids), extras=job.extras
+                )
         except BsrError as exc:
             self._log.warning("bsr.vllm.save_refused", request=job.req_id, error=str(exc))
             return None
+        # cut: the save's task has ended (its copies out of the blocks are done), so the
+        # blocks may go back to vLLM; what it stored so far stays stored
+        self._log.warning(
+            "bsr.vllm.save_timed_out", request=job.req_id, timeout_s=self.opts.save_timeout_s
+        )
+        return SAVE_TIMED_OUT
+
+    def start_window_saves(self, jobs: list[WindowJob]) -> None:
+        """Start this step's window saves on the loop (after the step's forward wrote them)."""
+        written = None
+        if jobs and self.cache is not None and self.cache.device.type == "cuda":
+            # the forward was launched, not necessarily run: its writes come before this event
+            written = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            written.record()
+        for job in jobs:
+            if self.engine is None or self.loop is None or self.cache is None:
+                self._windows_done[job.job_id] = 1  # nothing to read: the blocks may go
+            else:
+                self._window_saves[job.job_id] = self.loop.submit(self._save_windows, job, written)
+
+    async def _save_windows(
+        self, job: WindowJob, written: torch.cuda.Event | None = None
+    ) -> list[SaveResult]:
+        """Save each end's window alone (the job's other blocks are vLLM's null block), once
+        the step's forward has written it; bounded by ``save_timeout_s`` like a request's save,
+        since the scheduler holds the blocks until it is done."""
+        engine, cache = self.engine, self.cache
+        assert engine is not None and cache is not None
+        out: list[SaveResult] = []
+        block = self.settings.block_size
+        with anyio.move_on_after(self.opts.save_timeout_s):
+            if written is not None:
+                await anyio.to_thread.run_sync(written.synchronize, abandon_on_cancel=True)
+            for end in job.ends:
+                tables = self.tables(tuple(t[: end // block] for t in job.block_ids))
+                try:
+                    saved = await engine.save(
+                        list(job.tokens[:end]), cache, tables, extras=job.extras
+                    )
+                    out.append(saved)
+                except BsrError as exc:
+                    log = self._log.warning
+                    log("bsr.vllm.window_save_refused", request=job.req_id, error=str(exc))
+        return out
 
     # ================================================================== every step
     def transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
@@ -502,26 +560,44 @@ class BsrWorker:
         for rid, step in list(self._finished.items()):
             if self._step - step > FINISHED_KEEP_STEPS and rid not in self._saves:
                 del self._finished[rid]
+        for job, wfut in list(self._window_saves.items()):
+            if wfut.done():  # nothing reads the window's blocks any more
+                del self._window_saves[job]
+                self._windows_done[job] = 1
+                results = [] if wfut.cancelled() or wfut.exception() else wfut.result()
+                for result in results:
+                    self._account_written(result)
         return out
 
-    def _account_save(self, fut: concurrent.futures.Future[SaveResult | None]) -> None:
+    def _account_save(self, fut: concurrent.futures.Future[SaveResult | str | None]) -> None:
         result = None if fut.cancelled() or fut.exception() else fut.result()
+        if isinstance(result, str):  # cut by save_timeout_s
+            if self.tp_rank == 0:
+                self.stats.count_key("saves_skipped", result)
+            return
         if result is None:
             return
+        self._account_written(result)
+        if self.tp_rank == 0:
+            for reason in result.skipped:  # a tier was busy (a root locked by another process)
+                self.stats.count_key("saves_skipped", reason)
+            if not result.skipped:
+                self.stats.count("saves")
+
+    def _account_written(self, result: SaveResult) -> None:
         for tier, n in result.bytes_written.items():
             if n:
                 self.stats.count_key("saved_bytes", tier, n)
-        if self.tp_rank == 0:
-            self.stats.count("saves")
 
     def load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
     def worker_meta(self) -> BsrWorkerMetadata | None:
-        if not self._outcomes:
+        if not self._outcomes and not self._windows_done:
             return None
-        meta, self._outcomes = BsrWorkerMetadata(self._outcomes), {}
+        meta = BsrWorkerMetadata(self._outcomes, self._windows_done)
+        self._outcomes, self._windows_done = {}, {}
         return meta
 
     def take_stats(self) -> BsrConnectorStats | None:
@@ -536,7 +612,9 @@ class BsrWorker:
         loop = self.loop
         if loop is None:
             return
-        concurrent.futures.wait(list(self._saves.values()), timeout=self.opts.shutdown_timeout_s)
+        pending: list[concurrent.futures.Future[Any]] = [*self._saves.values()]
+        pending.extend(self._window_saves.values())
+        concurrent.futures.wait(pending, timeout=self.opts.shutdown_timeout_s)
         for load in self._loads.values():
             self._cancel(load)
         for load in self._loads.values():
