@@ -5,8 +5,10 @@ How it works: both revisions are exported with ``git archive`` into a temporary 
 neither is the working tree) and a worker subprocess per revision, with that revision's ``src``
 first on ``PYTHONPATH``, runs the working tree's bench code (``bench/bsr_bench``: it uses only
 the public ``bsr`` API, so it runs against either) to measure the ``overhead`` and
-``concurrency`` sections, the key derivation of a 512K-token list, numpy array and torch
-tensor, and FileTier restores (``O_DIRECT``, each revision's default reader) of 8K-token
+``concurrency`` sections, the ``cpu`` section (CPU seconds per GiB restored from a HostTier and
+a FileTier at 4 KiB, 512 KiB and 32 MiB chunks beside the floor measured on the same bytes),
+the key derivation of a 512K-token list, numpy array and torch tensor (wall, and CPU for the
+array), and FileTier restores (``O_DIRECT``, each revision's default reader) of 8K-token
 states of the bench's llama3-8b (32 MiB chunks), dsv4-flash (16 MiB) and kv-512k (512 KiB)
 layouts against the best raw read and the best configuration of the working tree's fio grid on
 the same object files, plus the W sweep (smallest W at 95% of the best), and the SSD concurrency
@@ -259,7 +261,47 @@ async def _window(engine: Any, tokens: Any, cache: Any, blocks: Any, repeats: in
     return min(w for w, v in rate.items() if v >= 0.95 * top)
 
 
-def worker(out: str, repeats: int) -> None:
+def _cpu_worker(repeats: int) -> dict[str, Any]:
+    """The ``cpu`` section of the working tree's bench (CPU seconds per GiB restored beside the
+    floor: fio's read CPU, one xxh3 pass, one copy), O_DIRECT, on this revision's bsr."""
+    import anyio
+
+    from bsr_bench.common import fio
+    from bsr_bench.common.pagecache import CacheMode
+    from bsr_bench.restore.cpu import CPU_POINTS, measure_cpu
+
+    async def run(root: Path) -> dict[str, Any]:
+        binary = fio.fio_binary()
+        reps = max(11, repeats)
+        return await measure_cpu(
+            CPU_POINTS, reps, 8, 4, 0, root=root, mode=CacheMode.DIRECT, fio_binary=binary
+        )
+
+    with tempfile.TemporaryDirectory(prefix="bsr-ba-cpu-") as tmp:
+        return anyio.run(run, Path(tmp))
+
+
+def _keys_cpu_worker(tokens: int, repeats: int) -> dict[str, Any]:
+    """CPU seconds of the key derivation of a ``tokens``-token numpy array (no extras)."""
+    import numpy as np
+
+    import bsr
+
+    layout = bsr.StateLayout(256, (bsr.StateGroup("kv", 1, 16, dtype="uint8"),))
+    ns = bsr.Namespace("before-after").fingerprint(layout)
+    ids = np.random.default_rng(0).integers(0, 128_000, size=tokens, dtype=np.int64)
+    samples = []
+    for _ in range(repeats):
+        c0 = time.process_time()
+        bsr.prepare_tokens(ns, ids, 256)
+        samples.append(time.process_time() - c0)
+    return {"numpy_cpu_s": statistics.median(samples)}
+
+
+SECTIONS = ("overhead", "concurrency", "cpu", "file", "keys")
+
+
+def worker(out: str, repeats: int, sections: tuple[str, ...] = SECTIONS) -> None:
     import anyio
     import structlog
 
@@ -274,13 +316,23 @@ def worker(out: str, repeats: int) -> None:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
 
     async def main() -> dict[str, Any]:
-        ov = await measure_overhead(OVERHEAD_POINTS, repeats, 8, 4, 0)
-        conc = await measure_concurrency(CONCURRENCY_LEVELS, 16, 1 << 20, repeats, 8, 4, 0)
-        return {"overhead": ov, "concurrency": conc}
+        out: dict[str, Any] = {}
+        if "overhead" in sections:
+            out["overhead"] = await measure_overhead(OVERHEAD_POINTS, repeats, 8, 4, 0)
+        if "concurrency" in sections:
+            out["concurrency"] = await measure_concurrency(
+                CONCURRENCY_LEVELS, 16, 1 << 20, repeats, 8, 4, 0
+            )
+        return out
 
     doc = anyio.run(main)
-    doc["file"] = anyio.run(_file_worker, repeats)
-    doc["keys"] = _keys_worker(512 * 1024, max(5, repeats))
+    if "cpu" in sections:
+        doc["cpu"] = _cpu_worker(repeats)
+    if "file" in sections:
+        doc["file"] = anyio.run(_file_worker, repeats)
+    if "keys" in sections:
+        doc["keys"] = _keys_worker(512 * 1024, max(5, repeats))
+        doc["keys"].update(_keys_cpu_worker(512 * 1024, max(11, repeats)))
     doc["bsr_file"] = bsr.__file__
     Path(out).write_text(json.dumps(doc))
 
@@ -298,10 +350,13 @@ def _export(rev: str, into: Path) -> str:
     return commit
 
 
-def _run_worker(tree: Path, repeats: int, out: Path) -> dict[str, Any]:
+def _run_worker(
+    tree: Path, repeats: int, out: Path, sections: tuple[str, ...] = SECTIONS
+) -> dict[str, Any]:
     # that revision's bsr, this tree's bench (the bench of either revision may not be there)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree / "src"), str(ROOT / "bench")])}
     cmd = [sys.executable, __file__, "--worker", str(out), "--repeats", str(repeats)]
+    cmd += ["--sections", ",".join(sections)]
     proc = subprocess.run(cmd, env=env, cwd=tempfile.gettempdir(), capture_output=True, text=True)
     if proc.returncode:
         raise SystemExit(f"worker for {tree} failed:\n{proc.stderr[-2000:]}")
@@ -314,20 +369,30 @@ def _run_worker(tree: Path, repeats: int, out: Path) -> dict[str, Any]:
 def _figures(doc: dict[str, Any]) -> dict[str, float]:
     """The flat figures of one worker run (seconds, ratios)."""
     out: dict[str, float] = {}
-    for p in doc["overhead"]["points"]:
+    for p in doc.get("overhead", {}).get("points", []):
         kib = p["chunk_bytes"] >> 10
         out[f"overhead.{kib}KiB.restore_s"] = p["restore_s"]["median"]
         out[f"overhead.{kib}KiB.memcpy_s"] = p["memcpy_s"]["median"]
         out[f"overhead.{kib}KiB.bandwidth_vs_memcpy"] = p["bandwidth_vs_memcpy"]
         out[f"overhead.{kib}KiB.per_chunk_overhead_s"] = p["per_chunk_overhead_s"]
-    for r in doc["concurrency"]["levels"]:
+    conc = doc.get("concurrency")
+    for r in conc["levels"] if conc else []:
         out[f"concurrency.N{r['concurrent']}.aggregate_vs_single"] = r["aggregate_vs_single"]
         out[f"concurrency.N{r['concurrent']}.aggregate_Bps"] = r["aggregate_bandwidth_Bps"][
             "median"
         ]
-    out["concurrency.peak_slots_in_use"] = doc["concurrency"]["peak_slots_in_use"]
-    for k, v in doc["keys"].items():
+    if conc:
+        out["concurrency.peak_slots_in_use"] = conc["peak_slots_in_use"]
+    for k, v in doc.get("keys", {}).items():
         out[f"keys.512K.{k}"] = v
+    for p in doc.get("cpu", {}).get("points", []):
+        kib = p["chunk_bytes"] >> 10
+        pre = f"cpu.{p['tier']}.{kib}KiB"
+        out[f"{pre}.cpu_per_gib_s"] = p["cpu_per_gib_s"]
+        out[f"{pre}.floor_per_gib_s"] = p["floor_per_gib_s"]
+        out[f"{pre}.cpu_vs_floor"] = p["cpu_vs_floor"]
+        out[f"{pre}.machinery_per_chunk_s"] = p["machinery_per_chunk_s"]
+        out[f"{pre}.wall_vs_reference"] = p["wall_vs_reference"]["value"]
     for layout, fig in doc.get("file", {}).items():
         for k, v in fig.items():
             out[f"file.{layout}.{k}"] = v
@@ -335,6 +400,23 @@ def _figures(doc: dict[str, Any]) -> dict[str, float]:
 
 
 MARKDOWN_ROWS = (
+    ("cpu.file.4KiB.cpu_vs_floor", "FileTier, 4 KiB chunks: restore CPU / floor CPU", 1, ""),
+    ("cpu.file.512KiB.cpu_vs_floor", "FileTier, 512 KiB chunks: restore CPU / floor CPU", 1, ""),
+    ("cpu.file.32768KiB.cpu_vs_floor", "FileTier, 32 MiB chunks: restore CPU / floor CPU", 1, ""),
+    ("cpu.host.4KiB.cpu_vs_floor", "HostTier, 4 KiB chunks: restore CPU / floor CPU", 1, ""),
+    ("cpu.host.512KiB.cpu_vs_floor", "HostTier, 512 KiB chunks: restore CPU / floor CPU", 1, ""),
+    ("cpu.host.32768KiB.cpu_vs_floor", "HostTier, 32 MiB chunks: restore CPU / floor CPU", 1, ""),
+    (
+        "cpu.host.4KiB.machinery_per_chunk_s",
+        "HostTier, 4 KiB chunks: CPU per chunk beyond the floor",
+        1e6,
+        "us",
+    ),
+    ("cpu.file.512KiB.cpu_per_gib_s", "FileTier, 512 KiB chunks: CPU per GiB", 1, "s"),
+    ("cpu.file.512KiB.floor_per_gib_s", "the floor beside it: CPU per GiB", 1, "s"),
+    ("cpu.host.512KiB.cpu_per_gib_s", "HostTier, 512 KiB chunks: CPU per GiB", 1, "s"),
+    ("cpu.host.512KiB.floor_per_gib_s", "the floor beside it: CPU per GiB", 1, "s"),
+    ("keys.512K.numpy_cpu_s", "keys of a 512K-token numpy array: CPU", 1e3, "ms"),
     (
         "overhead.4KiB.per_chunk_overhead_s",
         "HostTier, 4 KiB chunks: time per chunk beyond memcpy",
@@ -430,14 +512,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
     p.add_argument("--repeats", type=int, default=5, help="repeats per figure and round")
     p.add_argument("--json", default=None, help="output (default bench/results/before-after-*)")
+    p.add_argument(
+        "--sections",
+        default=",".join(SECTIONS),
+        help=f"what each worker measures, comma-separated (default {','.join(SECTIONS)})",
+    )
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--markdown", default=None, metavar="JSON", help="print the table of a run")
     ns = p.parse_args(argv)
+    sections = tuple(x for x in ns.sections.replace(" ", "").split(",") if x)
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown or not sections:
+        p.error(f"--sections takes some of {','.join(SECTIONS)}, got {ns.sections!r}")
     if ns.markdown:
         print(markdown(json.loads(Path(ns.markdown).read_text())))
         return 0
     if ns.worker:
-        worker(ns.worker, ns.repeats)
+        worker(ns.worker, ns.repeats, sections)
         return 0
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     out_path = Path(ns.json or ROOT / f"bench/results/before-after-{stamp}.json")
@@ -451,9 +542,18 @@ def main(argv: list[str] | None = None) -> int:
             order = ["before", "after"] if r % 2 == 0 else ["after", "before"]
             for which in order:
                 load = _load()
-                doc = _run_worker(trees[which], ns.repeats, Path(tmp) / f"{which}-{r}.json")
+                doc = _run_worker(
+                    trees[which], ns.repeats, Path(tmp) / f"{which}-{r}.json", sections
+                )
                 rounds[which].append(_figures(doc))
-                loads.append({"round": r, "revision": which, "load_average_before": load})
+                loads.append(
+                    {
+                        "round": r,
+                        "revision": which,
+                        "load_average_before": load,
+                        "load_average_after": _load(),
+                    }
+                )
                 print(f"round {r} {which} done (load {load})", file=sys.stderr)
     names = sorted(rounds["before"][0])
     summary = {}

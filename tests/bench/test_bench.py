@@ -222,6 +222,9 @@ ISSUE_TARGETS = {
     "concurrent_staging_within_window",
     "smallest_window_at_95pct",
     "bsr_bandwidth_vs_raw_small_chunks",
+    "keys_numpy_cpu_s",
+    "cpu_host_vs_floor",
+    "cpu_machinery_per_chunk_small_s",
 }
 
 
@@ -256,6 +259,109 @@ def test_sections_are_reported_with_their_targets(
     names = {t["name"] for t in doc["targets"]}
     assert ISSUE_TARGETS - {"host_restore_vs_memcpy_large"} <= names  # quick: no 8 MiB point
     assert "overhead: HostTier restore vs memcpy" in stdout and "concurrency:" in stdout
+
+
+@pytest.mark.slow  # a whole `bsr bench --quick` run
+def test_cpu_section_sets_each_restore_beside_its_floor(
+    quick_run: tuple[dict[str, Any], Path, str],
+) -> None:
+    """Every figure of the cpu section follows from its own samples (medians, same run), the
+    floor is its parts, and a FileTier point's read part is fio's CPU (or, without fio, the raw
+    reader's, labelled)."""
+    doc, _, stdout = quick_run
+    cpu = doc["cpu"]
+    assert cpu["cache_mode"] == doc["storage"]["cache_mode"]
+    points = {(p["tier"], p["chunk_bytes"]): p for p in cpu["points"]}
+    assert set(points) == {(t, c) for t in ("host", "file") for c in (4096, 512 << 10)}
+    for (tier, _chunk), p in points.items():
+        gib = p["bytes"] / 2**30
+        assert p["bytes"] == p["chunk_bytes"] * p["chunks"]
+        assert p["restore_cpu_s"]["n"] == cpu["repeats"]
+        f = p["floor"]
+        parts = ["xxh3_cpu_s", "copy_cpu_s"] + (["read_cpu_s"] if tier == "file" else [])
+        assert ("read_cpu_s" in f) is (tier == "file")
+        assert f["cpu_s"] == pytest.approx(sum(f[k]["median"] for k in parts))
+        restore = p["restore_cpu_s"]["median"]
+        assert p["cpu_per_gib_s"] == pytest.approx(restore / gib)
+        assert p["floor_per_gib_s"] == pytest.approx(f["cpu_s"] / gib)
+        assert p["cpu_vs_floor"] == pytest.approx(restore / f["cpu_s"])
+        beyond = max(0.0, restore - f["cpu_s"]) / p["chunks"]
+        assert p["machinery_per_chunk_s"] == pytest.approx(beyond)
+        # process CPU counts at least the bench thread's own share of the restore
+        assert p["restore_cpu_s"]["min"] > 0 and p["restore_wall_s"]["min"] > 0
+        assert p["load_average_before"] is None or len(p["load_average_before"]) == 3
+        w = p["wall_vs_reference"]
+        if tier == "host":
+            assert w["reference"] == "memcpy"
+            assert w["value"] == pytest.approx(
+                f["copy_wall_s"]["median"] / p["restore_wall_s"]["median"]
+            )
+        else:
+            assert w["reference"] == f["read"]["reference"] in ("fio", "raw")
+            if doc["fio"]["available"]:
+                assert f["read"]["reference"] == "fio"
+                grid = {r["name"] for r in f["read"]["grid"]}
+                assert f["read"]["config"] in grid and f["read"]["lowest_cpu_config"] in grid
+    names = {t["name"] for t in doc["targets"]}
+    assert "cpu_file_vs_floor" in names and "cpu_host_vs_floor" in names
+    keys = doc["keys"]
+    assert keys["numpy_cpu_s"]["n"] == keys["repeats"]
+    assert "cpu: CPU seconds per GiB restored vs the floor" in stdout
+
+
+def test_cpu_targets_follow_the_section() -> None:
+    from bsr_bench.restore.cpu import cpu_targets
+
+    def pt(tier: str, chunk: int, vs: float, per_chunk: float) -> dict[str, Any]:
+        return {
+            "tier": tier,
+            "chunk_bytes": chunk,
+            "cpu_vs_floor": vs,
+            "machinery_per_chunk_s": per_chunk,
+        }
+
+    section = {
+        "points": [
+            pt("host", 4096, 30.0, 14e-6),  # 4 KiB: the per-chunk target, not the ratio one
+            pt("host", 512 << 10, 1.25, 9e-6),
+            pt("host", 32 << 20, 1.31, 1e-3),
+            pt("file", 4096, 12.0, 1e-4),
+            pt("file", 512 << 10, 1.29, 1e-5),
+            pt("file", 32 << 20, 1.1, 1e-3),
+        ]
+    }
+    got = {t["name"]: (t["value"], t["met"]) for t in cpu_targets(section)}
+    assert got == {
+        "cpu_file_vs_floor": (1.29, True),  # the highest of the >= 512 KiB points
+        "cpu_host_vs_floor": (1.31, False),
+        "cpu_machinery_per_chunk_small_s": (14e-6, True),
+    }
+    section["points"][0]["machinery_per_chunk_s"] = 16e-6
+    assert not next(
+        t for t in cpu_targets(section) if t["name"] == "cpu_machinery_per_chunk_small_s"
+    )["met"]
+
+
+def test_fio_reports_the_cpu_of_its_jobs(tmp_path: Path) -> None:
+    """fio's usr/sys percent of the summed job run time, as CPU seconds; a run reads real files
+    and reports them."""
+    from bsr_bench.common.fio import FioConfig, _cpu_seconds, fio_binary, run_fio
+
+    usr, sys_ = _cpu_seconds({"usr_cpu": 10.0, "sys_cpu": 40.0, "job_runtime": 2000})
+    assert (usr, sys_) == pytest.approx((0.2, 0.8))  # 10% and 40% of 2 s of job time
+    assert _cpu_seconds({"usr_cpu": 1.0, "sys_cpu": 1.0}) == (None, None)  # an old fio
+    binary = fio_binary()
+    if binary is None:
+        pytest.skip("fio is not installed (make system-deps)")
+    files = []
+    for i in range(3):
+        f = tmp_path / f"f{i}"
+        f.write_bytes(os.urandom(1 << 20))
+        files.append(str(f))
+    read = run_fio(binary, files, FioConfig("psync", 1 << 20, 2), direct=False)
+    assert read.io_bytes == 3 << 20
+    assert read.cpu_s is not None and read.cpu_s >= 0
+    assert read.cpu_s == pytest.approx((read.usr_s or 0) + (read.sys_s or 0))
 
 
 @pytest.mark.slow  # a whole `bsr bench --quick` run
@@ -443,7 +549,12 @@ def test_issue_targets_follow_the_sections() -> None:
                 "ratios": {"bsr_vs_raw_bandwidth": 0.92},
             },
         ],
-        "keys": {"tokens": 512 * 1024, "list_s": {"median": 6e-3}, "numpy_s": {"median": 4e-3}},
+        "keys": {
+            "tokens": 512 * 1024,
+            "list_s": {"median": 6e-3},
+            "numpy_s": {"median": 4e-3},
+            "numpy_cpu_s": {"median": 2.5e-3},
+        },
         "concurrency": {
             "window": 8,
             "peak_slots_in_use": 8,
@@ -463,6 +574,7 @@ def test_issue_targets_follow_the_sections() -> None:
         "bsr_bandwidth_vs_raw_small_chunks": (0.92, True),
         "keys_list_s": (6e-3, True),
         "keys_numpy_s": (4e-3, False),
+        "keys_numpy_cpu_s": (2.5e-3, True),
         "concurrent_aggregate_vs_single": (0.93, True),
         "concurrent_staging_within_window": (1.0, True),
         "smallest_window_at_95pct": (8, False),

@@ -38,6 +38,7 @@ FLAGS = {
     "--log-level": "warning",
     "--model-size": None,
     "--no-concurrency": False,
+    "--no-cpu": False,
     "--no-fio": False,
     "--no-overhead": False,
     "--no-plots": False,

@@ -112,3 +112,69 @@ def test_the_gate_follows_the_model(steps: list[tuple[object, ...]]) -> None:
     moves = gate.take_pending()
     assert moves == [TierQuarantine(t, KEYS[i], g, why) for t, i, g, why in model.pending]
     assert gate.take_pending() == []  # taken once
+
+
+def _fake_clock_gate() -> tuple[RestoreGate, list[float]]:
+    now = [0.0]
+    health = TierHealth(TIERS, threshold=THRESHOLD, cooldown_s=COOLDOWN, clock=lambda: now[0])
+    run = RestoreRun("r", len(KEYS), LAYOUT, bsr.Policy.TRUNCATE)
+    return RestoreGate(run, health, Quarantine(), structlog.get_logger()), now
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["single", "batch"]),
+            st.lists(st.sampled_from([Outcome.OK, Outcome.MISS]), max_size=4),
+            st.integers(1, 3),
+        ),
+        max_size=12,
+    )
+)
+@settings(max_examples=200, deadline=None)
+def test_busy_time_spans_exactly_the_reads_in_flight(
+    steps: list[tuple[str, list[Outcome], int]],
+) -> None:
+    """The cost model's read time per tier (``busy_by_tier``): each admitted attempt, and each
+    admitted batch (its objects' failures reported inside it, one success report or
+    ``end_batch`` closing it), is one span; once every span ended the time stops growing. The
+    model: the sum of the spans' lengths (they do not overlap here)."""
+    gate, clock = _fake_clock_gate()
+    tier = TIERS[0]
+    expected = 0.0
+
+    def at(t: float) -> None:
+        clock[0] = t
+
+    import bsr.engine._decisions as decisions
+
+    real = decisions.time.perf_counter
+    decisions.time.perf_counter = lambda: clock[0]  # type: ignore[assignment]
+    try:
+        for kind, outcomes, length in steps:
+            start = clock[0]
+            if kind == "single":
+                assert gate.admit(tier, KEYS[0], "kv") is None
+                at(start + length)
+                if outcomes and outcomes[0] is not Outcome.OK:
+                    gate.report(ReadOutcome(tier, KEYS[0], "kv", 0, outcomes[0]))
+                else:
+                    gate.report_ok(tier)
+            else:
+                assert gate.admit_batch(tier, [(KEYS[0], "kv")])
+                for o in outcomes:  # the batch's failed objects, reported inside it
+                    if o is not Outcome.OK:
+                        gate.report(ReadOutcome(tier, KEYS[0], "kv", 0, o))
+                at(start + length)
+                if any(o is Outcome.OK for o in outcomes) or not outcomes:
+                    gate.report_ok(tier)
+                else:
+                    gate.end_batch(tier)
+            expected += length
+            at(clock[0] + 5)  # idle: no read in flight
+            busy = gate.busy_by_tier().get(tier, 0.0)
+            assert busy == expected
+            # the health effects of the failures above may open the breaker: reset for the next
+            gate.health = TierHealth(TIERS, threshold=THRESHOLD, cooldown_s=COOLDOWN)
+    finally:
+        decisions.time.perf_counter = real  # type: ignore[assignment]

@@ -124,6 +124,31 @@ class LruMachine(RuleBasedStateMachine):
         self.index.unpin(oid)
         self.model.pins[oid] -= 1
 
+    @rule(oids=st.lists(st.sampled_from(OIDS), max_size=5))
+    def pin_many(self, oids: list[str]) -> None:
+        """One lock for a batch: each of ``oids`` pinned (and used) as by :meth:`pin`."""
+        got = self.index.pin_many(oids)
+        assert [g is not None for g in got] == [o in self.model.sizes for o in oids]
+        for oid in oids:
+            if oid in self.model.sizes:
+                self.model.pins[oid] = self.model.pins.get(oid, 0) + 1
+                self.model.order.remove(oid)
+                self.model.order.append(oid)
+
+    @precondition(lambda self: any(self.model.pins.values()))
+    @rule(data=st.data())
+    def unpin_many(self, data: st.DataObject) -> None:
+        held = [o for o, n in sorted(self.model.pins.items()) for _ in range(n)]
+        picks = data.draw(st.lists(st.sampled_from(range(len(held))), unique=True, min_size=1))
+        oids = [held[i] for i in picks]  # each pin at most once
+        self.index.unpin_many(oids)
+        for o in oids:
+            self.model.pins[o] -= 1
+
+    @rule(oids=st.lists(st.sampled_from(OIDS), max_size=5))
+    def contains_many(self, oids: list[str]) -> None:
+        assert self.index.contains_many(oids) == [o in self.model.sizes for o in oids]
+
     @rule(oids=st.lists(st.sampled_from(OIDS), max_size=4), ttl=st.floats(0.5, 5.0))
     def lease(self, oids: list[str], ttl: float) -> None:
         lease = self.index.lease(oids, ttl)
@@ -175,6 +200,16 @@ TestLruIndexAgainstModel = LruMachine.TestCase
 TestLruIndexAgainstModel.settings = settings(
     max_examples=150, stateful_step_count=40, deadline=None
 )
+
+
+def test_unpin_many_refuses_an_unpin_without_a_pin() -> None:
+    index: LruIndex[str] = LruIndex(CAPACITY, name="t")
+    r, _ = index.reserve(10)
+    r.commit(OIDS[0])
+    assert index.pin_many([OIDS[0], OIDS[1]])[1] is None  # not held: nothing pinned
+    with pytest.raises(bsr.TierError, match="without a pin"):
+        index.unpin_many([OIDS[0], OIDS[0]])
+    assert not index.is_pinned(OIDS[0])
 
 
 def test_lease_limit_refuses_typed() -> None:

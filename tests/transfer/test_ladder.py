@@ -16,7 +16,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import bsr
+from bsr.engine._decisions import Quarantine, RestoreGate
+from bsr.engine._health import TierHealth
+from bsr.testing import make_keys
 from bsr.transfer._ladder import Outcome, ReadOutcome, TierLadder
+from bsr.transfer._pipeline import RestoreRun
 
 EXPECTED = 16
 KEY = bsr.ChunkKey(b"k" * 16, 3, b"ns")
@@ -156,3 +160,87 @@ async def test_a_cancelled_read_is_withdrawn_not_reported() -> None:
     with anyio.move_on_after(0.05):
         await ladder.read(gate, KEY, 0, "kv", ["stuck"], bytearray(EXPECTED), EXPECTED)
     assert gate.reports == [] and gate.withdrawn == ["stuck"]
+
+
+class BatchRecorder(Recorder):
+    """:class:`Recorder` that also admits batches (unless told not to) and counts OK reports."""
+
+    def __init__(self, refused: set[str], admit: bool = True) -> None:
+        super().__init__(refused)
+        self.admit_all = admit
+        self.ok: list[str] = []
+
+    def admit_batch(self, tier: str, objects: Any) -> bool:
+        return self.admit_all and tier not in self.refused
+
+    def report_ok(self, tier: str) -> None:
+        self.ok.append(tier)
+
+
+@settings(max_examples=200, deadline=None)
+@given(holders=holders_st.filter(bool), data=st.data())
+def test_an_admitted_batch_read_follows_the_ladder_model(
+    holders: list[tuple[str, str]], data: st.DataObject
+) -> None:
+    """The first holder of an admitted batch is tried without admission; its success is not
+    reported per object (the batch reports once); a failure is reported like any attempt and
+    the read goes on down the ladder exactly as ``read_blocking`` would."""
+    names = [n for n, _ in holders]
+    refused = set(data.draw(st.lists(st.sampled_from(names[1:])) if names[1:] else st.just([])))
+    tiers = {n: Scripted(n, b, marker=i + 1) for i, (n, b) in enumerate(holders)}
+    ladder = TierLadder(tiers)
+    gate = BatchRecorder(refused)
+    assert ladder.admit_batch(gate, [(KEY, "kv", names)]) == names[0]
+    region = bytearray(EXPECTED)
+    result = ladder.read_admitted_blocking(gate, names[0], KEY, 3, "kv", names, region, EXPECTED)
+    ladder.batch_ok(gate, names[0])
+
+    tried: list[tuple[str, Outcome]] = []
+    served = None
+    for i, (name, b) in enumerate(holders):
+        if i and name in refused:
+            continue
+        tried.append((name, BEHAVIOURS[b]))
+        if b == "ok":
+            served = name
+            break
+    # every failed attempt is reported; a success of a later holder through report_ok (the
+    # ladder's one call per object read), the batch's own once at its end
+    assert [(r.tier, r.outcome) for r in gate.reports] == [t for t in tried if t[1] != "ok"]
+    later = [served] if served is not None and served != names[0] else []
+    assert gate.ok == [*later, names[0]]
+    assert result.tier == served and result.attempts == len(tried)
+    assert result.corrupt is any(o is Outcome.CORRUPT for _, o in tried)
+    assert result.fell_back is (served is not None and served != names[0])
+    if served is not None:
+        assert region == bytes([tiers[served].marker]) * EXPECTED
+
+
+def test_a_batch_is_admitted_only_when_nothing_is_to_decide_per_object() -> None:
+    keys = make_keys(3)
+    tiers = {n: Scripted(n, "ok", 1) for n in ("a", "b")}
+    ladder = TierLadder(tiers)
+    layout = bsr.StateLayout(32, (bsr.StateGroup("kv", 1, 16),))
+    run = RestoreRun("r", 3, layout, bsr.Policy.ALL_OR_NOTHING)
+    health = TierHealth(["a", "b"], threshold=1, cooldown_s=60.0)
+    quarantine = Quarantine()
+    gate = RestoreGate(run, health, quarantine, _Log())
+    objs = [(k, "kv", ("a", "b")) for k in keys]
+    assert ladder.admit_batch(gate, objs) == "a"
+    # other first holders: object by object
+    assert ladder.admit_batch(gate, [*objs, (keys[0], "kv", ("b",))]) is None
+    # one object of the batch quarantined on that tier: object by object (the gate skips it)
+    quarantine.add("a", bsr.ObjectKey(keys[1], "kv").object_id)
+    assert ladder.admit_batch(gate, objs) is None
+    quarantine.lift("a", bsr.ObjectKey(keys[1], "kv").object_id)
+    assert ladder.admit_batch(gate, objs) == "a"
+    # an open (or half-open) breaker decides per call: object by object
+    health.failure("a")
+    assert ladder.admit_batch(gate, objs) is None
+    # a tier without blocking reads, or a gate without batch admission: never
+    assert ladder.admit_batch(Recorder(set()), objs) is None
+
+
+class _Log:
+    def warning(self, *a: Any, **k: Any) -> None:
+        pass

@@ -168,6 +168,12 @@ class FioRead:
     bandwidth_Bps: float
     io_bytes: int
     runtime_s: float
+    #: fio's own CPU time of its jobs (``usr_cpu`` + ``sys_cpu``, percent of the summed job
+    #: runtime, times that runtime): the reads' cost without fio's start-up; None where this
+    #: fio's JSON lacks ``job_runtime``
+    cpu_s: float | None = None
+    usr_s: float | None = None
+    sys_s: float | None = None
 
 
 def run_fio(binary: str, files: Sequence[str], config: FioConfig, *, direct: bool) -> FioRead:
@@ -190,13 +196,32 @@ def run_fio(binary: str, files: Sequence[str], config: FioConfig, *, direct: boo
     try:
         # fio may print notes before the JSON document
         doc = json.loads(proc.stdout[proc.stdout.index("{") :])
-        read = doc["jobs"][0]["read"]
+        job = doc["jobs"][0]
+        read = job["read"]
         bw, io_bytes, runtime_ms = read["bw_bytes"], read["io_bytes"], read["runtime"]
-    except (ValueError, KeyError, IndexError) as exc:
+        usr, sys_ = _cpu_seconds(job)
+    except (ValueError, KeyError, IndexError, TypeError) as exc:
         raise BenchError(f"fio {config.name}: unreadable output ({exc!r})") from None
     if io_bytes <= 0 or bw <= 0:
         raise BenchError(f"fio {config.name} read nothing from {len(files)} files")
-    return FioRead(config, float(bw), int(io_bytes), runtime_ms / 1000.0)
+    cpu = None if usr is None or sys_ is None else usr + sys_
+    return FioRead(config, float(bw), int(io_bytes), runtime_ms / 1000.0, cpu, usr, sys_)
+
+
+def _cpu_seconds(job: dict[str, Any]) -> tuple[float | None, float | None]:
+    """fio's user and system CPU seconds of a (group-reported) job.
+
+    fio reports ``usr_cpu`` / ``sys_cpu`` as percent of the job's run time; with
+    ``group_reporting`` the CPU times and run times of the group's jobs are summed first
+    (``job_runtime``, ms), so percent x ``job_runtime`` is the group's CPU time. Each job is a
+    thread (``thread=1``) whose CPU is counted with ``RUSAGE_THREAD``: fio's start-up and its
+    reporting thread are not in it, only the reads' submission and completion work.
+    """
+    runtime_ms = job.get("job_runtime")
+    if runtime_ms is None:
+        return None, None
+    scale = float(runtime_ms) / 1000.0 / 100.0
+    return float(job["usr_cpu"]) * scale, float(job["sys_cpu"]) * scale
 
 
 class FioSeries:

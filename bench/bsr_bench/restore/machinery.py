@@ -243,7 +243,8 @@ async def measure_concurrency(
 
 def measure_keys(tokens: int, repeats: int, chunk_tokens: int = 256) -> dict[str, Any]:
     """The ``keys`` section: :func:`bsr.prepare_tokens` (conversion + chained keys) on a list,
-    a numpy array and a torch tensor of ``tokens`` random ids, medians over ``repeats``."""
+    a numpy array and a torch tensor of ``tokens`` random ids, medians over ``repeats``, in wall
+    seconds (``<form>_s``) and in CPU seconds of the process (``<form>_cpu_s``)."""
     layout = bsr.StateLayout(chunk_tokens, (bsr.StateGroup("kv", 1, 16, dtype="uint8"),))
     ns = bsr.Namespace("bsr-bench/keys").fingerprint(layout)
     ids = np.random.default_rng(0).integers(0, 128_000, size=tokens, dtype=np.int64)
@@ -252,13 +253,17 @@ def measure_keys(tokens: int, repeats: int, chunk_tokens: int = 256) -> dict[str
     ref = None
     for name, given in forms.items():
         samples = []
+        cpu = []
         for _ in range(repeats):
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             kt = bsr.prepare_tokens(ns, given, chunk_tokens)
-            samples.append(time.perf_counter() - t0)
+            t1, c1 = time.perf_counter(), time.process_time()
+            samples.append(t1 - t0)
+            cpu.append(max(c1 - c0, 1e-9))
         digests = [k.digest for k in kt.keys]
         if ref is not None and digests != ref:
             raise BenchError(f"keys: {name} tokens give other keys than a list")
         ref = digests
         out[name + "_s"] = Dist.of(samples).to_dict()
+        out[name + "_cpu_s"] = Dist.of(cpu).to_dict()
     return out

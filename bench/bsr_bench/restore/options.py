@@ -63,6 +63,7 @@ class BenchOptions:
     fio: bool = True
     overhead: bool = True
     concurrency: bool = True
+    cpu: bool = True
 
     def to_dict(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
@@ -177,6 +178,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="skip the overhead section (HostTier restores vs memcpy, 4 KiB .. 32 MiB chunks)",
     )
     p.add_argument(
+        "--no-cpu",
+        action="store_true",
+        help="skip the cpu section (CPU seconds per GiB restored from a HostTier and a FileTier "
+        "at 4 KiB, 512 KiB and 32 MiB chunks, beside the floor: fio's read CPU, xxh3, one copy)",
+    )
+    p.add_argument(
         "--no-concurrency",
         action="store_true",
         help="skip the concurrency section (N = 1, 2, 4, 8 restores at once on one engine)",
@@ -213,6 +220,7 @@ def resolve(ns: argparse.Namespace) -> BenchOptions:
         fio=not getattr(ns, "no_fio", False),
         overhead=not getattr(ns, "no_overhead", False),
         concurrency=not getattr(ns, "no_concurrency", False),
+        cpu=not getattr(ns, "no_cpu", False),
     )
     if opts.repeats < 1:
         raise BenchError("--repeats must be >= 1")

@@ -143,7 +143,9 @@ async def _run_async(opts: BenchOptions, ui: BenchUI) -> dict[str, Any]:
             }
             del model
         with run.phase("machinery sections"):
-            sections = await run_sections(opts, ui)
+            sections = await run_sections(
+                opts, ui, root=run.root, mode=run.mode, fio_binary=run.fio.binary
+            )
     finally:
         gc.unfreeze()
         if not opts.keep:

@@ -10,7 +10,8 @@ How it works:
   restores; it reads the point's object files once per grid configuration and adds the point's
   ``fio`` entry and ``ratios.bsr_vs_fio_bandwidth``.
 - ``overhead``, ``concurrency`` and ``keys`` (:mod:`.machinery`) run once per run, after the
-  layouts, from a HostTier (no disk).
+  layouts, from a HostTier (no disk); ``cpu`` (:mod:`.cpu`) after them, from a HostTier and a
+  FileTier in the run's directory (the run's cache mode, fio as the read floor).
 - ``window``: from the W x io_depth sweep, the bandwidth of each W at the run's io_depth (or
   the deepest one <= W), and the smallest W reaching 95% of the best.
 - :func:`issue_targets`: the issue's targets as pass/fail records beside the existing ones.
@@ -19,6 +20,7 @@ How it works:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from ..common.fio import (
@@ -33,6 +35,7 @@ from ..common.fio import (
 )
 from ..common.pagecache import CacheMode, prepare
 from ..common.stats import BenchError, ratio
+from .cpu import CPU_POINTS, CPU_REPEATS, QUICK_CPU_POINTS, cpu_targets, measure_cpu
 from .machinery import (
     CONCURRENCY_LEVELS,
     OVERHEAD_POINTS,
@@ -133,11 +136,19 @@ class FioStep:
             )
 
 
-async def run_sections(opts: Any, ui: Any) -> dict[str, Any]:
-    """``overhead``, ``concurrency`` and ``keys`` (each None when switched off)."""
+async def run_sections(
+    opts: Any,
+    ui: Any,
+    *,
+    root: Path | None = None,
+    mode: CacheMode = CacheMode.DIRECT,
+    fio_binary: str | None = None,
+) -> dict[str, Any]:
+    """``overhead``, ``concurrency``, ``keys`` and ``cpu`` (each None when switched off; ``cpu``
+    restores from a FileTier in ``root`` too, read with ``mode``, fio's CPU as its read floor)."""
     quick = bool(opts.quick)
     repeats = max(3, 2 * opts.repeats + 1) if not quick else 2
-    out: dict[str, Any] = {"overhead": None, "concurrency": None, "keys": None}
+    out: dict[str, Any] = {"overhead": None, "concurrency": None, "keys": None, "cpu": None}
     if getattr(opts, "overhead", True):
         ui.log("overhead: HostTier restores vs memcpy, 4 KiB .. 32 MiB chunks")
         points = QUICK_OVERHEAD_POINTS if quick else OVERHEAD_POINTS
@@ -151,6 +162,19 @@ async def run_sections(opts: Any, ui: Any) -> dict[str, Any]:
             levels, 4 if quick else 16, 1 << 20, repeats, opts.window, opts.io_depth, opts.seed
         )
     out["keys"] = measure_keys(64 * 1024 if quick else 512 * 1024, repeats)
+    if getattr(opts, "cpu", True):
+        ui.log("cpu: CPU seconds per GiB restored (HostTier, FileTier) vs the floor")
+        out["cpu"] = await measure_cpu(
+            QUICK_CPU_POINTS if quick else CPU_POINTS,
+            repeats if quick else max(CPU_REPEATS, repeats),
+            opts.window,
+            opts.io_depth,
+            opts.seed,
+            tiers=("host", "file") if root is not None else ("host",),
+            root=root,
+            mode=mode,
+            fio_binary=fio_binary,
+        )
     return out
 
 
@@ -272,6 +296,19 @@ def issue_targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
                     le=True,
                 )
             )
+        if "numpy_cpu_s" in keys:
+            out.append(
+                _target(
+                    "keys_numpy_cpu_s",
+                    f"prepare_tokens of a {keys['tokens']}-token numpy array, no extras "
+                    "(median CPU seconds of the process)",
+                    keys["numpy_cpu_s"]["median"],
+                    3e-3 * scale,
+                    le=True,
+                )
+            )
+    if doc.get("cpu"):
+        out.extend(cpu_targets(doc["cpu"]))
     conc = doc.get("concurrency")
     if conc:
         top = max(conc["levels"], key=lambda r: r["concurrent"])
@@ -370,12 +407,76 @@ def print_sections(doc: dict[str, Any], console: Any) -> None:
         console.print(f"window: smallest W at 95% of best = {win['smallest_window']} ({parts})")
     keys = doc.get("keys")
     if keys:
-        console.print(
+        line = (
             f"keys ({keys['tokens']} tokens, prepare_tokens): list {_t(keys['list_s']['median'])},"
             f" numpy {_t(keys['numpy_s']['median'])}, torch {_t(keys['torch_s']['median'])}"
         )
+        if "numpy_cpu_s" in keys:
+            line += f"; CPU: numpy {_t(keys['numpy_cpu_s']['median'])}"
+        console.print(line)
+    cpu = doc.get("cpu")
+    if cpu:
+        console.print(cpu_table(cpu))
     best = sorted({p["fio"]["best"] for p in doc["results"] if p.get("fio")})
     if best:
         console.print(f"fio: best configuration per point among {', '.join(best)} (JSON)")
     if doc.get("fio") and not doc["fio"]["available"]:
         console.print(f"fio: {doc['fio']['note']}")
+
+
+CPU_COLUMNS = (
+    "tier",
+    "chunk",
+    "chunks",
+    "CPU/GiB",
+    "usr/sys",
+    "floor/GiB",
+    "(read+xxh3+copy)",
+    "CPU/floor",
+    "beyond floor/chunk",
+    "wall ratio",
+    "load before/after",
+)
+
+
+def cpu_row(p: dict[str, Any]) -> list[str]:
+    """One row (medians) of the ``cpu`` section's table."""
+    gib = p["bytes"] / float(1 << 30)
+    f = p["floor"]
+    parts = [f.get("read_cpu_s"), f["xxh3_cpu_s"], f["copy_cpu_s"]]
+    split = "+".join("-" if d is None else f"{d['median'] / gib:.3f}" for d in parts)
+    usr = p["restore_usr_s"]["median"] / gib
+    sys_ = p["restore_sys_s"]["median"] / gib
+    w = p["wall_vs_reference"]
+    name = {"memcpy": "/memcpy", "fio": "/fio", "raw": "/raw"}.get(w["reference"], "")
+    la, lb = p.get("load_average_before"), p.get("load_average_after")
+    load = f"{la[0]:.1f}/{lb[0]:.1f}" if la and lb else "-"
+    return [
+        p["tier"],
+        fmt_bytes(p["chunk_bytes"]),
+        str(p["chunks"]),
+        f"{p['cpu_per_gib_s']:.3f} s",
+        f"{usr:.2f}/{sys_:.2f}",
+        f"{p['floor_per_gib_s']:.3f} s",
+        split,
+        f"{p['cpu_vs_floor']:.2f}",
+        _t(p["machinery_per_chunk_s"]),
+        f"{w['value']:.2f} {name}",
+        load,
+    ]
+
+
+def cpu_table(cpu: dict[str, Any]) -> Any:
+    """CPU seconds per GiB restored beside the floor (medians over the section's repeats)."""
+    from rich.table import Table
+
+    t = Table(
+        title=f"cpu: CPU seconds per GiB restored vs the floor (W={cpu['window']}, io_depth "
+        f"{cpu['io_depth']}, {cpu['cache_mode']}, medians of {cpu['repeats']})",
+        title_justify="left",
+    )
+    for col in CPU_COLUMNS:
+        t.add_column(col, justify="right")
+    for p in cpu["points"]:
+        t.add_row(*cpu_row(p))
+    return t

@@ -333,6 +333,11 @@ def _object_id(digest: bytes, group: str) -> str:
     return h.hexdigest()
 
 
+#: the object id of ``(chunk digest, group)`` (cached): what ``ObjectKey(key, group).object_id``
+#: is, without building the key (a batch read names each of its objects)
+object_id = _object_id
+
+
 @functools.lru_cache(maxsize=1024)
 def _group_bytes(group: str) -> bytes:
     return utf8_name(group, "state group name")
@@ -454,6 +459,7 @@ OFFLOAD_TOKENS = 131072
 
 _SHA256 = hashlib.sha256
 _U32 = np.dtype("<u4")
+_WIDE = 1 << 32  # a token at or above it is hashed in 8 bytes
 
 
 def _chain_seed(namespace_fp: bytes, chunk_tokens: int) -> bytes:
@@ -479,20 +485,20 @@ def chunk_digests(
     narrow = body.astype(_U32)  # every chunk whose tokens all fit in 4 bytes hashes these
     step4 = chunk_tokens * 4
     data4 = narrow.data.cast("B")
-    wide = (body.reshape(n, chunk_tokens) >> 32).any(axis=1)  # tokens are >= 0
     prev = _chain_seed(namespace_fp, chunk_tokens)
     out: list[bytes] = []
     append = out.append
     sha = _SHA256
-    if extras:
-        return _chain_with_extras(prev, body, data4, wide, chunk_tokens, n, extras)
-    if not wide.any():
-        for i in range(n):
+    if not extras and int(body.max()) < _WIDE:  # every token fits 4 bytes (every vocabulary)
+        for i in range(0, n * step4, step4):
             h = sha(prev + b"\x04")
-            h.update(data4[i * step4 : (i + 1) * step4])
+            h.update(data4[i : i + step4])
             prev = h.digest()
             append(prev)
         return out
+    wide = (body.reshape(n, chunk_tokens) >> 32).any(axis=1)  # tokens are >= 0
+    if extras:
+        return _chain_with_extras(prev, body, data4, wide, chunk_tokens, n, extras)
     data8 = body.data.cast("B")
     step8 = chunk_tokens * 8
     flags = cast("list[bool]", wide.tolist())
@@ -559,14 +565,30 @@ def chunk_keys(
     Pure and synchronous (see :data:`OFFLOAD_TOKENS`).
     """
     positive_int(chunk_tokens, "chunk_tokens")
-    arr = as_token_array(tokens)
-    ext = check_extras(extras)
+    return _keys_of(namespace_fp, as_token_array(tokens), chunk_tokens, max_chunks,
+                    check_extras(extras))  # fmt: skip
+
+
+def _keys_of(
+    namespace_fp: bytes,
+    arr: np.ndarray[Any, np.dtype[np.int64]],
+    chunk_tokens: int,
+    max_chunks: int | None,
+    ext: tuple[KeyExtra, ...],
+) -> list[ChunkKey]:
+    """:func:`chunk_keys` of an array :func:`as_token_array` returned and checked extras."""
     n = len(arr) // chunk_tokens
     if max_chunks is not None:
         n = max(0, min(n, max_chunks))
     ns = bytes(namespace_fp)
-    new = ChunkKey._new
-    return [new(d, i, ns) for i, d in enumerate(chunk_digests(ns, arr, chunk_tokens, n, ext))]
+    cls, make = ChunkKey, _object_new
+    out: list[ChunkKey] = []
+    append = out.append
+    for i, d in enumerate(chunk_digests(ns, arr, chunk_tokens, n, ext)):
+        key = make(cls)  # ChunkKey._new, inline: a 524,288-token prompt makes 2,048 of them
+        key.__dict__.update(digest=d, index=i, namespace=ns)
+        append(key)
+    return out
 
 
 @dataclass(frozen=True)
@@ -605,7 +627,8 @@ def prepare_tokens(
     ``token_count(tokens) > OFFLOAD_TOKENS`` (``anyio.to_thread.run_sync(prepare_tokens, ...)``),
     so a long prompt never holds the event loop for long.
     """
+    positive_int(chunk_tokens, "chunk_tokens")
     arr = as_token_array(tokens)
     ext = check_extras(extras)
-    keys = chunk_keys(namespace_fp, arr, chunk_tokens, max_chunks=max_chunks, extras=ext)
+    keys = _keys_of(namespace_fp, arr, chunk_tokens, max_chunks, ext)  # converted once
     return KeyedTokens(arr, tuple(keys), bytes(namespace_fp), chunk_tokens, ext)

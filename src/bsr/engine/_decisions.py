@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from ..core._keys import ChunkKey, ObjectKey
+from ..core._keys import ChunkKey, ObjectKey, object_id
 from ..transfer._ladder import Outcome, ReadOutcome
 from ..transfer._pipeline import RestoreRun
 from ._health import TierHealth
@@ -117,6 +117,7 @@ class RestoreGate:
         # per tier: reads in flight, since when one was, and the time one was (its busy time:
         # what the cost model divides the tier's bytes by)
         self._inflight: dict[str, int] = {}
+        self._local = threading.local()  # .batch: the tier this thread's admitted batch reads
         self._since: dict[str, float] = {}
         self._busy: dict[str, float] = {}
 
@@ -125,12 +126,15 @@ class RestoreGate:
             return "object quarantined"
         if not self.health.admit(tier):
             return "circuit breaker open"
-        with self._lock:  # an admitted attempt ends in exactly one report, report_ok or withdraw
+        self._started(tier)  # an admitted attempt ends in exactly one report, report_ok or withdraw
+        return None
+
+    def _started(self, tier: str) -> None:
+        with self._lock:
             n = self._inflight.get(tier, 0)
             if n == 0:
                 self._since[tier] = time.perf_counter()
             self._inflight[tier] = n + 1
-        return None
 
     def _ended(self, tier: str) -> None:
         with self._lock:
@@ -153,17 +157,44 @@ class RestoreGate:
                     out[t] = out.get(t, 0.0) + now - self._since[t]
         return out
 
+    def admit_batch(self, tier: str, objects: Sequence[tuple[ChunkKey, str]]) -> bool:
+        """Whether every object of a batch may be asked of ``tier`` without admitting each: the
+        tier's breaker is closed (admission would change nothing) and none is quarantined.
+        False: the ladder admits and reports object by object."""
+        if not self.health.closed(tier):
+            return False
+        if len(self.quarantine):
+            q = self.quarantine
+            if any((tier, object_id(key.digest, g)) in q for key, g in objects):
+                return False
+        # the batch's reads are one span of the tier's busy time, in this (worker) thread: its
+        # objects' failures are reported without ending it, its success report ends it
+        self._started(tier)
+        self._local.batch = tier
+        return True
+
+    def end_batch(self, tier: str) -> None:
+        """The batch this thread was admitted on ``tier`` ended without a success report."""
+        if getattr(self._local, "batch", None) == tier:
+            self._local.batch = None
+            self._ended(tier)
+
     def withdraw(self, tier: str) -> None:
         self._ended(tier)
         self.health.release(tier)
 
     def report_ok(self, tier: str) -> None:
-        """``report`` of an ``OK`` outcome, without the record (called once per object read)."""
-        self._ended(tier)
+        """``report`` of an ``OK`` outcome, without the record (called once per object read,
+        or once for an admitted batch)."""
+        if getattr(self._local, "batch", None) == tier:
+            self.end_batch(tier)
+        else:
+            self._ended(tier)
         self.health.success(tier)
 
     def report(self, outcome: ReadOutcome) -> None:
-        self._ended(outcome.tier)
+        if getattr(self._local, "batch", None) != outcome.tier:  # not one object of a batch
+            self._ended(outcome.tier)
         kind = outcome.outcome
         if kind in (Outcome.OK, Outcome.MISS, Outcome.CORRUPT):
             self.health.success(outcome.tier)  # the tier answered

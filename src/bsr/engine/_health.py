@@ -79,6 +79,11 @@ class TierHealth:
         with self._lock:
             return self._usable(tier)
 
+    def closed(self, tier: str) -> bool:
+        """Whether ``tier``'s breaker is closed: :meth:`admit` then admits every call and
+        changes nothing, so a batch of calls needs no admission of its own."""
+        return not self._opened[tier]
+
     def admit(self, tier: str) -> bool:
         """Whether a call may go to ``tier`` now; in half-open state only the first caller wins.
 

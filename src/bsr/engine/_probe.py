@@ -40,7 +40,7 @@ from ..core._keys import (
     token_count,
 )
 from ..core._layout import StateLayout
-from ..core._plan import longest_prefix, longest_prefix_upto, needed_objects, prefix_usable
+from ..core._plan import longest_prefix, longest_prefix_upto, prefix_usable
 from ..core._results import Probe
 from ..tiers._base import Tier
 from ._coordinator import Coordinator
@@ -77,6 +77,29 @@ def digest(namespace_fp: bytes, keyed: KeyedTokens) -> bytes:
     if keyed.extras:
         h.update(b"extras" + extras_digest(keyed.extras))
     return h.digest()
+
+
+def _holders(groups: Sequence[str], n: int, answers: Sequence[tuple[str, list[bool]]]) -> Holders:
+    """``holders[chunk][group]``: the names of the tiers whose answer holds each object (in
+    tier order); ``answers[t][1][chunk * len(groups) + g]`` is tier ``t``'s answer."""
+    per = len(groups)
+    if len(answers) == 1:  # one tier answered (the usual case): shared tuples, no lists
+        name, present = answers[0]
+        some, none = (name,), ()
+        return [
+            {g: some if present[c * per + j] else none for j, g in enumerate(groups)}
+            for c in range(n)
+        ]
+    out: Holders = []
+    for c in range(n):
+        base = c * per
+        out.append(
+            {
+                g: tuple(name for name, present in answers if present[base + j])
+                for j, g in enumerate(groups)
+            }
+        )
+    return out
 
 
 class Prober:
@@ -136,7 +159,7 @@ class Prober:
         """
         groups = [g.name for g in self.layout.groups]
         objs = [ObjectKey(k, g) for k in keys for g in groups]
-        found: list[dict[str, list[str]]] = [{g: [] for g in groups} for _ in keys]
+        answers: list[tuple[str, list[bool]]] = []  # tier name, present per object
         for tier in self.tiers:
             if not self.health.admit(tier.name):
                 continue  # circuit breaker open: the tier holds nothing for this probe
@@ -159,12 +182,14 @@ class Prober:
                 self.log.warning("bsr.probe.tier_timeout", tier=tier.name, s=round(budget, 6))
                 continue
             self.health.success(tier.name)
-            name, quarantine, per = tier.name, self.quarantine, len(groups)
-            checked = len(quarantine) > 0  # nearly always empty: skip the object ids then
-            for i, (o, p) in enumerate(zip(objs, present)):
-                if p and not (checked and (name, o.object_id) in quarantine):
-                    found[i // per][o.group].append(name)
-        return [{g: tuple(names) for g, names in h.items()} for h in found]
+            present = list(present)
+            name, quarantine = tier.name, self.quarantine
+            if len(quarantine):  # nearly always empty: skip the object ids then
+                for i, o in enumerate(objs):
+                    if present[i] and (name, o.object_id) in quarantine:
+                        present[i] = False
+            answers.append((name, present))
+        return _holders(groups, len(keys), answers)
 
     async def agree(self, local: int, usable: Callable[[int], bool]) -> int:
         """Agree with every rank on the longest prefix all of them can use (runs collectives).
@@ -216,14 +241,25 @@ class Prober:
         def have(c: int, g: str) -> bool:
             return c < len(holders) and bool(holders[c][g])
 
-        local = (
-            LATE if timed_out and not partial else longest_prefix(self.layout, len(holders), have)
-        )
+        local = LATE if timed_out and not partial else self._local_prefix(holders, have)
         agreed = local
         if agree:
-            agreed = await self.agree(local, lambda p: prefix_usable(self.layout, p, have))
+            # longest_prefix returned ``local`` because every object it needs is held: only a
+            # shorter agreed prefix needs checking (the MIN of one rank is its own local)
+            agreed = await self.agree(
+                local, lambda p: p == local or prefix_usable(self.layout, p, have)
+            )
         probe = self._record(tokens, keyed, holders, max(local, 0), max(agreed, 0), t0)
         return ProbeOutcome(probe, timed_out, other_late=agreed == LATE and not timed_out)
+
+    def _local_prefix(self, holders: Holders, have: Callable[[int, str], bool]) -> int:
+        """This rank's longest usable prefix (:func:`~bsr.core._plan.longest_prefix`). Without
+        a sliding-window group every group needs every chunk, so it ends at the first chunk a
+        group has no holder for: found here in one pass over the chunks, not one call per
+        object (a 524,288-token probe has thousands)."""
+        if any(g.window_tokens is not None for g in self.layout.groups):
+            return longest_prefix(self.layout, len(holders), have)
+        return next((c for c, h in enumerate(holders) if not all(h.values())), len(holders))
 
     async def agree_on_time(self, timed_out: bool) -> bool:
         """Whether every rank's probing ended in time (one collective; a reused probe's)."""
@@ -239,9 +275,14 @@ class Prober:
         t0: float,
     ) -> Probe:
         by_tier: dict[str, int] = {}
-        for c, g in needed_objects(self.layout, agreed):
-            name = holders[c][g][0]
-            by_tier[name] = by_tier.get(name, 0) + self.layout.group_chunk_bytes(g)
+        for g in self.layout.groups:
+            size = g.chunk_bytes(self.layout.chunk_tokens)
+            counts: dict[str, int] = {}
+            for c in self.layout.needed_chunks(g.name, agreed):
+                name = holders[c][g.name][0]
+                counts[name] = counts.get(name, 0) + 1
+            for name, k in counts.items():
+                by_tier[name] = by_tier.get(name, 0) + k * size
         return Probe(
             num_tokens=token_count(tokens) if keyed is None else len(keyed.tokens),
             chunk_tokens=self.layout.chunk_tokens,

@@ -168,6 +168,29 @@ class Borrowed:
             release()
 
 
+class LentPayloads:
+    """The payloads of a batch of objects lent by a tier in place
+    (:meth:`Tier.borrow_many_blocking`).
+
+    ``items[i]`` is the i-th object's verified payload (a flat uint8 NumPy view of the tier's
+    own bytes, as :attr:`Borrowed.payload`) or the exception asking for it raised
+    (``ObjectNotFoundError``, an ``ObjectError``, ...): one object's failure is its own, the
+    others are lent. Read the payloads, never write them, and :meth:`release` them (idempotent)
+    once copied; until then the tier keeps every lent object pinned.
+    """
+
+    __slots__ = ("_release", "items")
+
+    def __init__(self, items: list[Any], release: Any) -> None:
+        self.items = items
+        self._release = release
+
+    def release(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+
 def as_byte_view(dst: Any) -> memoryview:
     """A writable flat byte view of a CPU buffer (uint8 tensor, numpy array, bytearray...)."""
     if isinstance(dst, torch.Tensor):
@@ -291,6 +314,35 @@ class Tier(AsyncResource, abc.ABC):
         :meth:`read_into_blocking`).
         """
         raise NotImplementedError(f"{type(self).__name__} lends no payloads (borrow_reads)")
+
+    def borrow_many_blocking(self, objects: Sequence[tuple[ChunkKey, str]]) -> LentPayloads:
+        """:meth:`borrow_blocking` of every ``(key, group)`` of ``objects``, one result per
+        object (a payload, or the exception asking for it raised; see :class:`LentPayloads`).
+
+        Default: one :meth:`borrow_blocking` per object. A lending tier may override it to pin
+        and verify a whole batch at once (HostTier does); the contract is the same.
+        """
+        lent: list[Borrowed] = []
+        items: list[Any] = []
+        try:
+            for key, group in objects:
+                try:
+                    b = self.borrow_blocking(key, group)
+                except Exception as exc:
+                    items.append(exc)
+                    continue
+                lent.append(b)
+                items.append(b.payload)
+        except BaseException:
+            for b in lent:
+                b.release()
+            raise
+
+        def release() -> None:
+            for b in lent:
+                b.release()
+
+        return LentPayloads(items, release)
 
     def usage(self) -> TierUsage:
         """What the tier holds now. Default: unknown (zeros); override to report it."""

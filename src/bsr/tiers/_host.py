@@ -13,6 +13,7 @@ an unexpired lease, is never evicted.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,8 +22,8 @@ import numpy as np
 
 from .._check import Check, option
 from .._errors import ObjectNotFoundError
-from ..core._keys import ChunkKey, ObjectKey
-from ._base import Borrowed, Tier, as_payload_view
+from ..core._keys import ChunkKey, ObjectKey, object_id
+from ._base import Borrowed, LentPayloads, Tier, as_payload_view
 from ._codec import ObjectCodec
 from ._lru import IndexedTier, LruIndex
 from ._registry import TierOptions
@@ -109,6 +110,54 @@ class HostTier(IndexedTier):
             raise
         self._count_hit(len(payload))
         return Borrowed(payload, lambda: self._index.unpin(oid))
+
+    def borrow_many_blocking(self, objects: Sequence[tuple[ChunkKey, str]]) -> LentPayloads:
+        """:meth:`borrow_blocking` of a whole batch: every object pinned under one lock,
+        verified where it lies (header, stored length, payload checksum: the same checks, before
+        anything is lent), the counters updated once, and one release that unpins them all."""
+        self._check_open()
+        oids = [object_id(key.digest, group) for key, group in objects]
+        entries = self._index.pin_many(oids)
+        pinned = [oid for oid, e in zip(oids, entries) if e is not None]
+        try:
+            if len(pinned) == len(oids):  # the usual case: every object is here
+                blobs = [e[1] for e in entries if e is not None]
+                items = ObjectCodec.verified_bodies(blobs, objects, where=self.name)
+            else:
+                items = [None] * len(oids)
+                here = [i for i, e in enumerate(entries) if e is not None]
+                found = ObjectCodec.verified_bodies(
+                    [e[1] for e in entries if e is not None],
+                    [objects[i] for i in here],
+                    where=self.name,
+                )
+                for i, got in zip(here, found):
+                    items[i] = got
+                for i, e in enumerate(entries):
+                    if e is None:
+                        key, group = objects[i]
+                        items[i] = ObjectNotFoundError(
+                            "object not in host tier", tier=self.name, key=key.hex[:16], group=group
+                        )
+        except BaseException:
+            self._index.unpin_many(pinned)
+            raise
+        held: list[str] = []  # pinned and lent: unpinned by the release
+        dropped: list[str] = []  # pinned, but failed verification: unpinned now
+        nbytes = 0
+        for oid, entry, got in zip(oids, entries, items):
+            if entry is None:
+                continue
+            if isinstance(got, BaseException):
+                dropped.append(oid)
+            else:
+                held.append(oid)
+                nbytes += len(got)
+        if dropped:
+            self._index.unpin_many(dropped)
+        self._count(hits=len(held), reads=len(held), bytes_read=nbytes,
+                    misses=len(oids) - len(pinned), errors=len(dropped))  # fmt: skip
+        return LentPayloads(items, lambda: self._index.unpin_many(held))
 
     def _copy_verified(self, okey: ObjectKey, blob: Blob, dst: Any) -> int:
         return ObjectCodec.decode_into(blob, okey, dst, where=self.name)

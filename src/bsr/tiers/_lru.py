@@ -30,7 +30,7 @@ import anyio
 
 from .._check import positive_float, positive_int
 from .._errors import TierError, TierFullError
-from ..core._keys import ObjectKey
+from ..core._keys import ObjectKey, object_id
 from ._base import Tier, TierLease, TierStatistics, TierUsage
 from ._watch import Removal, RemovalListener
 
@@ -170,6 +170,12 @@ class LruIndex(Generic[V]):
         with self._lock:
             return len(self._entries)
 
+    def contains_many(self, oids: Sequence[str]) -> list[bool]:
+        """For each of ``oids``, whether it is held (one lock for the batch)."""
+        with self._lock:
+            entries = self._entries
+            return [oid in entries for oid in oids]
+
     @property
     def bytes(self) -> int:
         """Bytes of committed objects."""
@@ -308,6 +314,35 @@ class LruIndex(Generic[V]):
             self._entries.move_to_end(oid)
             self._pins[oid] = self._pins.get(oid, 0) + 1
             return entry
+
+    def pin_many(self, oids: Sequence[str]) -> list[tuple[int, V] | None]:
+        """:meth:`pin` of each of ``oids`` under one lock (a batch of reads); an entry is None
+        where the object is not held (nothing pinned for it)."""
+        out: list[tuple[int, V] | None] = []
+        append = out.append
+        with self._lock:
+            entries, pins = self._entries, self._pins
+            for oid in oids:
+                entry = entries.get(oid)
+                if entry is not None:
+                    entries.move_to_end(oid)
+                    pins[oid] = pins.get(oid, 0) + 1
+                append(entry)
+        return out
+
+    def unpin_many(self, oids: Sequence[str]) -> None:
+        """:meth:`unpin` of each of ``oids`` (each pinned once more than it is unpinned here)
+        under one lock."""
+        with self._lock:
+            pins = self._pins
+            for oid in oids:
+                n = pins.get(oid, 0)
+                if n <= 0:
+                    raise TierError(f"unpin of {oid[:16]} without a pin", tier=self.name)
+                if n == 1:
+                    del pins[oid]
+                else:
+                    pins[oid] = n - 1
 
     def unpin(self, oid: str) -> None:
         with self._lock:
@@ -531,7 +566,7 @@ class IndexedTier(Tier):
 
     async def contains_many(self, objects: Sequence[ObjectKey]) -> list[bool]:
         self._ready()
-        return [o.object_id in self._index for o in objects]
+        return self._index.contains_many([object_id(o.chunk.digest, o.group) for o in objects])
 
     async def lease(self, objects: Sequence[ObjectKey], ttl_s: float) -> TierLease:
         """Pin the held ``objects`` against eviction until ``release()`` or ``ttl_s`` passes."""

@@ -322,6 +322,10 @@ class _Depth:
             self._cond.notify_all()
 
 
+class _Iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
 def _address(buf: memoryview) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(buf)) if len(buf) else 0
 
@@ -409,31 +413,49 @@ class UringReader(PosixReader):
             with self._lock:
                 self.fallback_reads += 1
             return super().read_fd(fd, header, payload)
-        _unaligned_buffered(fd, header, payload)
+        cached = getattr(self._local, "head", None)  # a thread reads into one header buffer
+        if cached is not None and cached[0] is header:
+            head = cached[1]
+        else:
+            head = _address(header)
+            self._local.head = (header, head)
+        base = _address(payload)
+        if _O_DIRECT and (head | base | len(header) | len(payload)) % ALIGNMENT:
+            _unaligned_buffered(fd, header, payload)  # one of them is not 4 KiB aligned
         if size is None:
             size = os.fstat(fd).st_size
-        pieces = [(0, _address(header), len(header))]
         want = min(len(payload), align_up(max(0, size - len(header))))
-        base = _address(payload)
-        for off in range(0, want, self.block_bytes):
-            pieces.append((len(header) + off, base + off, min(self.block_bytes, want - off)))
+        # the header and the payload's first block in one vector request (one request for an
+        # object of up to block_bytes: half the requests, and the device's cost, of two reads)
+        first = min(want, self.block_bytes)
+        iov = getattr(self._local, "iov", None)
+        if iov is None:
+            iov = self._local.iov = (_Iovec * 2)()
+        iov[0].base, iov[0].len = head, len(header)
+        iov[1].base, iov[1].len = base, first
+        pieces = [(0, ctypes.addressof(iov), len(header) + first, 2 if first else 1)]
+        for off in range(first, want, self.block_bytes):
+            pieces.append((len(header) + off, base + off, min(self.block_bytes, want - off), 0))
         got = self._run(ring, fd, pieces)
         total = 0
-        for (_, _, length), n in zip(pieces, got):
+        for (_, _, length, _), n in zip(pieces, got):
             total += n
             if n < length:
                 break
         return total
 
-    def _run(self, ring: Ring, fd: int, pieces: list[tuple[int, int, int]]) -> list[int]:
+    def _run(self, ring: Ring, fd: int, pieces: list[tuple[int, int, int, int]]) -> list[int]:
         """Keep ``pieces`` in flight within the depth until each completed; bytes per piece.
+
+        A piece is ``(offset, address, length, vectors)``: with ``vectors`` > 0, ``address`` is
+        that many iovecs (one vector request), else one buffer of ``length`` bytes.
 
         Every request queued is reaped before this returns, whatever happens: a kernel error
         in one request (``EBADF``, ``EIO``), a short read (end of file) or an abandoned caller
         (``check``) stop the queueing of further pieces, and the loop then runs only while
-        requests are in flight (each gives its place in the depth back when reaped). Only a
-        ring that fails under us (:class:`RingError` from ``io_uring_enter``) leaves requests
-        behind: they are drained, bounded, and the ring is dropped.
+        requests are in flight (the places in the depth of those reaped go back once per
+        reap). Only a ring that fails under us (:class:`RingError` from ``io_uring_enter``)
+        leaves requests behind: they are drained, bounded, and the ring is dropped.
         """
         check = getattr(_CANCEL, "check", None)
         got = [0] * len(pieces)
@@ -454,8 +476,11 @@ class UringReader(PosixReader):
                     queued = 0
                     try:
                         for i in range(nxt, nxt + k):
-                            off, addr, length = pieces[i]
-                            tags[ring.read(fd, off, addr, length)] = i
+                            off, addr, length, vectors = pieces[i]
+                            if vectors:  # addr: that many iovecs
+                                tags[ring.readv(fd, off, addr, vectors)] = i
+                            else:
+                                tags[ring.read(fd, off, addr, length)] = i
                             queued += 1
                     finally:
                         depth.give(k - queued)  # places taken but never used
@@ -464,18 +489,23 @@ class UringReader(PosixReader):
                     continue
                 timeout = CANCEL_POLL_S if check is not None else None
                 ring.enter(wait=len(tags) if stop or nxt == len(pieces) else 1, timeout_s=timeout)
-                for tag, res in ring.reap():
-                    if tag not in tags:
-                        continue
-                    i = tags.pop(tag)
-                    depth.give(1)
-                    if res < 0:
-                        error = error or -res
-                        stop = True
-                    else:
-                        got[i] = res
-                        if res < pieces[i][2]:
-                            stop = True  # end of file: nothing more to read
+                back = 0
+                try:
+                    for tag, res in ring.reap():
+                        i = tags.pop(tag, -1)
+                        if i < 0:
+                            continue
+                        back += 1
+                        if res < 0:
+                            error = error or -res
+                            stop = True
+                        else:
+                            got[i] = res
+                            if res < pieces[i][2]:
+                                stop = True  # end of file: nothing more to read
+                finally:
+                    if back:
+                        depth.give(back)  # the places of those reaped, at once
                 if check is not None and not cancelled and check():
                     cancelled = stop = True
                     if tags:
@@ -510,9 +540,11 @@ class UringReader(PosixReader):
 
     def _drop_ring(self, closed: bool) -> None:
         owned = getattr(self._local, "ring", None)
-        self._local.ring = None
+        iov = getattr(self._local, "iov", None)
+        self._local.ring = self._local.iov = None
         if owned is not None and not closed:
             _UNDRAINED.append(owned)  # requests may still write into their buffers: keep it open
+            _UNDRAINED.append(iov)  # and read their iovecs: keep them too
 
 
 class _OwnedRing:

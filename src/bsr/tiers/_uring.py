@@ -39,10 +39,11 @@ _FEAT_SINGLE_MMAP = 1 << 0
 _FEAT_EXT_ARG = 1 << 8
 _ENTER_GETEVENTS = 1 << 0
 _ENTER_EXT_ARG = 1 << 3
-OP_NOP, OP_READ, OP_ASYNC_CANCEL = 0, 22, 14
+OP_NOP, OP_READV, OP_READ, OP_ASYNC_CANCEL = 0, 1, 22, 14
 _SQE = struct.Struct("<BBHiQQIIQHHiQQ")  # io_uring_sqe, 64 bytes
 _CQE = struct.Struct("<QiI")  # io_uring_cqe, 16 bytes
 _CANCEL_TAG = 1 << 63  # user_data of our own cancel requests
+_NO_ARG = ctypes.c_size_t(0)  # io_uring_enter's argument size when there is no argument
 
 
 class _SqOffsets(ctypes.Structure):
@@ -128,6 +129,7 @@ class Ring:
         self.ext_arg = bool(params.features & _FEAT_EXT_ARG)
         self._next_tag = 1
         self.inflight = 0
+        self._timeouts: dict[float, tuple[object, object, object, object]] = {}
 
     def _mmap(self, size: int, offset: int) -> mmap.mmap:
         m = mmap.mmap(
@@ -204,6 +206,15 @@ class Ring:
         self.inflight += 1
         return tag
 
+    def readv(self, fd: int, offset: int, iov_addr: int, count: int) -> int:
+        """Queue a vector read at ``offset`` into the ``count`` iovecs at ``iov_addr``; its
+        tag. The iovecs (and their buffers) must stay unused until the completion is reaped."""
+        tag = self._next_tag
+        self._next_tag = tag + 1 if tag < _CANCEL_TAG - 1 else 1
+        self._queue(OP_READV, fd, offset, iov_addr, count, tag)
+        self.inflight += 1
+        return tag
+
     def nop(self) -> int:
         tag = self._next_tag
         self._next_tag += 1
@@ -221,15 +232,13 @@ class Ring:
         """Hand queued entries to the kernel and wait until ``wait`` completions are there (or
         ``timeout_s`` passed, where the kernel supports a timed wait)."""
         flags = _ENTER_GETEVENTS if wait else 0
-        arg, argsz = None, 0
+        arg: object = None
+        argsz: object = _NO_ARG
         if wait and timeout_s is not None and self.ext_arg:
-            ts = _Timespec(int(timeout_s), int((timeout_s % 1) * 1e9))
-            ga = _GeteventsArg(0, 0, 0, ctypes.addressof(ts))
-            arg, argsz, flags = ctypes.byref(ga), ctypes.sizeof(ga), flags | _ENTER_EXT_ARG
+            arg, argsz = self._timeout_arg(timeout_s)
+            flags |= _ENTER_EXT_ARG
         while True:
-            n = self._sys(
-                _NR_ENTER, self.fd, self._pending, wait, flags, arg, ctypes.c_size_t(argsz)
-            )
+            n = self._sys(_NR_ENTER, self.fd, self._pending, wait, flags, arg, argsz)
             if n >= 0:
                 self._pending -= min(self._pending, int(n))
                 return
@@ -241,6 +250,17 @@ class Ring:
             if err in (errno.EAGAIN, errno.EBUSY):  # completions must be reaped first
                 return
             raise RingError(err, f"io_uring_enter: {os.strerror(err)}")
+
+    def _timeout_arg(self, timeout_s: float) -> tuple[object, object]:
+        """The timed wait's argument and its size (built once per timeout: a read waits with
+        the same one every time; the kernel only reads it during the call)."""
+        cached = self._timeouts.get(timeout_s)
+        if cached is None:
+            ts = _Timespec(int(timeout_s), int((timeout_s % 1) * 1e9))
+            ga = _GeteventsArg(0, 0, 0, ctypes.addressof(ts))
+            size = ctypes.c_size_t(ctypes.sizeof(ga))
+            cached = self._timeouts[timeout_s] = (ctypes.byref(ga), size, ts, ga)
+        return cached[0], cached[1]
 
     def reap(self) -> list[tuple[int, int]]:
         """Completions ready now, ``(tag, result)``: bytes read, or ``-errno``."""

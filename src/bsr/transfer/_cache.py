@@ -233,7 +233,7 @@ class PagedKVCache:
 
     def check_layout(self, layout: StateLayout) -> None:
         """Raise unless this cache was built for ``layout`` (the engine's)."""
-        if layout.fingerprint != self.layout.fingerprint:
+        if layout is not self.layout and layout.fingerprint != self.layout.fingerprint:
             raise LayoutError(
                 "cache layout differs from the engine's layout; build the PagedKVCache with the "
                 "engine's StateLayout"

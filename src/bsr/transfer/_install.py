@@ -27,11 +27,11 @@ from ._staging import Slot
 from ._tables import BlockTables
 
 
-def _word(row: int, *arrays: np.ndarray[Any, Any]) -> np.dtype[Any]:
-    """The widest unsigned word dividing ``row`` to which every array is aligned."""
+def _word(row: int, *addresses: int) -> np.dtype[Any]:
+    """The widest unsigned word dividing ``row`` to which every address is aligned."""
     for dt in (np.uint64, np.uint32, np.uint16):
         size = np.dtype(dt).itemsize
-        if row % size == 0 and all(a.ctypes.data % size == 0 for a in arrays):
+        if row % size == 0 and all(a % size == 0 for a in addresses):
             return np.dtype(dt)
     return np.dtype(np.uint8)
 
@@ -59,14 +59,22 @@ class HostInstaller:
         self._slots: dict[Slot, np.ndarray[Any, Any]] = {}
         self._offsets = {g.name: layout.slot_offset(g.name) for g in layout.groups}
         self._dst: dict[str, tuple[np.ndarray[Any, Any], np.dtype[Any], int]] | None = None
+        #: per group: (destination, word, chunk shape, chunk bytes), for the fast path
+        self._fast: dict[str, tuple[np.ndarray[Any, Any], np.dtype[Any], tuple[int, ...], int]] = {}
+        #: per group, per chunk: its first block when the chunk's blocks are consecutive and
+        #: real (one slice copy), else -1 (made on first use)
+        self._firsts: dict[str, list[int]] = {}
         tensors = [cache.tensor(g.name) for g in layout.groups] if not cache.per_layer else []
         if tensors and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
             self._dst = {}
             for g, t in zip(layout.groups, tensors):
                 row = cache.block_tokens * g.token_bytes
                 arr = t.numpy().reshape(g.num_layers, cache.num_blocks, row)
-                word = _word(row, arr)
-                self._dst[g.name] = (arr.view(word), word, row // word.itemsize)
+                word = _word(row, t.data_ptr())
+                words = row // word.itemsize
+                self._dst[g.name] = (arr.view(word), word, words)
+                shape = (g.num_layers, self.bpc, words)
+                self._fast[g.name] = (arr.view(word), word, shape, g.num_layers * self.bpc * row)
 
     def slot_array(self, slot: Slot) -> np.ndarray[Any, Any]:
         """The slot as a flat uint8 NumPy array (made once per slot and restore)."""
@@ -74,6 +82,18 @@ class HostInstaller:
         if arr is None:
             arr = self._slots[slot] = slot.tensor.numpy()
         return arr
+
+    def _chunk_firsts(self, group: str) -> list[int]:
+        """Per chunk of ``group``'s table: its first block if its blocks are consecutive real
+        blocks (the usual table), else -1."""
+        firsts = self._firsts.get(group)
+        if firsts is None:
+            table = self.tables.table(group).numpy()
+            n = len(table) // self.bpc
+            per = table[: n * self.bpc].reshape(n, self.bpc)
+            ok = (per[:, 0] >= 0) & (np.diff(per, axis=1) == 1).all(axis=1)
+            firsts = self._firsts[group] = np.where(ok, per[:, 0], -1).tolist()
+        return firsts
 
     def install(
         self,
@@ -84,6 +104,25 @@ class HostInstaller:
     ) -> None:
         """Copy chunk ``chunk`` (its ``groups``) from ``slot`` into the cache blocks; a group in
         ``lent`` is copied from that flat uint8 payload instead (a tier's own memory)."""
+        if chunk * self.bpc >= self.first_block and self._fast:
+            # the usual chunk: nothing before first_block, each group's blocks consecutive
+            todo: list[str] = []
+            bpc = self.bpc
+            for g in groups:
+                firsts = self._firsts.get(g) or self._chunk_firsts(g)
+                first = firsts[chunk] if chunk < len(firsts) else -1
+                if first < 0:
+                    todo.append(g)
+                    continue
+                dst, word, shape, n = self._fast[g]
+                payload = lent.get(g) if lent else None
+                if payload is None:
+                    off = self._offsets[g]
+                    payload = self.slot_array(slot)[off : off + n]
+                dst[:, first : first + bpc, :] = payload[:n].view(word).reshape(shape)
+            if not todo:
+                return
+            groups = tuple(todo)
         lo = chunk * self.bpc
         skip = min(max(0, self.first_block - lo), self.bpc)
         if skip == self.bpc:

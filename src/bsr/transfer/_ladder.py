@@ -25,7 +25,7 @@ from .._errors import (
     TierTimeoutError,
 )
 from ..core._keys import ChunkKey, ObjectKey
-from ..tiers._base import Borrowed, Tier
+from ..tiers._base import Borrowed, LentPayloads, Tier
 from ..tiers._readers import ReadWithdrawnError
 
 
@@ -83,6 +83,12 @@ class ReadGate(Protocol):
 
     def withdraw(self, tier: str) -> None:
         """An admitted attempt was cancelled before it came to anything."""
+
+
+def _failed_text(name: str, exc: BaseException) -> tuple[Outcome, str]:
+    outcome = classify(exc)
+    text = f"{name}: {exc}" if outcome is not Outcome.ERROR else f"{name}: unexpected {exc!r}"
+    return outcome, text
 
 
 def classify(exc: BaseException) -> Outcome:
@@ -174,8 +180,7 @@ class TierLadder:
             result.tier, result.nbytes = name, n
             result.errors = tuple(errors)
             return True
-        outcome = classify(exc)
-        text = f"{name}: {exc}" if outcome is not Outcome.ERROR else f"{name}: unexpected {exc!r}"
+        outcome, text = _failed_text(name, exc)
         errors.append(text)
         result.corrupt = result.corrupt or outcome is Outcome.CORRUPT
         gate.report(ReadOutcome(name, key, group, chunk, outcome, 0, text, type(exc).__name__))
@@ -204,6 +209,118 @@ class TierLadder:
         result.errors = tuple(errors or ["no tier holds it"])
         return result
 
+    def borrow_many_blocking(
+        self,
+        gate: ReadGate,
+        name: str,
+        objects: Sequence[tuple[ChunkKey, int, str]],
+        expected: Mapping[str, int],
+    ) -> tuple[LentPayloads, dict[int, tuple[str, Outcome]]] | None:
+        """Borrow every ``(key, chunk, group)`` of ``objects`` from the lending tier ``name`` in
+        one call (the first holder of each), in the calling (worker) thread.
+
+        Only when the gate admits the whole batch at once (``admit_batch``: nothing to decide
+        per object); None otherwise, and the caller reads object by object. Returns the lent
+        payloads and, by index, the attempts that failed (a miss, a corrupt object, a payload of
+        the wrong length: the error text and the outcome), each already reported to the gate
+        like any attempt; the caller continues those down the ladder (:meth:`read_blocking` with
+        ``prior``, a corrupt attempt marking the result corrupt) and releases the payloads once
+        copied.
+        """
+        admit_batch = getattr(gate, "admit_batch", None)
+        pairs = [(key, group) for key, _, group in objects]
+        if admit_batch is None or not admit_batch(name, pairs):
+            return None
+        lent = self.tiers[name].borrow_many_blocking(pairs)
+        failed: dict[int, tuple[str, Outcome]] = {}
+        ok = False
+        for i, got in enumerate(lent.items):
+            key, chunk, group = objects[i]
+            exc: BaseException | None = None
+            if isinstance(got, BaseException):
+                exc = got
+            elif len(got) != expected[group]:
+                want = expected[group]
+                exc = CorruptObjectError(
+                    f"payload is {len(got)} bytes, the layout says {want}", tier=name, group=group
+                )
+            if exc is None:
+                ok = True
+                continue
+            outcome, text = _failed_text(name, exc)
+            failed[i] = (text, outcome)
+            gate.report(ReadOutcome(name, key, group, chunk, outcome, 0, text, type(exc).__name__))
+        if ok:
+            report_ok = getattr(gate, "report_ok", None)
+            if report_ok is not None:
+                report_ok(name)
+            else:  # the batch's successes, as one OK outcome: the tier answered
+                key, chunk, group = objects[0]
+                gate.report(ReadOutcome(name, key, group, chunk, Outcome.OK))
+        else:  # every object failed (each reported): the batch itself ends here
+            end_batch = getattr(gate, "end_batch", None)
+            if end_batch is not None:
+                end_batch(name)
+        return lent, failed
+
+    def admit_batch(
+        self, gate: ReadGate, objects: Sequence[tuple[ChunkKey, str, Sequence[str]]]
+    ) -> str | None:
+        """The one tier that is the first holder of every ``(key, group, holders)`` of a batch,
+        if it reads blocking and the gate admits the whole batch at once (``admit_batch``:
+        nothing to decide per object); else None (the ladder admits object by object)."""
+        admit_batch = getattr(gate, "admit_batch", None)
+        if admit_batch is None or not objects:
+            return None
+        first = objects[0][2]
+        name = first[0] if first else None
+        if name is None or name not in self._blocking:
+            return None
+        for _, _, holders in objects:
+            if not holders or holders[0] != name:
+                return None
+        return name if admit_batch(name, [(k, g) for k, g, _ in objects]) else None
+
+    def read_admitted_blocking(
+        self,
+        gate: ReadGate,
+        name: str,
+        key: ChunkKey,
+        chunk: int,
+        group: str,
+        holders: Sequence[str],
+        region: Any,
+        expected: int,
+    ) -> LadderResult:
+        """:meth:`read_blocking` of an object whose batch the gate admitted on ``name``
+        (:meth:`admit_batch`; ``holders[0]`` is ``name``): the first attempt needs no admission
+        and, when it succeeds, no report (the batch reports once, :meth:`batch_ok`); when it
+        fails it is reported like any attempt and the read goes on down the ladder."""
+        n = 0
+        try:
+            n = self.tiers[name].read_into_blocking(key, group, region)
+            if n == expected:
+                return LadderResult(tier=name, nbytes=n, attempts=1)
+            self._expect(n, expected, name, group)
+        except ReadWithdrawnError as e:  # the request ended: the attempt came to nothing
+            return self._exhausted(LadderResult(attempts=1), [f"{name}: {e}"])
+        except Exception as exc:
+            outcome, text = _failed_text(name, exc)
+            gate.report(ReadOutcome(name, key, group, chunk, outcome, 0, text, type(exc).__name__))
+            result = self.read_blocking(
+                gate, key, chunk, group, holders[1:], region, expected, prior=(text,)
+            )
+            result.corrupt = result.corrupt or outcome is Outcome.CORRUPT
+            return result
+        raise AssertionError("unreachable: a wrong length raised above")  # pragma: no cover
+
+    @staticmethod
+    def batch_ok(gate: ReadGate, name: str) -> None:
+        """The tier ``name`` served reads of an admitted batch (one success report)."""
+        report_ok = getattr(gate, "report_ok", None)
+        if report_ok is not None:
+            report_ok(name)
+
     def read_blocking(
         self,
         gate: ReadGate,
@@ -214,11 +331,15 @@ class TierLadder:
         region: Any,
         expected: int,
         borrow: bool = False,
+        prior: Sequence[str] = (),
     ) -> LadderResult:
         """Read ``(key, group)`` into ``region`` in the calling (worker) thread; with
         ``borrow``, a tier that lends payloads in place lends it instead (``result.borrowed``).
+
+        ``prior``: what attempts before this call came to (a batch borrow that failed for this
+        object), counted as attempts and errors of the result; ``holders`` are the ones left.
         """
-        result, errors = LadderResult(), list[str]()
+        result, errors = LadderResult(attempts=len(prior)), list(prior)
         for name in self._admitted(gate, key, group, holders, result, errors):
             exc: BaseException | None = None
             n = 0

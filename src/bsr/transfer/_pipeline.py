@@ -41,6 +41,7 @@ import anyio
 import torch
 from anyio.abc import TaskGroup
 
+from ..core._keys import ChunkKey
 from ..core._layout import StateLayout, align_up
 from ..core._lifecycle import Reason
 from ..core._options import Policy, Strategy
@@ -51,15 +52,30 @@ from ..tiers._base import Borrowed, Tier
 from ..tiers._readers import cancellation
 from ._cache import PagedKVCache
 from ._install import CudaInstaller, HostInstaller
-from ._ladder import LadderResult, ReadGate, TierLadder
+from ._ladder import LadderResult, Outcome, ReadGate, TierLadder
 from ._staging import Slot, StagingAccount
 from ._tables import BlockTables
 
-#: aim for about this many payload bytes per worker-thread call on the host path
-BATCH_BYTES = 4 << 20
+#: aim for at most this many payload bytes per worker-thread call on the host path
+BATCH_BYTES = 8 << 20
 #: a batch from memory-speed tiers (``inline_reads``) up to this size runs on the event loop:
 #: copying it costs less than the worker-thread hop it would take
 INLINE_BYTES = 256 << 10
+#: a batch from memory-speed tiers too large to run on the event loop: one per worker, up to
+#: this size. Their work is CPU only (verify and copy), where each worker-thread hop costs the
+#: event loop and the worker thread a wake-up, a GIL hand-over and a context switch each way
+#: (about 0.1-0.2 ms of CPU on a busy 2-core machine, the cost of copying 1 MiB), so few large
+#: batches cost least; there is no device queue to keep in chunk order
+MEMORY_BATCH_BYTES = 16 << 20
+
+
+def _groups_by_chunk(layout: StateLayout, target: int) -> dict[int, tuple[str, ...]]:
+    """:func:`~bsr.core._plan.groups_by_chunk`, built at C speed when every group needs every
+    chunk of the prefix (no sliding window reaches back less far than the prefix)."""
+    names = layout.group_names
+    if all(layout.needed_chunks(g, target) == range(target) for g in names):
+        return dict.fromkeys(range(target), names)
+    return groups_by_chunk(layout, target)
 
 
 class ChunkFailure(Exception):
@@ -122,6 +138,12 @@ class InstallGate:
             self._active += 1
             return True
 
+    @property
+    def closing(self) -> bool:
+        """Whether the gate is closing or closed (an entered batch of copies stops at its next
+        chunk, so the close waits for one chunk's copy)."""
+        return self._closed
+
     def leave(self) -> None:
         with self._lock:
             self._active -= 1
@@ -157,7 +179,7 @@ class RestoreRun:
         self.policy = policy
         self.target = target
         self.limit = target  # chunks >= limit are abandoned (a chunk below failed)
-        self.needed = groups_by_chunk(layout, target)
+        self.needed = _groups_by_chunk(layout, target)
         self.installed: set[tuple[int, str]] = set()
         #: chunks below ``valid_chunks`` already hold valid state in the cache (the caller says
         #: so): they are neither read nor installed and count as installed; blocks of the
@@ -194,6 +216,15 @@ class RestoreRun:
             if result.fell_back:
                 self.fallbacks += 1
                 self.errors.extend(result.errors)
+
+    def record_lent(self, tier: str, nbytes: int, chunks: Sequence[int]) -> None:
+        """A batch's reads served by their first holder (``nbytes`` from ``tier``) and its
+        installed ``chunks`` (every needed group of each), recorded at once."""
+        needed = self.needed
+        with self._lock:
+            if nbytes:
+                self.bytes_by_tier[tier] = self.bytes_by_tier.get(tier, 0) + nbytes
+            self.installed.update((c, g) for c in chunks for g in needed[c])
 
     def record_installed(self, chunk: int, groups: Sequence[str]) -> None:
         with self._lock:
@@ -232,14 +263,15 @@ class _Batches:
         self._next = 0
 
     def take(self, run: RestoreRun) -> list[int]:
-        out: list[int] = []
-        while self._next < len(self._chunks) and len(out) < self._size:
-            c = self._chunks[self._next]
-            if not run.wanted(c):
-                self._next = len(self._chunks)
-                break
-            out.append(c)
-            self._next += 1
+        chunks, start = self._chunks, self._next
+        if run.must_stop:
+            self._next = len(chunks)
+            return []
+        out = chunks[start : start + self._size]
+        self._next = start + len(out)
+        if out and out[-1] >= run.limit:  # chunks are ascending: those past the limit go
+            out = [c for c in out if c < run.limit]
+            self._next = len(chunks)
         return out
 
 
@@ -371,9 +403,12 @@ class WindowPipeline:
                 self.layout, cache, tables, self.cuda_stream, run.first_block
             )
         chunks = sorted(c for c in run.needed if c not in run.skipped)
-        batches = _Batches(chunks, self._batch_size(job, len(chunks)))
+        size = self._batch_size(job, len(chunks))
+        batches = _Batches(chunks, size)
         async with anyio.create_task_group() as tg:
-            for _ in range(min(self.window, max(1, len(chunks)))):
+            # one worker per batch at most: a worker holds one slot, so W workers fill the
+            # window, and a short restore does not start workers that would find nothing
+            for _ in range(min(self.window, max(1, -(-len(chunks) // size)))):
                 tg.start_soon(self._worker, job, batches, tg)
         if job.whole_plan and job.staged:
             await self._install_staged(job)
@@ -383,12 +418,17 @@ class WindowPipeline:
         if job.cuda or job.whole_plan:
             return 1  # one slot per chunk: each stays busy until its copy is done
         chunk_bytes = max(1, self.layout.chunk_bytes)
-        if chunk_bytes <= INLINE_BYTES and self._all_inline(job):
-            # these batches run one after another on the event loop anyway: as large as an
-            # inline batch may be, so the per-batch steps (slot, turn, task switch) are rare
-            return max(1, INLINE_BYTES // chunk_bytes)
-        # several batches per worker, so chunks move roughly in chunk order across workers
-        per_worker = math.ceil(n / (4 * self.window))
+        if self._all_inline(job):
+            if chunk_bytes <= INLINE_BYTES:
+                # these batches run one after another on the event loop anyway: as large as an
+                # inline batch may be, so the per-batch steps (slot, turn, task switch) are rare
+                return max(1, INLINE_BYTES // chunk_bytes)
+            # worker-thread batches of memory-speed reads: one per worker (see
+            # MEMORY_BATCH_BYTES)
+            return max(1, min(math.ceil(n / self.window), MEMORY_BATCH_BYTES // chunk_bytes))
+        # two batches per worker, so chunks move roughly in chunk order across workers (each
+        # batch is one worker-thread hop, whose wake-ups cost CPU on both sides)
+        per_worker = math.ceil(n / (2 * self.window))
         return max(1, min(per_worker, BATCH_BYTES // chunk_bytes))
 
     def _all_inline(self, job: _Job) -> bool:
@@ -517,12 +557,38 @@ class WindowPipeline:
         """
         run = job.run
         lend = install and job.host is not None and not job.whole_plan
+        if lend and self._batch_lent(job, batch, slot):
+            return
+        # a batch whose first holder is one blocking tier, admitted at once: each object is
+        # read without its own admission and report (a failed one goes down the ladder)
+        admitted = None
+        if not lend or not all(self._lent(job, c) for c in batch):
+            holders, keys = job.probe.holders, job.probe.keys
+            admitted = self.ladder.admit_batch(
+                job.gate, [(keys[c], g, holders[c][g]) for c in batch for g in run.needed[c]]
+            )
+        try:
+            self._batch_chunks(job, batch, slot, install, lend, admitted)
+        finally:
+            if admitted is not None:
+                self.ladder.batch_ok(job.gate, admitted)
+
+    def _batch_chunks(
+        self,
+        job: _Job,
+        batch: Sequence[int],
+        slot: Slot,
+        install: bool,
+        lend: bool,
+        admitted: str | None,
+    ) -> None:
+        run = job.run
         for c in batch:
             if not run.wanted(c):
                 return
             lent: dict[str, Borrowed] = {}
             try:
-                if not self._read_chunk_blocking(job, c, slot, lent if lend else None):
+                if not self._read_chunk_blocking(job, c, slot, lent if lend else None, admitted):
                     return
                 if not install:
                     job.read_ok.add(c)
@@ -535,21 +601,123 @@ class WindowPipeline:
                 for b in lent.values():
                     b.release()
 
+    def _batch_lent(self, job: _Job, batch: Sequence[int], slot: Slot) -> bool:
+        """Host destination: borrow every object of ``batch`` from the one lending tier that is
+        the first holder of each, in one tier call (pinned and verified together), then install
+        chunk by chunk from the lent payloads. False (nothing done) when that does not apply:
+        other first holders, or a gate that wants each object admitted on its own.
+
+        An object that tier could not lend goes down the ladder on its own (the failed attempt
+        already reported) into the slot or lent by a later tier; a chunk that cannot be read or
+        installed fails the run and ends the batch, as on the per-object path.
+        """
+        run = job.run
+        needed, holders, keys = run.needed, job.probe.holders, job.probe.keys
+        name: str | None = None
+        objects: list[tuple[ChunkKey, int, str]] = []
+        for c in batch:
+            hc = holders[c]
+            for g in needed[c]:
+                h = hc[g]
+                if not h or (name is not None and h[0] != name):
+                    return False
+                name = h[0]
+                objects.append((keys[c], c, g))
+        if name is None or not self.ladder.lends(name):
+            return False
+        got = self.ladder.borrow_many_blocking(job.gate, name, objects, self._expected)
+        if got is None:
+            return False
+        lent, failed = got
+        host = job.host
+        assert host is not None
+        items = lent.items
+        extra: list[Borrowed] = []
+        done: list[int] = []
+        nbytes = 0
+        i = 0
+        gate = run.installs  # entered for the copies only: never across a read
+        entered = False
+        try:
+            for c in batch:
+                if (run.failure is not None or run.abandoned) and not run.wanted(c):
+                    return True
+                groups = needed[c]
+                payloads: dict[str, Any] = {}
+                for g in groups:
+                    if i in failed:
+                        if entered:
+                            gate.leave()
+                            entered = False
+                        text, outcome = failed[i]
+                        result = self.ladder.read_blocking(
+                            job.gate, keys[c], c, g, holders[c][g][1:],
+                            self._region(job, slot, g), self._expected[g], borrow=True,
+                            prior=(text,),
+                        )  # fmt: skip
+                        result.corrupt = result.corrupt or outcome is Outcome.CORRUPT
+                        if not result.ok:
+                            self._read_failed(job, c, g, result)
+                            return True
+                        if result.borrowed is not None:
+                            extra.append(result.borrowed)
+                            payloads[g] = result.borrowed.payload
+                        run.record_read(result)
+                    else:
+                        payload = items[i]
+                        payloads[g] = payload
+                        nbytes += len(payload)
+                    i += 1
+                if not entered:
+                    if not gate.enter():
+                        return True  # the request is over
+                    entered = True
+                elif gate.closing:
+                    return True  # the request is over: the close waits for us
+                try:
+                    host.install(c, groups, slot, payloads)
+                except Exception as exc:  # a failed copy is a failed chunk, never a raise
+                    run.fail(ChunkFailure(c, groups[0], Reason.INSTALL_FAILED, [repr(exc)]))
+                    return True
+                done.append(c)
+            return True
+        finally:
+            if entered:
+                gate.leave()
+            lent.release()
+            for b in extra:
+                b.release()
+            if done:
+                run.record_lent(name, nbytes, done)
+
     def _lent(self, job: _Job, c: int) -> bool:
         """Whether every group of chunk ``c`` is first asked of a tier that lends in place."""
         holders = job.probe.holders[c]
         return all(holders[g] and self.ladder.lends(holders[g][0]) for g in job.run.needed[c])
 
     def _read_chunk_blocking(
-        self, job: _Job, c: int, slot: Slot, lent: dict[str, Borrowed] | None = None
+        self,
+        job: _Job,
+        c: int,
+        slot: Slot,
+        lent: dict[str, Borrowed] | None = None,
+        admitted: str | None = None,
     ) -> bool:
-        """Read (or, with ``lent``, borrow where a tier lends) every group of chunk ``c``."""
+        """Read (or, with ``lent``, borrow where a tier lends) every group of chunk ``c``;
+        ``admitted``: the tier the gate admitted this chunk's batch on (:meth:`TierLadder.
+        admit_batch`), read first without a per-object admission."""
         key = job.probe.keys[c]
         for g in job.run.needed[c]:
-            result = self.ladder.read_blocking(
-                job.gate, key, c, g, job.probe.holders[c][g], self._region(job, slot, g),
-                self._expected[g], borrow=lent is not None,
-            )  # fmt: skip
+            if admitted is not None:
+                result = self.ladder.read_admitted_blocking(
+                    job.gate, admitted, key, c, g, job.probe.holders[c][g],
+                    self._region(job, slot, g), self._expected[g],
+                )  # fmt: skip
+            else:
+                result = self.ladder.read_blocking(
+                    job.gate, key, c, g, job.probe.holders[c][g], self._region(job, slot, g),
+                    self._expected[g], borrow=lent is not None,
+                )  # fmt: skip
             if not result.ok:
                 self._read_failed(job, c, g, result)
                 return False

@@ -153,6 +153,8 @@ def repeated_ids(ids: np.ndarray[Any, Any]) -> list[int]:
     """
     if len(ids) < 2:
         return []
+    if (ids[1:] > ids[:-1]).all():  # ascending (an allocator's usual table): none repeated
+        return []
     s = np.sort(ids)
     same = s[1:] == s[:-1]
     if not same.any():
@@ -174,15 +176,17 @@ class BlockTables:
         self.block_tokens = block_tokens
         self.bpc = layout.chunk_tokens // block_tokens
         self._t: dict[str, torch.Tensor] = {}
-        self._lists: dict[str, list[int]] = {}
+        self._arrays: dict[str, np.ndarray[Any, Any]] = {}
+        self._lists: dict[str, list[int]] = {}  # made on first use (blocks())
         self._holes: dict[str, np.ndarray[Any, Any]] = {}  # cumulative count of NULL_BLOCK
-        made: dict[int, tuple[torch.Tensor, list[int], np.ndarray[Any, Any]]] = {}
+        made: dict[int, tuple[torch.Tensor, np.ndarray[Any, Any]]] = {}
         for g in layout.group_names:
             arr = tables[g]
             if id(arr) not in made:
                 holes = np.concatenate(([0], np.cumsum(arr < 0)))
-                made[id(arr)] = (torch.from_numpy(arr), arr.tolist(), holes)
-            self._t[g], self._lists[g], self._holes[g] = made[id(arr)]
+                made[id(arr)] = (torch.from_numpy(arr), holes)
+            self._t[g], self._holes[g] = made[id(arr)]
+            self._arrays[g] = arr
         #: whether every group uses one table
         self.shared = len(made) == 1
 
@@ -191,8 +195,15 @@ class BlockTables:
         return self._t[group]
 
     def blocks(self, group: str) -> list[int]:
-        """The group's table as a list of ints (made once)."""
-        return self._lists[group]
+        """The group's table as a list of ints (made once, on first use)."""
+        out = self._lists.get(group)
+        if out is None:
+            arr = self._arrays[group]
+            same = [g for g, a in self._arrays.items() if a is arr]  # groups sharing a table
+            out = arr.tolist()
+            for g in same:
+                self._lists[g] = out
+        return out
 
     def chunk_blocks(self, group: str, chunk: int) -> torch.Tensor:
         """The blocks of chunk ``chunk`` of ``group`` (placeholders included)."""
@@ -226,8 +237,8 @@ class BlockTables:
             lo, hi = self.needed_blocks(g, prefix_chunks)
             lo = max(lo, first_block)
             if not self.all_real(g, lo, hi):
-                tail = self._lists[g][lo:hi]
-                bad = next((lo + i for i, b in enumerate(tail) if b < 0), len(self._lists[g]))
+                tail = self.blocks(g)[lo:hi]
+                bad = next((lo + i for i, b in enumerate(tail) if b < 0), len(self.blocks(g)))
                 return g, bad
         return None
 
@@ -244,7 +255,7 @@ class BlockTables:
         """The real blocks of chunk ``chunk`` of ``group`` at or past ``first_block`` (what an
         install of that chunk writes)."""
         lo = max(chunk * self.bpc, first_block)
-        return [b for b in self._lists[group][lo : (chunk + 1) * self.bpc] if b >= 0]
+        return [b for b in self.blocks(group)[lo : (chunk + 1) * self.bpc] if b >= 0]
 
 
 def build_tables(

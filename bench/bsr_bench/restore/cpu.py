@@ -1,0 +1,468 @@
+"""The ``cpu`` section: CPU seconds per GiB restored, beside the floor measured on the same bytes.
+
+Where it runs: inside ``bsr bench`` (after the layouts, in the bench's event loop) and in
+``bench/before_after.py``'s workers, on the public API only.
+
+How it works: wall time on a shared two-core machine moves as much from run to run as from
+change to change; CPU time is steadier, and it is what a serving host pays for every restore.
+For each point (a tier, a chunk size, a chunk count) one single-group layout is saved and then
+restored ``repeats`` times, each restore timed in **CPU seconds of the bench process** (user +
+system time of every thread, ``time.process_time``; the split from ``getrusage``), its wall
+time beside. The **floor** is measured in the same repeat, on the same number of bytes:
+
+- one xxh3 pass over them (``xxhash.xxh3_64_intdigest`` of the saved bytes, one call): every
+  restored byte is verified once;
+- one copy of them into the destination cache (``numpy.copyto``, one call: a single-threaded
+  memcpy into the very tensor the restore writes): every restored byte lands once;
+- for a ``FileTier``, the kernel's cost of reading the object files: **fio's own CPU** (its
+  jobs' ``usr_cpu`` + ``sys_cpu``, from its JSON; fio's start-up is not in it) reading the
+  very same files with the best configuration of the grid (the one with the highest bandwidth
+  in a first pass over the whole grid; every configuration's CPU is kept). Without fio the
+  bench's own raw reader (one ``preadv`` per file, one thread, timed in CPU seconds) stands in,
+  and the point says so.
+
+Per point: ``cpu_per_gib_s`` (the restore's median CPU per GiB), ``floor_per_gib_s`` (the sum
+of the floor's medians per GiB), ``cpu_vs_floor`` (their ratio) and ``machinery_per_chunk_s``
+(restore CPU minus floor CPU, per chunk: what bsr's own machinery costs per chunk, request
+work included). The wall ratios stay beside them: a host point's memcpy time / restore time (the
+``overhead`` section's figure), a file point's restore bandwidth / fio's. Each point records the
+load average before and after it. Restored bytes are checked once per point (the warm-up).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import resource
+import shutil
+import statistics
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+
+import bsr
+
+from ..common import fio as fio_mod
+from ..common.pagecache import CacheMode, prepare
+from ..common.raw import RawReader
+from ..common.stats import BenchError, Dist, ratio
+
+BLOCK_TOKENS = 16
+CHUNK_TOKENS = 256
+GIB = float(1 << 30)
+#: (chunk bytes, chunks) of every point, for both tiers: 4 KiB (where the machinery per chunk
+#: shows), 512 KiB and 32 MiB
+CPU_POINTS: tuple[tuple[int, int], ...] = ((4 << 10, 256), (512 << 10, 256), (32 << 20, 8))
+QUICK_CPU_POINTS: tuple[tuple[int, int], ...] = ((4 << 10, 64), (512 << 10, 16))
+CPU_TIERS = ("host", "file")
+#: targets of the section (bench/README.md): CPU over floor at >= 512 KiB chunks, and the
+#: machinery per 4 KiB chunk
+CPU_VS_FLOOR_MAX = 1.3
+CPU_VS_FLOOR_FROM_CHUNK = 512 << 10
+MACHINERY_PER_CHUNK_MAX_S = 15e-6
+#: repeats of the section at least (CPU time is steadier than wall time, not steady: on a shared
+#: machine a point's samples spread by 20-40%, so its median needs a few more)
+CPU_REPEATS = 11
+#: untimed restores before a point's repeats (the first is checked byte for byte): the steady
+#: state of a serving process, caches and the engine's own look-up caches warm
+WARMUP = 3
+
+
+@dataclass(frozen=True)
+class CpuTimes:
+    """The bench process's CPU time at one instant (every thread)."""
+
+    total: float
+    user: float
+    system: float
+
+    @classmethod
+    def now(cls) -> CpuTimes:
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        return cls(time.process_time(), ru.ru_utime, ru.ru_stime)
+
+    def __sub__(self, other: CpuTimes) -> CpuTimes:
+        return CpuTimes(
+            self.total - other.total, self.user - other.user, self.system - other.system
+        )
+
+
+class CpuClock:
+    """Samples of CPU time (and wall time) of one timed region, over repeats."""
+
+    def __init__(self) -> None:
+        self.cpu: list[CpuTimes] = []
+        self.wall: list[float] = []
+
+    @contextmanager
+    def timed(self) -> Iterator[None]:
+        c0, w0 = CpuTimes.now(), time.perf_counter()
+        yield
+        w1, c1 = time.perf_counter(), CpuTimes.now()
+        self.cpu.append(c1 - c0)
+        self.wall.append(w1 - w0)
+
+    def total(self) -> Dist:
+        # process_time never goes backwards; a region shorter than its resolution reads 0
+        return Dist.of([max(c.total, 1e-9) for c in self.cpu])
+
+    def user(self) -> Dist:
+        return Dist.of([max(c.user, 0.0) for c in self.cpu])
+
+    def system(self) -> Dist:
+        return Dist.of([max(c.system, 0.0) for c in self.cpu])
+
+    def wall_dist(self) -> Dist:
+        return Dist.of([max(w, 1e-9) for w in self.wall])
+
+
+def load_average() -> list[float] | None:
+    """The 1, 5 and 15 minute load averages (other work on the machine), or None."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def _layout(chunk_bytes: int) -> bsr.StateLayout:
+    if chunk_bytes % CHUNK_TOKENS:
+        raise BenchError(f"cpu: chunk size {chunk_bytes} is not a multiple of {CHUNK_TOKENS}")
+    group = bsr.StateGroup("kv", 1, chunk_bytes // CHUNK_TOKENS, dtype="uint8")
+    return bsr.StateLayout(chunk_tokens=CHUNK_TOKENS, groups=(group,))
+
+
+@dataclass
+class ReadFloor:
+    """How the kernel's cost of reading the object files is measured for a file point."""
+
+    files: list[str]
+    mode: CacheMode
+    binary: str | None
+    grid: tuple[fio_mod.FioConfig, ...] = ()
+    best: fio_mod.FioConfig | None = None
+    first_pass: tuple[dict[str, Any], ...] = ()
+    raw: RawReader | None = None
+
+    def choose(self) -> None:
+        """fio: one pass over the grid, the best bandwidth wins; else the raw reader."""
+        if self.binary is not None:
+            self.grid = fio_mod.fitted_grid(fio_mod.FIO_GRID, self.files)
+            rows: list[dict[str, Any]] = []
+            for c in self.grid:
+                prepare(self.mode, self.files)
+                try:
+                    read = fio_mod.run_fio(
+                        self.binary, self.files, c, direct=self.mode is CacheMode.DIRECT
+                    )
+                except BenchError as exc:
+                    rows.append({"name": c.name, "failed": str(exc)})
+                    continue
+                rows.append(
+                    {"name": c.name, "bandwidth_Bps": read.bandwidth_Bps, "cpu_s": read.cpu_s}
+                )
+            usable = [r for r in rows if r.get("cpu_s") is not None]
+            if usable:
+                top = max(usable, key=lambda r: r["bandwidth_Bps"])
+                self.best = next(c for c in self.grid if c.name == top["name"])
+            self.first_pass = tuple(rows)
+        if self.best is None:
+            biggest = max(os.path.getsize(f) for f in self.files)
+            self.raw = RawReader(biggest, 1, direct=self.mode is CacheMode.DIRECT)
+
+    def read(self, clock: CpuClock, bandwidth: list[float]) -> None:
+        """One read of every file: fio's own CPU, or the raw reader's in this process."""
+        prepare(self.mode, self.files)
+        if self.best is not None:
+            assert self.binary is not None
+            got = fio_mod.run_fio(
+                self.binary, self.files, self.best, direct=self.mode is CacheMode.DIRECT
+            )
+            assert got.cpu_s is not None
+            usr = got.usr_s or 0.0
+            sys_ = got.sys_s or 0.0
+            clock.cpu.append(CpuTimes(max(got.cpu_s, 1e-9), usr, sys_))
+            clock.wall.append(got.runtime_s)
+            bandwidth.append(got.bandwidth_Bps)
+            return
+        assert self.raw is not None
+        with clock.timed():
+            read = self.raw.read(self.files)
+        bandwidth.append(read.nbytes / max(read.seconds, 1e-9))
+
+    def describe(self) -> dict[str, Any]:
+        if self.best is not None:
+            lowest = min(
+                (r for r in self.first_pass if r.get("cpu_s") is not None),
+                key=lambda r: r["cpu_s"],
+            )
+            return {
+                "reference": "fio",
+                "config": self.best.name,
+                "grid": list(self.first_pass),
+                "lowest_cpu_config": lowest["name"],
+            }
+        why = "fio is not installed" if self.binary is None else "every fio configuration failed"
+        return {
+            "reference": "raw",
+            "config": "preadv, 1 thread",
+            "grid": list(self.first_pass),
+            "note": f"{why}: the bench's raw reader's CPU stands in for the kernel's read cost",
+        }
+
+    def close(self) -> None:
+        if self.raw is not None:
+            self.raw.close()
+
+
+async def _cpu_point(
+    tier_kind: str,
+    chunk_bytes: int,
+    chunks: int,
+    *,
+    repeats: int,
+    window: int,
+    io_depth: int,
+    seed: int,
+    root: Path | None,
+    mode: CacheMode,
+    fio_binary: str | None,
+) -> dict[str, Any]:
+    layout = _layout(chunk_bytes)
+    tokens_n = chunks * CHUNK_TOKENS
+    tokens = np.random.default_rng(seed).integers(0, 2**31 - 1, size=tokens_n, dtype=np.int64)
+    blocks = np.arange(tokens_n // BLOCK_TOKENS, dtype=np.int64)
+    cache = bsr.PagedKVCache(layout, len(blocks), BLOCK_TOKENS)
+    dest = cache.tensor("kv").view(-1)
+    gen = torch.Generator().manual_seed(seed)
+    dest[: dest.numel() // 8 * 8].view(torch.int64).random_(generator=gen)
+    saved = dest.clone()
+    nbytes = chunks * chunk_bytes
+    src, dst = saved.numpy()[:nbytes], dest.numpy()[:nbytes]
+    capacity = 2 * (nbytes + chunks * 8192) + (64 << 20)
+    directory: Path | None = None
+    tier: Any
+    if tier_kind == "host":
+        tier = bsr.HostTier(capacity_bytes=capacity)
+    else:
+        if root is None:
+            raise BenchError("cpu: a file point needs a directory")
+        directory = root / f"cpu-file-{chunk_bytes}"
+        tier = bsr.FileTier(directory, capacity, direct_io=mode is CacheMode.DIRECT)
+    engine = bsr.RestoreEngine(
+        layout,
+        [tier],
+        window=window,
+        io_depth=io_depth,
+        namespace=bsr.Namespace(model_id=f"bsr-bench/cpu-{tier_kind}-{chunk_bytes}"),
+        prefault_staging=True,
+    )
+    restore = CpuClock()
+    xxh3 = CpuClock()
+    copy = CpuClock()
+    read = CpuClock()
+    read_bw: list[float] = []
+    floor_read: ReadFloor | None = None
+    load_before = load_average()
+    try:
+        async with engine:
+            if not (await engine.save(tokens, cache, blocks)).ok:
+                raise BenchError(f"cpu: saving {chunks} chunks of {chunk_bytes} B failed")
+            files: list[str] = []
+            if tier_kind == "file":
+                files = [str(tier.object_path(k, "kv")) for k in engine.keys(tokens)]
+                floor_read = ReadFloor(files, mode, fio_binary)
+                floor_read.choose()
+            cache.tensor("kv").zero_()
+            np.copyto(dst, src)  # warm both buffers
+            cache.tensor("kv").zero_()
+            gc.collect()  # once per point: a full collection walks every object of the
+            # process and leaves the CPU caches cold for whatever runs next (about 0.9 ms more
+            # for a small restore here); a serving process does not collect before each restore
+            for r in range(repeats + WARMUP):  # warm-ups first (the first one is checked)
+                if files:
+                    prepare(mode, files)
+                with restore.timed():
+                    result = await engine.restore(tokens, cache, blocks)
+                if not result.committed or result.committed_tokens != tokens_n:
+                    raise BenchError(
+                        f"cpu: {tier_kind} restore at {chunk_bytes} B ended {result.state} "
+                        f"({result.reason})"
+                    )
+                if r < WARMUP:
+                    if r == 0 and not torch.equal(dest[:nbytes], saved[:nbytes]):
+                        raise BenchError(
+                            f"cpu: restored bytes differ at {chunk_bytes} B chunks ({tier_kind})"
+                        )
+                    restore.cpu.clear()
+                    restore.wall.clear()
+                    continue
+                with xxh3.timed():
+                    xxhash.xxh3_64_intdigest(src)  # type: ignore[arg-type]
+                with copy.timed():
+                    np.copyto(dst, src)
+                if floor_read is not None:
+                    floor_read.read(read, read_bw)
+    finally:
+        if floor_read is not None:
+            floor_read.close()
+        if directory is not None:
+            shutil.rmtree(directory, ignore_errors=True)
+    return _point_json(
+        tier_kind, chunk_bytes, chunks, nbytes, restore, xxh3, copy,
+        read if floor_read is not None else None, read_bw, floor_read, load_before,
+    )  # fmt: skip
+
+
+def _point_json(
+    tier_kind: str,
+    chunk_bytes: int,
+    chunks: int,
+    nbytes: int,
+    restore: CpuClock,
+    xxh3: CpuClock,
+    copy: CpuClock,
+    read: CpuClock | None,
+    read_bw: Sequence[float],
+    floor_read: ReadFloor | None,
+    load_before: list[float] | None,
+) -> dict[str, Any]:
+    gib = nbytes / GIB
+    rc = restore.total()
+    floor_parts = {"xxh3_cpu_s": xxh3.total(), "copy_cpu_s": copy.total()}
+    if read is not None:
+        floor_parts["read_cpu_s"] = read.total()
+    floor_s = sum(d.median for d in floor_parts.values())
+    wall = restore.wall_dist()
+    floor: dict[str, Any] = {k: d.to_dict() for k, d in floor_parts.items()}
+    floor["copy_wall_s"] = copy.wall_dist().to_dict()
+    floor["cpu_s"] = floor_s
+    if read is not None and floor_read is not None:
+        floor["read"] = floor_read.describe()
+        floor["read_usr_s"] = read.user().to_dict()
+        floor["read_sys_s"] = read.system().to_dict()
+        floor["read_bandwidth_Bps"] = Dist.of(read_bw).to_dict()
+    if tier_kind == "host":
+        wall_ratio = {
+            "reference": "memcpy",
+            "value": ratio(copy.wall_dist().median, wall.median, "cpu host wall ratio"),
+        }
+    else:
+        bw = nbytes / wall.median
+        wall_ratio = {
+            "reference": floor["read"]["reference"] if read is not None else "none",
+            "value": ratio(bw, statistics.median(read_bw), "cpu file wall ratio"),
+        }
+    return {
+        "tier": tier_kind,
+        "chunk_bytes": chunk_bytes,
+        "chunks": chunks,
+        "bytes": nbytes,
+        "restore_cpu_s": rc.to_dict(),
+        "restore_usr_s": restore.user().to_dict(),
+        "restore_sys_s": restore.system().to_dict(),
+        "restore_wall_s": wall.to_dict(),
+        "floor": floor,
+        "cpu_per_gib_s": rc.median / gib,
+        "floor_per_gib_s": floor_s / gib,
+        "cpu_vs_floor": ratio(rc.median, floor_s, f"cpu_vs_floor {tier_kind} {chunk_bytes}"),
+        "machinery_per_chunk_s": max(0.0, rc.median - floor_s) / chunks,
+        "wall_vs_reference": wall_ratio,
+        "load_average_before": load_before,
+        "load_average_after": load_average(),
+    }
+
+
+async def measure_cpu(
+    points: Sequence[tuple[int, int]],
+    repeats: int,
+    window: int,
+    io_depth: int,
+    seed: int,
+    *,
+    tiers: Sequence[str] = CPU_TIERS,
+    root: Path | None = None,
+    mode: CacheMode = CacheMode.DIRECT,
+    fio_binary: str | None = None,
+) -> dict[str, Any]:
+    """The ``cpu`` section (see the module docstring); ``root`` holds the file points' tiers.
+
+    The process's long-lived objects are kept out of the collector while it runs (``gc.freeze``,
+    as the default run does for all its figures, unless the caller already froze them): a full
+    collection walks every object of the bench process (torch, transformers, the bench), so one
+    falling inside a timed restore would charge it milliseconds that depend on the bench's heap,
+    not on bsr.
+    """
+    load_start = load_average()
+    froze = gc.get_freeze_count() == 0
+    if froze:
+        gc.collect()
+        gc.freeze()
+    out = []
+    try:
+        for kind in tiers:
+            for chunk_bytes, chunks in points:
+                point = await _cpu_point(
+                    kind, chunk_bytes, chunks, repeats=repeats, window=window,
+                    io_depth=io_depth, seed=seed, root=root, mode=mode, fio_binary=fio_binary,
+                )  # fmt: skip
+                out.append(point)
+    finally:
+        if froze:
+            gc.unfreeze()
+    return {
+        "clock": "time.process_time (user + system CPU of every thread of the bench process); "
+        "split from getrusage(RUSAGE_SELF)",
+        "floor": "xxh3 pass + numpy.copyto into the destination (+ for FileTier: fio's job CPU "
+        "reading the same files, best-bandwidth configuration)",
+        "window": window,
+        "io_depth": io_depth,
+        "repeats": repeats,
+        "cache_mode": mode.value,
+        "load_average_start": load_start,
+        "load_average_end": load_average(),
+        "points": out,
+    }
+
+
+def cpu_targets(section: dict[str, Any]) -> list[dict[str, Any]]:
+    """The section's targets (``{name, description, value, threshold, met}``)."""
+    out: list[dict[str, Any]] = []
+    points = section["points"]
+    for kind, label in (("file", "FileTier"), ("host", "HostTier")):
+        big = [
+            p for p in points if p["tier"] == kind and p["chunk_bytes"] >= CPU_VS_FLOOR_FROM_CHUNK
+        ]
+        if big:
+            worst = max(p["cpu_vs_floor"] for p in big)
+            out.append(
+                {
+                    "name": f"cpu_{kind}_vs_floor",
+                    "description": f"{label} restore CPU / floor CPU (same bytes, same run) at "
+                    ">= 512 KiB chunks (highest over the points)",
+                    "value": float(worst),
+                    "threshold": CPU_VS_FLOOR_MAX,
+                    "met": bool(worst <= CPU_VS_FLOOR_MAX),
+                }
+            )
+    small = [p for p in points if p["tier"] == "host"]
+    if small:
+        p = min(small, key=lambda p: p["chunk_bytes"])
+        v = p["machinery_per_chunk_s"]
+        out.append(
+            {
+                "name": "cpu_machinery_per_chunk_small_s",
+                "description": "HostTier restore CPU beyond the floor, per chunk, at "
+                f"{p['chunk_bytes']} B chunks (seconds)",
+                "value": float(v),
+                "threshold": MACHINERY_PER_CHUNK_MAX_S,
+                "met": bool(v <= MACHINERY_PER_CHUNK_MAX_S),
+            }
+        )
+    return out
