@@ -16,8 +16,7 @@ from typing import Any
 
 import bsr
 from bsr.testing import LatencyTier
-from bsr.vllm import BsrConnector
-from bsr.vllm._worker import BsrWorker
+from bsr.vllm import BsrConnector, BsrWorker
 
 ENV = "BSR_BENCH_TIERS"
 
@@ -35,7 +34,7 @@ class FirstChunks(bsr.TierWrapper[bsr.Tier]):
         return await self.inner.write(key, group, payload)
 
 
-class CostBenchWorker(BsrWorker):
+class CostBenchWorker(BsrWorker):  # type: ignore[misc]
     def build_engine(self, layout: bsr.StateLayout, coordinator: Any) -> bsr.RestoreEngine:
         eng = super().build_engine(layout, coordinator)
         cond = json.loads(os.environ.get(ENV, "{}"))

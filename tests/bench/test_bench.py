@@ -462,8 +462,9 @@ BENCH_PACKAGE = Path(__file__).parents[2] / "bench" / "bsr_bench"
 #: known private imports, each to be replaced by a public name (then deleted here): the test
 #: fails on any new one and on an entry that no longer matches
 KNOWN_PRIVATE: set[str] = set()
-#: public modules beside the facade: the test kit and the Redis tier (an optional extra)
-PUBLIC_MODULES = {"bsr.testing", "bsr.redis"}
+#: public modules beside the facade: the test kit, the Redis tier (an optional extra) and the
+#: vLLM connector (its worker class is the documented seam for wrapping the engine's tiers)
+PUBLIC_MODULES = {"bsr.testing", "bsr.redis", "bsr.vllm"}
 
 
 def _private_imports(path: Path) -> list[str]:

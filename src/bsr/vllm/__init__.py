@@ -16,6 +16,7 @@ __all__ = (
     "BsrConnector",
     "BsrConnectorMetadata",
     "BsrConnectorStats",
+    "BsrWorker",
     "ConnectorOptions",
 )
 
@@ -28,7 +29,7 @@ def __getattr__(name: str) -> Any:
 
         return ConnectorOptions
     try:
-        from . import _connector, _metadata, _stats
+        from . import _connector, _metadata, _stats, _worker
     except ImportError as exc:
         if "vllm" not in str(exc):
             raise
@@ -36,7 +37,7 @@ def __getattr__(name: str) -> Any:
             "bsr.vllm.BsrConnector needs vLLM: pip install 'bsr[vllm]' (CPU build), or "
             "install vLLM's CUDA build on a GPU machine"
         ) from exc
-    for module in (_connector, _metadata, _stats):
+    for module in (_connector, _metadata, _stats, _worker):
         if hasattr(module, name):
             return getattr(module, name)
     raise AttributeError(name)  # pragma: no cover - every name of __all__ is above
