@@ -54,6 +54,24 @@ if os.environ.get("CI", "").strip().lower() == "true":
 #: pytest-xdist each of their tests is a unit of its own, so both workers run them side by side
 SPLIT_MODULES = frozenset({"tests/proof/test_connector_spin.py"})
 
+#: the modules that take longest (``--durations``, on two workers), longest first: handed out
+#: right after :data:`SPLIT_MODULES`, before the modules with the most tests, so that none starts
+#: last and runs alone at the end (the bench's vLLM sections are one test each, ~150 s; the vLLM
+#: suite's engine fixtures run one engine after another)
+LONG_MODULES = (
+    "tests/vllm/test_connector.py",
+    "tests/bench/test_vllm_ttft.py",
+    "tests/bench/test_vllm_interference.py",
+    "tests/vllm/test_stuck_store.py",
+    "tests/vllm/test_async_faults.py",
+    "tests/vllm/test_key_partition.py",
+    "tests/vllm/test_hybrid.py",
+    "tests/proof/test_campaign.py",
+    "tests/vllm/test_mla.py",
+    "tests/vllm/test_serve.py",
+    "tests/vllm/test_window_checkpoints.py",
+)
+
 
 @pytest.hookimpl(optionalhook=True)  # an xdist hook: without xdist it is never called
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
@@ -84,14 +102,20 @@ def _module(item: pytest.Item) -> str:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """On an xdist worker: the order the scheduler hands units out in (see
-    :func:`pytest_xdist_make_scheduler`). :data:`SPLIT_MODULES` first, then the modules with the
-    most tests; each module's tests stay together and in their order."""
+    :func:`pytest_xdist_make_scheduler`). :data:`SPLIT_MODULES` first, then :data:`LONG_MODULES`,
+    then the modules with the most tests; each module's tests stay together and in order."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
     counts: dict[str, int] = {}
     for item in items:
         counts[_module(item)] = counts.get(_module(item), 0) + 1
-    items.sort(key=lambda i: (_module(i) not in SPLIT_MODULES, -counts[_module(i)]))
+    long = {m: i for i, m in enumerate(LONG_MODULES)}
+
+    def order(item: pytest.Item) -> tuple[bool, int, int]:
+        module = _module(item)
+        return module not in SPLIT_MODULES, long.get(module, len(long)), -counts[module]
+
+    items.sort(key=order)
 
 
 @pytest.fixture(autouse=True, scope="session")

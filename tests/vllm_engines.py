@@ -2,8 +2,11 @@
 
 Import with ``from vllm_engines import ...`` (``tests/`` is on pytest's ``pythonpath``; a module
 named ``vllm`` would be shadowed by the ``tests/vllm`` directory). Each engine runs in its own
-process (``tests/vllm/run_engine.py``): vLLM spawns workers, and a test process must not hold an
-engine.
+process (``tests/vllm/run_engine.py``), forked by a server that imported vLLM once
+(:class:`EngineForks`); a test process never holds an engine. An engine runs in that one process
+(vLLM's ``UniProcExecutor``, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: ~2 s to start where the
+engine core and its worker in processes of their own take ~17 s) unless its core must run on
+its own: scripts, the key-partition client, tensor parallelism, or a spec with ``processes``.
 """
 
 from __future__ import annotations
@@ -12,13 +15,79 @@ import importlib.util
 import json
 import os
 import random
+import select
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 RUN_ENGINE = Path(__file__).parent / "vllm" / "run_engine.py"
+ENGINE_FORKS = Path(__file__).parent / "vllm" / "engine_forks.py"
+#: the longest one engine run may take
+RUN_TIMEOUT_S = 600
+
+
+class EngineForks:
+    """This test process's client of ``tests/vllm/engine_forks.py``: a process that imported
+    vLLM once and forks a fresh child per engine run (each run as a new process would see it,
+    less ~6 s of imports). Started on first use; it ends when this process does (its input
+    closes). ``BSR_TEST_ENGINE_FORKS=0`` starts every run as a new interpreter instead."""
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen[str] | None = None
+        self._log = Path(os.environ.get("TMPDIR", "/tmp")) / f"bsr-engine-forks-{os.getpid()}.log"
+
+    def _server(self) -> subprocess.Popen[str]:
+        if self._proc is None or self._proc.poll() is not None:
+            with open(self._log, "a") as err:
+                self._proc = subprocess.Popen(
+                    [sys.executable, str(ENGINE_FORKS)], stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE, stderr=err, text=True, bufsize=1,
+                )  # fmt: skip
+        return self._proc
+
+    def _answer(self, proc: subprocess.Popen[str], deadline: float) -> dict[str, Any]:
+        assert proc.stdout is not None
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            ready, _, _ = select.select([proc.stdout], [], [], left)
+            if ready:
+                line = proc.stdout.readline()
+                if not line:
+                    raise RuntimeError(f"the engine fork server ended (its log: {self._log})")
+                return dict(json.loads(line))
+
+    def run(self, spec: Path, out: Path, log: Path, env: dict[str, str]) -> int:
+        """Run ``run_engine.main(spec, out)`` in a fork with ``env``, its output in ``log``;
+        its exit status (killed, and negative, past :data:`RUN_TIMEOUT_S`)."""
+        proc = self._server()
+        assert proc.stdin is not None
+        req = {"spec": str(spec), "out": str(out), "log": str(log), "env": env}
+        proc.stdin.write(json.dumps(req) + "\n")
+        proc.stdin.flush()
+        deadline = time.monotonic() + 120  # the server imports vLLM before its first answer
+        pid = int(self._answer(proc, deadline)["pid"])
+        try:
+            return int(self._answer(proc, time.monotonic() + RUN_TIMEOUT_S)["rc"])
+        except TimeoutError:  # the run and the processes it started (its own group)
+            os.killpg(pid, signal.SIGKILL)
+            return int(self._answer(proc, time.monotonic() + 60)["rc"])
+
+
+_FORKS: EngineForks | None = None
+
+
+def _forks() -> EngineForks:
+    global _FORKS
+    if _FORKS is None:
+        _FORKS = EngineForks()
+    return _FORKS
+
 
 LLAMA = {  # a small random Llama: head_dim 64 (the CPU attention kernels need >= 32)
     "hidden_size": 256,
@@ -169,20 +238,34 @@ def run(tmp: Path, name: str, model: str = "model", **spec: Any) -> dict[str, An
     env = dict(os.environ)
     # the tests' own connector module (gated_connector) is importable in every engine process
     env["PYTHONPATH"] = os.pathsep.join([str(RUN_ENGINE.parent), env.get("PYTHONPATH", "")])
+    # one process (vLLM's UniProcExecutor inside the test's engine process: ~2 s to start instead
+    # of ~17 s for two more processes, each importing vLLM) unless the run needs the engine core
+    # to run on its own: a script waits without stepping, the key-partition client waits for
+    # saves, TP > 1 has a process per rank, or the spec asks (``processes``)
+    if not (
+        spec.pop("processes", False)
+        or "script" in spec
+        or "key_partition" in spec
+        or spec.get("tensor_parallel_size", 1) > 1
+    ):
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     env.update(spec.pop("env", {}))
     if spec.get("tensor_parallel_size", 1) > 1:  # one core per rank (auto binding refuses)
         cores = sorted(os.sched_getaffinity(0))
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(c) for c in cores[:2])
-    proc = subprocess.run(
-        [sys.executable, str(RUN_ENGINE), str(tmp / f"{name}.json"), str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
-    (tmp / f"{name}.log").write_text(proc.stdout + proc.stderr)  # bsr's and vLLM's events
-    if proc.returncode != 0 or not out.exists():
-        raise AssertionError(f"{name} run failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+    log = tmp / f"{name}.log"  # bsr's and vLLM's events
+    if os.environ.get("BSR_TEST_ENGINE_FORKS", "1") == "0":
+        with open(log, "w") as f:
+            proc = subprocess.run(
+                [sys.executable, str(RUN_ENGINE), str(tmp / f"{name}.json"), str(out)],
+                stdout=f, stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT_S, env=env,
+            )  # fmt: skip
+        code = proc.returncode
+    else:
+        code = _forks().run(tmp / f"{name}.json", out, log, env)
+    if code != 0 or not out.exists():
+        tail = log.read_text(errors="replace")[-6000:] if log.exists() else ""
+        raise AssertionError(f"{name} run failed ({code}):\n{tail}")
     return dict(json.loads(out.read_text()))
 
 

@@ -1,8 +1,8 @@
 """Run one vLLM CPU engine (own process) over a spec and write its outputs as JSON.
 
-Used by the vLLM tests and the ``bsr bench --engine vllm`` runner: each engine starts in a fresh
-process (vLLM spawns workers; a test process must not hold an engine). Usage:
-``python run_engine.py spec.json out.json``. The spec names the model directory (a
+Used by the vLLM tests (``vllm_engines.run``): each engine starts in a fresh process, a fork of
+``engine_forks.py`` or a new interpreter (vLLM spawns workers; a test process must not hold an
+engine). Usage: ``python run_engine.py spec.json out.json``. The spec names the model directory (a
 ``config.json`` only: random weights, no download), the connector config (or none) and its
 class, role and failure policy, store actions to apply after the engine started (``damage``,
 ``evict``, ``fifo``), and either batches of prompts (``llm.generate``; a prompt may continue an
@@ -205,6 +205,7 @@ def generate_each(llm: Any, items: list[dict[str, Any]], params: Any) -> list[li
             use_tqdm=False,
         )  # fmt: skip
         out.append(list(o.outputs[0].token_ids))
+        settle(llm)
     return out
 
 
@@ -244,10 +245,32 @@ def continued(
     return [*prompts[b][r], *done[b]["rows"][r]["tokens"], *prompt["then"]]
 
 
+#: the engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, vLLM's
+#: ``UniProcExecutor``): nothing steps it between this script's calls (see :func:`settle`)
+IN_PROCESS = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+
+
+def settle(llm: Any, timeout_s: float = 180.0) -> None:
+    """Step a one-process engine until its core holds no request, as the core's own loop does
+    in its process: a finished request's save is dispatched with the step after it finished and
+    its blocks come back when the save is reported done. Gives up after ``timeout_s`` (a
+    deliberately hung store). Nothing to do when the core runs in its own process."""
+    if not IN_PROCESS:
+        return
+    engine = llm.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler
+    deadline = time.monotonic() + timeout_s
+    while scheduler.has_requests() and time.monotonic() < deadline:
+        engine.step()
+        time.sleep(0.002)
+
+
 def reset_prefix_cache(llm: Any) -> None:
     """Empty vLLM's prefix cache (once finished requests' saves have given their blocks back)."""
     deadline = time.monotonic() + 120
+    settle(llm)
     while not llm.reset_prefix_cache():
+        settle(llm, timeout_s=0.1)
         if time.monotonic() > deadline:
             raise RuntimeError("vLLM's prefix cache could not be reset: blocks still held")
         time.sleep(0.1)
@@ -309,6 +332,7 @@ def main(spec_path: str, out_path: str) -> None:
         t1 = time.perf_counter()
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params)
         done = {"rows": [row(o) for o in outs], "wall_s": time.perf_counter() - t1}
+        settle(llm)
         if spec.get("log_stats"):
             done["metrics"] = metrics(llm)
         out["batches"].append(done)
@@ -320,10 +344,12 @@ def main(spec_path: str, out_path: str) -> None:
         path, count = spec["await_objects"]
         deadline = time.monotonic() + 180
         while len(store_objects(path)) < count and time.monotonic() < deadline:
+            settle(llm, timeout_s=0.2)
             time.sleep(0.2)
     for name, path in spec.get("await_files", {}).items():
         deadline = time.monotonic() + 180
         while not Path(path).exists() and time.monotonic() < deadline:
+            settle(llm, timeout_s=0.1)
             time.sleep(0.1)
         out.setdefault("files", {})[name] = Path(path).read_text() if Path(path).exists() else None
     Path(out_path).write_text(json.dumps(out))
