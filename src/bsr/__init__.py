@@ -91,13 +91,10 @@ if TYPE_CHECKING:  # what mypy and readers see; at run time __getattr__ imports 
     from .tiers._codec import ObjectCodec as ObjectCodec
     from .tiers._codec import ObjectHeader as ObjectHeader
     from .tiers._file import FileTier as FileTier
-    from .tiers._file import FileTierOptions as FileTierConfig
     from .tiers._file import FileTierOptions as FileTierOptions
     from .tiers._host import HostTier as HostTier
-    from .tiers._host import HostTierOptions as HostTierConfig
     from .tiers._host import HostTierOptions as HostTierOptions
     from .tiers._mooncake import MooncakeTier as MooncakeTier
-    from .tiers._mooncake import MooncakeTierOptions as MooncakeTierConfig
     from .tiers._mooncake import MooncakeTierOptions as MooncakeTierOptions
     from .tiers._readers import KvikioReader as KvikioReader
     from .tiers._readers import PosixReader as PosixReader
@@ -113,6 +110,11 @@ if TYPE_CHECKING:  # what mypy and readers see; at run time __getattr__ imports 
     from .transfer._staging import StagingPool as StagingPool
     from .transfer._staging import StagingStatistics as StagingStatistics
     from .transfer._tables import NULL_BLOCK as NULL_BLOCK
+
+    # the names bsr 0.2 gave the tier options classes (see _ALIASES)
+    FileTierConfig = FileTierOptions
+    HostTierConfig = HostTierOptions
+    MooncakeTierConfig = MooncakeTierOptions
 
 #: where each lazily imported public name lives (the module, relative to this package)
 _LAZY: dict[str, tuple[str, ...]] = {
@@ -212,100 +214,15 @@ def __dir__() -> list[str]:
     return sorted({*(n for n in globals() if n.startswith("_")), *__all__, "kit", "__version__"})
 
 
-__all__ = (
-    "AbandonableCalls",
-    "BlockTableError",
-    "BreakerState",
-    "BsrError",
-    "Check",
-    "ChunkKey",
-    "ClosedError",
-    "ConfigError",
-    "ConversationBusyError",
-    "Coordinator",
-    "CoordinatorError",
-    "CostModel",
-    "CostStatistics",
-    "CorruptObjectError",
-    "EngineConfig",
-    "EngineStatistics",
-    "FORMAT_VERSION",
-    "FileTier",
-    "FileTierConfig",
-    "FileTierOptions",
-    "ForeignObjectError",
-    "GuardRejectedError",
-    "HostTier",
-    "HostTierConfig",
-    "HostTierOptions",
-    "IllegalTransitionError",
-    "InProcessCoordinator",
-    "InProcessGroup",
-    "KeyExtra",
-    "KeyedTokens",
-    "KvikioReader",
-    "LayoutError",
-    "LoadDecision",
-    "LocalCoordinator",
-    "MooncakeTier",
-    "MooncakeTierConfig",
-    "MooncakeTierOptions",
-    "Namespace",
-    "ObjectCodec",
-    "ObjectError",
-    "ObjectHeader",
-    "ObjectKey",
-    "ObjectNotFoundError",
-    "ObjectRemoved",
-    "OutOfBlocksError",
-    "PagedKVCache",
-    "Policy",
-    "PosixReader",
-    "UringReader",
-    "Probe",
-    "Reason",
-    "Removal",
-    "RequestLifecycle",
-    "RequestState",
-    "RestoreEngine",
-    "RestoreResult",
-    "SaveResult",
-    "SightingCounter",
-    "SightingStatistics",
-    "StagingError",
-    "StagingPool",
-    "StagingStatistics",
-    "StateGroup",
-    "StateLayout",
-    "Strategy",
-    "Tier",
-    "TierBusyError",
-    "TierError",
-    "TierFullError",
-    "TierIOError",
-    "TierLease",
-    "TierOptions",
-    "TierRootError",
-    "TierStatistics",
-    "TierTimeoutError",
-    "TierUsage",
-    "TierWrapper",
-    "Timings",
-    "TokenError",
-    "TorchDistributedCoordinator",
-    "TransitionRecord",
-    "TruncatedObjectError",
-    "UnknownGroupError",
-    "as_byte_view",
-    "as_payload_view",
-    "as_token_array",
-    "chunk_keys",
-    "kv_layout",
-    "model_config_digest",
-    "option",
-    "prepare_tokens",
-    "register_tier",
-    "tier_kinds",
-    "tier_options",
-    "unregister_tier",
+#: the public names, sorted: the light ones imported above (the option rules, the errors), every
+#: name of the lazy table and the 0.2 aliases. Generated, so a name added to the table is
+#: exported (tests/test_api.py checks it against the TYPE_CHECKING imports)
+__all__ = tuple(
+    sorted(
+        {
+            *(n for n, v in globals().items() if getattr(v, "__module__", "").startswith("bsr.")),
+            *_WHERE,
+            *_ALIASES,
+        }
+    )
 )
