@@ -61,6 +61,9 @@ ENGINE_KEYS = [
     "prefault_staging",
     "model_id",
     "tenant",
+    "window_checkpoint_chunks",
+    "shield_timeout_s",
+    "staging_budget_bytes",
 ]
 TIER_KEYS = {
     "host": ["capacity_bytes", "name"],
@@ -126,7 +129,7 @@ def _cases() -> list[tuple[str, str, int]]:
 
 #: keys checked when the engine is built, against the layout (chunk_tokens, window's memory) or
 #: because the engine needs them (model_id, without a namespace): a ConfigError there is right
-BUILD_KEYS = {"chunk_tokens", "window", "model_id"}
+BUILD_KEYS = {"chunk_tokens", "window", "model_id", "staging_budget_bytes"}
 
 
 async def _check_accepted(config: bsr.EngineConfig, kind: str, key: str) -> None:
@@ -341,3 +344,43 @@ async def test_store_gc_with_an_absurd_size_exits_2(tmp_path: Path) -> None:
     await make()
     p = _cli("store", "gc", str(tmp_path / "s"), "--max-bytes", BIG)
     assert p.returncode == 2 and "--max-bytes" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_every_engine_knob_is_settable_from_the_config_and_reaches_the_engine(
+    tmp_path: Path,
+) -> None:
+    """Found in the house tidy: the config could not set shield_timeout_s or
+    staging_budget_bytes (the engine's constructor could). Each comes through a dict, TOML and
+    the environment, and a budget the window does not fit in names the key."""
+    layout = two_group_layout()
+    tiers = [_tier("host", tmp_path)]
+    window_bytes = 2 * layout.slot_bytes
+    data = {"model_id": "m", "window": 2, "io_depth": 1, "tiers": tiers,
+            "shield_timeout_s": 1.5, "staging_budget_bytes": f"{window_bytes * 4}B"}  # fmt: skip
+    toml = tmp_path / "bsr.toml"
+    toml.write_text(
+        'model_id = "m"\nwindow = 2\nio_depth = 1\nshield_timeout_s = 1.5\n'
+        f'staging_budget_bytes = "{window_bytes * 4}B"\n'
+        '[[tiers]]\nkind = "host"\ncapacity_bytes = "1MiB"\n'
+    )
+    env = {"BSR_MODEL_ID": "m", "BSR_WINDOW": "2", "BSR_IO_DEPTH": "1",
+           "BSR_SHIELD_TIMEOUT_S": "1.5", "BSR_STAGING_BUDGET_BYTES": f"{window_bytes * 4}B",
+           "BSR_TIERS": '[{"kind": "host", "capacity_bytes": "1MiB"}]'}  # fmt: skip
+    for config in (
+        bsr.EngineConfig.from_dict(data),
+        bsr.EngineConfig.from_toml(toml),
+        bsr.EngineConfig.from_env(environ=env),
+    ):
+        assert config.shield_timeout_s == 1.5
+        assert config.staging_budget_bytes == window_bytes * 4
+        assert bsr.EngineConfig.from_dict(config.to_dict()) == config
+        engine = bsr.RestoreEngine.from_config(config, layout=layout)
+        assert engine.shield_timeout_s == 1.5
+        assert engine.staging_budget_bytes == window_bytes * 4
+    small = bsr.EngineConfig.from_dict({**data, "staging_budget_bytes": window_bytes - 1})
+    with pytest.raises(bsr.ConfigError, match="staging_budget_bytes") as info:
+        bsr.RestoreEngine.from_config(small, layout=layout)
+    assert info.value.fields["key"] == "staging_budget_bytes"
+    for bad in (0, -1.0, float("nan"), "soon"):
+        with pytest.raises(bsr.ConfigError, match="shield_timeout_s"):
+            bsr.EngineConfig.from_dict({**data, "shield_timeout_s": bad})

@@ -121,6 +121,13 @@ class EngineConfig:
             stores the group's window at every this-many-th chunk boundary, so a later prompt
             sharing only the first ``j`` chunks restores up to the last checkpoint at or below
             ``j``; ``None``: only the window at the end of each saved prefix.
+        shield_timeout_s: the bound on the calls bsr makes for its own sake: moving a corrupt
+            object out of its tier, waiting for device copies that still read staging slots,
+            closing a tier (see ``RestoreEngine``).
+        staging_budget_bytes: host staging the engine may use (an int or ``"512MiB"``). The
+            window must fit in it (else a ConfigError when the engine is built); a whole-plan
+            restore whose plan exceeds it ends Invalidated (``staging_budget``). ``None``: no
+            budget.
     """
 
     tiers: tuple[TierOptions, ...] = option(_tiers)
@@ -138,6 +145,8 @@ class EngineConfig:
     window_checkpoint_chunks: int | None = option(
         Check.optional_positive_int, DEFAULT_WINDOW_CHECKPOINT_CHUNKS
     )
+    shield_timeout_s: float = option(Check.seconds, 5.0)
+    staging_budget_bytes: int | None = option(Check.optional_size, None)
 
     def __post_init__(self) -> None:
         check_options(self)  # direct construction is checked exactly like from_dict

@@ -305,6 +305,8 @@ class RestoreEngine(AsyncResource):
             breaker_threshold=config.breaker_threshold,
             breaker_cooldown_s=config.breaker_cooldown_s,
             window_checkpoint_chunks=config.window_checkpoint_chunks,
+            shield_timeout_s=config.shield_timeout_s,
+            staging_budget_bytes=config.staging_budget_bytes,
         )
 
     @staticmethod
@@ -335,6 +337,7 @@ class RestoreEngine(AsyncResource):
                 f"the window needs {window_bytes} bytes of staging ({self.window} slots of "
                 f"{self.layout.slot_bytes}) but staging_budget_bytes is {nbytes}; lower window "
                 f"to at most {nbytes // self.layout.slot_bytes} or raise the budget",
+                key="staging_budget_bytes",
                 window=self.window,
             )
         return nbytes
