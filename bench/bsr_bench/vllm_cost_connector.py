@@ -35,32 +35,18 @@ class FirstChunks(bsr.TierWrapper[bsr.Tier]):
 
 
 class CostBenchWorker(BsrWorker):  # type: ignore[misc]
-    def build_engine(self, layout: bsr.StateLayout, coordinator: Any) -> bsr.RestoreEngine:
-        eng = super().build_engine(layout, coordinator)
+    def wrap_tiers(self, tiers: list[bsr.Tier]) -> list[bsr.Tier]:
         cond = json.loads(os.environ.get(ENV, "{}"))
-        tiers: list[bsr.Tier] = []
-        for t in eng.tiers:
+        out: list[bsr.Tier] = []
+        for t in tiers:
             if isinstance(t, bsr.FileTier) and cond.get("slow_bytes_per_s"):
                 t = LatencyTier(
                     t, read_latency_s=0.0, bandwidth_bytes_per_s=cond["slow_bytes_per_s"]
                 )
             elif isinstance(t, bsr.HostTier) and cond.get("host_chunks") is not None:
                 t = FirstChunks(t, int(cond["host_chunks"]))
-            tiers.append(t)
-        return bsr.RestoreEngine(
-            layout,
-            tiers,
-            window=eng.window,
-            io_depth=eng.io_depth,
-            namespace=eng.namespace,
-            coordinator=coordinator,
-            policy=eng.policy,
-            deadline_s=eng.deadline_s,
-            breaker_threshold=eng.health.threshold,
-            breaker_cooldown_s=eng.health.cooldown_s,
-            shield_timeout_s=eng.shield_timeout_s,
-            staging_budget_bytes=eng.staging_budget_bytes,
-        )
+            out.append(t)
+        return out
 
 
 class CostBenchConnector(BsrConnector):  # type: ignore[misc]

@@ -35,23 +35,9 @@ class LosingWrites(bsr.TierWrapper[bsr.Tier]):
 
 
 class FleetWorker(BsrWorker):
-    def build_engine(self, layout: bsr.StateLayout, coordinator: Any) -> bsr.RestoreEngine:
-        eng = super().build_engine(layout, coordinator)
+    def wrap_tiers(self, tiers: list[bsr.Tier]) -> list[bsr.Tier]:
         gate = Path(os.environ["BSR_TEST_GATE"])
-        return bsr.RestoreEngine(
-            layout,
-            [LosingWrites(t, gate) for t in eng.tiers],
-            window=eng.window,
-            io_depth=eng.io_depth,
-            namespace=eng.namespace,
-            coordinator=coordinator,
-            policy=eng.policy,
-            deadline_s=eng.deadline_s,
-            breaker_threshold=eng.health.threshold,
-            breaker_cooldown_s=eng.health.cooldown_s,
-            shield_timeout_s=eng.shield_timeout_s,
-            staging_budget_bytes=eng.staging_budget_bytes,
-        )
+        return [LosingWrites(t, gate) for t in tiers]
 
 
 class FleetConnector(BsrConnector):

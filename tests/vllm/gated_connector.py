@@ -103,23 +103,9 @@ class GateTier(bsr.TierWrapper[bsr.Tier]):
 class GatedWorker(BsrWorker):
     """The real worker side over gated tiers, poisoning the blocks of aborted loads."""
 
-    def build_engine(self, layout: bsr.StateLayout, coordinator: Any) -> bsr.RestoreEngine:
-        eng = super().build_engine(layout, coordinator)
+    def wrap_tiers(self, tiers: list[bsr.Tier]) -> list[bsr.Tier]:
         where = gate()
-        return bsr.RestoreEngine(
-            layout,
-            [GateTier(t, where) for t in eng.tiers],
-            window=eng.window,
-            io_depth=eng.io_depth,
-            namespace=eng.namespace,
-            coordinator=coordinator,
-            policy=eng.policy,
-            deadline_s=eng.deadline_s,
-            breaker_threshold=eng.health.threshold,
-            breaker_cooldown_s=eng.health.cooldown_s,
-            shield_timeout_s=eng.shield_timeout_s,
-            staging_budget_bytes=eng.staging_budget_bytes,
-        )
+        return [GateTier(t, where) for t in tiers]
 
     def transfer_results(self, finished_req_ids: set[str]) -> Any:
         before = dict(self._loads)

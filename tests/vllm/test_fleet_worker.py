@@ -140,3 +140,45 @@ async def test_a_tier_the_save_skipped_as_root_locked_is_not_announced(tmp_path:
         assert isinstance(out, bsr.SaveResult) and out.skipped.get("root_locked", 0) >= 1
         notices = r.fleet.notices()
         assert {n.tier for n in notices} == {"host"} and len(notices) == 3
+
+
+def test_wrapped_tiers_keep_every_engine_setting_of_the_config() -> None:
+    """``BsrWorker.wrap_tiers`` is the seam for wrapping the config's tiers: the engine is still
+    built from the config. The earlier way (override ``build_engine`` and rebuild a
+    RestoreEngine from the built one's attributes) dropped window_checkpoint_chunks,
+    pin_staging and prefault_staging in each of the three wrappers that did it."""
+    knobs = {
+        "window": 3, "io_depth": 2, "policy": "truncate", "deadline_s": 7.0,
+        "breaker_threshold": 5, "breaker_cooldown_s": 2.0, "pin_staging": False,
+        "prefault_staging": False, "window_checkpoint_chunks": 2, "shield_timeout_s": 1.5,
+        "staging_budget_bytes": 1 << 20,
+    }  # fmt: skip
+    config = bsr.EngineConfig.from_dict(
+        {"tiers": [{"kind": "host", "capacity_bytes": 1 << 20}], **knobs}
+    )
+    settings = ConnectorSettings(
+        engine=config, options=ConnectorOptions.from_dict({}),
+        block_size=BLOCK, chunk_tokens=CHUNK, tp_size=1, model_id="m", config_digest="d",
+        engine_id="e", loads=True, saves=True, failure_policy="recompute", kv_events=False,
+    )  # fmt: skip
+
+    class Wrapping(BsrWorker):
+        def wrap_tiers(self, tiers: list[bsr.Tier]) -> list[bsr.Tier]:
+            return [HeldWrites(t, 1) for t in tiers]
+
+    engine = Wrapping(settings, None).build_engine(LAYOUT, None)
+    (tier,) = engine.tiers
+    assert isinstance(tier, HeldWrites) and isinstance(tier.inner, bsr.HostTier)
+    got = {
+        "window": engine.window, "io_depth": engine.io_depth, "policy": engine.policy.value,
+        "deadline_s": engine.deadline_s, "breaker_threshold": engine.health.threshold,
+        "breaker_cooldown_s": engine.health.cooldown_s, "pin_staging": engine.pin_staging,
+        "prefault_staging": engine.prefault_staging,
+        "window_checkpoint_chunks": engine.window_checkpoint_chunks,
+        "shield_timeout_s": engine.shield_timeout_s,
+        "staging_budget_bytes": engine.staging_budget_bytes,
+    }  # fmt: skip
+    assert got == knobs
+    assert engine.namespace.config_digest == "d" and engine.namespace.model_id == "m"
+    plain = BsrWorker(settings, None).build_engine(LAYOUT, None)
+    assert isinstance(plain.tiers[0], bsr.HostTier)

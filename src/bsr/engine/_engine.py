@@ -243,6 +243,7 @@ class RestoreEngine(AsyncResource):
         layout: StateLayout,
         namespace: Namespace | None = None,
         coordinator: Coordinator | None = None,
+        tiers: Sequence[Tier] | None = None,
     ) -> RestoreEngine:
         """Build an engine and its tiers from a :class:`~bsr.EngineConfig`.
 
@@ -252,6 +253,9 @@ class RestoreEngine(AsyncResource):
             namespace: the namespace; default built from ``config.model_id`` and
                 ``config.tenant``, with the coordinator's rank and world size.
             coordinator: cross-rank agreement (default: single rank).
+            tiers: tiers to use in place of ``config.build_tiers()``, fastest first: typically
+                those, wrapped (a throttle, a fault injector, a probe); every other setting
+                still comes from ``config``.
 
         Raises:
             ConfigError: the layout's chunk size differs from ``config.chunk_tokens``, no
@@ -293,7 +297,7 @@ class RestoreEngine(AsyncResource):
             )
         return cls(
             layout,
-            config.build_tiers(),
+            config.build_tiers() if tiers is None else tiers,
             window=config.window,
             io_depth=config.io_depth,
             namespace=namespace,

@@ -62,6 +62,7 @@ from bsr import (
     RestoreResult,
     SaveResult,
     StateLayout,
+    Tier,
     TorchDistributedCoordinator,
 )
 
@@ -265,9 +266,16 @@ class BsrWorker:
                 for t in config.tiers
             )
             config = dataclasses.replace(config, tiers=tiers)
+        built = self.wrap_tiers(config.build_tiers())
         return RestoreEngine.from_config(
-            config, layout=layout, namespace=namespace, coordinator=coordinator
+            config, layout=layout, namespace=namespace, coordinator=coordinator, tiers=built
         )
+
+    def wrap_tiers(self, tiers: list[Tier]) -> list[Tier]:
+        """The tiers the rank's engine uses, given those the config built (not opened yet,
+        fastest first). Override to put wrappers in front of them (a throttle, a fault injector,
+        a metrics probe); every engine setting still comes from the config. Default: as built."""
+        return tiers
 
     def handshake(self) -> BsrHandshake | None:
         if self._server is None:
