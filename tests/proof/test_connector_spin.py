@@ -482,6 +482,7 @@ NOT_MODELLED = {
     "_group_specs": "startup",
     "_coordinator": "tensor parallelism (one rank in the model)",
     "build_engine": "startup",
+    "wrap_tiers": "startup (the tiers build_engine gives the engine)",
     "handshake": "startup",
     "_on_lookup": "the lookup server: answers, no KV",
     "_lookup_job": "the same",
