@@ -57,7 +57,11 @@ async def test_waiters_are_served_fifo() -> None:
     async with anyio.create_task_group() as tg:
         for i in range(5):
             tg.start_soon(waiter, i)
-            await anyio.sleep(0.001)  # enqueue in order
+            # enqueue in order: each waiter queued before the next starts (a 1 ms sleep was not
+            # enough on a loaded machine under trio, which may run a batch in any order)
+            with anyio.fail_after(30):  # a hang guard, not a timing claim
+                while pool.statistics().waiting < i + 1:
+                    await anyio.sleep(0)
         assert pool.statistics().waiting == 5
         pool.release(first)
     assert order == [0, 1, 2, 3, 4]
