@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import anyio
+import anyio.lowlevel
 import pytest
 
 import bsr
@@ -61,7 +62,7 @@ async def test_waiters_are_served_fifo() -> None:
             # enough on a loaded machine under trio, which may run a batch in any order)
             with anyio.fail_after(30):  # a hang guard, not a timing claim
                 while pool.statistics().waiting < i + 1:
-                    await anyio.sleep(0)
+                    await anyio.lowlevel.checkpoint()
         assert pool.statistics().waiting == 5
         pool.release(first)
     assert order == [0, 1, 2, 3, 4]
