@@ -38,10 +38,12 @@ class EngineForks:
 
     def __init__(self) -> None:
         self._proc: subprocess.Popen[str] | None = None
+        self._pending = b""  # answer bytes read from the server, not yet a whole line
         self._log = Path(os.environ.get("TMPDIR", "/tmp")) / f"bsr-engine-forks-{os.getpid()}.log"
 
     def _server(self) -> subprocess.Popen[str]:
         if self._proc is None or self._proc.poll() is not None:
+            self._pending = b""
             with open(self._log, "a") as err:
                 self._proc = subprocess.Popen(
                     [sys.executable, str(ENGINE_FORKS)], stdin=subprocess.PIPE,
@@ -50,17 +52,23 @@ class EngineForks:
         return self._proc
 
     def _answer(self, proc: subprocess.Popen[str], deadline: float) -> dict[str, Any]:
+        """The server's next answer line. Read from the pipe's descriptor into our own buffer:
+        ``select`` cannot see a line a buffered ``readline`` already took in with the one
+        before it."""
         assert proc.stdout is not None
-        while True:
+        fd = proc.stdout.fileno()
+        while b"\n" not in self._pending:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError
-            ready, _, _ = select.select([proc.stdout], [], [], left)
+            ready, _, _ = select.select([fd], [], [], left)
             if ready:
-                line = proc.stdout.readline()
-                if not line:
+                chunk = os.read(fd, 65536)
+                if not chunk:
                     raise RuntimeError(f"the engine fork server ended (its log: {self._log})")
-                return dict(json.loads(line))
+                self._pending += chunk
+        line, _, self._pending = self._pending.partition(b"\n")
+        return dict(json.loads(line))
 
     def run(self, spec: Path, out: Path, log: Path, env: dict[str, str]) -> int:
         """Run ``run_engine.main(spec, out)`` in a fork with ``env``, its output in ``log``;
