@@ -288,7 +288,7 @@ class Run:
                    "--json", str(work / "bench.json")]  # fmt: skip
             reduced = ("--layout dsv4-flash --layout llama3-8b -W 8 --io-depth 4 --windows "
                        "2,8,16 --io-depths 1,4 --no-overhead --no-concurrency")  # fmt: skip
-            size = "--sizes 512,1024 --repeats 1" if d else "--sizes 4096,16384 --repeats 3"
+            size = "--quick --sizes 512,1024 --repeats 1" if d else "--sizes 4096,16384 --repeats 3"
             return [*cmd, *reduced.split(), *size.split()]
 
         def figures(run: Run, limit: float) -> list[str]:
@@ -306,7 +306,7 @@ class Run:
         def hcache(run: Run, limit: float) -> list[str]:
             cmd = [py, "-m", "bsr", "bench", "--hcache", "--device", dev, "--no-plots",
                    "--path", state, "--json", str(work / "hcache.json")]  # fmt: skip
-            return [*cmd, "--quick"] if d else [*cmd, "--repeats", "3"]
+            return [*cmd, "--quick", "--sizes", "256"] if d else [*cmd, "--repeats", "3"]
 
         def step(name: str, title: str, dry: tuple[int, int], gpu: tuple[int, int],
                  command: Callable[[Run, float], list[str]], output: str) -> Step:  # fmt: skip
