@@ -63,7 +63,7 @@ from ..core._keys import ChunkKey, Namespace, ObjectKey, chunk_keys
 from ..core._layout import StateGroup, StateLayout
 from ..core._object import HEADER_SIZE, encode_header, encode_object
 from ..tiers._base import Tier
-from ..tiers._file import FileTier
+from ..tiers.file import FileTier
 from ._faults import corrupt_stored, put_raw_stored, storage_tier, truncate_stored
 
 #: payload size used by the suite (a multiple of 4 KiB, like real chunks)

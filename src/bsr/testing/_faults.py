@@ -37,9 +37,9 @@ from .._errors import (
 from ..core._keys import ChunkKey, ObjectKey
 from ..core._object import HEADER_SIZE
 from ..tiers._base import Tier, TierWrapper
-from ..tiers._file import FileTier
 from ..tiers._host import HostTier
 from ..tiers._mooncake import MooncakeTier
+from ..tiers.file import FileTier
 
 
 class FaultKind(str, enum.Enum):

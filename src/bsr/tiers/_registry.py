@@ -36,7 +36,7 @@ ENTRY_POINT_GROUP = "bsr.tiers"
 #: bsr's own kinds, imported lazily by name
 BUILTIN_TIERS: dict[str, str] = {
     "host": "bsr.tiers._host:HostTierOptions",
-    "file": "bsr.tiers._file:FileTierOptions",
+    "file": "bsr.tiers.file:FileTierOptions",
     "mooncake": "bsr.tiers._mooncake:MooncakeTierOptions",
 }
 

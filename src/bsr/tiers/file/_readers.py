@@ -35,9 +35,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .._errors import TierIOError
-from ..core._layout import ALIGNMENT, align_up
-from ..core._object import HEADER_SIZE
+from ..._errors import TierIOError
+from ...core._layout import ALIGNMENT, align_up
+from ...core._object import HEADER_SIZE
 from ._uring import Ring, RingError, uring_status
 
 _HAS_ODIRECT = hasattr(os, "O_DIRECT")
@@ -255,7 +255,7 @@ def default_reader(
         return PosixReader(direct=direct)
     if kind == "kvikio":
         return KvikioReader()
-    from .._errors import ConfigError
+    from ..._errors import ConfigError
 
     raise ConfigError(f"unknown reader {kind!r}; use 'auto', 'uring', 'posix' or 'kvikio'")
 
@@ -360,7 +360,7 @@ class UringReader(PosixReader):
     ) -> None:
         super().__init__(direct=direct)
         if block_bytes < ALIGNMENT or block_bytes % ALIGNMENT:
-            from .._errors import ConfigError
+            from ..._errors import ConfigError
 
             raise ConfigError(f"block_bytes must be a multiple of 4096, got {block_bytes}")
         self.depth_chosen = depth is not None
@@ -382,7 +382,7 @@ class UringReader(PosixReader):
 
     def set_depth(self, depth: int) -> None:
         if depth < 1:
-            from .._errors import ConfigError
+            from ..._errors import ConfigError
 
             raise ConfigError(f"read depth must be >= 1, got {depth}")
         self._depth.resize(depth)
