@@ -70,7 +70,14 @@ from ..._errors import (
 )
 from ...core._keys import ChunkKey, ObjectKey
 from .._abandon import AbandonableCalls
-from .._base import Tier, TierStatistics, TierUsage, as_byte_view, as_payload_view
+from .._base import (
+    StorageHooks,
+    Tier,
+    TierStatistics,
+    TierUsage,
+    as_byte_view,
+    as_payload_view,
+)
 from .._codec import ObjectCodec
 from .._lru import IndexedTier, LruIndex, RoomPending
 from .._registry import TierOptions
@@ -284,6 +291,9 @@ class FileTier(IndexedTier):
     def object_paths(self) -> list[Path]:
         """Paths of every visible object, least recently used first."""
         return [self._obj_path(oid) for oid in self._index.oids()]
+
+    def storage_hooks(self) -> StorageHooks:
+        return _FileStorage(self)
 
     # ------------------------------------------------------------------ lifecycle
     async def open(self) -> None:
@@ -873,6 +883,37 @@ class FileTier(IndexedTier):
 
         # abandonable, so the engine's bound on a shielded quarantine holds on a hung mount
         await self._locked(_move, what=f"quarantining {object_relpath(oid)}", abandon=True)
+
+
+class _FileStorage:
+    """FileTier's :class:`~bsr.tiers._base.StorageHooks`: its object files, by path."""
+
+    def __init__(self, tier: FileTier) -> None:
+        self._tier = tier
+
+    def peek(self, key: ChunkKey, group: str) -> bytes | None:
+        try:
+            return self._tier.object_path(key, group).read_bytes()
+        except (FileNotFoundError, IsADirectoryError):
+            return None
+
+    def overwrite(self, key: ChunkKey, group: str, blob: bytes) -> bool:
+        try:  # in place: the same file, as damage on disk would be
+            with open(self._tier.object_path(key, group), "r+b") as fh:
+                fh.write(blob)
+                fh.truncate(len(blob))
+        except (FileNotFoundError, IsADirectoryError):
+            return False
+        return True
+
+    def put_raw(self, key: ChunkKey, group: str, blob: bytes) -> bool:
+        path = self._tier.object_path(key, group)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".raw")
+        tmp.write_bytes(blob)
+        os.replace(tmp, path)
+        self._tier._index.put(ObjectKey(key, group).object_id, len(blob), None)
+        return True
 
 
 def _close(dirs: Dirs, space: SharedSpace | None) -> None:
