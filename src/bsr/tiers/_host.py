@@ -40,7 +40,7 @@ class HostTierOptions(TierOptions):
     name: str = option(Check.text, "host")
 
     def build(self) -> Tier:
-        return HostTier(self.capacity_bytes, name=self.name)
+        return HostTier(**self.arguments())
 
 
 class HostTier(IndexedTier):

@@ -192,7 +192,7 @@ class MooncakeTierOptions(TierOptions):
             )
 
     def build(self) -> Tier:
-        return MooncakeTier(**{k: v for k, v in self.to_dict().items() if k != "kind"})
+        return MooncakeTier(**self.arguments())
 
 
 class MooncakeTier(Tier):

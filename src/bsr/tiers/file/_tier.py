@@ -171,17 +171,7 @@ class FileTierOptions(TierOptions):
     lock_timeout_s: float = option(Check.non_negative_seconds, 2.0)
 
     def build(self) -> Tier:
-        return FileTier(
-            self.path,
-            self.capacity_bytes,
-            name=self.name,
-            reader=self.reader,
-            direct_io=self.direct_io,
-            fsync=self.fsync,
-            io_threads=self.io_threads,
-            read_depth=self.read_depth,
-            lock_timeout_s=self.lock_timeout_s,
-        )
+        return FileTier(**self.arguments())
 
 
 class FileTier(IndexedTier):
