@@ -1,11 +1,11 @@
 """The file tier: one file per object in a local directory bsr owns, shared by processes.
 
-- :mod:`._tier`: :class:`FileTier` and its options (writes, reads, probes, eviction);
-- :mod:`._root`: the root on disk: its names, the marker that claims it, the scan on open;
-- :mod:`._ledger`: the shared ledger, the root's lock and eviction across processes;
-- :mod:`._readers`: object readers (io_uring, ``preadv``, kvikio) and regular-file opens;
-- :mod:`._uring`: a minimal io_uring through the raw system calls;
-- :mod:`._admin`: administration of a root (``bsr store``: stats, listing, scrub, gc, quarantine).
+- ``_tier``: :class:`FileTier` and its options (writes, reads, probes, eviction);
+- ``_root``: the root on disk: its names, the marker that claims it, the scan on open;
+- ``_ledger``: the shared ledger, the root's lock and eviction across processes;
+- ``_readers``: object readers (io_uring, ``preadv``, kvikio) and regular-file opens;
+- ``_uring``: a minimal io_uring through the raw system calls;
+- ``_admin``: administration of a root (``bsr store``: stats, listing, scrub, gc, quarantine).
 
 The rest of bsr imports the file tier from this package, never from its private modules.
 """

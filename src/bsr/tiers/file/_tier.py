@@ -37,9 +37,9 @@ files are quarantined), temp files of dead writers are removed, and the root is 
 capacity (claiming the root and the scan live in :mod:`bsr.tiers.file._root`, with the layout's
 names).
 Files are opened relative to directory descriptors of the tree with ``O_NOFOLLOW | O_NONBLOCK``
-and ``fstat``-checked (:func:`~bsr.tiers.file._readers.open_regular`): a read never leaves the root
-and never blocks on a FIFO. Permission and I/O errors are I/O errors (``TierIOError``; skipped
-and counted as ``unreadable`` on open), never corruption.
+and ``fstat``-checked (:func:`~bsr.tiers.file._readers.open_regular`): a read never leaves the
+root and never blocks on a FIFO. Permission and I/O errors are I/O errors (``TierIOError``;
+skipped and counted as ``unreadable`` on open), never corruption.
 """
 
 from __future__ import annotations
