@@ -31,9 +31,9 @@ import anyio
 import structlog
 
 import bsr
-import bsr.tiers._file as file_module
-import bsr.tiers._fileroot as fileroot_module
-import bsr.tiers._shared as shared_module
+import bsr.tiers.file._ledger as shared_module
+import bsr.tiers.file._root as fileroot_module
+import bsr.tiers.file._tier as file_module
 import shared_root_worker as srw
 
 POINTS = ("unlinked", "ledger", "renamed", "reserved")

@@ -34,7 +34,7 @@ import torch
 import bsr
 
 try:
-    from bsr.tiers._shared import RootBusy
+    from bsr.tiers.file._ledger import RootBusy
 except ImportError:  # a bsr before bounded locking, whose lock always waits (before/after runs)
 
     class RootBusy(Exception):  # type: ignore[no-redef]

@@ -90,15 +90,10 @@ if TYPE_CHECKING:  # what mypy and readers see; at run time __getattr__ imports 
     from .tiers._base import as_payload_view as as_payload_view
     from .tiers._codec import ObjectCodec as ObjectCodec
     from .tiers._codec import ObjectHeader as ObjectHeader
-    from .tiers._file import FileTier as FileTier
-    from .tiers._file import FileTierOptions as FileTierOptions
     from .tiers._host import HostTier as HostTier
     from .tiers._host import HostTierOptions as HostTierOptions
     from .tiers._mooncake import MooncakeTier as MooncakeTier
     from .tiers._mooncake import MooncakeTierOptions as MooncakeTierOptions
-    from .tiers._readers import KvikioReader as KvikioReader
-    from .tiers._readers import PosixReader as PosixReader
-    from .tiers._readers import UringReader as UringReader
     from .tiers._registry import TierOptions as TierOptions
     from .tiers._registry import register_tier as register_tier
     from .tiers._registry import tier_kinds as tier_kinds
@@ -106,6 +101,11 @@ if TYPE_CHECKING:  # what mypy and readers see; at run time __getattr__ imports 
     from .tiers._registry import unregister_tier as unregister_tier
     from .tiers._watch import ObjectRemoved as ObjectRemoved
     from .tiers._watch import Removal as Removal
+    from .tiers.file import FileTier as FileTier
+    from .tiers.file import FileTierOptions as FileTierOptions
+    from .tiers.file import KvikioReader as KvikioReader
+    from .tiers.file import PosixReader as PosixReader
+    from .tiers.file import UringReader as UringReader
     from .transfer._cache import PagedKVCache as PagedKVCache
     from .transfer._staging import StagingPool as StagingPool
     from .transfer._staging import StagingStatistics as StagingStatistics
@@ -165,10 +165,9 @@ _LAZY: dict[str, tuple[str, ...]] = {
         "as_payload_view",
     ),
     ".tiers._codec": ("ObjectCodec", "ObjectHeader"),
-    ".tiers._file": ("FileTier", "FileTierOptions"),
+    ".tiers.file": ("FileTier", "FileTierOptions", "KvikioReader", "PosixReader", "UringReader"),
     ".tiers._host": ("HostTier", "HostTierOptions"),
     ".tiers._mooncake": ("MooncakeTier", "MooncakeTierOptions"),
-    ".tiers._readers": ("KvikioReader", "PosixReader", "UringReader"),
     ".tiers._registry": (
         "TierOptions",
         "register_tier",

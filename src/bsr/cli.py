@@ -177,7 +177,7 @@ def _emit_json(obj: Any) -> None:
 
 
 def _store_stats(ns: argparse.Namespace) -> int:
-    from .tiers._store import store_stats
+    from .tiers.file import store_stats
 
     st = store_stats(ns.path)
     if ns.json:
@@ -206,7 +206,7 @@ def _store_stats(ns: argparse.Namespace) -> int:
 
 
 def _store_ls(ns: argparse.Namespace) -> int:
-    from .tiers._store import list_objects
+    from .tiers.file import list_objects
 
     objs = list_objects(ns.path)
     if ns.json:
@@ -249,7 +249,7 @@ OTHER_FORMAT = "foreign"
 def _store_verify(ns: argparse.Namespace) -> int:
     """Scrub the store read-only, then (``--quarantine``) move only the damaged objects: an
     object of another format version is reported as such, never as bad, and never moved."""
-    from .tiers._store import list_objects, verify_store
+    from .tiers.file import list_objects, verify_store
 
     objs = list_objects(ns.path)
     advance, stop = _progress(sum(o.size for o in objs))
@@ -303,7 +303,7 @@ def _store_verify(ns: argparse.Namespace) -> int:
 
 def _store_gc(ns: argparse.Namespace) -> int:
     from ._check import byte_size
-    from .tiers._store import gc_store
+    from .tiers.file import gc_store
 
     limit = 0 if ns.max_bytes.strip() == "0" else byte_size(ns.max_bytes, "--max-bytes")
     report = gc_store(ns.path, limit, dry_run=ns.dry_run)
@@ -319,7 +319,7 @@ def _store_gc(ns: argparse.Namespace) -> int:
 
 
 def _store_quarantine(ns: argparse.Namespace) -> int:
-    from .tiers._store import list_quarantine, purge_quarantine
+    from .tiers.file import list_quarantine, purge_quarantine
 
     if ns.action == "list":
         files = list_quarantine(ns.path)

@@ -148,7 +148,7 @@ class RedisTierOptions(TierOptions):
             )
 
     def build(self) -> Tier:
-        return RedisTier(**{k: v for k, v in self.to_dict().items() if k != "kind"})
+        return RedisTier(**self.arguments())
 
 
 class RedisTier(Tier):

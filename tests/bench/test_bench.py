@@ -668,7 +668,7 @@ def test_the_file_tier_reads_with_bsrs_default_reader(
 ) -> None:
     """Every layout's FileTier reads with bsr's own default (io_uring where the kernel allows
     it) at one read depth chosen after the save; the JSON says which."""
-    from bsr.tiers._uring import uring_status
+    from bsr.tiers.file._uring import uring_status
 
     doc, _, _ = quick_run
     st = doc["storage"]

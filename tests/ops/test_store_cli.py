@@ -38,7 +38,7 @@ def store(tmp_path: Path) -> tuple[Path, bsr.SaveResult, bsr.SaveResult]:
 
 
 def _has_marker_kind() -> bool:
-    from bsr.tiers import _file
+    from bsr.tiers.file import _tier as _file
 
     return hasattr(_file, "MARKER_KIND")
 

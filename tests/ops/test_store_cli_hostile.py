@@ -16,7 +16,7 @@ import anyio
 import pytest
 
 import bsr
-from bsr.tiers import _store
+from bsr.tiers import file as file_tier
 from helpers import bsr_cli, bsr_main, filled_cache, make_engine, tokens_for, two_group_layout
 
 
@@ -167,17 +167,17 @@ def test_verify_counts_an_object_evicted_meanwhile_as_gone_not_bad(
     reported 'BAD ... unreadable' with exit 1."""
     flip(objects(store)[0])  # the store is clean again
     assert bsr_main("store", "verify", str(store)).returncode == 0
-    real_list = _store.list_objects
+    real_list = file_tier.list_objects
     gone: list[str] = []
 
-    def list_then_evict(path: str | os.PathLike[str]) -> list[_store.ObjectInfo]:
+    def list_then_evict(path: str | os.PathLike[str]) -> list[file_tier.ObjectInfo]:
         listed = real_list(path)
         victim = listed[2]
         victim.path.unlink()  # what an engine's eviction does, after the listing
         gone.append(victim.object_id)
         return listed
 
-    monkeypatch.setattr(_store, "list_objects", list_then_evict)
+    monkeypatch.setattr(file_tier, "list_objects", list_then_evict)
     p = bsr_main("store", "verify", str(store))
     assert p.returncode == 0, p.stdout + p.stderr
     assert "BAD" not in p.stdout and "1 vanished meanwhile" in p.stdout
@@ -191,13 +191,13 @@ def test_verify_counts_an_object_evicted_meanwhile_as_gone_not_bad(
 async def test_verify_beside_a_live_engine_that_evicts_through_a_hook(store: Path) -> None:
     """A real FileTier deletes the next object from the progress hook (between the listing and
     that object's read); the scrub reports it gone, the bad one bad, and exits accordingly."""
-    listed = _store.list_objects(store)
+    listed = file_tier.list_objects(store)
     seen: list[str] = []
 
-    async def main() -> _store.VerifyReport:
+    async def main() -> file_tier.VerifyReport:
         async with bsr.FileTier(store, 1 << 26) as tier:
 
-            def evict_next(o: _store.ObjectInfo) -> None:
+            def evict_next(o: file_tier.ObjectInfo) -> None:
                 seen.append(o.object_id)
                 if len(seen) == 2:  # delete object 3 through the tier, before it is read
                     oid = listed[2].object_id
@@ -205,7 +205,7 @@ async def test_verify_beside_a_live_engine_that_evicts_through_a_hook(store: Pat
                     tier._unlink_victims([oid])
 
             report = await anyio.to_thread.run_sync(
-                lambda: _store.verify_store(store, progress=evict_next, objects=listed)
+                lambda: file_tier.verify_store(store, progress=evict_next, objects=listed)
             )
             assert tier.usage().bytes <= sum(o.size for o in listed)
             return report

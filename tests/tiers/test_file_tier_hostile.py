@@ -37,8 +37,10 @@ from bsr.testing import (
     remount_read_only,
     tmpfs_mount,
 )
-from bsr.tiers import _file
-from bsr.tiers._file import (
+from bsr.tiers.file import _tier as _file
+from bsr.tiers.file._readers import PosixReader
+from bsr.tiers.file._root import LEDGER_NAME
+from bsr.tiers.file._tier import (
     MARKER_KIND,
     MARKER_NAME,
     MARKER_VERSION,
@@ -48,8 +50,6 @@ from bsr.tiers._file import (
     ReadFailure,
     classify_read_error,
 )
-from bsr.tiers._fileroot import LEDGER_NAME
-from bsr.tiers._readers import PosixReader
 
 PER_OBJECT = object_size(len(payload(0)))
 DEAD_PID = 2**22 + 12345  # above Linux's PID_MAX_LIMIT: no live process has it

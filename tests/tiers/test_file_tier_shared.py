@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 
 import bsr
 import shared_root_worker as srw
-from bsr.tiers._fileroot import OBJECTS_DIR
+from bsr.tiers.file._root import OBJECTS_DIR
 
 LEDGER_NAME = ".bsr-ledger"  # the root's shared ledger (its flock is the root's mutex)
 

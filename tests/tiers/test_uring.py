@@ -28,15 +28,15 @@ from hypothesis import strategies as st
 
 import bsr
 from bsr.testing import make_keys
-from bsr.tiers import _readers
-from bsr.tiers._readers import (
+from bsr.tiers.file import _readers
+from bsr.tiers.file._readers import (
     PosixReader,
     UringReader,
     aligned_buffer,
     cancellation,
     default_reader,
 )
-from bsr.tiers._uring import RingError, UringStatus, _reset_status_for_tests, uring_status
+from bsr.tiers.file._uring import RingError, UringStatus, _reset_status_for_tests, uring_status
 from helpers import blocks_equal, filled_cache, tokens_for, two_group_layout
 
 #: tests that need a working ring; the fallback tests (a refused ring, no io_uring) run anywhere
@@ -185,7 +185,7 @@ def test_a_refused_ring_turns_the_reader_into_preadv(
 
 _EMFILE_CHILD = """
 import os, resource, sys
-from bsr.tiers._readers import UringReader, aligned_buffer
+from bsr.tiers.file._readers import UringReader, aligned_buffer
 path = sys.argv[1]
 reader = UringReader()
 want = open(path, "rb").read()

@@ -32,8 +32,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
 import bsr
-from bsr.tiers._readers import UringReader, aligned_buffer, cancellation
-from bsr.tiers._uring import uring_status
+from bsr.tiers.file._readers import UringReader, aligned_buffer, cancellation
+from bsr.tiers.file._uring import uring_status
 from helpers import blocks_equal, filled_cache
 
 pytestmark = pytest.mark.skipif(

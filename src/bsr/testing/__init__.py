@@ -3,9 +3,10 @@
 - :class:`TierConformance`: generic pytest suite every tier implementation must pass, with a
   hostile-store section for tiers that keep files (:func:`tmpfs_mount`,
   :func:`remount_read_only` and :func:`fifo_unblocker` are its helpers).
-- Storage hooks that bypass the tier under test: :func:`corrupt_stored`,
-  :func:`truncate_stored`, :func:`peek_stored`, :func:`put_raw_stored` (HostTier, FileTier,
-  MooncakeTier and wrappers around them; :func:`storage_tier` peels the wrappers).
+- Storage functions that bypass the tier under test: :func:`corrupt_stored`,
+  :func:`truncate_stored`, :func:`peek_stored`, :func:`put_raw_stored`, through the tier's
+  :meth:`~bsr.Tier.storage_hooks` (a :class:`StorageHooks`: HostTier, FileTier, MooncakeTier,
+  and wrappers around them; :func:`storage_tier` peels the wrappers).
 - :class:`FaultyTier` / :class:`FaultPlan` / :class:`Fault` / :class:`FaultKind`: seeded,
   replayable fault injection around any tier.
 - :class:`LatencyTier`: latency and bandwidth shaping around any tier.
@@ -36,6 +37,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from ..tiers._base import StorageHooks as StorageHooks
 from ._conformance import TierConformance as TierConformance
 from ._conformance import fifo_unblocker as fifo_unblocker
 from ._conformance import flip_file_byte as flip_file_byte
@@ -147,6 +149,7 @@ __all__ = (
     "RedisUnavailable",
     "RestoreMachine",
     "Status",
+    "StorageHooks",
     "TierConformance",
     "TierFactory",
     "Variant",

@@ -23,8 +23,8 @@ from ..core._layout import StateLayout
 from ..engine._coordinator import Coordinator, InProcessGroup
 from ..engine._engine import RestoreEngine
 from ..tiers._base import Tier
-from ..tiers._file import FileTier
 from ..tiers._host import HostTier
+from ..tiers.file import FileTier
 from ..transfer._cache import PagedKVCache
 from ._campaign import Campaign
 from ._faults import Fault, FaultKind, FaultPlan, FaultyTier

@@ -8,9 +8,10 @@ same suite on trio), so no async pytest plugin is needed.
 Seed and damage hooks (:meth:`~TierConformance.corrupt_object`,
 :meth:`~TierConformance.truncate_object`, :meth:`~TierConformance.put_raw`) reach behind the tier
 under test into its storage; their defaults use :mod:`bsr.testing`'s storage functions, which
-know HostTier, FileTier and MooncakeTier (and any wrapper around them); a tier they do not know
-returns False and the tests that need the hook skip. Capability attributes switch off tests that
-do not apply (``supports_capacity``, ``hostile_store``).
+go through the tier's :meth:`~bsr.Tier.storage_hooks` (HostTier, FileTier and MooncakeTier offer
+them, and any wrapper around them); for a tier without them they return False and the tests
+that need the hook skip. Capability attributes switch off tests that do not apply
+(``supports_capacity``, ``hostile_store``).
 
 Example::
 
@@ -63,7 +64,7 @@ from ..core._keys import ChunkKey, Namespace, ObjectKey, chunk_keys
 from ..core._layout import StateGroup, StateLayout
 from ..core._object import HEADER_SIZE, encode_header, encode_object
 from ..tiers._base import Tier
-from ..tiers._file import FileTier
+from ..tiers.file import FileTier
 from ._faults import corrupt_stored, put_raw_stored, storage_tier, truncate_stored
 
 #: payload size used by the suite (a multiple of 4 KiB, like real chunks)
@@ -87,7 +88,7 @@ class TierConformance:
     """Behaviour every :class:`~bsr.Tier` must show. Subclass and implement :meth:`make_tier`.
 
     A third-party tier: implement :meth:`make_tier` (and :meth:`reopen_tier` if durable); where
-    the storage hooks do not know the tier, override :meth:`corrupt_object`,
+    the tier offers no :meth:`~bsr.Tier.storage_hooks`, override :meth:`corrupt_object`,
     :meth:`truncate_object` and :meth:`put_raw` to reach its storage directly (they must bypass
     the tier under test). A tier that keeps its objects as files under ``tmp_path`` also sets
     ``hostile_store = True`` and overrides :meth:`object_file`; the ``test_hostile_*`` tests then

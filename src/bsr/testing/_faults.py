@@ -3,29 +3,29 @@
 :class:`FaultyTier` wraps any tier and applies a :class:`FaultPlan`. Whether a fault fires is a
 pure function of ``(seed, operation, object id, attempt number on that object)``, so a run is
 replayed exactly by the same seed whatever the task interleaving. Corruption and truncation are
-done *to the stored object* where the wrapped tier allows it (HostTier, FileTier, MooncakeTier,
-or any tier with a ``corrupt_object(key, group, offset)`` / ``truncate_object(key, group, size)``
-method), so detection is exercised for real; on other tiers they are simulated by raising the
-error a verifying tier would raise.
+done *to the stored object* where the wrapped tier allows it (a tier whose
+:meth:`~bsr.Tier.storage_hooks` gives raw access: HostTier, FileTier, MooncakeTier; or any tier
+with a ``corrupt_object(key, group, offset)`` / ``truncate_object(key, group, size)`` method), so
+detection is exercised for real; on other tiers they are simulated by raising the error a
+verifying tier would raise.
 
-The storage hooks (:func:`corrupt_stored`, :func:`truncate_stored`, :func:`peek_stored`,
-:func:`put_raw_stored`) reach behind a tier's API into its storage (HostTier's index, FileTier's
-files, the Mooncake store), so the tier under test is bypassed; production tiers carry no test
-hooks. A wrapper's reads change, so its ``blocking_reads`` is False: a pipeline that batches
-blocking reads cannot skip the injected faults.
+The storage functions (:func:`corrupt_stored`, :func:`truncate_stored`, :func:`peek_stored`,
+:func:`put_raw_stored`) reach behind a tier's API into its storage through the tier's
+:class:`~bsr.tiers._base.StorageHooks` (HostTier's index, FileTier's files, the Mooncake store),
+so the tier under test is bypassed; the library itself never calls those hooks. A wrapper's
+reads change, so its ``blocking_reads`` is False: a pipeline that batches blocking reads cannot
+skip the injected faults.
 """
 
 from __future__ import annotations
 
 import enum
 import hashlib
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
-import numpy as np
 
 from .._check import non_negative_float, optional_positive_float
 from .._errors import (
@@ -37,9 +37,6 @@ from .._errors import (
 from ..core._keys import ChunkKey, ObjectKey
 from ..core._object import HEADER_SIZE
 from ..tiers._base import Tier, TierWrapper
-from ..tiers._file import FileTier
-from ..tiers._host import HostTier
-from ..tiers._mooncake import MooncakeTier
 
 
 class FaultKind(str, enum.Enum):
@@ -134,49 +131,16 @@ def storage_tier(tier: Tier) -> Tier:
     return tier
 
 
-def _mooncake_rewrite(
-    tier: MooncakeTier, key: ChunkKey, group: str, edit: Callable[[bytearray], bytes | None]
-) -> bool:
-    store = tier._require_store()
-    skey = tier.store_key(key, group)
-    blob = store.get(skey)
-    if not blob:
-        return False
-    new = edit(bytearray(blob))
-    if new is None:
-        return False
-    store.remove(skey, True)
-    return int(store.put(skey, new)) == 0
-
-
 def _edit_stored(
     tier: Tier, key: ChunkKey, group: str, edit: Callable[[bytearray], bytes | None]
 ) -> bool:
     """Rewrite the stored bytes of ``(key, group)`` through the tier's storage (not its API)."""
-    tier = storage_tier(tier)
-    oid = ObjectKey(key, group).object_id
-    if isinstance(tier, HostTier):
-        blob = tier._index.peek(oid)
-        new = None if blob is None else edit(bytearray(blob.tobytes()))
-        if new is None:
-            return False
-        return tier._index.replace_value(oid, np.frombuffer(new, dtype=np.uint8).copy())
-    if isinstance(tier, FileTier):
-        path = tier.object_path(key, group)
-        try:
-            with open(path, "rb") as fh:
-                new = edit(bytearray(fh.read()))
-            if new is None:
-                return False
-            with open(path, "r+b") as fh:
-                fh.write(new)
-                fh.truncate(len(new))
-        except (FileNotFoundError, IsADirectoryError):
-            return False
-        return True
-    if isinstance(tier, MooncakeTier):
-        return _mooncake_rewrite(tier, key, group, edit)
-    return False
+    hooks = storage_tier(tier).storage_hooks()
+    blob = None if hooks is None else hooks.peek(key, group)
+    if hooks is None or blob is None:
+        return False
+    new = edit(bytearray(blob))
+    return new is not None and hooks.overwrite(key, group, new)
 
 
 def corrupt_stored(tier: Tier, key: ChunkKey, group: str, offset: int = HEADER_SIZE + 17) -> bool:
@@ -214,19 +178,8 @@ def truncate_stored(tier: Tier, key: ChunkKey, group: str, size: int = HEADER_SI
 
 def peek_stored(tier: Tier, key: ChunkKey, group: str) -> bytes | None:
     """The raw stored bytes of ``(key, group)`` (header + payload + padding), or None."""
-    tier = storage_tier(tier)
-    if isinstance(tier, HostTier):
-        blob = tier._index.peek(ObjectKey(key, group).object_id)
-        return None if blob is None else blob.tobytes()
-    if isinstance(tier, FileTier):
-        try:
-            return tier.object_path(key, group).read_bytes()
-        except (FileNotFoundError, IsADirectoryError):
-            return None
-    if isinstance(tier, MooncakeTier):
-        blob = tier._require_store().get(tier.store_key(key, group))
-        return bytes(blob) if blob else None
-    return None
+    hooks = storage_tier(tier).storage_hooks()
+    return None if hooks is None else hooks.peek(key, group)
 
 
 def put_raw_stored(tier: Tier, key: ChunkKey, group: str, blob: bytes) -> bool:
@@ -236,25 +189,8 @@ def put_raw_stored(tier: Tier, key: ChunkKey, group: str, blob: bytes) -> bool:
     it had been written by someone else into the same storage; HostTier and FileTier index it
     outside their capacity reservation. False when the tier offers no way to do that.
     """
-    tier = storage_tier(tier)
-    oid = ObjectKey(key, group).object_id
-    if isinstance(tier, HostTier):
-        tier._index.put(oid, len(blob), np.frombuffer(blob, dtype=np.uint8).copy())
-        return True
-    if isinstance(tier, FileTier):
-        path = tier.object_path(key, group)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".raw")
-        tmp.write_bytes(blob)
-        os.replace(tmp, path)
-        tier._index.put(oid, len(blob), None)
-        return True
-    if isinstance(tier, MooncakeTier):
-        store = tier._require_store()
-        skey = tier.store_key(key, group)
-        store.remove(skey, True)
-        return int(store.put(skey, blob)) == 0
-    return False
+    hooks = storage_tier(tier).storage_hooks()
+    return hooks is not None and hooks.put_raw(key, group, blob)
 
 
 class FaultyTier(TierWrapper[Tier]):

@@ -66,7 +66,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from ..core._object import HEADER_SIZE
 from ..core._results import Policy, RestoreResult
 from ..tiers._base import Tier
-from ..tiers._file import FileTier
+from ..tiers.file import FileTier
 from ._campaign import CampaignStats, InvariantViolation
 from ._checks import Restores
 from ._cluster import RecordingFaultyTier, TierFactory, _Rank, default_tier_factory

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import torch
 
@@ -215,6 +215,30 @@ def as_payload_view(payload: Any) -> memoryview:
     return as_byte_view(payload)
 
 
+class StorageHooks(Protocol):
+    """Raw access to the objects a tier stores, behind its API: what :mod:`bsr.testing` uses to
+    damage and seed stored objects (:meth:`Tier.storage_hooks`). The library never calls it.
+
+    Every method is blocking and bypasses the tier's verification, capacity reservation and
+    statistics; an object is named by its ``(key, group)`` and stored as bytes (header, payload,
+    padding).
+    """
+
+    def peek(self, key: ChunkKey, group: str) -> bytes | None:
+        """The stored bytes of ``(key, group)``; None when the storage holds no such object."""
+        ...
+
+    def overwrite(self, key: ChunkKey, group: str, blob: bytes) -> bool:
+        """Replace the stored bytes of an object the storage holds with ``blob`` (where the
+        tier indexes it, its entry keeps its size and recency); False when it holds none."""
+        ...
+
+    def put_raw(self, key: ChunkKey, group: str, blob: bytes) -> bool:
+        """Store ``blob`` verbatim as ``(key, group)`` so that the tier holds it (an indexing
+        tier indexes it outside its capacity reservation); False when the storage refuses."""
+        ...
+
+
 class Tier(AsyncResource, abc.ABC):
     """Abstract async tier. Use as ``async with tier:`` or call :meth:`aclose`.
 
@@ -394,6 +418,11 @@ class Tier(AsyncResource, abc.ABC):
         """Report one removal to the listeners (a subclass calls this where objects leave)."""
         self._removals.emit(object_id, cause)
 
+    def storage_hooks(self) -> StorageHooks | None:
+        """Raw access to this tier's stored objects for fault injection and test seeding
+        (:func:`bsr.testing.corrupt_stored` and its siblings); None (the default): none."""
+        return None
+
     async def quarantine(self, key: ChunkKey, group: str, reason: str) -> None:
         """Take a failing object out of service so later probes treat it as a miss.
 
@@ -522,6 +551,9 @@ class TierWrapper(Tier, Generic[T]):
 
     async def recheck_many(self, objects: Sequence[ObjectKey]) -> list[bool]:
         return await self.inner.recheck_many(objects)
+
+    def storage_hooks(self) -> StorageHooks | None:
+        return self.inner.storage_hooks()
 
     def on_removed(self, listener: RemovalListener) -> Callable[[], None]:
         # the inner tier's removals under this wrapper's name (the name the engine knows)

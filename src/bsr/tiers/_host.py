@@ -23,7 +23,7 @@ import numpy as np
 from .._check import Check, option
 from .._errors import ObjectNotFoundError
 from ..core._keys import ChunkKey, ObjectKey, object_id
-from ._base import Borrowed, LentPayloads, Tier, as_payload_view
+from ._base import Borrowed, LentPayloads, StorageHooks, Tier, as_payload_view
 from ._codec import ObjectCodec
 from ._lru import IndexedTier, LruIndex
 from ._registry import TierOptions
@@ -40,7 +40,7 @@ class HostTierOptions(TierOptions):
     name: str = option(Check.text, "host")
 
     def build(self) -> Tier:
-        return HostTier(self.capacity_bytes, name=self.name)
+        return HostTier(**self.arguments())
 
 
 class HostTier(IndexedTier):
@@ -190,3 +190,26 @@ class HostTier(IndexedTier):
     async def aclose(self) -> None:
         self._index.clear()
         await super().aclose()
+
+    def storage_hooks(self) -> StorageHooks:
+        return _HostStorage(self._index)
+
+
+class _HostStorage:
+    """HostTier's :class:`~bsr.tiers._base.StorageHooks`: the blobs in its index."""
+
+    def __init__(self, index: LruIndex[Blob]) -> None:
+        self._index = index
+
+    def peek(self, key: ChunkKey, group: str) -> bytes | None:
+        blob = self._index.peek(ObjectKey(key, group).object_id)
+        return None if blob is None else blob.tobytes()
+
+    def overwrite(self, key: ChunkKey, group: str, blob: bytes) -> bool:
+        new = np.frombuffer(blob, dtype=np.uint8).copy()
+        return self._index.replace_value(ObjectKey(key, group).object_id, new)
+
+    def put_raw(self, key: ChunkKey, group: str, blob: bytes) -> bool:
+        new = np.frombuffer(blob, dtype=np.uint8).copy()
+        self._index.put(ObjectKey(key, group).object_id, len(blob), new)
+        return True

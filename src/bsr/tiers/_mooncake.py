@@ -90,7 +90,7 @@ from .._errors import (
 from ..core._keys import ChunkKey, ObjectKey
 from ..core._layout import align_up
 from ._abandon import AbandonableCalls
-from ._base import Tier, TierUsage, as_byte_view, as_payload_view
+from ._base import StorageHooks, Tier, TierUsage, as_byte_view, as_payload_view
 from ._codec import ObjectCodec
 from ._registry import TierOptions
 
@@ -192,7 +192,7 @@ class MooncakeTierOptions(TierOptions):
             )
 
     def build(self) -> Tier:
-        return MooncakeTier(**{k: v for k, v in self.to_dict().items() if k != "kind"})
+        return MooncakeTier(**self.arguments())
 
 
 class MooncakeTier(Tier):
@@ -305,6 +305,9 @@ class MooncakeTier(Tier):
     def store_key(self, key: ChunkKey, group: str) -> str:
         """The Mooncake key under which ``(key, group)`` is stored."""
         return self.key_prefix + ObjectKey(key, group).object_id
+
+    def storage_hooks(self) -> StorageHooks:
+        return _MooncakeStorage(self)
 
     def usage(self) -> TierUsage:
         return TierUsage(self._objects, self._bytes, self.capacity_bytes)
@@ -696,3 +699,23 @@ class MooncakeTier(Tier):
     def __repr__(self) -> str:
         mode = "master" if self.embedded else "client"
         return f"MooncakeTier(name={self.name!r}, {mode}={self._address!r})"
+
+
+class _MooncakeStorage:
+    """MooncakeTier's :class:`~bsr.tiers._base.StorageHooks`: its values in the store."""
+
+    def __init__(self, tier: MooncakeTier) -> None:
+        self._tier = tier
+
+    def peek(self, key: ChunkKey, group: str) -> bytes | None:
+        blob = self._tier._require_store().get(self._tier.store_key(key, group))
+        return bytes(blob) if blob else None
+
+    def overwrite(self, key: ChunkKey, group: str, blob: bytes) -> bool:
+        return self.put_raw(key, group, blob)
+
+    def put_raw(self, key: ChunkKey, group: str, blob: bytes) -> bool:
+        store = self._tier._require_store()
+        skey = self._tier.store_key(key, group)
+        store.remove(skey, True)
+        return int(store.put(skey, blob)) == 0

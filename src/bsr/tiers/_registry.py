@@ -36,7 +36,7 @@ ENTRY_POINT_GROUP = "bsr.tiers"
 #: bsr's own kinds, imported lazily by name
 BUILTIN_TIERS: dict[str, str] = {
     "host": "bsr.tiers._host:HostTierOptions",
-    "file": "bsr.tiers._file:FileTierOptions",
+    "file": "bsr.tiers.file:FileTierOptions",
     "mooncake": "bsr.tiers._mooncake:MooncakeTierOptions",
 }
 
@@ -79,9 +79,14 @@ class TierOptions:
             message = exc.message if exc.message.startswith(where) else f"{where}: {exc.message}"
             raise ConfigError(message, key=where) from None
 
+    def arguments(self) -> dict[str, Any]:
+        """Every option by name: the keyword arguments of the tier's constructor, which takes
+        the same options (``build`` is then ``MyTier(**self.arguments())``)."""
+        return {n: getattr(self, n) for n in option_fields(self)}
+
     def to_dict(self) -> dict[str, Any]:
         """The plain form (``kind`` first); ``tier_options(kind).from_dict`` reads it back."""
-        return {"kind": self.kind, **{n: getattr(self, n) for n in option_fields(self)}}
+        return {"kind": self.kind, **self.arguments()}
 
 
 _lock = threading.Lock()

@@ -26,7 +26,7 @@ from .._errors import (
 )
 from ..core._keys import ChunkKey, ObjectKey
 from ..tiers._base import Borrowed, LentPayloads, Tier
-from ..tiers._readers import ReadWithdrawnError
+from ..tiers.file import ReadWithdrawnError
 
 
 class Outcome(str, enum.Enum):

@@ -49,7 +49,7 @@ from ..core._plan import groups_by_chunk
 from ..core._results import Probe
 from ..tiers._abandon import AbandonableCalls
 from ..tiers._base import Borrowed, Tier
-from ..tiers._readers import cancellation
+from ..tiers.file import cancellation
 from ._cache import PagedKVCache
 from ._install import CudaInstaller, HostInstaller
 from ._ladder import LadderResult, Outcome, ReadGate, TierLadder

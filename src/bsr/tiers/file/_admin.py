@@ -5,11 +5,11 @@ that a :class:`~bsr.FileTier` wrote, possibly while engines have it open. Plain 
 I/O, no event loop. ``stats``, ``ls``, ``verify`` (without ``quarantine``) and ``quarantine
 list`` only read; ``gc`` and ``verify`` with ``quarantine`` change ``objects/`` one object at a
 time under the root's lock, the one every FileTier takes for its own changes (see
-:mod:`bsr.tiers._shared`), and keep the shared ledger exact, so running engines stay within
+:mod:`bsr.tiers.file._ledger`), and keep the shared ledger exact, so running engines stay within
 their capacity; they see removed objects as misses. ``quarantine purge`` deletes only files of
 the quarantine's own name grammar.
 
-How it works: the root is opened the way FileTier opens it (:mod:`bsr.tiers._fileroot`):
+How it works: the root is opened the way FileTier opens it (:mod:`bsr.tiers.file._root`):
 directory descriptors opened with ``O_NOFOLLOW`` (a symlinked ``objects/``, ``quarantine/`` or
 fan-out directory is refused or skipped, never followed), and only regular files of bsr's exact
 name grammar are read, moved or deleted; anything else is junk, counted and left alone. An
@@ -35,11 +35,13 @@ from pathlib import Path
 
 import xxhash
 
-from .._check import non_negative_int
-from .._errors import TierRootError
-from ..core._keys import FORMAT_VERSION
-from ..core._object import _FIELDS, _SUM_OFFSET, HEADER_SIZE, MAGIC, object_size
-from ._fileroot import (
+from ..._check import non_negative_int
+from ..._errors import TierRootError
+from ...core._keys import FORMAT_VERSION
+from ...core._object import _FIELDS, _SUM_OFFSET, HEADER_SIZE, MAGIC, object_size
+from ._ledger import SharedSpace
+from ._readers import NotRegularFileError, open_regular
+from ._root import (
     DIR_FLAGS,
     OBJECT_SUFFIX,
     QUARANTINE_NAME_RE,
@@ -51,8 +53,6 @@ from ._fileroot import (
     object_relpath,
     walk_objects,
 )
-from ._readers import NotRegularFileError, open_regular
-from ._shared import SharedSpace
 
 #: group names whose digests ``stats`` and ``ls`` recognise (others show as a digest)
 KNOWN_GROUPS = ("kv", "swa_kv", "swa", "hidden", "mla", "indexer")

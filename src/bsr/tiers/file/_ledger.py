@@ -60,9 +60,12 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .._errors import TierFullError, TierRootError
-from ..core._object import HEADER_SIZE
-from ._fileroot import (
+from ..._errors import TierFullError, TierRootError
+from ...core._object import HEADER_SIZE
+from .._lru import LruIndex, RoomPending
+from .._watch import Removal
+from ._readers import NotRegularFileError, file_kind, open_regular
+from ._root import (
     DIR_FLAGS,
     LEDGER_NAME,
     MARKER_NAME,
@@ -73,9 +76,6 @@ from ._fileroot import (
     StoreRoot,
     walk_objects,
 )
-from ._lru import LruIndex, RoomPending
-from ._readers import NotRegularFileError, file_kind, open_regular
-from ._watch import Removal
 
 LEDGER_KIND = "bsr.FileTier.ledger"
 LEDGER_VERSION = 1

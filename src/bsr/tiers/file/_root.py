@@ -26,10 +26,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from .._check import is_int
-from .._errors import TierRootError
-from ..core._object import HEADER_SIZE, MAGIC, object_size
-from ..core._object import PAYLOAD_LEN_OFFSET as _PLEN_OFFSET
+from ..._check import is_int
+from ..._errors import TierRootError
+from ...core._object import HEADER_SIZE, MAGIC, object_size
+from ...core._object import PAYLOAD_LEN_OFFSET as _PLEN_OFFSET
 from ._readers import NotRegularFileError, file_kind, open_regular
 
 # ---------------------------------------------------------------------- on-disk layout

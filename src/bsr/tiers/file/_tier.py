@@ -22,7 +22,7 @@ of files) is junk: skipped, counted (``statistics().junk``), logged once per ope
 followed, opened, deleted or moved.
 
 Several processes may share a root: the capacity is accounted in a ledger in the root, changed
-only under the root's lock (:mod:`bsr.tiers._shared`). A write reserves its bytes there
+only under the root's lock (:mod:`bsr.tiers.file._ledger`). A write reserves its bytes there
 (evicting least recently used objects this process's :class:`~bsr.tiers._lru.LruIndex` holds
 unpinned) and creates its temp file, is written and fsync'ed, renamed into ``objects/`` under the
 lock and the directory fsync'ed; only then is it added to the index, so a probe never sees a
@@ -34,12 +34,12 @@ the root may be stopped while it holds it): a write then raises :class:`~bsr.Tie
 probe asks the directory for objects the index lacks (another process wrote them). On open the
 index is rebuilt by scanning ``objects/`` (each header is checked against the file size; damaged
 files are quarantined), temp files of dead writers are removed, and the root is trimmed to
-capacity (claiming the root and the scan live in :mod:`bsr.tiers._fileroot`, with the layout's
+capacity (claiming the root and the scan live in :mod:`bsr.tiers.file._root`, with the layout's
 names).
 Files are opened relative to directory descriptors of the tree with ``O_NOFOLLOW | O_NONBLOCK``
-and ``fstat``-checked (:func:`~bsr.tiers._readers.open_regular`): a read never leaves the root
-and never blocks on a FIFO. Permission and I/O errors are I/O errors (``TierIOError``; skipped
-and counted as ``unreadable`` on open), never corruption.
+and ``fstat``-checked (:func:`~bsr.tiers.file._readers.open_regular`): a read never leaves the
+root and never blocks on a FIFO. Permission and I/O errors are I/O errors (``TierIOError``;
+skipped and counted as ``unreadable`` on open), never corruption.
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ from typing import Any, TypeVar
 
 import anyio
 
-from .._check import Check, option
-from .._errors import (
+from ..._check import Check, option
+from ..._errors import (
     ClosedError,
     ConfigError,
     CorruptObjectError,
@@ -68,14 +68,38 @@ from .._errors import (
     TierIOError,
     TruncatedObjectError,
 )
-from ..core._keys import ChunkKey, ObjectKey
-from ._abandon import AbandonableCalls
-from ._base import Tier, TierStatistics, TierUsage, as_byte_view, as_payload_view
-from ._codec import ObjectCodec
-from ._fileroot import (
+from ...core._keys import ChunkKey, ObjectKey
+from .._abandon import AbandonableCalls
+from .._base import (
+    StorageHooks,
+    Tier,
+    TierStatistics,
+    TierUsage,
+    as_byte_view,
+    as_payload_view,
+)
+from .._codec import ObjectCodec
+from .._lru import IndexedTier, LruIndex, RoomPending
+from .._registry import TierOptions
+from .._watch import Removal
+from ._ledger import Pending, RootBusy, SharedSpace, ledger_error
+from ._readers import (
+    NotRegularFileError,
+    ObjectReader,
+    PosixReader,
+    ReadCancelledError,
+    ReadWithdrawnError,
+    UringReader,
+    aligned_buffer,
+    calibrate_depth,
+    cancellation,
+    default_reader,
+    open_regular,
+)
+from ._root import (
     _ID_RE as _ID_RE,  # read by bsr store
 )
-from ._fileroot import (
+from ._root import (
     DIR_FLAGS,
     JUNK_EXAMPLES,
     MARKER_KIND,
@@ -96,28 +120,10 @@ from ._fileroot import (
     classify_read_error,
     object_relpath,
 )
-from ._fileroot import _fsync_dir as _fsync_dir  # read by bsr store
-from ._lru import IndexedTier, LruIndex, RoomPending
-from ._readers import (
-    NotRegularFileError,
-    ObjectReader,
-    PosixReader,
-    ReadCancelledError,
-    ReadWithdrawnError,
-    UringReader,
-    aligned_buffer,
-    calibrate_depth,
-    cancellation,
-    default_reader,
-    open_regular,
-)
-from ._registry import TierOptions
-from ._shared import Pending, RootBusy, SharedSpace, ledger_error
-from ._watch import Removal
 
 HEADER_SIZE = ObjectCodec.HEADER_SIZE
 
-#: the on-disk layout, defined in _fileroot and re-exported here
+#: the on-disk layout, defined in _root and re-exported here
 __all__ = (
     "MARKER_KIND",
     "MARKER_NAME",
@@ -165,17 +171,7 @@ class FileTierOptions(TierOptions):
     lock_timeout_s: float = option(Check.non_negative_seconds, 2.0)
 
     def build(self) -> Tier:
-        return FileTier(
-            self.path,
-            self.capacity_bytes,
-            name=self.name,
-            reader=self.reader,
-            direct_io=self.direct_io,
-            fsync=self.fsync,
-            io_threads=self.io_threads,
-            read_depth=self.read_depth,
-            lock_timeout_s=self.lock_timeout_s,
-        )
+        return FileTier(**self.arguments())
 
 
 class FileTier(IndexedTier):
@@ -184,7 +180,7 @@ class FileTier(IndexedTier):
     Args:
         path: the root: an empty or missing directory (claimed with a ``.bsr-tier`` marker), or
             one this tier claimed before. Several processes may share a root (the shared
-            ledger keeps them within ``capacity_bytes`` together; see ``_shared``).
+            ledger keeps them within ``capacity_bytes`` together; see ``_ledger``).
         capacity_bytes: upper bound on stored bytes (file sizes, writes in progress included);
             LRU eviction beyond it, never of an object being read or leased.
         name: tier name for statistics, logs and ``bytes_by_tier``.
@@ -285,6 +281,9 @@ class FileTier(IndexedTier):
     def object_paths(self) -> list[Path]:
         """Paths of every visible object, least recently used first."""
         return [self._obj_path(oid) for oid in self._index.oids()]
+
+    def storage_hooks(self) -> StorageHooks:
+        return _FileStorage(self)
 
     # ------------------------------------------------------------------ lifecycle
     async def open(self) -> None:
@@ -874,6 +873,37 @@ class FileTier(IndexedTier):
 
         # abandonable, so the engine's bound on a shielded quarantine holds on a hung mount
         await self._locked(_move, what=f"quarantining {object_relpath(oid)}", abandon=True)
+
+
+class _FileStorage:
+    """FileTier's :class:`~bsr.tiers._base.StorageHooks`: its object files, by path."""
+
+    def __init__(self, tier: FileTier) -> None:
+        self._tier = tier
+
+    def peek(self, key: ChunkKey, group: str) -> bytes | None:
+        try:
+            return self._tier.object_path(key, group).read_bytes()
+        except (FileNotFoundError, IsADirectoryError):
+            return None
+
+    def overwrite(self, key: ChunkKey, group: str, blob: bytes) -> bool:
+        try:  # in place: the same file, as damage on disk would be
+            with open(self._tier.object_path(key, group), "r+b") as fh:
+                fh.write(blob)
+                fh.truncate(len(blob))
+        except (FileNotFoundError, IsADirectoryError):
+            return False
+        return True
+
+    def put_raw(self, key: ChunkKey, group: str, blob: bytes) -> bool:
+        path = self._tier.object_path(key, group)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".raw")
+        tmp.write_bytes(blob)
+        os.replace(tmp, path)
+        self._tier._index.put(ObjectKey(key, group).object_id, len(blob), None)
+        return True
 
 
 def _close(dirs: Dirs, space: SharedSpace | None) -> None:

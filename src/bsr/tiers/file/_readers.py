@@ -35,9 +35,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .._errors import TierIOError
-from ..core._layout import ALIGNMENT, align_up
-from ..core._object import HEADER_SIZE
+from ..._errors import TierIOError
+from ...core._layout import ALIGNMENT, align_up
+from ...core._object import HEADER_SIZE
 from ._uring import Ring, RingError, uring_status
 
 _HAS_ODIRECT = hasattr(os, "O_DIRECT")
@@ -255,7 +255,7 @@ def default_reader(
         return PosixReader(direct=direct)
     if kind == "kvikio":
         return KvikioReader()
-    from .._errors import ConfigError
+    from ..._errors import ConfigError
 
     raise ConfigError(f"unknown reader {kind!r}; use 'auto', 'uring', 'posix' or 'kvikio'")
 
@@ -322,6 +322,10 @@ class _Depth:
             self._cond.notify_all()
 
 
+#: one read request: ``(offset, address, length, vectors)`` (see :meth:`UringReader._run`)
+Piece = tuple[int, int, int, int]
+
+
 class _Iovec(ctypes.Structure):
     _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
 
@@ -360,7 +364,7 @@ class UringReader(PosixReader):
     ) -> None:
         super().__init__(direct=direct)
         if block_bytes < ALIGNMENT or block_bytes % ALIGNMENT:
-            from .._errors import ConfigError
+            from ..._errors import ConfigError
 
             raise ConfigError(f"block_bytes must be a multiple of 4096, got {block_bytes}")
         self.depth_chosen = depth is not None
@@ -382,7 +386,7 @@ class UringReader(PosixReader):
 
     def set_depth(self, depth: int) -> None:
         if depth < 1:
-            from .._errors import ConfigError
+            from ..._errors import ConfigError
 
             raise ConfigError(f"read depth must be >= 1, got {depth}")
         self._depth.resize(depth)
@@ -444,7 +448,7 @@ class UringReader(PosixReader):
                 break
         return total
 
-    def _run(self, ring: Ring, fd: int, pieces: list[tuple[int, int, int, int]]) -> list[int]:
+    def _run(self, ring: Ring, fd: int, pieces: list[Piece]) -> list[int]:
         """Keep ``pieces`` in flight within the depth until each completed; bytes per piece.
 
         A piece is ``(offset, address, length, vectors)``: with ``vectors`` > 0, ``address`` is
@@ -473,45 +477,17 @@ class UringReader(PosixReader):
                     if k == 0 and not tags:  # cancelled while waiting for the depth
                         cancelled = stop = True
                         continue
-                    queued = 0
-                    try:
-                        for i in range(nxt, nxt + k):
-                            off, addr, length, vectors = pieces[i]
-                            if vectors:  # addr: that many iovecs
-                                tags[ring.readv(fd, off, addr, vectors)] = i
-                            else:
-                                tags[ring.read(fd, off, addr, length)] = i
-                            queued += 1
-                    finally:
-                        depth.give(k - queued)  # places taken but never used
-                    nxt += queued
+                    nxt += self._queue(ring, fd, pieces[nxt : nxt + k], nxt, tags)
                 if not tags:
                     continue
                 timeout = CANCEL_POLL_S if check is not None else None
                 ring.enter(wait=len(tags) if stop or nxt == len(pieces) else 1, timeout_s=timeout)
-                back = 0
-                try:
-                    for tag, res in ring.reap():
-                        i = tags.pop(tag, -1)
-                        if i < 0:
-                            continue
-                        back += 1
-                        if res < 0:
-                            error = error or -res
-                            stop = True
-                        else:
-                            got[i] = res
-                            if res < pieces[i][2]:
-                                stop = True  # end of file: nothing more to read
-                finally:
-                    if back:
-                        depth.give(back)  # the places of those reaped, at once
+                failed, ended = self._reap(ring, pieces, tags, got)
+                error = error or failed
+                stop = stop or ended
                 if check is not None and not cancelled and check():
                     cancelled = stop = True
-                    if tags:
-                        for tag in tags:
-                            ring.cancel(tag)
-                        ring.enter()
+                    self._withdraw(ring, tags)
         except BaseException:
             # the ring failed under us: wait (bounded) for what is in flight, so the kernel does
             # not write into the buffers after we return, and start a new ring next time
@@ -525,6 +501,59 @@ class UringReader(PosixReader):
         if error:
             raise OSError(error, os.strerror(error))
         return got
+
+    def _queue(
+        self, ring: Ring, fd: int, batch: list[Piece], first: int, tags: dict[int, int]
+    ) -> int:
+        """Queue ``batch`` (the pieces from index ``first`` on, their places in the depth
+        taken), each request's tag mapped to its piece's index in ``tags``; how many were
+        queued (the places of the others go back)."""
+        queued = 0
+        try:
+            for i, (off, addr, length, vectors) in enumerate(batch, first):
+                if vectors:  # addr: that many iovecs
+                    tags[ring.readv(fd, off, addr, vectors)] = i
+                else:
+                    tags[ring.read(fd, off, addr, length)] = i
+                queued += 1
+        finally:
+            self._depth.give(len(batch) - queued)  # places taken but never used
+        return queued
+
+    def _reap(
+        self, ring: Ring, pieces: list[Piece], tags: dict[int, int], got: list[int]
+    ) -> tuple[int, bool]:
+        """Take the completions the ring holds: each one's bytes into ``got``, its place in the
+        depth back (at once); the first kernel error (0: none) and whether no further piece may
+        be queued (an error, or a short read: the end of the file)."""
+        error = 0
+        stop = False
+        back = 0
+        try:
+            for tag, res in ring.reap():
+                i = tags.pop(tag, -1)
+                if i < 0:
+                    continue
+                back += 1
+                if res < 0:
+                    error = error or -res
+                    stop = True
+                else:
+                    got[i] = res
+                    if res < pieces[i][2]:
+                        stop = True  # end of file: nothing more to read
+        finally:
+            if back:
+                self._depth.give(back)  # the places of those reaped, at once
+        return error, stop
+
+    @staticmethod
+    def _withdraw(ring: Ring, tags: dict[int, int]) -> None:
+        """Ask the kernel to cancel every request in flight (they are still reaped after)."""
+        if tags:
+            for tag in tags:
+                ring.cancel(tag)
+            ring.enter()
 
     @staticmethod
     def _drain(ring: Ring, tags: dict[int, int], rounds: int = 50) -> None:
