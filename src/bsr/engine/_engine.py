@@ -61,7 +61,7 @@ from ..core._keys import (
 from ..core._layout import StateLayout
 from ..core._lifecycle import Reason, RequestLifecycle, RequestState
 from ..core._options import Policy, Strategy, choice
-from ..core._plan import checkpoint_ends, needed_objects
+from ..core._plan import checkpoint_ends, needed_objects, plan_restore
 from ..core._results import Probe, RestoreResult, SaveResult
 from ..tiers._base import Tier, TierLease, TierStatistics
 from ..tiers._watch import Removal, RemovalFeed, RemovalListener
@@ -813,10 +813,11 @@ class RestoreEngine(AsyncResource):
     async def _window_phase(self, req: RestoreRequest) -> None:
         """Windowing: stream the agreed chunks into the cache through the slots."""
         assert req.probe is not None
-        run = RestoreRun(
-            req.rid, req.probe.prefix_chunks, self.layout, req.policy, deadline_at=req.deadline_at,
-            valid_chunks=req.valid_chunks, first_block=req.first_block,
+        plan = plan_restore(
+            self.layout, req.probe.prefix_chunks, valid_chunks=req.valid_chunks,
+            first_block=req.first_block,
         )  # fmt: skip
+        run = RestoreRun(plan, req.policy)
         req.run = run
         req.life.facts.target_chunks = run.target
         req.life.facts.installed = run.installed  # the live record the guards evaluate
