@@ -633,18 +633,9 @@ class RestoreEngine(AsyncResource):
         if probe is not None:
             self._check_probe_origin(probe)
         req = self._admit(
-            tokens,
-            cache,
-            block_ids,
-            policy,
-            deadline_s,
-            strategy,
-            request_id,
-            started,
-            start_tokens,
-            extras,
-        )
-        req.on_installed = on_installed
+            tokens, cache, block_ids, policy, deadline_s, strategy, request_id, started,
+            start_tokens, extras, on_installed,
+        )  # fmt: skip
         job = RestoreJob(self._parts, req, probe)
         try:
             restored = await job.run()
@@ -678,6 +669,7 @@ class RestoreEngine(AsyncResource):
         started: float,
         start_tokens: int = 0,
         extras: Extras | None = None,
+        on_installed: OnInstalled | None = None,
     ) -> RestoreRequest:
         """Check the arguments and open the request's record (no I/O).
 
@@ -708,7 +700,7 @@ class RestoreEngine(AsyncResource):
             tables=tables, policy=life.facts.policy,
             strategy=choice(Strategy, strategy, "strategy"),
             deadline_at=None if deadline is None else started + deadline, t0=started,
-            first_block=first_block, valid_chunks=valid_chunks,
+            first_block=first_block, valid_chunks=valid_chunks, on_installed=on_installed,
         )  # fmt: skip
 
     def _start(self, start_tokens: int, cache: PagedKVCache) -> tuple[int, int]:
