@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import torch
@@ -591,19 +591,11 @@ class WindowPipeline:
         installed fails the run and ends the batch, as on the per-object path.
         """
         run = job.run
-        needed, holders, keys = run.needed, job.probe.holders, job.probe.keys
-        name: str | None = None
-        objects: list[tuple[ChunkKey, int, str]] = []
-        for c in batch:
-            hc = holders[c]
-            for g in needed[c]:
-                h = hc[g]
-                if not h or (name is not None and h[0] != name):
-                    return False
-                name = h[0]
-                objects.append((keys[c], c, g))
-        if name is None or not self.ladder.lends(name):
+        needed = run.needed
+        lender = self._lender(job, batch)
+        if lender is None:
             return False
+        name, objects = lender
         got = self.ladder.borrow_many_blocking(job.gate, name, objects, self._expected)
         if got is None:
             return False
@@ -628,20 +620,12 @@ class WindowPipeline:
                         if entered:
                             gate.leave()
                             entered = False
-                        text, outcome = failed[i]
-                        result = self.ladder.read_blocking(
-                            job.gate, keys[c], c, g, holders[c][g][1:],
-                            self._region(job, slot, g), self._expected[g], borrow=True,
-                            prior=(text,),
-                        )  # fmt: skip
-                        result.corrupt = result.corrupt or outcome is Outcome.CORRUPT
-                        if not result.ok:
-                            self._read_failed(job, c, g, result)
+                        borrowed = self._read_unlent(job, c, g, slot, failed[i])
+                        if borrowed is False:
                             return True
-                        if result.borrowed is not None:
-                            extra.append(result.borrowed)
-                            payloads[g] = result.borrowed.payload
-                        run.record_read(result)
+                        if borrowed is not None:
+                            extra.append(borrowed)
+                            payloads[g] = borrowed.payload
                     else:
                         payload = items[i]
                         payloads[g] = payload
@@ -668,6 +652,44 @@ class WindowPipeline:
                 b.release()
             if done:
                 run.record_lent(name, nbytes, done)
+
+    def _lender(
+        self, job: _Job, batch: Sequence[int]
+    ) -> tuple[str, list[tuple[ChunkKey, int, str]]] | None:
+        """The one lending tier that is the first holder of every object of ``batch``, and
+        those objects ``(key, chunk, group)`` in order; None when there is no such tier."""
+        needed, holders, keys = job.run.needed, job.probe.holders, job.probe.keys
+        name: str | None = None
+        objects: list[tuple[ChunkKey, int, str]] = []
+        for c in batch:
+            hc = holders[c]
+            for g in needed[c]:
+                h = hc[g]
+                if not h or (name is not None and h[0] != name):
+                    return None
+                name = h[0]
+                objects.append((keys[c], c, g))
+        if name is None or not self.ladder.lends(name):
+            return None
+        return name, objects
+
+    def _read_unlent(
+        self, job: _Job, c: int, g: str, slot: Slot, failed: tuple[str, Outcome]
+    ) -> Borrowed | Literal[False] | None:
+        """An object the lending tier could not lend (``failed``: why, and the outcome already
+        reported) goes down the ladder on its own: what a later tier lent, None when it was read
+        into the slot, False when it could not be read (the run failed)."""
+        text, outcome = failed
+        result = self.ladder.read_blocking(
+            job.gate, job.probe.keys[c], c, g, job.probe.holders[c][g][1:],
+            self._region(job, slot, g), self._expected[g], borrow=True, prior=(text,),
+        )  # fmt: skip
+        result.corrupt = result.corrupt or outcome is Outcome.CORRUPT
+        if not result.ok:
+            self._read_failed(job, c, g, result)
+            return False
+        job.run.record_read(result)
+        return result.borrowed
 
     def _lent(self, job: _Job, c: int) -> bool:
         """Whether every group of chunk ``c`` is first asked of a tier that lends in place."""
