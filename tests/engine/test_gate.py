@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import bsr
+from bsr.core._plan import plan_restore
 from bsr.engine._decisions import Quarantine, RestoreGate, TierQuarantine
 from bsr.engine._health import TierHealth
 from bsr.transfer._ladder import Outcome, ReadOutcome
@@ -83,7 +84,7 @@ step = st.one_of(
 def test_the_gate_follows_the_model(steps: list[tuple[object, ...]]) -> None:
     model = Model()
     health = TierHealth(TIERS, threshold=THRESHOLD, cooldown_s=COOLDOWN, clock=lambda: model.now)
-    run = RestoreRun("r", len(KEYS), LAYOUT, bsr.Policy.TRUNCATE)
+    run = RestoreRun(plan_restore(LAYOUT, len(KEYS)), bsr.Policy.TRUNCATE)
     gate = RestoreGate(run, health, Quarantine(), structlog.get_logger())
     for s in steps:
         if s[0] == "wait":
@@ -117,7 +118,7 @@ def test_the_gate_follows_the_model(steps: list[tuple[object, ...]]) -> None:
 def _fake_clock_gate() -> tuple[RestoreGate, list[float]]:
     now = [0.0]
     health = TierHealth(TIERS, threshold=THRESHOLD, cooldown_s=COOLDOWN, clock=lambda: now[0])
-    run = RestoreRun("r", len(KEYS), LAYOUT, bsr.Policy.TRUNCATE)
+    run = RestoreRun(plan_restore(LAYOUT, len(KEYS)), bsr.Policy.TRUNCATE)
     return RestoreGate(run, health, Quarantine(), structlog.get_logger()), now
 
 

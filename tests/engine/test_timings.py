@@ -10,6 +10,7 @@ import pytest
 
 import bsr
 import bsr.engine._engine
+import bsr.engine._job
 import bsr.engine._request
 from bsr.testing import corrupt_stored
 from helpers import filled_cache, make_engine, shuffled_blocks, tokens_for, two_group_layout
@@ -50,6 +51,7 @@ async def test_settle_time_is_booked_as_settle_not_commit(
     clock = Clock()
     fake_time = SimpleNamespace(perf_counter=clock.perf_counter)
     monkeypatch.setattr(bsr.engine._engine, "time", fake_time)
+    monkeypatch.setattr(bsr.engine._job, "time", fake_time)
     monkeypatch.setattr(bsr.engine._request, "time", fake_time)
     layout = two_group_layout()
     n = 3 * layout.chunk_tokens

@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import bsr
+from bsr.core._plan import plan_restore
 from bsr.engine._decisions import Quarantine, RestoreGate
 from bsr.engine._health import TierHealth
 from bsr.testing import make_keys
@@ -221,7 +222,7 @@ def test_a_batch_is_admitted_only_when_nothing_is_to_decide_per_object() -> None
     tiers = {n: Scripted(n, "ok", 1) for n in ("a", "b")}
     ladder = TierLadder(tiers)
     layout = bsr.StateLayout(32, (bsr.StateGroup("kv", 1, 16),))
-    run = RestoreRun("r", 3, layout, bsr.Policy.ALL_OR_NOTHING)
+    run = RestoreRun(plan_restore(layout, 3), bsr.Policy.ALL_OR_NOTHING)
     health = TierHealth(["a", "b"], threshold=1, cooldown_s=60.0)
     quarantine = Quarantine()
     gate = RestoreGate(run, health, quarantine, _Log())

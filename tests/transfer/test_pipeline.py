@@ -17,6 +17,7 @@ import torch
 
 import bsr
 from bsr.core._keys import ChunkKey, ObjectKey, chunk_keys
+from bsr.core._plan import plan_restore
 from bsr.core._results import Probe
 from bsr.transfer._ladder import Outcome, ReadOutcome
 from bsr.transfer._pipeline import RestoreRun, WholePlanBuffer, WindowPipeline
@@ -147,7 +148,7 @@ async def run_pipeline(
     keys = keys or k
     pool = StagingPool(window, LAYOUT.slot_bytes, pin=False, prefault=False)
     pipe = WindowPipeline(LAYOUT, tiers, window=window, io_depth=io_depth)
-    run = RestoreRun("t", n, LAYOUT, policy)
+    run = RestoreRun(plan_restore(LAYOUT, n), policy)
     gate = gate or RecordingGate()
     slots = (
         pool.account()
@@ -324,7 +325,7 @@ async def test_a_stuck_read_parks_its_slot_until_the_thread_returns() -> None:
         _, cache, ids = setup(n)
         pool = StagingPool(2, LAYOUT.slot_bytes, pin=False, prefault=False)
         pipe = WindowPipeline(LAYOUT, [tier], window=2, io_depth=1)
-        run = RestoreRun("t", n, LAYOUT, bsr.Policy.ALL_OR_NOTHING)
+        run = RestoreRun(plan_restore(LAYOUT, n), bsr.Policy.ALL_OR_NOTHING)
         acct = pool.account()
         with anyio.move_on_after(0.2) as scope:
             await pipe.run(run, acct, make_probe(keys, ["mem"]), cache,

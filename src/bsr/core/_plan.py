@@ -20,7 +20,7 @@ object some tier holds, whichever save stored it.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
 from ._layout import StateLayout, checkpoint_ends
@@ -29,12 +29,14 @@ Have = Callable[[int, str], bool]
 
 __all__ = (
     "Have",
+    "RestorePlan",
     "SavePlan",
     "checkpoint_ends",
     "groups_by_chunk",
     "longest_prefix",
     "longest_prefix_upto",
     "needed_objects",
+    "plan_restore",
     "plan_save",
     "prefix_in",
     "prefix_usable",
@@ -48,11 +50,50 @@ def needed_objects(layout: StateLayout, prefix_chunks: int) -> list[tuple[int, s
 
 
 def groups_by_chunk(layout: StateLayout, prefix_chunks: int) -> dict[int, tuple[str, ...]]:
-    """For each chunk that a prefix needs, the groups needed from it."""
+    """For each chunk that a prefix needs, the groups needed from it (built at C speed when
+    every group needs every chunk of the prefix: no sliding window reaches back less far)."""
+    names = layout.group_names
+    if all(layout.needed_chunks(g, prefix_chunks) == range(prefix_chunks) for g in names):
+        return dict.fromkeys(range(prefix_chunks), names)
     out: dict[int, list[str]] = {}
     for c, g in needed_objects(layout, prefix_chunks):
         out.setdefault(c, []).append(g)
     return {c: tuple(gs) for c, gs in out.items()}
+
+
+@dataclass(frozen=True)
+class RestorePlan:
+    """What one restore's window moves (:func:`plan_restore`); handed to the transfer side's
+    ``RestoreRun``, which reads it and records what happened.
+
+    Attributes:
+        target: the agreed prefix, in chunks, the window installs.
+        needed: for each chunk the prefix needs, the groups needed from it (chunk order).
+        skipped: the chunks that already hold valid state in the cache (the caller says so:
+            ``restore(start_tokens=...)``): neither read nor installed, they count as installed.
+        first_block: blocks of the tables before this index are never written (a chunk
+            straddling it is read whole and installed from that block on).
+    """
+
+    target: int
+    needed: Mapping[int, tuple[str, ...]]
+    skipped: frozenset[int] = frozenset()
+    first_block: int = 0
+
+    @property
+    def to_read(self) -> list[int]:
+        """The chunks the window reads, ascending (every needed chunk not skipped)."""
+        return sorted(c for c in self.needed if c not in self.skipped)
+
+
+def plan_restore(
+    layout: StateLayout, target: int, *, valid_chunks: int = 0, first_block: int = 0
+) -> RestorePlan:
+    """The plan of a restore of the first ``target`` chunks, into tables whose blocks before
+    ``first_block`` are the caller's, who holds valid state for the first ``valid_chunks``."""
+    needed = groups_by_chunk(layout, target)
+    skipped = frozenset(c for c in needed if c < valid_chunks)
+    return RestorePlan(target, needed, skipped, first_block)
 
 
 def prefix_usable(layout: StateLayout, prefix_chunks: int, have: Have) -> bool:

@@ -2,19 +2,12 @@
 
 Where it runs: the serving process's event loop (any anyio backend); one engine per rank.
 
-How it works: a restore is a sequence of named phases, each a method below::
-
-    probe   (Probing)     keys + metadata-only tier queries under the deadline, then agreement
-    window  (Windowing)   the transfer pipeline streams the agreed chunks through the W slots
-    settle               device copies landed; corrupt objects moved out of their tiers (bounded)
-    agree   (Installed)   local vote -> MIN/AND across ranks -> commit or invalidate
-    release  (finally)    every slot still held goes back (or is parked), leases are released
-
-The decision side lives here and in :mod:`bsr.engine._decisions`: the transfer side reports an
-outcome per read attempt and the engine's gate decides quarantine and tier health. The commit
-rule is the pure functions of :mod:`bsr.core._commit`; the lifecycle's guards check the same
-facts again, computed from the run. Nothing is committed until every needed (chunk, group) is
-installed on this rank and every rank votes yes (invariants 1 and 2).
+How it works: the engine owns what lives as long as it does: the tiers, the W-slot staging pool,
+the transfer pipeline, tier health, quarantine, probe leases and the measured costs. A restore is
+admitted here (its arguments checked, its request record opened, no I/O) and then run as a
+:class:`~bsr.engine._job.RestoreJob`, whose phases (probe, window, settle, agree; release in the
+engine's ``finally``) each return what the next one takes; see :mod:`bsr.engine._job`. A save
+goes straight to :func:`~bsr.transfer._save.save_chunks` through the same staging pool.
 """
 
 from __future__ import annotations
@@ -38,16 +31,9 @@ from .._check import (
     positive_float,
     short_repr,
 )
-from .._errors import BlockTableError, BsrError, ClosedError, ConfigError, CoordinatorError
+from .._errors import BlockTableError, BsrError, ClosedError, ConfigError
 from .._log import logger
 from .._resource import AsyncResource
-from ..core._commit import (
-    choose_trigger,
-    commit_reason,
-    installed_usable,
-    invalidation_reason,
-    local_vote,
-)
 from ..core._keys import (
     ChunkKey,
     Extras,
@@ -59,7 +45,7 @@ from ..core._keys import (
     token_count,
 )
 from ..core._layout import StateLayout
-from ..core._lifecycle import Reason, RequestLifecycle, RequestState
+from ..core._lifecycle import Reason, RequestLifecycle
 from ..core._options import Policy, Strategy, choice
 from ..core._plan import checkpoint_ends, needed_objects
 from ..core._results import Probe, RestoreResult, SaveResult
@@ -67,10 +53,7 @@ from ..tiers._base import Tier, TierLease, TierStatistics
 from ..tiers._watch import Removal, RemovalFeed, RemovalListener
 from ..transfer._cache import PagedKVCache
 from ..transfer._pipeline import (
-    ChunkFailure,
     OnInstalled,
-    RestoreRun,
-    WholePlanBuffer,
     WindowPipeline,
 )
 from ..transfer._save import save_chunks
@@ -79,17 +62,14 @@ from ..transfer._tables import BlockTables
 from ._config import DEFAULT_WINDOW_CHECKPOINT_CHUNKS, EngineConfig, check_window_memory
 from ._coordinator import Coordinator, LocalCoordinator
 from ._cost import CostModel
-from ._decisions import Quarantine, RestoreGate, TierQuarantine
+from ._decisions import Quarantine, TierQuarantine
 from ._health import BreakerState, TierHealth
+from ._job import RestoreJob, RestoreParts
 from ._leases import LeaseBook, ProbeLease
-from ._probe import ProbeOutcome, Prober, digest
+from ._probe import Prober
 from ._request import RestoreRequest
 
 Record = Probe | RestoreResult | SaveResult
-
-#: after a deadline or cancellation, how long a restore waits for its worker threads to return
-#: before it abandons them (their slots stay parked until they do)
-ABANDON_GRACE_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -234,6 +214,12 @@ class RestoreEngine(AsyncResource):
         )  # fmt: skip
         # the transfer side; one per engine, so its CUDA side stream is made once
         self._window = WindowPipeline(layout, self.tiers, window=window, io_depth=io_depth)
+        #: what each restore job uses of this engine
+        self._parts = RestoreParts(
+            layout, self._prober, self.coordinator, self.health, self._quarantine, self.cost,
+            self._window, self._open_pool, self._move_out, self.shield_timeout_s,
+            self.pin_staging, self.staging_budget_bytes,
+        )  # fmt: skip
 
     @classmethod
     def from_config(
@@ -647,30 +633,18 @@ class RestoreEngine(AsyncResource):
         if probe is not None:
             self._check_probe_origin(probe)
         req = self._admit(
-            tokens,
-            cache,
-            block_ids,
-            policy,
-            deadline_s,
-            strategy,
-            request_id,
-            started,
-            start_tokens,
-            extras,
-        )
-        req.on_installed = on_installed
+            tokens, cache, block_ids, policy, deadline_s, strategy, request_id, started,
+            start_tokens, extras, on_installed,
+        )  # fmt: skip
+        job = RestoreJob(self._parts, req, probe)
         try:
-            await self._probe_phase(req, probe)
-            if req.life.state is RequestState.WINDOWING:
-                await self._window_phase(req)
-                await self._settle_phase(req)
-                await self._agree_phase(req)
+            restored = await job.run()
         except BaseException as exc:
             self._abort(req, exc)
             raise
         finally:
-            await self._release_phase(req, probe)
-        return self._finish(req)
+            await job.release()
+        return self._finish(req, job.result(restored))
 
     def _check_probe_origin(self, probe: Probe) -> None:
         if not isinstance(probe, Probe):
@@ -695,6 +669,7 @@ class RestoreEngine(AsyncResource):
         started: float,
         start_tokens: int = 0,
         extras: Extras | None = None,
+        on_installed: OnInstalled | None = None,
     ) -> RestoreRequest:
         """Check the arguments and open the request's record (no I/O).
 
@@ -725,7 +700,7 @@ class RestoreEngine(AsyncResource):
             tables=tables, policy=life.facts.policy,
             strategy=choice(Strategy, strategy, "strategy"),
             deadline_at=None if deadline is None else started + deadline, t0=started,
-            first_block=first_block, valid_chunks=valid_chunks,
+            first_block=first_block, valid_chunks=valid_chunks, on_installed=on_installed,
         )  # fmt: skip
 
     def _start(self, start_tokens: int, cache: PagedKVCache) -> tuple[int, int]:
@@ -738,145 +713,6 @@ class RestoreEngine(AsyncResource):
                 start_tokens=start,
             )
         return start // cache.block_tokens, start // self.layout.chunk_tokens
-
-    async def _probe_phase(self, req: RestoreRequest, given: Probe | None) -> None:
-        """Probing: find (or reuse) the agreed prefix, then Windowing or a terminal state."""
-        t = time.perf_counter()
-        try:
-            if given is None:
-                out = await self._prober.probe(
-                    req.tokens, deadline_s=req.remaining(), extras=req.extras
-                )
-            else:
-                out = await self._reuse_probe(req, given)
-        except CoordinatorError:
-            req.life.invalidate(Reason.COORDINATOR_FAILED)
-            return
-        finally:
-            req.timed("probe", t)
-        req.probe = out.probe
-        req.life.facts.prefix_chunks = req.probe.prefix_chunks
-        if out.late:  # every rank knows: none commits while another ran out of time
-            req.timed_out = out.timed_out
-            req.life.invalidate(Reason.DEADLINE if out.timed_out else Reason.RANK_FAILED)
-        elif req.probe.prefix_chunks == 0:
-            req.life.fire("probe_miss", Reason.EMPTY_PREFIX)
-        elif req.cost:
-            try:
-                worth = await self._decide(req, given)
-            except CoordinatorError:
-                req.life.invalidate(Reason.COORDINATOR_FAILED)
-                return
-            if worth:
-                req.life.fire("probe_hit")
-            else:
-                req.life.fire("probe_miss", Reason.RECOMPUTE)
-        else:
-            req.life.fire("probe_hit")
-
-    async def _decide(self, req: RestoreRequest, given: Probe | None) -> bool:
-        """Policy "cost": cut the agreed prefix to what is worth loading (agreed across ranks:
-        the shortest); whether any of it is."""
-        assert req.probe is not None
-        decision = given.decision if given is not None else None
-        if decision is None or decision.probed_chunks != req.probe.prefix_chunks:
-            start = req.first_block * req.cache.block_tokens
-            decision = self.cost.decide(self.layout, req.probe, start_tokens=start)
-        k = decision.load_chunks
-        if self.coordinator.world_size > 1:  # every rank with a hit runs this collective
-            k = await self.coordinator.agree_min(k)
-        req.decision = decision if k == decision.load_chunks else replace(decision, load_chunks=k)
-        req.probe = replace(req.probe, prefix_chunks=k)
-        req.life.facts.prefix_chunks = k
-        req.log.info("bsr.restore.decided", **req.decision.to_dict())
-        return k > 0
-
-    async def _reuse_probe(self, req: RestoreRequest, probe: Probe) -> ProbeOutcome:
-        """Check a lookup's probe against the tokens; every rank then agrees it was in time."""
-        with anyio.move_on_after(req.remaining()) as scope:
-            keyed = await self._prober.keyed(req.tokens, req.extras)
-        if not scope.cancelled_caught and (
-            probe.chunk_tokens != self.layout.chunk_tokens
-            or probe.digest != digest(self.namespace_fp, keyed)
-        ):
-            raise ConfigError(
-                "probe was made for other tokens, other extras or by an engine of another "
-                "namespace; pass the Probe that lookup() returned for these tokens and extras "
-                "(or no probe)"
-            )
-        timed_out = scope.cancelled_caught
-        in_time = await self._prober.agree_on_time(timed_out)
-        if not in_time:
-            return ProbeOutcome(replace(probe, prefix_chunks=0), timed_out, not timed_out)
-        return ProbeOutcome(probe)
-
-    async def _window_phase(self, req: RestoreRequest) -> None:
-        """Windowing: stream the agreed chunks into the cache through the slots."""
-        assert req.probe is not None
-        run = RestoreRun(
-            req.rid, req.probe.prefix_chunks, self.layout, req.policy, deadline_at=req.deadline_at,
-            valid_chunks=req.valid_chunks, first_block=req.first_block,
-        )  # fmt: skip
-        req.run = run
-        req.life.facts.target_chunks = run.target
-        req.life.facts.installed = run.installed  # the live record the guards evaluate
-        req.life.facts.serves = req.serves if req.tables.has_placeholders else None
-        req.gate = RestoreGate(run, self.health, self._quarantine, req.log)
-        if req.policy is Policy.ALL_OR_NOTHING and not req.serves(run.target):
-            # a shorter prefix than the tables were made for, whose window lies in blocks the
-            # tables do not hold: nothing can commit, so nothing is read
-            group, block = req.tables.unserved(run.target, req.first_block) or ("", 0)
-            why = f"block table of group {group!r} has no block at index {block}"
-            run.fail(ChunkFailure(block // req.tables.bpc, group, Reason.INSTALL_FAILED, [why]))
-            return
-        if req.strategy is Strategy.BOUNDED:
-            req.slots = self._open_pool().account()
-        else:
-            need = len(run.needed.keys() - run.skipped) * self.layout.slot_bytes
-            if self.staging_budget_bytes is not None and need > self.staging_budget_bytes:
-                why = f"plan needs {need} bytes of staging, budget {self.staging_budget_bytes}"
-                run.fail(ChunkFailure(0, self.layout.groups[0].name, Reason.STAGING_BUDGET, [why]))
-                return
-            req.slots = WholePlanBuffer(
-                need // self.layout.slot_bytes, self.layout.slot_bytes, self.pin_staging
-            )
-        t = time.perf_counter()
-        with anyio.move_on_after(req.remaining()) as scope:
-            await self._window.run(
-                run, req.slots, req.probe, req.cache, req.tables, req.strategy, req.gate,
-                req.on_installed,
-            )  # fmt: skip
-        # the deadline fired, even if the window ended another way while shielded
-        req.timed_out = scope.cancel_called
-        req.timed("window", t)
-
-    async def _settle_phase(self, req: RestoreRequest) -> None:
-        """Device copies landed (or this rank votes no); corrupt objects leave their tiers."""
-        assert req.run is not None
-        t = time.perf_counter()
-        # a failure here is a "no" vote, never a skipped collective (the other ranks wait for it)
-        with anyio.move_on_after(self.shield_timeout_s) as scope:
-            try:
-                await self._window.synchronize()
-            except Exception as exc:
-                req.run.errors.append(f"synchronize: {exc!r}")
-                req.run.installed.clear()
-        if scope.cancelled_caught:
-            req.run.errors.append("synchronize: device copies did not finish in time")
-            req.run.installed.clear()
-        await self._quarantine_in_tiers(req)
-        req.timed("settle", t)
-
-    async def _quarantine_in_tiers(self, req: RestoreRequest) -> None:
-        """Move the corrupt objects this restore found out of their tiers, bounded.
-
-        Not shielded: the engine's own quarantine already keeps these objects out of every
-        probe and read, so a caller's cancel (or its deadline) ends the request at once; what
-        was cut short is retried when the engine closes (see :class:`Quarantine`).
-        """
-        pending = req.gate.take_pending() if req.gate is not None else []
-        if pending:
-            await self._move_out(pending, min(req.remaining(), self.shield_timeout_s), req.log)
 
     async def _move_out(self, moves: list[TierQuarantine], budget: float, log: Any) -> None:
         """Ask each tier to quarantine its objects within ``budget``; defer what is left."""
@@ -895,49 +731,6 @@ class RestoreEngine(AsyncResource):
                 self._quarantine.defer(left)
                 log.warning("bsr.tier.quarantine_deferred", objects=len(left))
 
-    async def _agree_phase(self, req: RestoreRequest) -> None:
-        """Installed -> Committed, or Invalidated: the commit rule, agreed across ranks."""
-        run, life = req.run, req.life
-        assert run is not None
-        t = time.perf_counter()
-        serves = life.facts.serves
-        vote = local_vote(
-            self.layout, req.policy, target=run.target, limit=run.limit,
-            installed=run.installed, timed_out=req.timed_out, serves=serves,
-        )  # fmt: skip
-        try:
-            agreed = await self._prober.agree(
-                vote, lambda p: installed_usable(self.layout, p, run.installed, serves)
-            )
-            life.facts.agreed_chunks = agreed
-            trigger = choose_trigger(
-                self.layout, req.policy, target=run.target, agreed=agreed,
-                installed=run.installed, serves=serves,
-            )  # fmt: skip
-            if trigger is not None:
-                life.fire(trigger)
-            yes = await self.coordinator.agree_all(life.state is RequestState.INSTALLED)
-        except CoordinatorError as exc:
-            run.errors.append(str(exc))
-            life.invalidate(Reason.COORDINATOR_FAILED)
-            return
-        finally:
-            req.timed("commit", t)
-        life.facts.all_ranks_voted_yes = yes
-        if life.state is RequestState.INSTALLED and yes:
-            req.committed_chunks = agreed
-            life.fire("commit", commit_reason(agreed=agreed, target=run.target))
-            return
-        installed_here = life.state is RequestState.INSTALLED or installed_usable(
-            self.layout, run.target, run.installed, serves
-        )
-        failure = run.failure.reason if run.failure is not None else None
-        life.invalidate(
-            invalidation_reason(
-                timed_out=req.timed_out, failure=failure, installed_here=installed_here
-            )
-        )
-
     def _abort(self, req: RestoreRequest, exc: BaseException) -> None:
         """Cancellation or a bug: never leave the request non-terminal."""
         cancelled = isinstance(exc, anyio.get_cancelled_exc_class())
@@ -946,26 +739,7 @@ class RestoreEngine(AsyncResource):
         self._counts["invalidated"] += 1
         req.log.warning("bsr.restore.aborted", reason=str(req.life.reason), error=repr(exc))
 
-    async def _release_phase(self, req: RestoreRequest, given: Probe | None) -> None:
-        """Every slot still held goes back (or is parked); the probe's leases are released."""
-        if req.gate is not None:  # the window ended early: its tier moves are owed
-            self._quarantine.defer(req.gate.take_pending())
-        try:
-            if req.run is not None and req.slots is not None:
-                if self._window.cuda_stream is not None:
-                    # the one shield a caller's cancel waits for: a device copy may still be
-                    # reading these slots, which must not be reused before it lands
-                    with anyio.CancelScope(shield=True):
-                        with anyio.move_on_after(self.shield_timeout_s):
-                            await self._window.synchronize()
-                await self._window.drain(req.run, min(ABANDON_GRACE_S, self.shield_timeout_s))
-                self._window.release_all(req.run, req.slots)
-        finally:
-            if given is not None:
-                given.release()
-
-    def _finish(self, req: RestoreRequest) -> RestoreResult:
-        result = req.result(self.layout.chunk_tokens)
+    def _finish(self, req: RestoreRequest, result: RestoreResult) -> RestoreResult:
         self._counts["committed" if result.committed else "invalidated"] += 1
         self.cost.observe_restore(result)
         req.log.info(

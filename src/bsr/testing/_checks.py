@@ -35,28 +35,7 @@ class Restores(Model):
             for j, (tokens, _, seed) in enumerate(jobs)
             for r in range(self.world_size)
         }
-        results: dict[tuple[int, int], RestoreResult | BaseException] = {}
-        elapsed: dict[tuple[int, int], float] = {}
-
-        async def go() -> None:
-            async def one(j: int, r: int) -> None:
-                tokens, policy, _ = jobs[j]
-                cache, ids, _ = dests[(j, r)]
-                t0 = time.perf_counter()
-                try:
-                    results[(j, r)] = await self.ranks[r].engine.restore(
-                        tokens, cache, ids, policy=policy, deadline_s=deadline
-                    )
-                except Exception as exc:
-                    results[(j, r)] = exc
-                elapsed[(j, r)] = time.perf_counter() - t0
-
-            async with anyio.create_task_group() as tg:
-                for j in range(len(jobs)):
-                    for r in range(self.world_size):
-                        tg.start_soon(one, j, r)
-
-        self._call(go)
+        results, elapsed = self._run_at_once(jobs, dests, deadline)
         self._note_breakers(breakers)
         with self._as_of(*snapshot):
             expect = [
@@ -90,27 +69,68 @@ class Restores(Model):
             res0 = per_rank[0]
             p = res0.probed_tokens // self.chunk_tokens
             if not faulty:
-                lo, hi = expect[j]
-                self._check(
-                    lo <= p <= hi,
-                    f"restore probed {p} chunks; the model says between {lo} and {hi} are stored",
-                )
-                if intact_snapshot[(j, p)]:
-                    self._check(
-                        all(x.state is RequestState.COMMITTED for x in per_rank)
-                        and all(x.committed_tokens == res0.probed_tokens for x in per_rank),
-                        f"every object of the probed {p}-chunk prefix is intact in some tier and "
-                        f"no fault is active, yet the restore ended {res0.state} with "
-                        f"{res0.committed_tokens} tokens ({res0.reason}; {list(res0.errors)[:3]})",
-                    )
-                    want = sum(self.layout.group_chunk_bytes(g) for _, g in self._needed(p))
-                    self._check(
-                        all(x.bytes_read == want for x in per_rank),
-                        f"a clean restore read {res0.bytes_read} bytes, the prefix holds {want}",
-                    )
+                self._check_clean(per_rank, expect[j], intact_snapshot[(j, p)])
             first.append(res0)
         self._settle()
         return first
+
+    def _run_at_once(
+        self,
+        jobs: list[tuple[list[int], Policy, int]],
+        dests: dict[tuple[int, int], tuple[PagedKVCache, torch.Tensor, dict[str, torch.Tensor]]],
+        deadline: float | None,
+    ) -> tuple[dict[tuple[int, int], RestoreResult | BaseException], dict[tuple[int, int], float]]:
+        """Restore every job on every rank at once; by (job, rank), the result (or what it
+        raised) and the seconds it took."""
+        results: dict[tuple[int, int], RestoreResult | BaseException] = {}
+        elapsed: dict[tuple[int, int], float] = {}
+
+        async def go() -> None:
+            async def one(j: int, r: int) -> None:
+                tokens, policy, _ = jobs[j]
+                cache, ids, _ = dests[(j, r)]
+                t0 = time.perf_counter()
+                try:
+                    results[(j, r)] = await self.ranks[r].engine.restore(
+                        tokens, cache, ids, policy=policy, deadline_s=deadline
+                    )
+                except Exception as exc:
+                    results[(j, r)] = exc
+                elapsed[(j, r)] = time.perf_counter() - t0
+
+            async with anyio.create_task_group() as tg:
+                for j in range(len(jobs)):
+                    for r in range(self.world_size):
+                        tg.start_soon(one, j, r)
+
+        self._call(go)
+        return results, elapsed
+
+    def _check_clean(
+        self, per_rank: list[RestoreResult], expect: tuple[int, int], intact: bool
+    ) -> None:
+        """No fault active: the probed prefix is what the model says is stored, and a prefix
+        intact in some tier commits on every rank, reading exactly its bytes."""
+        res0 = per_rank[0]
+        p = res0.probed_tokens // self.chunk_tokens
+        lo, hi = expect
+        self._check(
+            lo <= p <= hi,
+            f"restore probed {p} chunks; the model says between {lo} and {hi} are stored",
+        )
+        if intact:
+            self._check(
+                all(x.state is RequestState.COMMITTED for x in per_rank)
+                and all(x.committed_tokens == res0.probed_tokens for x in per_rank),
+                f"every object of the probed {p}-chunk prefix is intact in some tier and "
+                f"no fault is active, yet the restore ended {res0.state} with "
+                f"{res0.committed_tokens} tokens ({res0.reason}; {list(res0.errors)[:3]})",
+            )
+            want = sum(self.layout.group_chunk_bytes(g) for _, g in self._needed(p))
+            self._check(
+                all(x.bytes_read == want for x in per_rank),
+                f"a clean restore read {res0.bytes_read} bytes, the prefix holds {want}",
+            )
 
     def _check_agreement(self, per_rank: list[RestoreResult]) -> None:
         states = {(x.state, x.committed_tokens, x.probed_tokens) for x in per_rank}

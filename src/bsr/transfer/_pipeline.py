@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import torch
@@ -45,7 +45,7 @@ from ..core._keys import ChunkKey
 from ..core._layout import StateLayout, align_up
 from ..core._lifecycle import Reason
 from ..core._options import Policy, Strategy
-from ..core._plan import groups_by_chunk
+from ..core._plan import RestorePlan
 from ..core._results import Probe
 from ..tiers._abandon import AbandonableCalls
 from ..tiers._base import Borrowed, Tier
@@ -67,15 +67,6 @@ INLINE_BYTES = 256 << 10
 #: (about 0.1-0.2 ms of CPU on a busy 2-core machine, the cost of copying 1 MiB), so few large
 #: batches cost least; there is no device queue to keep in chunk order
 MEMORY_BATCH_BYTES = 16 << 20
-
-
-def _groups_by_chunk(layout: StateLayout, target: int) -> dict[int, tuple[str, ...]]:
-    """:func:`~bsr.core._plan.groups_by_chunk`, built at C speed when every group needs every
-    chunk of the prefix (no sliding window reaches back less far than the prefix)."""
-    names = layout.group_names
-    if all(layout.needed_chunks(g, target) == range(target) for g in names):
-        return dict.fromkeys(range(target), names)
-    return groups_by_chunk(layout, target)
 
 
 class ChunkFailure(Exception):
@@ -159,35 +150,24 @@ class InstallGate:
 class RestoreRun:
     """One restore's transfer record, shared by the pipeline's tasks and worker threads.
 
-    The engine reads it after the window: ``installed`` feeds the commit rule, ``failure`` the
-    invalidation reason, ``held``/``busy`` its ``finally``. Mutations from worker threads go
-    through the methods below, which take one lock.
+    The plan comes in made (:func:`~bsr.core._plan.plan_restore`); the run records what
+    happened to it. The engine reads it after the window: ``installed`` feeds the commit rule,
+    ``failure`` the invalidation reason, ``held``/``busy`` its ``finally``. Mutations from
+    worker threads go through the methods below, which take one lock.
     """
 
-    def __init__(
-        self,
-        rid: str,
-        target: int,
-        layout: StateLayout,
-        policy: Policy,
-        *,
-        deadline_at: float | None = None,
-        valid_chunks: int = 0,
-        first_block: int = 0,
-    ) -> None:
-        self.rid = rid
+    def __init__(self, plan: RestorePlan, policy: Policy) -> None:
+        self.plan = plan
         self.policy = policy
-        self.target = target
-        self.limit = target  # chunks >= limit are abandoned (a chunk below failed)
-        self.needed = _groups_by_chunk(layout, target)
-        self.installed: set[tuple[int, str]] = set()
-        #: chunks below ``valid_chunks`` already hold valid state in the cache (the caller says
-        #: so): they are neither read nor installed and count as installed; blocks of the
-        #: table before ``first_block`` are never written (a chunk straddling it is read whole
-        #: and installed from that block on)
-        self.skipped = {c for c in self.needed if c < valid_chunks}
-        self.installed.update((c, g) for c in self.skipped for g in self.needed[c])
-        self.first_block = first_block
+        self.target = plan.target
+        self.limit = plan.target  # chunks >= limit are abandoned (a chunk below failed)
+        self.needed = plan.needed
+        #: the chunks the caller already holds (:attr:`RestorePlan.skipped`) count as installed
+        self.skipped = plan.skipped
+        self.installed: set[tuple[int, str]] = {
+            (c, g) for c in plan.skipped for g in plan.needed[c]
+        }
+        self.first_block = plan.first_block
         self.touched_chunks: set[int] = set()
         self.held: set[Slot] = set()
         self.busy: dict[Slot, threading.Event] = {}
@@ -196,7 +176,6 @@ class RestoreRun:
         self.fallbacks = 0
         self.quarantined = 0
         self.errors: list[str] = []
-        self.deadline_at = deadline_at
         self.abandoned = False
         self.installs = InstallGate()
         self._lock = threading.Lock()
@@ -402,7 +381,7 @@ class WindowPipeline:
             job.device = CudaInstaller(
                 self.layout, cache, tables, self.cuda_stream, run.first_block
             )
-        chunks = sorted(c for c in run.needed if c not in run.skipped)
+        chunks = run.plan.to_read
         size = self._batch_size(job, len(chunks))
         batches = _Batches(chunks, size)
         async with anyio.create_task_group() as tg:
@@ -612,19 +591,11 @@ class WindowPipeline:
         installed fails the run and ends the batch, as on the per-object path.
         """
         run = job.run
-        needed, holders, keys = run.needed, job.probe.holders, job.probe.keys
-        name: str | None = None
-        objects: list[tuple[ChunkKey, int, str]] = []
-        for c in batch:
-            hc = holders[c]
-            for g in needed[c]:
-                h = hc[g]
-                if not h or (name is not None and h[0] != name):
-                    return False
-                name = h[0]
-                objects.append((keys[c], c, g))
-        if name is None or not self.ladder.lends(name):
+        needed = run.needed
+        lender = self._lender(job, batch)
+        if lender is None:
             return False
+        name, objects = lender
         got = self.ladder.borrow_many_blocking(job.gate, name, objects, self._expected)
         if got is None:
             return False
@@ -649,20 +620,12 @@ class WindowPipeline:
                         if entered:
                             gate.leave()
                             entered = False
-                        text, outcome = failed[i]
-                        result = self.ladder.read_blocking(
-                            job.gate, keys[c], c, g, holders[c][g][1:],
-                            self._region(job, slot, g), self._expected[g], borrow=True,
-                            prior=(text,),
-                        )  # fmt: skip
-                        result.corrupt = result.corrupt or outcome is Outcome.CORRUPT
-                        if not result.ok:
-                            self._read_failed(job, c, g, result)
+                        borrowed = self._read_unlent(job, c, g, slot, failed[i])
+                        if borrowed is False:
                             return True
-                        if result.borrowed is not None:
-                            extra.append(result.borrowed)
-                            payloads[g] = result.borrowed.payload
-                        run.record_read(result)
+                        if borrowed is not None:
+                            extra.append(borrowed)
+                            payloads[g] = borrowed.payload
                     else:
                         payload = items[i]
                         payloads[g] = payload
@@ -689,6 +652,44 @@ class WindowPipeline:
                 b.release()
             if done:
                 run.record_lent(name, nbytes, done)
+
+    def _lender(
+        self, job: _Job, batch: Sequence[int]
+    ) -> tuple[str, list[tuple[ChunkKey, int, str]]] | None:
+        """The one lending tier that is the first holder of every object of ``batch``, and
+        those objects ``(key, chunk, group)`` in order; None when there is no such tier."""
+        needed, holders, keys = job.run.needed, job.probe.holders, job.probe.keys
+        name: str | None = None
+        objects: list[tuple[ChunkKey, int, str]] = []
+        for c in batch:
+            hc = holders[c]
+            for g in needed[c]:
+                h = hc[g]
+                if not h or (name is not None and h[0] != name):
+                    return None
+                name = h[0]
+                objects.append((keys[c], c, g))
+        if name is None or not self.ladder.lends(name):
+            return None
+        return name, objects
+
+    def _read_unlent(
+        self, job: _Job, c: int, g: str, slot: Slot, failed: tuple[str, Outcome]
+    ) -> Borrowed | Literal[False] | None:
+        """An object the lending tier could not lend (``failed``: why, and the outcome already
+        reported) goes down the ladder on its own: what a later tier lent, None when it was read
+        into the slot, False when it could not be read (the run failed)."""
+        text, outcome = failed
+        result = self.ladder.read_blocking(
+            job.gate, job.probe.keys[c], c, g, job.probe.holders[c][g][1:],
+            self._region(job, slot, g), self._expected[g], borrow=True, prior=(text,),
+        )  # fmt: skip
+        result.corrupt = result.corrupt or outcome is Outcome.CORRUPT
+        if not result.ok:
+            self._read_failed(job, c, g, result)
+            return False
+        job.run.record_read(result)
+        return result.borrowed
 
     def _lent(self, job: _Job, c: int) -> bool:
         """Whether every group of chunk ``c`` is first asked of a tier that lends in place."""

@@ -136,6 +136,61 @@ def block_parts(t: torch.Tensor, num_blocks: int, what: str) -> list[torch.Tenso
     return parts
 
 
+def _group_parts(
+    kv_caches: Mapping[str, torch.Tensor], spec: GroupSpec, num_blocks: int
+) -> list[torch.Tensor]:
+    """The block parts (:func:`block_parts`) of every layer of one KV cache group, in the
+    group's layer order; every layer laid out alike, none sharing another's tensor."""
+    parts: list[torch.Tensor] = []
+    signature: tuple[object, ...] | None = None
+    seen: dict[int, str] = {}  # layers of other groups may share a tensor (hybrid manager)
+    for name in spec.layer_names:
+        t = kv_caches.get(name)
+        if t is None:
+            raise LayoutError(f"vLLM did not register a KV cache for layer {name!r}")
+        if t.data_ptr() in seen:
+            raise LayoutError(
+                f"layers {seen[t.data_ptr()]!r} and {name!r} share one KV tensor; "
+                "KV sharing across layers is not supported"
+            )
+        seen[t.data_ptr()] = name
+        ps = block_parts(t, num_blocks, name)
+        sig = (t.dtype, tuple(tuple(p.shape) for p in ps))
+        if signature is None:
+            signature = sig
+        elif sig != signature:
+            raise LayoutError(
+                f"layer {name!r} is laid out as {sig}, the group's first layer as "
+                f"{signature}; every layer of a KV cache group must match"
+            )
+        parts.extend(ps)
+    if not parts:
+        raise LayoutError(f"KV cache group {spec.name!r} has no layers")
+    return parts
+
+
+def _state_group(spec: GroupSpec, parts: Sequence[torch.Tensor], block_tokens: int) -> StateGroup:
+    """The bsr state group of one KV cache group whose layers are ``parts``."""
+    p0 = parts[0]
+    block_bytes = p0[0].numel() * p0.element_size()
+    if block_bytes % block_tokens:
+        raise LayoutError(
+            f"a block of group {spec.name!r} has {block_bytes} bytes, not a multiple of "
+            f"block_size={block_tokens}"
+        )
+    dtype = _DTYPE_NAMES.get(p0.dtype, "uint8")
+    token_bytes = block_bytes // block_tokens
+    if token_bytes % p0.element_size():
+        dtype = "uint8"
+    return StateGroup(
+        spec.name,
+        num_layers=len(parts),
+        token_bytes=token_bytes,
+        window_tokens=spec.window_tokens,
+        dtype=dtype,
+    )
+
+
 def derive(
     kv_caches: Mapping[str, torch.Tensor],
     groups: Sequence[GroupSpec],
@@ -171,51 +226,8 @@ def derive(
     state_groups: list[StateGroup] = []
     views: dict[str, list[torch.Tensor]] = {}
     for spec in groups:
-        parts: list[torch.Tensor] = []
-        signature: tuple[object, ...] | None = None
-        seen: dict[int, str] = {}  # layers of other groups may share a tensor (hybrid manager)
-        for name in spec.layer_names:
-            t = kv_caches.get(name)
-            if t is None:
-                raise LayoutError(f"vLLM did not register a KV cache for layer {name!r}")
-            if t.data_ptr() in seen:
-                raise LayoutError(
-                    f"layers {seen[t.data_ptr()]!r} and {name!r} share one KV tensor; "
-                    "KV sharing across layers is not supported"
-                )
-            seen[t.data_ptr()] = name
-            ps = block_parts(t, num_blocks, name)
-            sig = (t.dtype, tuple(tuple(p.shape) for p in ps))
-            if signature is None:
-                signature = sig
-            elif sig != signature:
-                raise LayoutError(
-                    f"layer {name!r} is laid out as {sig}, the group's first layer as "
-                    f"{signature}; every layer of a KV cache group must match"
-                )
-            parts.extend(ps)
-        if not parts:
-            raise LayoutError(f"KV cache group {spec.name!r} has no layers")
-        p0 = parts[0]
-        block_bytes = p0[0].numel() * p0.element_size()
-        if block_bytes % block_tokens:
-            raise LayoutError(
-                f"a block of group {spec.name!r} has {block_bytes} bytes, not a multiple of "
-                f"block_size={block_tokens}"
-            )
-        dtype = _DTYPE_NAMES.get(p0.dtype, "uint8")
-        token_bytes = block_bytes // block_tokens
-        if token_bytes % p0.element_size():
-            dtype = "uint8"
-        state_groups.append(
-            StateGroup(
-                spec.name,
-                num_layers=len(parts),
-                token_bytes=token_bytes,
-                window_tokens=spec.window_tokens,
-                dtype=dtype,
-            )
-        )
+        parts = _group_parts(kv_caches, spec, num_blocks)
+        state_groups.append(_state_group(spec, parts, block_tokens))
         views[spec.name] = parts
     layout = StateLayout(chunk_tokens=chunk_tokens, groups=tuple(state_groups))
     cache = PagedKVCache.from_layer_tensors(layout, views, block_tokens)
