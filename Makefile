@@ -12,7 +12,8 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 VLLM_VENV ?= .venv-vllm
 LMCACHE_VENV ?= .venv-lmcache
 
-.PHONY: setup system-deps bench-deps test test-main test-quick test-vllm wheel-check lmcache-venv \
+.PHONY: setup system-deps bench-deps test test-main test-bench-vllm test-quick test-vllm wheel-check \
+	lmcache-venv \
 	lint-imports bench lint typecheck clean gpu-wheels gpu-dry-run
 
 setup: $(VENV)/.bsr-installed
@@ -55,20 +56,22 @@ VLLM_WORKERS ?= 3
 VLLM_XDIST = $(if $(filter-out 0 1,$(VLLM_WORKERS)),-n $(VLLM_WORKERS),)
 
 # every phase, timed; the table of phases, times and test counts prints at the end. A "+" phase
-# runs side by side with the one before it (tools/test_phases.py): the two environments are set
-# up together (downloads and unpacking), and the wheel check runs beside the GPU dry run. The
-# GPU dry run does not run beside the vLLM tests: its steps have fixed time budgets (300 s in
-# all) and beside them it once ran out (its cuda tests 70 s instead of 5). The two suites run one after
-# the other: side by side on two cores they took longer than in turn (20:31, against 12:48 and
-# then 9:19). The vLLM environment is ready before the main suite: the bench's vLLM tests
-# (tests/bench/test_vllm_*.py, run by the main suite's Python) need it and skip without it.
+# runs side by side with the one before it (tools/test_phases.py): vLLM's environment is built
+# (downloads and unpacking, mostly) beside the main suite, which leaves out the few tests that
+# need it (marked vllm_env: the bench's vLLM sections, ~2.5 min each); those run beside the vLLM
+# tests, whose engines leave the cores idle part of the time; the wheel check runs beside the
+# GPU dry run. The GPU dry run does not run beside the vLLM tests: its steps have fixed time
+# budgets (300 s in all) and beside them it once ran out (its cuda tests 70 s instead of 5). The
+# two suites run one after the other: side by side on two cores they took longer than in turn
+# (20:31, against 12:48 and then 9:19).
 test:
 	@$(PY) tools/test_phases.py \
 		"setup=$(MAKE) --no-print-directory setup system-deps" \
-		"+vLLM setup=$(MAKE) --no-print-directory $(VLLM_VENV)/.bsr-installed" \
 		"lint-imports=$(MAKE) --no-print-directory lint-imports" \
-		"main suite=$(MAKE) --no-print-directory test-main" \
+		"main suite=$(MAKE) --no-print-directory test-main MAIN_TESTS='-m \"not vllm_env\"'" \
+		"+vLLM setup=$(MAKE) --no-print-directory $(VLLM_VENV)/.bsr-installed" \
 		"vLLM tests=$(MAKE) --no-print-directory test-vllm" \
+		"+bench vLLM tests=$(MAKE) --no-print-directory test-bench-vllm" \
 		"gpu dry run=$(MAKE) --no-print-directory gpu-dry-run" \
 		"+wheel check=$(MAKE) --no-print-directory wheel-check"
 
@@ -77,9 +80,17 @@ test:
 # project's machines, nothing else would write it; Python checks each file's time stamp)
 BYTECODE = -m compileall -q -j 0 src bench tests tools >/dev/null
 
+# MAIN_TESTS: pytest arguments that narrow the main suite (make test leaves out the vllm_env
+# tests here and runs them in test-bench-vllm, once .venv-vllm is built)
+MAIN_TESTS ?=
 test-main: setup
 	$(BIN)/python $(BYTECODE)
-	$(BIN)/python -m pytest -q $(XDIST)
+	$(BIN)/python -m pytest -q $(XDIST) $(MAIN_TESTS)
+
+# the main suite's tests that need .venv-vllm (marked vllm_env), in the main suite's Python
+test-bench-vllm: setup $(VLLM_VENV)/.bsr-installed
+	$(BIN)/python $(BYTECODE)
+	$(BIN)/python -m pytest -q $(XDIST) -m vllm_env --ignore=tests/vllm
 
 # the edit-run loop: the library suite without vLLM, the slowest model checks and bench runs
 # (marked slow; make test runs them), the GPU dry run and the wheel check

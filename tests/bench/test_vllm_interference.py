@@ -222,6 +222,7 @@ def test_a_committed_result_follows_from_its_own_timestamps(path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.vllm_env
 @pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm (make .venv-vllm)")
 def test_the_section_runs_at_tiny_sizes(tmp_path: Path) -> None:
     """Two engines (async loads from a cold store, sync loads from a warm one): every load

@@ -94,6 +94,7 @@ def test_root_cause_is_the_specific_line() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.vllm_env
 @pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm (make .venv-vllm)")
 def test_the_ttft_section_runs_at_one_chunk(tmp_path: Path) -> None:
     """Four engines at a 256-token prefix, one timed request each: both load modes hit the

@@ -601,6 +601,7 @@ def _vllm_package() -> Path | None:
     )
 
 
+@pytest.mark.vllm_env
 def test_vllm_names_in_the_model_exist_in_vllm() -> None:
     """The model's ``Scheduler.x``, ``KVCacheManager.x`` and ``EngineCore.x`` names are
     methods of vLLM's classes (the vLLM in .venv-vllm; skipped where none is installed)."""
