@@ -111,11 +111,6 @@ if TYPE_CHECKING:  # what mypy and readers see; at run time __getattr__ imports 
     from .transfer._staging import StagingStatistics as StagingStatistics
     from .transfer._tables import NULL_BLOCK as NULL_BLOCK
 
-    # the names bsr 0.2 gave the tier options classes (see _ALIASES)
-    FileTierConfig = FileTierOptions
-    HostTierConfig = HostTierOptions
-    MooncakeTierConfig = MooncakeTierOptions
-
 #: where each lazily imported public name lives (the module, relative to this package)
 _LAZY: dict[str, tuple[str, ...]] = {
     ".core._config_digest": ("model_config_digest",),
@@ -181,12 +176,6 @@ _LAZY: dict[str, tuple[str, ...]] = {
     ".transfer._tables": ("NULL_BLOCK",),
 }
 _WHERE = {name: module for module, names in _LAZY.items() for name in names}
-#: the names bsr 0.2 gave the tier options classes (the same classes)
-_ALIASES = {
-    "HostTierConfig": "HostTierOptions",
-    "FileTierConfig": "FileTierOptions",
-    "MooncakeTierConfig": "MooncakeTierOptions",
-}
 
 
 def __getattr__(name: str) -> Any:
@@ -200,11 +189,10 @@ def __getattr__(name: str) -> Any:
 
         globals()[name] = version = installed_version()
         return version
-    target = _ALIASES.get(name, name)
-    module = _WHERE.get(target)
+    module = _WHERE.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), target)
+    value = getattr(importlib.import_module(module, __name__), name)
     globals()[name] = value  # later lookups skip __getattr__
     return value
 
@@ -213,15 +201,14 @@ def __dir__() -> list[str]:
     return sorted({*(n for n in globals() if n.startswith("_")), *__all__, "kit", "__version__"})
 
 
-#: the public names, sorted: the light ones imported above (the option rules, the errors), every
-#: name of the lazy table and the 0.2 aliases. Generated, so a name added to the table is
-#: exported (tests/test_api.py checks it against the TYPE_CHECKING imports)
+#: the public names, sorted: the light ones imported above (the option rules, the errors) and every
+#: name of the lazy table. Generated, so a name added to the table is exported (tests/test_api.py
+#: checks it against the TYPE_CHECKING imports)
 __all__ = tuple(
     sorted(
         {
             *(n for n, v in globals().items() if getattr(v, "__module__", "").startswith("bsr.")),
             *_WHERE,
-            *_ALIASES,
         }
     )
 )

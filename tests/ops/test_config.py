@@ -26,8 +26,8 @@ def test_from_dict_parses_sizes_and_round_trips(tmp_path: Path) -> None:
     c = bsr.EngineConfig.from_dict(_dict(tmp_path))
     assert c.window == 4 and c.io_depth == 2 and c.policy == "all_or_nothing"
     host, file = c.tiers
-    assert isinstance(host, bsr.HostTierConfig) and host.capacity_bytes == 16 << 20
-    assert isinstance(file, bsr.FileTierConfig) and file.capacity_bytes == 10**9
+    assert isinstance(host, bsr.HostTierOptions) and host.capacity_bytes == 16 << 20
+    assert isinstance(file, bsr.FileTierOptions) and file.capacity_bytes == 10**9
     assert bsr.EngineConfig.from_dict(c.to_dict()) == c
     tiers = c.build_tiers()
     assert [type(t) for t in tiers] == [bsr.HostTier, bsr.FileTier]
@@ -74,10 +74,10 @@ def test_errors_name_the_key(tmp_path: Path, patch: dict[str, object], key: str,
 
 def test_direct_construction_is_validated() -> None:
     with pytest.raises(bsr.ConfigError, match="window"):
-        bsr.EngineConfig(tiers=(bsr.HostTierConfig(1 << 20),), window=-1)
+        bsr.EngineConfig(tiers=(bsr.HostTierOptions(1 << 20),), window=-1)
     with pytest.raises(bsr.ConfigError, match="capacity_bytes"):
-        bsr.HostTierConfig("lots")  # type: ignore[arg-type]
-    c = bsr.EngineConfig(tiers=(bsr.HostTierConfig("1MiB"),))  # type: ignore[arg-type]
+        bsr.HostTierOptions("lots")  # type: ignore[arg-type]
+    c = bsr.EngineConfig(tiers=(bsr.HostTierOptions("1MiB"),))  # type: ignore[arg-type]
     assert c.tiers[0].capacity_bytes == 1 << 20
 
 
@@ -105,7 +105,7 @@ direct_io = true
     b = bsr.EngineConfig.from_toml(nested)
     assert a == b
     assert a.window == 6 and a.deadline_s == 2.5 and a.tenant == "acme"
-    assert a.tiers[1] == bsr.FileTierConfig("/nvme/bsr", 500 * 10**9, direct_io=True)
+    assert a.tiers[1] == bsr.FileTierOptions("/nvme/bsr", 500 * 10**9, direct_io=True)
     bad = tmp_path / "bad.toml"
     bad.write_text("window = [\n")
     with pytest.raises(bsr.ConfigError, match="not valid TOML"):
@@ -129,7 +129,7 @@ def test_from_env() -> None:
     c = bsr.EngineConfig.from_env(environ=env)
     assert (c.window, c.io_depth, c.policy, c.model_id) == (8, 4, "truncate", "123")
     assert c.deadline_s == 0.5 and c.breaker_threshold is None
-    assert c.tiers == (bsr.HostTierConfig(8 << 30),)
+    assert c.tiers == (bsr.HostTierOptions(8 << 30),)
     with pytest.raises(bsr.ConfigError, match="BSR_CAMPAIGN"):
         bsr.EngineConfig.from_env(environ=env, strict=True)
     with pytest.raises(bsr.ConfigError, match=r"BSR_TIERS.*JSON"):
@@ -212,14 +212,14 @@ def test_engine_from_config_namespace_rules(tmp_path: Path) -> None:
     [("4096", 4096), ("64GiB", 64 << 30), ("1.5 KiB", 1536), ("500mb", 500 * 10**6), (7, 7)],
 )
 def test_byte_sizes(text: object, expected: int) -> None:
-    c = bsr.HostTierConfig(text)  # type: ignore[arg-type]
+    c = bsr.HostTierOptions(text)  # type: ignore[arg-type]
     assert c.capacity_bytes == expected
 
 
 @pytest.mark.parametrize("bad", ["1.5B", "-3", "12 parsecs", True, 0, 2.0])
 def test_bad_byte_sizes(bad: object) -> None:
     with pytest.raises(bsr.ConfigError, match="capacity_bytes"):
-        bsr.HostTierConfig(bad)  # type: ignore[arg-type]
+        bsr.HostTierOptions(bad)  # type: ignore[arg-type]
 
 
 def test_bsr_config_check(

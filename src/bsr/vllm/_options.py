@@ -4,55 +4,39 @@ Where it runs: both sides of the connector at startup (vLLM's EngineCore process
 process), so a bad option stops vLLM before it serves anything. Pure parsing, no vLLM import.
 
 How it works: :class:`ConnectorOptions` is the ``kv_connector_extra_config["bsr_connector"]``
-dict as a frozen dataclass; :meth:`ConnectorOptions.from_dict` checks every key with the same
-helpers (and so the same messages) as :class:`bsr.EngineConfig`: an unknown key names the
-closest known one, a bad value names the key and what to write instead, each a
-:class:`bsr.ConfigError` with the dotted ``key``. :func:`settings` reads the rest from vLLM's
-config (block size, roles, parallelism, the ``"bsr"`` engine config) into one
-:class:`ConnectorSettings` that both sides share.
+dict as a frozen dataclass whose fields are declared like :class:`bsr.EngineConfig`'s, each an
+``option(Check....)`` of :mod:`bsr._check`, so the same parsers (and so the same messages)
+decide them: an unknown key names the closest known one, a bad value names the key and what to
+write instead, each a :class:`bsr.ConfigError` with the dotted ``key``. :func:`settings` reads
+the rest from vLLM's config (block size, roles, parallelism, the ``"bsr"`` engine config) into
+one :class:`ConnectorSettings` that both sides share.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from bsr import ConfigError, EngineConfig, model_config_digest
 
-from .._check import non_negative_int, positive_float, positive_int
+from .._check import (
+    Check,
+    check_options,
+    non_negative_int,
+    option,
+    parse_options,
+    positive_int,
+    short_repr,
+)
 
 #: Chunk size when the bsr config sets none: the smallest multiple of the block size >= this.
 DEFAULT_CHUNK_TOKENS = 256
 #: The ``kv_connector_extra_config`` key of the connector options.
 SECTION = "bsr_connector"
+#: how an option's key reads in a message and in ``ConfigError.fields["key"]``
+PREFIX = f"{SECTION}."
 LOAD_MODES = ("async", "sync")
-
-
-def _load_mode(value: Any, what: str) -> str:
-    if value not in LOAD_MODES:
-        raise ConfigError(f"{what} must be one of {list(LOAD_MODES)}, got {value!r}", key=what)
-    return str(value)
-
-
-def _flag(value: Any, what: str) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{what} must be true or false, got {value!r}", key=what)
-    return value
-
-
-def _seconds(value: Any, what: str) -> float:
-    return positive_float(value, f"{what} (seconds)", key=what)
-
-
-def _count(value: Any, what: str) -> int:
-    return positive_int(value, what, key=what)
-
-
-def _opt(parse: Callable[[Any, str], Any]) -> dict[str, Any]:
-    return {"parse": parse}
 
 
 @dataclass(frozen=True)
@@ -86,24 +70,22 @@ class ConnectorOptions:
             out, withdrawn with a BlockRemoved).
     """
 
-    load: str = field(default="async", metadata=_opt(_load_mode))
-    lookup_timeout_s: float = field(default=2.0, metadata=_opt(_seconds))
-    lease_ttl_s: float = field(default=30.0, metadata=_opt(_seconds))
-    load_deadline_s: float = field(default=10.0, metadata=_opt(_seconds))
-    max_pending_saves: int = field(default=64, metadata=_opt(_count))
-    save: bool = field(default=True, metadata=_opt(_flag))
-    shutdown_timeout_s: float = field(default=30.0, metadata=_opt(_seconds))
-    save_timeout_s: float = field(default=10.0, metadata=_opt(_seconds))
-    lookup_connections: int = field(default=4, metadata=_opt(_count))
-    lookup_read_timeout_s: float = field(default=5.0, metadata=_opt(_seconds))
-    admit_after_sightings: int = field(default=1, metadata=_opt(_count))
-    kv_events_audit_s: float = field(default=10.0, metadata=_opt(_seconds))
-    kv_events_max_objects: int = field(default=1 << 16, metadata=_opt(_count))
+    load: str = option(Check.one_of(*LOAD_MODES), "async")
+    lookup_timeout_s: float = option(Check.seconds, 2.0)
+    lease_ttl_s: float = option(Check.seconds, 30.0)
+    load_deadline_s: float = option(Check.seconds, 10.0)
+    max_pending_saves: int = option(Check.positive_int, 64)
+    save: bool = option(Check.flag, True)
+    shutdown_timeout_s: float = option(Check.seconds, 30.0)
+    save_timeout_s: float = option(Check.seconds, 10.0)
+    lookup_connections: int = option(Check.positive_int, 4)
+    lookup_read_timeout_s: float = option(Check.seconds, 5.0)
+    admit_after_sightings: int = option(Check.positive_int, 1)
+    kv_events_audit_s: float = option(Check.seconds, 10.0)
+    kv_events_max_objects: int = option(Check.positive_int, 1 << 16)
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):  # the same checks for direct construction
-            value = f.metadata["parse"](getattr(self, f.name), f"{SECTION}.{f.name}")
-            object.__setattr__(self, f.name, value)
+        check_options(self, PREFIX)  # direct construction is checked exactly like from_dict
 
     @property
     def asynchronous(self) -> bool:
@@ -122,16 +104,10 @@ class ConnectorOptions:
         if not isinstance(data, Mapping):
             raise ConfigError(
                 f"kv_connector_extra_config[{SECTION!r}] must be a dict such as "
-                f"{{'load': 'async', 'lookup_timeout_s': 2.0}}, got {data!r}",
+                f"{{'load': 'async', 'lookup_timeout_s': 2.0}}, got {short_repr(data)}",
                 key=SECTION,
             )
-        known = [f.name for f in dataclasses.fields(cls)]
-        for name in data:
-            if name not in known:
-                close = difflib.get_close_matches(str(name), known, n=1)
-                hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {known}"
-                raise ConfigError(f"unknown key '{SECTION}.{name}'{hint}", key=f"{SECTION}.{name}")
-        return cls(**dict(data))
+        return cls(**parse_options(cls, data, PREFIX))
 
 
 @dataclass(frozen=True)
