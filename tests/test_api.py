@@ -12,15 +12,15 @@ import bsr.testing
 
 def _declared_names() -> set[str]:
     """What bsr/__init__.py declares public, read from its source (not from ``__all__``): the
-    names imported ``as`` themselves, at the top and in the TYPE_CHECKING block, and the 0.2
-    aliases assigned there, less modules."""
+    names imported ``as`` themselves, at the top and in the TYPE_CHECKING block, and any name
+    assigned there (an alias, ``Old = New``: the 0.2 ones are gone), less modules."""
     tree = ast.parse(Path(bsr.__file__).read_text())
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module not in (None, "__future__", "typing"):
             names |= {a.asname for a in node.names if a.asname}
         if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
-            for stmt in node.body:  # the 0.2 aliases: Old = New
+            for stmt in node.body:  # an alias: Old = New
                 if isinstance(stmt, ast.Assign):
                     names |= {t.id for t in stmt.targets if isinstance(t, ast.Name)}
     return names - {"kit"}
