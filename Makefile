@@ -74,7 +74,7 @@ test-main: setup
 # the edit-run loop: the library suite without vLLM, the slowest model checks and bench runs
 # (marked slow; make test runs them), the GPU dry run and the wheel check
 test-quick: setup
-	$(BIN)/python -m pytest -q $(XDIST) -m "not slow" --ignore=tests/vllm
+	$(BIN)/python -m pytest -q $(XDIST) -m "not slow" --ignore=tests/vllm_connector
 
 # build the sdist and the wheel, install the wheel into a fresh venv and use it there
 wheel-check: setup
@@ -94,7 +94,7 @@ $(VLLM_VENV)/.bsr-installed: pyproject.toml
 # the vLLM connector tests, each engine in its own process, on PYTEST_WORKERS workers like the
 # main suite (a module is one unit: its engines and servers belong to one worker)
 test-vllm: $(VLLM_VENV)/.bsr-installed
-	$(VLLM_VENV)/bin/python -m pytest -q $(XDIST) tests/vllm
+	$(VLLM_VENV)/bin/python -m pytest -q $(XDIST) tests/vllm_connector
 
 # LMCache 0.5.6 for `bsr bench --l1-ladder --lmcache` (its own environment; the CPU torch first
 # so pip never pulls a CUDA build). Optional: without it the ladder says so and skips LMCache.
