@@ -1,4 +1,4 @@
-"""Shared fixtures (helper functions live in helpers.py)."""
+"""Shared fixtures (helper functions live in support/)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from hypothesis import HealthCheck, settings
 
 import bsr
-from helpers import two_group_layout
+from support.helpers import two_group_layout
 
 #: "cpu": run the portable part of the ``cuda`` tests on the CPU (the dry run of bench/gpu/run.py)
 CUDA_TESTS_ON = "BSR_CUDA_TESTS_ON"
