@@ -175,10 +175,6 @@ class TestRedisClusterConformance(_RawHooks):
         yield
 
 
-class TestRedisConformanceTrio(TestRedisConformance):
-    backend = "trio"
-
-
 # ---------------------------------------------------------------------- behaviour
 def make_tier(url: str, **kw: Any) -> Any:
     from bsr.redis import RedisTier
