@@ -90,13 +90,13 @@ test-main: setup
 # the main suite's tests that need .venv-vllm (marked vllm_env), in the main suite's Python
 test-bench-vllm: setup $(VLLM_VENV)/.bsr-installed
 	$(BIN)/python $(BYTECODE)
-	$(BIN)/python -m pytest -q $(XDIST) -m vllm_env --ignore=tests/vllm
+	$(BIN)/python -m pytest -q $(XDIST) -m vllm_env --ignore=tests/vllm_connector
 
 # the edit-run loop: the library suite without vLLM, the slowest model checks and bench runs
 # (marked slow; make test runs them), the GPU dry run and the wheel check
 test-quick: setup
 	$(BIN)/python $(BYTECODE)
-	$(BIN)/python -m pytest -q $(XDIST) -m "not slow" --ignore=tests/vllm
+	$(BIN)/python -m pytest -q $(XDIST) -m "not slow" --ignore=tests/vllm_connector
 
 # build the sdist and the wheel, install the wheel into a fresh venv and use it there
 wheel-check: setup
@@ -117,7 +117,7 @@ $(VLLM_VENV)/.bsr-installed: pyproject.toml
 # its engines and servers belong to one worker)
 test-vllm: $(VLLM_VENV)/.bsr-installed
 	$(VLLM_VENV)/bin/python $(BYTECODE)
-	$(VLLM_VENV)/bin/python -m pytest -q $(VLLM_XDIST) tests/vllm
+	$(VLLM_VENV)/bin/python -m pytest -q $(VLLM_XDIST) tests/vllm_connector
 
 # LMCache 0.5.6 for `bsr bench --l1-ladder --lmcache` (its own environment; the CPU torch first
 # so pip never pulls a CUDA build). Optional: without it the ladder says so and skips LMCache.

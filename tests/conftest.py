@@ -1,4 +1,4 @@
-"""Shared fixtures (helper functions live in helpers.py)."""
+"""Shared fixtures (helper functions live in support/)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from hypothesis import HealthCheck, settings
 
 import bsr
-from helpers import two_group_layout
+from support.helpers import two_group_layout
 
 #: "cpu": run the portable part of the ``cuda`` tests on the CPU (the dry run of bench/gpu/run.py)
 CUDA_TESTS_ON = "BSR_CUDA_TESTS_ON"
@@ -59,17 +59,17 @@ SPLIT_MODULES = frozenset({"tests/proof/test_connector_spin.py"})
 #: last and runs alone at the end (the bench's vLLM sections are one test each, ~150 s; the vLLM
 #: suite's engine fixtures run one engine after another)
 LONG_MODULES = (
-    "tests/vllm/test_connector.py",
+    "tests/vllm_connector/test_connector.py",
     "tests/bench/test_vllm_ttft.py",
     "tests/bench/test_vllm_interference.py",
-    "tests/vllm/test_stuck_store.py",
-    "tests/vllm/test_async_faults.py",
-    "tests/vllm/test_key_partition.py",
-    "tests/vllm/test_hybrid.py",
+    "tests/vllm_connector/test_stuck_store.py",
+    "tests/vllm_connector/test_async_faults.py",
+    "tests/vllm_connector/test_key_partition.py",
+    "tests/vllm_connector/test_hybrid.py",
     "tests/proof/test_campaign.py",
-    "tests/vllm/test_mla.py",
-    "tests/vllm/test_serve.py",
-    "tests/vllm/test_window_checkpoints.py",
+    "tests/vllm_connector/test_mla.py",
+    "tests/vllm_connector/test_serve.py",
+    "tests/vllm_connector/test_window_checkpoints.py",
 )
 
 

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 import bsr
-from helpers import make_engine, tokens_for, two_group_layout
+from support.engines import make_engine
+from support.helpers import tokens_for, two_group_layout
 
 
 def tiers(root: Path) -> list[bsr.Tier]:

@@ -1,12 +1,12 @@
 """Helpers of the vLLM tests: small random models written by transformers, engine runs.
 
-Import with ``from vllm_engines import ...`` (``tests/`` is on pytest's ``pythonpath``; a module
-named ``vllm`` would be shadowed by the ``tests/vllm`` directory). Each engine runs in its own
-process (``tests/vllm/run_engine.py``), forked by a server that imported vLLM once
-(:class:`EngineForks`); a test process never holds an engine. An engine runs in that one process
-(vLLM's ``UniProcExecutor``, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: ~2 s to start where the
-engine core and its worker in processes of their own take ~17 s) unless its core must run on
-its own: scripts, the key-partition client, tensor parallelism, or a spec with ``processes``.
+Import with ``from vllm_engines import ...`` (``tests/`` is on pytest's ``pythonpath``). Each
+engine runs in its own process (``tests/vllm_connector/run_engine.py``), forked by a server that
+imported vLLM once (:class:`EngineForks`); a test process never holds an engine. An engine runs
+in that one process (vLLM's ``UniProcExecutor``, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: ~2 s to
+start where the engine core and its worker in processes of their own take ~17 s) unless its core
+must run on its own: scripts, the key-partition client, tensor parallelism, or a spec with
+``processes``.
 """
 
 from __future__ import annotations
@@ -24,16 +24,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-RUN_ENGINE = Path(__file__).parent / "vllm" / "run_engine.py"
-ENGINE_FORKS = Path(__file__).parent / "vllm" / "engine_forks.py"
+RUN_ENGINE = Path(__file__).parent / "vllm_connector" / "run_engine.py"
+ENGINE_FORKS = Path(__file__).parent / "vllm_connector" / "engine_forks.py"
 #: the longest one engine run may take
 RUN_TIMEOUT_S = 600
 
 
 class EngineForks:
-    """This test process's client of ``tests/vllm/engine_forks.py``: a process that imported
-    vLLM once and forks a fresh child per engine run (each run as a new process would see it,
-    less ~6 s of imports). Started on first use; it ends when this process does (its input
+    """This test process's client of ``tests/vllm_connector/engine_forks.py``: a process that
+    imported vLLM once and forks a fresh child per engine run (each run as a new process would see
+    it, less ~6 s of imports). Started on first use; it ends when this process does (its input
     closes). ``BSR_TEST_ENGINE_FORKS=0`` starts every run as a new interpreter instead."""
 
     def __init__(self) -> None:

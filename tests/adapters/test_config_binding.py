@@ -19,6 +19,7 @@ import torch
 import bsr
 from adapters.hcache_kit import build, decode_from, forward, max_diff, next_cache, prompt, shuffled
 from bsr import hcache, hf
+from support.engines import make_engine
 
 transformers = pytest.importorskip("transformers")
 
@@ -97,9 +98,7 @@ def _serve(model: Any, cache: bsr.PagedKVCache, ids: torch.Tensor) -> None:
 
 
 def _engine(layout: bsr.StateLayout, root: Path, ns: bsr.Namespace) -> bsr.RestoreEngine:
-    return bsr.RestoreEngine(
-        layout, [bsr.FileTier(root, 1 << 26)], window=2, io_depth=2, namespace=ns
-    )
+    return make_engine(layout, [bsr.FileTier(root, 1 << 26)], window=2, io_depth=2, namespace=ns)
 
 
 async def _kv_round_trip(

@@ -31,6 +31,7 @@ from adapters.hcache_kit import (
 )
 from bsr import hcache, hf
 from bsr.testing import Fault, FaultKind, FaultPlan, FaultyTier
+from support.engines import make_engine
 
 pytest.importorskip("transformers")
 
@@ -61,7 +62,7 @@ class Served:
         hf.write_kv_to_cache(past, self.kv, self.src_ids, PROMPT + 2, config=model.config)
 
     def engine(self, root: Path, tier: Any = None) -> bsr.RestoreEngine:
-        return bsr.RestoreEngine(
+        return make_engine(
             self.hc.layout,
             [tier or bsr.FileTier(root, 1 << 26)],
             window=2,

@@ -28,7 +28,7 @@ import torch
 import bsr
 from bsr import hf
 from bsr.testing import corrupt_stored
-from helpers import make_engine
+from support.engines import make_engine
 
 transformers = pytest.importorskip("transformers")
 

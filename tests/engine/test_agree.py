@@ -17,7 +17,7 @@ import bsr
 from bsr.engine._decisions import Quarantine
 from bsr.engine._health import TierHealth
 from bsr.engine._probe import LATE, Prober
-from helpers import two_group_layout
+from support.helpers import two_group_layout
 
 MAX = 8
 

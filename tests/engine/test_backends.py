@@ -20,7 +20,8 @@ import torch
 
 import bsr
 from bsr.testing import LatencyTier
-from helpers import blocks_equal, filled_cache, make_engine, tokens_for, two_group_layout
+from support.engines import make_engine
+from support.helpers import blocks_equal, filled_cache, tokens_for, two_group_layout
 
 pytestmark = pytest.mark.anyio
 

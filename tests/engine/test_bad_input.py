@@ -16,6 +16,7 @@ import torch
 
 import bsr
 from bsr.testing import make_keys, payload
+from support.engines import make_engine
 
 LAYOUT = bsr.StateLayout(
     chunk_tokens=16,
@@ -41,12 +42,12 @@ def source_cache() -> bsr.PagedKVCache:
 
 
 def engine(path: Path, *, window: int = 2, io_depth: int = 1) -> bsr.RestoreEngine:
-    return bsr.RestoreEngine(
+    return make_engine(
         LAYOUT,
         [bsr.HostTier(1 << 24), bsr.FileTier(path, 1 << 24, reader="posix")],
         window=window,
         io_depth=io_depth,
-        namespace=bsr.Namespace("bad-input"),
+        model_id="bad-input",
     )
 
 

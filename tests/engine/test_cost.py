@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 import bsr
 from bsr.testing import LatencyTier
-from helpers import filled_cache, make_engine, shuffled_blocks, tokens_for, two_group_layout
+from support.engines import make_engine
+from support.helpers import filled_cache, shuffled_blocks, tokens_for, two_group_layout
 
 TIERS = ("host", "file", "remote")
 

@@ -16,7 +16,8 @@ import bsr
 from bsr.core._keys import OFFLOAD_TOKENS as OFFLOAD
 from bsr.core._keys import ObjectKey
 from bsr.testing import LatencyTier
-from helpers import filled_cache, make_engine, tokens_for
+from support.engines import make_engine
+from support.helpers import filled_cache, tokens_for
 
 LAYOUT = bsr.StateLayout(chunk_tokens=16, groups=(bsr.StateGroup("kv", 2, 128),))
 

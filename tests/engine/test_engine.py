@@ -11,10 +11,10 @@ import torch
 
 import bsr
 from bsr.testing import Fault, FaultKind, FaultPlan, FaultyTier, LatencyTier
-from helpers import (
+from support.engines import make_engine
+from support.helpers import (
     blocks_equal,
     filled_cache,
-    make_engine,
     shuffled_blocks,
     tokens_for,
     two_group_layout,

@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
 import bsr
-from helpers import blocks_equal, filled_cache, make_engine, shuffled_blocks, tokens_for
+from support.engines import make_engine
+from support.helpers import blocks_equal, filled_cache, shuffled_blocks, tokens_for
 
 CT = 4  # tokens per chunk (and per block) in the model test
 LAYOUT = bsr.StateLayout(chunk_tokens=CT, groups=(bsr.StateGroup("kv", 1, 16),))

@@ -21,7 +21,7 @@ from bsr.engine._decisions import Quarantine, RestoreGate, TierQuarantine
 from bsr.engine._health import TierHealth
 from bsr.transfer._ladder import Outcome, ReadOutcome
 from bsr.transfer._pipeline import RestoreRun
-from helpers import two_group_layout
+from support.helpers import two_group_layout
 
 TIERS = ("fast", "slow")
 THRESHOLD, COOLDOWN = 2, 10.0

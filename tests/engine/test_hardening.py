@@ -14,7 +14,8 @@ import torch
 
 import bsr
 from bsr.core._keys import ChunkKey, ObjectKey
-from helpers import blocks_equal, filled_cache, make_engine, tokens_for
+from support.engines import make_engine
+from support.helpers import blocks_equal, filled_cache, tokens_for
 
 LAYOUT = bsr.StateLayout(chunk_tokens=16, groups=(bsr.StateGroup("kv", 2, 128),))
 

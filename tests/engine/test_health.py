@@ -11,7 +11,7 @@ import torch
 import bsr
 from bsr.engine._health import TierHealth
 from bsr.testing import Fault, FaultKind, FaultPlan, FaultyTier
-from helpers import blocks_equal, filled_cache
+from support.helpers import blocks_equal, filled_cache
 
 
 class Clock:

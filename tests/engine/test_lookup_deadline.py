@@ -14,7 +14,8 @@ import anyio
 import pytest
 
 import bsr
-from helpers import filled_cache, tokens_for
+from support.engines import make_engine
+from support.helpers import filled_cache, tokens_for
 
 LAYOUT = bsr.StateLayout(chunk_tokens=16, groups=(bsr.StateGroup("kv", 2, 128),))
 CHUNKS = 4
@@ -36,14 +37,7 @@ class HangingContains(bsr.TierWrapper[bsr.Tier]):
 
 
 def engine(tiers: list[bsr.Tier], **kw: object) -> bsr.RestoreEngine:
-    return bsr.RestoreEngine(
-        LAYOUT,
-        tiers,
-        window=2,
-        io_depth=1,
-        namespace=bsr.Namespace("m"),
-        **kw,  # type: ignore[arg-type]
-    )
+    return make_engine(LAYOUT, tiers, window=2, io_depth=1, model_id="m", **kw)
 
 
 @pytest.mark.anyio

@@ -37,7 +37,8 @@ import torch
 import bsr
 from bsr.core._keys import ObjectKey
 from bsr.testing import Fault, FaultKind, FaultPlan, FaultyTier, LatencyTier, corrupt_stored
-from helpers import blocks_equal, filled_cache, make_engine, shuffled_blocks, two_group_layout
+from support.engines import make_engine
+from support.helpers import blocks_equal, filled_cache, shuffled_blocks, two_group_layout
 
 try:
     from mooncake_server import (

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 import bsr
-from helpers import bsr_cli, filled_cache, make_engine, shuffled_blocks, tokens_for
+from support.engines import make_engine
+from support.helpers import bsr_cli, filled_cache, shuffled_blocks, tokens_for
 
 
 class Seen:

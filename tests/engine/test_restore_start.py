@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import bsr
-from helpers import filled_cache, make_engine, shuffled_blocks, tokens_for, two_group_layout
+from support.engines import make_engine
+from support.helpers import filled_cache, shuffled_blocks, tokens_for, two_group_layout
 
 BLOCK = 8  # 4 blocks per chunk of 32 tokens
 POISON = 0xAB

@@ -13,7 +13,8 @@ import bsr.engine._engine
 import bsr.engine._job
 import bsr.engine._request
 from bsr.testing import corrupt_stored
-from helpers import filled_cache, make_engine, shuffled_blocks, tokens_for, two_group_layout
+from support.engines import make_engine
+from support.helpers import filled_cache, shuffled_blocks, tokens_for, two_group_layout
 
 #: what the clock jumps by while a tier moves a corrupt object out (settle); no real wait
 JUMP_S = 1000.0

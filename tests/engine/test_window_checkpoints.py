@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import bsr
+from support.engines import make_engine
 
 CT, BT = 16, 4  # chunk and block tokens
 
@@ -79,10 +80,9 @@ def check_restored(
 
 
 def engine_at(root: Path, layout: bsr.StateLayout, every: int | None) -> bsr.RestoreEngine:
-    return bsr.RestoreEngine(
-        layout, [bsr.FileTier(root, 1 << 26)], window=2, io_depth=1,
-        namespace=bsr.Namespace("m"), pin_staging=False, prefault_staging=False,
-        window_checkpoint_chunks=every,
+    return make_engine(
+        layout, [bsr.FileTier(root, 1 << 26)], window=2, io_depth=1, model_id="m",
+        pin_staging=False, prefault_staging=False, window_checkpoint_chunks=every,
     )  # fmt: skip
 
 

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 import bsr
-from helpers import make_engine, shuffled_blocks, tokens_for
+from support.engines import make_engine
+from support.helpers import shuffled_blocks, tokens_for
 
 BLOCK = 16
 #: three groups: full KV (bf16), a sliding window (needs only its last chunks) and a uint8 index;

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 import bsr
-from helpers import filled_cache, tokens_for, two_group_layout
+from support.helpers import filled_cache, tokens_for, two_group_layout
 
 
 def _dict(tmp_path: Path) -> dict[str, object]:

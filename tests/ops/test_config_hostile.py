@@ -22,7 +22,7 @@ import pytest
 
 import bsr
 from bsr.engine._config import MAX_WINDOW
-from helpers import two_group_layout
+from support.helpers import two_group_layout
 
 BIG = "9" * 400 + "TiB"
 HOSTILE: list[Any] = [

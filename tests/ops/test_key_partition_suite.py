@@ -1,6 +1,6 @@
 """bsr.testing's key-partition suite against model deployments: it passes a store that keys by
 every input, and names the problem of each broken one (a suite that cannot fail proves nothing).
-The suite itself runs on vLLM's engine in tests/vllm/test_key_partition.py."""
+The suite itself runs on vLLM's engine in tests/vllm_connector/test_key_partition.py."""
 
 from __future__ import annotations
 

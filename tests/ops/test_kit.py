@@ -13,7 +13,8 @@ import pytest
 import bsr
 from bsr.kit import Admission, BlockAllocator, ConversationCache, admit, blocks_for
 from bsr.testing import Fault, FaultKind, FaultPlan, FaultyTier
-from helpers import blocks_equal, filled_cache, make_engine, tokens_for, two_group_layout
+from support.engines import make_engine
+from support.helpers import blocks_equal, filled_cache, tokens_for, two_group_layout
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "chat_server.py"

@@ -7,7 +7,8 @@ import pytest
 
 import bsr
 from bsr.kit import ConversationCache
-from helpers import make_engine, tokens_for
+from support.engines import make_engine
+from support.helpers import tokens_for
 
 LAYOUT = bsr.StateLayout(chunk_tokens=32, groups=(bsr.StateGroup("kv", 2, 256),))
 CT = LAYOUT.chunk_tokens

@@ -8,7 +8,8 @@ import pytest
 
 import bsr
 from bsr.testing import Fault, FaultKind, FaultPlan, FaultyTier
-from helpers import filled_cache, make_engine, tokens_for, two_group_layout
+from support.engines import make_engine
+from support.helpers import filled_cache, tokens_for, two_group_layout
 
 prometheus_client = pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402

@@ -15,7 +15,8 @@ import anyio
 import pytest
 
 import bsr
-from helpers import bsr_cli, bsr_main, filled_cache, make_engine, tokens_for, two_group_layout
+from support.engines import make_engine
+from support.helpers import bsr_cli, bsr_main, filled_cache, tokens_for, two_group_layout
 
 
 @pytest.fixture

@@ -17,7 +17,8 @@ import pytest
 
 import bsr
 from bsr.tiers import file as file_tier
-from helpers import bsr_cli, bsr_main, filled_cache, make_engine, tokens_for, two_group_layout
+from support.engines import make_engine
+from support.helpers import bsr_cli, bsr_main, filled_cache, tokens_for, two_group_layout
 
 
 @pytest.fixture

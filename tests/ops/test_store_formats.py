@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import bsr
-from helpers import bsr_main
+from support.helpers import bsr_main
 
 FORMAT1 = Path(__file__).resolve().parents[1] / "data" / "format1" / "store"
 LAYOUT = bsr.StateLayout(

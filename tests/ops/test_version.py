@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import bsr
-from helpers import bsr_cli
+from support.helpers import bsr_cli
 
 tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
 ROOT = Path(__file__).resolve().parents[2]

@@ -494,9 +494,10 @@ NOT_MODELLED = {
     "_account_written": "stats of a save",
     # window saves (bsr.vllm._windows) are NOT in the model yet: they only read blocks the
     # scheduler holds a reference on in vLLM's block pool (BlockPool.touch) until every rank
-    # reported the save, and are saved under the rule of saves; tests/vllm/test_windows.py
-    # (the pins, against vLLM's own pool) and test_window_checkpoints.py (engine level) check
-    # them. Modelling the pin (a block vLLM frees but cannot reuse) is a follow-up.
+    # reported the save, and are saved under the rule of saves;
+    # tests/vllm_connector/test_windows.py (the pins, against vLLM's own pool) and
+    # test_window_checkpoints.py (engine level) check them. Modelling the pin (a block vLLM
+    # frees but cannot reuse) is a follow-up.
     "_plan_windows": "window saves: not modelled yet (see above)",
     "start_window_saves": "window saves: not modelled yet (see above)",
     "_save_windows": "window saves: not modelled yet (see above)",
@@ -590,8 +591,7 @@ VLLM_CLASSES = {
 
 
 def _vllm_package() -> Path | None:
-    """vLLM's package directory: importable here, or in the checkout's .venv-vllm (tests/vllm
-    is on the path too, as a namespace package: that is no vLLM)."""
+    """vLLM's package directory: importable here, or in the checkout's .venv-vllm."""
     spec = importlib.util.find_spec("vllm")
     candidates = [Path(spec.origin).parent] if spec is not None and spec.origin else []
     site = ".venv-vllm/lib/python3*/site-packages/vllm/__init__.py"

@@ -26,7 +26,7 @@ import torch
 import bsr
 from bsr.core._object import HEADER_SIZE, PAYLOAD_LEN_OFFSET
 from bsr.testing import Fault, FaultKind, FaultPlan, FaultyTier, corrupt_stored, truncate_stored
-from helpers import make_engine
+from support.engines import make_engine
 
 LAYOUT = bsr.StateLayout(
     chunk_tokens=16,

@@ -31,6 +31,7 @@ from hypothesis import strategies as st
 import bsr
 import shared_root_worker as srw
 from bsr.tiers.file._root import OBJECTS_DIR
+from support.engines import make_engine
 
 LEDGER_NAME = ".bsr-ledger"  # the root's shared ledger (its flock is the root's mutex)
 
@@ -270,9 +271,7 @@ def stopped_in_lock(peer: Worker) -> Iterator[None]:
 
 
 def _engine(tier: bsr.FileTier) -> bsr.RestoreEngine:
-    return bsr.RestoreEngine(
-        srw.LAYOUT, [tier], window=2, io_depth=2, namespace=bsr.Namespace("shared-root")
-    )
+    return make_engine(srw.LAYOUT, [tier], window=2, io_depth=2, model_id="shared-root")
 
 
 def _prompt(seed: int, chunks: int) -> tuple[list[int], bsr.PagedKVCache, list[int]]:

@@ -31,7 +31,8 @@ from bsr.testing._redis_server import (
     start_cluster,
     start_server,
 )
-from helpers import blocks_equal, filled_cache, shuffled_blocks, two_group_layout
+from support.engines import make_engine
+from support.helpers import blocks_equal, filled_cache, shuffled_blocks, two_group_layout
 
 pytestmark = pytest.mark.timeout(300)
 HEADER = bsr.ObjectCodec.HEADER_SIZE
@@ -172,10 +173,6 @@ class TestRedisClusterConformance(_RawHooks):
     def _cluster(self, redis_cluster: RedisClusterHarness) -> Iterator[None]:
         self.url = redis_cluster.url
         yield
-
-
-class TestRedisConformanceTrio(TestRedisConformance):
-    backend = "trio"
 
 
 # ---------------------------------------------------------------------- behaviour
@@ -380,10 +377,9 @@ async def test_cluster_node_killed_mid_restore_never_exposes_a_partial_prefix(
 
     def engine() -> bsr.RestoreEngine:
         tier = make_tier(fresh_cluster.url, cluster=True, key_prefix="bsr-mid:", timeout_s=2.0)
-        return bsr.RestoreEngine(
-            layout, [tier], window=2, io_depth=1, namespace=bsr.Namespace("redis-mid"),
-            deadline_s=30.0,
-        )  # fmt: skip
+        return make_engine(
+            layout, [tier], window=2, io_depth=1, model_id="redis-mid", deadline_s=30.0
+        )
 
     async with engine() as eng:
         saved = await eng.save(tokens.tolist(), src, ids)

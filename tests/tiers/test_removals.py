@@ -11,7 +11,7 @@ import pytest
 import bsr
 import bsr.testing
 from bsr.testing import make_keys, payload
-from helpers import bsr_cli
+from support.helpers import bsr_cli
 
 KEYS = make_keys(6)
 SIZE = 8192

@@ -18,7 +18,7 @@ import pytest
 
 import bsr
 from bsr.testing import make_keys, payload
-from helpers import two_group_layout
+from support.helpers import two_group_layout
 
 KEYS = make_keys(4)
 

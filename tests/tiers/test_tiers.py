@@ -61,16 +61,6 @@ class TestLatencyFileTierConformance(TestFileTierConformance):
         return None if inner is None else LatencyTier(inner, read_latency_s=0.0, name="slow-file")
 
 
-class TestHostTierConformanceTrio(TestHostTierConformance):
-    """The suite on trio: the tiers run under any anyio backend."""
-
-    backend = "trio"
-
-
-class TestFileTierConformanceTrio(TestFileTierConformance):
-    backend = "trio"
-
-
 class TestPlainWrapperHostTierConformance(TierConformance):
     async def make_tier(self, tmp_path: Path, capacity_bytes: int) -> bsr.Tier:
         return bsr.TierWrapper(bsr.HostTier(capacity_bytes))

@@ -37,7 +37,8 @@ from bsr.tiers.file._readers import (
     default_reader,
 )
 from bsr.tiers.file._uring import RingError, UringStatus, _reset_status_for_tests, uring_status
-from helpers import blocks_equal, filled_cache, tokens_for, two_group_layout
+from support.engines import make_engine
+from support.helpers import blocks_equal, filled_cache, tokens_for, two_group_layout
 
 #: tests that need a working ring; the fallback tests (a refused ring, no io_uring) run anywhere
 needs_uring = pytest.mark.skipif(
@@ -232,9 +233,7 @@ def test_with_io_uring_the_default_reader_is_uring(tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------------- FileTier and the engine
 def _engine(tiers: list[bsr.Tier], window: int = 2, io_depth: int = 2) -> bsr.RestoreEngine:
-    return bsr.RestoreEngine(
-        LAYOUT, tiers, window=window, io_depth=io_depth, namespace=bsr.Namespace("uring")
-    )
+    return make_engine(LAYOUT, tiers, window=window, io_depth=io_depth, model_id="uring")
 
 
 @needs_uring

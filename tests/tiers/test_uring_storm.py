@@ -34,7 +34,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_stat
 import bsr
 from bsr.tiers.file._readers import UringReader, aligned_buffer, cancellation
 from bsr.tiers.file._uring import uring_status
-from helpers import blocks_equal, filled_cache
+from support.helpers import blocks_equal, filled_cache
 
 pytestmark = pytest.mark.skipif(
     not uring_status().usable, reason=f"no io_uring here: {uring_status().reason}"

@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 
 import bsr
 from bsr.testing import make_keys
-from helpers import blocks_equal, filled_cache, tokens_for, two_group_layout
+from support.engines import make_engine
+from support.helpers import blocks_equal, filled_cache, tokens_for, two_group_layout
 
 LAYOUT = two_group_layout()
 CT = LAYOUT.chunk_tokens
@@ -101,9 +102,7 @@ async def test_a_batch_borrow_answers_each_object_as_one_borrow_would(damage: li
 
 
 def _two_tier_engine(tiers: list[bsr.Tier]) -> bsr.RestoreEngine:
-    return bsr.RestoreEngine(
-        LAYOUT, tiers, window=4, io_depth=2, namespace=bsr.Namespace("batch-reads")
-    )
+    return make_engine(LAYOUT, tiers, window=4, io_depth=2, model_id="batch-reads")
 
 
 @pytest.mark.parametrize("n", [4, 40])

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 import bsr
 from bsr.transfer._cache import gather_chunk, install_chunk
-from helpers import filled_cache, make_engine, tokens_for
+from support.engines import make_engine
+from support.helpers import filled_cache, tokens_for
 
 # a vLLM-shaped model: per layer [num_blocks, 2, block_size, heads * head_dim] bf16
 NUM_BLOCKS, BLOCK, HD, LAYERS = 12, 4, 8, 3

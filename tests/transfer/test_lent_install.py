@@ -15,7 +15,8 @@ import torch
 
 import bsr
 from bsr.testing import FaultPlan, FaultyTier, make_keys
-from helpers import blocks_equal, filled_cache, tokens_for, two_group_layout
+from support.engines import make_engine
+from support.helpers import blocks_equal, filled_cache, tokens_for, two_group_layout
 
 LAYOUT = two_group_layout()
 CT = LAYOUT.chunk_tokens
@@ -23,9 +24,7 @@ BLOCK = 8
 
 
 def _engine(tiers: list[bsr.Tier], window: int = 4, io_depth: int = 2) -> bsr.RestoreEngine:
-    return bsr.RestoreEngine(
-        LAYOUT, tiers, window=window, io_depth=io_depth, namespace=bsr.Namespace("lent")
-    )
+    return make_engine(LAYOUT, tiers, window=window, io_depth=io_depth, model_id="lent")
 
 
 @pytest.mark.anyio

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 import bsr
 from bsr.transfer._cache import gather_chunk
 from bsr.transfer._save import save_chunks
-from helpers import filled_cache, shuffled_blocks, tokens_for, two_group_layout
+from support.helpers import filled_cache, shuffled_blocks, tokens_for, two_group_layout
 
 LAYOUT = two_group_layout()
 N_CHUNKS, BLOCK_TOKENS, NBLOCKS = 4, 8, 32

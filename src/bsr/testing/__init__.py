@@ -38,6 +38,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from ..tiers._base import StorageHooks as StorageHooks
+from ._conformance import BACKENDS as BACKENDS
 from ._conformance import TierConformance as TierConformance
 from ._conformance import fifo_unblocker as fifo_unblocker
 from ._conformance import flip_file_byte as flip_file_byte
@@ -149,6 +150,7 @@ __all__ = (
     "RedisUnavailable",
     "RestoreMachine",
     "Status",
+    "BACKENDS",
     "StorageHooks",
     "TierConformance",
     "TierFactory",

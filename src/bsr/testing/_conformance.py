@@ -1,9 +1,10 @@
 """A generic conformance suite every Tier implementation must pass.
 
 Subclass :class:`TierConformance` in a pytest module and implement :meth:`make_tier`; pytest
-collects the inherited ``test_*`` methods. Each test runs its body with ``anyio.run`` on the
-backend named by ``backend`` (asyncio by default; subclass with ``backend = "trio"`` to run the
-same suite on trio), so no async pytest plugin is needed.
+collects the inherited ``test_*`` methods. They are ``async def`` tests marked ``anyio``, run by
+anyio's pytest plugin (installed with anyio) once per backend of :data:`BACKENDS`: asyncio, and
+trio where trio is installed. The suite's own ``anyio_backend`` fixture picks them; override it
+in a subclass to run on fewer.
 
 Seed and damage hooks (:meth:`~TierConformance.corrupt_object`,
 :meth:`~TierConformance.truncate_object`, :meth:`~TierConformance.put_raw`) reach behind the tier
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -70,6 +72,10 @@ from ._faults import corrupt_stored, put_raw_stored, storage_tier, truncate_stor
 #: payload size used by the suite (a multiple of 4 KiB, like real chunks)
 PAYLOAD_BYTES = 16 * 4096
 
+#: the anyio backends every test of :class:`TierConformance` runs on: asyncio, and trio where it
+#: is installed (``pip install trio``; bsr's ``test`` extra has it)
+BACKENDS = ("asyncio", "trio") if importlib.util.find_spec("trio") else ("asyncio",)
+
 _LAYOUT = StateLayout(chunk_tokens=16, groups=(StateGroup("kv", 2, 2048), StateGroup("aux", 1, 64)))
 
 
@@ -96,12 +102,12 @@ class TierConformance:
     suite by wrapping a tier inside :meth:`make_tier`; the hooks peel wrappers off.
     """
 
+    pytestmark = pytest.mark.anyio
+
     #: capacity handed to tiers in the suite; must hold at least 8 payloads
     capacity_bytes: int = 64 * 1024 * 1024
     #: whether the tier enforces capacity_bytes by LRU eviction
     supports_capacity: bool = True
-    #: the anyio backend each test body runs on ("asyncio" or "trio")
-    backend: str = "asyncio"
 
     async def make_tier(self, tmp_path: Path, capacity_bytes: int) -> Tier:
         """Return a new, unopened tier storing under ``tmp_path``."""
@@ -138,22 +144,24 @@ class TierConformance:
         return inner.object_path(key, group) if isinstance(inner, FileTier) else None
 
     # ------------------------------------------------------------------ harness
-    def run(
+    @pytest.fixture(params=BACKENDS)
+    def anyio_backend(self, request: pytest.FixtureRequest) -> str:
+        """Every test of the suite runs once on each of :data:`BACKENDS` (anyio's pytest plugin)."""
+        return str(request.param)
+
+    async def run(
         self,
         tmp_path: Path,
         body: Callable[[Tier], Awaitable[None]],
         *,
         capacity: int | None = None,
     ) -> None:
-        async def main() -> None:
-            tier = await self.make_tier(tmp_path, capacity or self.capacity_bytes)
-            async with tier:
-                await body(tier)
-
-        anyio.run(main, backend=self.backend)
+        tier = await self.make_tier(tmp_path, capacity or self.capacity_bytes)
+        async with tier:
+            await body(tier)
 
     # ------------------------------------------------------------------ tests
-    def test_round_trip_is_exact(self, tmp_path: Path) -> None:
+    async def test_round_trip_is_exact(self, tmp_path: Path) -> None:
         keys = make_keys(3)
 
         async def body(tier: Tier) -> None:
@@ -165,9 +173,9 @@ class TierConformance:
                 assert n == PAYLOAD_BYTES
                 assert np.array_equal(dst, payload(i))
 
-        self.run(tmp_path, body)
+        await self.run(tmp_path, body)
 
-    def test_read_into_larger_buffer_reports_length(self, tmp_path: Path) -> None:
+    async def test_read_into_larger_buffer_reports_length(self, tmp_path: Path) -> None:
         k = make_keys(1)[0]
 
         async def body(tier: Tier) -> None:
@@ -176,9 +184,9 @@ class TierConformance:
             assert await tier.read_into(k, "aux", dst) == 4096
             assert np.array_equal(dst[:4096], payload(7, 4096))
 
-        self.run(tmp_path, body)
+        await self.run(tmp_path, body)
 
-    def test_contains_many_is_metadata_only(self, tmp_path: Path) -> None:
+    async def test_contains_many_is_metadata_only(self, tmp_path: Path) -> None:
         keys = make_keys(4)
 
         async def body(tier: Tier) -> None:
@@ -199,9 +207,9 @@ class TierConformance:
             assert after.bytes_read == before.bytes_read
             assert after.reads == before.reads
 
-        self.run(tmp_path, body)
+        await self.run(tmp_path, body)
 
-    def test_missing_object_raises_not_found(self, tmp_path: Path) -> None:
+    async def test_missing_object_raises_not_found(self, tmp_path: Path) -> None:
         k = make_keys(1)[0]
 
         async def body(tier: Tier) -> None:
@@ -212,9 +220,9 @@ class TierConformance:
                 await tier.read_into(k, "kv", dst)
             assert not dst.any()
 
-        self.run(tmp_path, body)
+        await self.run(tmp_path, body)
 
-    def test_write_existing_keeps_first_value(self, tmp_path: Path) -> None:
+    async def test_write_existing_keeps_first_value(self, tmp_path: Path) -> None:
         k = make_keys(1)[0]
 
         async def body(tier: Tier) -> None:
@@ -224,9 +232,9 @@ class TierConformance:
             await tier.read_into(k, "kv", dst)
             assert np.array_equal(dst, payload(1))
 
-        self.run(tmp_path, body)
+        await self.run(tmp_path, body)
 
-    def test_groups_are_distinct_objects(self, tmp_path: Path) -> None:
+    async def test_groups_are_distinct_objects(self, tmp_path: Path) -> None:
         k = make_keys(1)[0]
 
         async def body(tier: Tier) -> None:
@@ -236,9 +244,9 @@ class TierConformance:
             await tier.read_into(k, "aux", dst)
             assert np.array_equal(dst, payload(2))
 
-        self.run(tmp_path, body)
+        await self.run(tmp_path, body)
 
-    def test_delete(self, tmp_path: Path) -> None:
+    async def test_delete(self, tmp_path: Path) -> None:
         keys = make_keys(2)
 
         async def body(tier: Tier) -> None:
@@ -252,9 +260,9 @@ class TierConformance:
             with pytest.raises(ObjectNotFoundError):
                 await tier.read_into(keys[0], "kv", np.zeros(PAYLOAD_BYTES, dtype=np.uint8))
 
-        self.run(tmp_path, body)
+        await self.run(tmp_path, body)
 
-    def test_foreign_namespace_is_detected(self, tmp_path: Path) -> None:
+    async def test_foreign_namespace_is_detected(self, tmp_path: Path) -> None:
         k = make_keys(1)[0]
         # same digest and index (so the same object id), another namespace: must not verify
         alien = ChunkKey(k.digest, k.index, bytes(16))
@@ -265,9 +273,9 @@ class TierConformance:
             with pytest.raises(ForeignObjectError):
                 await tier.read_into(alien, "kv", dst)
 
-        self.run(tmp_path, body)
+        await self.run(tmp_path, body)
 
-    def test_wrong_chunk_index_is_detected(self, tmp_path: Path) -> None:
+    async def test_wrong_chunk_index_is_detected(self, tmp_path: Path) -> None:
         k = make_keys(1)[0]
         alien = ChunkKey(k.digest, k.index + 1, k.namespace)
 
@@ -276,9 +284,9 @@ class TierConformance:
             with pytest.raises(ForeignObjectError):
                 await tier.read_into(alien, "kv", np.zeros(PAYLOAD_BYTES, dtype=np.uint8))
 
-        self.run(tmp_path, body)
+        await self.run(tmp_path, body)
 
-    def test_too_small_destination_is_refused(self, tmp_path: Path) -> None:
+    async def test_too_small_destination_is_refused(self, tmp_path: Path) -> None:
         k = make_keys(1)[0]
 
         async def body(tier: Tier) -> None:
@@ -290,9 +298,9 @@ class TierConformance:
             await tier.read_into(k, "kv", dst)
             assert np.array_equal(dst, payload(1))
 
-        self.run(tmp_path, body)
+        await self.run(tmp_path, body)
 
-    def test_corrupt_payload_and_header_are_detected(self, tmp_path: Path) -> None:
+    async def test_corrupt_payload_and_header_are_detected(self, tmp_path: Path) -> None:
         keys = make_keys(2)
 
         async def body(tier: Tier) -> None:
@@ -307,9 +315,9 @@ class TierConformance:
             with pytest.raises(CorruptObjectError):
                 await tier.read_into(keys[0], "kv", np.zeros(PAYLOAD_BYTES, dtype=np.uint8))
 
-        self.run(tmp_path, body)
+        await self.run(tmp_path, body)
 
-    def test_statistics_count(self, tmp_path: Path) -> None:
+    async def test_statistics_count(self, tmp_path: Path) -> None:
         keys = make_keys(3)
 
         async def body(tier: Tier) -> None:
@@ -328,9 +336,9 @@ class TierConformance:
             assert s.bytes_read == s0.bytes_read + PAYLOAD_BYTES
             assert s.name == tier.name
 
-        self.run(tmp_path, body)
+        await self.run(tmp_path, body)
 
-    def test_lru_eviction_respects_capacity(self, tmp_path: Path) -> None:
+    async def test_lru_eviction_respects_capacity(self, tmp_path: Path) -> None:
         if not self.supports_capacity:
             pytest.skip("tier does not enforce capacity")
         keys = make_keys(5)
@@ -348,9 +356,9 @@ class TierConformance:
             assert s.bytes <= capacity
             assert s.evictions >= 1
 
-        self.run(tmp_path, body, capacity=capacity)
+        await self.run(tmp_path, body, capacity=capacity)
 
-    def test_concurrent_reads(self, tmp_path: Path) -> None:
+    async def test_concurrent_reads(self, tmp_path: Path) -> None:
         keys = make_keys(4)
 
         async def body(tier: Tier) -> None:
@@ -367,9 +375,9 @@ class TierConformance:
             for j in range(8):
                 assert np.array_equal(bufs[j], payload(j % 4))
 
-        self.run(tmp_path, body)
+        await self.run(tmp_path, body)
 
-    def test_closed_tier_refuses_calls(self, tmp_path: Path) -> None:
+    async def test_closed_tier_refuses_calls(self, tmp_path: Path) -> None:
         k = make_keys(1)[0]
 
         async def main() -> None:
@@ -383,9 +391,9 @@ class TierConformance:
             with pytest.raises(ClosedError):
                 await tier.contains_many([ObjectKey(k, "kv")])
 
-        anyio.run(main, backend=self.backend)
+        await main()
 
-    def test_reopen_keeps_objects(self, tmp_path: Path) -> None:
+    async def test_reopen_keeps_objects(self, tmp_path: Path) -> None:
         keys = make_keys(3)
 
         async def main() -> None:
@@ -403,10 +411,10 @@ class TierConformance:
                     await again.read_into(k, "kv", dst)
                     assert np.array_equal(dst, payload(i))
 
-        anyio.run(main, backend=self.backend)
+        await main()
 
     # ------------------------------------------------------------------ seeded damage
-    def test_raw_seeded_damage_is_an_object_error(self, tmp_path: Path) -> None:
+    async def test_raw_seeded_damage_is_an_object_error(self, tmp_path: Path) -> None:
         keys = make_keys(6)
         okeys = [ObjectKey(k, "kv") for k in keys]
         good = encode_object(okeys[0], payload(0))
@@ -439,9 +447,9 @@ class TierConformance:
                 if i in (1, 2, 3, 4):
                     assert isinstance(info.value, TruncatedObjectError), (i, info.value)
 
-        self.run(tmp_path, body)
+        await self.run(tmp_path, body)
 
-    def test_truncated_object_is_detected(self, tmp_path: Path) -> None:
+    async def test_truncated_object_is_detected(self, tmp_path: Path) -> None:
         keys = make_keys(2)
 
         async def body(tier: Tier) -> None:
@@ -454,10 +462,10 @@ class TierConformance:
                 with pytest.raises(TruncatedObjectError):
                     await tier.read_into(k, "kv", np.zeros(PAYLOAD_BYTES, dtype=np.uint8))
 
-        self.run(tmp_path, body)
+        await self.run(tmp_path, body)
 
     # ------------------------------------------------------------------ leases and capacity
-    def test_lease_release_is_idempotent_and_ttl_checked(self, tmp_path: Path) -> None:
+    async def test_lease_release_is_idempotent_and_ttl_checked(self, tmp_path: Path) -> None:
         keys = make_keys(2)
 
         async def body(tier: Tier) -> None:
@@ -474,9 +482,9 @@ class TierConformance:
                 with pytest.raises(ConfigError):
                     await tier.lease(objs, bad)  # type: ignore[arg-type]
 
-        self.run(tmp_path, body)
+        await self.run(tmp_path, body)
 
-    def test_lease_pins_against_eviction_until_release(self, tmp_path: Path) -> None:
+    async def test_lease_pins_against_eviction_until_release(self, tmp_path: Path) -> None:
         if not self.supports_capacity:
             pytest.skip("tier does not enforce capacity")
         keys = make_keys(5)
@@ -493,9 +501,9 @@ class TierConformance:
             await tier.write(keys[4], "kv", payload(4))  # released: 0 is the LRU again
             assert await tier.contains(keys[0], "kv") is False
 
-        self.run(tmp_path, body, capacity=capacity)
+        await self.run(tmp_path, body, capacity=capacity)
 
-    def test_expired_lease_stops_pinning(self, tmp_path: Path) -> None:
+    async def test_expired_lease_stops_pinning(self, tmp_path: Path) -> None:
         if not self.supports_capacity:
             pytest.skip("tier does not enforce capacity")
         keys = make_keys(3)
@@ -509,9 +517,9 @@ class TierConformance:
             await tier.write(keys[2], "kv", payload(2))
             assert await tier.contains(keys[0], "kv") is False
 
-        self.run(tmp_path, body, capacity=capacity)
+        await self.run(tmp_path, body, capacity=capacity)
 
-    def test_fully_leased_tier_refuses_writes_typed(self, tmp_path: Path) -> None:
+    async def test_fully_leased_tier_refuses_writes_typed(self, tmp_path: Path) -> None:
         if not self.supports_capacity:
             pytest.skip("tier does not enforce capacity")
         keys = make_keys(3)
@@ -529,9 +537,9 @@ class TierConformance:
                 ]
             assert await tier.write(keys[2], "kv", payload(2)) is True
 
-        self.run(tmp_path, body, capacity=capacity)
+        await self.run(tmp_path, body, capacity=capacity)
 
-    def test_concurrent_writes_never_exceed_capacity(self, tmp_path: Path) -> None:
+    async def test_concurrent_writes_never_exceed_capacity(self, tmp_path: Path) -> None:
         if not self.supports_capacity:
             pytest.skip("tier does not enforce capacity")
         keys = make_keys(48)
@@ -551,7 +559,7 @@ class TierConformance:
                 async with again:
                     assert again.statistics().bytes <= capacity
 
-        anyio.run(main, backend=self.backend)
+        await main()
 
     # ------------------------------------------------------------------ hostile store
     def _hostile_file(self, tier: Tier, key: ChunkKey, group: str = "kv") -> Path:
@@ -562,7 +570,7 @@ class TierConformance:
             pytest.skip("object_file() does not know where this tier keeps an object")
         return path
 
-    def test_hostile_fifo_in_place_of_object_never_blocks(self, tmp_path: Path) -> None:
+    async def test_hostile_fifo_in_place_of_object_never_blocks(self, tmp_path: Path) -> None:
         keys = make_keys(3)
 
         async def main() -> None:
@@ -596,9 +604,9 @@ class TierConformance:
                 assert np.array_equal(dst, payload(2))
             assert fifo.is_fifo() and link.is_symlink()  # not ours: left where they are
 
-        anyio.run(main, backend=self.backend)
+        await main()
 
-    def test_hostile_symlink_out_of_the_store_is_never_followed(self, tmp_path: Path) -> None:
+    async def test_hostile_symlink_out_of_the_store_is_never_followed(self, tmp_path: Path) -> None:
         keys = make_keys(2)
         outside = tmp_path / "outside"
         outside.mkdir()
@@ -632,9 +640,9 @@ class TierConformance:
             assert (outside / "copy").read_bytes() == original
             assert _lexists(path)  # the link is not the tier's to delete
 
-        anyio.run(main, backend=self.backend)
+        await main()
 
-    def test_hostile_directory_in_place_of_object(self, tmp_path: Path) -> None:
+    async def test_hostile_directory_in_place_of_object(self, tmp_path: Path) -> None:
         keys = make_keys(2)
 
         async def main() -> None:
@@ -657,9 +665,9 @@ class TierConformance:
                     assert np.array_equal(dst, payload(1))
             assert (path / "keep.txt").read_bytes() == b"not bsr's"
 
-        anyio.run(main, backend=self.backend)
+        await main()
 
-    def test_hostile_junk_entries_are_left_alone(self, tmp_path: Path) -> None:
+    async def test_hostile_junk_entries_are_left_alone(self, tmp_path: Path) -> None:
         keys = make_keys(3)
         oid = ObjectKey(keys[2], "kv").object_id
 
@@ -686,9 +694,9 @@ class TierConformance:
                 if content is not None:
                     assert path.read_bytes() == content, f"the tier changed {path}"
 
-        anyio.run(main, backend=self.backend)
+        await main()
 
-    def test_hostile_permission_denied_is_an_io_error(self, tmp_path: Path) -> None:
+    async def test_hostile_permission_denied_is_an_io_error(self, tmp_path: Path) -> None:
         keys = make_keys(2)
         if os.geteuid() == 0:
             pytest.skip("root ignores permission bits (FileTier's own tests drop privileges)")
@@ -713,9 +721,9 @@ class TierConformance:
                     path.chmod(0o644)
                 assert path.read_bytes() == before  # intact and in place: never quarantined
 
-        anyio.run(main, backend=self.backend)
+        await main()
 
-    def test_hostile_disk_full_is_typed_and_leaks_nothing(self, tmp_path: Path) -> None:
+    async def test_hostile_disk_full_is_typed_and_leaks_nothing(self, tmp_path: Path) -> None:
         if not self.hostile_store:
             pytest.skip("hostile_store is False: the tier keeps no files under tmp_path")
         keys = make_keys(40)
@@ -750,9 +758,9 @@ class TierConformance:
                     for i in stored:  # the failed writes leaked no space
                         assert await tier.write(keys[i], "kv", payload(i)) is True
 
-            anyio.run(main, backend=self.backend)
+            await main()
 
-    def test_hostile_read_only_filesystem(self, tmp_path: Path) -> None:
+    async def test_hostile_read_only_filesystem(self, tmp_path: Path) -> None:
         if not self.hostile_store:
             pytest.skip("hostile_store is False: the tier keeps no files under tmp_path")
         keys = make_keys(3)
@@ -775,7 +783,7 @@ class TierConformance:
                     with pytest.raises(TierError):
                         await again.write(keys[2], "kv", payload(2))
 
-            anyio.run(main, backend=self.backend)
+            await main()
 
 
 async def _read_fails_promptly(tier: Tier, key: ChunkKey, pipe: Path) -> None:

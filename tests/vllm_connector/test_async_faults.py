@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("vllm.distributed.kv_transfer")
+pytest.importorskip("vllm")
 from vllm_engines import (
     BATCH_A,
     BATCH_B,

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("vllm.distributed.kv_transfer")
+pytest.importorskip("vllm")
 from vllm_engines import (
     batch_metric,
     cached_of,

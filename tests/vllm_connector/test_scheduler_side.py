@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-pytest.importorskip("vllm.distributed.kv_transfer")
+pytest.importorskip("vllm")
 from vllm import SamplingParams
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock

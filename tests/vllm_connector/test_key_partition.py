@@ -19,7 +19,7 @@ import pytest
 from vllm_engines import file_store_connector, run, write_llama, write_lora
 from vllm_servers import bsr_kv_config, eventually, post, prom, start, stop
 
-pytest.importorskip("vllm.distributed.kv_transfer")
+pytest.importorskip("vllm")
 pytestmark = pytest.mark.timeout(1800)
 
 from bsr.testing import (  # noqa: E402

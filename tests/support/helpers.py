@@ -1,6 +1,7 @@
-"""Shared test helpers: small layouts, filled source caches, engines over real tiers.
+"""Shared test helpers: small layouts, filled source caches, the ``bsr`` command.
 
-Import with ``from helpers import ...`` (``tests/`` is on pytest's ``pythonpath``).
+Import with ``from support.helpers import ...`` (``tests/`` is on pytest's ``pythonpath``); the
+engine factory is :func:`support.engines.make_engine`.
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ import contextlib
 import io
 import subprocess
 import sys
-from typing import Any
 
 import torch
 
@@ -66,20 +66,6 @@ def tokens_for(n_tokens: int, seed: int = 1) -> list[int]:
     """Deterministic pseudo-random token ids."""
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, 50_000, (n_tokens,), generator=gen).tolist()
-
-
-def make_engine(
-    layout: bsr.StateLayout,
-    tiers: list[bsr.Tier],
-    *,
-    window: int = 2,
-    io_depth: int = 2,
-    model_id: str = "test-model",
-    **kw: Any,
-) -> bsr.RestoreEngine:
-    """An engine with a small window over ``tiers`` (extra options pass through)."""
-    kw.setdefault("namespace", bsr.Namespace(model_id))
-    return bsr.RestoreEngine(layout, tiers, window=window, io_depth=io_depth, **kw)
 
 
 # ---------------------------------------------------------------------- the bsr command

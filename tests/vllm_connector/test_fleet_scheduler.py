@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-pytest.importorskip("vllm.distributed.kv_transfer")
+pytest.importorskip("vllm")
 from vllm import SamplingParams
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("vllm.distributed.kv_transfer")
+pytest.importorskip("vllm")
 from anyio.from_thread import start_blocking_portal
 
 import bsr

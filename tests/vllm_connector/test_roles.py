@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("vllm.distributed.kv_transfer")
+pytest.importorskip("vllm")
 from vllm_engines import (
     BATCH_A,
     EXPECTED_A,

@@ -18,7 +18,7 @@ import pytest
 from vllm_servers import bsr_kv_config, eventually, post, prom, stop
 from vllm_servers import start as start_server
 
-pytest.importorskip("vllm.distributed.kv_transfer")
+pytest.importorskip("vllm")
 pytestmark = pytest.mark.timeout(1200)
 
 CHUNK = 64

@@ -26,7 +26,7 @@ import torch
 
 import bsr
 
-pytest.importorskip("vllm.distributed.kv_transfer")
+pytest.importorskip("vllm")
 from bsr.vllm._events import SaveEvents
 from bsr.vllm._fleet import WorkerFleet
 from bsr.vllm._metadata import SaveJob

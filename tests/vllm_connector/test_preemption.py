@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("vllm.distributed.kv_transfer")
+pytest.importorskip("vllm")
 from vllm_engines import BATCH_A, BATCH_B, Engines, batch_metric, connector, tokens_of
 
 pytestmark = pytest.mark.timeout(3600)

@@ -35,7 +35,7 @@ import pytest
 from vllm_engines import write_llama
 from vllm_servers import eventually, post, prom, serve, stop, wait_healthy
 
-pytest.importorskip("vllm.distributed.kv_transfer")
+pytest.importorskip("vllm")
 zmq = pytest.importorskip("zmq")
 pytestmark = pytest.mark.timeout(1500)
 

@@ -35,7 +35,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_stat
 
 import bsr
 
-pytest.importorskip("vllm.distributed.kv_transfer")
+pytest.importorskip("vllm")
 from bsr.tiers.file import gc_store
 from bsr.vllm._events import EventRelay, SaveEvents
 from bsr.vllm._fleet import WorkerFleet

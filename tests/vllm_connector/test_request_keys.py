@@ -2,7 +2,7 @@
 options, at the scheduler seam: vLLM's own ``Request`` objects (with ``mm_features``,
 ``lora_request``, ``cache_salt``, ``prompt_embeds``), the connector's scheduler side, and a real
 bsr engine answering its lookups over the real socket (the engine tests drive the same code
-through vLLM's engine: tests/vllm/test_key_partition.py)."""
+through vLLM's engine: tests/vllm_connector/test_key_partition.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("vllm.distributed.kv_transfer")
+pytest.importorskip("vllm")
 from vllm import SamplingParams
 from vllm.lora.request import LoRARequest
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
