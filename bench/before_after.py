@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -107,89 +108,127 @@ async def _file_worker(repeats: int) -> dict[str, Any]:
     """FileTier restores (O_DIRECT) vs the best raw read and the best configuration of the fio
     grid on the same object files, rotated; the W sweep at io_depth min(W, 4); and the SSD
     concurrency figure (one read in flight vs the default depth, fio io_uring qd 1 beside it)."""
+    from bsr_bench.common import fio
+
+    binary = fio.fio_binary()
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="bsr-ba-file-") as tmp:
+        for name, n in FILE_LAYOUTS.items():
+            out[name] = await _file_layout(name, n, Path(tmp) / name, repeats, binary)
+    return out
+
+
+def _engine_factory(layout: Any, root: Path, cap: int) -> Callable[..., tuple[Any, Any]]:
+    """``engine(w, d, read_depth=None)``: a RestoreEngine on a fresh FileTier over ``root``
+    (the revision's default reader), and that tier."""
+    import bsr
+
+    def engine(
+        w: int,
+        d: int,
+        read_depth: int | None = None,
+    ) -> tuple[bsr.RestoreEngine, bsr.FileTier]:
+        tier = _file_tier(root, cap, read_depth)
+        eng = bsr.RestoreEngine(
+            layout,
+            [tier],
+            window=w,
+            io_depth=d,
+            namespace=bsr.Namespace("ba"),
+        )
+        return eng, tier
+
+    return engine
+
+
+async def _file_layout(
+    name: str, n: int, root: Path, repeats: int, binary: str | None
+) -> dict[str, Any]:
+    """One layout's figures: an ``n``-token state saved, then the rotated restores and reads
+    (and the W sweep for llama3-8b, the SSD figure for ``SSD_LAYOUT``)."""
     import numpy as np
     import torch
 
     import bsr
     from bsr_bench.common import fio
     from bsr_bench.common.layouts import resolve_layout
+
+    layout = resolve_layout(name).layout
+    cap = 2 * n * layout.token_bytes + (64 << 20)
+    tokens = np.random.default_rng(1).integers(0, 2**31 - 1, size=n, dtype=np.int64)
+    blocks = np.arange(n // 16, dtype=np.int64)
+    cache = bsr.PagedKVCache(layout, len(blocks), 16)
+    for g in layout.groups:
+        flat = cache.tensor(g.name).view(-1)
+        flat[: flat.numel() // 8 * 8].view(torch.int64).random_()
+    engine = _engine_factory(layout, root, cap)
+    eng, tier = engine(8, 4)
+    async with eng:
+        await eng.save(tokens, cache, blocks)
+    ns = bsr.Namespace("ba").fingerprint(layout)
+    keys = _chunk_keys(ns, tokens, layout.chunk_tokens)
+    files = [str(tier.object_path(keys[c], g)) for c, g in layout.needed_objects(len(keys))]
+    sizes = _sizes(files)
+    nbytes, biggest = sum(sizes), max(sizes)
+    grid = fio.fitted_grid(fio.FIO_GRID, files) if binary else ()
+    bsr_s, raw_s, fio_bw = await _file_rounds(
+        name, engine, tokens, cache, blocks, files, biggest, grid, binary, repeats
+    )
+    bsr_bw = nbytes / statistics.median(bsr_s)
+    raw_bw = nbytes / statistics.median(raw_s)
+    fig: dict[str, Any] = {
+        "bsr_Bps": bsr_bw,
+        "raw_Bps": raw_bw,
+        "bsr_vs_raw": bsr_bw / raw_bw,
+    }
+    if grid:
+        best = max(statistics.median(v) for v in fio_bw.values())
+        fig["fio_best_Bps"] = best
+        fig["bsr_vs_fio"] = bsr_bw / best
+    if name == "llama3-8b":
+        fig["smallest_window_95"] = await _window(engine, tokens[:2048], cache, blocks, repeats)
+    if name == SSD_LAYOUT:
+        fig.update(await _ssd(engine, tokens, cache, blocks, files, repeats, binary))
+    return fig
+
+
+async def _file_rounds(
+    name: str,
+    engine: Callable[..., tuple[Any, Any]],
+    tokens: Any,
+    cache: Any,
+    blocks: Any,
+    files: list[str],
+    biggest: int,
+    grid: Any,
+    binary: str | None,
+    repeats: int,
+) -> tuple[list[float], list[float], dict[str, list[float]]]:
+    """``repeats`` rounds of a BSR restore (W 8, io_depth 4), the best of the raw readers (1
+    and 4 threads) and every fio configuration of ``grid``; the restore times, the raw read
+    times and fio's bandwidths per configuration."""
+    from bsr_bench.common import fio
     from bsr_bench.common.raw import RawReader
 
-    binary = fio.fio_binary()
-    out: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory(prefix="bsr-ba-file-") as tmp:
-        for name, n in FILE_LAYOUTS.items():
-            layout = resolve_layout(name).layout
-            root = Path(tmp) / name
-            cap = 2 * n * layout.token_bytes + (64 << 20)
-            tokens = np.random.default_rng(1).integers(0, 2**31 - 1, size=n, dtype=np.int64)
-            blocks = np.arange(n // 16, dtype=np.int64)
-            cache = bsr.PagedKVCache(layout, len(blocks), 16)
-            for g in layout.groups:
-                flat = cache.tensor(g.name).view(-1)
-                flat[: flat.numel() // 8 * 8].view(torch.int64).random_()
-
-            def engine(
-                w: int,
-                d: int,
-                read_depth: int | None = None,
-            ) -> tuple[bsr.RestoreEngine, bsr.FileTier]:
-                tier = _file_tier(root, cap, read_depth)  # noqa: B023
-                eng = bsr.RestoreEngine(
-                    layout,  # noqa: B023
-                    [tier],
-                    window=w,
-                    io_depth=d,
-                    namespace=bsr.Namespace("ba"),
-                )
-                return eng, tier
-
-            eng, tier = engine(8, 4)
-            async with eng:
-                await eng.save(tokens, cache, blocks)
-            ns = bsr.Namespace("ba").fingerprint(layout)
-            keys = _chunk_keys(ns, tokens, layout.chunk_tokens)
-            files = [str(tier.object_path(keys[c], g)) for c, g in layout.needed_objects(len(keys))]
-            sizes = _sizes(files)
-            nbytes, biggest = sum(sizes), max(sizes)
-            grid = fio.fitted_grid(fio.FIO_GRID, files) if binary else ()
-            readers = [RawReader(biggest, 1, direct=True), RawReader(biggest, 4, direct=True)]
-            bsr_s: list[float] = []
-            raw_s: list[float] = []
-            fio_bw: dict[str, list[float]] = {c.name: [] for c in grid}
-            eng, _ = engine(8, 4)
-            async with eng:
-                for _ in range(repeats):
-                    t0 = time.perf_counter()
-                    res = await eng.restore(tokens, cache, blocks)
-                    bsr_s.append(time.perf_counter() - t0)
-                    if not res.committed:
-                        raise SystemExit(f"{name}: restore ended {res.state} ({res.reason})")
-                    raw_s.append(min(r.read(files).seconds for r in readers))
-                    for c in grid:
-                        read = fio.run_fio(binary or "fio", files, c, direct=True)
-                        fio_bw[c.name].append(read.bandwidth_Bps)
-            for r in readers:
-                r.close()
-            bsr_bw = nbytes / statistics.median(bsr_s)
-            raw_bw = nbytes / statistics.median(raw_s)
-            fig: dict[str, Any] = {
-                "bsr_Bps": bsr_bw,
-                "raw_Bps": raw_bw,
-                "bsr_vs_raw": bsr_bw / raw_bw,
-            }
-            if grid:
-                best = max(statistics.median(v) for v in fio_bw.values())
-                fig["fio_best_Bps"] = best
-                fig["bsr_vs_fio"] = bsr_bw / best
-            if name == "llama3-8b":
-                fig["smallest_window_95"] = await _window(
-                    engine, tokens[:2048], cache, blocks, repeats
-                )
-            if name == SSD_LAYOUT:
-                fig.update(await _ssd(engine, tokens, cache, blocks, files, repeats, binary))
-            out[name] = fig
-    return out
+    readers = [RawReader(biggest, 1, direct=True), RawReader(biggest, 4, direct=True)]
+    bsr_s: list[float] = []
+    raw_s: list[float] = []
+    fio_bw: dict[str, list[float]] = {c.name: [] for c in grid}
+    eng, _ = engine(8, 4)
+    async with eng:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            res = await eng.restore(tokens, cache, blocks)
+            bsr_s.append(time.perf_counter() - t0)
+            if not res.committed:
+                raise SystemExit(f"{name}: restore ended {res.state} ({res.reason})")
+            raw_s.append(min(r.read(files).seconds for r in readers))
+            for c in grid:
+                read = fio.run_fio(binary or "fio", files, c, direct=True)
+                fio_bw[c.name].append(read.bandwidth_Bps)
+    for r in readers:
+        r.close()
+    return bsr_s, raw_s, fio_bw
 
 
 async def _ssd(

@@ -292,12 +292,39 @@ def run_hcache(
     device: str = "cpu",
 ) -> dict[str, Any]:
     """Measure every point and write the JSON document; returns it."""
-    from bsr import FileTier, hcache
-
     t_start = time.perf_counter()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a shared machine: parallel regions stall on stolen cores
-    doc: dict[str, Any] = {
+    doc = _header(sizes, repeats, quick, seed, device)
+    base = Path(path) if path else Path(tempfile.mkdtemp(prefix="bsr-hcache-"))
+    for name, kv_heads in MODELS.items():
+        model = _model(kv_heads, seed, device)
+        rates, doc["models"][name] = _calibrated(model, kv_heads, quick)
+        for n in sizes:
+            point = _point(model, name, n, rates, repeats, quick, seed, base)
+            doc["results"].append(point)
+            print(_row(point), file=sys.stderr)
+
+    doc["filesystem"] = filesystem_info(base)
+    doc["why_different"] = _why(doc)
+    doc["duration_s"] = time.perf_counter() - t_start
+    torch.set_num_threads(threads)
+    out = (
+        Path(json_path)
+        if json_path
+        else Path("bench/results") / time.strftime("hcache-%Y%m%dT%H%M%SZ.json", time.gmtime())
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2, default=str))
+    doc["json"] = str(out)
+    return doc
+
+
+def _header(
+    sizes: Sequence[int], repeats: int, quick: bool, seed: int, device: str
+) -> dict[str, Any]:
+    """The document before any measurement: machine, commit, args, the paper's figures."""
+    return {
         "kind": "bsr-bench-hcache",
         "machine": machine_info(),
         "commit": commit_info(),
@@ -316,105 +343,112 @@ def run_hcache(
         "results": [],
         "models": {},
     }
-    base = Path(path) if path else Path(tempfile.mkdtemp(prefix="bsr-hcache-"))
-    for name, kv_heads in MODELS.items():
-        model = _model(kv_heads, seed, device)
 
-        def factory(p: str) -> Any:
-            return FileTier(p, capacity_bytes=1 << 30, direct_io=True, fsync=False)
 
-        rates = hcache.calibrate(
-            model, tier_factory=factory, tokens=256 if quick else 512, read_mib=32 if quick else 128
-        )
-        io_per_layer = HIDDEN * 4 / rates.read_bytes_per_s
-        doc["models"][name] = {
-            "kv_heads": kv_heads,
-            "rates": {
-                "read_bytes_per_s": rates.read_bytes_per_s,
-                "project_s_per_token_layer": rates.project_s_per_token_layer,
-                "recompute_s_per_token_layer": rates.recompute_s_per_token_layer,
-                "calibrated_tokens": rates.calibrated_tokens,
-            },
-            "compute_to_io": rates.project_s_per_token_layer / io_per_layer,
-            "decode_capture": _decode_overhead(model, 32 if quick else 64, 256 if quick else 1024),
-        }
-        for n in sizes:
-            served = _Served(model, n, seed)
-            rec = _timed(_prefill_fn(model, served.tokens), max(1, repeats))
-            plans = {
-                "kv": hcache.fixed_plan(model.config, ["kv"] * LAYERS, num_tokens=n),
-                "hcache": hcache.fixed_plan(model.config, ["hidden"] * LAYERS, num_tokens=n),
-                "planner": hcache.plan_layers(model.config, n, rates),
-            }
-            # what the pipelined HCache would do with independent compute and I/O (a GPU): a
-            # prediction from this machine's rates, not a measurement
-            independent = dataclasses.replace(rates, shared=False)
-            overlapped = hcache.plan_layers(model.config, n, independent, overlap=True)
-            point: dict[str, Any] = {"model": name, "tokens": n, "recompute_s": _dist(rec)}
-            hcs = {k: hcache.HCache(model, p, chunk_tokens=CHUNK) for k, p in plans.items()}
-            # the same all-hidden plan with the projection after the reads, interleaved with
-            # the pipelined one: what overlapping the projection with the reads buys here
-            hcs["hcache_sequential"] = hcache.HCache(
-                model, plans["hcache"], chunk_tokens=CHUNK, pipeline=False
-            )
-            restores = max(5, repeats)  # cheap next to recompute; noise needs the samples
-            point.update(anyio.run(_restore_plans, served, hcs, base / f"{name}-{n}", restores))
-            point["planner"]["plan"] = str(plans["planner"])
-            point["planner_overlapped_predicted"] = {
-                "methods": list(overlapped.methods),
-                "total_s": overlapped.cost.total_s,
-                "vs_all_kv_predicted": _ratio(
-                    overlapped.pure["all kv"].total_s, overlapped.cost.total_s
-                ),
-            }
-            seq, pip = point["hcache_sequential"]["total_s"], point["hcache"]["total_s"]
-            point["pipelining"] = {
-                "sequential_vs_pipelined": _ratio(seq["median"], pip["median"]),
-                "sequential_vs_pipelined_of_mins": _ratio(seq["min"], pip["min"]),
-                "after_io_s": point["hcache"]["after_io_s"],
-                "after_io_s_sequential": point["hcache_sequential"]["after_io_s"],
-            }
-            point["rebuild_gemm"] = _rebuild_vs_gemm(model, served, 7 if quick else 9)
-            point["rebuild_vs_gemm"] = point["rebuild_gemm"]["ratio"]
-            r, kv = point["recompute_s"]["median"], point["kv"]["total_s"]["median"]
-            hcs, pl = point["hcache"]["total_s"]["median"], point["planner"]["total_s"]["median"]
-            # in this run: projecting the hidden states against reading them (same bytes)
-            point["compute_to_io"] = _ratio(
-                point["hcache"]["rebuild_s"]["median"], point["hcache"]["io_s"]["median"]
-            )
-            mins = {k: point[k]["total_s"]["min"] for k in ("kv", "hcache", "planner")}
-            point["ratios_of_mins"] = {
-                "kv_vs_hcache": _ratio(mins["kv"], mins["hcache"]),
-                "kv_vs_planner": _ratio(mins["kv"], mins["planner"]),
-                "best_pure_vs_planner": _ratio(min(mins["kv"], mins["hcache"]), mins["planner"]),
-            }
-            same = [
-                k for k in ("kv", "hcache") if point[k]["methods"] == point["planner"]["methods"]
-            ]
-            point["planner_same_as"] = same[0] if same else None
-            point["ratios"] = {
-                "recompute_vs_hcache": _ratio(r, hcs),
-                "kv_vs_hcache": _ratio(kv, hcs),
-                "recompute_vs_planner": _ratio(r, pl),
-                "kv_vs_planner": _ratio(kv, pl),
-                "best_pure_vs_planner": _ratio(min(kv, hcs), pl),
-            }
-            doc["results"].append(point)
-            print(_row(point), file=sys.stderr)
+def _file_tier(p: str) -> Any:
+    """The calibration's tier: an O_DIRECT FileTier at ``p``."""
+    from bsr import FileTier
 
-    doc["filesystem"] = filesystem_info(base)
-    doc["why_different"] = _why(doc)
-    doc["duration_s"] = time.perf_counter() - t_start
-    torch.set_num_threads(threads)
-    out = (
-        Path(json_path)
-        if json_path
-        else Path("bench/results") / time.strftime("hcache-%Y%m%dT%H%M%SZ.json", time.gmtime())
+    return FileTier(p, capacity_bytes=1 << 30, direct_io=True, fsync=False)
+
+
+def _calibrated(model: Any, kv_heads: int, quick: bool) -> tuple[Any, dict[str, Any]]:
+    """The model's calibrated rates and its ``models`` entry (rates, compute/IO, decode hooks)."""
+    from bsr import hcache
+
+    rates = hcache.calibrate(
+        model, tier_factory=_file_tier, tokens=256 if quick else 512, read_mib=32 if quick else 128
     )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=2, default=str))
-    doc["json"] = str(out)
-    return doc
+    io_per_layer = HIDDEN * 4 / rates.read_bytes_per_s
+    return rates, {
+        "kv_heads": kv_heads,
+        "rates": {
+            "read_bytes_per_s": rates.read_bytes_per_s,
+            "project_s_per_token_layer": rates.project_s_per_token_layer,
+            "recompute_s_per_token_layer": rates.recompute_s_per_token_layer,
+            "calibrated_tokens": rates.calibrated_tokens,
+        },
+        "compute_to_io": rates.project_s_per_token_layer / io_per_layer,
+        "decode_capture": _decode_overhead(model, 32 if quick else 64, 256 if quick else 1024),
+    }
+
+
+def _point(
+    model: Any,
+    name: str,
+    n: int,
+    rates: Any,
+    repeats: int,
+    quick: bool,
+    seed: int,
+    base: Path,
+) -> dict[str, Any]:
+    """One model and size: recompute, the plans' restores, the rebuild's GEMMs, the ratios."""
+    from bsr import hcache
+
+    served = _Served(model, n, seed)
+    rec = _timed(_prefill_fn(model, served.tokens), max(1, repeats))
+    plans = {
+        "kv": hcache.fixed_plan(model.config, ["kv"] * LAYERS, num_tokens=n),
+        "hcache": hcache.fixed_plan(model.config, ["hidden"] * LAYERS, num_tokens=n),
+        "planner": hcache.plan_layers(model.config, n, rates),
+    }
+    # what the pipelined HCache would do with independent compute and I/O (a GPU): a
+    # prediction from this machine's rates, not a measurement
+    independent = dataclasses.replace(rates, shared=False)
+    overlapped = hcache.plan_layers(model.config, n, independent, overlap=True)
+    point: dict[str, Any] = {"model": name, "tokens": n, "recompute_s": _dist(rec)}
+    hcs = {k: hcache.HCache(model, p, chunk_tokens=CHUNK) for k, p in plans.items()}
+    # the same all-hidden plan with the projection after the reads, interleaved with
+    # the pipelined one: what overlapping the projection with the reads buys here
+    hcs["hcache_sequential"] = hcache.HCache(
+        model, plans["hcache"], chunk_tokens=CHUNK, pipeline=False
+    )
+    restores = max(5, repeats)  # cheap next to recompute; noise needs the samples
+    point.update(anyio.run(_restore_plans, served, hcs, base / f"{name}-{n}", restores))
+    point["planner"]["plan"] = str(plans["planner"])
+    point["planner_overlapped_predicted"] = {
+        "methods": list(overlapped.methods),
+        "total_s": overlapped.cost.total_s,
+        "vs_all_kv_predicted": _ratio(overlapped.pure["all kv"].total_s, overlapped.cost.total_s),
+    }
+    seq, pip = point["hcache_sequential"]["total_s"], point["hcache"]["total_s"]
+    point["pipelining"] = {
+        "sequential_vs_pipelined": _ratio(seq["median"], pip["median"]),
+        "sequential_vs_pipelined_of_mins": _ratio(seq["min"], pip["min"]),
+        "after_io_s": point["hcache"]["after_io_s"],
+        "after_io_s_sequential": point["hcache_sequential"]["after_io_s"],
+    }
+    point["rebuild_gemm"] = _rebuild_vs_gemm(model, served, 7 if quick else 9)
+    point["rebuild_vs_gemm"] = point["rebuild_gemm"]["ratio"]
+    _add_ratios(point)
+    return point
+
+
+def _add_ratios(point: dict[str, Any]) -> None:
+    """The point's compute/IO ratio, its ratios of minimums and of medians, and which pure plan
+    the planner's equals (if any)."""
+    r, kv = point["recompute_s"]["median"], point["kv"]["total_s"]["median"]
+    hcs, pl = point["hcache"]["total_s"]["median"], point["planner"]["total_s"]["median"]
+    # in this run: projecting the hidden states against reading them (same bytes)
+    point["compute_to_io"] = _ratio(
+        point["hcache"]["rebuild_s"]["median"], point["hcache"]["io_s"]["median"]
+    )
+    mins = {k: point[k]["total_s"]["min"] for k in ("kv", "hcache", "planner")}
+    point["ratios_of_mins"] = {
+        "kv_vs_hcache": _ratio(mins["kv"], mins["hcache"]),
+        "kv_vs_planner": _ratio(mins["kv"], mins["planner"]),
+        "best_pure_vs_planner": _ratio(min(mins["kv"], mins["hcache"]), mins["planner"]),
+    }
+    same = [k for k in ("kv", "hcache") if point[k]["methods"] == point["planner"]["methods"]]
+    point["planner_same_as"] = same[0] if same else None
+    point["ratios"] = {
+        "recompute_vs_hcache": _ratio(r, hcs),
+        "kv_vs_hcache": _ratio(kv, hcs),
+        "recompute_vs_planner": _ratio(r, pl),
+        "kv_vs_planner": _ratio(kv, pl),
+        "best_pure_vs_planner": _ratio(min(kv, hcs), pl),
+    }
 
 
 def _prefill_fn(model: Any, tokens: torch.Tensor) -> Callable[[], None]:

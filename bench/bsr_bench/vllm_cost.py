@@ -87,14 +87,10 @@ def _metrics(llm: Any, name: str) -> dict[str, float]:
     return out
 
 
-def child(spec_path: str, out_path: str) -> None:
-    """One engine: the workload under one condition and one policy (child process)."""
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
-    from vllm.inputs import TokensPrompt
-
-    spec = json.loads(Path(spec_path).read_text())
-    cond, policy, n = spec["condition"], spec["policy"], spec["prefix_tokens"]
+def _tiers(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """The condition's tiers, shaped by the connector through ``BSR_BENCH_TIERS`` (set here):
+    a FileTier, slow under ``slow`` and ``mixed``, a HostTier before it under ``mixed``."""
+    cond, n = spec["condition"], spec["prefix_tokens"]
     slow = spec["slow_bytes_per_s"] if cond in ("slow", "mixed") else None
     host = (n // CHUNK_TOKENS) // 2 if cond == "mixed" else None
     os.environ["BSR_BENCH_TIERS"] = json.dumps({"slow_bytes_per_s": slow, "host_chunks": host})
@@ -103,9 +99,16 @@ def child(spec_path: str, out_path: str) -> None:
     ]
     if cond == "mixed":
         tiers.insert(0, {"kind": "host", "capacity_bytes": 1 << 30})
-    load_start = loadavg()
-    t0 = time.perf_counter()
-    llm = LLM(
+    return tiers
+
+
+def _llm(spec: dict[str, Any], tiers: list[dict[str, Any]]) -> Any:
+    """vLLM's engine with the cost bench's connector over ``tiers`` and the spec's policy."""
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    n, policy = spec["prefix_tokens"], spec["policy"]
+    return LLM(
         model=spec["model"], load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
         dtype="bfloat16", block_size=BLOCK_SIZE, max_model_len=n + 2 * SUFFIX_TOKENS,
         kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False, disable_log_stats=False,
@@ -123,30 +126,53 @@ def child(spec_path: str, out_path: str) -> None:
             },
         ),
     )  # fmt: skip
-    start_s = time.perf_counter() - t0
-    vocab = MODEL["vocab_size"]
-    prefixes = [tokens(n, spec["seed"] + 1000 * i + n, vocab) for i in range(spec["prefixes"])]
 
-    def ask(prefix: list[int], i: int, load: bool = True) -> tuple[float, int]:
-        prompt = prefix + tokens(SUFFIX_TOKENS, spec["seed"] * 7919 + i, vocab)
-        extra = None if load else {"kv_transfer_params": {"bsr": {"load": False}}}
-        params = SamplingParams(
-            max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False, extra_args=extra
-        )
-        t = time.perf_counter()
-        (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
-        return time.perf_counter() - t, int(out.num_cached_tokens or 0)
 
+def _ask(
+    llm: Any, spec: dict[str, Any], prefix: list[int], i: int, load: bool = True
+) -> tuple[float, int]:
+    """One request ``prefix`` + a fresh suffix (bsr not asked to load unless ``load``);
+    return its wall time and the tokens vLLM found cached."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompt = prefix + tokens(SUFFIX_TOKENS, spec["seed"] * 7919 + i, MODEL["vocab_size"])
+    extra = None if load else {"kv_transfer_params": {"bsr": {"load": False}}}
+    params = SamplingParams(
+        max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False, extra_args=extra
+    )
+    t = time.perf_counter()
+    (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+    return time.perf_counter() - t, int(out.num_cached_tokens or 0)
+
+
+def _prepare(llm: Any, spec: dict[str, Any], prefixes: list[list[int]]) -> None:
+    """Store each prefix (waiting for its files), then restore each twice, untimed."""
+    n = spec["prefix_tokens"]
     for i, p in enumerate(prefixes):  # store each prefix (saved after the request ends)
         before = _objects(spec["store"])
-        ask(p, -1 - i)
+        _ask(llm, spec, p, -1 - i)
         want = before + n // CHUNK_TOKENS
         deadline = time.monotonic() + 300
         while _objects(spec["store"]) < want and time.monotonic() < deadline:
             time.sleep(0.1)
     for i, p in enumerate(prefixes):  # untimed restores: every tier and the prefill measured
         for j in range(2):
-            ask(p, -100 - 10 * i - j)
+            _ask(llm, spec, p, -100 - 10 * i - j)
+
+
+def child(spec_path: str, out_path: str) -> None:
+    """One engine: the workload under one condition and one policy (child process)."""
+    spec = json.loads(Path(spec_path).read_text())
+    cond, policy, n = spec["condition"], spec["policy"], spec["prefix_tokens"]
+    tiers = _tiers(spec)
+    load_start = loadavg()
+    t0 = time.perf_counter()
+    llm = _llm(spec, tiers)
+    start_s = time.perf_counter() - t0
+    vocab = MODEL["vocab_size"]
+    prefixes = [tokens(n, spec["seed"] + 1000 * i + n, vocab) for i in range(spec["prefixes"])]
+    _prepare(llm, spec, prefixes)
     decisions0 = _metrics(llm, "vllm:bsr_load_decisions")
     samples: dict[str, list[float]] = {}
     cached: dict[str, list[int]] = {}
@@ -154,7 +180,7 @@ def child(spec_path: str, out_path: str) -> None:
         for i, p in enumerate(prefixes):
             ways = [("cost", True)] if policy == "cost" else [("load", True), ("recompute", False)]
             for way, load in ways:
-                s, c = ask(p, r * 100 + i, load)
+                s, c = _ask(llm, spec, p, r * 100 + i, load)
                 samples.setdefault(way, []).append(s)
                 cached.setdefault(way, []).append(c)
     decisions = {

@@ -115,16 +115,11 @@ def _objects(root: str) -> int:
     return sum(1 for _ in (Path(root) / "objects").glob("**/*.bsr"))
 
 
-def child(spec_path: str, out_path: str) -> None:
-    """One engine: time ``prefix + suffix`` requests for every prefix length (child process)."""
-    from vllm import LLM, SamplingParams
+def _transfer_kw(mode: str, store: str) -> dict[str, Any]:
+    """``LLM``'s ``kv_transfer_config`` for ``mode`` (none for recompute)."""
     from vllm.config import KVTransferConfig
-    from vllm.inputs import TokensPrompt
 
-    spec = json.loads(Path(spec_path).read_text())
-    mode = spec["mode"]
     kw: dict[str, Any] = {}
-    load_start = loadavg()
     if mode in LOADS:
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="BsrConnector",
@@ -133,7 +128,7 @@ def child(spec_path: str, out_path: str) -> None:
             kv_load_failure_policy="recompute",
             kv_connector_extra_config={
                 "bsr": {
-                    "tiers": [{"kind": "file", "path": spec["store"], "capacity_bytes": 8 << 30}],
+                    "tiers": [{"kind": "file", "path": store, "capacity_bytes": 8 << 30}],
                     "chunk_tokens": CHUNK_TOKENS,
                     "window": 8,
                     "io_depth": 4,
@@ -147,6 +142,52 @@ def child(spec_path: str, out_path: str) -> None:
             kv_role="kv_both",
             kv_connector_extra_config={"cpu_bytes_to_use": 1 << 30},
         )
+    return kw
+
+
+def _measure_prefix(llm: Any, spec: dict[str, Any], params: Any, n: int) -> dict[str, Any]:
+    """One prefix length's point: a warm-up (with bsr: the prefix stored and hit), then
+    ``repeats`` timed requests."""
+    from vllm.inputs import TokensPrompt
+
+    mode = spec["mode"]
+    vocab = MODEL["vocab_size"]
+    prefix = tokens(n, spec["seed"] + n, vocab)
+
+    def ask(i: int, prefix: list[int] = prefix) -> tuple[float, int]:
+        prompt = prefix + tokens(SUFFIX_TOKENS, spec["seed"] * 7919 + i, vocab)
+        t = time.perf_counter()
+        (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+        return time.perf_counter() - t, int(out.num_cached_tokens or 0)
+
+    before = _objects(spec["store"]) if mode in LOADS else 0
+    ask(-1)  # warm-up; with bsr also stores the prefix (saved after the request ends)
+    if mode in LOADS:
+        want = before + n // CHUNK_TOKENS
+        deadline = time.monotonic() + 120
+        while _objects(spec["store"]) < want and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # a file is visible before the tier has indexed it: untimed restores until it hits
+        for i in range(10):
+            if ask(-2 - i)[1] >= n:
+                break
+            time.sleep(0.2)
+    samples, cached = [], []
+    for r in range(spec["repeats"]):
+        s, c = ask(r)
+        samples.append(s)
+        cached.append(c)
+    return {"prefix_tokens": n, "ttft_s": samples, "cached_tokens": cached}
+
+
+def child(spec_path: str, out_path: str) -> None:
+    """One engine: time ``prefix + suffix`` requests for every prefix length (child process)."""
+    from vllm import LLM, SamplingParams
+
+    spec = json.loads(Path(spec_path).read_text())
+    mode = spec["mode"]
+    load_start = loadavg()
+    kw = _transfer_kw(mode, spec["store"])
     result: dict[str, Any] = {"mode": mode, "points": []}
     t0 = time.perf_counter()
     llm = LLM(
@@ -164,34 +205,8 @@ def child(spec_path: str, out_path: str) -> None:
     )
     result["start_s"] = time.perf_counter() - t0
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
-    vocab = MODEL["vocab_size"]
     for n in spec["prefixes"]:
-        prefix = tokens(n, spec["seed"] + n, vocab)
-
-        def ask(i: int, prefix: list[int] = prefix) -> tuple[float, int]:
-            prompt = prefix + tokens(SUFFIX_TOKENS, spec["seed"] * 7919 + i, vocab)
-            t = time.perf_counter()
-            (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
-            return time.perf_counter() - t, int(out.num_cached_tokens or 0)
-
-        before = _objects(spec["store"]) if mode in LOADS else 0
-        ask(-1)  # warm-up; with bsr also stores the prefix (saved after the request ends)
-        if mode in LOADS:
-            want = before + n // CHUNK_TOKENS
-            deadline = time.monotonic() + 120
-            while _objects(spec["store"]) < want and time.monotonic() < deadline:
-                time.sleep(0.05)
-            # a file is visible before the tier has indexed it: untimed restores until it hits
-            for i in range(10):
-                if ask(-2 - i)[1] >= n:
-                    break
-                time.sleep(0.2)
-        samples, cached = [], []
-        for r in range(spec["repeats"]):
-            s, c = ask(r)
-            samples.append(s)
-            cached.append(c)
-        result["points"].append({"prefix_tokens": n, "ttft_s": samples, "cached_tokens": cached})
+        result["points"].append(_measure_prefix(llm, spec, params, n))
     result["load_average"] = [load_start, loadavg()]
     Path(out_path).write_text(json.dumps(result))
     try:

@@ -185,6 +185,7 @@ class Figures:
 
     # ------------------------------------------------------------------ run
     async def run(self) -> dict[str, Any]:
+        """Save the state, then the install and readers sections; the document."""
         ns = self.ns
         cap = 2 * self.state_bytes + GIB
         doc: dict[str, Any] = {
@@ -205,6 +206,18 @@ class Figures:
             },
         }
         self.root.mkdir(parents=True, exist_ok=True)
+        await self.install_section(doc, cap)
+        doc["readers"] = await self.readers_section(cap)
+        doc["rws"] = {
+            "expected_bytes": ns.window * self.layout.slot_bytes,
+            "every_restore_exact": all(self.rws_ok),
+        }
+        sync(self.device)
+        return doc
+
+    async def install_section(self, doc: dict[str, Any], cap: int) -> None:
+        """Save into a HostTier and a FileTier (``save_s``), restore from the HostTier against
+        the memcpy reference (``install``)."""
         host = bsr.HostTier(cap)
         async with self.engine([host, bsr.FileTier(self.root, cap, reader="posix")]) as eng:
             with timed(self.device) as t:
@@ -231,6 +244,8 @@ class Figures:
             flush=True,
         )
 
+    async def readers_section(self, cap: int) -> dict[str, Any]:
+        """FileTier restores and raw reads with the POSIX and the kvikio reader (``readers``)."""
         files = object_files(self.root)
         readers: dict[str, Any] = {}
         why_not = kvikio_problem(self.device)
@@ -262,13 +277,7 @@ class Figures:
                 p["restore"]["ttft_s"]["median"] / k["restore"]["ttft_s"]["median"]
             )
             readers["kvikio_vs_posix_raw"] = p["raw"]["s"]["median"] / k["raw"]["s"]["median"]
-        doc["readers"] = readers
-        doc["rws"] = {
-            "expected_bytes": ns.window * self.layout.slot_bytes,
-            "every_restore_exact": all(self.rws_ok),
-        }
-        sync(self.device)
-        return doc
+        return readers
 
 
 def main(argv: list[str] | None = None) -> int:

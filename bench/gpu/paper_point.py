@@ -216,22 +216,11 @@ class PaperPoint:
         return point
 
     async def run(self) -> dict[str, Any]:
+        """Probe the disk, choose the size, save the state, run the restores; the document."""
         ns = self.ns
         self.root.mkdir(parents=True, exist_ok=True)
         direct = direct_io_works(self.root)
-        doc: dict[str, Any] = {
-            "tool": "bench/gpu/paper_point.py",
-            "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "machine": machine(self.device),
-            "storage": {
-                **filesystem(self.root),
-                "direct_io_supported": direct,
-                "cache_mode": "direct (O_DIRECT)"
-                if direct
-                else "cold (posix_fadvise DONTNEED before each restore)",
-            },
-            "paper": PAPER,
-        }
+        doc = self.header(direct)
         probe = disk_probe(self.root, min(GIB, self.state_bytes(ns.tokens)), direct)
         doc["disk_probe"] = probe
         print(
@@ -260,6 +249,40 @@ class PaperPoint:
             return doc
         toks = token_ids(tokens, ns.seed)
         src = filled_cache(self.layout, tokens, self.device, ns.seed)
+        doc["save"] = await self.save(toks, src, s)
+        dst = bsr.PagedKVCache(self.layout, src.num_blocks, 16, device=self.device)
+        await self.restores(tokens, toks, src, dst, probe, direct)
+        doc["points"] = self.points
+        by = {(p["strategy"], p["io_depth"]): p for p in self.points}
+        one, four = by.get(("bounded", 1)), by.get(("bounded", 4))
+        if one and four:
+            doc["readers_row"] = {
+                "ttft_1_reader_s": one["ttft_s"],
+                "ttft_4_readers_s": four["ttft_s"],
+                "speedup": one["ttft_s"] / four["ttft_s"],
+            }
+        doc["skipped"] = self.skipped
+        return doc
+
+    def header(self, direct: bool) -> dict[str, Any]:
+        """The document's head: tool, start, machine, storage and the paper's figures."""
+        return {
+            "tool": "bench/gpu/paper_point.py",
+            "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "machine": machine(self.device),
+            "storage": {
+                **filesystem(self.root),
+                "direct_io_supported": direct,
+                "cache_mode": "direct (O_DIRECT)"
+                if direct
+                else "cold (posix_fadvise DONTNEED before each restore)",
+            },
+            "paper": PAPER,
+        }
+
+    async def save(self, toks: list[int], src: Any, s: int) -> dict[str, Any]:
+        """Save the state of ``s`` bytes through an engine into a FileTier; the ``save`` entry."""
+        ns = self.ns
         cap = 2 * s + GIB
         saver = bsr.RestoreEngine(
             self.layout,
@@ -273,9 +296,21 @@ class PaperPoint:
                 saved = await saver.save(toks, src, list(range(src.num_blocks)))
         if not saved.ok:
             raise SystemExit(f"save failed: {saved}")
-        doc["save"] = {"s": t["s"], "bytes": s, "Bps": s / t["s"], "chunks": saved.chunks}
         print(f"saved {s / GIB:.2f} GiB ({saved.chunks} chunks) in {t['s']:.1f} s", flush=True)
-        dst = bsr.PagedKVCache(self.layout, src.num_blocks, 16, device=self.device)
+        return {"s": t["s"], "bytes": s, "Bps": s / t["s"], "chunks": saved.chunks}
+
+    async def restores(
+        self,
+        tokens: int,
+        toks: list[int],
+        src: Any,
+        dst: Any,
+        probe: dict[str, Any],
+        direct: bool,
+    ) -> None:
+        """BSR with 4 readers and with 1, then the whole plan, each if it still fits the budget
+        (and the whole plan the host memory); the points go to ``self.points``."""
+        s = self.state_bytes(tokens)
         est = s / probe["read_4_Bps"] * 1.3
         runs = [(4, "bounded"), (1, "bounded"), (4, "whole_plan")]
         for io_depth, strategy in runs:
@@ -292,17 +327,6 @@ class PaperPoint:
             )
             self.points.append(point)
             est = point["ttft_s"] * 1.2
-        doc["points"] = self.points
-        by = {(p["strategy"], p["io_depth"]): p for p in self.points}
-        one, four = by.get(("bounded", 1)), by.get(("bounded", 4))
-        if one and four:
-            doc["readers_row"] = {
-                "ttft_1_reader_s": one["ttft_s"],
-                "ttft_4_readers_s": four["ttft_s"],
-                "speedup": one["ttft_s"] / four["ttft_s"],
-            }
-        doc["skipped"] = self.skipped
-        return doc
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -86,8 +86,42 @@ def _gib(b: float) -> str:
     return f"{b / GIB:g} GiB" if b >= GIB // 4 else f"{b / MIB:g} MiB"
 
 
+#: the grid's tag of each outcome (others are shown as they are)
+_MARK = {
+    "committed": "ok",
+    "invalidated": "inv",
+    "config_error": "cfg",
+    "skipped": "skip",
+    "failed": "FAIL",
+    "partial": "part",
+}
+#: the grid's short name of each strategy
+_SHORT = {"whole_plan": "WP", "lmcache": "LMC", "bsr": "BSR"}
+
+
 def ladder_markdown(doc: dict[str, Any]) -> str:
     """The paper-shaped table and the full state x budget grid, as Markdown (README)."""
+    return "\n".join(_markdown_table(doc) + _markdown_grid(doc)) + "\n"
+
+
+def _md_first(doc: dict[str, Any], row: dict[str, Any], strat: str) -> str:
+    """A state's first budget with full reuse for ``strat``, or "none" with the reasons."""
+    d = row.get(strat)
+    if not d:
+        return "-"
+    b = d["first_full_reuse_budget_bytes"]
+    if b is None:
+        tried = [
+            x for x in doc["points"] if x["tokens"] == row["tokens"] and x["strategy"] == strat
+        ]
+        why = sorted({x["reason"] or x["outcome"] for x in tried if x["outcome"] != "committed"})
+        return "none (" + ", ".join(w[:40] for w in why) + ")"
+    return _gib(b)
+
+
+def _markdown_table(doc: dict[str, Any]) -> list[str]:
+    """The paper-shaped table's lines: per state, the first budget with full reuse per
+    strategy, BSR's RWS, and the paper's figures."""
     paper = {s["tokens"]: s for s in PAPER["states"]}
     lm = any(p["strategy"] == "lmcache" for p in doc["points"])
     head = ["tokens", "state", "whole-plan (bsr): first full reuse at"]
@@ -96,24 +130,6 @@ def ladder_markdown(doc: dict[str, Any]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in doc["summary"]["states"]:
         p = paper.get(row["tokens"])
-
-        def first(strat: str, row: dict[str, Any] = row) -> str:
-            d = row.get(strat)
-            if not d:
-                return "-"
-            b = d["first_full_reuse_budget_bytes"]
-            if b is None:
-                tried = [
-                    x
-                    for x in doc["points"]
-                    if x["tokens"] == row["tokens"] and x["strategy"] == strat
-                ]
-                why = sorted(
-                    {x["reason"] or x["outcome"] for x in tried if x["outcome"] != "committed"}
-                )
-                return "none (" + ", ".join(w[:40] for w in why) + ")"
-            return _gib(b)
-
         ok = [
             x
             for x in doc["points"]
@@ -125,61 +141,62 @@ def ladder_markdown(doc: dict[str, Any]) -> str:
         top = max((x["rws_peak_bytes"] for x in ok if x["window"] == w_max), default=0)
         rws = f"{top / MIB:.2f} MiB (W={w_max})" if ok else "-"
         lmc = p["lmcache_first_success_gib"] if p else None
-        cells = [str(row["tokens"]), f"{row['state_bytes'] / GIB:.3f} GiB", first("whole_plan")]
-        cells += [first("lmcache")] if lm else []
+        cells = [
+            str(row["tokens"]),
+            f"{row['state_bytes'] / GIB:.3f} GiB",
+            _md_first(doc, row, "whole_plan"),
+        ]
+        cells += [_md_first(doc, row, "lmcache")] if lm else []
         cells += [
             "-" if p is None else ("BSR only" if lmc is None else f"{lmc} GiB"),
-            first("bsr"),
+            _md_first(doc, row, "bsr"),
             rws,
             f"{PAPER['bsr_rws_bytes'] / MIB:.2f} MiB (W=32)" if p else "-",
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _markdown_grid(doc: dict[str, Any]) -> list[str]:
+    """The state x budget grid's lines (after a blank one): every strategy's outcome per cell."""
     budgets = sorted({p["budget_bytes"] for p in doc["points"]})
     grid = [
         "",
         "| tokens \\ budget | " + " | ".join(_gib(b) for b in budgets) + " |",
         "|---|" + "---|" * len(budgets),
     ]
-    mark = {
-        "committed": "ok",
-        "invalidated": "inv",
-        "config_error": "cfg",
-        "skipped": "skip",
-        "failed": "FAIL",
-        "partial": "part",
-    }
     strategies = [
         s
         for s in ("whole_plan", "lmcache", "bsr")
         if any(p["strategy"] == s for p in doc["points"])
     ]
-    short = {"whole_plan": "WP", "lmcache": "LMC", "bsr": "BSR"}
     for tokens in sorted({p["tokens"] for p in doc["points"]}):
-        cells = []
-        for b in budgets:
-            parts = []
-            for strat in strategies:
-                pt = next(
-                    (
-                        p
-                        for p in doc["points"]
-                        if p["tokens"] == tokens
-                        and p["budget_bytes"] == b
-                        and p["strategy"] == strat
-                    ),
-                    None,
-                )
-                if pt is None:
-                    continue
-                tag = mark.get(pt["outcome"], pt["outcome"])
-                if strat == "bsr" and pt["outcome"] == "committed":
-                    tag += f" W={pt['window']}"
-                if pt["ttft_s"] and pt["outcome"] == "committed":
-                    tag += f" {pt['ttft_s']:.1f}s"
-                parts.append(f"{short[strat]} {tag}")
-            cells.append("<br>".join(parts))
+        cells = ["<br>".join(_grid_parts(doc, tokens, b, strategies)) for b in budgets]
         grid.append(f"| {tokens} | " + " | ".join(cells) + " |")
-    return "\n".join(lines + grid) + "\n"
+    return grid
+
+
+def _grid_parts(doc: dict[str, Any], tokens: int, budget: int, strategies: list[str]) -> list[str]:
+    """One grid cell's entries: per strategy measured there, its outcome (W and TTFT if ok)."""
+    parts = []
+    for strat in strategies:
+        pt = next(
+            (
+                p
+                for p in doc["points"]
+                if p["tokens"] == tokens and p["budget_bytes"] == budget and p["strategy"] == strat
+            ),
+            None,
+        )
+        if pt is None:
+            continue
+        tag = _MARK.get(pt["outcome"], pt["outcome"])
+        if strat == "bsr" and pt["outcome"] == "committed":
+            tag += f" W={pt['window']}"
+        if pt["ttft_s"] and pt["outcome"] == "committed":
+            tag += f" {pt['ttft_s']:.1f}s"
+        parts.append(f"{_SHORT[strat]} {tag}")
+    return parts
 
 
 def ladder_plot(doc: dict[str, Any], directory: Path) -> list[str]:

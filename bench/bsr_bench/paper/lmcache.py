@@ -21,6 +21,8 @@ import json
 import os
 import shutil
 import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +79,169 @@ def _layout_shape(named: Any) -> tuple[int, int]:
     return 1, lay.token_bytes
 
 
+def _skipped(n: int, b: int, reason: str, message: str) -> dict[str, Any]:
+    """A ladder point LMCache did not run (``outcome`` skipped), with why."""
+    return {
+        "tokens": n,
+        "budget_bytes": b,
+        "strategy": "lmcache",
+        "window": None,
+        "outcome": "skipped",
+        "reason": reason,
+        "committed_tokens": 0,
+        "rws_peak_bytes": 0,
+        "ttft_s": None,
+        "rss_growth_bytes": None,
+        "budget_enforced_by": "lmcache",
+        "verified": None,
+        "message": message,
+    }
+
+
+@dataclass
+class _Ladder:
+    """LMCache's side of one ladder: what the workers are given, and what they gave back."""
+
+    py: Path
+    work: Path
+    sizes: list[int]
+    ct: int
+    layers: int
+    per_layer: int
+    seed: int
+    points: list[dict[str, Any]] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    runs: list[dict[str, Any]] = field(default_factory=list)
+    store: dict[str, Any] | None = None
+    status: str = "ok"
+    env: dict[str, str] = field(
+        default_factory=lambda: {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
+    )
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.layers * self.per_layer * self.ct
+
+    def drop_too_big(self, budgets: Sequence[int]) -> None:
+        """Skip the sizes whose plan exceeds every budget (a plan larger than every L1 of the
+        run cannot be retrieved whole; what LMCache does when a plan does not fit is measured
+        at the sizes that fit one budget but not another)."""
+        cb = self.chunk_bytes
+        too_big = [n for n in self.sizes if n // self.ct * cb > max(budgets)]
+        self.sizes = [n for n in self.sizes if n not in too_big]
+        for n in too_big:
+            self.points.extend(
+                _skipped(
+                    n,
+                    b,
+                    "plan_exceeds_every_l1",
+                    f"the plan ({n // self.ct * cb / GIB:.3f} GiB) exceeds the largest L1 "
+                    "budget of the run; not stored into LMCache",
+                )
+                for b in sorted(budgets)
+            )
+
+    def budgets_in_memory(self, budgets: Sequence[int]) -> list[int]:
+        """The budgets this host's available memory holds; the others are skipped."""
+        remaining = []
+        for b in sorted(budgets):
+            avail = psutil.virtual_memory().available
+            if b + 3 * GIB > avail:
+                self.points.extend(
+                    _skipped(
+                        n,
+                        b,
+                        "host_memory",
+                        f"an L1 of {b / GIB:g} GiB does not fit this host's available memory "
+                        f"({avail / GIB:.1f} GiB); not tried",
+                    )
+                    for n in self.sizes
+                )
+            else:
+                remaining.append(b)
+        return remaining
+
+    def config(self, budgets: list[int]) -> dict[str, Any]:
+        """The worker's configuration for ``budgets`` (see :mod:`.lmcache_worker`)."""
+        return {
+            "dir": str(self.work / "disk"),
+            "sizes": self.sizes,
+            "budgets": budgets,
+            "chunk_tokens": self.ct,
+            "num_layers": self.layers,
+            "layer_token_bytes": self.per_layer,
+            "seed": self.seed,
+            "timeout_s": 60 + 2 * max(self.sizes) // self.ct * self.chunk_bytes / 100e6,
+            "stuck_s": 3.0,
+        }
+
+    def run_worker(self, remaining: list[int], console: Any) -> list[int]:
+        """One worker over ``remaining``; return the budgets a new worker still has to run
+        (empty when done or failed: ``status`` and ``warnings`` say which)."""
+        cfg = self.config(remaining)
+        cfg_path = self.work / "config.json"
+        cfg_path.write_text(json.dumps(cfg), "utf-8")
+        (self.work / "lmcache.json").unlink(missing_ok=True)
+        console.print(f"lmcache: L1 budgets {[f'{b / GIB:g}' for b in remaining]} GiB")
+        try:
+            proc = subprocess.run(
+                [str(self.py), str(WORKER), str(cfg_path)],
+                env=self.env,
+                capture_output=True,
+                text=True,
+                timeout=cfg["timeout_s"] * (len(self.sizes) + 1) + 600,
+            )
+        except subprocess.TimeoutExpired:
+            self.warnings.append("the LMCache worker did not finish in time")
+            self.status = "failed"
+            return []
+        res_path = self.work / "lmcache.json"
+        if not res_path.exists():
+            tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-12:])
+            self.status = "failed"
+            self.warnings.append(
+                f"LMCache worker exited {proc.returncode} without a result: {tail}"
+            )
+            return []
+        res = json.loads(res_path.read_text("utf-8"))
+        self.runs.append({k: v for k, v in res.items() if k != "points"})
+        self.store = self.store or res.get("store")
+        self.points.extend(res.get("points", []))
+        if res["status"] in ("import_failed", "store_failed"):
+            self.status = res["status"]
+            self.warnings.append(f"LMCache {res['status']}: {res.get('message')}; " + STAND_IN)
+            return []
+        if res["status"] == "partial":
+            after = int(res["resume_after_budget"])
+            return [b for b in remaining if b > after]
+        if res["status"] != "ok":  # the worker died mid-run (e.g. the kernel's OOM killer)
+            self.worker_died(proc.returncode, remaining)
+        return []
+
+    def worker_died(self, returncode: int, remaining: list[int]) -> None:
+        """Mark the point the worker died in as failed and the rest of ``remaining`` skipped."""
+        self.status = "worker_died"
+        why = (
+            f"the LMCache worker died (exit {returncode}"
+            + (
+                f", signal {-returncode}: see the kernel log for the OOM killer"
+                if returncode < 0
+                else ""
+            )
+            + ") during this retrieve"
+        )
+        self.warnings.append(why)
+        seen = {(p["tokens"], p["budget_bytes"]) for p in self.points}
+        first = True
+        for b in remaining:
+            for n in self.sizes:
+                if (n, b) not in seen:
+                    pt = _skipped(n, b, "worker_died", why if first else "not reached: " + why)
+                    pt["outcome"] = "failed" if first else "skipped"
+                    self.points.append(pt)
+                    first = False
+
+
 def run_lmcache_ladder(
     opts: Any, named: Any, max_tokens: int, root: Path, console: Any
 ) -> dict[str, Any]:
@@ -104,160 +269,41 @@ def run_lmcache_ladder(
     sizes = sorted(t // ct * ct for t in opts.sizes if t >= ct)
     work = root / "lmcache"
     work.mkdir(parents=True, exist_ok=True)
-    points: list[dict[str, Any]] = []
-    warnings: list[str] = []
-    chunk_bytes = layers * per_layer * ct
-
-    def skipped(n: int, b: int, reason: str, message: str) -> dict[str, Any]:
-        return {
-            "tokens": n,
-            "budget_bytes": b,
-            "strategy": "lmcache",
-            "window": None,
-            "outcome": "skipped",
-            "reason": reason,
-            "committed_tokens": 0,
-            "rws_peak_bytes": 0,
-            "ttft_s": None,
-            "rss_growth_bytes": None,
-            "budget_enforced_by": "lmcache",
-            "verified": None,
-            "message": message,
-        }
-
-    # a plan larger than every L1 of the run cannot be retrieved whole (what LMCache does when a
-    # plan does not fit is measured at the sizes that fit one budget but not another)
-    too_big = [n for n in sizes if n // ct * chunk_bytes > max(opts.budgets)]
-    sizes = [n for n in sizes if n not in too_big]
-    for n in too_big:
-        points.extend(
-            skipped(
-                n,
-                b,
-                "plan_exceeds_every_l1",
-                f"the plan ({n // ct * chunk_bytes / GIB:.3f} GiB) exceeds the largest L1 "
-                "budget of the run; not stored into LMCache",
-            )
-            for b in sorted(opts.budgets)
-        )
-    if not sizes:
+    lad = _Ladder(py, work, sizes, ct, layers, per_layer, opts.seed)
+    lad.drop_too_big(opts.budgets)
+    if not lad.sizes:
         return {
             "status": "skipped",
             "message": "every size exceeds every L1 budget",
             "version": version,
-            "points": points,
-            "warnings": warnings,
+            "points": lad.points,
+            "warnings": lad.warnings,
         }
-    disk_need = max(sizes) // ct * chunk_bytes * 1.05
+    disk_need = max(lad.sizes) // ct * lad.chunk_bytes * 1.05
     if disk_need > shutil.disk_usage(root).free:
         msg = f"LMCache's local disk needs {disk_need / GIB:.1f} GiB, {root} has less; " + STAND_IN
         return {
             "status": "skipped",
             "message": msg,
             "version": version,
-            "points": points,
+            "points": lad.points,
             "warnings": [msg],
         }
-    remaining = []
-    for b in sorted(opts.budgets):
-        avail = psutil.virtual_memory().available
-        if b + 3 * GIB > avail:
-            points.extend(
-                skipped(
-                    n,
-                    b,
-                    "host_memory",
-                    f"an L1 of {b / GIB:g} GiB does not fit this host's available memory "
-                    f"({avail / GIB:.1f} GiB); not tried",
-                )
-                for n in sizes
-            )
-        else:
-            remaining.append(b)
-    runs: list[dict[str, Any]] = []
-    env = {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
-    store: dict[str, Any] | None = None
-    status = "ok"
+    remaining = lad.budgets_in_memory(opts.budgets)
     while remaining:
-        cfg = {
-            "dir": str(work / "disk"),
-            "sizes": sizes,
-            "budgets": remaining,
-            "chunk_tokens": ct,
-            "num_layers": layers,
-            "layer_token_bytes": per_layer,
-            "seed": opts.seed,
-            "timeout_s": 60 + 2 * max(sizes) // ct * chunk_bytes / 100e6,
-            "stuck_s": 3.0,
-        }
-        cfg_path = work / "config.json"
-        cfg_path.write_text(json.dumps(cfg), "utf-8")
-        (work / "lmcache.json").unlink(missing_ok=True)
-        console.print(f"lmcache: L1 budgets {[f'{b / GIB:g}' for b in remaining]} GiB")
-        try:
-            proc = subprocess.run(
-                [str(py), str(WORKER), str(cfg_path)],
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=cfg["timeout_s"] * (len(sizes) + 1) + 600,
-            )
-        except subprocess.TimeoutExpired:
-            warnings.append("the LMCache worker did not finish in time")
-            status = "failed"
-            break
-        res_path = work / "lmcache.json"
-        if not res_path.exists():
-            tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-12:])
-            status = "failed"
-            warnings.append(f"LMCache worker exited {proc.returncode} without a result: {tail}")
-            break
-        res = json.loads(res_path.read_text("utf-8"))
-        runs.append({k: v for k, v in res.items() if k != "points"})
-        store = store or res.get("store")
-        points.extend(res.get("points", []))
-        if res["status"] in ("import_failed", "store_failed"):
-            status = res["status"]
-            warnings.append(f"LMCache {res['status']}: {res.get('message')}; " + STAND_IN)
-            break
-        if res["status"] == "partial":
-            after = int(res["resume_after_budget"])
-            remaining = [b for b in remaining if b > after]
-            continue
-        if res["status"] != "ok":  # the worker died mid-run (e.g. the kernel's OOM killer)
-            status = "worker_died"
-            why = (
-                f"the LMCache worker died (exit {proc.returncode}"
-                + (
-                    f", signal {-proc.returncode}: see the kernel log for the OOM killer"
-                    if proc.returncode < 0
-                    else ""
-                )
-                + ") during this retrieve"
-            )
-            warnings.append(why)
-            seen = {(p["tokens"], p["budget_bytes"]) for p in points}
-            first = True
-            for b in remaining:
-                for n in sizes:
-                    if (n, b) not in seen:
-                        pt = skipped(n, b, "worker_died", why if first else "not reached: " + why)
-                        pt["outcome"] = "failed" if first else "skipped"
-                        points.append(pt)
-                        first = False
-        break
+        remaining = lad.run_worker(remaining, console)
     shutil.rmtree(work, ignore_errors=True)
     return {
-        "status": status,
+        "status": lad.status,
         "version": version,
         "python": str(py),
         "how": "LMCacheEngine (LMCache's standalone CPU path: MockGPUConnector, StubCPUDevice), "
         "local disk backend on the bench's storage, L1 = max_local_cpu_size; retrieve() of "
         "every size per L1, each from an emptied L1 (every chunk read from disk)",
         "kv_shape": [layers, 1, ct, 1, per_layer],
-        "chunk_bytes": chunk_bytes,
-        "store": store,
-        "runs": runs,
-        "points": points,
-        "warnings": warnings,
+        "chunk_bytes": lad.chunk_bytes,
+        "store": lad.store,
+        "runs": lad.runs,
+        "points": lad.points,
+        "warnings": lad.warnings,
     }

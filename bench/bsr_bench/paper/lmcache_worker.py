@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,15 +52,24 @@ def _status(field: str) -> int:
     return 0
 
 
-def main() -> None:
-    cfg_path = Path(sys.argv[1])
-    cfg: dict[str, Any] = json.loads(cfg_path.read_text("utf-8"))
-    out_path = cfg_path.with_name("lmcache.json")
-    doc: dict[str, Any] = {"status": "started", "points": [], "warnings": []}
+@dataclass(frozen=True)
+class _Lmcache:
+    """LMCache's classes this worker uses, and torch (imported in LMCache's environment)."""
 
-    def flush() -> None:
-        out_path.write_text(json.dumps(doc), "utf-8")
+    torch: Any
+    builder: Any  # LMCacheEngineBuilder
+    config: Any  # LMCacheEngineConfig
+    connector: Any  # MockGPUConnector
+    metadata: Any  # LMCacheMetadata
 
+
+def _flush(out_path: Path, doc: dict[str, Any]) -> None:
+    """Write the document as it is now."""
+    out_path.write_text(json.dumps(doc), "utf-8")
+
+
+def _import_lmcache(doc: dict[str, Any], out_path: Path) -> _Lmcache | None:
+    """LMCache and torch, their versions recorded in ``doc``; None (recorded) if they fail."""
     try:
         import torch
         from lmcache.v1.cache_engine import LMCacheEngineBuilder  # type: ignore[import-not-found]
@@ -68,52 +78,19 @@ def main() -> None:
         from lmcache.v1.metadata import LMCacheMetadata  # type: ignore[import-not-found]
     except Exception as exc:  # recorded: where LMCache fails on this machine
         doc.update(status="import_failed", message=repr(exc), traceback=traceback.format_exc())
-        flush()
-        return
+        _flush(out_path, doc)
+        return None
     import lmcache  # type: ignore[import-not-found]
 
     doc["lmcache_version"] = getattr(lmcache, "__version__", None)
     doc["torch"] = torch.__version__
-    ct = int(cfg["chunk_tokens"])
-    kv_shape = (int(cfg["num_layers"]), 1, ct, 1, int(cfg["layer_token_bytes"]))
-    chunk_bytes = kv_shape[0] * ct * kv_shape[4]
-    root = Path(cfg["dir"])
-    root.mkdir(parents=True, exist_ok=True)
-    doc["kv_shape"] = list(kv_shape)
-    doc["chunk_bytes"] = chunk_bytes
-    sizes = sorted(int(s) for s in cfg["sizes"])
-    gen = torch.Generator().manual_seed(int(cfg["seed"]))
-    tokens = torch.randint(0, 2**31 - 1, (max(sizes),), generator=gen, dtype=torch.int64)
+    return _Lmcache(
+        torch, LMCacheEngineBuilder, LMCacheEngineConfig, MockGPUConnector, LMCacheMetadata
+    )
 
-    def engine(name: str, l1_bytes: int) -> Any:
-        conf = LMCacheEngineConfig.from_defaults(
-            chunk_size=ct,
-            local_cpu=True,
-            max_local_cpu_size=l1_bytes / GIB,
-            local_disk=f"file://{root}/",
-            max_local_disk_size=2 * max(sizes) // ct * chunk_bytes / GIB + 1,
-            lmcache_instance_id=name,
-        )
-        md = LMCacheMetadata(
-            model_name="bsr-bench",
-            world_size=1,
-            local_world_size=1,
-            worker_id=0,
-            local_worker_id=0,
-            kv_dtype=torch.uint8,
-            kv_shape=kv_shape,
-            use_mla=True,  # one latent per token and layer: kv_dim 1, as the layout's bytes
-        )
-        eng = LMCacheEngineBuilder.get_or_create(
-            name, conf, md, MockGPUConnector(kv_shape=kv_shape), lambda t, r: None, lambda o, r: o
-        )
-        eng.post_init()
-        return eng
 
-    def backends(eng: Any) -> tuple[Any, Any]:
-        sm = eng.storage_manager
-        return sm.storage_backends["LocalCPUBackend"], sm.storage_backends["LocalDiskBackend"]
-
+def _watch_pressure() -> threading.Event:
+    """An event set whenever an LMCache logger reports that L1 is under pressure."""
     pressure = threading.Event()
 
     class _Pressure(logging.Handler):
@@ -124,136 +101,227 @@ def main() -> None:
     for lname in list(logging.root.manager.loggerDict):
         if lname.startswith("lmcache"):
             logging.getLogger(lname).addHandler(_Pressure())
-    # ---------------------------------------------------------------- store (writer engine)
-    index_path = root / "index.pkl"
-    n_chunks = max(sizes) // ct
-    if index_path.exists():  # a later process of the same run: the state is on disk already
-        index = pickle.loads(index_path.read_bytes())
-    else:
+    return pressure
+
+
+class _Worker:
+    """One worker process: the state's shape and tokens, the engines, the document."""
+
+    def __init__(
+        self, cfg: dict[str, Any], out_path: Path, doc: dict[str, Any], lm: _Lmcache
+    ) -> None:
+        self.cfg, self.out_path, self.doc, self.lm = cfg, out_path, doc, lm
+        torch = lm.torch
+        self.ct = ct = int(cfg["chunk_tokens"])
+        self.kv_shape = (int(cfg["num_layers"]), 1, ct, 1, int(cfg["layer_token_bytes"]))
+        self.chunk_bytes = self.kv_shape[0] * ct * self.kv_shape[4]
+        self.root = Path(cfg["dir"])
+        self.root.mkdir(parents=True, exist_ok=True)
+        doc["kv_shape"] = list(self.kv_shape)
+        doc["chunk_bytes"] = self.chunk_bytes
+        self.sizes = sorted(int(s) for s in cfg["sizes"])
+        gen = torch.Generator().manual_seed(int(cfg["seed"]))
+        self.tokens = torch.randint(
+            0, 2**31 - 1, (max(self.sizes),), generator=gen, dtype=torch.int64
+        )
+        self.pressure = _watch_pressure()
+
+    def flush(self) -> None:
+        """Write the document as it is now."""
+        _flush(self.out_path, self.doc)
+
+    def engine(self, name: str, l1_bytes: int) -> Any:
+        """An LMCacheEngine with an L1 of ``l1_bytes`` and the local disk backend on ``root``."""
+        lm, ct, kv_shape = self.lm, self.ct, self.kv_shape
+        conf = lm.config.from_defaults(
+            chunk_size=ct,
+            local_cpu=True,
+            max_local_cpu_size=l1_bytes / GIB,
+            local_disk=f"file://{self.root}/",
+            max_local_disk_size=2 * max(self.sizes) // ct * self.chunk_bytes / GIB + 1,
+            lmcache_instance_id=name,
+        )
+        md = lm.metadata(
+            model_name="bsr-bench",
+            world_size=1,
+            local_world_size=1,
+            worker_id=0,
+            local_worker_id=0,
+            kv_dtype=lm.torch.uint8,
+            kv_shape=kv_shape,
+            use_mla=True,  # one latent per token and layer: kv_dim 1, as the layout's bytes
+        )
+        eng = lm.builder.get_or_create(
+            name, conf, md, lm.connector(kv_shape=kv_shape), lambda t, r: None, lambda o, r: o
+        )
+        eng.post_init()
+        return eng
+
+    @staticmethod
+    def backends(eng: Any) -> tuple[Any, Any]:
+        """The engine's L1 (local CPU) and local disk backends."""
+        sm = eng.storage_manager
+        return sm.storage_backends["LocalCPUBackend"], sm.storage_backends["LocalDiskBackend"]
+
+    def stored_index(self) -> dict[Any, Any] | None:
+        """The disk index of the stored state: saved by an earlier process of the run, or
+        stored now by a writer engine; None (recorded) if not every chunk was stored."""
+        index_path = self.root / "index.pkl"
+        n_chunks = max(self.sizes) // self.ct
+        if index_path.exists():  # a later process of the same run: the state is on disk already
+            loaded: dict[Any, Any] = pickle.loads(index_path.read_bytes())
+            return loaded
+        torch, ct = self.lm.torch, self.ct
         t0 = time.perf_counter()
         step_chunks = 8
-        writer = engine("bsr-bench-writer", (step_chunks + 2) * chunk_bytes)
-        cpu, disk = backends(writer)
+        writer = self.engine("bsr-bench-writer", (step_chunks + 2) * self.chunk_bytes)
+        cpu, disk = self.backends(writer)
         for start in range(0, n_chunks, step_chunks):
             end = min(n_chunks, start + step_chunks)
             mask = torch.zeros(end * ct, dtype=torch.bool)
             mask[start * ct :] = True
-            writer.store(tokens[: end * ct], mask=mask)
+            writer.store(self.tokens[: end * ct], mask=mask)
             deadline = time.monotonic() + 120
             while len(disk.dict) < end and time.monotonic() < deadline:
                 time.sleep(0.01)
             cpu.clear()
         stored = len(disk.dict)
-        doc["store"] = {
+        self.doc["store"] = {
             "chunks": n_chunks,
             "stored_chunks": stored,
             "seconds": round(time.perf_counter() - t0, 3),
-            "files_bytes": sum(p.stat().st_size for p in root.iterdir() if p.is_file()),
+            "files_bytes": sum(p.stat().st_size for p in self.root.iterdir() if p.is_file()),
             "note": "MockGPUConnector.from_gpu is a no-op: the stored chunk bytes are whatever "
             "the L1 allocator held; sizes and I/O are real, contents are not compared",
         }
         if stored < n_chunks:
-            doc.update(status="store_failed", message=f"only {stored} of {n_chunks} chunks stored")
-            flush()
-            return
+            self.doc.update(
+                status="store_failed", message=f"only {stored} of {n_chunks} chunks stored"
+            )
+            self.flush()
+            return None
         index = dict(disk.dict)
         index_path.write_bytes(pickle.dumps(index))
-        LMCacheEngineBuilder.destroy("bsr-bench-writer")
-    doc["status"] = "running"
-    flush()
-    # ---------------------------------------------------------------- retrieve per L1 budget
-    for i, budget in enumerate(sorted(int(b) for b in cfg["budgets"])):
+        self.lm.builder.destroy("bsr-bench-writer")
+        return index
+
+    def run_budget(self, i: int, budget: int, index: dict[Any, Any]) -> None:
+        """Retrieve every size under one L1 budget from an engine given the stored index; a
+        retrieve that times out ends the process (exit 3, the later budgets to a new one)."""
+        points = self.doc["points"]
         name = f"bsr-bench-l1-{i}"
         try:
-            eng = engine(name, budget)
+            eng = self.engine(name, budget)
         except Exception as exc:
-            for n in sizes:
-                doc["points"].append(_point(n, budget, "failed", 0, None, None, repr(exc)))
-            flush()
-            continue
-        cpu_b, disk_b = backends(eng)
+            for n in self.sizes:
+                points.append(_point(n, budget, "failed", 0, None, None, repr(exc)))
+            self.flush()
+            return
+        cpu_b, disk_b = self.backends(eng)
         with disk_b.disk_lock:
             disk_b.dict.update(index)
         stop = False
-        for n in sizes:
-            if stop:
-                doc["points"].append(
-                    _point(n, budget, "skipped", 0, None, None, "a smaller state timed out")
-                )
-                continue
-            cpu_b.clear()
-            result: dict[str, Any] = {}
-
-            def retrieve(n: int = n, result: dict[str, Any] = result, eng: Any = eng) -> None:
-                try:
-                    result["mask"] = eng.retrieve(tokens[:n])
-                except Exception as exc:
-                    result["error"] = repr(exc)
-
-            pressure.clear()
-            anon0 = _status("RssAnon")
-            hwm = _hwm_reset()
-            t1 = time.perf_counter()
-            th = threading.Thread(target=retrieve, daemon=True)
-            th.start()
-            limit = time.monotonic() + float(cfg["timeout_s"])
-            while th.is_alive() and time.monotonic() < limit:
-                th.join(0.05)
-                if pressure.is_set() and th.is_alive():  # confirm it is really stuck
-                    th.join(float(cfg.get("stuck_s", 3.0)))
-                    break
-            wall = time.perf_counter() - t1
-            growth = max(0, (_status("VmHWM") if hwm else _status("VmRSS")) - anon0)
-            if th.is_alive():
-                doc["points"].append(
-                    _point(
-                        n,
-                        budget,
-                        "failed",
-                        0,
-                        None,
-                        growth,
-                        "retrieve blocked: LMCache logged 'Local cpu memory is under "
-                        "pressure' and busy-waits for L1 space the retrieve itself holds "
-                        "(the plan does not fit L1)"
-                        if pressure.is_set()
-                        else f"retrieve still running after {cfg['timeout_s']} s",
-                    )
-                )
+        for n in self.sizes:
+            if self.retrieve(eng, cpu_b, n, budget):
                 stop = True
-                flush()
-                print(f"lmcache {n} tokens L1 {budget / GIB:g} GiB: timed out", flush=True)
                 break
-            if "error" in result:
-                doc["points"].append(_point(n, budget, "failed", 0, wall, growth, result["error"]))
-            else:
-                got = int(result["mask"].sum())
-                outcome = "committed" if got == n else ("partial" if got else "failed")
-                point = _point(n, budget, outcome, got, wall, growth, "")
-                # what the retrieve held in L1: one memory object per retrieved chunk
-                point["rws_peak_bytes"] = got // ct * chunk_bytes
-                doc["points"].append(point)
-            print(
-                f"lmcache {n} tokens L1 {budget / GIB:g} GiB: {doc['points'][-1]['outcome']} "
-                f"{doc['points'][-1]['committed_tokens']} tok",
-                flush=True,
-            )
-            flush()
         if stop:
-            doc["points"].extend(
+            points.extend(
                 _point(n2, budget, "skipped", 0, None, None, "a smaller state timed out")
-                for n2 in sizes
-                if not any(p["tokens"] == n2 and p["budget_bytes"] == budget for p in doc["points"])
+                for n2 in self.sizes
+                if not any(p["tokens"] == n2 and p["budget_bytes"] == budget for p in points)
             )
-            flush()
+            self.flush()
             # the hung retrieve holds LMCache's locks: later budgets run in a new process
-            doc["status"] = "partial"
-            doc["resume_after_budget"] = budget
-            flush()
+            self.doc["status"] = "partial"
+            self.doc["resume_after_budget"] = budget
+            self.flush()
             os._exit(3)
-        LMCacheEngineBuilder.destroy(name)
+        self.lm.builder.destroy(name)
+
+    def retrieve(self, eng: Any, cpu_b: Any, n: int, budget: int) -> bool:
+        """Time one retrieve of ``n`` tokens from an emptied L1 and record its point; return
+        True if it was still running at the timeout (or stuck under L1 pressure)."""
+        cfg, points = self.cfg, self.doc["points"]
+        cpu_b.clear()
+        result: dict[str, Any] = {}
+
+        def retrieve() -> None:
+            try:
+                result["mask"] = eng.retrieve(self.tokens[:n])
+            except Exception as exc:
+                result["error"] = repr(exc)
+
+        self.pressure.clear()
+        anon0 = _status("RssAnon")
+        hwm = _hwm_reset()
+        t1 = time.perf_counter()
+        th = threading.Thread(target=retrieve, daemon=True)
+        th.start()
+        limit = time.monotonic() + float(cfg["timeout_s"])
+        while th.is_alive() and time.monotonic() < limit:
+            th.join(0.05)
+            if self.pressure.is_set() and th.is_alive():  # confirm it is really stuck
+                th.join(float(cfg.get("stuck_s", 3.0)))
+                break
+        wall = time.perf_counter() - t1
+        growth = max(0, (_status("VmHWM") if hwm else _status("VmRSS")) - anon0)
+        if th.is_alive():
+            points.append(
+                _point(
+                    n,
+                    budget,
+                    "failed",
+                    0,
+                    None,
+                    growth,
+                    "retrieve blocked: LMCache logged 'Local cpu memory is under "
+                    "pressure' and busy-waits for L1 space the retrieve itself holds "
+                    "(the plan does not fit L1)"
+                    if self.pressure.is_set()
+                    else f"retrieve still running after {cfg['timeout_s']} s",
+                )
+            )
+            self.flush()
+            print(f"lmcache {n} tokens L1 {budget / GIB:g} GiB: timed out", flush=True)
+            return True
+        if "error" in result:
+            points.append(_point(n, budget, "failed", 0, wall, growth, result["error"]))
+        else:
+            got = int(result["mask"].sum())
+            outcome = "committed" if got == n else ("partial" if got else "failed")
+            point = _point(n, budget, outcome, got, wall, growth, "")
+            # what the retrieve held in L1: one memory object per retrieved chunk
+            point["rws_peak_bytes"] = got // self.ct * self.chunk_bytes
+            points.append(point)
+        print(
+            f"lmcache {n} tokens L1 {budget / GIB:g} GiB: {points[-1]['outcome']} "
+            f"{points[-1]['committed_tokens']} tok",
+            flush=True,
+        )
+        self.flush()
+        return False
+
+
+def main() -> None:
+    """Store the state (once per run), retrieve every size per budget; write ``lmcache.json``."""
+    cfg_path = Path(sys.argv[1])
+    cfg: dict[str, Any] = json.loads(cfg_path.read_text("utf-8"))
+    out_path = cfg_path.with_name("lmcache.json")
+    doc: dict[str, Any] = {"status": "started", "points": [], "warnings": []}
+    lm = _import_lmcache(doc, out_path)
+    if lm is None:
+        return
+    worker = _Worker(cfg, out_path, doc, lm)
+    index = worker.stored_index()
+    if index is None:
+        return
+    doc["status"] = "running"
+    worker.flush()
+    for i, budget in enumerate(sorted(int(b) for b in cfg["budgets"])):
+        worker.run_budget(i, budget, index)
     doc["status"] = "ok"
-    flush()
+    worker.flush()
     os._exit(0)  # LMCache leaves non-daemon threads running
 
 

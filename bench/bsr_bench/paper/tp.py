@@ -180,40 +180,36 @@ def run_tp(opts: TpOptions, console: Any = None) -> dict[str, Any]:
     return doc
 
 
-def build_document(
-    opts: TpOptions,
-    layout: dict[str, Any],
-    ranks: list[dict[str, Any]],
-    machine: dict[str, Any],
-    t_start: float,
+def _rank_row(r: dict[str, Any]) -> dict[str, Any]:
+    """One rank's entry of ``ranks``: its records and the medians of agreed vs alone."""
+    agreed, alone = r["agreed"], r["alone"]
+    return {
+        "rank": r["rank"],
+        "save": r["save"],
+        "agreed": agreed,
+        "alone": alone,
+        "rws_peak_bytes": max(s["rws_peak_bytes"] for s in agreed),
+        "committed_tokens": [s["committed_tokens"] for s in agreed],
+        "ttft_s_median": _median([s["wall_s"] for s in agreed]),
+        "alone_ttft_s_median": _median([s["wall_s"] for s in alone]),
+        "commit_s_median": _median([s["commit_s"] for s in agreed]),
+        "alone_commit_s_median": _median([s["commit_s"] for s in alone]),
+        "probe_s_median": _median([s["probe_s"] for s in agreed]),
+        "alone_probe_s_median": _median([s["probe_s"] for s in alone]),
+        "agreement_overhead_s": r["agreement_overhead_s"],
+        "agreement_phases_s": r["agreement_phases_s"],
+    }
+
+
+def _invariants(
+    opts: TpOptions, layout: dict[str, Any], ranks: list[dict[str, Any]]
 ) -> dict[str, Any]:
-    """The ``--tp`` JSON document from the ranks' records."""
+    """The ``--tp`` invariants (RWS, agreement and commit, the fault) and whether they hold."""
     slot = int(layout["slot_bytes"])
-    per_rank = []
-    for r in ranks:
-        agreed, alone = r["agreed"], r["alone"]
-        per_rank.append(
-            {
-                "rank": r["rank"],
-                "save": r["save"],
-                "agreed": agreed,
-                "alone": alone,
-                "rws_peak_bytes": max(s["rws_peak_bytes"] for s in agreed),
-                "committed_tokens": [s["committed_tokens"] for s in agreed],
-                "ttft_s_median": _median([s["wall_s"] for s in agreed]),
-                "alone_ttft_s_median": _median([s["wall_s"] for s in alone]),
-                "commit_s_median": _median([s["commit_s"] for s in agreed]),
-                "alone_commit_s_median": _median([s["commit_s"] for s in alone]),
-                "probe_s_median": _median([s["probe_s"] for s in agreed]),
-                "alone_probe_s_median": _median([s["probe_s"] for s in alone]),
-                "agreement_overhead_s": r["agreement_overhead_s"],
-                "agreement_phases_s": r["agreement_phases_s"],
-            }
-        )
     fault = [r["fault"] for r in ranks]
     want_rws = opts.window * slot
     agreed_all = [s for r in ranks for s in r["agreed"]]
-    invariants = {
+    return {
         "rws_equals_w_x_slot": {
             "description": "every agreed restore on every rank has rws_peak_bytes == W x "
             "slot_bytes",
@@ -238,6 +234,19 @@ def build_document(
             "holds": all(f["state"] == "Invalidated" and f["committed_tokens"] == 0 for f in fault),
         },
     }
+
+
+def build_document(
+    opts: TpOptions,
+    layout: dict[str, Any],
+    ranks: list[dict[str, Any]],
+    machine: dict[str, Any],
+    t_start: float,
+) -> dict[str, Any]:
+    """The ``--tp`` JSON document from the ranks' records."""
+    per_rank = [_rank_row(r) for r in ranks]
+    fault = [r["fault"] for r in ranks]
+    invariants = _invariants(opts, layout, ranks)
     overhead = [p["agreement_overhead_s"] for p in per_rank]
     return {
         "schema_version": 1,

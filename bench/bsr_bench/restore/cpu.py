@@ -39,7 +39,7 @@ import statistics
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -221,6 +221,63 @@ class ReadFloor:
             self.raw.close()
 
 
+@dataclass(frozen=True)
+class _PointState:
+    """A point's state: its tokens and blocks, the destination cache filled with random bytes,
+    a copy of them (``saved``), and the first ``nbytes`` of both as numpy arrays (``src`` the
+    saved bytes, ``dst`` the destination's) for the floor."""
+
+    layout: bsr.StateLayout
+    tokens_n: int
+    tokens: np.ndarray[Any, Any]
+    blocks: np.ndarray[Any, Any]
+    cache: bsr.PagedKVCache
+    dest: torch.Tensor
+    saved: torch.Tensor
+    nbytes: int
+    src: np.ndarray[Any, Any]
+    dst: np.ndarray[Any, Any]
+
+    @classmethod
+    def make(cls, chunk_bytes: int, chunks: int, seed: int) -> _PointState:
+        """``chunks`` chunks of ``chunk_bytes`` bytes of seeded random tokens and bytes."""
+        layout = _layout(chunk_bytes)
+        tokens_n = chunks * CHUNK_TOKENS
+        tokens = np.random.default_rng(seed).integers(0, 2**31 - 1, size=tokens_n, dtype=np.int64)
+        blocks = np.arange(tokens_n // BLOCK_TOKENS, dtype=np.int64)
+        cache = bsr.PagedKVCache(layout, len(blocks), BLOCK_TOKENS)
+        dest = cache.tensor("kv").view(-1)
+        gen = torch.Generator().manual_seed(seed)
+        dest[: dest.numel() // 8 * 8].view(torch.int64).random_(generator=gen)
+        saved = dest.clone()
+        nbytes = chunks * chunk_bytes
+        src, dst = saved.numpy()[:nbytes], dest.numpy()[:nbytes]
+        return cls(layout, tokens_n, tokens, blocks, cache, dest, saved, nbytes, src, dst)
+
+
+@dataclass
+class _PointClocks:
+    """The timed regions of a point: the restore and the floor's hash, copy and read."""
+
+    restore: CpuClock = field(default_factory=CpuClock)
+    xxh3: CpuClock = field(default_factory=CpuClock)
+    copy: CpuClock = field(default_factory=CpuClock)
+    read: CpuClock = field(default_factory=CpuClock)
+    read_bw: list[float] = field(default_factory=list)
+
+
+def _point_tier(
+    tier_kind: str, chunk_bytes: int, capacity: int, root: Path | None, mode: CacheMode
+) -> tuple[Any, Path | None]:
+    """The point's tier (``host`` or ``file``) and the directory of a FileTier (else None)."""
+    if tier_kind == "host":
+        return bsr.HostTier(capacity_bytes=capacity), None
+    if root is None:
+        raise BenchError("cpu: a file point needs a directory")
+    directory = root / f"cpu-file-{chunk_bytes}"
+    return bsr.FileTier(directory, capacity, direct_io=mode is CacheMode.DIRECT), directory
+
+
 async def _cpu_point(
     tier_kind: str,
     chunk_bytes: int,
@@ -234,90 +291,89 @@ async def _cpu_point(
     mode: CacheMode,
     fio_binary: str | None,
 ) -> dict[str, Any]:
-    layout = _layout(chunk_bytes)
-    tokens_n = chunks * CHUNK_TOKENS
-    tokens = np.random.default_rng(seed).integers(0, 2**31 - 1, size=tokens_n, dtype=np.int64)
-    blocks = np.arange(tokens_n // BLOCK_TOKENS, dtype=np.int64)
-    cache = bsr.PagedKVCache(layout, len(blocks), BLOCK_TOKENS)
-    dest = cache.tensor("kv").view(-1)
-    gen = torch.Generator().manual_seed(seed)
-    dest[: dest.numel() // 8 * 8].view(torch.int64).random_(generator=gen)
-    saved = dest.clone()
-    nbytes = chunks * chunk_bytes
-    src, dst = saved.numpy()[:nbytes], dest.numpy()[:nbytes]
-    capacity = 2 * (nbytes + chunks * 8192) + (64 << 20)
-    directory: Path | None = None
-    tier: Any
-    if tier_kind == "host":
-        tier = bsr.HostTier(capacity_bytes=capacity)
-    else:
-        if root is None:
-            raise BenchError("cpu: a file point needs a directory")
-        directory = root / f"cpu-file-{chunk_bytes}"
-        tier = bsr.FileTier(directory, capacity, direct_io=mode is CacheMode.DIRECT)
+    """One point of the section: save, then the timed restores beside the floor; its JSON."""
+    st = _PointState.make(chunk_bytes, chunks, seed)
+    capacity = 2 * (st.nbytes + chunks * 8192) + (64 << 20)
+    tier, directory = _point_tier(tier_kind, chunk_bytes, capacity, root, mode)
     engine = bsr.RestoreEngine(
-        layout,
+        st.layout,
         [tier],
         window=window,
         io_depth=io_depth,
         namespace=bsr.Namespace(model_id=f"bsr-bench/cpu-{tier_kind}-{chunk_bytes}"),
         prefault_staging=True,
     )
-    restore = CpuClock()
-    xxh3 = CpuClock()
-    copy = CpuClock()
-    read = CpuClock()
-    read_bw: list[float] = []
+    clocks = _PointClocks()
     floor_read: ReadFloor | None = None
     load_before = load_average()
     try:
         async with engine:
-            if not (await engine.save(tokens, cache, blocks)).ok:
+            if not (await engine.save(st.tokens, st.cache, st.blocks)).ok:
                 raise BenchError(f"cpu: saving {chunks} chunks of {chunk_bytes} B failed")
             files: list[str] = []
             if tier_kind == "file":
-                files = [str(tier.object_path(k, "kv")) for k in engine.keys(tokens)]
+                files = [str(tier.object_path(k, "kv")) for k in engine.keys(st.tokens)]
                 floor_read = ReadFloor(files, mode, fio_binary)
                 floor_read.choose()
-            cache.tensor("kv").zero_()
-            np.copyto(dst, src)  # warm both buffers
-            cache.tensor("kv").zero_()
-            gc.collect()  # once per point: a full collection walks every object of the
-            # process and leaves the CPU caches cold for whatever runs next (about 0.9 ms more
-            # for a small restore here); a serving process does not collect before each restore
-            for r in range(repeats + WARMUP):  # warm-ups first (the first one is checked)
-                if files:
-                    prepare(mode, files)
-                with restore.timed():
-                    result = await engine.restore(tokens, cache, blocks)
-                if not result.committed or result.committed_tokens != tokens_n:
-                    raise BenchError(
-                        f"cpu: {tier_kind} restore at {chunk_bytes} B ended {result.state} "
-                        f"({result.reason})"
-                    )
-                if r < WARMUP:
-                    if r == 0 and not torch.equal(dest[:nbytes], saved[:nbytes]):
-                        raise BenchError(
-                            f"cpu: restored bytes differ at {chunk_bytes} B chunks ({tier_kind})"
-                        )
-                    restore.cpu.clear()
-                    restore.wall.clear()
-                    continue
-                with xxh3.timed():
-                    xxhash.xxh3_64_intdigest(src)  # type: ignore[arg-type]
-                with copy.timed():
-                    np.copyto(dst, src)
-                if floor_read is not None:
-                    floor_read.read(read, read_bw)
+            await _timed_restores(
+                engine, st, clocks, files, floor_read, mode, repeats, tier_kind, chunk_bytes
+            )
     finally:
         if floor_read is not None:
             floor_read.close()
         if directory is not None:
             shutil.rmtree(directory, ignore_errors=True)
     return _point_json(
-        tier_kind, chunk_bytes, chunks, nbytes, restore, xxh3, copy,
-        read if floor_read is not None else None, read_bw, floor_read, load_before,
+        tier_kind, chunk_bytes, chunks, st.nbytes, clocks.restore, clocks.xxh3, clocks.copy,
+        clocks.read if floor_read is not None else None, clocks.read_bw, floor_read, load_before,
     )  # fmt: skip
+
+
+async def _timed_restores(
+    engine: bsr.RestoreEngine,
+    st: _PointState,
+    clocks: _PointClocks,
+    files: list[str],
+    floor_read: ReadFloor | None,
+    mode: CacheMode,
+    repeats: int,
+    tier_kind: str,
+    chunk_bytes: int,
+) -> None:
+    """The warm-ups (the first checked byte for byte), then ``repeats`` timed restores, each
+    followed by the floor's timed hash, copy and (for a file point) read of the same bytes."""
+    tokens, cache, blocks, src, dst = st.tokens, st.cache, st.blocks, st.src, st.dst
+    restore, xxh3, copy = clocks.restore, clocks.xxh3, clocks.copy
+    cache.tensor("kv").zero_()
+    np.copyto(dst, src)  # warm both buffers
+    cache.tensor("kv").zero_()
+    gc.collect()  # once per point: a full collection walks every object of the
+    # process and leaves the CPU caches cold for whatever runs next (about 0.9 ms more
+    # for a small restore here); a serving process does not collect before each restore
+    for r in range(repeats + WARMUP):  # warm-ups first (the first one is checked)
+        if files:
+            prepare(mode, files)
+        with restore.timed():
+            result = await engine.restore(tokens, cache, blocks)
+        if not result.committed or result.committed_tokens != st.tokens_n:
+            raise BenchError(
+                f"cpu: {tier_kind} restore at {chunk_bytes} B ended {result.state} "
+                f"({result.reason})"
+            )
+        if r < WARMUP:
+            if r == 0 and not torch.equal(st.dest[: st.nbytes], st.saved[: st.nbytes]):
+                raise BenchError(
+                    f"cpu: restored bytes differ at {chunk_bytes} B chunks ({tier_kind})"
+                )
+            restore.cpu.clear()
+            restore.wall.clear()
+            continue
+        with xxh3.timed():
+            xxhash.xxh3_64_intdigest(src)  # type: ignore[arg-type]
+        with copy.timed():
+            np.copyto(dst, src)
+        if floor_read is not None:
+            floor_read.read(clocks.read, clocks.read_bw)
 
 
 def _point_json(

@@ -25,6 +25,7 @@ import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +78,88 @@ def _raw_json(reads: Sequence[RawRead], resident: Sequence[float | None]) -> dic
         "bytes": reads[0].nbytes,
         "resident_fraction_before": list(resident),
     }
+
+
+@dataclass(frozen=True)
+class _Engines:
+    """The open engines a size is measured with: BSR and whole-plan on the file tier, and the
+    same pair on the remote tier with ``--remote``."""
+
+    bsr: OpenEngine
+    wp: OpenEngine
+    remote: tuple[OpenEngine, OpenEngine] | None = None
+
+
+@dataclass
+class _RawSamples:
+    """Raw reads of a size's files over the repeats, sequential and ``io_depth`` threads, with
+    the resident fraction before each."""
+
+    seq: list[RawRead] = field(default_factory=list)
+    par: list[RawRead] = field(default_factory=list)
+    res_seq: list[float | None] = field(default_factory=list)
+    res_par: list[float | None] = field(default_factory=list)
+
+    def step(
+        self, mode: CacheMode, files: Sequence[str], seq: RawReader, par: RawReader
+    ) -> Callable[[], Any]:
+        """The rotation's raw-read step: both readers, each after the cache mode's preparation."""
+
+        async def do_raw() -> None:
+            self.res_seq.append(prepare(mode, files))
+            self.seq.append(seq.read(files))
+            self.res_par.append(prepare(mode, files))
+            self.par.append(par.read(files))
+
+        return do_raw
+
+    def to_json(self) -> dict[str, Any]:
+        """``raw.sequential`` and ``raw.parallel`` of the point."""
+        return {
+            "sequential": _raw_json(self.seq, self.res_seq),
+            "parallel": _raw_json(self.par, self.res_par),
+        }
+
+
+@dataclass
+class _Restores:
+    """One tier's probes, BSR and whole-plan restores over the repeats of a size, and the
+    results of the byte checks (the first BSR and the first whole-plan restore of the largest
+    size)."""
+
+    probes: list[float] = field(default_factory=list)
+    bsr: list[RestoreSample] = field(default_factory=list)
+    wp: list[RestoreSample] = field(default_factory=list)
+    ok: list[bool] = field(default_factory=list)
+
+    def steps(
+        self,
+        state: SavedState,
+        tokens: int,
+        bsr: OpenEngine,
+        wp: OpenEngine,
+        files: list[str] | None,
+        verify: bool,
+    ) -> list[Callable[[], Any]]:
+        """The rotation's two steps: probe + BSR restore, and whole-plan restore; ``files``
+        None for a remote tier."""
+
+        async def do_bsr() -> None:
+            self.probes.append(await state.probe(bsr, tokens))
+            if verify and not self.ok:
+                state.clear_cache()
+            self.bsr.append(await state.restore(bsr, tokens, Strategy.BOUNDED, files))
+            if verify and len(self.ok) == 0:
+                self.ok.append(state.verify())
+
+        async def do_wp() -> None:
+            if verify and len(self.ok) == 1:
+                state.clear_cache()
+            self.wp.append(await state.restore(wp, tokens, Strategy.WHOLE_PLAN, files))
+            if verify and len(self.ok) == 1:
+                self.ok.append(state.verify())
+
+        return [do_bsr, do_wp]
 
 
 class BenchRun:
@@ -137,68 +220,36 @@ class BenchRun:
     async def bench_layout(
         self, named: NamedLayout, *, sweep: bool, recompute: dict[int, dict[str, Any]] | None
     ) -> None:
+        """Save ``named``'s largest state, measure every size (and the sweep), remove it."""
         o = self.opts
         sizes = self.sizes_for(named)
         state = SavedState(
             named, self.root, max(sizes), seed=o.seed, mode=self.mode, device=o.device
         )
-        lay = named.layout
-        for t in sizes:
-            if t // lay.chunk_tokens < o.window:
-                self.warn(
-                    f"{named.name}: {t} tokens are {t // lay.chunk_tokens} chunks < W="
-                    f"{o.window}; BSR RWS there is the whole state, not W x chunk"
-                )
+        self._warn_below_window(named, sizes)
         stack = ExitStack()
         opened: list[OpenEngine] = []
         seq_reader: RawReader | None = None
         par_reader: RawReader | None = None
         try:
-            remote: RemoteCluster | None = None
-            if o.remote != "none":
-                self.ui.log(f"starting a loopback {o.remote} store for {named.name}")
-                with self.phase(f"start remote {named.name}"):
-                    sizing = RemoteSizing.for_state(lay, state.max_tokens, o.io_depth)
-                    remote = stack.enter_context(start_remote(sizing, o.remote))
-                self.remote_info = remote.describe()
-                self.remote_segment_bytes = sizing.segment_bytes
+            remote = self._start_remote(named, state, stack)
             self.ui.step(f"save {named.name} ({state.max_tokens} tokens)", 1)
             with self.phase(f"save {named.name}"):
                 save = await state.save(remote.tier() if remote is not None else None)
             self.ui.advance()
             if state.read_calibration is not None:
                 self.reads[named.name] = state.read_calibration
-            max_file = max(_sizes(state.files(lay.chunk_tokens)))
+            max_file = max(_sizes(state.files(named.layout.chunk_tokens)))
             direct = self.mode is CacheMode.DIRECT
             seq_reader = RawReader(max_file, 1, direct=direct)
             par_reader = RawReader(max_file, o.io_depth, direct=direct)
-            bsr = await state.open_engine(o.window, o.io_depth, prefault=True)
-            opened.append(bsr)
-            wp = await state.open_engine(o.window, o.io_depth, prefault=False)
-            opened.append(wp)
-            remote_engines: tuple[OpenEngine, OpenEngine] | None = None
-            if remote is not None:
-                rb = await state.open_engine(
-                    o.window, o.io_depth, prefault=True, tier=remote.tier()
-                )
-                opened.append(rb)
-                rw = await state.open_engine(
-                    o.window, o.io_depth, prefault=False, tier=remote.tier()
-                )
-                opened.append(rw)
-                remote_engines = (rb, rw)
+            engines = await self._open_engines(state, remote, opened)
+            readers = (seq_reader, par_reader)
             for tokens in sizes:
                 self.ui.step(f"{named.name} {tokens} tokens", o.repeats)
                 with self.phase(f"measure {named.name}"):
                     point = await self._measure_size(
-                        state,
-                        tokens,
-                        bsr,
-                        wp,
-                        seq_reader,
-                        par_reader,
-                        save.duration_s,
-                        remote_engines,
+                        state, tokens, engines, readers, save.duration_s
                     )
                 if recompute is not None and tokens in recompute:
                     self._attach_recompute(point, recompute[tokens])
@@ -227,105 +278,127 @@ class BenchRun:
                 if not o.keep:
                     shutil.rmtree(self.root / named.name, ignore_errors=True)
 
+    def _warn_below_window(self, named: NamedLayout, sizes: Sequence[int]) -> None:
+        """Warn about every size of fewer than W chunks (its BSR RWS is the whole state)."""
+        ct = named.layout.chunk_tokens
+        for t in sizes:
+            if t // ct < self.opts.window:
+                self.warn(
+                    f"{named.name}: {t} tokens are {t // ct} chunks < W="
+                    f"{self.opts.window}; BSR RWS there is the whole state, not W x chunk"
+                )
+
+    def _start_remote(
+        self, named: NamedLayout, state: SavedState, stack: ExitStack
+    ) -> RemoteCluster | None:
+        """The loopback remote store of ``--remote`` (stopped by ``stack``), or None."""
+        o = self.opts
+        if o.remote == "none":
+            return None
+        self.ui.log(f"starting a loopback {o.remote} store for {named.name}")
+        with self.phase(f"start remote {named.name}"):
+            sizing = RemoteSizing.for_state(named.layout, state.max_tokens, o.io_depth)
+            remote = stack.enter_context(start_remote(sizing, o.remote))
+        self.remote_info = remote.describe()
+        self.remote_segment_bytes = sizing.segment_bytes
+        return remote
+
+    async def _open_engines(
+        self, state: SavedState, remote: RemoteCluster | None, opened: list[OpenEngine]
+    ) -> _Engines:
+        """The BSR and whole-plan engines on the file tier (and on the remote tier, if any),
+        each appended to ``opened`` as soon as it is open."""
+        o = self.opts
+        bsr = await state.open_engine(o.window, o.io_depth, prefault=True)
+        opened.append(bsr)
+        wp = await state.open_engine(o.window, o.io_depth, prefault=False)
+        opened.append(wp)
+        if remote is None:
+            return _Engines(bsr, wp)
+        rb = await state.open_engine(o.window, o.io_depth, prefault=True, tier=remote.tier())
+        opened.append(rb)
+        rw = await state.open_engine(o.window, o.io_depth, prefault=False, tier=remote.tier())
+        opened.append(rw)
+        return _Engines(bsr, wp, (rb, rw))
+
     async def _measure_size(
         self,
         state: SavedState,
         tokens: int,
-        bsr: Any,
-        wp: Any,
-        seq: RawReader,
-        par: RawReader,
+        engines: _Engines,
+        readers: tuple[RawReader, RawReader],
         save_s: float,
-        remote: tuple[OpenEngine, OpenEngine] | None = None,
     ) -> dict[str, Any]:
+        """One size's point: the rotation of every method over the repeats, then its JSON."""
         o = self.opts
         files = state.files(tokens)
         file_bytes = sum(_sizes(files))
-        raw_seq: list[RawRead] = []
-        raw_par: list[RawRead] = []
-        res_seq: list[float | None] = []
-        res_par: list[float | None] = []
-        probes: list[float] = []
-        bsr_s: list[RestoreSample] = []
-        wp_s: list[RestoreSample] = []
         verify = tokens == state.max_tokens
-        ok: list[bool] = []
-
-        async def do_raw() -> None:
-            res_seq.append(prepare(self.mode, files))
-            raw_seq.append(seq.read(files))
-            res_par.append(prepare(self.mode, files))
-            raw_par.append(par.read(files))
-
-        async def do_bsr() -> None:
-            probes.append(await state.probe(bsr, tokens))
-            if verify and not ok:
-                state.clear_cache()
-            bsr_s.append(await state.restore(bsr, tokens, Strategy.BOUNDED, files))
-            if verify and len(ok) == 0:
-                ok.append(state.verify())
-
-        async def do_wp() -> None:
-            if verify and len(ok) == 1:
-                state.clear_cache()
-            wp_s.append(await state.restore(wp, tokens, Strategy.WHOLE_PLAN, files))
-            if verify and len(ok) == 1:
-                ok.append(state.verify())
-
-        r_probes: list[float] = []
-        r_bsr: list[RestoreSample] = []
-        r_wp: list[RestoreSample] = []
-        r_ok: list[bool] = []
-
-        async def do_remote_bsr() -> None:
-            assert remote is not None
-            r_probes.append(await state.probe(remote[0], tokens))
-            if verify and not r_ok:
-                state.clear_cache()
-            r_bsr.append(await state.restore(remote[0], tokens, Strategy.BOUNDED, None))
-            if verify and len(r_ok) == 0:
-                r_ok.append(state.verify())
-
-        async def do_remote_wp() -> None:
-            assert remote is not None
-            if verify and len(r_ok) == 1:
-                state.clear_cache()
-            r_wp.append(await state.restore(remote[1], tokens, Strategy.WHOLE_PLAN, None))
-            if verify and len(r_ok) == 1:
-                r_ok.append(state.verify())
-
-        steps: list[Callable[[], Any]] = [do_raw, do_bsr, do_wp]
+        raw = _RawSamples()
+        local = _Restores()
+        remote = _Restores()
+        steps: list[Callable[[], Any]] = [
+            raw.step(self.mode, files, *readers),
+            *local.steps(state, tokens, engines.bsr, engines.wp, files, verify),
+        ]
         fio_step = self.fio.step(self.mode, files, file_bytes, source=state.named.source)
         if fio_step is not None:
             steps.append(fio_step)
-        if remote is not None:
-            steps += [do_remote_bsr, do_remote_wp]
+        if engines.remote is not None:
+            steps += remote.steps(state, tokens, *engines.remote, None, verify)
         for r in range(o.repeats):
             k = r % len(steps)
             for fn in steps[k:] + steps[:k]:
                 await fn()
             self.ui.advance()
         if verify:
-            self.verified[state.named.name] = all(ok) and len(ok) == 2
-            if not self.verified[state.named.name]:
-                raise BenchError(f"{state.named.name}: restored bytes differ from the saved ones")
-            if remote is not None:
-                key = f"{state.named.name} (remote {o.remote})"
-                self.verified[key] = all(r_ok) and len(r_ok) == 2
-                if not self.verified[key]:
-                    raise BenchError(
-                        f"{state.named.name}: bytes restored from {o.remote} differ from the "
-                        "saved ones"
-                    )
+            self._check_verified(state, local, remote if engines.remote is not None else None)
+        point = self._point_json(state, tokens, files, file_bytes, save_s, raw, local)
+        if engines.remote is not None:
+            b, w = point["bsr"], point["whole_plan"]
+            point["remote"] = self._remote_json(
+                state, file_bytes, b, w, remote.probes, remote.bsr, remote.wp
+            )
+        if fio_step is not None:
+            fio_step.attach(point)
+        return point
 
-        raw = {"sequential": _raw_json(raw_seq, res_seq), "parallel": _raw_json(raw_par, res_par)}
+    def _check_verified(
+        self, state: SavedState, local: _Restores, remote: _Restores | None
+    ) -> None:
+        """Record whether the verified restores gave back the saved bytes; raise if not."""
+        name = state.named.name
+        self.verified[name] = all(local.ok) and len(local.ok) == 2
+        if not self.verified[name]:
+            raise BenchError(f"{name}: restored bytes differ from the saved ones")
+        if remote is not None:
+            key = f"{name} (remote {self.opts.remote})"
+            self.verified[key] = all(remote.ok) and len(remote.ok) == 2
+            if not self.verified[key]:
+                raise BenchError(
+                    f"{name}: bytes restored from {self.opts.remote} differ from the saved ones"
+                )
+
+    def _point_json(
+        self,
+        state: SavedState,
+        tokens: int,
+        files: Sequence[str],
+        file_bytes: int,
+        save_s: float,
+        raw_samples: _RawSamples,
+        local: _Restores,
+    ) -> dict[str, Any]:
+        """A size's point (``results[]`` of the schema) from its file-tier samples."""
+        o = self.opts
+        raw = raw_samples.to_json()
         seq_bw = raw["sequential"]["bandwidth_Bps"]["median"]
         par_bw = raw["parallel"]["bandwidth_Bps"]["median"]
         best_bw = max(seq_bw, par_bw)
-        b = _restore_json(bsr_s, file_bytes, o.window, o.io_depth)
-        w = _restore_json(wp_s, file_bytes, o.window, o.io_depth)
+        b = _restore_json(local.bsr, file_bytes, o.window, o.io_depth)
+        w = _restore_json(local.wp, file_bytes, o.window, o.io_depth)
         lay = state.layout
-        point: dict[str, Any] = {
+        return {
             "layout": state.named.name,
             "tokens": tokens,
             "chunks": tokens // lay.chunk_tokens,
@@ -335,7 +408,7 @@ class BenchRun:
             "slot_bytes": lay.slot_bytes,
             "matched_recompute": state.named.source == "recompute-model",
             "save_s": save_s,
-            "probe_s": _dist(probes),
+            "probe_s": _dist(local.probes),
             "raw": {
                 **raw,
                 "best": "sequential" if seq_bw >= par_bw else "parallel",
@@ -355,15 +428,7 @@ class BenchRun:
                 ),
             },
             "recompute": None,
-            **(
-                {}
-                if remote is None
-                else {"remote": self._remote_json(state, file_bytes, b, w, r_probes, r_bsr, r_wp)}
-            ),
         }
-        if fio_step is not None:
-            fio_step.attach(point)
-        return point
 
     def _remote_json(
         self,

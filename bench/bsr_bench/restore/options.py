@@ -71,6 +71,17 @@ class BenchOptions:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of the default run (the other programs read some of them too)."""
+    _add_series_arguments(p)
+    _add_sweep_arguments(p)
+    _add_storage_arguments(p)
+    _add_recompute_arguments(p)
+    _add_output_arguments(p)
+    _add_run_arguments(p)
+    _add_section_arguments(p)
+
+
+def _add_series_arguments(p: argparse.ArgumentParser) -> None:
+    """The size series: sizes, layouts, W and io_depth."""
     p.add_argument(
         "--sizes",
         type=_ints,
@@ -96,6 +107,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--io-depth", type=int, default=None, help="reads in flight for the size series (default 4)"
     )
+
+
+def _add_sweep_arguments(p: argparse.ArgumentParser) -> None:
+    """The W x io_depth sweep."""
     p.add_argument(
         "--windows", type=_ints, default=None, help="W values of the sweep (default 1,2,4,8)"
     )
@@ -113,6 +128,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "size with at least max(W) chunks)",
     )
     p.add_argument("--no-sweep", action="store_true", help="skip the W x io_depth sweep")
+
+
+def _add_storage_arguments(p: argparse.ArgumentParser) -> None:
+    """Where the state is stored, the page-cache mode and the repeats."""
     p.add_argument(
         "--path",
         default=None,
@@ -127,6 +146,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="page-cache mode of every measurement (see bench/README.md)",
     )
     p.add_argument("--repeats", type=int, default=None, help="repeats per point (default 3)")
+
+
+def _add_recompute_arguments(p: argparse.ArgumentParser) -> None:
+    """The recompute baseline and the device."""
     p.add_argument(
         "--model-size",
         default=None,
@@ -139,6 +162,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="cpu",
         help="device of the destination paged cache and the recompute model",
     )
+
+
+def _add_output_arguments(p: argparse.ArgumentParser) -> None:
+    """Quick runs, the JSON document and the plots."""
     p.add_argument(
         "--quick",
         action="store_true",
@@ -151,6 +178,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--plots", default=None, help="directory for PNG plots (default bench/results)")
     p.add_argument("--no-plots", action="store_true", help="do not write plots")
+
+
+def _add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """The remote tier, the seed and the log level."""
     p.add_argument(
         "--remote",
         choices=REMOTE_CHOICES,
@@ -167,6 +198,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=("debug", "info", "warning", "error"),
         help="level of bsr's structlog events printed during the run",
     )
+
+
+def _add_section_arguments(p: argparse.ArgumentParser) -> None:
+    """The machinery sections that can be skipped."""
     p.add_argument(
         "--no-fio",
         action="store_true",

@@ -32,6 +32,7 @@ from ..common.machine import commit_info, filesystem_info, machine_info
 from ..common.memory import current_rss
 from ..common.pagecache import resolve_mode
 from ..common.stats import BenchError
+from .cpu import load_average
 from .measure import BenchRun
 from .options import BenchOptions, resolve
 from .recompute import Recompute
@@ -68,11 +69,107 @@ def _memory_needed(layouts: Sequence[NamedLayout], opts: BenchOptions) -> int:
     return need
 
 
+def _seed_all(seed: int) -> None:
+    """Seed Python's, numpy's and torch's generators."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _layouts_and_model(
+    opts: BenchOptions, ui: BenchUI, run: BenchRun
+) -> tuple[list[NamedLayout], Recompute | None]:
+    """The requested layouts (names unique) and the recompute model, whose own KV layout is
+    appended to them (the model is None with ``--no-recompute``)."""
+    layouts = [resolve_layout(name) for name in opts.layouts]
+    names = [n.name for n in layouts]
+    if len(set(names)) != len(names):
+        raise BenchError(f"layout names must be unique, got {names}")
+    model: Recompute | None = None
+    if opts.recompute:
+        ui.log(f"building recompute model {opts.model_size!r} (random weights)")
+        with run.phase("build recompute model"):
+            model = Recompute(
+                opts.model_size, seed=opts.seed, max_tokens=max(opts.sizes), device=opts.device
+            )
+        layouts.append(model.layout())
+    return layouts, model
+
+
+def _check_room(layouts: Sequence[NamedLayout], opts: BenchOptions, root: Path) -> None:
+    """Raise unless memory and the disk at ``root`` hold the run's largest state."""
+    need = _memory_needed(layouts, opts)
+    avail = psutil.virtual_memory().available
+    if need > 0.85 * avail:
+        raise BenchError(
+            f"this run needs about {need / 2**30:.1f} GiB of memory (destination cache + "
+            f"whole-plan buffer of the largest state), {avail / 2**30:.1f} GiB is available; "
+            "lower --sizes"
+        )
+    disk_need = max(max(opts.sizes) * n.layout.token_bytes for n in layouts) * 1.05
+    disk_free = shutil.disk_usage(root).free
+    if disk_need > disk_free:
+        raise BenchError(
+            f"{root} has {disk_free / 2**30:.1f} GiB free, the largest state "
+            f"needs {disk_need / 2**30:.1f} GiB; lower --sizes or use --path"
+        )
+
+
+def _units(
+    opts: BenchOptions, run: BenchRun, layouts: Sequence[NamedLayout], recompute: bool
+) -> int:
+    """Steps of the progress bar: saves, measured repeats, the sweep and the prefills."""
+    n_pairs = sum(1 for w in opts.windows for d in opts.io_depths if d <= w)
+    units = sum(1 + len(run.sizes_for(n)) * opts.repeats for n in layouts)
+    units += n_pairs * opts.repeats if opts.sweep else 0
+    units += 1 + len(opts.sizes) * opts.repeats if recompute else 0
+    return units
+
+
+async def _measure_layouts(
+    opts: BenchOptions, run: BenchRun, layouts: Sequence[NamedLayout], model: Recompute | None
+) -> dict[str, Any] | None:
+    """Measure every layout, then the recompute baseline against the model's own layout (the
+    last one); return the document's ``recompute`` (None without the model)."""
+    for i, named in enumerate(layouts):
+        if named.source == "recompute-model":
+            continue
+        await run.bench_layout(named, sweep=opts.sweep and i == 0, recompute=None)
+    if model is None:
+        return None
+    named = layouts[-1]
+    rec_sizes = run.sizes_for(named)
+    with run.phase("recompute prefill"):
+        measured = run.measure_recompute(model, rec_sizes)
+    await run.bench_layout(named, sweep=False, recompute=measured)
+    return {
+        "model": model.describe(),
+        "layout": named.name,
+        "compared": (
+            "recompute TTFT = prefill of N random tokens to the first token's logits; "
+            "restore TTFT = BSR restore of N tokens of this model's own KV layout + one "
+            "decode step of the model on an N-token cache"
+        ),
+        "points": [measured[t] for t in rec_sizes],
+    }
+
+
+def _note_load(machine: dict[str, Any], warnings: list[str]) -> None:
+    """Record the load average at the end; warn if other work shared the machine at start."""
+    machine["load_average_end"] = load_average()
+    if machine["load_average_start"] and max(machine["load_average_start"]) > 0.5 * (
+        machine["cores_logical"] or 1
+    ):
+        warnings.append(
+            f"load average {machine['load_average_start']} at start on "
+            f"{machine['cores_logical']} cores: other work shared the machine"
+        )
+
+
 async def _run_async(opts: BenchOptions, ui: BenchUI) -> dict[str, Any]:
+    """Check, measure every layout and the sections; return the document (no plots yet)."""
     t_start = time.time()
-    random.seed(opts.seed)
-    np.random.seed(opts.seed)
-    torch.manual_seed(opts.seed)
+    _seed_all(opts.seed)
     run = BenchRun(opts, ui)
     machine = machine_info()
     commit = commit_info()
@@ -80,68 +177,19 @@ async def _run_async(opts: BenchOptions, ui: BenchUI) -> dict[str, Any]:
     try:
         fs = filesystem_info(run.root)
         run.mode, cache_note = resolve_mode(opts.cache, str(run.root), fs["filesystem"])
-        layouts = [resolve_layout(name) for name in opts.layouts]
-        names = [n.name for n in layouts]
-        if len(set(names)) != len(names):
-            raise BenchError(f"layout names must be unique, got {names}")
-        model: Recompute | None = None
-        if opts.recompute:
-            ui.log(f"building recompute model {opts.model_size!r} (random weights)")
-            with run.phase("build recompute model"):
-                model = Recompute(
-                    opts.model_size, seed=opts.seed, max_tokens=max(opts.sizes), device=opts.device
-                )
-            layouts.append(model.layout())
+        layouts, model = _layouts_and_model(opts, ui, run)
         # the model, torch and transformers are long-lived: keep them out of every later gc pass
         # (a full collection over them costs ~0.3 s, and the bench collects before each restore)
         gc.collect()
         gc.freeze()
-        need = _memory_needed(layouts, opts)
-        avail = psutil.virtual_memory().available
-        if need > 0.85 * avail:
-            raise BenchError(
-                f"this run needs about {need / 2**30:.1f} GiB of memory (destination cache + "
-                f"whole-plan buffer of the largest state), {avail / 2**30:.1f} GiB is available; "
-                "lower --sizes"
-            )
-        disk_need = max(max(opts.sizes) * n.layout.token_bytes for n in layouts) * 1.05
-        disk_free = shutil.disk_usage(run.root).free
-        if disk_need > disk_free:
-            raise BenchError(
-                f"{run.root} has {disk_free / 2**30:.1f} GiB free, the largest state "
-                f"needs {disk_need / 2**30:.1f} GiB; lower --sizes or use --path"
-            )
+        _check_room(layouts, opts, run.root)
         ui.log(
             f"storage {run.root} ({fs['filesystem']}), cache mode {run.mode.value}: {cache_note}"
         )
-        n_pairs = sum(1 for w in opts.windows for d in opts.io_depths if d <= w)
-        units = sum(1 + len(run.sizes_for(n)) * opts.repeats for n in layouts)
-        units += n_pairs * opts.repeats if opts.sweep else 0
-        units += 1 + len(opts.sizes) * opts.repeats if model is not None else 0
-        ui.start(units)
+        ui.start(_units(opts, run, layouts, model is not None))
         rss0 = current_rss()
-        for i, named in enumerate(layouts):
-            if named.source == "recompute-model":
-                continue
-            await run.bench_layout(named, sweep=opts.sweep and i == 0, recompute=None)
-        recompute_doc: dict[str, Any] | None = None
-        if model is not None:
-            named = layouts[-1]
-            rec_sizes = run.sizes_for(named)
-            with run.phase("recompute prefill"):
-                measured = run.measure_recompute(model, rec_sizes)
-            await run.bench_layout(named, sweep=False, recompute=measured)
-            recompute_doc = {
-                "model": model.describe(),
-                "layout": named.name,
-                "compared": (
-                    "recompute TTFT = prefill of N random tokens to the first token's logits; "
-                    "restore TTFT = BSR restore of N tokens of this model's own KV layout + one "
-                    "decode step of the model on an N-token cache"
-                ),
-                "points": [measured[t] for t in rec_sizes],
-            }
-            del model
+        recompute_doc = await _measure_layouts(opts, run, layouts, model)
+        del model
         with run.phase("machinery sections"):
             sections = await run_sections(
                 opts, ui, root=run.root, mode=run.mode, fio_binary=run.fio.binary
@@ -150,18 +198,7 @@ async def _run_async(opts: BenchOptions, ui: BenchUI) -> dict[str, Any]:
         gc.unfreeze()
         if not opts.keep:
             shutil.rmtree(run.root, ignore_errors=True)
-    try:
-        load_end: list[float] | None = [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        load_end = None
-    machine["load_average_end"] = load_end
-    if machine["load_average_start"] and max(machine["load_average_start"]) > 0.5 * (
-        machine["cores_logical"] or 1
-    ):
-        run.warnings.append(
-            f"load average {machine['load_average_start']} at start on "
-            f"{machine['cores_logical']} cores: other work shared the machine"
-        )
+    _note_load(machine, run.warnings)
     storage = {
         **fs,
         "temporary": opts.path is None,
@@ -181,7 +218,24 @@ async def _run_async(opts: BenchOptions, ui: BenchUI) -> dict[str, Any]:
         "device": opts.device,
         "rss_baseline_bytes": rss0,
     }
-    doc: dict[str, Any] = {
+    doc = _document(opts, run, layouts, t_start, machine, commit, storage, config, recompute_doc)
+    finish_sections(doc, sections, run.fio, opts.io_depth)
+    return doc
+
+
+def _document(
+    opts: BenchOptions,
+    run: BenchRun,
+    layouts: Sequence[NamedLayout],
+    t_start: float,
+    machine: dict[str, Any],
+    commit: dict[str, Any],
+    storage: dict[str, Any],
+    config: dict[str, Any],
+    recompute_doc: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """The run's JSON document before the sections are added."""
+    return {
         "schema_version": SCHEMA_VERSION,
         "tool": "bsr bench",
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_start)),
@@ -208,8 +262,6 @@ async def _run_async(opts: BenchOptions, ui: BenchUI) -> dict[str, Any]:
         "phases_s": run.phases,
         "plots": [],
     }
-    finish_sections(doc, sections, run.fio, opts.io_depth)
-    return doc
 
 
 def run(opts: BenchOptions, console: Any = None) -> dict[str, Any]:

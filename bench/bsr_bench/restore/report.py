@@ -193,16 +193,41 @@ def plots(doc: dict[str, Any], directory: Path) -> list[str]:
 
     directory.mkdir(parents=True, exist_ok=True)
     groups = _by_layout(doc["results"])
-    n = max(1, len(groups))
-    written: list[str] = []
-    mib = float(1 << 20)
     per_token = {lay["name"]: lay["token_bytes"] for lay in doc["layouts"]}
+    written = [
+        _plot_rws(plt, doc, groups, per_token, directory / "rws_vs_state.png"),
+        _plot_ttft(plt, groups, per_token, directory / "ttft_vs_state.png"),
+    ]
+    sweep = doc.get("sweep") or []
+    if sweep:
+        written.append(_plot_bandwidth(plt, sweep, directory / "bandwidth_vs_window.png"))
+    return written
 
-    def title(ax: Any, name: str) -> None:
-        ax.set_title(f"{name} ({fmt_bytes(per_token.get(name, 0))}/token)", fontsize=10)
-        ax.set_xlabel("restored tokens")
 
-    # RWS vs state size
+def _title(ax: Any, name: str, per_token: dict[str, int]) -> None:
+    """Title a per-layout panel with the layout's bytes per token; label its x axis."""
+    ax.set_title(f"{name} ({fmt_bytes(per_token.get(name, 0))}/token)", fontsize=10)
+    ax.set_xlabel("restored tokens")
+
+
+def _save(plt: Any, fig: Any, path: Path) -> str:
+    """Write ``fig`` to ``path`` and close it; return the path."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
+def _plot_rws(
+    plt: Any,
+    doc: dict[str, Any],
+    groups: dict[str, list[dict[str, Any]]],
+    per_token: dict[str, int],
+    path: Path,
+) -> str:
+    """RWS (and RSS growth) against the state size, one panel per layout; return the path."""
+    mib = float(1 << 20)
+    n = max(1, len(groups))
     fig, axes = plt.subplots(1, n, figsize=(4.6 * n, 3.8), squeeze=False)
     for ax, (name, pts) in zip(axes[0], groups.items()):
         x = [p["tokens"] for p in pts]
@@ -224,18 +249,22 @@ def plots(doc: dict[str, Any], directory: Path) -> list[str]:
             alpha=0.6,
             label="whole-plan RSS growth",
         )
-        title(ax, name)
+        _title(ax, name, per_token)
         ax.set_ylabel("MiB")
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
     fig.suptitle(f"Restoration working set (W={doc['config']['window']})")
-    fig.tight_layout()
-    path = directory / "rws_vs_state.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    written.append(str(path))
+    return _save(plt, fig, path)
 
-    # TTFT vs state size
+
+def _plot_ttft(
+    plt: Any,
+    groups: dict[str, list[dict[str, Any]]],
+    per_token: dict[str, int],
+    path: Path,
+) -> str:
+    """TTFT against the state size (remote and recompute beside), per layout; return the path."""
+    n = max(1, len(groups))
     fig, axes = plt.subplots(1, n, figsize=(4.6 * n, 3.8), squeeze=False)
     for ax, (name, pts) in zip(axes[0], groups.items()):
         x = [p["tokens"] for p in pts]
@@ -262,45 +291,38 @@ def plots(doc: dict[str, Any], directory: Path) -> list[str]:
                 label="recompute (prefill)",
             )
             ax.set_yscale("log")
-        title(ax, name)
+        _title(ax, name, per_token)
         ax.set_ylabel("TTFT (s)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle("Time to restored state (median, min-max bars)")
-    fig.tight_layout()
-    path = directory / "ttft_vs_state.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    written.append(str(path))
+    return _save(plt, fig, path)
 
-    # bandwidth vs W
-    sweep = doc.get("sweep") or []
-    if sweep:
-        fig, ax = plt.subplots(figsize=(5.5, 3.8))
-        for depth in sorted({s["io_depth"] for s in sweep}):
-            pts = sorted((s for s in sweep if s["io_depth"] == depth), key=lambda s: s["window"])
-            y, e = _err([s["bandwidth_Bps"] for s in pts], 1e-9)
-            ax.errorbar(
-                [s["window"] for s in pts],
-                y,
-                yerr=e,
-                fmt="o-",
-                capsize=3,
-                label=f"BSR io_depth={depth}",
-            )
-        raw = sweep[0]["raw_bandwidth_Bps"] / 1e9
-        ax.axhline(raw, color="k", ls="--", lw=1, label="raw read (same files)")
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(sorted({s["window"] for s in sweep}))
-        ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
-        ax.set_xlabel("window W (slots)")
-        ax.set_ylabel("GB/s")
-        ax.set_title(f"Restore bandwidth vs W ({sweep[0]['layout']}, {sweep[0]['tokens']} tokens)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = directory / "bandwidth_vs_window.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(str(path))
-    return written
+
+def _plot_bandwidth(plt: Any, sweep: Sequence[dict[str, Any]], path: Path) -> str:
+    """Bandwidth against W, one line per io_depth, raw reads beside; return the path."""
+    import matplotlib
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    for depth in sorted({s["io_depth"] for s in sweep}):
+        pts = sorted((s for s in sweep if s["io_depth"] == depth), key=lambda s: s["window"])
+        y, e = _err([s["bandwidth_Bps"] for s in pts], 1e-9)
+        ax.errorbar(
+            [s["window"] for s in pts],
+            y,
+            yerr=e,
+            fmt="o-",
+            capsize=3,
+            label=f"BSR io_depth={depth}",
+        )
+    raw = sweep[0]["raw_bandwidth_Bps"] / 1e9
+    ax.axhline(raw, color="k", ls="--", lw=1, label="raw read (same files)")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted({s["window"] for s in sweep}))
+    ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.set_xlabel("window W (slots)")
+    ax.set_ylabel("GB/s")
+    ax.set_title(f"Restore bandwidth vs W ({sweep[0]['layout']}, {sweep[0]['tokens']} tokens)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    return _save(plt, fig, path)

@@ -226,6 +226,15 @@ def _target(
 
 def issue_targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
     """The Performance issue's targets that this run measured (see bench/README.md)."""
+    out = _overhead_targets(doc) + _fio_targets(doc) + _recompute_targets(doc)
+    out += _keys_targets(doc)
+    if doc.get("cpu"):
+        out.extend(cpu_targets(doc["cpu"]))
+    return out + _concurrency_targets(doc) + _window_targets(doc)
+
+
+def _overhead_targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """The ``overhead`` section's targets: time per small chunk, bandwidth at large chunks."""
     out: list[dict[str, Any]] = []
     ov = doc.get("overhead")
     if ov:
@@ -251,6 +260,12 @@ def issue_targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
                     le=False,
                 )
             )
+    return out
+
+
+def _fio_targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """BSR bandwidth over fio's best, one target per chunk-size band of ``FIO_TARGETS``."""
+    out: list[dict[str, Any]] = []
     points = [p for p in doc["results"] if not p["matched_recompute"]] or doc["results"]
     for label, lo, hi, threshold in FIO_TARGETS:
         fio = [
@@ -270,18 +285,29 @@ def issue_targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
                     le=False,
                 )
             )
+    return out
+
+
+def _recompute_targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """BSR over raw bandwidth at the recompute model's (small) chunks, if it was measured."""
     rec = [p for p in doc["results"] if p["matched_recompute"]]
-    if rec:
-        out.append(
-            _target(
-                "bsr_bandwidth_vs_raw_small_chunks",
-                f"BSR / best raw bandwidth for the recompute model's layout "
-                f"({fmt_bytes(rec[0]['slot_bytes'])} chunks; lowest over its points)",
-                min(p["ratios"]["bsr_vs_raw_bandwidth"] for p in rec),
-                0.9,
-                le=False,
-            )
+    if not rec:
+        return []
+    return [
+        _target(
+            "bsr_bandwidth_vs_raw_small_chunks",
+            f"BSR / best raw bandwidth for the recompute model's layout "
+            f"({fmt_bytes(rec[0]['slot_bytes'])} chunks; lowest over its points)",
+            min(p["ratios"]["bsr_vs_raw_bandwidth"] for p in rec),
+            0.9,
+            le=False,
         )
+    ]
+
+
+def _keys_targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """The ``keys`` section's targets, scaled from 512K tokens to the section's token count."""
+    out: list[dict[str, Any]] = []
     keys = doc.get("keys")
     if keys:
         scale = keys["tokens"] / (512 * 1024)
@@ -307,43 +333,48 @@ def issue_targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
                     le=True,
                 )
             )
-    if doc.get("cpu"):
-        out.extend(cpu_targets(doc["cpu"]))
-    conc = doc.get("concurrency")
-    if conc:
-        top = max(conc["levels"], key=lambda r: r["concurrent"])
-        out.append(
-            _target(
-                "concurrent_aggregate_vs_single",
-                f"aggregate / single-request bandwidth with {top['concurrent']} concurrent "
-                "restores on one engine (HostTier)",
-                top["aggregate_vs_single"],
-                0.9,
-                le=False,
-            )
-        )
-        out.append(
-            _target(
-                "concurrent_staging_within_window",
-                "peak staging slots in use over the concurrency section / W (must be <= 1)",
-                conc["peak_slots_in_use"] / conc["window"],
-                1.0,
-                le=True,
-            )
-        )
-    win = doc.get("window")
-    if win:
-        out.append(
-            _target(
-                "smallest_window_at_95pct",
-                f"smallest W reaching 95% of the best sweep bandwidth at io_depth <= "
-                f"{win['io_depth']}",
-                win["smallest_window"],
-                4,
-                le=True,
-            )
-        )
     return out
+
+
+def _concurrency_targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """The ``concurrency`` section's targets: aggregate bandwidth, staging within W."""
+    conc = doc.get("concurrency")
+    if not conc:
+        return []
+    top = max(conc["levels"], key=lambda r: r["concurrent"])
+    return [
+        _target(
+            "concurrent_aggregate_vs_single",
+            f"aggregate / single-request bandwidth with {top['concurrent']} concurrent "
+            "restores on one engine (HostTier)",
+            top["aggregate_vs_single"],
+            0.9,
+            le=False,
+        ),
+        _target(
+            "concurrent_staging_within_window",
+            "peak staging slots in use over the concurrency section / W (must be <= 1)",
+            conc["peak_slots_in_use"] / conc["window"],
+            1.0,
+            le=True,
+        ),
+    ]
+
+
+def _window_targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """The smallest W at 95% of the best sweep bandwidth, if the sweep ran."""
+    win = doc.get("window")
+    if not win:
+        return []
+    return [
+        _target(
+            "smallest_window_at_95pct",
+            f"smallest W reaching 95% of the best sweep bandwidth at io_depth <= {win['io_depth']}",
+            win["smallest_window"],
+            4,
+            le=True,
+        )
+    ]
 
 
 def finish(doc: dict[str, Any], sections: dict[str, Any], fio: FioSetup, io_depth: int) -> None:
