@@ -70,6 +70,10 @@ def _flush(out_path: Path, doc: dict[str, Any]) -> None:
 
 def _import_lmcache(doc: dict[str, Any], out_path: Path) -> _Lmcache | None:
     """LMCache and torch, their versions recorded in ``doc``; None (recorded) if they fail."""
+    # run as a script, Python puts this file's folder first on the path, and that folder holds
+    # the bench's own lmcache.py: ``import lmcache`` would find it instead of LMCache
+    here = Path(__file__).resolve().parent
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
     try:
         import torch
         from lmcache.v1.cache_engine import LMCacheEngineBuilder  # type: ignore[import-not-found]
