@@ -19,6 +19,11 @@ How it works::
     whole-plan baseline: every chunk is read into its own region of one private buffer first,
     then everything is installed (RWS = |S|).
 
+Each of those install modes is one :class:`Installer` (:class:`StreamedHostInstall`,
+:class:`StreamedCudaInstall`, :class:`WholePlanInstall`), chosen once per run: what follows a
+chunk's read (``after_read``, in the worker), what follows a batch (``after_batch``: release the
+slot, keep it staged, or enqueue the device copy) and what ends the run (``finish``).
+
 The pipeline opens exactly one task group per run. It decides nothing: every read attempt is
 reported to the engine's :class:`~bsr.transfer._ladder.ReadGate` (which owns quarantine and tier
 health), and what was installed is recorded in the :class:`RestoreRun`, which the engine's commit
