@@ -1,4 +1,5 @@
-"""Prober.agree: every rank ends on the same prefix, the longest that every rank can use.
+"""agree_prefix (the coordinator's agreement): every rank ends on the same prefix, the longest
+that every rank can use.
 
 Independent model: the answer is ``max{n <= min(local) : n == 0 or every rank can use n}``, or
 LATE on every rank when any rank proposes LATE. The ranks run in one event loop over an
@@ -9,15 +10,11 @@ from __future__ import annotations
 
 import anyio
 import pytest
-import structlog
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import bsr
-from bsr.engine._decisions import Quarantine
-from bsr.engine._health import TierHealth
-from bsr.engine._probe import LATE, Prober
-from support.helpers import two_group_layout
+from bsr.engine._coordinator import LATE, agree_prefix
 
 MAX = 8
 
@@ -44,16 +41,13 @@ async def test_every_rank_agrees_on_the_longest_prefix_all_can_use(
 
     async def rank(r: int) -> None:
         local, usable = ranks[r]
-        prober = Prober(
-            two_group_layout(), [], b"ns", TierHealth([]), Quarantine(),
-            group.coordinator(r), structlog.get_logger(),
-        )  # fmt: skip
+        coordinator = group.coordinator(r)
 
         def can_use(n: int) -> bool:
             asked[r].append(n)
             return n in usable
 
-        got[r] = await prober.agree(local, can_use)
+        got[r] = await agree_prefix(coordinator, local, can_use)
 
     async with anyio.create_task_group() as tg:
         for r in range(len(ranks)):

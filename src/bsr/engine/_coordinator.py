@@ -10,10 +10,18 @@ rank waits for a vote that never comes. A collective that fails or times out rai
 - :class:`InProcessGroup`: several ranks in one process (tests, single-process multi-GPU servers).
 - :class:`TorchDistributedCoordinator`: ``torch.distributed`` (gloo on CPU, nccl on GPU); its
   blocking collectives run in a worker thread, serialized, off the event loop.
+
+The agreements built on those two collectives live here too, over any :class:`Coordinator`
+(the prober probes, the coordinator agrees): :func:`agree_prefix` (the longest prefix every
+rank can use: the MIN of the ranks' proposals, re-proposed shorter until every rank can use it;
+candidates strictly decrease, so it ends) and :func:`agree_on_time` (whether every rank's
+probing ended in time). A rank whose probe ran past its deadline proposes :data:`LATE` (below
+every prefix), so the MIN tells every rank, in the same round, that some rank is out of time.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Protocol, runtime_checkable
 
@@ -21,6 +29,11 @@ import anyio
 import torch
 
 from .._errors import CoordinatorError
+from ..core._plan import longest_prefix_upto
+
+#: what a rank whose probe ran past its deadline proposes: below every prefix, so the MIN says
+#: to every rank that some rank is out of time
+LATE = -1
 
 
 @runtime_checkable
@@ -185,3 +198,26 @@ class TorchDistributedCoordinator:
 
     async def agree_all(self, value: bool) -> bool:
         return bool(await self._run(1 if value else 0, self._dist.ReduceOp.MIN))
+
+
+async def agree_prefix(coordinator: Coordinator, local: int, usable: Callable[[int], bool]) -> int:
+    """Agree with every rank on the longest prefix all of them can use (runs collectives).
+
+    ``local``: this rank's proposal (its longest usable prefix, or :data:`LATE`); ``usable(n)``:
+    whether this rank can use prefix ``n`` (asked only for ``0 < n <= `` every proposal).
+    :data:`LATE` from any rank comes back as :data:`LATE` on every rank (after one round).
+    """
+    candidate = local
+    while True:
+        agreed = await coordinator.agree_min(candidate)
+        if agreed < 0:  # every rank got the same MIN, so every rank stops here
+            return LATE
+        ok = agreed == 0 or bool(usable(agreed))
+        if await coordinator.agree_all(ok):
+            return agreed
+        candidate = longest_prefix_upto(usable, agreed - 1)
+
+
+async def agree_on_time(coordinator: Coordinator, timed_out: bool) -> bool:
+    """Whether every rank's probing ended in time (one collective; a reused probe's)."""
+    return await coordinator.agree_all(not timed_out)

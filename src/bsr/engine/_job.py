@@ -59,7 +59,7 @@ from ..transfer._pipeline import (
     WindowPipeline,
 )
 from ..transfer._staging import StagingPool
-from ._coordinator import Coordinator
+from ._coordinator import Coordinator, agree_on_time, agree_prefix
 from ._cost import CostModel
 from ._decisions import Quarantine, RestoreGate, TierQuarantine
 from ._health import TierHealth
@@ -77,7 +77,7 @@ class RestoreParts:
 
     Attributes:
         layout: the state layout.
-        prober: probing and agreement on the prefix.
+        prober: probing (its prefix agreed across ranks by the coordinator).
         coordinator: cross-rank agreement.
         health: the tiers' circuit breakers.
         quarantine: objects the engine no longer uses.
@@ -269,7 +269,7 @@ class RestoreJob:
                 "(or no probe)"
             )
         timed_out = scope.cancelled_caught
-        in_time = await prober.agree_on_time(timed_out)
+        in_time = await agree_on_time(self.parts.coordinator, timed_out)
         if not in_time:
             return ProbeOutcome(replace(probe, prefix_chunks=0), timed_out, not timed_out)
         return ProbeOutcome(probe)
@@ -372,8 +372,10 @@ class RestoreJob:
         vote = self._vote(run, streamed)
         serves = life.facts.serves
         try:
-            agreed = await self.parts.prober.agree(
-                vote.chunks, lambda p: installed_usable(layout, p, run.installed, serves)
+            agreed = await agree_prefix(
+                self.parts.coordinator,
+                vote.chunks,
+                lambda p: installed_usable(layout, p, run.installed, serves),
             )
             life.facts.agreed_chunks = agreed
             trigger = choose_trigger(

@@ -1,4 +1,4 @@
-"""Probing and agreement: the longest reusable prefix across tiers, groups and ranks.
+"""Probing: the longest reusable prefix across tiers and groups, then agreed across ranks.
 
 Where it runs: the engine's event loop; tier calls are metadata only (``contains_many``).
 
@@ -6,14 +6,15 @@ How it works: the tokens are converted and keyed once (in a worker thread when t
 so the event loop is never held for long). Every tier whose breaker admits it is asked which
 (chunk, group) objects it holds; quarantined objects count as absent. The plan that comes out is
 ``holders[chunk][group] -> tier names, fastest first``, the one shape that both the public
-:class:`~bsr.Probe` and the transfer pipeline read. The ranks then agree on a prefix: the MIN of
-their longest local prefixes, re-proposed shorter until every rank can use it (sliding-window
-groups may need other chunks for a shorter prefix). Candidates strictly decrease, so it ends.
+:class:`~bsr.Probe` and the transfer pipeline read. This rank's longest usable prefix is then
+handed to the coordinator's agreement (:func:`~bsr.engine._coordinator.agree_prefix`: the MIN
+of every rank's, re-proposed shorter until every rank can use it; sliding-window groups may need
+other chunks for a shorter prefix). The prober probes; the coordinator agrees.
 
-A rank whose probe ran past its deadline proposes :data:`LATE` (below every prefix), so the MIN
-tells every rank, in the same round, that some rank is out of time: all of them end the request
-Invalidated, none commits the empty prefix while another gives up (the deadline is agreed like
-every other failure).
+A rank whose probe ran past its deadline proposes :data:`~bsr.engine._coordinator.LATE` (below
+every prefix), so the MIN tells every rank, in the same round, that some rank is out of time:
+all of them end the request Invalidated, none commits the empty prefix while another gives up
+(the deadline is agreed like every other failure).
 """
 
 from __future__ import annotations
@@ -40,18 +41,14 @@ from ..core._keys import (
     token_count,
 )
 from ..core._layout import StateLayout
-from ..core._plan import longest_prefix, longest_prefix_upto, prefix_usable
+from ..core._plan import longest_prefix, prefix_usable
 from ..core._results import Probe
 from ..tiers._base import Tier
-from ._coordinator import Coordinator
+from ._coordinator import LATE, Coordinator, agree_prefix
 from ._decisions import Quarantine
 from ._health import TierHealth
 
 Holders = list[dict[str, tuple[str, ...]]]
-
-#: what a rank whose probe ran past its deadline proposes: below every prefix, so the MIN says
-#: to every rank that some rank is out of time
-LATE = -1
 
 
 @dataclass(frozen=True)
@@ -103,7 +100,7 @@ def _holders(groups: Sequence[str], n: int, answers: Sequence[tuple[str, list[bo
 
 
 class Prober:
-    """Finds and agrees on the reusable prefix for one engine.
+    """Finds the reusable prefix for one engine (and has the coordinator agree on it).
 
     Args:
         layout: the state layout.
@@ -111,7 +108,7 @@ class Prober:
         namespace_fp: the engine's namespace fingerprint.
         health: circuit breakers (a tier whose breaker is open holds nothing for a probe).
         quarantine: objects this engine no longer uses.
-        coordinator: cross-rank agreement.
+        coordinator: cross-rank agreement (:func:`~bsr.engine._coordinator.agree_prefix`).
         log: the engine's logger.
         origin: the engine's identity, recorded in every probe it makes.
     """
@@ -191,21 +188,6 @@ class Prober:
             answers.append((name, present))
         return _holders(groups, len(keys), answers)
 
-    async def agree(self, local: int, usable: Callable[[int], bool]) -> int:
-        """Agree with every rank on the longest prefix all of them can use (runs collectives).
-
-        :data:`LATE` from any rank comes back as :data:`LATE` on every rank (after one round).
-        """
-        candidate = local
-        while True:
-            agreed = await self.coordinator.agree_min(candidate)
-            if agreed < 0:  # every rank got the same MIN, so every rank stops here
-                return LATE
-            ok = agreed == 0 or bool(usable(agreed))
-            if await self.coordinator.agree_all(ok):
-                return agreed
-            candidate = longest_prefix_upto(usable, agreed - 1)
-
     async def probe(
         self,
         tokens: TokensLike,
@@ -246,8 +228,8 @@ class Prober:
         if agree:
             # longest_prefix returned ``local`` because every object it needs is held: only a
             # shorter agreed prefix needs checking (the MIN of one rank is its own local)
-            agreed = await self.agree(
-                local, lambda p: p == local or prefix_usable(self.layout, p, have)
+            agreed = await agree_prefix(
+                self.coordinator, local, lambda p: p == local or prefix_usable(self.layout, p, have)
             )
         probe = self._record(tokens, keyed, holders, max(local, 0), max(agreed, 0), t0)
         return ProbeOutcome(probe, timed_out, other_late=agreed == LATE and not timed_out)
@@ -260,10 +242,6 @@ class Prober:
         if any(g.window_tokens is not None for g in self.layout.groups):
             return longest_prefix(self.layout, len(holders), have)
         return next((c for c, h in enumerate(holders) if not all(h.values())), len(holders))
-
-    async def agree_on_time(self, timed_out: bool) -> bool:
-        """Whether every rank's probing ended in time (one collective; a reused probe's)."""
-        return await self.coordinator.agree_all(not timed_out)
 
     def _record(
         self,

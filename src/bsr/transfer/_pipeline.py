@@ -19,6 +19,11 @@ How it works::
     whole-plan baseline: every chunk is read into its own region of one private buffer first,
     then everything is installed (RWS = |S|).
 
+Each of those install modes is one :class:`Installer` (:class:`StreamedHostInstall`,
+:class:`StreamedCudaInstall`, :class:`WholePlanInstall`), chosen once per run: what follows a
+chunk's read (``after_read``, in the worker), what follows a batch (``after_batch``: release the
+slot, keep it staged, or enqueue the device copy) and what ends the run (``finish``).
+
 The pipeline opens exactly one task group per run. It decides nothing: every read attempt is
 reported to the engine's :class:`~bsr.transfer._ladder.ReadGate` (which owns quarantine and tier
 health), and what was installed is recorded in the :class:`RestoreRun`, which the engine's commit
@@ -265,7 +270,7 @@ class _Job:
         cache: PagedKVCache,
         tables: BlockTables,
         gate: ReadGate,
-        whole_plan: bool,
+        installer: Installer,
     ) -> None:
         self.run = run
         self.slots = slots
@@ -273,12 +278,9 @@ class _Job:
         self.cache = cache
         self.tables = tables
         self.gate = gate
-        self.whole_plan = whole_plan
-        self.cuda = cache.device.type == "cuda"
-        first = run.first_block
-        self.host = HostInstaller(cache.layout, cache, tables, first) if not self.cuda else None
-        self.device: CudaInstaller | None = None
-        self.staged: dict[int, Slot] = {}  # whole-plan: chunks read, waiting for the install
+        self.installer = installer
+        #: the host destination's slot views (None for a device destination)
+        self.host = installer.host
         self.on_installed: OnInstalled | None = None
         self.read_ok: set[int] = set()  # chunks read and verified, waiting for their install
         self.announced: set[int] = set()
@@ -372,15 +374,10 @@ class WindowPipeline:
         event loop once each chunk is in the cache, in no particular order; if it raises, the
         chunk counts as failed to install, so the request cannot commit it.
         """
-        job = _Job(run, slots, probe, cache, tables, gate, strategy is Strategy.WHOLE_PLAN)
+        installer = self._installer(run, cache, tables, strategy)
+        job = _Job(run, slots, probe, cache, tables, gate, installer)
         job.on_installed = on_installed
         job.turns = anyio.CapacityLimiter(self.io_depth)
-        if job.cuda:
-            if self.cuda_stream is None:
-                self.cuda_stream = torch.cuda.Stream(device=cache.device)  # type: ignore[no-untyped-call]
-            job.device = CudaInstaller(
-                self.layout, cache, tables, self.cuda_stream, run.first_block
-            )
         chunks = run.plan.to_read
         size = self._batch_size(job, len(chunks))
         batches = _Batches(chunks, size)
@@ -389,12 +386,27 @@ class WindowPipeline:
             # window, and a short restore does not start workers that would find nothing
             for _ in range(min(self.window, max(1, -(-len(chunks) // size)))):
                 tg.start_soon(self._worker, job, batches, tg)
-        if job.whole_plan and job.staged:
-            await self._install_staged(job)
-            await self._announce(job, sorted(job.staged))
+        await installer.finish(job)
+
+    def _installer(
+        self, run: RestoreRun, cache: PagedKVCache, tables: BlockTables, strategy: Strategy
+    ) -> Installer:
+        """The install mode of a run: the one place that chooses it (by destination and
+        strategy); the loop below only calls the installer it gets."""
+        if cache.device.type != "cuda":
+            host = HostInstaller(cache.layout, cache, tables, run.first_block)
+            if strategy is Strategy.WHOLE_PLAN:
+                return WholePlanInstall(self, host=host)
+            return StreamedHostInstall(self, host)
+        if self.cuda_stream is None:
+            self.cuda_stream = torch.cuda.Stream(device=cache.device)  # type: ignore[no-untyped-call]
+        device = CudaInstaller(self.layout, cache, tables, self.cuda_stream, run.first_block)
+        if strategy is Strategy.WHOLE_PLAN:
+            return WholePlanInstall(self, device=device)
+        return StreamedCudaInstall(self, device)
 
     def _batch_size(self, job: _Job, n: int) -> int:
-        if job.cuda or job.whole_plan:
+        if job.installer.one_per_slot:
             return 1  # one slot per chunk: each stays busy until its copy is done
         chunk_bytes = max(1, self.layout.chunk_bytes)
         if self._all_inline(job):
@@ -429,8 +441,8 @@ class WindowPipeline:
             mode = self._mode(job, batch)
             # a lone large chunk: read it under a transfer turn, copy it into the cache after
             # giving the turn back, so io_depth reads stay in flight while copies run
-            split = mode == "thread" and len(batch) == 1 and job.host is not None
-            split = split and not job.whole_plan and not self._lent(job, batch[0])
+            split = mode == "thread" and len(batch) == 1 and job.installer.lends
+            split = split and not self._lent(job, batch[0])
             async with job.turns:
                 if mode == "inline":
                     self._batch_blocking(job, batch, slot)
@@ -442,15 +454,9 @@ class WindowPipeline:
                     await self._batch_async(job, batch, slot)
             if split and run.wanted(batch[0]) and batch[0] in job.read_ok:
                 await self._thread(job, slot, self._install_host, job, batch[0], slot)
-            if job.whole_plan:
-                if batch[0] in job.staged:
-                    continue  # the slot's region stays staged until the install
-            elif job.cuda and run.wanted(batch[0]):
-                event = await self._thread(job, slot, self._enqueue_cuda, job, batch[0], slot)
-                tg.start_soon(self._await_device, job, batch[0], slot, event)
-                continue
-            self._installed(job, slot)
-            await self._announce(job, batch)
+            pending = job.installer.after_batch(job, batch, slot, tg)
+            if pending is not None:
+                await pending
 
     def _mode(self, job: _Job, batch: Sequence[int]) -> str:
         """How to move ``batch``: ``inline`` (small, memory-speed tiers, host destination, on
@@ -535,7 +541,7 @@ class WindowPipeline:
         groups go through the slot.
         """
         run = job.run
-        lend = install and job.host is not None and not job.whole_plan
+        lend = install and job.installer.lends
         if lend and self._batch_lent(job, batch, slot):
             return
         # a batch whose first holder is one blocking tier, admitted at once: each object is
@@ -562,6 +568,7 @@ class WindowPipeline:
         admitted: str | None,
     ) -> None:
         run = job.run
+        after_read = job.installer.after_read
         for c in batch:
             if not run.wanted(c):
                 return
@@ -571,11 +578,8 @@ class WindowPipeline:
                     return
                 if not install:
                     job.read_ok.add(c)
-                elif not job.whole_plan and not job.cuda:
-                    if not self._install_host(job, c, slot, lent):
-                        return
-                elif job.whole_plan:
-                    job.staged[c] = slot
+                elif not after_read(job, c, slot, lent):
+                    return
             finally:
                 for b in lent.values():
                     b.release()
@@ -743,11 +747,11 @@ class WindowPipeline:
                     self._read_failed(job, c, g, result)
                     return
                 run.record_read(result)
-            if job.whole_plan:
-                job.staged[c] = slot
-            elif not job.cuda and not await self._thread(
-                job, slot, self._install_host, job, c, slot
-            ):
+            installer = job.installer
+            if installer.copies:  # a copy into the cache: off the event loop
+                if not await self._thread(job, slot, installer.after_read, job, c, slot, None):
+                    return
+            elif not installer.after_read(job, c, slot, None):
                 return
 
     # ------------------------------------------------------------------ installing
@@ -772,48 +776,6 @@ class WindowPipeline:
         run.record_installed(c, groups)
         return True
 
-    async def _install_staged(self, job: _Job) -> None:
-        """Whole-plan: install every staged chunk, in order, in one worker-thread call."""
-
-        def install_all() -> None:
-            for c in sorted(job.staged):
-                if not job.run.wanted(c) or not self._install_host(job, c, job.staged[c]):
-                    return
-
-        if job.cuda:
-            for c in sorted(job.staged):
-                if job.run.wanted(c):
-                    event = await anyio.to_thread.run_sync(
-                        self._enqueue_cuda, job, c, job.staged[c]
-                    )
-                    if event is None:
-                        return  # the copy failed (recorded) or the request is over
-                    while not event.query():  # noqa: ASYNC110 - polling a CUDA event
-                        await anyio.sleep(0.0005)
-                    job.run.record_installed(c, job.run.needed[c])
-            return
-        # abandonable: a late copy is refused by the run's install gate
-        await anyio.to_thread.run_sync(install_all, abandon_on_cancel=True, limiter=self._limiter)
-
-    def _enqueue_cuda(self, job: _Job, c: int, slot: Slot) -> Any:
-        """Enqueue chunk ``c``'s host-to-device copy on the side stream; return its event.
-
-        None when the request is over or the copy could not be enqueued (a CUDA error, e.g. out
-        of memory for the device-side staging copy): that is a failed chunk, never a raise.
-        """
-        run = job.run
-        assert job.device is not None
-        if not run.installs.enter():
-            return None
-        groups = run.needed[c]
-        try:
-            return job.device.install(c, groups, slot)
-        except Exception as exc:
-            run.fail(ChunkFailure(c, groups[0], Reason.INSTALL_FAILED, [repr(exc)]))
-            return None
-        finally:
-            run.installs.leave()
-
     async def _await_device(self, job: _Job, c: int, slot: Slot, event: Any) -> None:
         """The slot may be reused only once its host-to-device copy has completed."""
         if event is None:
@@ -823,3 +785,166 @@ class WindowPipeline:
         job.run.record_installed(c, job.run.needed[c])
         self._installed(job, slot)
         await self._announce(job, [c])
+
+
+def _enqueue_cuda(device: CudaInstaller, job: _Job, c: int, slot: Slot) -> Any:
+    """Enqueue chunk ``c``'s host-to-device copy on the side stream; return its event.
+
+    None when the request is over or the copy could not be enqueued (a CUDA error, e.g. out
+    of memory for the device-side staging copy): that is a failed chunk, never a raise.
+    """
+    run = job.run
+    if not run.installs.enter():
+        return None
+    groups = run.needed[c]
+    try:
+        return device.install(c, groups, slot)
+    except Exception as exc:
+        run.fail(ChunkFailure(c, groups[0], Reason.INSTALL_FAILED, [repr(exc)]))
+        return None
+    finally:
+        run.installs.leave()
+
+
+def _no_copy(job: _Job, c: int, slot: Slot, lent: dict[str, Borrowed] | None) -> bool:
+    """A chunk read needs nothing more in the worker (its copy comes after the batch)."""
+    return True
+
+
+class Installer:
+    """One install mode's rules: what follows a chunk's read, what follows a batch, what ends
+    the run. :meth:`WindowPipeline._installer` picks one per run; the pipeline's loop calls it
+    and never asks which mode it runs in.
+
+    Attributes:
+        host: the host destination's slot views (None for a device destination).
+        one_per_slot: one chunk per batch (its slot stays busy until its copy is done).
+        lends: installs take payloads lent by a tier in place, and a lone large chunk may be
+            copied after its transfer turn (the streamed host path).
+        copies: ``after_read`` copies into the cache (CPU work: the async-read path runs it in
+            a worker thread).
+        after_read: ``after_read(job, chunk, slot, lent) -> bool``, in the worker thread (or on
+            the event loop for a batch run inline): what follows a chunk's verified read; False
+            ends the batch (the failure is recorded in the run). An attribute, not a method, so
+            the hot path pays one call.
+    """
+
+    host: HostInstaller | None = None
+    one_per_slot = True
+    lends = False
+    copies = False
+    after_read: Callable[[_Job, int, Slot, dict[str, Borrowed] | None], bool] = staticmethod(
+        _no_copy
+    )
+
+    def __init__(self, pipe: WindowPipeline) -> None:
+        self.pipe = pipe
+
+    def after_batch(
+        self, job: _Job, batch: Sequence[int], slot: Slot, tg: TaskGroup
+    ) -> Awaitable[None] | None:
+        """On the event loop once a batch was read (and copied, where ``after_read`` copies):
+        give the slot back and announce the batch (installer completion), unless the mode keeps
+        the slot; what it returns is awaited."""
+        self.pipe._installed(job, slot)
+        return self.pipe._announce(job, batch)
+
+    async def finish(self, job: _Job) -> None:
+        """After every worker ended (the run's task group closed)."""
+
+
+class StreamedHostInstall(Installer):
+    """Host destination, bounded: each chunk is copied into the cache in the worker that read
+    it (from the slot, or from a tier's lent payload); the slot goes back after its batch."""
+
+    one_per_slot = False
+    lends = True
+    copies = True
+
+    def __init__(self, pipe: WindowPipeline, host: HostInstaller) -> None:
+        super().__init__(pipe)
+        self.host = host
+        # the pipeline's own install (looked up per run, so a patched one is used)
+        self.after_read = pipe._install_host
+
+
+class StreamedCudaInstall(Installer):
+    """CUDA destination, bounded: one chunk per slot; after its read the copy is enqueued on
+    the side stream and the slot goes back when its event completes (up to W in flight)."""
+
+    def __init__(self, pipe: WindowPipeline, device: CudaInstaller) -> None:
+        super().__init__(pipe)
+        self.device = device
+
+    def after_batch(
+        self, job: _Job, batch: Sequence[int], slot: Slot, tg: TaskGroup
+    ) -> Awaitable[None] | None:
+        if job.run.wanted(batch[0]):
+            return self._enqueue(job, batch[0], slot, tg)
+        return super().after_batch(job, batch, slot, tg)
+
+    async def _enqueue(self, job: _Job, c: int, slot: Slot, tg: TaskGroup) -> None:
+        pipe = self.pipe
+        event = await pipe._thread(job, slot, _enqueue_cuda, self.device, job, c, slot)
+        tg.start_soon(pipe._await_device, job, c, slot, event)
+
+
+class WholePlanInstall(Installer):
+    """The whole-plan baseline (RWS = |S|): every chunk is read into its own region of one
+    private buffer and stays staged; once every read ended, everything staged is installed in
+    chunk order (host: one worker-thread call; CUDA: one copy at a time)."""
+
+    def __init__(
+        self,
+        pipe: WindowPipeline,
+        *,
+        host: HostInstaller | None = None,
+        device: CudaInstaller | None = None,
+    ) -> None:
+        super().__init__(pipe)
+        self.host = host
+        self.device = device
+        #: chunks read, waiting for the install
+        self.staged: dict[int, Slot] = {}
+        self.after_read = self._stage
+
+    def _stage(self, job: _Job, c: int, slot: Slot, lent: dict[str, Borrowed] | None) -> bool:
+        self.staged[c] = slot
+        return True
+
+    def after_batch(
+        self, job: _Job, batch: Sequence[int], slot: Slot, tg: TaskGroup
+    ) -> Awaitable[None] | None:
+        if batch[0] in self.staged:
+            return None  # the slot's region stays staged until the install
+        return super().after_batch(job, batch, slot, tg)
+
+    async def finish(self, job: _Job) -> None:
+        """Install every staged chunk, in order, then announce them."""
+        if not self.staged:
+            return
+        await self._install_staged(job)
+        await self.pipe._announce(job, sorted(self.staged))
+
+    async def _install_staged(self, job: _Job) -> None:
+        staged, run, pipe = self.staged, job.run, self.pipe
+        if self.device is not None:
+            for c in sorted(staged):
+                if run.wanted(c):
+                    event = await anyio.to_thread.run_sync(
+                        _enqueue_cuda, self.device, job, c, staged[c]
+                    )
+                    if event is None:
+                        return  # the copy failed (recorded) or the request is over
+                    while not event.query():  # noqa: ASYNC110 - polling a CUDA event
+                        await anyio.sleep(0.0005)
+                    run.record_installed(c, run.needed[c])
+            return
+
+        def install_all() -> None:
+            for c in sorted(staged):
+                if not run.wanted(c) or not pipe._install_host(job, c, staged[c]):
+                    return
+
+        # abandonable: a late copy is refused by the run's install gate
+        await anyio.to_thread.run_sync(install_all, abandon_on_cancel=True, limiter=pipe._limiter)
