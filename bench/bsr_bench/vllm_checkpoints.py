@@ -5,19 +5,18 @@ Where it runs: the bench process only orchestrates; every engine runs in a child
 vLLM interpreter (``python -m bsr_bench.vllm_checkpoints child spec.json out.json``), like the
 other ``--engine vllm`` sections.
 
-How it works: the hybrid bench model (:data:`.vllm_hybrid.MODEL`: five sliding-window layers to
-one full one, window 512; block 128, chunk 256) serves the same workload once per checkpoint
-interval (``window_checkpoint_chunks``; ``none``: a sliding group keeps only the windows at the
-ends a request reaches), each in a fresh engine over an empty FileTier store, vLLM's own prefix
-cache off so that every hit is bsr's, one request at a time (each waits for the previous one's
-saves to land). The workload: documents that several requests start from, each followed by a
-question of its own (shared prefixes, diverging continuations), then every prompt once more.
-Per interval the child reports each request's TTFT and the tokens vLLM took from bsr, the bytes
-bsr read (``vllm:bsr_loaded_bytes``) and the objects and bytes of the store per state group. The
-bench side computes, from the prompts alone, what an ideal prefix cache would serve (the longest
-prefix of full chunks an earlier request computed, up to what a lookup asks for: every full
-chunk but the one with the prompt's last token), and writes one JSON document with every sample.
-"""
+How it works: the hybrid bench model (:data:`.vllm_hybrid_model.MODEL`: five sliding-window layers
+to one full one, window 512; block 128, chunk 256) serves the same workload once per checkpoint
+interval (``window_checkpoint_chunks``; ``none``: a sliding group keeps only the windows at the ends
+a request reaches), each in a fresh engine over an empty FileTier store, vLLM's own prefix cache off
+so that every hit is bsr's, one request at a time (each waits for the previous one's saves to land).
+The workload: documents that several requests start from, each followed by a question of its own
+(shared prefixes, diverging continuations), then every prompt once more. Per interval the child
+reports each request's TTFT and the tokens vLLM took from bsr, the bytes bsr read
+(``vllm:bsr_loaded_bytes``) and the objects and bytes of the store per state group. The bench side
+computes, from the prompts alone, what an ideal prefix cache would serve (the longest prefix of full
+chunks an earlier request computed, up to what a lookup asks for: every full chunk but the one with
+the prompt's last token), and writes one JSON document with every sample."""
 
 from __future__ import annotations
 
@@ -140,7 +139,7 @@ def child(spec_path: str, out_path: str) -> None:
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
-    from .vllm_hybrid import BLOCK_SIZE, CHUNK_TOKENS
+    from .vllm_hybrid_model import BLOCK_SIZE, CHUNK_TOKENS
 
     spec = json.loads(Path(spec_path).read_text())
     bsr_config = {
@@ -195,7 +194,7 @@ def child(spec_path: str, out_path: str) -> None:
 # --------------------------------------------------------------------------- bench side
 def run_checkpoints(ns: argparse.Namespace, python: str | None = None) -> dict[str, Any]:
     """Run one engine per interval; return the document's ``checkpoints`` section."""
-    from .vllm_hybrid import CHUNK_TOKENS, MODEL
+    from .vllm_hybrid_model import CHUNK_TOKENS, MODEL
 
     intervals = parse_intervals(getattr(ns, "vllm_checkpoint_intervals", None) or "1,2,4,8,16,none")
     python = python or vllm_python(getattr(ns, "vllm_python", None))

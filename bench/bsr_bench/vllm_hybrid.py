@@ -43,34 +43,11 @@ from typing import Any
 from . import vllm_checkpoints
 from .common.stats import BenchError, Dist, ratio
 from .vllm_common import run_child, tokens, vllm_python, vllm_version
+from .vllm_hybrid_model import BLOCK_SIZE, CHUNK_TOKENS, MODEL, WINDOW
 from .vllm_ttft import SUFFIX_TOKENS
 
-#: the sliding window of the model's sliding layers, in tokens
-WINDOW = 512
-#: The bench model: Gemma3's layer pattern (five sliding-window layers, then one full one).
-MODEL: dict[str, Any] = {
-    "architectures": ["Gemma3ForCausalLM"],
-    "model_type": "gemma3_text",
-    "hidden_size": 512,
-    "intermediate_size": 1408,
-    "num_hidden_layers": 6,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 2,
-    "head_dim": 64,
-    "vocab_size": 4096,
-    "max_position_embeddings": 16384,
-    "sliding_window": WINDOW,
-    "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
-    "query_pre_attn_scalar": 64,
-    "torch_dtype": "bfloat16",
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "pad_token_id": 0,
-}
 MODELS = ("llama", "gemma3-tiny")
 DEFAULT_PREFIXES = (1024, 2048, 4096)
-BLOCK_SIZE = 128
-CHUNK_TOKENS = 256
 MODES = ("recompute", "hybrid", "one_group")
 SECTIONS = ("manager", "checkpoints")
 
