@@ -52,6 +52,7 @@ HOSTILE: list[Any] = [
 ENGINE_KEYS = [
     "window",
     "io_depth",
+    "memory_workers",
     "chunk_tokens",
     "policy",
     "deadline_s",

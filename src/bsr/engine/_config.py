@@ -106,6 +106,11 @@ class EngineConfig:
         tiers: tier configs, fastest first (see the module docstring for the dict form).
         window: W, the number of staging slots.
         io_depth: reads in flight per restore (``1 <= io_depth <= window``).
+        memory_workers: worker threads one restore uses at once to verify and copy chunks that
+            memory-speed tiers (a HostTier) hold into a host cache (at most ``io_depth``). That
+            work is bound by memory bandwidth, not by a device's queue: on a small host a second
+            thread adds CPU and little speed, so the default is 1; raise it where cores and
+            memory bandwidth are spare and restore wall time matters more than CPU.
         chunk_tokens: tokens per chunk; ``None`` takes the layout's. When both are given they
             must agree.
         policy: default commit policy, ``"all_or_nothing"``, ``"truncate"`` or ``"cost"``.
@@ -133,6 +138,7 @@ class EngineConfig:
     tiers: tuple[TierOptions, ...] = option(_tiers)
     window: int = option(check_window, 8)
     io_depth: int = option(Check.positive_int, 4)
+    memory_workers: int = option(Check.positive_int, 1)
     chunk_tokens: int | None = option(Check.optional_positive_int, None)
     policy: str = option(Check.one_of(*(p.value for p in Policy)), "all_or_nothing")
     deadline_s: float | None = option(Check.optional_seconds, None)

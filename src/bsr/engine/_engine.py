@@ -118,6 +118,10 @@ class RestoreEngine(AsyncResource):
             down this list, save writes through to all of them.
         window: W, staging slots (each ``layout.slot_bytes``); peak staging <= W x slot_bytes.
         io_depth: reads in flight per restore (1 <= io_depth <= W).
+        memory_workers: worker threads a restore uses at once to verify and copy chunks from
+            memory-speed tiers (a HostTier) into a host cache (at most ``io_depth``; default 1:
+            that work is bound by memory bandwidth, and a second thread on a small host adds CPU
+            and little speed).
         namespace: model id, tp rank/size, salt; keys are disjoint across namespaces.
         coordinator: cross-rank agreement (default: single rank).
         policy: default commit policy (``"all_or_nothing"``, ``"truncate"`` or ``"cost"``: load
@@ -150,6 +154,7 @@ class RestoreEngine(AsyncResource):
         *,
         window: int = 8,
         io_depth: int = 4,
+        memory_workers: int = 1,
         namespace: Namespace,
         coordinator: Coordinator | None = None,
         policy: Policy | str = Policy.ALL_OR_NOTHING,
@@ -174,6 +179,7 @@ class RestoreEngine(AsyncResource):
                 key="io_depth",
             )
         self.io_depth = io_depth
+        self.memory_workers: int = _OPTION["memory_workers"](memory_workers, "memory_workers")
         self.tiers = self._check_tiers(tiers)
         if not isinstance(namespace, Namespace):
             raise ConfigError("namespace must be a bsr.Namespace(model_id=...)")
@@ -213,7 +219,10 @@ class RestoreEngine(AsyncResource):
             self.coordinator, self._log, origin=uuid.uuid4().bytes,
         )  # fmt: skip
         # the transfer side; one per engine, so its CUDA side stream is made once
-        self._window = WindowPipeline(layout, self.tiers, window=window, io_depth=io_depth)
+        self._window = WindowPipeline(
+            layout, self.tiers, window=window, io_depth=io_depth,
+            memory_workers=self.memory_workers,
+        )  # fmt: skip
         #: what each restore job uses of this engine
         self._parts = RestoreParts(
             layout, self._prober, self.coordinator, self.health, self._quarantine, self.cost,
@@ -286,6 +295,7 @@ class RestoreEngine(AsyncResource):
             config.build_tiers() if tiers is None else tiers,
             window=config.window,
             io_depth=config.io_depth,
+            memory_workers=config.memory_workers,
             namespace=namespace,
             coordinator=coordinator,
             policy=config.policy,

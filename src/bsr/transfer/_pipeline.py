@@ -285,6 +285,9 @@ class _Job:
         self.read_ok: set[int] = set()  # chunks read and verified, waiting for their install
         self.announced: set[int] = set()
         self.turns = anyio.CapacityLimiter(1)  # io_depth transfer turns (set by the pipeline)
+        #: every holder of every chunk reads at memory speed, into a host cache (set by the
+        #: pipeline)
+        self.all_inline = False
 
 
 class WindowPipeline:
@@ -295,15 +298,24 @@ class WindowPipeline:
         tiers: the engine's tiers, fastest first.
         window: W, the most slots one run holds (one per worker).
         io_depth: transfer turns per run: worker-thread calls (or async reads) in flight.
+        memory_workers: the turns of a run whose every chunk comes from memory-speed tiers into
+            a host cache (at most ``io_depth``).
     """
 
     def __init__(
-        self, layout: StateLayout, tiers: Sequence[Tier], *, window: int, io_depth: int
+        self,
+        layout: StateLayout,
+        tiers: Sequence[Tier],
+        *,
+        window: int,
+        io_depth: int,
+        memory_workers: int = 1,
     ) -> None:
         self.layout = layout
         self.ladder = TierLadder({t.name: t for t in tiers})
         self.window = window
         self.io_depth = io_depth
+        self.memory_workers = memory_workers
         self.cuda_stream: Any = None
         self._limiter = anyio.CapacityLimiter(max(2 * io_depth, 4))
         # batch reads and installs are abandonable: a cancelled request never waits on a worker
@@ -377,7 +389,8 @@ class WindowPipeline:
         installer = self._installer(run, cache, tables, strategy)
         job = _Job(run, slots, probe, cache, tables, gate, installer)
         job.on_installed = on_installed
-        job.turns = anyio.CapacityLimiter(self.io_depth)
+        job.all_inline = self._all_inline(job)
+        job.turns = anyio.CapacityLimiter(self._turns(job))
         chunks = run.plan.to_read
         size = self._batch_size(job, len(chunks))
         batches = _Batches(chunks, size)
@@ -405,18 +418,29 @@ class WindowPipeline:
             return WholePlanInstall(self, device=device)
         return StreamedCudaInstall(self, device)
 
+    def _turns(self, job: _Job) -> int:
+        """Transfer turns of a run: ``io_depth``, but at most ``memory_workers`` when every
+        chunk comes from memory-speed tiers into a host cache. Then a batch is CPU and memory
+        bandwidth only (verify and copy), with no device queue to keep full: on the 2-vCPU
+        machine of the bench a second thread cost 1.4x the CPU of one (both stall on the same
+        memory bus) for 1.2x the speed."""
+        if job.all_inline:
+            return max(1, min(self.memory_workers, self.io_depth))
+        return self.io_depth
+
     def _batch_size(self, job: _Job, n: int) -> int:
         if job.installer.one_per_slot:
             return 1  # one slot per chunk: each stays busy until its copy is done
         chunk_bytes = max(1, self.layout.chunk_bytes)
-        if self._all_inline(job):
+        if job.all_inline:
             if chunk_bytes <= INLINE_BYTES:
                 # these batches run one after another on the event loop anyway: as large as an
                 # inline batch may be, so the per-batch steps (slot, turn, task switch) are rare
                 return max(1, INLINE_BYTES // chunk_bytes)
-            # worker-thread batches of memory-speed reads: one per worker (see
-            # MEMORY_BATCH_BYTES)
-            return max(1, min(math.ceil(n / self.window), MEMORY_BATCH_BYTES // chunk_bytes))
+            # worker-thread batches of memory-speed reads: one per turn (see
+            # MEMORY_BATCH_BYTES); more would only add worker-thread hops
+            per_turn = math.ceil(n / self._turns(job))
+            return max(1, min(per_turn, MEMORY_BATCH_BYTES // chunk_bytes))
         # two batches per worker, so chunks move roughly in chunk order across workers (each
         # batch is one worker-thread hop, whose wake-ups cost CPU on both sides)
         per_worker = math.ceil(n / (2 * self.window))

@@ -1,0 +1,123 @@
+"""A restore from memory-speed tiers into a host cache uses at most ``memory_workers`` worker
+threads at once (that work is memory-bandwidth bound; see ``WindowPipeline._turns``), while the
+restored bytes stay exactly the saved ones.
+
+Real HostTiers and caches. The observation is the tier's own lending call
+(``borrow_many_blocking``, one per worker-thread batch): each call counts itself in and waits
+for a partner before it lends, so calls that may overlap do overlap, and the peak count is the
+number of batches the pipeline let run together.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+
+import bsr
+from support.engines import make_engine
+from support.helpers import blocks_equal, filled_cache, tokens_for
+
+#: 512 KiB chunks: over the inline limit, so every batch is a worker-thread call
+LAYOUT = bsr.StateLayout(256, (bsr.StateGroup("kv", 1, 2048, dtype="uint8"),))
+CT = LAYOUT.chunk_tokens
+BLOCK = 16
+HOST = [{"kind": "host", "capacity_bytes": "1MiB"}]
+
+
+class PartneredHost(bsr.HostTier):
+    """A HostTier whose batch lending waits (up to ``wait_s``) until ``partners`` batches are
+    inside it at once, and records the most that ever were."""
+
+    def __init__(self, partners: int, wait_s: float) -> None:
+        super().__init__(capacity_bytes=1 << 28)
+        self.partners = partners
+        self.wait_s = wait_s
+        self.inside = 0
+        self.peak = 0
+        self.calls = 0
+        self._cond = threading.Condition()
+
+    def borrow_many_blocking(self, objects: Sequence[tuple[bsr.ChunkKey, str]]) -> Any:
+        with self._cond:
+            self.inside += 1
+            self.calls += 1
+            self.peak = max(self.peak, self.inside)
+            self._cond.notify_all()
+            # the peak, not the count inside: once partners met, every waiter goes on
+            self._cond.wait_for(lambda: self.peak >= self.partners, timeout=self.wait_s)
+        try:
+            return super().borrow_many_blocking(objects)
+        finally:
+            with self._cond:
+                self.inside -= 1
+
+
+async def _restore_peak(tier: PartneredHost, chunks: int, **engine: Any) -> int:
+    toks = tokens_for(chunks * CT)
+    ids = torch.arange(chunks * CT // BLOCK)
+    src = filled_cache(LAYOUT, len(ids), BLOCK)
+    async with make_engine(LAYOUT, [tier], window=8, io_depth=4, **engine) as eng:
+        assert (await eng.save(toks, src, ids)).ok
+        dst = bsr.PagedKVCache(LAYOUT, len(ids), BLOCK)
+        r = await eng.restore(toks, dst, ids)
+        assert r.committed and r.committed_tokens == chunks * CT
+        assert blocks_equal(LAYOUT, src, ids, dst, ids, chunks)
+        assert tier._index.statistics().pinned == 0
+    return tier.peak
+
+
+@pytest.mark.parametrize("chunks", [3, 8, 17])
+@pytest.mark.anyio
+async def test_by_default_one_memory_batch_runs_at_a_time(chunks: int) -> None:
+    """io_depth 4 would allow four worker threads; the default memory_workers=1 allows one. A
+    lone batch waits briefly for a partner that must never come."""
+    tier = PartneredHost(partners=2, wait_s=0.05)
+    assert await _restore_peak(tier, chunks) == 1
+    assert tier.calls >= 1
+
+
+@pytest.mark.parametrize(("workers", "chunks"), [(2, 8), (2, 17), (3, 9), (4, 16)])
+@pytest.mark.anyio
+async def test_memory_workers_batches_run_together_and_no_more(workers: int, chunks: int) -> None:
+    """With memory_workers=k the restore splits into batches for k threads, and k of them do
+    run at once (each waits for the others, so the overlap is certain), never more."""
+    tier = PartneredHost(partners=workers, wait_s=60.0)
+    assert await _restore_peak(tier, chunks, memory_workers=workers) == workers
+    assert tier.calls >= workers
+
+
+@pytest.mark.anyio
+async def test_memory_workers_never_exceed_io_depth() -> None:
+    tier = PartneredHost(partners=4, wait_s=0.05)
+    toks = tokens_for(8 * CT)
+    ids = torch.arange(8 * CT // BLOCK)
+    src = filled_cache(LAYOUT, len(ids), BLOCK)
+    async with make_engine(LAYOUT, [tier], window=4, io_depth=2, memory_workers=4) as eng:
+        assert (await eng.save(toks, src, ids)).ok
+        r = await eng.restore(toks, bsr.PagedKVCache(LAYOUT, len(ids), BLOCK), ids)
+        assert r.committed_tokens == 8 * CT
+    assert tier.peak == 2
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "two", True, None])
+def test_a_bad_memory_workers_is_a_config_error_naming_it(bad: Any) -> None:
+    with pytest.raises(bsr.ConfigError, match="memory_workers"):
+        make_engine(LAYOUT, [bsr.HostTier(capacity_bytes=1 << 20)], memory_workers=bad)
+    with pytest.raises(bsr.ConfigError, match="memory_workers"):
+        bsr.EngineConfig.from_dict({"model_id": "m", "tiers": HOST, "memory_workers": bad})
+
+
+def test_memory_workers_comes_from_the_config() -> None:
+    config = bsr.EngineConfig.from_dict({"model_id": "m", "memory_workers": 3, "tiers": HOST})
+    assert config.memory_workers == 3
+    assert bsr.EngineConfig.from_dict(config.to_dict()) == config
+    assert bsr.RestoreEngine.from_config(config, layout=LAYOUT).memory_workers == 3
+    environ = {"BSR_MODEL_ID": "m", "BSR_MEMORY_WORKERS": "2", "BSR_TIERS": json.dumps(HOST)}
+    env = bsr.EngineConfig.from_env(environ=environ)
+    assert env.memory_workers == 2
+    assert bsr.EngineConfig.from_dict({"model_id": "m", "tiers": HOST}).memory_workers == 1
