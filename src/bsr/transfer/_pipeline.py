@@ -66,12 +66,14 @@ BATCH_BYTES = 8 << 20
 #: a batch from memory-speed tiers (``inline_reads``) up to this size runs on the event loop:
 #: copying it costs less than the worker-thread hop it would take
 INLINE_BYTES = 256 << 10
-#: a batch from memory-speed tiers too large to run on the event loop: one per worker, up to
-#: this size. Their work is CPU only (verify and copy), where each worker-thread hop costs the
+#: a batch from memory-speed tiers too large to run on the event loop: one per transfer turn, up
+#: to this size. Their work is CPU only (verify and copy), where each worker-thread hop costs the
 #: event loop and the worker thread a wake-up, a GIL hand-over and a context switch each way
-#: (about 0.1-0.2 ms of CPU on a busy 2-core machine, the cost of copying 1 MiB), so few large
-#: batches cost least; there is no device queue to keep in chunk order
-MEMORY_BATCH_BYTES = 16 << 20
+#: (0.09 ms of CPU for an empty ``to_thread`` call on the bench's 2-vCPU VM, up to 0.27 ms
+#: inside a restore, the cost of copying 1-3 MiB), so few large batches cost least (a 128 MiB
+#: restore of 512 KiB chunks: 4.0 ms of CPU besides the bytes in 16 MiB batches, 2.4 ms in
+#: 64 MiB ones); there is no device queue to keep in chunk order
+MEMORY_BATCH_BYTES = 64 << 20
 
 
 class ChunkFailure(Exception):
