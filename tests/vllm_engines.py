@@ -11,6 +11,8 @@ must run on its own: scripts, the key-partition client, tensor parallelism, or a
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import importlib.util
 import json
 import os
@@ -40,6 +42,15 @@ class EngineForks:
         self._proc: subprocess.Popen[str] | None = None
         self._pending = b""  # answer bytes read from the server, not yet a whole line
         self._log = Path(os.environ.get("TMPDIR", "/tmp")) / f"bsr-engine-forks-{os.getpid()}.log"
+        #: the server ended under a run, or a run timed out: its log stays for reading
+        self._keep_log = False
+        atexit.register(self._drop_log)
+
+    def _drop_log(self) -> None:
+        """At exit: the server's log (start-up chatter) goes unless something went wrong."""
+        if not self._keep_log:
+            with contextlib.suppress(OSError):
+                self._log.unlink()
 
     def _server(self) -> subprocess.Popen[str]:
         if self._proc is None or self._proc.poll() is not None:
@@ -60,11 +71,13 @@ class EngineForks:
         while b"\n" not in self._pending:
             left = deadline - time.monotonic()
             if left <= 0:
+                self._keep_log = True
                 raise TimeoutError
             ready, _, _ = select.select([fd], [], [], left)
             if ready:
                 chunk = os.read(fd, 65536)
                 if not chunk:
+                    self._keep_log = True
                     raise RuntimeError(f"the engine fork server ended (its log: {self._log})")
                 self._pending += chunk
         line, _, self._pending = self._pending.partition(b"\n")
