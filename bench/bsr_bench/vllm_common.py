@@ -10,7 +10,6 @@ interpreter needs bsr, not the bench: the child finds this package through ``PYT
 from __future__ import annotations
 
 import json
-import os
 import random
 import subprocess
 import sys
@@ -42,12 +41,9 @@ def vllm_version(python: str) -> str:
     return check.stdout.strip()
 
 
-def loadavg() -> list[float] | None:
-    """The 1, 5 and 15-minute load averages (None where the system has none)."""
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
+def object_files(root: str) -> int:
+    """The object files a FileTier at ``root`` holds."""
+    return sum(1 for _ in (Path(root) / "objects").glob("**/*.bsr"))
 
 
 def tokens(n: int, seed: int, vocab: int) -> list[int]:

@@ -39,8 +39,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .common.stats import BenchError, Dist, ratio
-from .vllm_common import loadavg, run_child, tokens, vllm_python, vllm_version
+from .common.stats import BenchError, Dist, load_average, ratio
+from .vllm_common import object_files, run_child, tokens, vllm_python, vllm_version
 from .vllm_ttft import BLOCK_SIZE, CHUNK_TOKENS, MODEL, SUFFIX_TOKENS
 
 CONDITIONS = ("fast", "slow", "mixed")
@@ -72,10 +72,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 # --------------------------------------------------------------------------- child side
-def _objects(root: str) -> int:
-    return sum(1 for _ in (Path(root) / "objects").glob("**/*.bsr"))
-
-
 def _metrics(llm: Any, name: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for m in llm.get_metrics():
@@ -150,11 +146,11 @@ def _prepare(llm: Any, spec: dict[str, Any], prefixes: list[list[int]]) -> None:
     """Store each prefix (waiting for its files), then restore each twice, untimed."""
     n = spec["prefix_tokens"]
     for i, p in enumerate(prefixes):  # store each prefix (saved after the request ends)
-        before = _objects(spec["store"])
+        before = object_files(spec["store"])
         _ask(llm, spec, p, -1 - i)
         want = before + n // CHUNK_TOKENS
         deadline = time.monotonic() + 300
-        while _objects(spec["store"]) < want and time.monotonic() < deadline:
+        while object_files(spec["store"]) < want and time.monotonic() < deadline:
             time.sleep(0.1)
     for i, p in enumerate(prefixes):  # untimed restores: every tier and the prefill measured
         for j in range(2):
@@ -166,7 +162,7 @@ def child(spec_path: str, out_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     cond, policy, n = spec["condition"], spec["policy"], spec["prefix_tokens"]
     tiers = _tiers(spec)
-    load_start = loadavg()
+    load_start = load_average()
     t0 = time.perf_counter()
     llm = _llm(spec, tiers)
     start_s = time.perf_counter() - t0
@@ -189,7 +185,7 @@ def child(spec_path: str, out_path: str) -> None:
     result = {
         "condition": cond, "policy": policy, "start_s": start_s, "ttft_s": samples,
         "cached_tokens": cached, "decisions": {k: v for k, v in decisions.items() if v},
-        "load_average": [load_start, loadavg()],
+        "load_average": [load_start, load_average()],
     }  # fmt: skip
     Path(out_path).write_text(json.dumps(result))
     try:
@@ -254,7 +250,7 @@ def run_cost(ns: argparse.Namespace) -> dict[str, Any]:
                     raise BenchError(f"the {name} engine failed: {runs[name]['error']}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    machine["load_average_end"] = loadavg()
+    machine["load_average_end"] = load_average()
     doc = {
         "kind": "vllm_cost",
         "vllm": version,

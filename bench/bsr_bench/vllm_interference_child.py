@@ -35,7 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .vllm_common import loadavg, tokens
+from .common.stats import load_average
+from .vllm_common import tokens
 
 
 def object_files(store: str) -> list[str]:
@@ -204,7 +205,7 @@ def run_store(spec: dict[str, Any]) -> dict[str, Any]:
 
 def run_rounds(spec: dict[str, Any]) -> dict[str, Any]:
     """One variant's rounds, in the order of ``spec["rounds"]`` (see the module docstring)."""
-    load_start = loadavg()
+    load_start = load_average()
     t0 = time.perf_counter()
     llm = _engine(spec)
     start_s = time.perf_counter() - t0
@@ -217,7 +218,7 @@ def run_rounds(spec: dict[str, Any]) -> dict[str, Any]:
         "start_s": start_s,
         "max_num_batched_tokens": int(sched.max_num_batched_tokens),
         "chunked_prefill": bool(sched.enable_chunked_prefill),
-        "load_average": [load_start, loadavg()],
+        "load_average": [load_start, load_average()],
         "rounds": rounds,
     }
     return {**out, "_llm": llm}

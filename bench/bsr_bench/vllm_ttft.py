@@ -45,8 +45,8 @@ from pathlib import Path
 from typing import Any
 
 from . import vllm_interference as interference
-from .common.stats import BenchError, Dist, ratio
-from .vllm_common import loadavg, run_child, tokens, vllm_python, vllm_version
+from .common.stats import BenchError, Dist, load_average, ratio
+from .vllm_common import object_files, run_child, tokens, vllm_python, vllm_version
 from .vllm_interference_figures import print_table as print_interference
 
 #: The TTFT model: GQA Llama, head_dim 64 (CPU attention kernels need >= 32).
@@ -111,10 +111,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 # --------------------------------------------------------------------------- child side
-def _objects(root: str) -> int:
-    return sum(1 for _ in (Path(root) / "objects").glob("**/*.bsr"))
-
-
 def _transfer_kw(mode: str, store: str) -> dict[str, Any]:
     """``LLM``'s ``kv_transfer_config`` for ``mode`` (none for recompute)."""
     from vllm.config import KVTransferConfig
@@ -160,12 +156,12 @@ def _measure_prefix(llm: Any, spec: dict[str, Any], params: Any, n: int) -> dict
         (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
         return time.perf_counter() - t, int(out.num_cached_tokens or 0)
 
-    before = _objects(spec["store"]) if mode in LOADS else 0
+    before = object_files(spec["store"]) if mode in LOADS else 0
     ask(-1)  # warm-up; with bsr also stores the prefix (saved after the request ends)
     if mode in LOADS:
         want = before + n // CHUNK_TOKENS
         deadline = time.monotonic() + 120
-        while _objects(spec["store"]) < want and time.monotonic() < deadline:
+        while object_files(spec["store"]) < want and time.monotonic() < deadline:
             time.sleep(0.05)
         # a file is visible before the tier has indexed it: untimed restores until it hits
         for i in range(10):
@@ -186,7 +182,7 @@ def child(spec_path: str, out_path: str) -> None:
 
     spec = json.loads(Path(spec_path).read_text())
     mode = spec["mode"]
-    load_start = loadavg()
+    load_start = load_average()
     kw = _transfer_kw(mode, spec["store"])
     result: dict[str, Any] = {"mode": mode, "points": []}
     t0 = time.perf_counter()
@@ -207,7 +203,7 @@ def child(spec_path: str, out_path: str) -> None:
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
     for n in spec["prefixes"]:
         result["points"].append(_measure_prefix(llm, spec, params, n))
-    result["load_average"] = [load_start, loadavg()]
+    result["load_average"] = [load_start, load_average()]
     Path(out_path).write_text(json.dumps(result))
     try:
         llm.llm_engine.engine_core.shutdown()
@@ -299,7 +295,7 @@ def run_vllm(ns: argparse.Namespace) -> dict[str, Any]:
         if "interference" in opts.sections
         else None
     )
-    machine["load_average_end"] = loadavg()
+    machine["load_average_end"] = load_average()
     doc = document(
         opts,
         version=version,

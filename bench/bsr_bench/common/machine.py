@@ -13,6 +13,8 @@ from typing import Any
 import psutil
 import torch
 
+from .stats import load_average
+
 
 def _cpu_model() -> str:
     try:
@@ -34,10 +36,7 @@ def _version(dist: str) -> str | None:
 def machine_info() -> dict[str, Any]:
     """CPU, cores, memory, OS and the versions of what the bench runs on."""
     vm = psutil.virtual_memory()
-    try:
-        load: list[float] | None = [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        load = None
+    load = load_average()
     return {
         "cpu": _cpu_model(),
         "arch": platform.machine(),

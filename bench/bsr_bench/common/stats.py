@@ -7,6 +7,7 @@ min / median / max (the pytest-benchmark and asv habit), and every ratio is chec
 from __future__ import annotations
 
 import math
+import os
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -65,3 +66,12 @@ def ratio(num: float, den: float, what: str) -> float:
     if not math.isfinite(value):
         raise BenchError(f"ratio {what} is not finite: {num} / {den}")
     return value
+
+
+def load_average() -> list[float] | None:
+    """The 1, 5 and 15-minute load averages (what else ran on the machine, recorded beside the
+    figures), or None where the system has none."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None

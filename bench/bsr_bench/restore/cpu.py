@@ -52,7 +52,7 @@ import bsr
 from ..common import fio as fio_mod
 from ..common.pagecache import CacheMode, prepare
 from ..common.raw import RawReader
-from ..common.stats import BenchError, Dist, ratio
+from ..common.stats import BenchError, Dist, load_average, ratio
 
 BLOCK_TOKENS = 16
 CHUNK_TOKENS = 256
@@ -121,14 +121,6 @@ class CpuClock:
 
     def wall_dist(self) -> Dist:
         return Dist.of([max(w, 1e-9) for w in self.wall])
-
-
-def load_average() -> list[float] | None:
-    """The 1, 5 and 15 minute load averages (other work on the machine), or None."""
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
 
 
 def _layout(chunk_bytes: int) -> bsr.StateLayout:

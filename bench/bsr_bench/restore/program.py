@@ -31,8 +31,7 @@ from ..common.layouts import NamedLayout, resolve_layout
 from ..common.machine import commit_info, filesystem_info, machine_info
 from ..common.memory import current_rss
 from ..common.pagecache import resolve_mode
-from ..common.stats import BenchError
-from .cpu import load_average
+from ..common.stats import BenchError, load_average
 from .measure import BenchRun
 from .options import BenchOptions, resolve
 from .recompute import Recompute
