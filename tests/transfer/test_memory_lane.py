@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -121,3 +122,32 @@ def test_memory_workers_comes_from_the_config() -> None:
     env = bsr.EngineConfig.from_env(environ=environ)
     assert env.memory_workers == 2
     assert bsr.EngineConfig.from_dict({"model_id": "m", "tiers": HOST}).memory_workers == 1
+
+
+@pytest.mark.parametrize("held", [0, 1, 3, 4, 5, 7])
+@pytest.mark.anyio
+async def test_a_batch_lent_span_by_span_goes_on_object_by_object_where_the_host_stops(
+    tmp_path: Path, held: int
+) -> None:
+    """The HostTier holds the first ``held`` chunks, the file tier all 8 (W=1: two batches of
+    four chunks): a batch is lent span by span (1 MiB: two chunks) while its first holder is the
+    HostTier, and from the first span it cannot lend on, read object by object from the file
+    tier; every byte lands once and each tier is credited for what it gave."""
+    chunks = 8
+    toks = tokens_for(chunks * CT)
+    ids = torch.arange(chunks * CT // BLOCK)
+    src = filled_cache(LAYOUT, len(ids), BLOCK)
+    host = bsr.HostTier(capacity_bytes=1 << 28)
+    files = bsr.FileTier(tmp_path / "store", 1 << 28)
+    async with make_engine(LAYOUT, [host, files], window=1, io_depth=1) as eng:
+        assert (await eng.save(toks, src, ids)).ok
+        for key in eng.keys(toks)[held:]:
+            assert await host.delete(key, "kv")
+        dst = bsr.PagedKVCache(LAYOUT, len(ids), BLOCK)
+        r = await eng.restore(toks, dst, ids)
+        assert r.committed_tokens == chunks * CT
+        assert blocks_equal(LAYOUT, src, ids, dst, ids, chunks)
+        chunk_bytes = LAYOUT.group_chunk_bytes("kv")
+        assert r.bytes_by_tier.get("host", 0) == held * chunk_bytes
+        assert r.bytes_by_tier.get("file", 0) == (chunks - held) * chunk_bytes
+        assert host._index.statistics().pinned == 0

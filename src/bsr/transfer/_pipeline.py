@@ -74,6 +74,11 @@ INLINE_BYTES = 256 << 10
 #: restore of 512 KiB chunks: 4.0 ms of CPU besides the bytes in 16 MiB batches, 2.4 ms in
 #: 64 MiB ones); there is no device queue to keep in chunk order
 MEMORY_BATCH_BYTES = 64 << 20
+#: a batch lent in place (HostTier) is borrowed, verified and copied span by span, each span of
+#: at most this many payload bytes (and at least one chunk), so each copy reads bytes its
+#: checksum pass has just brought into the core's cache: a 128 MiB restore of 512 KiB chunks
+#: took 1.21x the CPU of one checksum pass and one copy span by span, 1.29x verified whole
+LEND_SPAN_BYTES = 1 << 20
 
 
 class ChunkFailure(Exception):
@@ -568,8 +573,10 @@ class WindowPipeline:
         """
         run = job.run
         lend = install and job.installer.lends
-        if lend and self._batch_lent(job, batch, slot):
-            return
+        if lend:
+            batch = self._spans_lent(job, batch, slot)
+            if not batch:
+                return
         # a batch whose first holder is one blocking tier, admitted at once: each object is
         # read without its own admission and report (a failed one goes down the ladder)
         admitted = None
@@ -609,6 +616,18 @@ class WindowPipeline:
             finally:
                 for b in lent.values():
                     b.release()
+
+    def _spans_lent(self, job: _Job, batch: Sequence[int], slot: Slot) -> Sequence[int]:
+        """:meth:`_batch_lent` of ``batch`` span by span (``LEND_SPAN_BYTES``); the chunks left
+        to read object by object: none when every span was lent or the request is over, else
+        those from the first span that could not be lent on."""
+        span = max(1, LEND_SPAN_BYTES // max(1, self.layout.chunk_bytes))
+        for i in range(0, len(batch), span):
+            if not self._batch_lent(job, batch[i : i + span], slot):
+                return batch[i:]
+            if job.run.failure is not None or job.run.abandoned:
+                return ()
+        return ()
 
     def _batch_lent(self, job: _Job, batch: Sequence[int], slot: Slot) -> bool:
         """Host destination: borrow every object of ``batch`` from the one lending tier that is
