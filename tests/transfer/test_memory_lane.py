@@ -58,11 +58,16 @@ class PartneredHost(bsr.HostTier):
                 self.inside -= 1
 
 
-async def _restore_peak(tier: PartneredHost, chunks: int, **engine: Any) -> int:
+async def _restore_peak(
+    tier: PartneredHost, chunks: int, below: bsr.Tier | None = None, **engine: Any
+) -> int:
+    """Save ``chunks`` chunks (through to ``below`` too, when given), restore them, check the
+    bytes; the most batches the tier lent at once."""
     toks = tokens_for(chunks * CT)
     ids = torch.arange(chunks * CT // BLOCK)
     src = filled_cache(LAYOUT, len(ids), BLOCK)
-    async with make_engine(LAYOUT, [tier], window=8, io_depth=4, **engine) as eng:
+    tiers: list[bsr.Tier] = [tier] if below is None else [tier, below]
+    async with make_engine(LAYOUT, tiers, window=8, io_depth=4, **engine) as eng:
         assert (await eng.save(toks, src, ids)).ok
         dst = bsr.PagedKVCache(LAYOUT, len(ids), BLOCK)
         r = await eng.restore(toks, dst, ids)
@@ -90,6 +95,20 @@ async def test_memory_workers_batches_run_together_and_no_more(workers: int, chu
     tier = PartneredHost(partners=workers, wait_s=60.0)
     assert await _restore_peak(tier, chunks, memory_workers=workers) == workers
     assert tier.calls >= workers
+
+
+@pytest.mark.parametrize(("workers", "partners", "wait_s"), [(1, 2, 0.05), (2, 2, 60.0)])
+@pytest.mark.anyio
+async def test_a_file_tier_below_the_host_leaves_the_memory_lane_as_it_is(
+    tmp_path: Path, workers: int, partners: int, wait_s: float
+) -> None:
+    """HostTier over a FileTier, saved through to both: every object is first asked of the
+    HostTier, so the restore is memory work and keeps ``memory_workers`` threads (the file
+    tier is read only for what the host cannot give): one batch alone (a partner never
+    comes), or two that do run together."""
+    tier = PartneredHost(partners=partners, wait_s=wait_s)
+    below = bsr.FileTier(tmp_path / "store", 1 << 28)
+    assert await _restore_peak(tier, 16, below, memory_workers=workers) == workers
 
 
 @pytest.mark.anyio

@@ -295,6 +295,9 @@ class _Job:
         #: every holder of every chunk reads at memory speed, into a host cache (set by the
         #: pipeline)
         self.all_inline = False
+        #: the first holder of every object reads at memory speed and every holder blocking,
+        #: into a host cache: the work is verify and copy, in worker threads (set by the pipeline)
+        self.memory = False
 
 
 class WindowPipeline:
@@ -305,8 +308,8 @@ class WindowPipeline:
         tiers: the engine's tiers, fastest first.
         window: W, the most slots one run holds (one per worker).
         io_depth: transfer turns per run: worker-thread calls (or async reads) in flight.
-        memory_workers: the turns of a run whose every chunk comes from memory-speed tiers into
-            a host cache (at most ``io_depth``).
+        memory_workers: the turns of a run whose every object is first asked of a memory-speed
+            tier, into a host cache (at most ``io_depth``).
     """
 
     def __init__(
@@ -397,6 +400,7 @@ class WindowPipeline:
         job = _Job(run, slots, probe, cache, tables, gate, installer)
         job.on_installed = on_installed
         job.all_inline = self._all_inline(job)
+        job.memory = self._memory(job)
         job.turns = anyio.CapacityLimiter(self._turns(job))
         chunks = run.plan.to_read
         size = self._batch_size(job, len(chunks))
@@ -427,11 +431,13 @@ class WindowPipeline:
 
     def _turns(self, job: _Job) -> int:
         """Transfer turns of a run: ``io_depth``, but at most ``memory_workers`` when every
-        chunk comes from memory-speed tiers into a host cache. Then a batch is CPU and memory
-        bandwidth only (verify and copy), with no device queue to keep full: on the 2-vCPU
-        machine of the bench a second thread cost 1.4x the CPU of one (both stall on the same
-        memory bus) for 1.2x the speed."""
-        if job.all_inline:
+        object is first asked of a memory-speed tier, into a host cache (``job.memory``; a
+        slower tier below it, e.g. the FileTier under a HostTier, is read only for what the
+        first one cannot give). Then a batch is CPU and memory bandwidth only (verify and
+        copy), with no device queue to keep full: on the 2-vCPU machine of the bench a second
+        thread cost 1.4x the CPU of one (both stall on the same memory bus) for 1.2x the
+        speed."""
+        if job.memory:
             return max(1, min(self.memory_workers, self.io_depth))
         return self.io_depth
 
@@ -439,11 +445,11 @@ class WindowPipeline:
         if job.installer.one_per_slot:
             return 1  # one slot per chunk: each stays busy until its copy is done
         chunk_bytes = max(1, self.layout.chunk_bytes)
-        if job.all_inline:
-            if chunk_bytes <= INLINE_BYTES:
-                # these batches run one after another on the event loop anyway: as large as an
-                # inline batch may be, so the per-batch steps (slot, turn, task switch) are rare
-                return max(1, INLINE_BYTES // chunk_bytes)
+        if job.all_inline and chunk_bytes <= INLINE_BYTES:
+            # these batches run one after another on the event loop anyway: as large as an
+            # inline batch may be, so the per-batch steps (slot, turn, task switch) are rare
+            return max(1, INLINE_BYTES // chunk_bytes)
+        if job.memory:
             # worker-thread batches of memory-speed reads: one per turn (see
             # MEMORY_BATCH_BYTES); more would only add worker-thread hops
             per_turn = math.ceil(n / self._turns(job))
@@ -452,6 +458,16 @@ class WindowPipeline:
         # batch is one worker-thread hop, whose wake-ups cost CPU on both sides)
         per_worker = math.ceil(n / (2 * self.window))
         return max(1, min(per_worker, BATCH_BYTES // chunk_bytes))
+
+    def _memory(self, job: _Job) -> bool:
+        """Whether the first holder of every object reads at memory speed and every holder
+        reads blocking (so batches run in worker threads), into a host cache."""
+        if job.host is None:
+            return False
+        holders = job.probe.holders
+        first = {hs[0] for per in holders for hs in per.values() if hs}
+        every = {n for per in holders for hs in per.values() for n in hs}
+        return self.ladder.all_inline(list(first)) and self.ladder.all_blocking(list(every))
 
     def _all_inline(self, job: _Job) -> bool:
         """Whether every holder of every chunk reads at memory speed (host destination)."""
