@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -296,16 +297,21 @@ def run_hcache(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a shared machine: parallel regions stall on stolen cores
     doc = _header(sizes, repeats, quick, seed, device)
-    base = Path(path) if path else Path(tempfile.mkdtemp(prefix="bsr-hcache-"))
-    for name, kv_heads in MODELS.items():
-        model = _model(kv_heads, seed, device)
-        rates, doc["models"][name] = _calibrated(model, kv_heads, quick)
-        for n in sizes:
-            point = _point(model, name, n, rates, repeats, quick, seed, base)
-            doc["results"].append(point)
-            print(_row(point), file=sys.stderr)
-
-    doc["filesystem"] = filesystem_info(base)
+    # a fresh directory (in ``path``, else the system's temporary one), removed after the run
+    if path:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    base = Path(tempfile.mkdtemp(prefix="bsr-hcache-", dir=path))
+    try:
+        for name, kv_heads in MODELS.items():
+            model = _model(kv_heads, seed, device)
+            rates, doc["models"][name] = _calibrated(model, kv_heads, quick)
+            for n in sizes:
+                point = _point(model, name, n, rates, repeats, quick, seed, base)
+                doc["results"].append(point)
+                print(_row(point), file=sys.stderr)
+        doc["filesystem"] = filesystem_info(base)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
     doc["why_different"] = _why(doc)
     doc["duration_s"] = time.perf_counter() - t_start
     torch.set_num_threads(threads)

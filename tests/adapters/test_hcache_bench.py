@@ -59,3 +59,36 @@ def test_table_reports_ratios_next_to_the_paper() -> None:
     assert "8.00x" in text and "0.20x" in text and "0r/0h/8kv" in text
     assert "mha 1024: 2.50" in text
     assert "5.73x vs recompute" in text and "1.93x vs KV" in text and "+1.0%" in text
+
+
+def test_the_state_directory_is_made_fresh_and_removed_after(
+    tmp_path: Any, monkeypatch: Any
+) -> None:
+    """The run saves its states in a fresh directory inside ``--path`` (or the system's
+    temporary one) and removes it after, also when a point fails: runs used to leave 290 MB
+    each in /tmp. The points stand in for the measurement (it is the bench's job): each writes
+    a state file where the real one saves its tiers."""
+    seen: list[Any] = []
+
+    def point(model: Any, name: str, n: int, *rest: Any) -> dict[str, Any]:
+        base = rest[-1]
+        (base / f"{name}-{n}.state").write_bytes(b"x" * 4096)
+        seen.append(base)
+        if name == "gqa":
+            raise RuntimeError("a point failed")
+        return {"model": name, "tokens": n}
+
+    monkeypatch.setattr(hb, "MODELS", {"mha": 4, "gqa": 2})
+    monkeypatch.setattr(hb, "_model", lambda kv_heads, seed, device: None)
+    monkeypatch.setattr(hb, "_calibrated", lambda model, kv_heads, quick: (None, {}))
+    monkeypatch.setattr(hb, "_point", point)
+    monkeypatch.setattr(hb, "_row", lambda p: "")
+    store = tmp_path / "store"
+    try:
+        hb.run_hcache([256], 1, True, str(tmp_path / "out.json"), str(store))
+    except RuntimeError:
+        pass
+    else:
+        raise AssertionError("the failing point did not raise")
+    assert seen and all(b.parent == store and b.name.startswith("bsr-hcache-") for b in seen)
+    assert store.is_dir() and list(store.iterdir()) == []
