@@ -399,8 +399,7 @@ class WindowPipeline:
         installer = self._installer(run, cache, tables, strategy)
         job = _Job(run, slots, probe, cache, tables, gate, installer)
         job.on_installed = on_installed
-        job.all_inline = self._all_inline(job)
-        job.memory = self._memory(job)
+        job.all_inline, job.memory = self._memory_speed(job)
         job.turns = anyio.CapacityLimiter(self._turns(job))
         chunks = run.plan.to_read
         size = self._batch_size(job, len(chunks))
@@ -459,22 +458,23 @@ class WindowPipeline:
         per_worker = math.ceil(n / (2 * self.window))
         return max(1, min(per_worker, BATCH_BYTES // chunk_bytes))
 
-    def _memory(self, job: _Job) -> bool:
-        """Whether the first holder of every object reads at memory speed and every holder
-        reads blocking (so batches run in worker threads), into a host cache."""
+    def _memory_speed(self, job: _Job) -> tuple[bool, bool]:
+        """Into a host cache only (else both False), from one walk over the holders: whether
+        every holder of every object reads at memory speed (``job.all_inline``), and whether
+        the first holder of every object does and every holder reads blocking, so batches run
+        in worker threads (``job.memory``)."""
         if job.host is None:
-            return False
-        holders = job.probe.holders
-        first = {hs[0] for per in holders for hs in per.values() if hs}
-        every = {n for per in holders for hs in per.values() for n in hs}
-        return self.ladder.all_inline(list(first)) and self.ladder.all_blocking(list(every))
-
-    def _all_inline(self, job: _Job) -> bool:
-        """Whether every holder of every chunk reads at memory speed (host destination)."""
-        if job.host is None:
-            return False
-        names = {n for per in job.probe.holders for hs in per.values() for n in hs}
-        return self.ladder.all_inline(list(names))
+            return False, False
+        first: set[str] = set()
+        every: set[str] = set()
+        for per in job.probe.holders:
+            for hs in per.values():
+                if hs:
+                    first.add(hs[0])
+                    every.update(hs)
+        ladder = self.ladder
+        all_inline = ladder.all_inline(list(every))
+        return all_inline, ladder.all_inline(list(first)) and ladder.all_blocking(list(every))
 
     async def _worker(self, job: _Job, batches: _Batches, tg: TaskGroup) -> None:
         run = job.run
