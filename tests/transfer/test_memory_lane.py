@@ -62,12 +62,14 @@ async def _restore_peak(
     tier: PartneredHost, chunks: int, below: bsr.Tier | None = None, **engine: Any
 ) -> int:
     """Save ``chunks`` chunks (through to ``below`` too, when given), restore them, check the
-    bytes; the most batches the tier lent at once."""
+    bytes; the most batches the tier lent at once. The engine has W=8 and io_depth 4 unless
+    ``engine`` says otherwise."""
     toks = tokens_for(chunks * CT)
     ids = torch.arange(chunks * CT // BLOCK)
     src = filled_cache(LAYOUT, len(ids), BLOCK)
     tiers: list[bsr.Tier] = [tier] if below is None else [tier, below]
-    async with make_engine(LAYOUT, tiers, window=8, io_depth=4, **engine) as eng:
+    engine = {"window": 8, "io_depth": 4, **engine}
+    async with make_engine(LAYOUT, tiers, **engine) as eng:
         assert (await eng.save(toks, src, ids)).ok
         dst = bsr.PagedKVCache(LAYOUT, len(ids), BLOCK)
         r = await eng.restore(toks, dst, ids)
@@ -114,14 +116,7 @@ async def test_a_file_tier_below_the_host_leaves_the_memory_lane_as_it_is(
 @pytest.mark.anyio
 async def test_memory_workers_never_exceed_io_depth() -> None:
     tier = PartneredHost(partners=4, wait_s=0.05)
-    toks = tokens_for(8 * CT)
-    ids = torch.arange(8 * CT // BLOCK)
-    src = filled_cache(LAYOUT, len(ids), BLOCK)
-    async with make_engine(LAYOUT, [tier], window=4, io_depth=2, memory_workers=4) as eng:
-        assert (await eng.save(toks, src, ids)).ok
-        r = await eng.restore(toks, bsr.PagedKVCache(LAYOUT, len(ids), BLOCK), ids)
-        assert r.committed_tokens == 8 * CT
-    assert tier.peak == 2
+    assert await _restore_peak(tier, 8, window=4, io_depth=2, memory_workers=4) == 2
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, "two", True, None])
