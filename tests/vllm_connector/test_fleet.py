@@ -278,7 +278,10 @@ def test_events_hit_sources_and_removals(server: Server) -> None:
     cpu_in, cpu_out = stored(events, "CPU"), removed(events, "CPU")
     assert len(cpu_in) >= 4 and len(cpu_out) >= len(cpu_in) - 1
     assert len(view(events, "CPU")) == 2  # exactly the object the host holds
-    assert prom(server.port, "vllm:bsr_object_removals_total", cause="evicted") >= 3
+    eventually(  # the counts reach /metrics through the front end, after the events
+        lambda: prom(server.port, "vllm:bsr_object_removals_total", cause="evicted") >= 3,
+        "evicted removals on /metrics",
+    )
 
     # --- a damaged object: the load that finds it quarantines it, and says so
     a0 = vllm_hashes(events, A)[:2]
@@ -304,7 +307,10 @@ def test_events_hit_sources_and_removals(server: Server) -> None:
         ),
         "BlockRemoved for the quarantined object",
     )
-    assert prom(server.port, "vllm:bsr_object_removals_total", cause="quarantined") >= 1
+    eventually(  # the counts reach /metrics through the front end, after the events
+        lambda: prom(server.port, "vllm:bsr_object_removals_total", cause="quarantined") >= 1,
+        "quarantined removals on /metrics",
+    )
 
     # --- bsr store gc in another process: every object it removed is withdrawn
     done = subprocess.run(
@@ -318,7 +324,10 @@ def test_events_hit_sources_and_removals(server: Server) -> None:
         return not view(sub.snapshot(), "STORAGE")
 
     eventually(withdrawn, "BlockRemoved for everything bsr store gc removed", timeout=60)
-    assert prom(server.port, "vllm:bsr_object_removals_total", cause="vanished") >= 1
+    eventually(  # the counts reach /metrics through the front end, after the events
+        lambda: prom(server.port, "vllm:bsr_object_removals_total", cause="vanished") >= 1,
+        "vanished removals on /metrics",
+    )
     events = sub.snapshot()
     counts = {m: (len(stored(events, m)), len(removed(events, m))) for m in ("GPU", "CPU")}
     counts["STORAGE"] = (len(stored(events, "STORAGE")), len(removed(events, "STORAGE")))

@@ -142,6 +142,27 @@ async def test_a_tier_the_save_skipped_as_root_locked_is_not_announced(tmp_path:
         assert {n.tier for n in notices} == {"host"} and len(notices) == 3
 
 
+async def test_removals_are_counted_in_the_stats_of_the_step_that_carries_them() -> None:
+    # vLLM takes a step's connector stats before its worker metadata
+    # (``kv_connector_model_runner_mixin``): the removals the metadata carries must be counted
+    # in those stats, not in the next step's (which never comes to an idle engine)
+    async with rig(allowed=1 << 30) as r:
+        with anyio.fail_after(120):  # a hang guard
+            out = await r.worker._save_one(job())
+        assert isinstance(out, bsr.SaveResult) and out.chunks == 3
+        r.worker.take_stats(), r.worker.worker_meta()  # the save's step
+        assert r.fleet.journal is not None
+        for _, okey in r.fleet.journal.announced()[:2]:
+            assert await r.host.delete(okey.chunk, okey.group)
+        stats = r.worker.take_stats()  # the next step, in vLLM's order
+        meta = r.worker.worker_meta()
+        assert meta is not None
+        gone = [n for n in meta.events if not n.stored]
+        assert len(gone) == 2 and {n.cause for n in gone} == {"deleted"}
+        assert stats is not None and stats.data["object_removals"] == {"deleted": 2}
+        assert r.worker.take_stats() is None and r.worker.worker_meta() is None  # nothing twice
+
+
 def test_wrapped_tiers_keep_every_engine_setting_of_the_config() -> None:
     """``BsrWorker.wrap_tiers`` is the seam for wrapping the config's tiers: the engine is still
     built from the config. The earlier way (override ``build_engine`` and rebuild a

@@ -87,6 +87,8 @@ from ._stats import BsrConnectorStats
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
+    from ._events import ChunkNotice
+
 #: extra time a sync step waits past the load deadline before it cancels the load
 SYNC_GRACE_S = 2.0
 #: how long cancelling a load may take to unwind (bsr bounds its own cleanup well below this)
@@ -143,6 +145,9 @@ class BsrWorker:
         self._saves: dict[str, concurrent.futures.Future[SaveResult | str | None]] = {}
         self._window_saves: dict[int, concurrent.futures.Future[list[SaveResult]]] = {}
         self._windows_done: dict[int, int] = {}  # window jobs to report (job -> 1)
+        # fleet notices taken (and counted) for the next worker metadata: vLLM takes a step's
+        # stats before its worker metadata, so they are taken with the stats
+        self._notices: list[ChunkNotice] = []
         self._finished: dict[str, int] = {}  # request -> step it was reported finished
         self._step = 0
         self._load_errors: set[int] = set()
@@ -655,15 +660,22 @@ class BsrWorker:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
+    def _take_notices(self) -> None:
+        if self.fleet is not None:
+            self._notices.extend(self.fleet.notices())
+
     def worker_meta(self) -> BsrWorkerMetadata | None:
-        notices = [] if self.fleet is None else self.fleet.notices()
-        if not self._outcomes and not self._windows_done and not notices:
+        self._take_notices()
+        if not self._outcomes and not self._windows_done and not self._notices:
             return None
-        meta = BsrWorkerMetadata(self._outcomes, self._windows_done, notices)
-        self._outcomes, self._windows_done = {}, {}
+        meta = BsrWorkerMetadata(self._outcomes, self._windows_done, self._notices)
+        self._outcomes, self._windows_done, self._notices = {}, {}, []
         return meta
 
     def take_stats(self) -> BsrConnectorStats | None:
+        # vLLM takes a step's stats before its worker metadata: the notices that metadata will
+        # carry are taken (and their removals counted) now, so the counts ship in the same step
+        self._take_notices()
         return self.stats.take()
 
     # ================================================================== shutdown
