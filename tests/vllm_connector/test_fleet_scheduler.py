@@ -249,3 +249,23 @@ def test_the_workers_notices_become_vllms_events_once_every_rank_holds_the_chunk
         assert data is not None and data.data["kv_events"] == {"stored": 1, "removed": 1}
     finally:
         w.server.close()
+
+
+def test_events_are_counted_in_the_stats_of_the_step_that_publishes_them() -> None:
+    # vLLM's scheduler takes the connector's stats before its events (``update_from_output``):
+    # the events it publishes in a step must be counted in that step's stats, not the next
+    # one's (which never comes to an engine gone idle)
+    w = Worker()
+    try:
+        sched = scheduler(w)
+        for stored in (True, False):
+            meta = BsrWorkerMetadata({}, events=[notice(stored, 0, cause="evicted")])
+            sched.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=meta))
+            data = sched.take_stats()  # vLLM's order: stats, then events
+            (ev,) = vllm_events(sched.take_events())
+            assert isinstance(ev, BlockStored if stored else BlockRemoved)
+            kind = "stored" if stored else "removed"
+            assert data is not None and data.data["kv_events"] == {kind: 1}
+        assert sched.take_stats() is None and sched.take_events() == []  # nothing twice
+    finally:
+        w.server.close()

@@ -153,6 +153,9 @@ class BsrScheduler:
         self.stats = BsrConnectorStats()
         self.tiers: tuple[tuple[str, str], ...] = ()  # the worker's (tier, hit source)
         self.relay = EventRelay(settings.tp_size)  # KV event notices -> vLLM's publisher
+        # notices taken from the relay (and counted) for the next take_events: vLLM takes a
+        # step's stats before its events, so they are taken with the stats
+        self._events: list[ChunkNotice] = []
         self._steps: deque[tuple[float, int]] = deque()  # (scheduled at, tokens) per step
         self.prefill = CostModel()  # the prefill rate measured here (policy "cost")
         self.sightings = SightingCounter() if settings.options.admit_after_sightings > 1 else None
@@ -569,14 +572,21 @@ class BsrScheduler:
         self._log.info("bsr.vllm.reset_cache")
         return True
 
+    def _take_relay(self) -> None:
+        for n in self.relay.take():
+            self.stats.count_key("kv_events", "stored" if n.stored else "removed")
+            self._events.append(n)
+
     def take_events(self) -> list[ChunkNotice]:
         """The KV event notices to publish since the last call (counted)."""
-        out = self.relay.take()
-        for n in out:
-            self.stats.count_key("kv_events", "stored" if n.stored else "removed")
+        self._take_relay()
+        out, self._events = self._events, []
         return out
 
     def take_stats(self) -> BsrConnectorStats | None:
+        # vLLM takes a step's stats before its events: the events it is about to publish are
+        # taken (and counted) now, so the counts ship in the same step
+        self._take_relay()
         # vLLM asks once per engine step, after the step's output: time that step
         if self._steps:
             scheduled_at, tokens = self._steps.popleft()
