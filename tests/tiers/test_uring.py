@@ -328,6 +328,24 @@ class HostileReader(UringReader):
         finally:
             os.close(bad)
 
+    def _stream_pieces(self, r: Any, bufs: Any) -> Any:
+        # a restore into a host cache streams its reads (UringReader.stream): the same traps,
+        # on the descriptor the stream reads (the tier closes it when the object ends)
+        with self._guard:
+            trap = self.traps > 0
+            self.traps -= trap
+        if trap:
+            self.trapped.set()
+            if self.kind == "stall":
+                stalled = os.dup(self.pipe[0])
+                os.close(r.fd)
+                r.fd, r.size = stalled, 4096
+            else:
+                bad = os.open(f"/proc/self/fd/{r.fd}", os.O_WRONLY)
+                os.close(r.fd)
+                r.fd = bad
+        return super()._stream_pieces(r, bufs)
+
     def close(self) -> None:
         for fd in self.pipe:
             os.close(fd)

@@ -13,7 +13,7 @@ the same gate. It decides nothing itself: quarantine and tier health are the eng
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -127,6 +127,20 @@ class LadderResult:
         return self.ok and (self.attempts > 1 or bool(self.errors))
 
 
+@dataclass(slots=True)
+class StreamItem:
+    """One object of a streamed batch (:meth:`TierLadder.stream_admitted_blocking`): what to
+    read, where to, and the caller's ``token``."""
+
+    key: ChunkKey
+    chunk: int
+    group: str
+    holders: Sequence[str]
+    region: Any
+    expected: int
+    token: Any = None
+
+
 class TierLadder:
     """Reads objects down the tiers that hold them, reporting every attempt to a gate.
 
@@ -139,6 +153,7 @@ class TierLadder:
         self._blocking = {n for n, t in self.tiers.items() if getattr(t, "blocking_reads", False)}
         self._inline = {n for n in self._blocking if getattr(self.tiers[n], "inline_reads", False)}
         self._borrow = {n for n in self._blocking if getattr(self.tiers[n], "borrow_reads", False)}
+        self._stream = {n for n in self._blocking if getattr(self.tiers[n], "stream_reads", False)}
 
     def all_blocking(self, names: Sequence[str]) -> bool:
         """Whether every named tier supports :meth:`~bsr.Tier.read_into_blocking`."""
@@ -147,6 +162,11 @@ class TierLadder:
     def all_inline(self, names: Sequence[str]) -> bool:
         """Whether every named tier reads at memory speed (``inline_reads``)."""
         return self._inline.issuperset(names)
+
+    def streams(self, name: str) -> bool:
+        """Whether the tier ``name`` keeps several reads in flight on one thread
+        (``stream_reads``: :meth:`~bsr.FileTier.stream_into_blocking`)."""
+        return name in self._stream
 
     def lends(self, name: str) -> bool:
         """Whether the tier ``name`` lends verified payloads in place (``borrow_reads``)."""
@@ -313,6 +333,53 @@ class TierLadder:
             result.corrupt = result.corrupt or outcome is Outcome.CORRUPT
             return result
         raise AssertionError("unreachable: a wrong length raised above")  # pragma: no cover
+
+    def stream_admitted_blocking(
+        self,
+        gate: ReadGate,
+        name: str,
+        begin: Callable[[], StreamItem | None],
+        end: Callable[[StreamItem, LadderResult], bool],
+        ahead: int,
+    ) -> None:
+        """:meth:`read_admitted_blocking` of a batch's objects on ``name`` (a tier with
+        ``stream_reads``), up to ``ahead`` reads in flight on the calling (worker) thread.
+
+        ``begin()`` gives the next object (None: none now, asked again after each ``end``);
+        ``end(item, result)`` gets each object's result as its read completes, after what
+        :meth:`read_admitted_blocking` does with a failed first attempt (reported, then read
+        on down the ladder into ``item.region``); it returns whether to begin more.
+        """
+
+        def tier_begin() -> tuple[Any, ChunkKey, str, Any] | None:
+            item = begin()
+            return None if item is None else (item, item.key, item.group, item.region)
+
+        def tier_end(item: StreamItem, got: int | Exception) -> bool:
+            if got == item.expected:
+                return end(item, LadderResult(tier=name, nbytes=item.expected, attempts=1))
+            if isinstance(got, ReadWithdrawnError):  # the request ended: came to nothing
+                return end(item, self._exhausted(LadderResult(attempts=1), [f"{name}: {got}"]))
+            exc = got if isinstance(got, Exception) else None
+            if exc is None:
+                want = item.expected
+                exc = CorruptObjectError(
+                    f"payload is {got} bytes, the layout says {want}", tier=name, group=item.group
+                )
+            outcome, text = _failed_text(name, exc)
+            gate.report(
+                ReadOutcome(
+                    name, item.key, item.group, item.chunk, outcome, 0, text, type(exc).__name__
+                )
+            )
+            result = self.read_blocking(
+                gate, item.key, item.chunk, item.group, item.holders[1:], item.region,
+                item.expected, prior=(text,),
+            )  # fmt: skip
+            result.corrupt = result.corrupt or outcome is Outcome.CORRUPT
+            return end(item, result)
+
+        self.tiers[name].stream_into_blocking(tier_begin, tier_end, ahead)  # type: ignore[attr-defined]
 
     @staticmethod
     def batch_ok(gate: ReadGate, name: str) -> None:

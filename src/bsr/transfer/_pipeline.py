@@ -57,7 +57,7 @@ from ..tiers._base import Borrowed, Tier
 from ..tiers.file import cancellation
 from ._cache import PagedKVCache
 from ._install import CudaInstaller, HostInstaller
-from ._ladder import LadderResult, Outcome, ReadGate, TierLadder
+from ._ladder import LadderResult, Outcome, ReadGate, StreamItem, TierLadder
 from ._staging import Slot, StagingAccount
 from ._tables import BlockTables
 
@@ -107,6 +107,10 @@ class WholePlanBuffer:
         self._next += 1
         await anyio.lowlevel.checkpoint()
         return Slot(i, self.buffer[i * self.slot_bytes : (i + 1) * self.slot_bytes])
+
+    def acquire_nowait(self) -> Slot:
+        """Never: a whole-plan run takes its regions one by one (:meth:`acquire`)."""
+        raise anyio.WouldBlock
 
     def release(self, slot: Slot) -> None:
         """Nothing to give back: the buffer lives as long as the request."""
@@ -298,6 +302,11 @@ class _Job:
         #: the first holder of every object reads at memory speed and every holder blocking,
         #: into a host cache: the work is verify and copy, in worker threads (set by the pipeline)
         self.memory = False
+        #: the first holder of every object is one tier that streams reads (an io_uring
+        #: FileTier) and every holder reads blocking, into a host cache copied as each chunk
+        #: arrives: a worker thread keeps several reads in flight on its own (set by the
+        #: pipeline)
+        self.stream: str | None = None
 
 
 class WindowPipeline:
@@ -399,16 +408,24 @@ class WindowPipeline:
         installer = self._installer(run, cache, tables, strategy)
         job = _Job(run, slots, probe, cache, tables, gate, installer)
         job.on_installed = on_installed
-        job.all_inline, job.memory = self._memory_speed(job)
+        job.all_inline, job.memory, job.stream = self._lanes(job)
         job.turns = anyio.CapacityLimiter(self._turns(job))
         chunks = run.plan.to_read
         size = self._batch_size(job, len(chunks))
         batches = _Batches(chunks, size)
+        n_batches = max(1, -(-len(chunks) // size))
         async with anyio.create_task_group() as tg:
-            # one worker per batch at most: a worker holds one slot, so W workers fill the
-            # window, and a short restore does not start workers that would find nothing
-            for _ in range(min(self.window, max(1, -(-len(chunks) // size)))):
-                tg.start_soon(self._worker, job, batches, tg)
+            if job.stream is not None:
+                # a streaming worker holds several slots and keeps its reads in flight
+                # itself: one per turn
+                for _ in range(min(self._turns(job), n_batches)):
+                    tg.start_soon(self._stream_worker, job, batches, tg)
+            else:
+                # one worker per batch at most: a worker holds one slot, so W workers fill
+                # the window, and a short restore does not start workers that would find
+                # nothing
+                for _ in range(min(self.window, n_batches)):
+                    tg.start_soon(self._worker, job, batches, tg)
         await installer.finish(job)
 
     def _installer(
@@ -436,7 +453,7 @@ class WindowPipeline:
         copy), with no device queue to keep full: on the 2-vCPU machine of the bench a second
         thread cost 1.4x the CPU of one (both stall on the same memory bus) for 1.2x the
         speed."""
-        if job.memory:
+        if job.memory or job.stream is not None:
             return max(1, min(self.memory_workers, self.io_depth))
         return self.io_depth
 
@@ -448,8 +465,8 @@ class WindowPipeline:
             # these batches run one after another on the event loop anyway: as large as an
             # inline batch may be, so the per-batch steps (slot, turn, task switch) are rare
             return max(1, INLINE_BYTES // chunk_bytes)
-        if job.memory:
-            # worker-thread batches of memory-speed reads: one per turn (see
+        if job.memory or job.stream is not None:
+            # worker-thread batches of memory-speed or streamed reads: one per turn (see
             # MEMORY_BATCH_BYTES); more would only add worker-thread hops
             per_turn = math.ceil(n / self._turns(job))
             return max(1, min(per_turn, MEMORY_BATCH_BYTES // chunk_bytes))
@@ -458,13 +475,15 @@ class WindowPipeline:
         per_worker = math.ceil(n / (2 * self.window))
         return max(1, min(per_worker, BATCH_BYTES // chunk_bytes))
 
-    def _memory_speed(self, job: _Job) -> tuple[bool, bool]:
-        """Into a host cache only (else both False), from one walk over the holders: whether
-        every holder of every object reads at memory speed (``job.all_inline``), and whether
-        the first holder of every object does and every holder reads blocking, so batches run
-        in worker threads (``job.memory``)."""
+    def _lanes(self, job: _Job) -> tuple[bool, bool, str | None]:
+        """Into a host cache only (else False, False, None), from one walk over the holders:
+        whether every holder of every object reads at memory speed (``job.all_inline``);
+        whether the first holder of every object does and every holder reads blocking, so
+        batches run in worker threads (``job.memory``); and else the one tier that is the
+        first holder of every object if it streams reads and every holder reads blocking, the
+        chunks copied as they arrive (``job.stream``)."""
         if job.host is None:
-            return False, False
+            return False, False, None
         first: set[str] = set()
         every: set[str] = set()
         for per in job.probe.holders:
@@ -474,7 +493,13 @@ class WindowPipeline:
                     every.update(hs)
         ladder = self.ladder
         all_inline = ladder.all_inline(list(every))
-        return all_inline, ladder.all_inline(list(first)) and ladder.all_blocking(list(every))
+        blocking = ladder.all_blocking(list(every))
+        memory = ladder.all_inline(list(first)) and blocking
+        stream = None
+        if not memory and blocking and len(first) == 1 and job.installer.streams:
+            (name,) = first
+            stream = name if ladder.streams(name) else None
+        return all_inline, memory, stream
 
     async def _worker(self, job: _Job, batches: _Batches, tg: TaskGroup) -> None:
         run = job.run
@@ -505,6 +530,101 @@ class WindowPipeline:
             if pending is not None:
                 await pending
 
+    async def _stream_worker(self, job: _Job, batches: _Batches, tg: TaskGroup) -> None:
+        """A worker of a streamed run: per batch, a slot (waited for) and up to its share of
+        the window more (if free now), and one worker-thread call that keeps up to its share
+        of ``io_depth`` reads in flight, copying each chunk into the cache as it arrives."""
+        run = job.run
+        turns = self._turns(job)
+        ahead = max(1, -(-self.io_depth // turns))
+        share = max(1, min(self.window // turns, ahead))
+        while True:
+            batch = batches.take(run)
+            if not batch:
+                return
+            slots = [await job.slots.acquire()]
+            run.held.add(slots[0])
+            while len(slots) < min(share, len(batch)):
+                try:
+                    slot = job.slots.acquire_nowait()
+                except anyio.WouldBlock:
+                    break
+                run.held.add(slot)
+                slots.append(slot)
+            run.touched_chunks.update(batch)
+            async with job.turns:
+                await self._thread(job, slots, self._batch_stream, job, batch, slots, ahead)
+            for slot in slots:
+                self._installed(job, slot)
+            await self._announce(job, batch)
+
+    def _batch_stream(self, job: _Job, batch: Sequence[int], slots: list[Slot], ahead: int) -> None:
+        """Worker thread: stream ``batch`` from ``job.stream`` through ``slots`` (each chunk
+        installed as its groups arrive, its slot then reused); when the gate wants each object
+        admitted on its own, the batch goes object by object through the first slot."""
+        run = job.run
+        holders, keys = job.probe.holders, job.probe.keys
+        objects = [(keys[c], g, holders[c][g]) for c in batch for g in run.needed[c]]
+        name = self.ladder.admit_batch(job.gate, objects)
+        if name is None:
+            self._batch_blocking(job, batch, slots[0])
+            return
+        try:
+            self.ladder.stream_admitted_blocking(
+                job.gate, name, *self._stream_steps(job, batch, slots), ahead
+            )
+        finally:
+            self.ladder.batch_ok(job.gate, name)
+
+    def _stream_steps(
+        self, job: _Job, batch: Sequence[int], slots: list[Slot]
+    ) -> tuple[Callable[[], StreamItem | None], Callable[[StreamItem, LadderResult], bool]]:
+        """The ``begin`` and ``end`` of a streamed batch: a chunk begins when a slot is free
+        (its groups one by one); once its last group ended it is installed (unless it or an
+        earlier chunk failed) and its slot is free again."""
+        run = job.run
+        holders, keys, needed = job.probe.holders, job.probe.keys, run.needed
+        expected, after_read = self._expected, job.installer.after_read
+        free = list(reversed(slots))
+        todo = list(reversed(batch))
+        queued: list[StreamItem] = []  # the groups of the chunk begun last, not begun yet
+        left: dict[int, int] = {}  # chunk -> its groups not ended yet
+        failed: set[int] = set()
+
+        def begin() -> StreamItem | None:
+            if queued:
+                return queued.pop()
+            if not free or not todo or not run.wanted(todo[-1]):
+                return None
+            c = todo.pop()
+            slot = free.pop()
+            groups = needed[c]
+            left[c] = len(groups)
+            items = [
+                StreamItem(keys[c], c, g, holders[c][g], self._region(job, slot, g), expected[g],
+                           slot)
+                for g in groups
+            ]  # fmt: skip
+            queued.extend(reversed(items[1:]))
+            return items[0]
+
+        def end(item: StreamItem, result: LadderResult) -> bool:
+            c = item.chunk
+            if result.ok:
+                run.record_read(result)
+            else:
+                self._read_failed(job, c, item.group, result)
+                failed.add(c)
+            left[c] -= 1
+            if left[c] == 0:
+                del left[c]
+                if c not in failed and run.wanted(c):
+                    after_read(job, c, item.token, None)
+                free.append(item.token)
+            return not run.must_stop
+
+        return begin, end
+
     def _mode(self, job: _Job, batch: Sequence[int]) -> str:
         """How to move ``batch``: ``inline`` (small, memory-speed tiers, host destination, on
         the event loop), ``thread`` (one worker-thread call) or ``async`` (tiers' async reads)."""
@@ -517,14 +637,17 @@ class WindowPipeline:
             return "inline"
         return "thread"
 
-    async def _thread(self, job: _Job, slot: Slot, fn: Any, *args: Any) -> Any:
+    async def _thread(self, job: _Job, slot: Slot | list[Slot], fn: Any, *args: Any) -> Any:
         """Run ``fn`` in a worker thread that may outlive a cancelled request (then parked).
 
-        ``run.busy[slot]`` is set once the slot is free of the thread: when ``fn`` returned, or
-        at once when the call was cancelled before the thread started (it then never runs).
+        ``run.busy[slot]`` (of each slot given) is set once the slot is free of the thread:
+        when ``fn`` returned, or at once when the call was cancelled before the thread started
+        (it then never runs).
         """
         done = threading.Event()
-        job.run.busy[slot] = done
+        slots = slot if isinstance(slot, list) else [slot]
+        for s in slots:
+            job.run.busy[s] = done
 
         def call() -> Any:
             # reads stuck in an io_uring see the run end and withdraw their requests
@@ -535,7 +658,8 @@ class WindowPipeline:
         # call never started or raised, in the worker when it returns after being abandoned
         result = await self._calls.run(call, release=done.set)
         done.set()
-        job.run.busy.pop(slot, None)
+        for s in slots:
+            job.run.busy.pop(s, None)
         return result
 
     async def _announce(self, job: _Job, chunks: Sequence[int]) -> None:
@@ -884,6 +1008,8 @@ class Installer:
             copied after its transfer turn (the streamed host path).
         copies: ``after_read`` copies into the cache (CPU work: the async-read path runs it in
             a worker thread).
+        streams: ``after_read`` completes a chunk and frees its slot at once, so a worker may
+            keep several chunks in flight through several slots (the streamed host path).
         after_read: ``after_read(job, chunk, slot, lent) -> bool``, in the worker thread (or on
             the event loop for a batch run inline): what follows a chunk's verified read; False
             ends the batch (the failure is recorded in the run). An attribute, not a method, so
@@ -894,6 +1020,7 @@ class Installer:
     one_per_slot = True
     lends = False
     copies = False
+    streams = False
     after_read: Callable[[_Job, int, Slot, dict[str, Borrowed] | None], bool] = staticmethod(
         _no_copy
     )
@@ -921,6 +1048,7 @@ class StreamedHostInstall(Installer):
     one_per_slot = False
     lends = True
     copies = True
+    streams = True
 
     def __init__(self, pipe: WindowPipeline, host: HostInstaller) -> None:
         super().__init__(pipe)

@@ -547,8 +547,179 @@ class UringReader(PosixReader):
                 self._depth.give(back)  # the places of those reaped, at once
         return error, stop
 
+    # ------------------------------------------------------------------ streams
+    def stream(
+        self,
+        begin: Callable[[], StreamRead | None],
+        end: Callable[[StreamRead], bool],
+        ahead: int,
+    ) -> None:
+        """Read objects one after another on this thread's ring, up to ``ahead`` at once.
+
+        ``begin()`` gives the next object to read (opened by the caller), or None when none
+        can begin now (no more objects, or no free buffer: one comes back only through
+        ``end``, and ``begin`` is asked again after each). ``end(read)`` is called exactly
+        once for every object begun, in the order their reads complete, with ``read.got``
+        set (or ``read.error``: the open failed, the kernel failed the read, or
+        :class:`ReadCancelledError`); it verifies and installs, and what it returns says
+        whether to begin more. While one object is verified and copied, the kernel reads the
+        others: one thread keeps the device busy without a thread, a sleep and a wake-up per
+        read.
+
+        The requests in flight stay within the reader's depth (shared with its other
+        threads). Cancellation (:func:`cancellation`) withdraws the requests in flight; their
+        objects still get their ``end`` (with :class:`ReadCancelledError`) once every request
+        is reaped, so no buffer is written after this returns. Where the ring is unavailable,
+        or fails under a stream, the objects left are read one by one with ``preadv``.
+        """
+        ring = self._ring()
+        if ring is None:
+            self._stream_posix(begin, end)
+            return
+        bufs: _Streams | None = getattr(self._local, "streams", None)
+        if bufs is None or bufs.n < ahead:
+            bufs = self._local.streams = _Streams(max(ahead, 1))
+        st = _StreamState(list(range(max(1, ahead))), end)
+        check = getattr(_CANCEL, "check", None)
+        try:
+            while True:
+                while st.more and st.free and not st.cancelled:
+                    r = begin()
+                    if r is None:
+                        break
+                    if r.error is not None:
+                        st.more = end(r) and st.more
+                        continue
+                    r.slot = st.free.pop()
+                    st.waiting.extend(self._stream_pieces(r, bufs))
+                if st.waiting and not st.cancelled:
+                    room = ring.entries - len(st.reads)
+                    k = self._depth.take(
+                        min(len(st.waiting), room), block=not st.reads, check=check
+                    )
+                    if k == 0 and not st.reads:  # cancelled while waiting for the depth
+                        st.cancel()
+                    else:
+                        self._queue_stream(ring, st, k)
+                if not st.reads:
+                    if st.waiting:
+                        continue
+                    return  # nothing in flight, and begin() had nothing (or we stopped)
+                ring.enter(wait=1, timeout_s=CANCEL_POLL_S if check is not None else None)
+                self._reap_stream(ring, st)
+                if check is not None and not st.cancelled and check():
+                    st.cancel()
+                    self._withdraw(ring, st.reads)
+        except RingError:
+            # the ring failed under us: wait (bounded) for what is in flight, end those reads
+            # with the error, and read the rest with preadv
+            outstanding = len(st.reads)
+            self._drain(ring, st.reads)
+            self._depth.give(outstanding)
+            self._drop_ring(closed=not st.reads)
+            if st.reads:  # still in flight after the drain: their buffers may be written
+                raise
+            exc = OSError(errno.EIO, "io_uring failed under a stream read")
+            for r in st.begun():
+                r.error = r.error or exc
+                st.end_read(r)
+            if st.more and not st.cancelled:
+                self._stream_posix(begin, end)
+        except BaseException:
+            outstanding = len(st.reads)
+            self._drain(ring, st.reads)
+            self._depth.give(outstanding)
+            self._drop_ring(closed=not st.reads)
+            raise
+
+    def _stream_pieces(self, r: StreamRead, bufs: _Streams) -> list[tuple[StreamRead, Piece, int]]:
+        """The requests of object ``r``: its header and first block in one vector request,
+        then requests of at most ``block_bytes`` (as :meth:`read_fd`)."""
+        assert r.payload is not None
+        header = r.header = bufs.headers[r.slot]
+        head = bufs.addresses[r.slot]
+        base = _address(r.payload)
+        if _O_DIRECT and (head | base | len(r.payload)) % ALIGNMENT:
+            _unaligned_buffered(r.fd, header, r.payload)
+        want = min(len(r.payload), align_up(max(0, r.size - HEADER_SIZE)))
+        first = min(want, self.block_bytes)
+        iov = bufs.iovs[r.slot]
+        iov[0].base, iov[0].len = head, HEADER_SIZE
+        iov[1].base, iov[1].len = base, first
+        pieces: list[Piece] = [(0, ctypes.addressof(iov), HEADER_SIZE + first, 2 if first else 1)]
+        for off in range(first, want, self.block_bytes):
+            pieces.append((HEADER_SIZE + off, base + off, min(self.block_bytes, want - off), 0))
+        r.got = [0] * len(pieces)
+        r.lengths = [p[2] for p in pieces]
+        r.left = len(pieces)
+        return [(r, p, i) for i, p in enumerate(pieces)]
+
+    def _queue_stream(self, ring: Ring, st: _StreamState, k: int) -> None:
+        """Queue the first ``k`` waiting requests (their places in the depth taken)."""
+        queued = 0
+        try:
+            for r, (off, addr, length, vectors), i in st.waiting[:k]:
+                if vectors:
+                    tag = ring.readv(r.fd, off, addr, vectors)
+                else:
+                    tag = ring.read(r.fd, off, addr, length)
+                st.reads[tag] = (r, i)
+                queued += 1
+        finally:
+            del st.waiting[:queued]
+            self._depth.give(k - queued)
+
+    def _reap_stream(self, ring: Ring, st: _StreamState) -> None:
+        """Take the completions the ring holds; end each object whose requests are all in."""
+        back = 0
+        try:
+            for tag, res in ring.reap():
+                hit = st.reads.pop(tag, None)
+                if hit is None:
+                    continue
+                back += 1
+                r, i = hit
+                r.left -= 1
+                if res < 0:
+                    if r.error is None:
+                        r.error = OSError(-res, os.strerror(-res))
+                    st.drop_waiting(r)
+                else:
+                    r.got[i] = res
+                    if res < r.lengths[i]:
+                        st.drop_waiting(r)  # end of file: nothing more to read
+                if r.left == 0:
+                    st.end_read(r)
+        finally:
+            if back:
+                self._depth.give(back)
+
+    def _stream_posix(
+        self, begin: Callable[[], StreamRead | None], end: Callable[[StreamRead], bool]
+    ) -> None:
+        """:meth:`stream` one object at a time with ``preadv`` (no ring here)."""
+        header = getattr(self._local, "posix_head", None)
+        if header is None:
+            header = self._local.posix_head = aligned_buffer(HEADER_SIZE)
+        while True:
+            r = begin()
+            if r is None:
+                return
+            if r.error is None:
+                assert r.payload is not None
+                r.header = header
+                try:
+                    n = PosixReader.read_fd(self, r.fd, header, r.payload)
+                    r.got, r.lengths = [n], [n]
+                except OSError as exc:
+                    r.error = exc
+                with self._lock:
+                    self.fallback_reads += 1
+            if not end(r):
+                return
+
     @staticmethod
-    def _withdraw(ring: Ring, tags: dict[int, int]) -> None:
+    def _withdraw(ring: Ring, tags: dict[int, Any]) -> None:
         """Ask the kernel to cancel every request in flight (they are still reaped after)."""
         if tags:
             for tag in tags:
@@ -556,7 +727,7 @@ class UringReader(PosixReader):
             ring.enter()
 
     @staticmethod
-    def _drain(ring: Ring, tags: dict[int, int], rounds: int = 50) -> None:
+    def _drain(ring: Ring, tags: dict[int, Any], rounds: int = 50) -> None:
         for _ in range(rounds):
             if not tags:
                 return
@@ -574,6 +745,110 @@ class UringReader(PosixReader):
         if owned is not None and not closed:
             _UNDRAINED.append(owned)  # requests may still write into their buffers: keep it open
             _UNDRAINED.append(iov)  # and read their iovecs: keep them too
+
+
+class StreamRead:
+    """One object read of a stream (:meth:`UringReader.stream`).
+
+    The caller fills ``token`` (its own), ``fd``, ``payload`` (4 KiB aligned for ``O_DIRECT``)
+    and ``size`` (the file's size, from its ``fstat``), or ``error`` when the object could not
+    be opened; the reader sets ``header`` (a buffer of its own, valid until ``end`` returns),
+    and ``got`` (bytes read contiguously from the start of the file) or ``error``.
+    """
+
+    __slots__ = (
+        "error", "fd", "got", "header", "left", "lengths", "payload", "size", "slot", "token",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        token: Any,
+        fd: int = -1,
+        payload: memoryview | None = None,
+        size: int = 0,
+        error: BaseException | None = None,
+    ) -> None:
+        self.token = token
+        self.fd = fd
+        self.payload = payload
+        self.size = size
+        self.error = error
+        self.header: memoryview | None = None
+        self.got: list[int] = []
+        self.lengths: list[int] = []
+        self.left = 0  # requests not reaped yet (queued or waiting)
+        self.slot = -1  # the reader's header buffer it holds
+
+    @property
+    def total(self) -> int:
+        """Bytes read contiguously from the start of the file."""
+        total = 0
+        for n, length in zip(self.got, self.lengths):
+            total += n
+            if n < length:
+                break
+        return total
+
+
+class _Streams:
+    """A thread's buffers for :meth:`UringReader.stream`: header buffers and iovec pairs."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.buffer = aligned_buffer(n * HEADER_SIZE)
+        self.headers = [self.buffer[i * HEADER_SIZE : (i + 1) * HEADER_SIZE] for i in range(n)]
+        self.addresses = [_address(h) for h in self.headers]
+        self.iovs = [(_Iovec * 2)() for _ in range(n)]
+
+
+class _StreamState:
+    """The bookkeeping of one :meth:`UringReader.stream`."""
+
+    __slots__ = ("cancelled", "end", "free", "more", "reads", "waiting")
+
+    def __init__(self, free: list[int], end: Callable[[StreamRead], bool]) -> None:
+        self.free = free  # header buffers (objects that may be in flight)
+        self.end = end
+        self.more = True  # begin() may be asked for more
+        self.cancelled = False
+        self.reads: dict[int, tuple[StreamRead, int]] = {}  # tag -> (object, request index)
+        self.waiting: list[tuple[StreamRead, Piece, int]] = []  # requests not queued yet
+
+    def begun(self) -> list[StreamRead]:
+        """Every object begun and not ended yet."""
+        seen: dict[int, StreamRead] = {}
+        for r, _ in self.reads.values():
+            seen[id(r)] = r
+        for r, _, _ in self.waiting:
+            seen[id(r)] = r
+        return list(seen.values())
+
+    def drop_waiting(self, r: StreamRead) -> None:
+        """No further request of ``r`` is queued (an error or the end of its file)."""
+        kept = [w for w in self.waiting if w[0] is not r]
+        r.left -= len(self.waiting) - len(kept)
+        self.waiting = kept
+
+    def cancel(self) -> None:
+        """Withdrawn: nothing more begins or queues; objects not in flight end now."""
+        self.cancelled = True
+        self.more = False
+        pending = {id(r): r for r, _, _ in self.waiting}
+        self.waiting = []
+        for r in pending.values():
+            in_flight = sum(1 for x, _ in self.reads.values() if x is r)
+            r.left = in_flight
+            if r.left == 0:
+                self.end_read(r)
+
+    def end_read(self, r: StreamRead) -> None:
+        """Hand ``r`` to the caller's ``end`` and take its header buffer back."""
+        if self.cancelled and (r.error is not None or r.total < sum(r.lengths)):
+            r.error = ReadCancelledError()
+        self.free.append(r.slot)
+        r.left = -1  # ended
+        if not self.end(r):
+            self.more = False
 
 
 class _OwnedRing:

@@ -89,6 +89,7 @@ from ._readers import (
     PosixReader,
     ReadCancelledError,
     ReadWithdrawnError,
+    StreamRead,
     UringReader,
     aligned_buffer,
     calibrate_depth,
@@ -630,6 +631,137 @@ class FileTier(IndexedTier):
         self._count_hit(plen)
         return plen
 
+    @property
+    def stream_reads(self) -> bool:
+        """Whether :meth:`stream_into_blocking` keeps several reads in flight on one thread
+        (an io_uring reader that the kernel has not refused)."""
+        reader = self.reader
+        return isinstance(reader, UringReader) and reader.disabled_reason is None
+
+    def stream_into_blocking(
+        self,
+        begin: Callable[[], tuple[Any, ChunkKey, str, Any] | None],
+        end: Callable[[Any, int | Exception], bool],
+        ahead: int,
+    ) -> None:
+        """Read objects into their destinations with up to ``ahead`` reads in flight on this
+        (worker) thread's ring, each verified as its read completes.
+
+        ``begin()`` gives the next ``(token, key, group, dst)``, or None when none can begin
+        now (asked again after each ``end``); ``end(token, result)`` is called exactly once
+        per object begun, in the order reads complete, with the payload length (verified, as
+        :meth:`read_into_blocking` returns it) or the exception :meth:`read_into_blocking`
+        would have raised (a miss, a corrupt object, an I/O error, :class:`ReadWithdrawnError`
+        once the calling request ended); a ``dst`` is written only between its ``begin`` and
+        its ``end``. ``end`` returns whether to begin more. Without an io_uring reader the
+        objects are read one by one (:meth:`read_into_blocking`).
+        """
+        self._ensure_open()
+        reader = self.reader
+        if not isinstance(reader, UringReader):
+            self._stream_one_by_one(begin, end)
+            return
+        dirs = self._enter()
+        begun: dict[int, StreamRead] = {}  # objects opened and not ended (closed on the way out)
+
+        def tier_begin() -> StreamRead | None:
+            item = begin()
+            if item is None:
+                return None
+            token, key, group, dst = item
+            okey = ObjectKey(key, group)
+            oid = okey.object_id
+            r = StreamRead((token, okey, oid, None))
+            if self._index.pin(oid) is None:
+                self._count(misses=1)
+                r.error = ObjectNotFoundError(
+                    "object not in file tier", tier=self.name, key=key.hex[:16], group=group
+                )
+                return r
+            view = as_byte_view(dst)
+            r.token = (token, okey, oid, view)
+            begun[id(r)] = r
+            try:
+                r.fd, st = self._open_object(dirs, oid)
+            except (OSError, NotRegularFileError) as exc:
+                r.error = exc
+                return r
+            r.size = st.st_size
+            r.payload = view[: len(view) - len(view) % 4096]
+            if r.size < HEADER_SIZE:
+                r.error = TruncatedObjectError(
+                    f"object file is {r.size} bytes, shorter than its {HEADER_SIZE}-byte header",
+                    tier=self.name, key=key.hex[:16], group=group,
+                )  # fmt: skip
+            return r
+
+        def tier_end(r: StreamRead) -> bool:
+            token, okey, oid, view = r.token
+            return end(token, self._end_stream_read(r, okey, oid, view, begun))
+
+        try:
+            reader.stream(tier_begin, tier_end, ahead)
+        finally:
+            for r in begun.values():  # only when the stream raised: every end closes its own
+                if r.fd >= 0:
+                    os.close(r.fd)
+                self._index.unpin(r.token[2])
+            self._leave()
+
+    def _end_stream_read(
+        self,
+        r: StreamRead,
+        okey: ObjectKey,
+        oid: str,
+        view: memoryview | None,
+        begun: dict[int, StreamRead],
+    ) -> int | Exception:
+        """Close, verify and unpin one object of a stream: its payload length or the error."""
+        if view is None:  # never pinned: a miss
+            assert r.error is not None
+            return r.error if isinstance(r.error, Exception) else ReadCancelledError()
+        del begun[id(r)]
+        try:
+            if r.fd >= 0:
+                os.close(r.fd)
+                r.fd = -1
+            if r.error is not None:
+                raise r.error
+            room = len(r.payload) if r.payload is not None else 0
+            plen = self._verified(r.header, r.total, r.size, okey, view, room)
+        except ObjectError as exc:
+            self._count(errors=1)
+            return exc
+        except ReadCancelledError:
+            return ReadWithdrawnError(
+                "read withdrawn: its request ended",
+                tier=self.name, key=okey.chunk.hex[:16], group=okey.group,
+            )  # fmt: skip
+        except (OSError, NotRegularFileError) as exc:
+            self._count(errors=1)
+            return self._read_error(exc, oid, okey)
+        except Exception as exc:  # the caller's (a destination too small): as a read raises it
+            return exc
+        finally:
+            self._index.unpin(oid)
+        self._count_hit(plen)
+        return plen
+
+    def _stream_one_by_one(
+        self,
+        begin: Callable[[], tuple[Any, ChunkKey, str, Any] | None],
+        end: Callable[[Any, int | Exception], bool],
+    ) -> None:
+        while (item := begin()) is not None:
+            token, key, group, dst = item
+            result: int | Exception
+            try:
+                result = self.read_into_blocking(key, group, dst)
+            except Exception as exc:
+                result = exc
+            if not end(token, result):
+                return
+
     def _read_error(self, exc: BaseException, oid: str, okey: ObjectKey) -> Exception:
         ctx = {"tier": self.name, "key": okey.chunk.hex[:16], "group": okey.group}
         kind = classify_read_error(exc)
@@ -683,6 +815,14 @@ class FileTier(IndexedTier):
                 n = self.reader.read(f"/proc/self/fd/{fd}", header, view[:room])
         finally:
             os.close(fd)
+        return self._verified(header, n, size, okey, view, room)
+
+    def _verified(
+        self, header: Any, n: int, size: int, okey: ObjectKey, view: memoryview, room: int
+    ) -> int:
+        """Check what a read of ``n`` bytes left in ``header`` and ``view`` (the file is
+        ``size`` bytes; ``room``: the aligned part of ``view`` read into); the payload length."""
+        ctx = {"tier": self.name, "key": okey.chunk.hex[:16], "group": okey.group}
         if n < HEADER_SIZE:  # the buffer may still hold another object's header: never decode it
             raise TruncatedObjectError(f"short read: {n} bytes, less than the header", **ctx)
         head = ObjectCodec.decode_header(header, okey, where=self.name)
