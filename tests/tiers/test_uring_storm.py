@@ -162,6 +162,29 @@ class StormReader(UringReader):
         finally:
             os.close(bad)
 
+    def _stream_pieces(self, r: Any, bufs: Any) -> Any:
+        # a restore into a host cache streams its reads (UringReader.stream): the same faults,
+        # on the descriptor the stream reads (the tier closes it when the object ends)
+        with self._guard:
+            fault = self.faults.popleft() if self.faults else "ok"
+            self.fired[fault] += 1
+        if fault != "ok":
+            if fault == "stall":
+                bad = os.dup(self.pipe[0])
+            elif fault == "short":
+                half = os.pread(r.fd, r.size // 2, 0)
+                copy = self.scratch / f"short.{threading.get_ident()}"
+                copy.write_bytes(half)
+                bad = os.open(copy, os.O_RDONLY)
+                r.size = len(half)
+            elif fault == "ebadf":
+                bad = os.open(f"/proc/self/fd/{r.fd}", os.O_WRONLY)
+            else:
+                bad = os.open(self.scratch, os.O_RDONLY | os.O_DIRECTORY)
+            os.close(r.fd)
+            r.fd = bad
+        return super()._stream_pieces(r, bufs)
+
     def close(self) -> None:
         for fd in self.pipe:
             os.close(fd)

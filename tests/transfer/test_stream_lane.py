@@ -1,0 +1,304 @@
+"""The stream lane: a FileTier's reads kept in flight by one worker thread, chunk by chunk.
+
+A restore into a host cache whose every object is first asked of one FileTier reading through
+io_uring goes through :meth:`~bsr.FileTier.stream_into_blocking`: one worker thread keeps up to
+``io_depth`` reads in flight on its ring and verifies and copies each chunk as its read
+completes (``WindowPipeline._stream_worker``). These tests damage real object files in the
+middle of such a window (corrupt, truncated, missing, a kernel error, a read that never
+completes) and check what the per-object path guarantees: the damaged object goes down the
+ladder to the next tier or ends the prefix there, a partial prefix is never exposed, and the
+window's slots and the reader's depth all come back. The Hypothesis test compares what a
+restore commits with a model that knows only which objects were damaged.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import bsr
+from bsr.tiers.file._readers import UringReader
+from bsr.tiers.file._uring import uring_status
+from support.helpers import blocks_equal, filled_cache, tokens_for
+
+pytestmark = pytest.mark.skipif(
+    not uring_status().usable, reason=f"no io_uring here: {uring_status().reason}"
+)
+
+#: two groups per chunk (two objects per slot), payloads of 8 and 4 KiB
+LAYOUT = bsr.StateLayout(
+    chunk_tokens=16, groups=(bsr.StateGroup("kv", 2, 256), bsr.StateGroup("idx", 1, 256))
+)
+BLOCK = 16
+CHUNKS = 8
+TOKENS = tokens_for(CHUNKS * LAYOUT.chunk_tokens)
+IDS = torch.arange(CHUNKS)
+DAMAGE = ("ok", "corrupt", "truncated", "missing", "ebadf")
+
+
+class CountingReader(UringReader):
+    """A real io_uring reader that counts the objects it streams and, for the objects named in
+    ``traps`` (by object id), reads a write-only descriptor instead (``EBADF`` from the
+    kernel) or the read end of an empty pipe (the read stalls until withdrawn)."""
+
+    def __init__(self, depth: int = 8) -> None:
+        super().__init__(depth=depth)
+        self.streamed = 0
+        self.traps: dict[str, str] = {}
+        self.pipe = os.pipe()
+        self._guard = threading.Lock()
+
+    def _stream_pieces(self, r: Any, bufs: Any) -> Any:
+        with self._guard:
+            self.streamed += 1
+        trap = self.traps.get(r.token[2])  # FileTier's token: (caller's, okey, oid, view)
+        if trap == "stall":
+            os.close(r.fd)
+            r.fd, r.size = os.dup(self.pipe[0]), 4096
+        elif trap == "ebadf":
+            bad = os.open(f"/proc/self/fd/{r.fd}", os.O_WRONLY)
+            os.close(r.fd)
+            r.fd = bad
+        return super()._stream_pieces(r, bufs)
+
+    def close(self) -> None:
+        for fd in self.pipe:
+            os.close(fd)
+
+
+def _engine(tiers: list[bsr.Tier], **kw: Any) -> bsr.RestoreEngine:
+    kw.setdefault("window", 4)
+    kw.setdefault("io_depth", 4)
+    # breakers off: each damaged object must meet the ladder, whatever the others did
+    return bsr.RestoreEngine(
+        LAYOUT, tiers, namespace=bsr.Namespace("stream"), breaker_threshold=1_000_000, **kw
+    )
+
+
+def _damage(tier: bsr.FileTier, key: bsr.ChunkKey, group: str, how: str) -> None:
+    path = tier.object_path(key, group)
+    if how == "corrupt":
+        with open(path, "r+b") as f:
+            f.seek(4096 + 8)
+            f.write(b"\x5a" * 16)
+    elif how == "truncated":
+        os.truncate(path, os.path.getsize(path) // 2)
+    elif how == "missing":
+        path.unlink()
+
+
+def _oid(keys: list[bsr.ChunkKey], c: int, group: str) -> str:
+    return bsr.ObjectKey(keys[c], group).object_id
+
+
+def _objects() -> list[tuple[int, str]]:
+    return [(c, g.name) for c in range(CHUNKS) for g in LAYOUT.groups]
+
+
+# ---------------------------------------------------------------------- mid-window damage
+@pytest.mark.parametrize("how", ["corrupt", "truncated", "missing", "ebadf"])
+@pytest.mark.anyio
+async def test_a_damaged_object_mid_window_goes_down_the_ladder(tmp_path: Path, how: str) -> None:
+    """Chunk 3's ``idx`` object is damaged in the first tier while reads of chunks 2-5 are in
+    flight around it: it is read from the second tier, everything commits, and the first tier
+    served every other object through the stream."""
+    reader = CountingReader()
+    a = bsr.FileTier(tmp_path / "a", 1 << 26, name="a", reader=reader)
+    b = bsr.FileTier(tmp_path / "b", 1 << 26, name="b")
+    src = filled_cache(LAYOUT, CHUNKS, BLOCK, seed=3)
+    try:
+        async with _engine([a, b]) as eng:
+            assert (await eng.save(TOKENS, src, IDS)).ok
+            keys = eng.keys(TOKENS)
+            if how == "ebadf":
+                reader.traps = {_oid(keys, 3, "idx"): "ebadf"}
+            else:
+                _damage(a, keys[3], "idx", how)
+            dst = bsr.PagedKVCache(LAYOUT, CHUNKS, BLOCK)
+            r = await eng.restore(TOKENS, dst, IDS)
+            assert r.committed_tokens == len(TOKENS) and r.fallbacks == 1
+            assert blocks_equal(LAYOUT, src, IDS, dst, IDS, CHUNKS)
+            assert r.bytes_by_tier["b"] == LAYOUT.group_chunk_bytes("idx")
+            assert reader.streamed == 2 * CHUNKS - (how == "missing")  # its open failed
+            assert a.statistics().errors == 1
+            assert a.statistics().quarantined == (how in ("corrupt", "truncated"))
+            s = eng.staging.statistics()
+            assert s.in_use == 0 and s.acquired == s.released
+            assert reader._depth.free == reader.depth
+    finally:
+        reader.close()
+
+
+@pytest.mark.parametrize("policy", ["truncate", "all_or_nothing"])
+@pytest.mark.anyio
+async def test_a_corrupt_object_mid_window_ends_the_prefix_there(
+    tmp_path: Path, policy: str
+) -> None:
+    """No second tier: chunk 5's ``kv`` object is corrupt. ``truncate`` commits chunks 0-4 (and
+    nothing of chunk 5, although its ``idx`` object may have been read and copied);
+    ``all_or_nothing`` commits nothing."""
+    reader = CountingReader()
+    a = bsr.FileTier(tmp_path / "a", 1 << 26, name="a", reader=reader)
+    src = filled_cache(LAYOUT, CHUNKS, BLOCK, seed=4)
+    try:
+        async with _engine([a]) as eng:
+            assert (await eng.save(TOKENS, src, IDS)).ok
+            _damage(a, eng.keys(TOKENS)[5], "kv", "corrupt")
+            dst = bsr.PagedKVCache(LAYOUT, CHUNKS, BLOCK)
+            r = await eng.restore(TOKENS, dst, IDS, policy=policy)
+            want = 5 if policy == "truncate" else 0
+            assert r.committed_tokens == want * LAYOUT.chunk_tokens
+            assert r.committed == bool(want)
+            assert r.reason is (bsr.Reason.TRUNCATED if want else bsr.Reason.CORRUPT)
+            assert blocks_equal(LAYOUT, src, IDS, dst, IDS, want)
+            assert reader.streamed > 0
+            s = eng.staging.statistics()
+            assert s.in_use == 0 and s.acquired == s.released
+    finally:
+        reader.close()
+
+
+@pytest.mark.parametrize("how", ["deadline", "cancel"])
+@pytest.mark.anyio
+async def test_a_read_stuck_mid_window_ends_the_restore_and_everything_comes_back(
+    tmp_path: Path, how: str
+) -> None:
+    """Chunk 2's first object stalls in the ring while the stream keeps other reads in flight:
+    the restore ends by its deadline (or its caller's cancel), the stalled request is
+    withdrawn, every slot and every place in the depth comes back, and the next restore
+    commits."""
+    reader = CountingReader(depth=4)
+    a = bsr.FileTier(tmp_path / "a", 1 << 26, name="a", reader=reader)
+    src = filled_cache(LAYOUT, CHUNKS, BLOCK, seed=5)
+    try:
+        async with _engine([a]) as eng:
+            assert (await eng.save(TOKENS, src, IDS)).ok
+            # chunk 2's kv: chunks 0-1 were begun before it, chunk 3 and on after
+            reader.traps = {_oid(eng.keys(TOKENS), 2, "kv"): "stall"}
+            dst = bsr.PagedKVCache(LAYOUT, CHUNKS, BLOCK)
+            t0 = time.monotonic()
+            result = None
+            if how == "deadline":
+                result = await eng.restore(TOKENS, dst, IDS, deadline_s=0.5)
+            else:
+                with anyio.move_on_after(0.5):
+                    await eng.restore(TOKENS, dst, IDS)
+            assert time.monotonic() - t0 < 3
+            assert reader.streamed >= 6
+            if result is not None:
+                assert result.reason is bsr.Reason.DEADLINE and result.committed_tokens == 0
+            for _ in range(1000):  # a hang guard: the withdrawn read ends within a poll
+                s = eng.staging.statistics()
+                if s.in_use == 0 and reader._depth.free == reader.depth:
+                    break
+                await anyio.sleep(0.01)
+            s = eng.staging.statistics()
+            assert s.in_use == 0 and s.parked == 0 and s.acquired == s.released
+            assert reader._depth.free == reader.depth
+            reader.traps = {}
+            dst = bsr.PagedKVCache(LAYOUT, CHUNKS, BLOCK)
+            r = await eng.restore(TOKENS, dst, IDS)
+            assert r.committed_tokens == len(TOKENS)
+            assert blocks_equal(LAYOUT, src, IDS, dst, IDS, CHUNKS)
+    finally:
+        reader.close()
+
+
+@pytest.mark.anyio
+async def test_the_stream_keeps_reads_in_flight_within_io_depth_and_its_window(
+    tmp_path: Path,
+) -> None:
+    """The stream lane is what runs, with several reads in flight at once, never more than
+    ``io_depth`` objects (each a request here), and holds a slot per read in flight."""
+    reader = CountingReader(depth=64)
+    a = bsr.FileTier(tmp_path / "a", 1 << 26, name="a", reader=reader)
+    src = filled_cache(LAYOUT, CHUNKS, BLOCK, seed=6)
+    try:
+        async with _engine([a], window=4, io_depth=3) as eng:
+            assert (await eng.save(TOKENS, src, IDS)).ok
+            dst = bsr.PagedKVCache(LAYOUT, CHUNKS, BLOCK)
+            r = await eng.restore(TOKENS, dst, IDS)
+            assert r.committed_tokens == len(TOKENS)
+            assert blocks_equal(LAYOUT, src, IDS, dst, IDS, CHUNKS)
+            assert reader.streamed == 2 * CHUNKS
+            assert 2 <= reader.peak_in_flight <= 3
+            assert r.rws_peak_bytes == 3 * LAYOUT.slot_bytes
+    finally:
+        reader.close()
+
+
+# ---------------------------------------------------------------------- against a model
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    damage=st.dictionaries(st.sampled_from(_objects()), st.sampled_from(DAMAGE[1:]), max_size=5),
+    second=st.booleans(),
+    policy=st.sampled_from(["truncate", "all_or_nothing"]),
+    io_depth=st.integers(1, 4),
+)
+def test_what_a_streamed_restore_commits_matches_the_model(
+    damage: dict[tuple[int, str], str], second: bool, policy: str, io_depth: int
+) -> None:
+    """Any set of damaged objects in the first tier (corrupt, truncated, missing, a kernel
+    error), with or without an undamaged second tier: the restore commits exactly what the
+    model says (a chunk is good when each of its objects is undamaged or the second tier holds
+    it; ``truncate`` keeps the good chunks before the first bad one, ``all_or_nothing`` all or
+    none), the committed blocks hold the saved bytes, and the window is idle after."""
+    good = [all((c, g.name) not in damage or second for g in LAYOUT.groups) for c in range(CHUNKS)]
+    first_bad = good.index(False) if False in good else CHUNKS
+    want = first_bad if policy == "truncate" else (CHUNKS if first_bad == CHUNKS else 0)
+    root = Path(tempfile.mkdtemp(prefix="bsr-stream-"))
+    reader = CountingReader()
+
+    async def main() -> None:
+        a = bsr.FileTier(root / "a", 1 << 26, name="a", reader=reader)
+        tiers: list[bsr.Tier] = [a]
+        if second:
+            tiers.append(bsr.FileTier(root / "b", 1 << 26, name="b"))
+        src = filled_cache(LAYOUT, CHUNKS, BLOCK, seed=len(damage))
+        async with _engine(tiers, window=4, io_depth=io_depth) as eng:
+            assert (await eng.save(TOKENS, src, IDS)).ok
+            keys = eng.keys(TOKENS)
+            for (c, g), how in damage.items():
+                if how == "ebadf":
+                    reader.traps[_oid(keys, c, g)] = "ebadf"
+                else:
+                    _damage(a, keys[c], g, how)
+            dst = bsr.PagedKVCache(LAYOUT, CHUNKS, BLOCK)
+            r = await eng.restore(TOKENS, dst, IDS, policy=policy)
+            assert r.committed_tokens == want * LAYOUT.chunk_tokens, (r, damage)
+            assert r.committed == (want > 0)
+            if first_bad == CHUNKS:
+                assert r.reason is bsr.Reason.COMPLETE
+            elif want:
+                assert r.reason is bsr.Reason.TRUNCATED
+            else:  # why the first bad chunk failed: one of its objects' reasons
+                why = {
+                    bsr.Reason.CORRUPT
+                    if how in ("corrupt", "truncated")
+                    else bsr.Reason.READ_FAILED
+                    for (c, _), how in damage.items()
+                    if c == first_bad
+                }
+                assert r.reason in why, (r.reason, why)
+            assert blocks_equal(LAYOUT, src, IDS, dst, IDS, want)
+            assert reader.streamed > 0 or damage.get((0, "kv")) == "missing"  # the lane ran
+            s = eng.staging.statistics()
+            assert s.in_use == 0 and s.acquired == s.released
+            assert reader._depth.free == reader.depth
+
+    try:
+        anyio.run(main)
+    finally:
+        reader.close()
+        shutil.rmtree(root, ignore_errors=True)
