@@ -508,6 +508,8 @@ NOT_MODELLED = {
     "_split": "hits by source: counts, no KV",
     "hit_sources": "the same",
     "take_events": "KV events: notices of what the tiers hold, no KV",
+    "_take_relay": "the same (KV events taken with the step's stats)",
+    "_take_notices": "the same",
     "_admitted": "admission: a save of fewer of the request's computed chunks (a prefix of the "
     "same save, the same blocks held)",
 }

@@ -220,7 +220,7 @@ async def test_the_stream_keeps_reads_in_flight_within_io_depth_and_its_window(
     tmp_path: Path,
 ) -> None:
     """The stream lane is what runs, with several reads in flight at once, never more than
-    ``io_depth`` objects (each a request here), and holds a slot per read in flight."""
+    ``io_depth`` objects (each a request here), through the W slots of the window."""
     reader = CountingReader(depth=64)
     a = bsr.FileTier(tmp_path / "a", 1 << 26, name="a", reader=reader)
     src = filled_cache(LAYOUT, CHUNKS, BLOCK, seed=6)
@@ -233,7 +233,7 @@ async def test_the_stream_keeps_reads_in_flight_within_io_depth_and_its_window(
             assert blocks_equal(LAYOUT, src, IDS, dst, IDS, CHUNKS)
             assert reader.streamed == 2 * CHUNKS
             assert 2 <= reader.peak_in_flight <= 3
-            assert r.rws_peak_bytes == 3 * LAYOUT.slot_bytes
+            assert r.rws_peak_bytes == 4 * LAYOUT.slot_bytes  # the window: W slots
     finally:
         reader.close()
 

@@ -532,12 +532,13 @@ class WindowPipeline:
 
     async def _stream_worker(self, job: _Job, batches: _Batches, tg: TaskGroup) -> None:
         """A worker of a streamed run: per batch, a slot (waited for) and up to its share of
-        the window more (if free now), and one worker-thread call that keeps up to its share
-        of ``io_depth`` reads in flight, copying each chunk into the cache as it arrives."""
+        the window more (those free now: the window stays W slots, as on the other paths), and
+        one worker-thread call that keeps up to its share of ``io_depth`` reads in flight,
+        copying each chunk into the cache as it arrives."""
         run = job.run
         turns = self._turns(job)
         ahead = max(1, -(-self.io_depth // turns))
-        share = max(1, min(self.window // turns, ahead))
+        share = max(1, self.window // turns)
         while True:
             batch = batches.take(run)
             if not batch:
