@@ -215,25 +215,29 @@ async def test_a_read_stuck_mid_window_ends_the_restore_and_everything_comes_bac
         reader.close()
 
 
+@pytest.mark.parametrize(("depth", "peak"), [(64, 4), (3, 3)])
 @pytest.mark.anyio
-async def test_the_stream_keeps_reads_in_flight_within_io_depth_and_its_window(
-    tmp_path: Path,
+async def test_the_stream_keeps_a_read_in_flight_per_slot_within_the_tiers_depth(
+    tmp_path: Path, depth: int, peak: int
 ) -> None:
-    """The stream lane is what runs, with several reads in flight at once, never more than
-    ``io_depth`` objects (each a request here), through the W slots of the window."""
-    reader = CountingReader(depth=64)
+    """The stream lane is what runs: one worker holds the W slots of the window and keeps a
+    read in flight per slot (``io_depth`` is 1 here: one worker-thread call), never more than
+    the tier's own read depth; RWS stays W x slot."""
+    reader = CountingReader(depth=depth)
     a = bsr.FileTier(tmp_path / "a", 1 << 26, name="a", reader=reader)
-    src = filled_cache(LAYOUT, CHUNKS, BLOCK, seed=6)
+    one = bsr.StateLayout(chunk_tokens=16, groups=(bsr.StateGroup("kv", 2, 256),))
+    src = filled_cache(one, CHUNKS, BLOCK, seed=6)
     try:
-        async with _engine([a], window=4, io_depth=3) as eng:
+        eng = bsr.RestoreEngine(one, [a], window=4, io_depth=1, namespace=bsr.Namespace("s"))
+        async with eng:
             assert (await eng.save(TOKENS, src, IDS)).ok
-            dst = bsr.PagedKVCache(LAYOUT, CHUNKS, BLOCK)
+            dst = bsr.PagedKVCache(one, CHUNKS, BLOCK)
             r = await eng.restore(TOKENS, dst, IDS)
             assert r.committed_tokens == len(TOKENS)
-            assert blocks_equal(LAYOUT, src, IDS, dst, IDS, CHUNKS)
-            assert reader.streamed == 2 * CHUNKS
-            assert 2 <= reader.peak_in_flight <= 3
-            assert r.rws_peak_bytes == 4 * LAYOUT.slot_bytes  # the window: W slots
+            assert blocks_equal(one, src, IDS, dst, IDS, CHUNKS)
+            assert reader.streamed == CHUNKS
+            assert reader.peak_in_flight == peak  # one request per object of 12 KiB
+            assert r.rws_peak_bytes == 4 * one.slot_bytes  # the window: W slots
     finally:
         reader.close()
 

@@ -532,12 +532,13 @@ class WindowPipeline:
 
     async def _stream_worker(self, job: _Job, batches: _Batches, tg: TaskGroup) -> None:
         """A worker of a streamed run: per batch, a slot (waited for) and up to its share of
-        the window more (those free now: the window stays W slots, as on the other paths), and
-        one worker-thread call that keeps up to its share of ``io_depth`` reads in flight,
-        copying each chunk into the cache as it arrives."""
+        the window more (those free now), and one worker-thread call that keeps a read in
+        flight per slot it holds (within the tier's own read depth), copying each chunk into
+        the cache as it arrives. The reads in flight are bounded by the window here, not by
+        ``io_depth`` (the number of calls in flight): the slots are held anyway, and each wait
+        for a completion that is not there yet costs a sleep and a wake-up."""
         run = job.run
         turns = self._turns(job)
-        ahead = max(1, -(-self.io_depth // turns))
         share = max(1, self.window // turns)
         while True:
             batch = batches.take(run)
@@ -554,12 +555,12 @@ class WindowPipeline:
                 slots.append(slot)
             run.touched_chunks.update(batch)
             async with job.turns:
-                await self._thread(job, slots, self._batch_stream, job, batch, slots, ahead)
+                await self._thread(job, slots, self._batch_stream, job, batch, slots)
             for slot in slots:
                 self._installed(job, slot)
             await self._announce(job, batch)
 
-    def _batch_stream(self, job: _Job, batch: Sequence[int], slots: list[Slot], ahead: int) -> None:
+    def _batch_stream(self, job: _Job, batch: Sequence[int], slots: list[Slot]) -> None:
         """Worker thread: stream ``batch`` from ``job.stream`` through ``slots`` (each chunk
         installed as its groups arrive, its slot then reused); when the gate wants each object
         admitted on its own, the batch goes object by object through the first slot."""
@@ -571,6 +572,7 @@ class WindowPipeline:
             self._batch_blocking(job, batch, slots[0])
             return
         try:
+            ahead = len(slots) * len(self.layout.groups)  # a read per object of each slot
             self.ladder.stream_admitted_blocking(
                 job.gate, name, *self._stream_steps(job, batch, slots), ahead
             )

@@ -68,7 +68,7 @@ from ..._errors import (
     TierIOError,
     TruncatedObjectError,
 )
-from ...core._keys import ChunkKey, ObjectKey
+from ...core._keys import ChunkKey, ObjectKey, object_id
 from .._abandon import AbandonableCalls
 from .._base import (
     StorageHooks,
@@ -663,6 +663,7 @@ class FileTier(IndexedTier):
             return
         dirs = self._enter()
         begun: dict[int, StreamRead] = {}  # objects opened and not ended (closed on the way out)
+        subdirs: dict[str, int] = {}  # objects/<id[:2]>/ opened once per stream
 
         def tier_begin() -> StreamRead | None:
             item = begin()
@@ -670,7 +671,7 @@ class FileTier(IndexedTier):
                 return None
             token, key, group, dst = item
             okey = ObjectKey(key, group)
-            oid = okey.object_id
+            oid = object_id(key.digest, group)
             r = StreamRead((token, okey, oid, None))
             if self._index.pin(oid) is None:
                 self._count(misses=1)
@@ -682,7 +683,10 @@ class FileTier(IndexedTier):
             r.token = (token, okey, oid, view)
             begun[id(r)] = r
             try:
-                r.fd, st = self._open_object(dirs, oid)
+                sub = subdirs.get(oid[:2])
+                if sub is None:
+                    sub = subdirs[oid[:2]] = os.open(oid[:2], DIR_FLAGS, dir_fd=dirs.objects)
+                r.fd, st = self._open_in(sub, oid)
             except (OSError, NotRegularFileError) as exc:
                 r.error = exc
                 return r
@@ -706,6 +710,8 @@ class FileTier(IndexedTier):
                 if r.fd >= 0:
                     os.close(r.fd)
                 self._index.unpin(r.token[2])
+            for fd in subdirs.values():
+                os.close(fd)
             self._leave()
 
     def _end_stream_read(
@@ -784,12 +790,16 @@ class FileTier(IndexedTier):
     def _open_object(self, dirs: Dirs, oid: str) -> tuple[int, os.stat_result]:
         sub_fd = os.open(oid[:2], DIR_FLAGS, dir_fd=dirs.objects)
         try:
-            name = oid + OBJECT_SUFFIX
-            if isinstance(self.reader, PosixReader):
-                return self.reader.open(name, dir_fd=sub_fd)
-            return open_regular(name, dir_fd=sub_fd)
+            return self._open_in(sub_fd, oid)
         finally:
             os.close(sub_fd)
+
+    def _open_in(self, sub_fd: int, oid: str) -> tuple[int, os.stat_result]:
+        """Open object ``oid`` in its directory ``sub_fd`` (``objects/<id[:2]>``)."""
+        name = oid + OBJECT_SUFFIX
+        if isinstance(self.reader, PosixReader):
+            return self.reader.open(name, dir_fd=sub_fd)
+        return open_regular(name, dir_fd=sub_fd)
 
     def _read_verify(self, dirs: Dirs, oid: str, okey: ObjectKey, view: memoryview) -> int:
         ctx = {"tier": self.name, "key": okey.chunk.hex[:16], "group": okey.group}
