@@ -106,12 +106,14 @@ class EngineConfig:
         tiers: tier configs, fastest first (see the module docstring for the dict form).
         window: W, the number of staging slots.
         io_depth: reads in flight per restore (``1 <= io_depth <= window``).
-        memory_workers: worker threads one restore uses at once to verify and copy chunks whose
-            first holder is a memory-speed tier (a HostTier) into a host cache (at most
-            ``io_depth``). That work is bound by memory bandwidth, not by a device's queue: on a
-            small host a second thread adds CPU and little speed, so the default is 1; raise it
-            where cores and memory bandwidth are spare and restore wall time matters more than
-            CPU.
+        memory_workers: worker threads one restore uses at once to verify and copy chunks into
+            a host cache when no thread waits on a read: chunks whose first holder is a
+            memory-speed tier (a HostTier), or whose first holder is one FileTier reading
+            through io_uring, where each thread keeps a read in flight per slot it holds (at
+            most ``io_depth``). That work is bound by memory bandwidth, not by a device's
+            queue: on a small host a second thread adds CPU and little speed, so the default is
+            1; raise it where cores and memory bandwidth are spare and restore wall time matters
+            more than CPU.
         chunk_tokens: tokens per chunk; ``None`` takes the layout's. When both are given they
             must agree.
         policy: default commit policy, ``"all_or_nothing"``, ``"truncate"`` or ``"cost"``.

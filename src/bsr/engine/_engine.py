@@ -118,10 +118,12 @@ class RestoreEngine(AsyncResource):
             down this list, save writes through to all of them.
         window: W, staging slots (each ``layout.slot_bytes``); peak staging <= W x slot_bytes.
         io_depth: reads in flight per restore (1 <= io_depth <= W).
-        memory_workers: worker threads a restore uses at once to verify and copy chunks whose
-            first holder is a memory-speed tier (a HostTier) into a host cache (at most
-            ``io_depth``; default 1: that work is bound by memory bandwidth, and a second thread
-            on a small host adds CPU and little speed).
+        memory_workers: worker threads a restore uses at once to verify and copy chunks into a
+            host cache when no thread waits on a read: chunks whose first holder is a
+            memory-speed tier (a HostTier), or one FileTier reading through io_uring (each
+            thread then keeps a read in flight per slot it holds); at most ``io_depth``;
+            default 1: that work is bound by memory bandwidth, and a second thread on a small
+            host adds CPU and little speed.
         namespace: model id, tp rank/size, salt; keys are disjoint across namespaces.
         coordinator: cross-rank agreement (default: single rank).
         policy: default commit policy (``"all_or_nothing"``, ``"truncate"`` or ``"cost"``: load

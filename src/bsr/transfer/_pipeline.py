@@ -318,7 +318,7 @@ class WindowPipeline:
         window: W, the most slots one run holds (one per worker).
         io_depth: transfer turns per run: worker-thread calls (or async reads) in flight.
         memory_workers: the turns of a run whose every object is first asked of a memory-speed
-            tier, into a host cache (at most ``io_depth``).
+            tier, or of one tier that streams reads, into a host cache (at most ``io_depth``).
     """
 
     def __init__(
