@@ -177,3 +177,52 @@ async def test_a_corrupt_file_object_in_an_admitted_batch_falls_to_the_next_file
         assert r.committed and blocks_equal(LAYOUT, src, ids, dst, ids, n)
         assert r.fallbacks == 1 and r.quarantined == 1
         assert r.bytes_by_tier["b"] == LAYOUT.group_chunk_bytes("kv")
+
+
+@pytest.mark.parametrize("damaged", [False, True])
+@pytest.mark.anyio
+async def test_a_lent_batch_of_several_spans_is_admitted_and_reported_once(
+    monkeypatch: pytest.MonkeyPatch, damaged: bool
+) -> None:
+    """A batch lent span by span (here a span per chunk) is admitted by the gate once and ends
+    in one report: a success when the tier lent anything, else just its end (a batch whose
+    only span failed must not count as a success for the tier's breaker)."""
+    from bsr.engine._decisions import RestoreGate
+    from bsr.transfer import _pipeline
+
+    monkeypatch.setattr(_pipeline, "LEND_SPAN_BYTES", 1)
+    calls: dict[str, int] = {"admit_batch": 0, "report_ok": 0, "end_batch": 0}
+    for name in calls:
+        real = getattr(RestoreGate, name)
+
+        def counted(self: Any, *a: Any, _real: Any = real, _name: str = name) -> Any:
+            calls[_name] += 1
+            return _real(self, *a)
+
+        monkeypatch.setattr(RestoreGate, name, counted)
+    n = 40
+    toks = tokens_for(n * CT)
+    src = filled_cache(LAYOUT, 8 * n, BLOCK)
+    ids = torch.arange(n * CT // BLOCK)
+    host = bsr.HostTier(capacity_bytes=1 << 26)
+    async with _two_tier_engine([host]) as eng:
+        assert (await eng.save(toks, src, ids)).ok
+        if damaged:
+            keys = bsr.chunk_keys(eng.namespace_fp, toks, CT)
+            _damage(host, keys[0], keys[1], "payload")
+        for k in calls:
+            calls[k] = 0
+        dst = bsr.PagedKVCache(LAYOUT, 8 * n, BLOCK)
+        r = await eng.restore(toks, dst, ids)
+        batches = -(-n // max(1, _pipeline.INLINE_BYTES // LAYOUT.chunk_bytes))
+        assert batches > 1 and n // batches > 1  # several batches, several spans each
+        # (report_ok ends its batch through end_batch: every admitted batch ends exactly once)
+        if damaged:  # chunk 0's span failed; batches taken before the failure still run
+            assert not r.committed and str(r.reason) == "corrupt"
+            assert 1 <= calls["admit_batch"] <= batches
+            assert calls["end_batch"] == calls["admit_batch"]
+            assert calls["report_ok"] == calls["admit_batch"] - 1  # not chunk 0's batch
+        else:
+            assert r.committed_tokens == n * CT and blocks_equal(LAYOUT, src, ids, dst, ids, n)
+            assert calls == {"admit_batch": batches, "report_ok": batches, "end_batch": batches}
+        assert host._index.statistics().pinned == 0

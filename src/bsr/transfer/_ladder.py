@@ -235,6 +235,8 @@ class TierLadder:
         name: str,
         objects: Sequence[tuple[ChunkKey, int, str]],
         expected: Mapping[str, int],
+        *,
+        admitted: bool = False,
     ) -> tuple[LentPayloads, dict[int, tuple[str, Outcome]]] | None:
         """Borrow every ``(key, chunk, group)`` of ``objects`` from the lending tier ``name`` in
         one call (the first holder of each), in the calling (worker) thread.
@@ -246,11 +248,16 @@ class TierLadder:
         like any attempt; the caller continues those down the ladder (:meth:`read_blocking` with
         ``prior``, a corrupt attempt marking the result corrupt) and releases the payloads once
         copied.
+
+        ``admitted``: the caller's batch was admitted on ``name`` already (:meth:`admit_batch`)
+        and reports its success once (:meth:`batch_ok`): no admission and no success report
+        here, only the failed attempts'.
         """
-        admit_batch = getattr(gate, "admit_batch", None)
         pairs = [(key, group) for key, _, group in objects]
-        if admit_batch is None or not admit_batch(name, pairs):
-            return None
+        if not admitted:
+            admit_batch = getattr(gate, "admit_batch", None)
+            if admit_batch is None or not admit_batch(name, pairs):
+                return None
         lent = self.tiers[name].borrow_many_blocking(pairs)
         failed: dict[int, tuple[str, Outcome]] = {}
         ok = False
@@ -270,7 +277,9 @@ class TierLadder:
             outcome, text = _failed_text(name, exc)
             failed[i] = (text, outcome)
             gate.report(ReadOutcome(name, key, group, chunk, outcome, 0, text, type(exc).__name__))
-        if ok:
+        if admitted:
+            pass  # the caller's batch reports once
+        elif ok:
             report_ok = getattr(gate, "report_ok", None)
             if report_ok is not None:
                 report_ok(name)
@@ -382,8 +391,14 @@ class TierLadder:
         self.tiers[name].stream_into_blocking(tier_begin, tier_end, ahead)  # type: ignore[attr-defined]
 
     @staticmethod
-    def batch_ok(gate: ReadGate, name: str) -> None:
-        """The tier ``name`` served reads of an admitted batch (one success report)."""
+    def batch_ok(gate: ReadGate, name: str, *, served: bool = True) -> None:
+        """The end of a batch admitted on ``name``: one success report when the tier served any
+        of its reads (``served``), else the batch just ends (each failure was reported)."""
+        if not served:
+            end_batch = getattr(gate, "end_batch", None)
+            if end_batch is not None:
+                end_batch(name)
+            return
         report_ok = getattr(gate, "report_ok", None)
         if report_ok is not None:
             report_ok(name)
