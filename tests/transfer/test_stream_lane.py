@@ -242,6 +242,50 @@ async def test_the_stream_keeps_a_read_in_flight_per_slot_within_the_tiers_depth
         reader.close()
 
 
+@pytest.mark.anyio
+async def test_concurrent_streamed_restores_share_the_window(tmp_path: Path) -> None:
+    """Six restores stream from one FileTier at once through a window of 3 slots: each worker
+    waits for one slot and takes more only when free, so every restore commits its own bytes,
+    staging never holds more than W slots, and every slot comes back."""
+    reader = CountingReader()
+    a = bsr.FileTier(tmp_path / "a", 1 << 26, name="a", reader=reader)
+    n_req, chunks = 6, 4
+    prompts = [tokens_for(chunks * LAYOUT.chunk_tokens, seed=50 + i) for i in range(n_req)]
+    src = filled_cache(LAYOUT, chunks * n_req, BLOCK, seed=9)
+    ids = [torch.arange(chunks * i, chunks * (i + 1)) for i in range(n_req)]
+    try:
+        async with _engine([a], window=3, io_depth=2) as eng:
+            for p, i in zip(prompts, ids):
+                assert (await eng.save(p, src, i)).ok
+            dst = bsr.PagedKVCache(LAYOUT, chunks * n_req, BLOCK)
+            results: list[bsr.RestoreResult] = []
+            peak = 0
+
+            async def watch() -> None:
+                nonlocal peak
+                while len(results) < n_req:
+                    peak = max(peak, eng.staging.statistics().in_use)
+                    await anyio.sleep(0.001)
+
+            async def one(i: int) -> None:
+                results.append(await eng.restore(prompts[i], dst, ids[i]))
+
+            with anyio.fail_after(120):  # a hang guard
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(watch)
+                    for i in range(n_req):
+                        tg.start_soon(one, i)
+            assert all(r.committed_tokens == len(prompts[0]) for r in results)
+            for i in range(n_req):
+                assert blocks_equal(LAYOUT, src, ids[i], dst, ids[i], chunks)
+            s = eng.staging.statistics()
+            assert max(peak, s.peak_in_use) <= 3
+            assert s.in_use == 0 and s.acquired == s.released
+            assert reader.streamed == 2 * chunks * n_req
+    finally:
+        reader.close()
+
+
 # ---------------------------------------------------------------------- against a model
 @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
 @given(
