@@ -28,8 +28,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import bsr
-from bsr.tiers.file._readers import UringReader
-from bsr.tiers.file._uring import uring_status
+from bsr.tiers.file._readers import UringReader, _OwnedRing
+from bsr.tiers.file._uring import Ring, RingError, uring_status
 from support.helpers import blocks_equal, filled_cache, tokens_for
 
 pytestmark = pytest.mark.skipif(
@@ -282,6 +282,68 @@ async def test_concurrent_streamed_restores_share_the_window(tmp_path: Path) -> 
             assert max(peak, s.peak_in_use) <= 3
             assert s.in_use == 0 and s.acquired == s.released
             assert reader.streamed == 2 * chunks * n_req
+    finally:
+        reader.close()
+
+
+class FailingRing(Ring):
+    """A real ring whose ``fail_at``-th wait raises :class:`RingError` before entering the
+    kernel (as a ring that fails under a stream would); later calls work."""
+
+    def __init__(self, entries: int, fail_at: int) -> None:
+        super().__init__(entries)
+        self.calls = 0
+        self.fail_at = fail_at
+
+    def enter(self, wait: int = 0, timeout_s: float | None = None) -> None:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RingError(5, "io_uring_enter: Input/output error (injected)")
+        super().enter(wait, timeout_s)
+
+
+class RingFailsReader(CountingReader):
+    """Each thread's first ring fails at its ``fail_at``-th wait."""
+
+    def __init__(self, fail_at: int) -> None:
+        super().__init__()
+        self.fail_at = fail_at
+        self.rings: list[FailingRing] = []
+
+    def _ring(self) -> Any:
+        owned = getattr(self._local, "ring", None)
+        if owned is not None:
+            return owned.ring
+        ring = FailingRing(64, self.fail_at) if not self.rings else Ring(64)
+        self.rings.append(ring)
+        self._local.ring = _OwnedRing(ring)
+        return ring
+
+
+@pytest.mark.anyio
+async def test_a_ring_failing_mid_stream_ends_its_reads_and_the_rest_go_by_preadv(
+    tmp_path: Path,
+) -> None:
+    """The ring fails at its second wait with reads in flight: those reads are waited for and
+    end with the error (each read again from the second tier), the objects left are read from
+    the first tier with ``preadv``, and the restore commits the saved bytes."""
+    reader = RingFailsReader(fail_at=2)
+    a = bsr.FileTier(tmp_path / "a", 1 << 26, name="a", reader=reader)
+    b = bsr.FileTier(tmp_path / "b", 1 << 26, name="b")
+    src = filled_cache(LAYOUT, CHUNKS, BLOCK, seed=8)
+    try:
+        async with _engine([a, b], window=2, io_depth=2) as eng:  # 4 reads in flight of 16
+            assert (await eng.save(TOKENS, src, IDS)).ok
+            dst = bsr.PagedKVCache(LAYOUT, CHUNKS, BLOCK)
+            r = await eng.restore(TOKENS, dst, IDS)
+            assert reader.rings and reader.rings[0].calls >= 2  # the injected failure fired
+            assert r.committed_tokens == len(TOKENS)
+            assert blocks_equal(LAYOUT, src, IDS, dst, IDS, CHUNKS)
+            assert r.fallbacks >= 1 and r.bytes_by_tier.get("b", 0) > 0  # those in flight
+            assert reader.fallback_reads > 0  # the rest: preadv from the first tier
+            s = eng.staging.statistics()
+            assert s.in_use == 0 and s.acquired == s.released
+            assert reader._depth.free == reader.depth
     finally:
         reader.close()
 

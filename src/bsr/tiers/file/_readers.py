@@ -613,14 +613,16 @@ class UringReader(PosixReader):
         except RingError:
             # the ring failed under us: wait (bounded) for what is in flight, end those reads
             # with the error, and read the rest with preadv
+            begun = st.begun()  # before the drain, which forgets the requests it reaps
             outstanding = len(st.reads)
             self._drain(ring, st.reads)
             self._depth.give(outstanding)
             self._drop_ring(closed=not st.reads)
             if st.reads:  # still in flight after the drain: their buffers may be written
                 raise
+            st.waiting = []
             exc = OSError(errno.EIO, "io_uring failed under a stream read")
-            for r in st.begun():
+            for r in begun:
                 r.error = r.error or exc
                 st.end_read(r)
             if st.more and not st.cancelled:
