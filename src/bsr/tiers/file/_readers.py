@@ -491,10 +491,7 @@ class UringReader(PosixReader):
         except BaseException:
             # the ring failed under us: wait (bounded) for what is in flight, so the kernel does
             # not write into the buffers after we return, and start a new ring next time
-            outstanding = len(tags)
-            self._drain(ring, tags)
-            depth.give(outstanding)
-            self._drop_ring(closed=not tags)
+            self._give_up(ring, tags)
             raise
         if cancelled:
             raise ReadCancelledError
@@ -614,10 +611,7 @@ class UringReader(PosixReader):
             # the ring failed under us: wait (bounded) for what is in flight, end those reads
             # with the error, and read the rest with preadv
             begun = st.begun()  # before the drain, which forgets the requests it reaps
-            outstanding = len(st.reads)
-            self._drain(ring, st.reads)
-            self._depth.give(outstanding)
-            self._drop_ring(closed=not st.reads)
+            self._give_up(ring, st.reads)
             if st.reads:  # still in flight after the drain: their buffers may be written
                 raise
             st.waiting = []
@@ -628,10 +622,7 @@ class UringReader(PosixReader):
             if st.more and not st.cancelled:
                 self._stream_posix(begin, end)
         except BaseException:
-            outstanding = len(st.reads)
-            self._drain(ring, st.reads)
-            self._depth.give(outstanding)
-            self._drop_ring(closed=not st.reads)
+            self._give_up(ring, st.reads)
             raise
 
     def _stream_pieces(self, r: StreamRead, bufs: _Streams) -> list[tuple[StreamRead, Piece, int]]:
@@ -727,6 +718,15 @@ class UringReader(PosixReader):
             for tag in tags:
                 ring.cancel(tag)
             ring.enter()
+
+    def _give_up(self, ring: Ring, tags: dict[int, Any]) -> None:
+        """A ring that failed under a read: wait (bounded) for the requests in flight
+        (``tags``: those still there after the wait stay), give their places in the depth back
+        and drop the ring (kept open while requests may still write into their buffers)."""
+        outstanding = len(tags)
+        self._drain(ring, tags)
+        self._depth.give(outstanding)
+        self._drop_ring(closed=not tags)
 
     @staticmethod
     def _drain(ring: Ring, tags: dict[int, Any], rounds: int = 50) -> None:
