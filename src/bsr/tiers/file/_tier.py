@@ -616,20 +616,37 @@ class FileTier(IndexedTier):
                 plen = self._read_verify(dirs, oid, okey, view)
             finally:
                 self._leave()
-        except ObjectError:
-            self._count(errors=1)
-            raise
-        except ReadCancelledError:
-            raise ReadWithdrawnError(
-                "read withdrawn: its request ended", tier=self.name, key=key.hex[:16], group=group
-            ) from None
-        except (OSError, NotRegularFileError) as exc:
-            self._count(errors=1)
-            raise self._read_error(exc, oid, okey) from exc
+        except (ObjectError, OSError, NotRegularFileError) as exc:
+            failure = self._read_failure(exc, oid, okey)
+            if failure is exc:
+                raise
+            raise failure  # noqa: B904 - its cause is set (or suppressed) by _read_failure
         finally:
             self._index.unpin(oid)
         self._count_hit(plen)
         return plen
+
+    def _read_failure(self, exc: Exception, oid: str, okey: ObjectKey) -> Exception:
+        """What a read of ``oid`` that failed with ``exc`` raises, counted as the tier's error
+        where it is one: a corrupt object as is; a withdrawn read as
+        :class:`ReadWithdrawnError` (no outcome); an I/O error or a file that is not regular
+        as :meth:`_read_error` says (caused by ``exc``); anything else (the caller's) as is."""
+        if isinstance(exc, ObjectError):
+            self._count(errors=1)
+            return exc
+        if isinstance(exc, ReadCancelledError):
+            withdrawn = ReadWithdrawnError(
+                "read withdrawn: its request ended",
+                tier=self.name, key=okey.chunk.hex[:16], group=okey.group,
+            )  # fmt: skip
+            withdrawn.__suppress_context__ = True  # as ``raise ... from None``
+            return withdrawn
+        if isinstance(exc, (OSError, NotRegularFileError)):
+            self._count(errors=1)
+            failure = self._read_error(exc, oid, okey)
+            failure.__cause__ = exc  # as ``raise ... from exc``
+            return failure
+        return exc
 
     @property
     def stream_reads(self) -> bool:
@@ -735,19 +752,8 @@ class FileTier(IndexedTier):
                 raise r.error
             room = len(r.payload) if r.payload is not None else 0
             plen = self._verified(r.header, r.total, r.size, okey, view, room)
-        except ObjectError as exc:
-            self._count(errors=1)
-            return exc
-        except ReadCancelledError:
-            return ReadWithdrawnError(
-                "read withdrawn: its request ended",
-                tier=self.name, key=okey.chunk.hex[:16], group=okey.group,
-            )  # fmt: skip
-        except (OSError, NotRegularFileError) as exc:
-            self._count(errors=1)
-            return self._read_error(exc, oid, okey)
-        except Exception as exc:  # the caller's (a destination too small): as a read raises it
-            return exc
+        except Exception as exc:  # the caller's (a destination too small) too: as a read raises
+            return self._read_failure(exc, oid, okey)
         finally:
             self._index.unpin(oid)
         self._count_hit(plen)
