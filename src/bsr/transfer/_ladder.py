@@ -91,6 +91,13 @@ def _failed_text(name: str, exc: BaseException) -> tuple[Outcome, str]:
     return outcome, text
 
 
+def _wrong_length(n: int, expected: int, tier: str, group: str) -> CorruptObjectError:
+    """A payload of ``n`` bytes where the layout says ``expected``: the object's fault."""
+    return CorruptObjectError(
+        f"payload is {n} bytes, the layout says {expected}", tier=tier, group=group
+    )
+
+
 def classify(exc: BaseException) -> Outcome:
     """The outcome a tier's exception stands for."""
     if isinstance(exc, ObjectError):
@@ -174,9 +181,7 @@ class TierLadder:
 
     def _expect(self, n: int, expected: int, tier: str, group: str) -> None:
         if n != expected:
-            raise CorruptObjectError(
-                f"payload is {n} bytes, the layout says {expected}", tier=tier, group=group
-            )
+            raise _wrong_length(n, expected, tier, group)
 
     def _finish(
         self,
@@ -267,10 +272,7 @@ class TierLadder:
             if isinstance(got, BaseException):
                 exc = got
             elif len(got) != expected[group]:
-                want = expected[group]
-                exc = CorruptObjectError(
-                    f"payload is {len(got)} bytes, the layout says {want}", tier=name, group=group
-                )
+                exc = _wrong_length(len(got), expected[group], name, group)
             if exc is None:
                 ok = True
                 continue
@@ -331,17 +333,34 @@ class TierLadder:
             if n == expected:
                 return LadderResult(tier=name, nbytes=n, attempts=1)
             self._expect(n, expected, name, group)
-        except ReadWithdrawnError as e:  # the request ended: the attempt came to nothing
-            return self._exhausted(LadderResult(attempts=1), [f"{name}: {e}"])
         except Exception as exc:
-            outcome, text = _failed_text(name, exc)
-            gate.report(ReadOutcome(name, key, group, chunk, outcome, 0, text, type(exc).__name__))
-            result = self.read_blocking(
-                gate, key, chunk, group, holders[1:], region, expected, prior=(text,)
-            )
-            result.corrupt = result.corrupt or outcome is Outcome.CORRUPT
-            return result
+            return self._first_failed(gate, name, key, chunk, group, holders, region, expected, exc)
         raise AssertionError("unreachable: a wrong length raised above")  # pragma: no cover
+
+    def _first_failed(
+        self,
+        gate: ReadGate,
+        name: str,
+        key: ChunkKey,
+        chunk: int,
+        group: str,
+        holders: Sequence[str],
+        region: Any,
+        expected: int,
+        exc: Exception,
+    ) -> LadderResult:
+        """An admitted first attempt on ``name`` (``holders[0]``) failed with ``exc``: nothing
+        when the request ended (:class:`ReadWithdrawnError`), else reported and read on down
+        the ladder into ``region``."""
+        if isinstance(exc, ReadWithdrawnError):  # the request ended: came to nothing
+            return self._exhausted(LadderResult(attempts=1), [f"{name}: {exc}"])
+        outcome, text = _failed_text(name, exc)
+        gate.report(ReadOutcome(name, key, group, chunk, outcome, 0, text, type(exc).__name__))
+        result = self.read_blocking(
+            gate, key, chunk, group, holders[1:], region, expected, prior=(text,)
+        )
+        result.corrupt = result.corrupt or outcome is Outcome.CORRUPT
+        return result
 
     def stream_admitted_blocking(
         self,
@@ -367,26 +386,14 @@ class TierLadder:
         def tier_end(item: StreamItem, got: int | Exception) -> bool:
             if got == item.expected:
                 return end(item, LadderResult(tier=name, nbytes=item.expected, attempts=1))
-            if isinstance(got, ReadWithdrawnError):  # the request ended: came to nothing
-                return end(item, self._exhausted(LadderResult(attempts=1), [f"{name}: {got}"]))
-            exc = got if isinstance(got, Exception) else None
-            if exc is None:
-                want = item.expected
-                exc = CorruptObjectError(
-                    f"payload is {got} bytes, the layout says {want}", tier=name, group=item.group
-                )
-            outcome, text = _failed_text(name, exc)
-            gate.report(
-                ReadOutcome(
-                    name, item.key, item.group, item.chunk, outcome, 0, text, type(exc).__name__
-                )
-            )
-            result = self.read_blocking(
-                gate, item.key, item.chunk, item.group, item.holders[1:], item.region,
-                item.expected, prior=(text,),
-            )  # fmt: skip
-            result.corrupt = result.corrupt or outcome is Outcome.CORRUPT
-            return end(item, result)
+            if isinstance(got, Exception):
+                exc = got
+            else:
+                exc = _wrong_length(got, item.expected, name, item.group)
+            return end(item, self._first_failed(
+                gate, name, item.key, item.chunk, item.group, item.holders, item.region,
+                item.expected, exc,
+            ))  # fmt: skip
 
         self.tiers[name].stream_into_blocking(tier_begin, tier_end, ahead)  # type: ignore[attr-defined]
 
