@@ -11,7 +11,7 @@ import torch
 
 import bsr
 from bsr.testing import Fault, FaultKind, FaultPlan, FaultyTier, LatencyTier
-from support.engines import make_engine
+from support.engines import make_engine, restore_all_at_once
 from support.helpers import (
     blocks_equal,
     filled_cache,
@@ -180,22 +180,7 @@ async def test_concurrent_restores_share_the_window(tmp_path: Path) -> None:
             for p, i in zip(prompts, ids):
                 await eng.save(p, src, i)
             dst = bsr.PagedKVCache(layout, 6 * n_req, 16)
-            results: list[bsr.RestoreResult] = []
-            peak_seen = 0
-
-            async def watch() -> None:
-                nonlocal peak_seen
-                while len(results) < n_req:
-                    peak_seen = max(peak_seen, eng.staging.statistics().in_use)
-                    await anyio.sleep(0.001)
-
-            async def one(i: int) -> None:
-                results.append(await eng.restore(prompts[i], dst, ids[i]))
-
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(watch)
-                for i in range(n_req):
-                    tg.start_soon(one, i)
+            results, peak_seen = await restore_all_at_once(eng, prompts, dst, ids)
             stats = eng.staging.statistics()
             assert all(r.committed_tokens == 6 * 16 for r in results)
             assert stats.peak_in_use == W and peak_seen <= W

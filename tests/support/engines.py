@@ -3,7 +3,10 @@ tiers (and is not testing the constructor itself) builds it here; the variants a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
+
+import anyio
 
 import bsr
 
@@ -21,3 +24,31 @@ def make_engine(
     ``namespace`` is given (extra options pass through to :class:`bsr.RestoreEngine`)."""
     kw.setdefault("namespace", bsr.Namespace(model_id))
     return bsr.RestoreEngine(layout, tiers, window=window, io_depth=io_depth, **kw)
+
+
+async def restore_all_at_once(
+    eng: bsr.RestoreEngine,
+    prompts: Sequence[Sequence[int]],
+    dst: bsr.PagedKVCache,
+    ids: Sequence[Any],
+) -> tuple[list[bsr.RestoreResult], int]:
+    """Restore every prompt at once (prompt ``i`` into blocks ``ids[i]`` of ``dst``); the
+    results in the order the restores ended, and the most staging slots seen in use while they
+    ran (looked at every millisecond)."""
+    results: list[bsr.RestoreResult] = []
+    peak = 0
+
+    async def watch() -> None:
+        nonlocal peak
+        while len(results) < len(prompts):
+            peak = max(peak, eng.staging.statistics().in_use)
+            await anyio.sleep(0.001)
+
+    async def one(i: int) -> None:
+        results.append(await eng.restore(prompts[i], dst, ids[i]))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watch)
+        for i in range(len(prompts)):
+            tg.start_soon(one, i)
+    return results, peak

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import subprocess
 import sys
+from typing import Any
 
 import torch
 
@@ -87,3 +89,19 @@ def bsr_main(*args: str) -> subprocess.CompletedProcess[str]:
         except SystemExit as exc:  # argparse usage errors
             code = int(exc.code or 0)
     return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
+
+
+def retarget_stream_read(r: Any, how: str, stall_fd: int) -> None:
+    """Make a streamed object read (``UringReader.stream``'s ``StreamRead``, given to its
+    ``_stream_pieces``) read something else: ``"stall"`` a duplicate of ``stall_fd`` (the read
+    end of an empty pipe), its header's request only, which stalls until withdrawn;
+    ``"ebadf"`` a write-only descriptor of its own file (``EBADF`` from the kernel). The tier
+    closes ``r.fd`` when the object ends."""
+    if how == "stall":
+        new, r.size = os.dup(stall_fd), 4096
+    elif how == "ebadf":
+        new = os.open(f"/proc/self/fd/{r.fd}", os.O_WRONLY)
+    else:
+        raise ValueError(f"unknown trap {how!r}")
+    os.close(r.fd)
+    r.fd = new

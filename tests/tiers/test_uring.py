@@ -38,7 +38,13 @@ from bsr.tiers.file._readers import (
 )
 from bsr.tiers.file._uring import RingError, UringStatus, _reset_status_for_tests, uring_status
 from support.engines import make_engine
-from support.helpers import blocks_equal, filled_cache, tokens_for, two_group_layout
+from support.helpers import (
+    blocks_equal,
+    filled_cache,
+    retarget_stream_read,
+    tokens_for,
+    two_group_layout,
+)
 
 #: tests that need a working ring; the fallback tests (a refused ring, no io_uring) run anywhere
 needs_uring = pytest.mark.skipif(
@@ -336,14 +342,7 @@ class HostileReader(UringReader):
             self.traps -= trap
         if trap:
             self.trapped.set()
-            if self.kind == "stall":
-                stalled = os.dup(self.pipe[0])
-                os.close(r.fd)
-                r.fd, r.size = stalled, 4096
-            else:
-                bad = os.open(f"/proc/self/fd/{r.fd}", os.O_WRONLY)
-                os.close(r.fd)
-                r.fd = bad
+            retarget_stream_read(r, "stall" if self.kind == "stall" else "ebadf", self.pipe[0])
         return super()._stream_pieces(r, bufs)
 
     def close(self) -> None:

@@ -30,7 +30,8 @@ from hypothesis import strategies as st
 import bsr
 from bsr.tiers.file._readers import UringReader, _OwnedRing
 from bsr.tiers.file._uring import Ring, RingError, uring_status
-from support.helpers import blocks_equal, filled_cache, tokens_for
+from support.engines import restore_all_at_once
+from support.helpers import blocks_equal, filled_cache, retarget_stream_read, tokens_for
 
 pytestmark = pytest.mark.skipif(
     not uring_status().usable, reason=f"no io_uring here: {uring_status().reason}"
@@ -63,13 +64,8 @@ class CountingReader(UringReader):
         with self._guard:
             self.streamed += 1
         trap = self.traps.get(r.token[2])  # FileTier's token: (caller's, okey, oid, view)
-        if trap == "stall":
-            os.close(r.fd)
-            r.fd, r.size = os.dup(self.pipe[0]), 4096
-        elif trap == "ebadf":
-            bad = os.open(f"/proc/self/fd/{r.fd}", os.O_WRONLY)
-            os.close(r.fd)
-            r.fd = bad
+        if trap is not None:
+            retarget_stream_read(r, trap, self.pipe[0])
         return super()._stream_pieces(r, bufs)
 
     def close(self) -> None:
@@ -258,23 +254,8 @@ async def test_concurrent_streamed_restores_share_the_window(tmp_path: Path) -> 
             for p, i in zip(prompts, ids):
                 assert (await eng.save(p, src, i)).ok
             dst = bsr.PagedKVCache(LAYOUT, chunks * n_req, BLOCK)
-            results: list[bsr.RestoreResult] = []
-            peak = 0
-
-            async def watch() -> None:
-                nonlocal peak
-                while len(results) < n_req:
-                    peak = max(peak, eng.staging.statistics().in_use)
-                    await anyio.sleep(0.001)
-
-            async def one(i: int) -> None:
-                results.append(await eng.restore(prompts[i], dst, ids[i]))
-
             with anyio.fail_after(120):  # a hang guard
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(watch)
-                    for i in range(n_req):
-                        tg.start_soon(one, i)
+                results, peak = await restore_all_at_once(eng, prompts, dst, ids)
             assert all(r.committed_tokens == len(prompts[0]) for r in results)
             for i in range(n_req):
                 assert blocks_equal(LAYOUT, src, ids[i], dst, ids[i], chunks)
