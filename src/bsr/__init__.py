@@ -96,6 +96,7 @@ if TYPE_CHECKING:  # what mypy and readers see; at run time __getattr__ imports 
     from .tiers._mooncake import MooncakeTierOptions as MooncakeTierOptions
     from .tiers._registry import TierOptions as TierOptions
     from .tiers._registry import register_tier as register_tier
+    from .tiers._registry import takes_options as takes_options
     from .tiers._registry import tier_kinds as tier_kinds
     from .tiers._registry import tier_options as tier_options
     from .tiers._registry import unregister_tier as unregister_tier
@@ -166,6 +167,7 @@ _LAZY: dict[str, tuple[str, ...]] = {
     ".tiers._registry": (
         "TierOptions",
         "register_tier",
+        "takes_options",
         "tier_kinds",
         "tier_options",
         "unregister_tier",

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Any, ClassVar, TypeVar
 
 import anyio
@@ -65,6 +65,7 @@ from bsr import (
     TierUsage,
     as_payload_view,
     option,
+    takes_options,
 )
 
 T = TypeVar("T")
@@ -130,6 +131,7 @@ class RedisTierOptions(TierOptions):
     kind = "redis"
     url: str = option(_url)
     name: str = option(Check.text, "redis")
+    _: KW_ONLY
     cluster: bool = option(Check.flag, False)
     key_prefix: str = option(_prefix, "bsr:")
     timeout_s: float = option(Check.seconds, 5.0)
@@ -157,32 +159,9 @@ class RedisTier(Tier):
 
     durable: ClassVar[bool] = False  # whether the server persists is its own configuration
 
-    def __init__(
-        self,
-        url: str,
-        name: str = "redis",
-        *,
-        cluster: bool = False,
-        key_prefix: str = "bsr:",
-        timeout_s: float = 5.0,
-        connect_timeout_s: float = 2.0,
-        part_bytes: int = 64 << 20,
-        capacity_bytes: int | None = None,
-        max_inflight: int = 16,
-        max_stuck_calls: int = 16,
-    ) -> None:
-        o = self.options = RedisTierOptions(
-            url=url,
-            name=name,
-            cluster=cluster,
-            key_prefix=key_prefix,
-            timeout_s=timeout_s,
-            connect_timeout_s=connect_timeout_s,
-            part_bytes=part_bytes,
-            capacity_bytes=capacity_bytes,
-            max_inflight=max_inflight,
-            max_stuck_calls=max_stuck_calls,
-        )
+    @takes_options(RedisTierOptions)
+    def __init__(self, options: RedisTierOptions) -> None:
+        o = self.options = options
         super().__init__(o.name)
         self._client: Any = None
         self._errors: Any = None  # the redis.exceptions module, once imported

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import bsr
+from bsr.redis import RedisTier, RedisTierOptions
 from bsr.testing import make_keys, payload
 from support.helpers import two_group_layout
 
@@ -105,20 +106,49 @@ TIERS = [
     (bsr.HostTier, bsr.HostTierOptions),
     (bsr.FileTier, bsr.FileTierOptions),
     (bsr.MooncakeTier, bsr.MooncakeTierOptions),
+    (RedisTier, RedisTierOptions),
 ]
 
 
 @pytest.mark.parametrize(("tier", "options"), TIERS, ids=lambda x: getattr(x, "__name__", ""))
 def test_constructor_takes_exactly_the_options(tier: type[bsr.Tier], options: type[Any]) -> None:
+    """The signature help and IDEs show is the options class's: same names in the same order,
+    the same defaults, keyword-only where the options are (after ``_: KW_ONLY``)."""
     params = dict(inspect.signature(tier).parameters)
     fields = {f.name: f for f in dataclasses.fields(options)}
-    assert list(params) == [n for n in fields if n in params] and set(params) == set(fields)
+    assert list(params) == list(fields)
     for name, p in params.items():
-        default = fields[name].default
-        if default is dataclasses.MISSING:
-            assert p.default is inspect.Parameter.empty, name
-        else:
-            assert p.default == default, name
+        f = fields[name]
+        default = inspect.Parameter.empty if f.default is dataclasses.MISSING else f.default
+        assert p.default == default, name
+        keyword_only = p.kind is inspect.Parameter.KEYWORD_ONLY
+        assert keyword_only == f.kw_only and p.kind is not inspect.Parameter.POSITIONAL_ONLY, name
+    assert any(f.kw_only for f in fields.values())  # every tier keeps its keyword-only options
+
+
+def test_the_constructor_builds_and_checks_its_options(tmp_path: Path) -> None:
+    tier = bsr.FileTier(tmp_path / "t", "2MiB", name="f", io_threads=3)  # type: ignore[arg-type]
+    assert tier.options == bsr.FileTierOptions(str(tmp_path / "t"), 2 << 20, name="f", io_threads=3)
+    assert (tier.capacity_bytes, tier.io_threads, tier.name) == (2 << 20, 3, "f")
+    with pytest.raises(bsr.ConfigError, match="io_threads") as err:
+        bsr.FileTier(tmp_path / "u", 1 << 20, io_threads=0)
+    assert err.value.fields["key"] == "io_threads"
+    with pytest.raises(TypeError):
+        bsr.HostTier(1 << 20, "named")  # type: ignore[misc]  # name is keyword-only
+    with pytest.raises(TypeError, match="nmae"):
+        bsr.HostTier(1 << 20, nmae="x")  # type: ignore[call-arg]
+
+
+def test_a_reader_instance_is_taken_as_is_and_has_no_plain_form(tmp_path: Path) -> None:
+    reader = bsr.PosixReader()
+    tier = bsr.FileTier(tmp_path / "t", 1 << 20, reader=reader)
+    assert tier.reader is reader and tier.options.reader is reader
+    with pytest.raises(bsr.ConfigError, match="reader: an ObjectReader instance") as err:
+        tier.options.to_dict()
+    assert err.value.fields["key"] == "reader"
+    assert bsr.FileTier(tmp_path / "u", 1 << 20).options.to_dict()["reader"] == "auto"
+    with pytest.raises(bsr.ConfigError, match=r"reader: must be one of"):
+        bsr.FileTier(tmp_path / "v", 1 << 20, reader=42)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

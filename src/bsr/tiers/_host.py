@@ -14,7 +14,7 @@ an unexpired lease, is never evicted.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 import anyio
@@ -26,7 +26,7 @@ from ..core._keys import ChunkKey, ObjectKey, object_id
 from ._base import Borrowed, LentPayloads, StorageHooks, Tier, as_payload_view
 from ._codec import ObjectCodec
 from ._lru import IndexedTier, LruIndex
-from ._registry import TierOptions
+from ._registry import TierOptions, takes_options
 
 Blob = np.ndarray[Any, np.dtype[np.uint8]]
 
@@ -37,6 +37,7 @@ class HostTierOptions(TierOptions):
 
     kind = "host"
     capacity_bytes: int = option(Check.size)
+    _: KW_ONLY
     name: str = option(Check.text, "host")
 
     def build(self) -> Tier:
@@ -57,11 +58,12 @@ class HostTier(IndexedTier):
     inline_reads = True  # a verified memcpy out of DRAM
     borrow_reads = True  # a verified payload lent where it lies (borrow_blocking)
 
-    def __init__(self, capacity_bytes: int, *, name: str = "host") -> None:
-        self.options = HostTierOptions(capacity_bytes, name=name)
-        super().__init__(self.options.name)
-        self.capacity_bytes = self.options.capacity_bytes
-        self._index: LruIndex[Blob] = LruIndex(self.capacity_bytes, name=name)
+    @takes_options(HostTierOptions)
+    def __init__(self, options: HostTierOptions) -> None:
+        self.options = options
+        super().__init__(options.name)
+        self.capacity_bytes = options.capacity_bytes
+        self._index: LruIndex[Blob] = LruIndex(self.capacity_bytes, name=options.name)
 
     async def read_into(self, key: ChunkKey, group: str, dst: Any) -> int:
         # not abandonable: a memcpy is bounded, and no byte may land in dst after we return

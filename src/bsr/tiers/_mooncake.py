@@ -71,7 +71,7 @@ import ctypes
 import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Any, ClassVar, TypeVar
 
 import anyio
@@ -92,7 +92,7 @@ from ..core._layout import align_up
 from ._abandon import AbandonableCalls
 from ._base import StorageHooks, Tier, TierUsage, as_byte_view, as_payload_view
 from ._codec import ObjectCodec
-from ._registry import TierOptions
+from ._registry import TierOptions, takes_options
 
 HEADER_SIZE = ObjectCodec.HEADER_SIZE
 
@@ -162,11 +162,12 @@ class _Bounce:
 class MooncakeTierOptions(TierOptions):
     """A :class:`MooncakeTier`: ``{"kind": "mooncake", "master_address": "host:port"}``.
 
-    The fields are the constructor's arguments (see there).
+    The fields are the constructor's parameters (see there).
     """
 
     kind = "mooncake"
     name: str = option(Check.text, "mooncake")
+    _: KW_ONLY
     master_address: str | None = option(Check.optional_address, None)
     client_address: str | None = option(Check.optional_address, None)
     metadata_server: str = option(Check.text, "P2PHANDSHAKE")
@@ -225,44 +226,9 @@ class MooncakeTier(Tier):
 
     durable: ClassVar[bool] = False
 
-    def __init__(
-        self,
-        name: str = "mooncake",
-        *,
-        master_address: str | None = None,
-        client_address: str | None = None,
-        metadata_server: str = "P2PHANDSHAKE",
-        protocol: str = "tcp",
-        rdma_devices: str = "",
-        local_hostname: str = "127.0.0.1",
-        global_segment_size: int = 0,
-        local_buffer_size: int = 64 * 1024 * 1024,
-        timeout_s: float = 5.0,
-        open_timeout_s: float | None = None,
-        capacity_bytes: int | None = None,
-        key_prefix: str = "bsr/",
-        max_inflight: int = 16,
-        max_stuck_calls: int = 16,
-        bounce_min_bytes: int = 1 << 20,
-    ) -> None:
-        o = self.options = MooncakeTierOptions(
-            name=name,
-            master_address=master_address,
-            client_address=client_address,
-            metadata_server=metadata_server,
-            protocol=protocol,
-            rdma_devices=rdma_devices,
-            local_hostname=local_hostname,
-            global_segment_size=global_segment_size,
-            local_buffer_size=local_buffer_size,
-            timeout_s=timeout_s,
-            open_timeout_s=open_timeout_s,
-            capacity_bytes=capacity_bytes,
-            key_prefix=key_prefix,
-            max_inflight=max_inflight,
-            max_stuck_calls=max_stuck_calls,
-            bounce_min_bytes=bounce_min_bytes,
-        )
+    @takes_options(MooncakeTierOptions)
+    def __init__(self, options: MooncakeTierOptions) -> None:
+        o = self.options = options
         super().__init__(o.name)
         self.embedded = o.master_address is not None
         self._address = o.master_address if self.embedded else o.client_address

@@ -6,7 +6,9 @@ How it works (after fsspec's registry): a tier kind (``"host"``, ``"file"``, ``"
 names a :class:`TierOptions` subclass, a frozen dataclass whose fields are the tier's options,
 each checked by a parser of the option vocabulary (``option(Check.size)``), and whose
 :meth:`~TierOptions.build` makes the tier. The tier's constructor checks its arguments through
-the same class, so a constructor and a config can never disagree. Kinds are looked up in order:
+the same class, so a constructor and a config can never disagree: :func:`takes_options` makes
+the constructor's signature the options class's own, so the options are declared once. Kinds are
+looked up in order:
 
 1. kinds registered in this process with :func:`register_tier`;
 2. bsr's built-in kinds, each imported only when first asked for (a config naming no Mooncake
@@ -21,10 +23,11 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from importlib import metadata
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Concatenate, ParamSpec, TypeVar
 
 from .._check import check_options, option_fields, parse_options, short_repr
 from .._errors import ConfigError
@@ -41,6 +44,8 @@ BUILTIN_TIERS: dict[str, str] = {
 }
 
 OptionsT = TypeVar("OptionsT", bound="TierOptions")
+TierT = TypeVar("TierT", bound=Tier)
+P = ParamSpec("P")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +92,46 @@ class TierOptions:
     def to_dict(self) -> dict[str, Any]:
         """The plain form (``kind`` first); ``tier_options(kind).from_dict`` reads it back."""
         return {"kind": self.kind, **self.arguments()}
+
+
+def takes_options(
+    options: Callable[P, OptionsT],
+) -> Callable[[Callable[[TierT, OptionsT], None]], Callable[Concatenate[TierT, P], None]]:
+    """Decorate a tier's ``__init__(self, options)`` so the tier takes its options class's
+    fields as its own parameters: the options are declared once, in the options class.
+
+    ``MyTier(address, timeout_s=3)`` builds ``MyTierOptions(address, timeout_s=3)`` (every value
+    checked, a bad one refused with the ConfigError naming its key) and hands it to the
+    decorated ``__init__``. Type checkers see the constructor's parameters as the options
+    class's (a ``ParamSpec``), and ``inspect.signature`` (help, IDEs, docs) shows them too.
+    Fields after ``_: dataclasses.KW_ONLY`` are keyword-only in both::
+
+        @dataclass(frozen=True)
+        class KvTierOptions(bsr.TierOptions):
+            kind = "kv"
+            address: str = bsr.option(bsr.Check.address)
+            _: dataclasses.KW_ONLY
+            name: str = bsr.option(bsr.Check.text, "kv")
+
+        class KvTier(bsr.Tier):
+            @bsr.takes_options(KvTierOptions)
+            def __init__(self, options: KvTierOptions) -> None:
+                self.options = options
+                super().__init__(options.name)
+    """
+
+    def decorate(init: Callable[[TierT, OptionsT], None]) -> Callable[Concatenate[TierT, P], None]:
+        def __init__(self: TierT, /, *args: P.args, **kwargs: P.kwargs) -> None:
+            init(self, options(*args, **kwargs))
+
+        params = inspect.signature(options).parameters.values()
+        me = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
+        __init__.__signature__ = inspect.Signature([me, *params])  # type: ignore[attr-defined]
+        for attr in ("__module__", "__name__", "__qualname__", "__doc__"):
+            setattr(__init__, attr, getattr(init, attr))
+        return __init__
+
+    return decorate
 
 
 _lock = threading.Lock()

@@ -51,7 +51,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -80,7 +80,7 @@ from .._base import (
 )
 from .._codec import ObjectCodec
 from .._lru import IndexedTier, LruIndex, RoomPending
-from .._registry import TierOptions
+from .._registry import TierOptions, takes_options
 from .._watch import Removal
 from ._ledger import Pending, RootBusy, SharedSpace, ledger_error
 from ._readers import (
@@ -150,19 +150,36 @@ ROOM_POLL_S = 0.005
 CALIBRATE_MIN_BYTES = 32 << 20
 
 
+READER_NAMES = ("auto", "uring", "posix", "kvikio")
+_reader_name = Check.one_of(*READER_NAMES)
+
+
+def _reader_choice(value: Any, key: str) -> str | ObjectReader:
+    """A reader's name, or an object with the :class:`ObjectReader` methods (taken as is)."""
+    if isinstance(value, str) or not callable(getattr(value, "read", None)):
+        name: str = _reader_name(value, key)
+        return name
+    reader: ObjectReader = value
+    return reader
+
+
+_reader_choice.takes_string = True  # type: ignore[attr-defined]
+
+
 @dataclass(frozen=True)
 class FileTierOptions(TierOptions):
     """A :class:`FileTier`: ``{"kind": "file", "path": "/nvme/bsr", "capacity_bytes": N}``.
 
-    The constructor takes the same options (and also an :class:`ObjectReader` instance as
-    ``reader``, which a config cannot name).
+    The fields are the constructor's parameters (see there).
     """
 
     kind = "file"
-    path: str = option(Check.path)
+    path: str | os.PathLike[str] = option(Check.path)
     capacity_bytes: int = option(Check.size)
+    _: KW_ONLY
     name: str = option(Check.text, "file")
-    reader: str = option(Check.one_of("auto", "uring", "posix", "kvikio"), "auto")
+    #: a reader's name, or an :class:`ObjectReader` instance (which a config cannot name)
+    reader: str | ObjectReader = option(_reader_choice, "auto")
     direct_io: bool = option(Check.flag, False)
     fsync: bool = option(Check.flag, True)
     io_threads: int = option(Check.positive_int, 8)
@@ -173,6 +190,15 @@ class FileTierOptions(TierOptions):
 
     def build(self) -> Tier:
         return FileTier(**self.arguments())
+
+    def to_dict(self) -> dict[str, Any]:
+        if not isinstance(self.reader, str):
+            raise ConfigError(
+                f"reader: an ObjectReader instance ({type(self.reader).__name__}) has no plain "
+                f"form; name one of {list(READER_NAMES)} to write these options out",
+                key="reader",
+            )
+        return super().to_dict()
 
 
 class FileTier(IndexedTier):
@@ -210,30 +236,9 @@ class FileTier(IndexedTier):
     durable = True
     blocking_reads = True
 
-    def __init__(
-        self,
-        path: str | os.PathLike[str],
-        capacity_bytes: int,
-        *,
-        name: str = "file",
-        reader: str | ObjectReader = "auto",
-        direct_io: bool = False,
-        fsync: bool = True,
-        io_threads: int = 8,
-        read_depth: int | None = None,
-        lock_timeout_s: float = 2.0,
-    ) -> None:
-        o = self.options = FileTierOptions(
-            path,  # type: ignore[arg-type]  # a PathLike too: Check.path takes it
-            capacity_bytes,
-            name=name,
-            reader=reader if isinstance(reader, str) else "auto",  # an instance: taken as is
-            direct_io=direct_io,
-            fsync=fsync,
-            io_threads=io_threads,
-            read_depth=read_depth,
-            lock_timeout_s=lock_timeout_s,
-        )
+    @takes_options(FileTierOptions)
+    def __init__(self, options: FileTierOptions) -> None:
+        o = self.options = options
         super().__init__(o.name)
         self.lock_timeout_s = o.lock_timeout_s
         self._root_stuck = False  # a step gave up on the root's lock, none got it since
@@ -242,13 +247,13 @@ class FileTier(IndexedTier):
         self.root = Path(o.path)
         self.reader: ObjectReader = (
             default_reader(o.reader, direct=o.direct_io, depth=o.read_depth)
-            if isinstance(reader, str)
-            else reader
+            if isinstance(o.reader, str)
+            else o.reader
         )
         #: how the io_uring read depth was chosen (``calibrate_read_depth``); None: not io_uring
         self.read_calibration: dict[str, Any] | None = None
         self.fsync = o.fsync
-        self._store = StoreRoot(self.root, name, self._log)
+        self._store = StoreRoot(self.root, o.name, self._log)
         self._limiter = anyio.CapacityLimiter(o.io_threads)
         # reads are abandonable: io_threads of them stuck in the kernel and new ones fail fast
         self._reads = AbandonableCalls(
@@ -261,7 +266,7 @@ class FileTier(IndexedTier):
             ),
             on_abandon=lambda: self._count(abandoned_reads=1),
         )
-        self._index: LruIndex[None] = LruIndex(o.capacity_bytes, name=name)
+        self._index: LruIndex[None] = LruIndex(o.capacity_bytes, name=o.name)
         self._opened = False
         # guards _dirs and _busy: worker threads touch them
         self._lock = threading.Lock()
