@@ -172,15 +172,7 @@ class RestoreEngine(AsyncResource):
         if not isinstance(layout, StateLayout):
             raise ConfigError(f"layout must be a StateLayout, got {type(layout).__name__}")
         # the options an EngineConfig also carries are checked by the config's own parsers
-        self.window = window = _OPTION["window"](window, "window")
-        io_depth = _OPTION["io_depth"](io_depth, "io_depth")
-        if io_depth > window:
-            raise ConfigError(
-                f"io_depth must be at most window={window}, got {io_depth!r}; more reads "
-                "in flight than slots cannot help, raise window or lower io_depth",
-                key="io_depth",
-            )
-        self.io_depth = io_depth
+        self.window, self.io_depth = window, io_depth = self._check_window(window, io_depth)
         self.memory_workers: int = _OPTION["memory_workers"](memory_workers, "memory_workers")
         self.tiers = self._check_tiers(tiers)
         if not isinstance(namespace, Namespace):
@@ -310,6 +302,18 @@ class RestoreEngine(AsyncResource):
             shield_timeout_s=config.shield_timeout_s,
             staging_budget_bytes=config.staging_budget_bytes,
         )
+
+    @staticmethod
+    def _check_window(window: Any, io_depth: Any) -> tuple[int, int]:
+        window = _OPTION["window"](window, "window")
+        io_depth = _OPTION["io_depth"](io_depth, "io_depth")
+        if io_depth > window:
+            raise ConfigError(
+                f"io_depth must be at most window={window}, got {io_depth!r}; more reads "
+                "in flight than slots cannot help, raise window or lower io_depth",
+                key="io_depth",
+            )
+        return window, io_depth
 
     @staticmethod
     def _check_tiers(tiers: Sequence[Tier]) -> list[Tier]:

@@ -53,7 +53,7 @@ from ..core._options import Policy, Strategy
 from ..core._plan import RestorePlan
 from ..core._results import Probe
 from ..tiers._abandon import AbandonableCalls
-from ..tiers._base import Borrowed, Tier
+from ..tiers._base import Borrowed, LentPayloads, Tier
 from ..tiers.file import cancellation
 from ._cache import PagedKVCache
 from ._install import CudaInstaller, HostInstaller
@@ -811,18 +811,10 @@ class WindowPipeline:
         """
         run = job.run
         needed = run.needed
-        lender = self._lender(job, batch)
-        if lender is None:
-            return False
-        name, objects = lender
-        got = self.ladder.borrow_many_blocking(
-            job.gate, name, objects, self._expected, admitted=admitted == name
-        )
+        got = self._borrow_batch(job, batch, admitted, served)
         if got is None:
             return False
-        lent, failed = got
-        if served is not None and len(failed) < len(objects):
-            served[0] = True
+        name, lent, failed = got
         host = job.host
         assert host is not None
         items = lent.items
@@ -875,6 +867,29 @@ class WindowPipeline:
                 b.release()
             if done:
                 run.record_lent(name, nbytes, done)
+
+    def _borrow_batch(
+        self,
+        job: _Job,
+        batch: Sequence[int],
+        admitted: str | None,
+        served: list[bool] | None,
+    ) -> tuple[str, LentPayloads, dict[int, tuple[str, Outcome]]] | None:
+        """The lending tier's name, what it lent of ``batch`` and what it failed to (by the
+        object's index), or None when the batch is not lent (see :meth:`_batch_lent`)."""
+        lender = self._lender(job, batch)
+        if lender is None:
+            return None
+        name, objects = lender
+        got = self.ladder.borrow_many_blocking(
+            job.gate, name, objects, self._expected, admitted=admitted == name
+        )
+        if got is None:
+            return None
+        lent, failed = got
+        if served is not None and len(failed) < len(objects):
+            served[0] = True
+        return name, lent, failed
 
     def _lender(
         self, job: _Job, batch: Sequence[int]

@@ -1,0 +1,30 @@
+"""House rules that keep the code readable, checked on the source itself."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+#: the library (its test kit, ``bsr.testing``, included) and the benchmark
+CHECKED = (ROOT / "src" / "bsr", ROOT / "bench" / "bsr_bench")
+#: the longest a function may be, its signature and docstring included
+MAX_FUNCTION_LINES = 80
+
+
+def _functions(root: Path) -> list[tuple[int, str]]:
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                where = f"{path.relative_to(ROOT)}:{node.lineno} {node.name}"
+                out.append((lines, where))
+    return out
+
+
+def test_no_function_is_longer_than_80_lines() -> None:
+    found = [f for root in CHECKED for f in _functions(root)]
+    assert len(found) > 500  # the walk saw the code
+    too_long = sorted(f"{where} ({n} lines)" for n, where in found if n > MAX_FUNCTION_LINES)
+    assert not too_long, "split these functions: " + "; ".join(too_long)
