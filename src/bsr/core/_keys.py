@@ -488,10 +488,13 @@ def chunk_digests(
     prev = _chain_seed(namespace_fp, chunk_tokens)
     out: list[bytes] = []
     append = out.append
-    sha = _SHA256
     if not extras and int(body.max()) < _WIDE:  # every token fits 4 bytes (every vocabulary)
+        # each hash a copy of one fresh context: OpenSSL 3 spends 0.13 us (of ~1.05 per chunk)
+        # more making a context from nothing than copying one
+        fresh = _SHA256().copy
         for i in range(0, n * step4, step4):
-            h = sha(prev + b"\x04")
+            h = fresh()
+            h.update(prev + b"\x04")
             h.update(data4[i : i + step4])
             prev = h.digest()
             append(prev)
@@ -504,10 +507,10 @@ def chunk_digests(
     flags = cast("list[bool]", wide.tolist())
     for i, w in enumerate(flags):
         if w:
-            h = sha(prev + b"\x08")
+            h = _SHA256(prev + b"\x08")
             h.update(data8[i * step8 : (i + 1) * step8])
         else:
-            h = sha(prev + b"\x04")
+            h = _SHA256(prev + b"\x04")
             h.update(data4[i * step4 : (i + 1) * step4])
         prev = h.digest()
         append(prev)
@@ -586,7 +589,10 @@ def _keys_of(
     append = out.append
     for i, d in enumerate(chunk_digests(ns, arr, chunk_tokens, n, ext)):
         key = make(cls)  # ChunkKey._new, inline: a 524,288-token prompt makes 2,048 of them
-        key.__dict__.update(digest=d, index=i, namespace=ns)
+        fields = key.__dict__  # item by item: 0.06 us a key less than dict.update(**kwargs)
+        fields["digest"] = d
+        fields["index"] = i
+        fields["namespace"] = ns
         append(key)
     return out
 
