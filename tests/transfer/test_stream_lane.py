@@ -28,8 +28,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import bsr
-from bsr.tiers.file._readers import UringReader, _OwnedRing
+from bsr.tiers.file._readers import UringReader, _OwnedRing, _StreamState
 from bsr.tiers.file._uring import Ring, RingError, uring_status
+from bsr.transfer import _pipeline as pipeline
 from support.engines import restore_all_at_once
 from support.helpers import blocks_equal, filled_cache, retarget_stream_read, tokens_for
 
@@ -236,6 +237,66 @@ async def test_the_stream_keeps_a_read_in_flight_per_slot_within_the_tiers_depth
             assert r.rws_peak_bytes == 4 * one.slot_bytes  # the window: W slots
     finally:
         reader.close()
+
+
+@pytest.mark.anyio
+async def test_the_next_read_is_in_flight_while_an_object_is_verified_and_copied(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a read depth of 1, the ring is refilled before each object's end (its verify and
+    copy, the CPU work of the stream): the next object's request is in the kernel meanwhile,
+    for every object but the last."""
+    in_flight: list[int] = []
+    real_end = _StreamState.end_read
+
+    def end_read(self: _StreamState, r: Any) -> None:
+        in_flight.append(len(self.reads))
+        real_end(self, r)
+
+    monkeypatch.setattr(_StreamState, "end_read", end_read)
+    a = bsr.FileTier(tmp_path / "a", 1 << 26, name="a", reader=UringReader(depth=1))
+    src = filled_cache(LAYOUT, CHUNKS, BLOCK, seed=10)
+    async with _engine([a]) as eng:
+        assert (await eng.save(TOKENS, src, IDS)).ok
+        dst = bsr.PagedKVCache(LAYOUT, CHUNKS, BLOCK)
+        r = await eng.restore(TOKENS, dst, IDS)
+        assert r.committed_tokens == len(TOKENS)
+        assert blocks_equal(LAYOUT, src, IDS, dst, IDS, CHUNKS)
+    assert in_flight == [1] * (2 * CHUNKS - 1) + [0]
+
+
+@pytest.mark.parametrize("announce", [False, True])
+@pytest.mark.anyio
+async def test_one_streamed_batch_per_worker_unless_chunks_are_awaited(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, announce: bool
+) -> None:
+    """The device queue runs dry at the end of each streamed batch (its worker-thread call
+    returns once its last read is in), so a restore nobody watches chunk by chunk is one batch
+    per worker: one call here (``memory_workers`` 1). With ``on_installed`` the chunks are
+    announced batch by batch, so batches keep their size (two chunks here)."""
+    monkeypatch.setattr(pipeline, "MEMORY_BATCH_BYTES", 2 * LAYOUT.chunk_bytes)
+    a = bsr.FileTier(tmp_path / "a", 1 << 26, name="a", reader=UringReader(depth=8))
+    calls: list[int] = []
+    real = a.stream_into_blocking
+
+    def counting(*args: Any) -> None:
+        calls.append(1)
+        real(*args)
+
+    monkeypatch.setattr(a, "stream_into_blocking", counting)
+    announced: list[int] = []
+    src = filled_cache(LAYOUT, CHUNKS, BLOCK, seed=8)
+    async with _engine([a]) as eng:
+        assert (await eng.save(TOKENS, src, IDS)).ok
+        dst = bsr.PagedKVCache(LAYOUT, CHUNKS, BLOCK)
+        hook = (lambda c, groups: announced.append(c)) if announce else None
+        r = await eng.restore(TOKENS, dst, IDS, on_installed=hook)
+        assert r.committed_tokens == len(TOKENS)
+        assert blocks_equal(LAYOUT, src, IDS, dst, IDS, CHUNKS)
+    if announce:
+        assert len(calls) == CHUNKS // 2 and sorted(announced) == list(range(CHUNKS))
+    else:
+        assert len(calls) == 1
 
 
 @pytest.mark.anyio

@@ -467,6 +467,16 @@ class WindowPipeline:
             # these batches run one after another on the event loop anyway: as large as an
             # inline batch may be, so the per-batch steps (slot, turn, task switch) are rare
             return max(1, INLINE_BYTES // chunk_bytes)
+        if job.stream is not None and job.on_installed is None:
+            # a streamed batch lets the device queue run dry at its end (its thread call
+            # returns once its last read is in, and the next call starts the queue again from
+            # nothing): one batch per turn, as nobody waits for chunks announced per batch
+            return max(1, math.ceil(n / self._turns(job)))
+        if job.stream is not None and job.on_installed is None:
+            # a streamed batch lets the device queue run dry at its end (its thread call
+            # returns once its last read is in, and the next call starts the queue again from
+            # nothing): one batch per turn, as nobody waits for chunks announced per batch
+            return max(1, math.ceil(n / self._turns(job)))
         if job.memory or job.stream is not None:
             # worker-thread batches of memory-speed or streamed reads: one per turn (see
             # MEMORY_BATCH_BYTES); more would only add worker-thread hops

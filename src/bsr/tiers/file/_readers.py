@@ -22,6 +22,7 @@ to buffered reads and the reader records that in :attr:`PosixReader.direct_activ
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import errno
@@ -580,36 +581,24 @@ class UringReader(PosixReader):
         check = getattr(_CANCEL, "check", None)
         try:
             while True:
-                while st.more and st.free and not st.cancelled:
-                    r = begin()
-                    if r is None:
-                        break
-                    if r.error is not None:
-                        st.more = end(r) and st.more
-                        continue
-                    r.slot = st.free.pop()
-                    st.waiting.extend(self._stream_pieces(r, bufs))
-                if st.waiting and not st.cancelled:
-                    room = ring.entries - len(st.reads)
-                    k = self._depth.take(
-                        min(len(st.waiting), room), block=not st.reads, check=check
-                    )
-                    if k == 0 and not st.reads:  # cancelled while waiting for the depth
-                        st.cancel()
-                    else:
-                        self._queue_stream(ring, st, k)
+                self._stream_fill(ring, st, begin, check, block=not st.reads)
                 if not st.reads:
                     if st.waiting:
                         continue
                     return  # nothing in flight, and begin() had nothing (or we stopped)
                 ring.enter(wait=1, timeout_s=CANCEL_POLL_S if check is not None else None)
                 self._reap_stream(ring, st)
+                while st.done:
+                    # the ring refilled before each object's verify and copy (the CPU work
+                    # that frees its buffer): the device reads on while this thread copies
+                    self._stream_fill(ring, st, begin, check, block=False)
+                    st.end_read(st.done.popleft())
                 if check is not None and not st.cancelled and check():
                     st.cancel()
                     self._withdraw(ring, st.reads)
         except RingError:
             # the ring failed under us: wait (bounded) for what is in flight, end those reads
-            # with the error, and read the rest with preadv
+            # with the error (objects read whole end as read), and read the rest with preadv
             begun = st.begun()  # before the drain, which forgets the requests it reaps
             self._give_up(ring, st.reads)
             if st.reads:  # still in flight after the drain: their buffers may be written
@@ -617,13 +606,42 @@ class UringReader(PosixReader):
             st.waiting = []
             exc = OSError(errno.EIO, "io_uring failed under a stream read")
             for r in begun:
-                r.error = r.error or exc
+                if r.left != 0:
+                    r.error = r.error or exc
                 st.end_read(r)
             if st.more and not st.cancelled:
                 self._stream_posix(begin, end)
         except BaseException:
             self._give_up(ring, st.reads)
             raise
+
+    def _stream_fill(
+        self,
+        ring: Ring,
+        st: _StreamState,
+        begin: Callable[[], StreamRead | None],
+        check: Callable[[], bool] | None,
+        block: bool,
+    ) -> None:
+        """Begin objects while a header buffer is free, then queue their requests within the
+        ring and the depth (``block``: wait for a place in the depth; nothing is in flight)."""
+        bufs: _Streams = self._local.streams
+        while st.more and st.free and not st.cancelled:
+            r = begin()
+            if r is None:
+                break
+            if r.error is not None:
+                st.more = st.end(r) and st.more
+                continue
+            r.slot = st.free.pop()
+            st.waiting.extend(self._stream_pieces(r, bufs))
+        if st.waiting and not st.cancelled:
+            room = ring.entries - len(st.reads)
+            k = self._depth.take(min(len(st.waiting), room), block=block, check=check)
+            if k == 0 and block:  # cancelled while waiting for the depth
+                st.cancel()
+            else:
+                self._queue_stream(ring, st, k)
 
     def _stream_pieces(self, r: StreamRead, bufs: _Streams) -> list[tuple[StreamRead, Piece, int]]:
         """The requests of object ``r``: its header and first block in one vector request,
@@ -682,7 +700,7 @@ class UringReader(PosixReader):
                     if res < r.lengths[i]:
                         st.drop_waiting(r)  # end of file: nothing more to read
                 if r.left == 0:
-                    st.end_read(r)
+                    st.done.append(r)  # ended by the caller of this reap
         finally:
             if back:
                 self._depth.give(back)
@@ -806,7 +824,7 @@ class _Streams:
 class _StreamState:
     """The bookkeeping of one :meth:`UringReader.stream`."""
 
-    __slots__ = ("cancelled", "end", "free", "more", "reads", "waiting")
+    __slots__ = ("cancelled", "done", "end", "free", "more", "reads", "waiting")
 
     def __init__(self, free: list[int], end: Callable[[StreamRead], bool]) -> None:
         self.free = free  # header buffers (objects that may be in flight)
@@ -815,6 +833,7 @@ class _StreamState:
         self.cancelled = False
         self.reads: dict[int, tuple[StreamRead, int]] = {}  # tag -> (object, request index)
         self.waiting: list[tuple[StreamRead, Piece, int]] = []  # requests not queued yet
+        self.done: collections.deque[StreamRead] = collections.deque()  # read whole, not ended
 
     def begun(self) -> list[StreamRead]:
         """Every object begun and not ended yet."""
@@ -822,6 +841,8 @@ class _StreamState:
         for r, _ in self.reads.values():
             seen[id(r)] = r
         for r, _, _ in self.waiting:
+            seen[id(r)] = r
+        for r in self.done:
             seen[id(r)] = r
         return list(seen.values())
 
