@@ -243,18 +243,22 @@ async def test_the_stream_keeps_a_read_in_flight_per_slot_within_the_tiers_depth
 async def test_the_next_read_is_in_flight_while_an_object_is_verified_and_copied(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With a read depth of 1, the ring is refilled before each object's end (its verify and
-    copy, the CPU work of the stream): the next object's request is in the kernel meanwhile,
-    for every object but the last."""
-    in_flight: list[int] = []
+    """With a read depth of 1 and requests of 4 KiB, the ring is refilled and handed to the
+    kernel before the end (verify and copy, the CPU work of the stream) of each object of
+    several requests: the next object's first request is in the kernel meanwhile (queued and
+    entered), for every such object but the last. An object of one request ends without."""
+    in_flight: list[tuple[int, int]] = []
     real_end = _StreamState.end_read
+    reader = UringReader(depth=1, block_bytes=4096)
 
     def end_read(self: _StreamState, r: Any) -> None:
-        in_flight.append(len(self.reads))
+        ring = reader._local.ring.ring  # this worker thread's
+        # requests queued, less those not handed to the kernel yet
+        in_flight.append((len(r.lengths), len(self.reads) - ring._pending))
         real_end(self, r)
 
     monkeypatch.setattr(_StreamState, "end_read", end_read)
-    a = bsr.FileTier(tmp_path / "a", 1 << 26, name="a", reader=UringReader(depth=1))
+    a = bsr.FileTier(tmp_path / "a", 1 << 26, name="a", reader=reader)
     src = filled_cache(LAYOUT, CHUNKS, BLOCK, seed=10)
     async with _engine([a]) as eng:
         assert (await eng.save(TOKENS, src, IDS)).ok
@@ -262,7 +266,8 @@ async def test_the_next_read_is_in_flight_while_an_object_is_verified_and_copied
         r = await eng.restore(TOKENS, dst, IDS)
         assert r.committed_tokens == len(TOKENS)
         assert blocks_equal(LAYOUT, src, IDS, dst, IDS, CHUNKS)
-    assert in_flight == [1] * (2 * CHUNKS - 1) + [0]
+    # each chunk: its kv object (8 KiB: header + 4 KiB, then 4 KiB), then its idx (one request)
+    assert in_flight == [(2, 1), (1, 0)] * CHUNKS
 
 
 @pytest.mark.parametrize("announce", [False, True])

@@ -590,9 +590,17 @@ class UringReader(PosixReader):
                 self._reap_stream(ring, st)
                 while st.done:
                     # the ring refilled before each object's verify and copy (the CPU work
-                    # that frees its buffer): the device reads on while this thread copies
-                    self._stream_fill(ring, st, begin, check, block=False)
-                    st.end_read(st.done.popleft())
+                    # that frees its buffer); before a long one (an object of several
+                    # requests) also handed to the kernel, so the device reads on meanwhile.
+                    # An object of one request is quick to end, and a syscall for each would
+                    # cost more than the overlap gains (measured at 512 KiB)
+                    r = st.done.popleft()
+                    if (
+                        self._stream_fill(ring, st, begin, check, block=False)
+                        and len(r.lengths) > 1
+                    ):
+                        ring.enter()
+                    st.end_read(r)
                 if check is not None and not st.cancelled and check():
                     st.cancel()
                     self._withdraw(ring, st.reads)
@@ -622,9 +630,10 @@ class UringReader(PosixReader):
         begin: Callable[[], StreamRead | None],
         check: Callable[[], bool] | None,
         block: bool,
-    ) -> None:
+    ) -> int:
         """Begin objects while a header buffer is free, then queue their requests within the
-        ring and the depth (``block``: wait for a place in the depth; nothing is in flight)."""
+        ring and the depth (``block``: wait for a place in the depth; nothing is in flight);
+        how many were queued (handed to the kernel by the next ``enter``)."""
         bufs: _Streams = self._local.streams
         while st.more and st.free and not st.cancelled:
             r = begin()
@@ -635,13 +644,15 @@ class UringReader(PosixReader):
                 continue
             r.slot = st.free.pop()
             st.waiting.extend(self._stream_pieces(r, bufs))
-        if st.waiting and not st.cancelled:
-            room = ring.entries - len(st.reads)
-            k = self._depth.take(min(len(st.waiting), room), block=block, check=check)
-            if k == 0 and block:  # cancelled while waiting for the depth
-                st.cancel()
-            else:
-                self._queue_stream(ring, st, k)
+        if not st.waiting or st.cancelled:
+            return 0
+        room = ring.entries - len(st.reads)
+        k = self._depth.take(min(len(st.waiting), room), block=block, check=check)
+        if k == 0 and block:  # cancelled while waiting for the depth
+            st.cancel()
+            return 0
+        self._queue_stream(ring, st, k)
+        return k
 
     def _stream_pieces(self, r: StreamRead, bufs: _Streams) -> list[tuple[StreamRead, Piece, int]]:
         """The requests of object ``r``: its header and first block in one vector request,
