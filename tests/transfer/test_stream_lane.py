@@ -304,6 +304,78 @@ async def test_one_streamed_batch_per_worker_unless_chunks_are_awaited(
         assert len(calls) == 1
 
 
+class HoldingReader(UringReader):
+    """Holds the read of the object ``hold`` (an object id) until another caller waits for a
+    slot of ``pool``; ``streaming`` is set once the held read has begun."""
+
+    def __init__(self) -> None:
+        super().__init__(depth=8)
+        self.hold = ""
+        self.pool: Any = None
+        self.streaming = threading.Event()
+        self.begun: list[str] = []  # object ids, in the order their reads began
+
+    def _stream_pieces(self, r: Any, bufs: Any) -> Any:
+        self.begun.append(r.token[2])
+        if r.token[2] == self.hold and not self.streaming.is_set():
+            self.streaming.set()
+            deadline = time.monotonic() + 30  # a hang guard
+            while not self.pool.contended and time.monotonic() < deadline:
+                time.sleep(0.001)
+        return super()._stream_pieces(r, bufs)
+
+
+@pytest.mark.anyio
+async def test_a_long_streamed_restore_yields_the_window_to_a_waiting_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A streamed restore holds its share of the window for its whole run only while nobody
+    else wants it: a short restore that starts while a long one streams through all W = 2
+    slots waits for a slot, and is handed one once each of the long one's slots has taken a
+    chunk (two chunks begun of eight), not when the long one is done. Both commit their own
+    bytes, and every slot comes back."""
+    reader = HoldingReader()
+    handed: list[int] = []  # objects of the long restore begun when a waiter got a slot
+    real_give = bsr.StagingPool._give
+
+    def give(self: bsr.StagingPool, slot: Any) -> None:
+        if self.contended and reader.streaming.is_set():  # a waiter, once the long one streams
+            handed.append(sum(1 for o in reader.begun if o in long_objects))
+        real_give(self, slot)
+
+    monkeypatch.setattr(bsr.StagingPool, "_give", give)
+    a = bsr.FileTier(tmp_path / "a", 1 << 26, name="a", reader=reader)
+    long_p, short_p = tokens_for(8 * 16, seed=70), tokens_for(2 * 16, seed=71)
+    src = filled_cache(LAYOUT, 10, BLOCK, seed=12)
+    long_ids, short_ids = torch.arange(8), torch.arange(8, 10)
+    ended: list[str] = []
+    async with _engine([a], window=2, io_depth=2) as eng:
+        assert (await eng.save(long_p, src, long_ids)).ok
+        assert (await eng.save(short_p, src, short_ids)).ok
+        long_keys = eng.keys(long_p)
+        long_objects = {_oid(long_keys, c, g.name) for c in range(8) for g in LAYOUT.groups}
+        reader.hold = _oid(long_keys, 0, "kv")
+        reader.pool = eng.staging
+        dst = bsr.PagedKVCache(LAYOUT, 10, BLOCK)
+
+        async def restore(name: str, prompt: list[int], ids: torch.Tensor) -> None:
+            r = await eng.restore(prompt, dst, ids)
+            assert r.committed_tokens == len(prompt), (name, r.reason)
+            ended.append(name)
+
+        with anyio.fail_after(60):  # a hang guard
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(restore, "long", long_p, long_ids)
+                assert await anyio.to_thread.run_sync(reader.streaming.wait, 30)
+                tg.start_soon(restore, "short", short_p, short_ids)
+        assert sorted(ended) == ["long", "short"]
+        assert handed[0] == 2 * len(LAYOUT.groups)  # the long one's first window, no more
+        assert blocks_equal(LAYOUT, src, long_ids, dst, long_ids, 8)
+        assert blocks_equal(LAYOUT, src, short_ids, dst, short_ids, 2)
+        s = eng.staging.statistics()
+        assert s.in_use == 0 and s.acquired == s.released and s.peak_in_use <= 2
+
+
 @pytest.mark.anyio
 async def test_concurrent_streamed_restores_share_the_window(tmp_path: Path) -> None:
     """Six restores stream from one FileTier at once through a window of 3 slots: each worker

@@ -114,6 +114,9 @@ class WholePlanBuffer:
         """Never: a whole-plan run takes its regions one by one (:meth:`acquire`)."""
         raise anyio.WouldBlock
 
+    #: a private buffer: nobody else waits for its regions
+    contended = False
+
     def release(self, slot: Slot) -> None:
         """Nothing to give back: the buffer lives as long as the request."""
 
@@ -548,12 +551,17 @@ class WindowPipeline:
         flight per slot it holds (within the tier's own read depth), copying each chunk into
         the cache as it arrives. The reads in flight are bounded by the window here, not by
         ``io_depth`` (the number of calls in flight): the slots are held anyway, and each wait
-        for a completion that is not there yet costs a sleep and a wake-up."""
+        for a completion that is not there yet costs a sleep and a wake-up.
+
+        A call that finds another caller waiting for a slot (another restore) stops beginning
+        chunks once each slot it holds has taken one, and gives its slots back: the rest of
+        its batch waits its turn in the window's queue (a batch may be a worker's whole run)."""
         run = job.run
         turns = self._turns(job)
         share = max(1, self.window // turns)
+        rest: list[int] = []
         while True:
-            batch = batches.take(run)
+            batch = rest if rest and not run.must_stop else batches.take(run)
             if not batch:
                 return
             slots = [await job.slots.acquire()]
@@ -567,37 +575,44 @@ class WindowPipeline:
                 slots.append(slot)
             run.touched_chunks.update(batch)
             async with job.turns:
-                await self._thread(job, slots, self._batch_stream, job, batch, slots)
+                rest = await self._thread(job, slots, self._batch_stream, job, batch, slots)
             for slot in slots:
                 self._installed(job, slot)
             await self._announce(job, batch)
+            rest = rest or []
 
-    def _batch_stream(self, job: _Job, batch: Sequence[int], slots: list[Slot]) -> None:
+    def _batch_stream(self, job: _Job, batch: Sequence[int], slots: list[Slot]) -> list[int]:
         """Worker thread: stream ``batch`` from ``job.stream`` through ``slots`` (each chunk
         installed as its groups arrive, its slot then reused); when the gate wants each object
-        admitted on its own, the batch goes object by object through the first slot."""
+        admitted on its own, the batch goes object by object through the first slot. The
+        chunks of ``batch`` not begun (the window was wanted elsewhere), in order."""
         run = job.run
         holders, keys = job.probe.holders, job.probe.keys
         objects = [(keys[c], g, holders[c][g]) for c in batch for g in run.needed[c]]
         name = self.ladder.admit_batch(job.gate, objects)
         if name is None:
             self._batch_blocking(job, batch, slots[0])
-            return
+            return []
+        begin, end, todo = self._stream_steps(job, batch, slots)
         try:
             ahead = len(slots) * len(self.layout.groups)  # a read per object of each slot
-            self.ladder.stream_admitted_blocking(
-                job.gate, name, *self._stream_steps(job, batch, slots), ahead
-            )
+            self.ladder.stream_admitted_blocking(job.gate, name, begin, end, ahead)
         finally:
             self.ladder.batch_ok(job.gate, name)
+        return [c for c in reversed(todo) if run.wanted(c)]
 
     def _stream_steps(
         self, job: _Job, batch: Sequence[int], slots: list[Slot]
-    ) -> tuple[Callable[[], StreamItem | None], Callable[[StreamItem, LadderResult], bool]]:
-        """The ``begin`` and ``end`` of a streamed batch: a chunk begins when a slot is free
-        (its groups one by one); once its last group ended it is installed (unless it or an
-        earlier chunk failed) and its slot is free again."""
+    ) -> tuple[
+        Callable[[], StreamItem | None], Callable[[StreamItem, LadderResult], bool], list[int]
+    ]:
+        """The ``begin`` and ``end`` of a streamed batch, and its chunks not begun yet (last
+        first): a chunk begins when a slot is free (its groups one by one), unless each slot
+        has taken one and another caller waits for the window; once its last group ended it
+        is installed (unless it or an earlier chunk failed) and its slot is free again."""
         run = job.run
+        contended = job.slots  # ``.contended``: read as each chunk begins
+        begun = [0]
         holders, keys, needed = job.probe.holders, job.probe.keys, run.needed
         expected, after_read = self._expected, job.installer.after_read
         free = list(reversed(slots))
@@ -611,6 +626,9 @@ class WindowPipeline:
                 return queued.pop()
             if not free or not todo or not run.wanted(todo[-1]):
                 return None
+            if begun[0] >= len(slots) and contended.contended:
+                return None  # yield the window: the rest of the batch comes back to the worker
+            begun[0] += 1
             c = todo.pop()
             slot = free.pop()
             groups = needed[c]
@@ -638,7 +656,7 @@ class WindowPipeline:
                 free.append(item.token)
             return not run.must_stop
 
-        return begin, end
+        return begin, end, todo
 
     def _mode(self, job: _Job, batch: Sequence[int]) -> str:
         """How to move ``batch``: ``inline`` (small, memory-speed tiers, host destination, on

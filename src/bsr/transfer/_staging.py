@@ -133,6 +133,11 @@ class StagingPool:
         return len(self._slots)
 
     @property
+    def contended(self) -> bool:
+        """Whether a caller waits for a slot now (read from any thread: a hint, not a lock)."""
+        return bool(self._waiters)
+
+    @property
     def buffer(self) -> torch.Tensor:
         """The whole staging buffer (for registering with a store or a DMA engine)."""
         return self._buffer
@@ -276,6 +281,11 @@ class StagingAccount:
 
     def park(self, slot: Slot, done: threading.Event) -> None:
         self.pool.park(slot, done)
+
+    @property
+    def contended(self) -> bool:
+        """Whether another caller waits for a slot of the pool now."""
+        return self.pool.contended
 
     @property
     def peak_bytes(self) -> int:
