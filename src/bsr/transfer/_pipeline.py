@@ -475,11 +475,6 @@ class WindowPipeline:
             # returns once its last read is in, and the next call starts the queue again from
             # nothing): one batch per turn, as nobody waits for chunks announced per batch
             return max(1, math.ceil(n / self._turns(job)))
-        if job.stream is not None and job.on_installed is None:
-            # a streamed batch lets the device queue run dry at its end (its thread call
-            # returns once its last read is in, and the next call starts the queue again from
-            # nothing): one batch per turn, as nobody waits for chunks announced per batch
-            return max(1, math.ceil(n / self._turns(job)))
         if job.memory or job.stream is not None:
             # worker-thread batches of memory-speed or streamed reads: one per turn (see
             # MEMORY_BATCH_BYTES); more would only add worker-thread hops
@@ -611,7 +606,7 @@ class WindowPipeline:
         has taken one and another caller waits for the window; once its last group ended it
         is installed (unless it or an earlier chunk failed) and its slot is free again."""
         run = job.run
-        contended = job.slots  # ``.contended``: read as each chunk begins
+        window = job.slots  # ``window.contended`` is read as each chunk begins
         begun = [0]
         holders, keys, needed = job.probe.holders, job.probe.keys, run.needed
         expected, after_read = self._expected, job.installer.after_read
@@ -626,7 +621,7 @@ class WindowPipeline:
                 return queued.pop()
             if not free or not todo or not run.wanted(todo[-1]):
                 return None
-            if begun[0] >= len(slots) and contended.contended:
+            if begun[0] >= len(slots) and window.contended:
                 return None  # yield the window: the rest of the batch comes back to the worker
             begun[0] += 1
             c = todo.pop()

@@ -581,7 +581,7 @@ class UringReader(PosixReader):
         check = getattr(_CANCEL, "check", None)
         try:
             while True:
-                self._stream_fill(ring, st, begin, check, block=not st.reads)
+                self._stream_fill(ring, st, bufs, begin, check, block=not st.reads)
                 if not st.reads:
                     if st.waiting:
                         continue
@@ -596,7 +596,7 @@ class UringReader(PosixReader):
                     # cost more than the overlap gains (measured at 512 KiB)
                     r = st.done.popleft()
                     if (
-                        self._stream_fill(ring, st, begin, check, block=False)
+                        self._stream_fill(ring, st, bufs, begin, check, block=False)
                         and len(r.lengths) > 1
                     ):
                         ring.enter()
@@ -627,6 +627,7 @@ class UringReader(PosixReader):
         self,
         ring: Ring,
         st: _StreamState,
+        bufs: _Streams,
         begin: Callable[[], StreamRead | None],
         check: Callable[[], bool] | None,
         block: bool,
@@ -634,7 +635,6 @@ class UringReader(PosixReader):
         """Begin objects while a header buffer is free, then queue their requests within the
         ring and the depth (``block``: wait for a place in the depth; nothing is in flight);
         how many were queued (handed to the kernel by the next ``enter``)."""
-        bufs: _Streams = self._local.streams
         while st.more and st.free and not st.cancelled:
             r = begin()
             if r is None:
