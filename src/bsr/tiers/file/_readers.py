@@ -96,6 +96,13 @@ def file_kind(mode: int) -> str:
     return "special file"
 
 
+S_ISREG = stat.S_ISREG
+
+
+def _where(name: str, dir_fd: int | None) -> str:
+    return name if dir_fd is None else f"<dir>/{name}"
+
+
 def open_regular(
     name: str, *, dir_fd: int | None = None, direct: bool = False
 ) -> tuple[int, os.stat_result]:
@@ -107,20 +114,19 @@ def open_regular(
             is never opened) and with ``fstat`` after it (so a swap in between is caught).
         OSError: the open failed (missing file, permission denied, I/O error).
     """
-    where = name if dir_fd is None else f"<dir>/{name}"
     st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-    if not stat.S_ISREG(st.st_mode):
-        raise NotRegularFileError(where, file_kind(st.st_mode))
+    if not S_ISREG(st.st_mode):
+        raise NotRegularFileError(_where(name, dir_fd), file_kind(st.st_mode))
     try:
         fd = os.open(name, OPEN_FLAGS | (_O_DIRECT if direct else 0), dir_fd=dir_fd)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            raise NotRegularFileError(where, "symlink") from None
+            raise NotRegularFileError(_where(name, dir_fd), "symlink") from None
         raise
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise NotRegularFileError(where, file_kind(st.st_mode))
+        if not S_ISREG(st.st_mode):
+            raise NotRegularFileError(_where(name, dir_fd), file_kind(st.st_mode))
     except BaseException:
         os.close(fd)
         raise
@@ -298,23 +304,32 @@ class _Depth:
         self.free = n
         self.peak = 0  # the most requests in flight at once
         self._cond = threading.Condition()
+        self._waiting = 0  # threads waiting in take (a give wakes them only if there are some)
 
     def take(self, want: int, block: bool, check: Callable[[], bool] | None) -> int:
         """Up to ``want`` requests; with ``block``, wait for at least one (0 if cancelled)."""
         with self._cond:
             while block and self.free <= 0:
-                self._cond.wait(CANCEL_POLL_S if check is not None else None)
+                self._waiting += 1
+                try:
+                    self._cond.wait(CANCEL_POLL_S if check is not None else None)
+                finally:
+                    self._waiting -= 1
                 if check is not None and check():
                     return 0
-            k = max(0, min(want, self.free))
+            k = min(want, self.free)
+            if k <= 0:
+                return 0
             self.free -= k
-            self.peak = max(self.peak, self.limit - self.free)
+            if self.limit - self.free > self.peak:
+                self.peak = self.limit - self.free
             return k
 
     def give(self, k: int) -> None:
         with self._cond:
             self.free += k
-            self._cond.notify_all()
+            if self._waiting:  # a stream gives back once per completion: most find nobody
+                self._cond.notify_all()
 
     def resize(self, n: int) -> None:
         with self._cond:

@@ -838,14 +838,19 @@ class FileTier(IndexedTier):
             os.close(fd)
         return self._verified(header, n, size, okey, view, room)
 
+    def _context(self, okey: ObjectKey) -> dict[str, Any]:
+        """An object error's fields (made only when one is raised: a read makes none)."""
+        return {"tier": self.name, "key": okey.chunk.hex[:16], "group": okey.group}
+
     def _verified(
         self, header: Any, n: int, size: int, okey: ObjectKey, view: memoryview, room: int
     ) -> int:
         """Check what a read of ``n`` bytes left in ``header`` and ``view`` (the file is
         ``size`` bytes; ``room``: the aligned part of ``view`` read into); the payload length."""
-        ctx = {"tier": self.name, "key": okey.chunk.hex[:16], "group": okey.group}
         if n < HEADER_SIZE:  # the buffer may still hold another object's header: never decode it
-            raise TruncatedObjectError(f"short read: {n} bytes, less than the header", **ctx)
+            raise TruncatedObjectError(
+                f"short read: {n} bytes, less than the header", **self._context(okey)
+            )
         head = ObjectCodec.decode_header(header, okey, where=self.name)
         # checked before the destination: a forged length is the object's fault, not the caller's
         ObjectCodec.check_stored_size(head, size, okey, where=self.name)
@@ -858,7 +863,7 @@ class FileTier(IndexedTier):
             raise ConfigError("destination must be 4 KiB aligned in length", tier=self.name)
         if n < HEADER_SIZE + plen:
             raise TruncatedObjectError(
-                f"short read: {n} bytes, object needs {HEADER_SIZE + plen}", **ctx
+                f"short read: {n} bytes, object needs {HEADER_SIZE + plen}", **self._context(okey)
             )
         ObjectCodec.verify_payload(view[:plen], head, okey, where=self.name)
         return plen
