@@ -780,7 +780,7 @@ class FileTier(IndexedTier):
                 return
 
     def _read_error(self, exc: BaseException, oid: str, okey: ObjectKey) -> Exception:
-        ctx = {"tier": self.name, "key": okey.chunk.hex[:16], "group": okey.group}
+        ctx = self._context(okey)
         kind = classify_read_error(exc)
         if kind is ReadFailure.MISSING:
             self._index.discard(oid)
@@ -813,7 +813,7 @@ class FileTier(IndexedTier):
         return open_regular(name, dir_fd=sub_fd)
 
     def _read_verify(self, dirs: Dirs, oid: str, okey: ObjectKey, view: memoryview) -> int:
-        ctx = {"tier": self.name, "key": okey.chunk.hex[:16], "group": okey.group}
+        ctx = self._context(okey)
         fd, st = self._open_object(dirs, oid)
         try:
             size = st.st_size
