@@ -428,6 +428,63 @@ async def test_write_never_follows_a_symlinked_object_directory(tmp_path: Path) 
     assert list((tmp_path / "l2" / TMP_DIR).iterdir()) == []
 
 
+# ---------------------------------------------------------------------- kept fan-out directories
+# A tier opens each objects/<id[:2]> directory once and reads through that descriptor (a
+# restore of 256 objects opened and closed a directory for most of them).
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.anyio
+async def test_a_fan_out_directory_made_anew_is_read_through_a_fresh_descriptor(
+    tmp_path: Path,
+) -> None:
+    """The directory a tier keeps open is removed and made again (the object copied in as
+    another process would write it): the next read finds the object, not a miss forever."""
+    keys = make_keys(1)
+    async with tier(tmp_path / "l2") as t:
+        await t.write(keys[0], "kv", payload(0))
+        out = dst()
+        assert await t.read_into(keys[0], "kv", out) == len(payload(0))
+        path = t.object_path(keys[0], "kv")
+        old = path.parent.with_name(path.parent.name + ".old")
+        path.parent.rename(old)
+        path.parent.mkdir()
+        shutil.copyfile(old / path.name, path)
+        shutil.rmtree(old)  # the kept descriptor now names a removed directory
+        out[:] = 0
+        assert await t.read_into(keys[0], "kv", out) == len(payload(0))
+        assert bytes(out) == bytes(payload(0))
+        assert t.read_into_blocking(keys[0], "kv", dst()) == len(payload(0))
+
+
+@pytest.mark.anyio
+async def test_missing_objects_cost_no_descriptor_and_a_closed_tier_holds_none(
+    tmp_path: Path,
+) -> None:
+    """Objects removed behind the tier's back are misses through the kept directories (no
+    descriptor per missing object), and closing the tier closes every directory it kept."""
+    keys = make_keys(24)
+    before = _fds()
+    async with tier(tmp_path / "l2") as t:
+        for i, k in enumerate(keys):
+            await t.write(k, "kv", payload(i))
+        for k in keys:
+            await t.read_into(k, "kv", dst())
+        kept = _fds()
+        subdirs = {t.object_path(k, "kv").parent.name for k in keys}
+        assert kept - before <= len(subdirs) + 8  # the tier's own descriptors, and one per dir
+        for k in keys:
+            t.object_path(k, "kv").unlink()
+        for k in keys:
+            with pytest.raises(bsr.ObjectNotFoundError):
+                await t.read_into(k, "kv", dst())
+        assert _fds() == kept
+    assert _fds() == before
+
+
 # ---------------------------------------------------------------------- 1: abandonable reads
 class BlockingReader(PosixReader):
     """A POSIX reader whose reads wait for ``gate``: a read stuck in the kernel, as on a hung

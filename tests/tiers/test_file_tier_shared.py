@@ -299,6 +299,9 @@ async def test_a_peer_stopped_inside_the_roots_lock_stalls_no_write_open_or_rest
         async with _engine(tier) as engine:
             tokens, src, ids = _prompt(1, 3)
             assert (await engine.save(tokens, src, ids)).chunks == 3
+            # a tier keeps the fan-out directories it read from open: read them once first
+            warm = bsr.PagedKVCache(srw.LAYOUT, src.num_blocks, srw.BLOCK)
+            assert (await engine.restore(tokens, warm, ids)).committed_tokens == len(tokens)
             fds = _fds()
             with stopped_in_lock(peer):
                 t0 = time.monotonic()

@@ -604,15 +604,16 @@ class UringReader(PosixReader):
                 ring.enter(wait=1, timeout_s=CANCEL_POLL_S if check is not None else None)
                 self._reap_stream(ring, st)
                 while st.done:
-                    # the ring refilled before each object's verify and copy (the CPU work
-                    # that frees its buffer); before a long one (an object of several
-                    # requests) also handed to the kernel, so the device reads on meanwhile.
-                    # An object of one request is quick to end, and a syscall for each would
-                    # cost more than the overlap gains (measured at 512 KiB)
+                    # before a long object's verify and copy (several requests) the ring is
+                    # refilled and handed to the kernel, so the device reads on meanwhile. An
+                    # object of one request is quick to end, and a syscall for each would cost
+                    # more than the overlap gains (measured at 512 KiB): the objects its end
+                    # frees buffers for begin together after the ends (their requests reach
+                    # the kernel at the next enter either way), so their opens run back to
+                    # back rather than each after a copy that left the CPU caches cold
                     r = st.done.popleft()
-                    if (
-                        self._stream_fill(ring, st, bufs, begin, check, block=False)
-                        and len(r.lengths) > 1
+                    if len(r.lengths) > 1 and self._stream_fill(
+                        ring, st, bufs, begin, check, block=False
                     ):
                         ring.enter()
                     st.end_read(r)
@@ -674,16 +675,20 @@ class UringReader(PosixReader):
         then requests of at most ``block_bytes`` (as :meth:`read_fd`)."""
         assert r.payload is not None
         header = r.header = bufs.headers[r.slot]
-        head = bufs.addresses[r.slot]
         base = _address(r.payload)
-        if _O_DIRECT and (head | base | len(r.payload)) % ALIGNMENT:
+        if _O_DIRECT and (bufs.addresses[r.slot] | base | len(r.payload)) % ALIGNMENT:
             _unaligned_buffered(r.fd, header, r.payload)
         want = min(len(r.payload), align_up(max(0, r.size - HEADER_SIZE)))
         first = min(want, self.block_bytes)
-        iov = bufs.iovs[r.slot]
-        iov[0].base, iov[0].len = head, HEADER_SIZE
-        iov[1].base, iov[1].len = base, first
-        pieces: list[Piece] = [(0, ctypes.addressof(iov), HEADER_SIZE + first, 2 if first else 1)]
+        payload_iov = bufs.payload_iovs[r.slot]  # the slot's header iovec is set once
+        payload_iov.base, payload_iov.len = base, first
+        head_piece: Piece = (0, bufs.iov_addresses[r.slot], HEADER_SIZE + first, 2 if first else 1)
+        if first == want:  # the usual object: one request (no lists built for more)
+            r.got = [0]
+            r.lengths = [HEADER_SIZE + first]
+            r.left = 1
+            return [(r, head_piece, 0)]
+        pieces: list[Piece] = [head_piece]
         for off in range(first, want, self.block_bytes):
             pieces.append((HEADER_SIZE + off, base + off, min(self.block_bytes, want - off), 0))
         r.got = [0] * len(pieces)
@@ -845,6 +850,10 @@ class _Streams:
         self.headers = [self.buffer[i * HEADER_SIZE : (i + 1) * HEADER_SIZE] for i in range(n)]
         self.addresses = [_address(h) for h in self.headers]
         self.iovs = [(_Iovec * 2)() for _ in range(n)]
+        for iov, head in zip(self.iovs, self.addresses):
+            iov[0].base, iov[0].len = head, HEADER_SIZE  # each slot's header buffer, for good
+        self.iov_addresses = [ctypes.addressof(iov) for iov in self.iovs]
+        self.payload_iovs = [iov[1] for iov in self.iovs]  # views into the arrays
 
 
 class _StreamState:

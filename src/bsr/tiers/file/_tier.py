@@ -685,7 +685,6 @@ class FileTier(IndexedTier):
             return
         dirs = self._enter()
         begun: dict[int, StreamRead] = {}  # objects opened and not ended (closed on the way out)
-        subdirs: dict[str, int] = {}  # objects/<id[:2]>/ opened once per stream
 
         def tier_begin() -> StreamRead | None:
             item = begin()
@@ -705,10 +704,7 @@ class FileTier(IndexedTier):
             r.token = (token, okey, oid, view)
             begun[id(r)] = r
             try:
-                sub = subdirs.get(oid[:2])
-                if sub is None:
-                    sub = subdirs[oid[:2]] = os.open(oid[:2], DIR_FLAGS, dir_fd=dirs.objects)
-                r.fd, st = self._open_in(sub, oid)
+                r.fd, st = self._open_object(dirs, oid)
             except (OSError, NotRegularFileError) as exc:
                 r.error = exc
                 return r
@@ -732,8 +728,6 @@ class FileTier(IndexedTier):
                 if r.fd >= 0:
                     os.close(r.fd)
                 self._index.unpin(r.token[2])
-            for fd in subdirs.values():
-                os.close(fd)
             self._leave()
 
     def _end_stream_read(
@@ -799,11 +793,17 @@ class FileTier(IndexedTier):
         )
 
     def _open_object(self, dirs: Dirs, oid: str) -> tuple[int, os.stat_result]:
-        sub_fd = os.open(oid[:2], DIR_FLAGS, dir_fd=dirs.objects)
+        """Open object ``oid`` through its fan-out directory's kept descriptor (once more
+        through a fresh one when it is missing there: the directory may have been made anew)."""
+        sub = oid[:2]
+        sub_fd = dirs.subdir(sub)
         try:
             return self._open_in(sub_fd, oid)
-        finally:
-            os.close(sub_fd)
+        except FileNotFoundError:
+            fresh = dirs.reopen_subdir(sub, sub_fd)
+            if fresh == sub_fd:
+                raise
+            return self._open_in(fresh, oid)
 
     def _open_in(self, sub_fd: int, oid: str) -> tuple[int, os.stat_result]:
         """Open object ``oid`` in its directory ``sub_fd`` (``objects/<id[:2]>``)."""
