@@ -117,9 +117,9 @@ class Dirs:
     tmp: int
     quarantine: int
     #: ``objects/<id[:2]>`` descriptors opened by :meth:`subdir`, kept until :meth:`close`
-    subdirs: dict[str, int] = dataclasses.field(default_factory=dict)
+    subdirs: dict[str, int] = dataclasses.field(default_factory=dict, init=False)
     #: descriptors :meth:`reopen_subdir` replaced (closed by :meth:`close` only)
-    retired: list[int] = dataclasses.field(default_factory=list)
+    retired: list[int] = dataclasses.field(default_factory=list, init=False)
 
     def subdir(self, sub: str) -> int:
         """The descriptor of ``objects/<sub>`` (``DIR_FLAGS``: a symlink or a file there is
