@@ -150,7 +150,8 @@ def test_config_digests_give_disjoint_namespaces() -> None:
 
 # ---------------------------------------------------------------------- array-speed keys
 # An independent reference of the key chain (the definition in the module docstring), written
-# the slow obvious way: one hashlib object per chunk, token by token packed with struct.
+# the slow obvious way: one hashlib object over the whole prefix, token by token packed with
+# struct, its digest taken after each chunk.
 
 
 def reference_keys(ns: bytes, tokens: list[int], chunk_tokens: int) -> list[bytes]:
@@ -158,15 +159,14 @@ def reference_keys(ns: bytes, tokens: list[int], chunk_tokens: int) -> list[byte
     import struct
 
     out: list[bytes] = []
-    prev = hashlib.sha256(b"bsr-chunk-v2" + ns + struct.pack("<I", chunk_tokens)).digest()
+    h = hashlib.sha256(b"bsr-chunk-v4" + ns + struct.pack("<I", chunk_tokens))
     for i in range(len(tokens) // chunk_tokens):
         chunk = tokens[i * chunk_tokens : (i + 1) * chunk_tokens]
         fmt = "<I" if all(t < 2**32 for t in chunk) else "<Q"
-        h = hashlib.sha256(prev + bytes([struct.calcsize(fmt)]))
+        h.update(bytes([struct.calcsize(fmt)]))
         for t in chunk:
             h.update(struct.pack(fmt, t))
-        prev = h.digest()
-        out.append(prev)
+        out.append(h.copy().digest())
     return out
 
 
@@ -316,16 +316,34 @@ def test_a_wide_token_changes_only_its_own_chunk_and_later_keys() -> None:
     assert chunk_keys(ns, [5, 0, 0, 0], 4) != chunk_keys(ns, [2**32 + 5, 0, 0, 0], 4)
 
 
-def test_key_chain_is_version_3_and_differs_from_the_earlier_chains() -> None:
-    """The first chain (BLAKE2b over int64 tokens, format version 1) and the chain of format
-    version 2 (the same SHA-256 chain, no extra keys, version 2 in the namespace) give other keys
-    for the same tokens: old stores miss, never misread. Format 2 stores were keyed by token ids
-    alone (a connector merged tenants and adapters there), so none of them may be reused."""
+def _format3_keys(ns: bytes, tokens: list[int], chunk_tokens: int) -> list[bytes]:
+    """Format 3's chain (no extras), from its definition: separate hashes, each over the
+    previous key, the width byte and the chunk's tokens."""
+    import hashlib
+    import struct
+
+    out: list[bytes] = []
+    prev = hashlib.sha256(b"bsr-chunk-v2" + ns + struct.pack("<I", chunk_tokens)).digest()
+    for i in range(len(tokens) // chunk_tokens):
+        chunk = tokens[i * chunk_tokens : (i + 1) * chunk_tokens]
+        fmt = "<I" if all(t < 2**32 for t in chunk) else "<Q"
+        prev = hashlib.sha256(
+            prev + bytes([struct.calcsize(fmt)]) + b"".join(struct.pack(fmt, t) for t in chunk)
+        ).digest()
+        out.append(prev)
+    return out
+
+
+def test_key_chain_is_version_4_and_differs_from_the_earlier_chains() -> None:
+    """The first chain (BLAKE2b over int64 tokens, format version 1), and the SHA-256 chain of
+    formats 2 and 3 (a hash per chunk over the previous key) give other keys for the same
+    tokens, whether under this namespace or under the namespace those formats made (their
+    version hashed in): old stores miss, never misread."""
     import hashlib
 
     from bsr.core._keys import FORMAT_VERSION
 
-    assert FORMAT_VERSION == 3
+    assert FORMAT_VERSION == 4
     ns = fp()
     prev, old = ns, []
     for i in range(len(TOKENS) // 4):
@@ -334,19 +352,92 @@ def test_key_chain_is_version_3_and_differs_from_the_earlier_chains() -> None:
         prev = h.digest()
         old.append(prev)
     new = digests(ns)
+    assert new == reference_keys(ns, TOKENS, 4)
     assert len(new) == len(old) and not set(new) & set(old)
-    # the namespace fingerprint as format 2 made it (the same fields, version 2)
+    # format 3's chain over the same namespace fingerprint
+    assert len(_format3_keys(ns, TOKENS, 4)) == 5
+    assert not set(new) & set(_format3_keys(ns, TOKENS, 4))
+    # the namespace fingerprint as formats 2 and 3 made it (the same fields, their version)
     h = hashlib.blake2b(digest_size=16, person=b"bsr-namespace")
     h.update(len(b"m").to_bytes(4, "little") + b"m")
     h.update((0).to_bytes(4, "little") + (1).to_bytes(4, "little"))
     h.update((0).to_bytes(4, "little"))
     h.update(LAYOUT.fingerprint)
-    v3 = h.copy()
-    v3.update((3).to_bytes(4, "little"))
-    assert v3.digest() == ns  # the reference above is this namespace's, but for the version
-    h.update((2).to_bytes(4, "little"))
-    v2 = digests(h.digest())
-    assert not set(new) & set(v2)
+    v4 = h.copy()
+    v4.update((4).to_bytes(4, "little"))
+    assert v4.digest() == ns  # the references below are this namespace's, but for the version
+    for version in (2, 3):
+        v = h.copy()
+        v.update(version.to_bytes(4, "little"))
+        assert v.digest() != ns
+        assert not set(new) & set(_format3_keys(v.digest(), TOKENS, 4))  # what that store holds
+        assert not set(new) & set(digests(v.digest()))
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 2**33), min_size=2, max_size=40),
+    chunk=st.integers(1, 8),
+    ns=st.binary(min_size=16, max_size=16),
+)
+def test_a_key_alone_does_not_give_the_keys_of_continuations(
+    tokens: list[int], chunk: int, ns: bytes
+) -> None:
+    """Format 3 let anyone who knew key ``i`` compute key ``i+1`` of any continuation without
+    the prefix's tokens (SHA-256 over the key, the width byte and the next chunk). A key of the
+    streaming chain is the digest of the whole prefix: hashing on from it gives no key."""
+    import hashlib
+    import struct
+
+    keys = digests(ns, tokens, bsr.StateLayout(chunk, LAYOUT.groups))
+    assert keys == reference_keys(ns, tokens, chunk)
+    for i in range(len(keys) - 1):
+        nxt = tokens[(i + 1) * chunk : (i + 2) * chunk]
+        fmt = "<I" if all(t < 2**32 for t in nxt) else "<Q"
+        enc = bytes([struct.calcsize(fmt)]) + b"".join(struct.pack(fmt, t) for t in nxt)
+        assert hashlib.sha256(keys[i] + enc).digest() != keys[i + 1]  # format 3's step
+        assert hashlib.sha256(keys[i] + enc).digest() not in keys
+    # and format 3's step does give format 3's next key (the test above can fail)
+    old = _format3_keys(ns, tokens, chunk)
+    for i in range(len(old) - 1):
+        nxt = tokens[(i + 1) * chunk : (i + 2) * chunk]
+        fmt = "<I" if all(t < 2**32 for t in nxt) else "<Q"
+        enc = bytes([struct.calcsize(fmt)]) + b"".join(struct.pack(fmt, t) for t in nxt)
+        assert hashlib.sha256(old[i] + enc).digest() == old[i + 1]
+
+
+def test_the_narrow_chain_does_not_trust_a_bound_beyond_its_chunks() -> None:
+    """The largest token of the whole array decides the 4-byte fast path only when it is below
+    2**32; a wide token past the last full chunk leaves every chunk 4-byte, one inside makes its
+    chunk 8-byte. The chain's own pass agrees with the bound handed in."""
+    from bsr.core._keys import chunk_digests
+
+    ns = b"b" * 16
+    tail = [*range(12), 2**40]  # the wide token is in no full chunk
+    assert digests(ns, tail) == reference_keys(ns, tail, 4) == digests(ns, tail[:12])
+    inside = [*range(5), 2**40, *range(6, 13)]
+    assert digests(ns, inside) == reference_keys(ns, inside, 4)
+    for toks in (tail, inside, list(range(12))):
+        arr = as_token_array(toks)
+        assert chunk_digests(ns, arr, 4, 3) == reference_keys(ns, toks, 4)
+        assert chunk_digests(ns, arr, 4, 3, bound=int(arr.max())) == reference_keys(ns, toks, 4)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        np.array([3, -1, 2], dtype=np.int64),
+        np.array([3, -7, 2], dtype=np.int32),
+        np.array([-(2**63), 5], dtype=np.int64),
+        torch.tensor([4, 5, -2]),
+    ],
+)
+def test_a_negative_token_in_an_array_names_the_smallest(bad: object) -> None:
+    smallest = int(np.asarray(bad).min())
+    with pytest.raises(bsr.TokenError, match=f"must be >= 0, found {smallest};"):
+        as_token_array(bad)  # type: ignore[arg-type]
+    with pytest.raises(bsr.TokenError, match=f"found {smallest};"):
+        prepare_tokens(b"n" * 16, bad, 1)  # type: ignore[arg-type]
 
 
 def test_chunk_size_is_bound_into_the_chain() -> None:
@@ -368,12 +459,12 @@ def reference_keys_with_extras(
     import struct
 
     out: list[bytes] = []
-    prev = hashlib.sha256(b"bsr-chunk-v2" + ns + struct.pack("<I", chunk_tokens)).digest()
+    h = hashlib.sha256(b"bsr-chunk-v4" + ns + struct.pack("<I", chunk_tokens))
     for i in range(len(tokens) // chunk_tokens):
         lo, hi = i * chunk_tokens, (i + 1) * chunk_tokens
         chunk = tokens[lo:hi]
         fmt = "<I" if all(t < 2**32 for t in chunk) else "<Q"
-        h = hashlib.sha256(prev + bytes([struct.calcsize(fmt)]))
+        h.update(bytes([struct.calcsize(fmt)]))
         for t in chunk:
             h.update(struct.pack(fmt, t))
         items = []
@@ -385,8 +476,7 @@ def reference_keys_with_extras(
             h.update(b"x" + struct.pack("<I", len(items)))
             for s, t, key in sorted(items):
                 h.update(struct.pack("<III", s, t, len(key)) + key)
-        prev = h.digest()
-        out.append(prev)
+        out.append(h.copy().digest())
     return out
 
 

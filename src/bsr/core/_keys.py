@@ -3,41 +3,59 @@
 How it works: a :class:`Namespace` (model id, tensor-parallel rank and size, tenant salt, and
 the digest of the model config, :func:`~bsr.model_config_digest`) is combined with the layout
 fingerprint and the object format version into a 16-byte namespace fingerprint. That
-fingerprint seeds a hash chain (SHA-256) over full token chunks of ``C`` tokens::
+fingerprint starts one running SHA-256 over the whole prefix, full token chunk after full token
+chunk of ``C`` tokens, and each chunk's key is the digest of everything absorbed so far::
 
-    seed   = SHA-256("bsr-chunk-v2" || ns_fp || C as u32)
-    key_0  = SHA-256(seed || w_0 || enc(tokens[0:C]))
-    key_i  = SHA-256(key_{i-1} || w_i || enc(tokens[i*C:(i+1)*C]))
+    seed   = "bsr-chunk-v4" || ns_fp || C as u32
+    key_i  = SHA-256(seed || w_0 || enc(chunk_0) || ext_0 || ... || w_i || enc(chunk_i) || ext_i)
+    chunk_i = tokens[i*C:(i+1)*C]
 
-so a key names a *prefix*, not a chunk in isolation, and different namespaces never share keys.
-``enc`` writes a chunk's tokens little-endian in ``w_i`` bytes each: 4 when every token of the
-chunk is below 2**32 (every real vocabulary), else 8; ``w_i`` itself (one byte) is hashed too,
-so the encoding is injective and key ``i`` depends on chunks ``0..i`` only (a prefix has the
-keys of the longer request). Independent of PYTHONHASHSEED, process and platform.
+computed as one hash object that keeps absorbing (``digest()`` after chunk ``i`` does not end
+it), so a key names a *prefix*, not a chunk in isolation, and different namespaces never share
+keys. ``enc`` writes a chunk's tokens little-endian in ``w_i`` bytes each: 4 when every token of
+the chunk is below 2**32 (every real vocabulary), else 8; ``w_i`` itself (one byte, 0x04 or
+0x08) is hashed too. Key ``i`` depends on chunks ``0..i`` only (a prefix has the keys of the
+longer request). Independent of PYTHONHASHSEED, process and platform.
 
-Extra keys (format version 3): token ids alone do not say what computed a chunk's state. A
-tenant's salt, a LoRA adapter, an image in the prompt, prompt embeddings all change the KV of
-the same token ids. A :class:`KeyExtra` binds such a value to a token range; every chunk the
-range overlaps hashes it after its tokens::
+Extra keys: token ids alone do not say what computed a chunk's state. A tenant's salt, a LoRA
+adapter, an image in the prompt, prompt embeddings all change the KV of the same token ids. A
+:class:`KeyExtra` binds such a value to a token range; every chunk the range overlaps absorbs it
+after its tokens::
 
-    key_i  = SHA-256(key_{i-1} || w_i || enc(tokens[i*C:(i+1)*C]) || ext_i)
     ext_i  = "x" || u32 count || (u32 s || u32 e || u32 len(key) || key) for each extra,
              sorted, with [s, e) its range clipped to the chunk and made relative to it
 
-``ext_i`` is empty for a chunk no extra overlaps (the chain of format 2 then). The token bytes
-of a chunk have a known length, so the encoding stays injective; the clipped range depends only
-on the chunk, so an extra over the whole request (an adapter) gives a prompt and its longer
-continuation the same keys, and a chunk's key still depends on chunks ``0..i`` only. Because the
-keys chain, an extra bound to chunk ``j`` changes every key from ``j`` on.
+``ext_i`` is empty for a chunk no extra overlaps. The clipped range depends only on the chunk, so
+an extra over the whole request (an adapter) gives a prompt and its longer continuation the same
+keys, and a chunk's key still depends on chunks ``0..i`` only; an extra bound to chunk ``j``
+changes every key from ``j`` on.
 
-Why this chain (format version 2): the first chain (BLAKE2b over int64 tokens) spent about 4 ms
-hashing the 4 MiB of a 524,288-token prompt; 4-byte tokens halve the bytes and SHA-256 runs in
-hardware on current x86 (SHA-NI) and ARMv8 CPUs (about 2 GB/s against BLAKE2b's 1 GB/s here).
-Both are cryptographic hashes: a chunk key names a prefix, and a collision would serve one
-tenant's state to another. The format version is part of every namespace fingerprint, so state
-stored under an earlier chain is a miss, never a misread. Format 3 added the extra keys: a store
-written by format 2 was keyed by token ids alone (its connector merged tenants, adapters and
-images), so none of it is reused.
+The encoding is injective: the seed has a fixed length (16-byte fingerprint), a chunk's token
+bytes have the length its width byte says, and after them comes either the next chunk's width
+byte (0x04 or 0x08) or ``"x"`` (0x78) starting ``ext_i``, whose items carry their own lengths.
+
+Why one streaming hash (format version 4): format 3 chained separate hashes, ``key_i =
+SHA-256(key_{i-1} || w_i || enc(chunk_i) || ext_i)`` seeded by ``SHA-256("bsr-chunk-v2" ||
+ns_fp || C)``. Per chunk that copied a fresh context, concatenated the previous digest with the
+width byte and re-hashed those 33 bytes; the running hash absorbs each chunk's bytes once and
+only takes a digest (``prepare_tokens`` of 524,288 NumPy tokens: see CHANGELOG.md for the
+measured CPU). It also closes a hole: under format 3 anyone who knew one key (an object header
+carries it) could compute the keys of every continuation of that prefix without knowing the
+prefix's tokens. Under format 4 a key is a finished SHA-256 digest of the prefix's encoding
+``M``; what can be computed from it alone without ``M`` is a length extension, the digest of
+``M || pad(M) || X``, and SHA-256's padding starts with the byte 0x80, where a valid encoding
+has a width byte or ``"x"``. So such a message is the encoding of no prefix, and its digest is
+no valid key short of a SHA-256 collision; continuing a prefix needs its tokens (the key says
+nothing of them).
+
+Earlier chains: format 1 was a BLAKE2b chain over int64 tokens (about 4 ms hashing the 4 MiB
+of a 524,288-token prompt); format 2 the SHA-256 chain above over 4-byte tokens (half the bytes,
+and SHA-256 runs in hardware on current x86 (SHA-NI) and ARMv8 CPUs); format 3 added the extra
+keys to it (a store written by format 2 was keyed by token ids alone: its connector merged
+tenants, adapters and images). Both hashes are cryptographic: a chunk key names a prefix, and a
+collision would serve one tenant's state to another. The format version is part of every
+namespace fingerprint (and every object header), so state stored under an earlier format is a
+clean miss, never a misread.
 """
 
 from __future__ import annotations
@@ -57,9 +75,9 @@ from .._errors import ConfigError, TokenError
 from ._layout import StateLayout, utf8_name
 
 #: Version of the stored object format and key derivation. Part of every namespace.
-#: 3: extra keys per token range; 2: the SHA-256 chain over 4-byte tokens; 1: BLAKE2b over
-#: 8-byte tokens.
-FORMAT_VERSION = 3
+#: 4: one streaming SHA-256 over the prefix; 3: extra keys per token range; 2: the SHA-256 chain
+#: over 4-byte tokens; 1: BLAKE2b over 8-byte tokens.
+FORMAT_VERSION = 4
 
 KEY_BYTES = 32
 
@@ -372,6 +390,16 @@ def as_token_array(tokens: TokensLike) -> np.ndarray[Any, np.dtype[np.int64]]:
     so only positions holding 0 or 1 are checked one by one. Anything the fast loop refuses is
     walked token by token to name the offending value.
     """
+    return _checked_array(tokens)[0]
+
+
+def _checked_array(tokens: TokensLike) -> tuple[np.ndarray[Any, np.dtype[np.int64]], int]:
+    """:func:`as_token_array`'s array and its largest token (0 when empty), from one pass.
+
+    The range check and the key chain's width both need the largest token: viewed as uint64 a
+    negative int64 is at least 2**63, so one ``max`` over the unsigned view finds negatives and,
+    when below 2**32, tells the chain that every token fits 4 bytes.
+    """
     if isinstance(tokens, np.ndarray):
         arr = _from_numpy(tokens)
     elif isinstance(tokens, torch.Tensor):
@@ -382,17 +410,25 @@ def as_token_array(tokens: TokensLike) -> np.ndarray[Any, np.dtype[np.int64]]:
         )
     else:
         arr = _from_sequence(tokens)
-    if arr.dtype == np.uint64 and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
-        raise TokenError("a token id does not fit in int64")
+    if not arr.size:
+        return np.ascontiguousarray(arr.astype(_I8, copy=False)), 0
+    if arr.dtype == np.uint64:
+        top = int(arr.max())  # unsigned: no negatives, and the max is the bound
+        if top > _I8_MAX:
+            raise TokenError("a token id does not fit in int64")
+        return np.ascontiguousarray(arr.astype(_I8, copy=False)), top
     arr = np.ascontiguousarray(arr.astype(_I8, copy=False))
-    if arr.size and int(arr.min()) < 0:
+    top = int(arr.view(_U64).max())
+    if top > _I8_MAX:  # a negative token (>= 2**63 seen unsigned)
         raise TokenError(
             f"token ids must be >= 0, found {int(arr.min())}; strip padding/sentinel ids first"
         )
-    return arr
+    return arr, top
 
 
 _I8 = np.dtype("<i8")
+_U64 = np.dtype("<u8")
+_I8_MAX = (1 << 63) - 1
 
 
 def _check_2d(shape: tuple[int, ...]) -> None:
@@ -460,12 +496,12 @@ OFFLOAD_TOKENS = 131072
 _SHA256 = hashlib.sha256
 _U32 = np.dtype("<u4")
 _WIDE = 1 << 32  # a token at or above it is hashed in 8 bytes
+_BLOCK_BYTES = 1 << 17  # the narrow chain converts and hashes ~128 KiB of chunks at a time
 
 
-def _chain_seed(namespace_fp: bytes, chunk_tokens: int) -> bytes:
-    return _SHA256(
-        b"bsr-chunk-v2" + bytes(namespace_fp) + chunk_tokens.to_bytes(4, "little")
-    ).digest()
+def _chain_start(namespace_fp: bytes, chunk_tokens: int) -> Any:
+    """The running hash of the chain, having absorbed the seed (see the module docstring)."""
+    return _SHA256(b"bsr-chunk-v4" + bytes(namespace_fp) + chunk_tokens.to_bytes(4, "little"))
 
 
 def chunk_digests(
@@ -474,76 +510,58 @@ def chunk_digests(
     chunk_tokens: int,
     n: int,
     extras: tuple[KeyExtra, ...] = (),
+    bound: int | None = None,
 ) -> list[bytes]:
     """The chain's digests of the first ``n`` chunks of ``arr`` (see the module docstring).
 
-    ``extras``: sorted, as :func:`check_extras` returns them.
+    ``arr``: as :func:`as_token_array` returns it (tokens >= 0). ``extras``: sorted, as
+    :func:`check_extras` returns them. ``bound``: the largest token of all of ``arr`` when
+    known (:func:`_checked_array` found it), so the common case needs no pass of its own.
     """
     if n <= 0:
         return []
     body = arr[: n * chunk_tokens]
-    narrow = body.astype(_U32)  # every chunk whose tokens all fit in 4 bytes hashes these
-    step4 = chunk_tokens * 4
-    data4 = narrow.data.cast("B")
-    prev = _chain_seed(namespace_fp, chunk_tokens)
+    if bound is None or bound >= _WIDE:  # the whole array's bound says nothing of the body
+        bound = int(body.max())
+    h = _chain_start(namespace_fp, chunk_tokens)
+    update, digest = h.update, h.digest
     out: list[bytes] = []
     append = out.append
-    if not extras and int(body.max()) < _WIDE:  # every token fits 4 bytes (every vocabulary)
-        # each hash a copy of one fresh context: OpenSSL 3 spends 0.13 us (of ~1.05 per chunk)
-        # more making a context from nothing than copying one
-        fresh = _SHA256().copy
-        for i in range(0, n * step4, step4):
-            h = fresh()
-            h.update(prev + b"\x04")
-            h.update(data4[i : i + step4])
-            prev = h.digest()
-            append(prev)
+    if not extras and bound < _WIDE:  # every token fits 4 bytes (every vocabulary)
+        # A few chunks at a time, each row its width byte and its 4-byte tokens, written into
+        # one small buffer that stays in the CPU's cache while it is hashed: one update per
+        # chunk, and no 2 MiB copy of a long prompt written out to memory and read back.
+        row = 1 + chunk_tokens * 4
+        rows = max(1, min(n, _BLOCK_BYTES // row))
+        buf = np.empty((rows, row), np.uint8)
+        buf[:, 0] = 4
+        dst = buf[:, 1:].view(_U32)
+        data = buf.data.cast("B")
+        src = body.reshape(n, chunk_tokens)
+        for first in range(0, n, rows):
+            m = min(rows, n - first)
+            np.copyto(dst[:m], src[first : first + m], casting="unsafe")  # all < 2**32
+            for i in range(0, m * row, row):
+                update(data[i : i + row])
+                append(digest())  # the digest of everything so far; the hash goes on
         return out
     wide = (body.reshape(n, chunk_tokens) >> 32).any(axis=1)  # tokens are >= 0
-    if extras:
-        return _chain_with_extras(prev, body, data4, wide, chunk_tokens, n, extras)
-    data8 = body.data.cast("B")
-    step8 = chunk_tokens * 8
     flags = cast("list[bool]", wide.tolist())
-    for i, w in enumerate(flags):
-        if w:
-            h = _SHA256(prev + b"\x08")
-            h.update(data8[i * step8 : (i + 1) * step8])
-        else:
-            h = _SHA256(prev + b"\x04")
-            h.update(data4[i * step4 : (i + 1) * step4])
-        prev = h.digest()
-        append(prev)
-    return out
-
-
-def _chain_with_extras(
-    prev: bytes,
-    body: np.ndarray[Any, np.dtype[np.int64]],
-    data4: memoryview,
-    wide: Any,
-    chunk_tokens: int,
-    n: int,
-    extras: tuple[KeyExtra, ...],
-) -> list[bytes]:
-    """The chain when extras are bound: each chunk's tokens, then its ``ext_i``."""
-    suffix = extras_by_chunk(extras, chunk_tokens, n)
+    suffix = extras_by_chunk(extras, chunk_tokens, n) if extras else {}
+    data4 = body.astype(_U32).data.cast("B")  # what a chunk of tokens below 2**32 hashes
     data8 = body.data.cast("B")
     step4, step8 = chunk_tokens * 4, chunk_tokens * 8
-    flags = cast("list[bool]", wide.tolist())
-    out: list[bytes] = []
     for i, w in enumerate(flags):
         if w:
-            h = _SHA256(prev + b"\x08")
-            h.update(data8[i * step8 : (i + 1) * step8])
+            update(b"\x08")
+            update(data8[i * step8 : (i + 1) * step8])
         else:
-            h = _SHA256(prev + b"\x04")
-            h.update(data4[i * step4 : (i + 1) * step4])
+            update(b"\x04")
+            update(data4[i * step4 : (i + 1) * step4])
         ext = suffix.get(i)
         if ext is not None:
-            h.update(ext)
-        prev = h.digest()
-        out.append(prev)
+            update(ext)
+        append(digest())
     return out
 
 
@@ -568,8 +586,8 @@ def chunk_keys(
     Pure and synchronous (see :data:`OFFLOAD_TOKENS`).
     """
     positive_int(chunk_tokens, "chunk_tokens")
-    return _keys_of(namespace_fp, as_token_array(tokens), chunk_tokens, max_chunks,
-                    check_extras(extras))  # fmt: skip
+    arr, bound = _checked_array(tokens)
+    return _keys_of(namespace_fp, arr, chunk_tokens, max_chunks, check_extras(extras), bound)
 
 
 def _keys_of(
@@ -578,8 +596,10 @@ def _keys_of(
     chunk_tokens: int,
     max_chunks: int | None,
     ext: tuple[KeyExtra, ...],
+    bound: int | None = None,
 ) -> list[ChunkKey]:
-    """:func:`chunk_keys` of an array :func:`as_token_array` returned and checked extras."""
+    """:func:`chunk_keys` of an array :func:`as_token_array` returned and checked extras
+    (``bound``: its largest token, when known)."""
     n = len(arr) // chunk_tokens
     if max_chunks is not None:
         n = max(0, min(n, max_chunks))
@@ -587,7 +607,7 @@ def _keys_of(
     cls, make = ChunkKey, _object_new
     out: list[ChunkKey] = []
     append = out.append
-    for i, d in enumerate(chunk_digests(ns, arr, chunk_tokens, n, ext)):
+    for i, d in enumerate(chunk_digests(ns, arr, chunk_tokens, n, ext, bound)):
         key = make(cls)  # ChunkKey._new, inline: a 524,288-token prompt makes 2,048 of them
         fields = key.__dict__  # item by item: 0.06 us a key less than dict.update(**kwargs)
         fields["digest"] = d
@@ -634,7 +654,7 @@ def prepare_tokens(
     so a long prompt never holds the event loop for long.
     """
     positive_int(chunk_tokens, "chunk_tokens")
-    arr = as_token_array(tokens)
+    arr, bound = _checked_array(tokens)
     ext = check_extras(extras)
-    keys = _keys_of(namespace_fp, arr, chunk_tokens, max_chunks, ext)  # converted once
+    keys = _keys_of(namespace_fp, arr, chunk_tokens, max_chunks, ext, bound)  # converted once
     return KeyedTokens(arr, tuple(keys), bytes(namespace_fp), chunk_tokens, ext)
