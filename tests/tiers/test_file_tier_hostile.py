@@ -50,6 +50,7 @@ from bsr.tiers.file._tier import (
     ReadFailure,
     classify_read_error,
 )
+from support.helpers import open_fds
 
 PER_OBJECT = object_size(len(payload(0)))
 DEAD_PID = 2**22 + 12345  # above Linux's PID_MAX_LIMIT: no live process has it
@@ -433,10 +434,6 @@ async def test_write_never_follows_a_symlinked_object_directory(tmp_path: Path) 
 # restore of 256 objects opened and closed a directory for most of them).
 
 
-def _fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
-
-
 @pytest.mark.anyio
 async def test_a_fan_out_directory_made_anew_is_read_through_a_fresh_descriptor(
     tmp_path: Path,
@@ -467,13 +464,13 @@ async def test_missing_objects_cost_no_descriptor_and_a_closed_tier_holds_none(
     """Objects removed behind the tier's back are misses through the kept directories (no
     descriptor per missing object), and closing the tier closes every directory it kept."""
     keys = make_keys(24)
-    before = _fds()
+    before = open_fds()
     async with tier(tmp_path / "l2") as t:
         for i, k in enumerate(keys):
             await t.write(k, "kv", payload(i))
         for k in keys:
             await t.read_into(k, "kv", dst())
-        kept = _fds()
+        kept = open_fds()
         subdirs = {t.object_path(k, "kv").parent.name for k in keys}
         assert kept - before <= len(subdirs) + 8  # the tier's own descriptors, and one per dir
         for k in keys:
@@ -481,8 +478,8 @@ async def test_missing_objects_cost_no_descriptor_and_a_closed_tier_holds_none(
         for k in keys:
             with pytest.raises(bsr.ObjectNotFoundError):
                 await t.read_into(k, "kv", dst())
-        assert _fds() == kept
-    assert _fds() == before
+        assert open_fds() == kept
+    assert open_fds() == before
 
 
 # ---------------------------------------------------------------------- 1: abandonable reads

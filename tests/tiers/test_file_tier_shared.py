@@ -32,6 +32,7 @@ import bsr
 import shared_root_worker as srw
 from bsr.tiers.file._root import OBJECTS_DIR
 from support.engines import make_engine
+from support.helpers import open_fds
 
 LEDGER_NAME = ".bsr-ledger"  # the root's shared ledger (its flock is the root's mutex)
 
@@ -242,10 +243,6 @@ SLACK_S = 4.0
 WATCHDOG_S = 30.0
 
 
-def _fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
-
-
 @contextlib.contextmanager
 def stopped_in_lock(peer: Worker) -> Iterator[None]:
     """``peer`` (a real bsr process on the root) takes the root's lock and stops itself with
@@ -302,7 +299,7 @@ async def test_a_peer_stopped_inside_the_roots_lock_stalls_no_write_open_or_rest
             # a tier keeps the fan-out directories it read from open: read them once first
             warm = bsr.PagedKVCache(srw.LAYOUT, src.num_blocks, srw.BLOCK)
             assert (await engine.restore(tokens, warm, ids)).committed_tokens == len(tokens)
-            fds = _fds()
+            fds = open_fds()
             with stopped_in_lock(peer):
                 t0 = time.monotonic()
                 with anyio.move_on_after(0.5) as scope:
@@ -346,7 +343,7 @@ async def test_a_peer_stopped_inside_the_roots_lock_stalls_no_write_open_or_rest
                 assert scope.cancelled_caught
                 await third.aclose()
 
-                assert _fds() == fds  # the cancelled open and the closed tier left nothing
+                assert open_fds() == fds  # the cancelled open and the closed tier left nothing
                 s = engine.statistics()
                 assert s.staging.in_use == 0 and s.saves_skipped == {"root_locked": 1}
                 assert tier.statistics().busy >= 2  # the write, the save's first (or two)

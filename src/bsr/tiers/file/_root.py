@@ -102,9 +102,6 @@ def _quarantine_name(oid: str, reason: str) -> str:
     return f"{oid}.{word}.{secrets.token_hex(4)}"
 
 
-_RETIRE_LOCK = threading.Lock()
-
-
 @dataclasses.dataclass
 class Dirs:
     """Directory descriptors of one open root (reads and writes resolve names relative to them).
@@ -120,15 +117,18 @@ class Dirs:
     subdirs: dict[str, int] = dataclasses.field(default_factory=dict, init=False)
     #: descriptors :meth:`reopen_subdir` replaced (closed by :meth:`close` only)
     retired: list[int] = dataclasses.field(default_factory=list, init=False)
+    _swap: threading.Lock = dataclasses.field(
+        default_factory=threading.Lock, init=False, repr=False, compare=False
+    )
 
     def subdir(self, sub: str) -> int:
         """The descriptor of ``objects/<sub>`` (``DIR_FLAGS``: a symlink or a file there is
         refused), opened once and kept: a read of a 256-object restore otherwise opened and
         closed a fan-out directory for most of its objects (two syscalls of about 3 us each).
 
-        bsr never removes a fan-out directory; one removed by hand stays a directory nothing
-        is found in (each object a miss) until the tier is reopened, as ``objects`` itself does.
-        The tier's ``_busy`` count keeps :meth:`close` from running while a read uses one.
+        bsr never removes a fan-out directory; one removed and made anew behind the tier is
+        opened again at the first object missing there (:meth:`reopen_subdir`). The tier's
+        ``_busy`` count keeps :meth:`close` from running while a read uses one.
 
         Raises:
             OSError: the directory cannot be opened (missing: no object there yet).
@@ -153,7 +153,7 @@ class Dirs:
         if (was.st_dev, was.st_ino) == (now.st_dev, now.st_ino):
             os.close(new)  # the same directory: the object is missing, not the directory
             return stale
-        with _RETIRE_LOCK:
+        with self._swap:
             if self.subdirs.get(sub) == stale:
                 self.subdirs[sub] = new
                 self.retired.append(stale)

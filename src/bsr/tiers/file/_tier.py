@@ -813,14 +813,13 @@ class FileTier(IndexedTier):
         return open_regular(name, dir_fd=sub_fd)
 
     def _read_verify(self, dirs: Dirs, oid: str, okey: ObjectKey, view: memoryview) -> int:
-        ctx = self._context(okey)
         fd, st = self._open_object(dirs, oid)
         try:
             size = st.st_size
             if size < HEADER_SIZE:
                 raise TruncatedObjectError(
                     f"object file is {size} bytes, shorter than its {HEADER_SIZE}-byte header",
-                    **ctx,
+                    **self._context(okey),
                 )
             header = getattr(_THREAD, "header", None)
             if header is None:  # one aligned header buffer per worker thread, reused
