@@ -268,9 +268,13 @@ def test_cpu_section_sets_each_restore_beside_its_floor(
     """Every figure of the cpu section follows from its own samples (medians, same run), the
     floor is its parts, and a FileTier point's read part is fio's CPU (or, without fio, the raw
     reader's, labelled)."""
+    from bsr_bench.common.pagecache import CacheMode
+    from bsr_bench.restore.cpu import best_read_config, read_passes
+
     doc, _, stdout = quick_run
     cpu = doc["cpu"]
     assert cpu["cache_mode"] == doc["storage"]["cache_mode"]
+    mode = CacheMode(cpu["cache_mode"])
     points = {(p["tier"], p["chunk_bytes"]): p for p in cpu["points"]}
     assert set(points) == {(t, c) for t in ("host", "file") for c in (4096, 512 << 10)}
     for (tier, _chunk), p in points.items():
@@ -305,6 +309,9 @@ def test_cpu_section_sets_each_restore_beside_its_floor(
                 assert f["read"]["reference"] == "fio"
                 grid = {r["name"] for r in f["read"]["grid"]}
                 assert f["read"]["config"] in grid and f["read"]["lowest_cpu_config"] in grid
+                assert f["read"]["config"] == best_read_config(f["read"]["grid"])
+                expect = read_passes(p["chunks"] * (p["chunk_bytes"] + 4096), mode)
+                assert f["read"]["passes"] == expect
     names = {t["name"] for t in doc["targets"]}
     assert "cpu_file_vs_floor" in names and "cpu_host_vs_floor" in names
     keys = doc["keys"]
@@ -362,9 +369,59 @@ def test_fio_reports_the_cpu_of_its_jobs(tmp_path: Path) -> None:
         f.write_bytes(os.urandom(1 << 20))
         files.append(str(f))
     read = run_fio(binary, files, FioConfig("psync", 1 << 20, 2), direct=False)
-    assert read.io_bytes == 3 << 20
+    assert read.io_bytes == 3 << 20 and read.passes == 1
     assert read.cpu_s is not None and read.cpu_s >= 0
     assert read.cpu_s == pytest.approx((read.usr_s or 0) + (read.sys_s or 0))
+    # several passes in one run: fio reads every file that many times, and the figures per pass
+    # are the run's totals divided by them
+    looped = run_fio(binary, files, FioConfig("psync", 1 << 20, 2), direct=False, passes=3)
+    assert looped.io_bytes == 3 * (3 << 20) and looped.passes == 3
+    assert looped.cpu_s is not None
+    assert looped.per_pass(looped.cpu_s) == pytest.approx(looped.cpu_s / 3)
+    assert looped.per_pass(None) is None
+
+
+def test_read_floor_passes_and_configuration() -> None:
+    """The read floor reads a small point's files several times per fio run (only where reads
+    bypass the page cache), and takes the cheapest configuration among those reading at the
+    device's speed."""
+    from bsr_bench.common.pagecache import CacheMode
+    from bsr_bench.restore.cpu import (
+        READ_FLOOR_BYTES,
+        READ_FLOOR_MAX_PASSES,
+        best_read_config,
+        read_passes,
+    )
+
+    direct = CacheMode.DIRECT
+    assert read_passes(128 << 20, direct) == READ_FLOOR_BYTES // (128 << 20) == 4
+    assert read_passes((128 << 20) + 1, direct) == 4  # rounded up to reach READ_FLOOR_BYTES
+    assert read_passes(READ_FLOOR_BYTES, direct) == read_passes(1 << 30, direct) == 1
+    assert read_passes(1 << 20, direct) == READ_FLOOR_MAX_PASSES
+    assert read_passes(1 << 20, CacheMode.COLD) == 1  # a second pass would read cached pages
+    assert read_passes(1 << 20, CacheMode.WARM) == 1
+
+    def row(name: str, gbps: float, cpu_ms: float | None) -> dict[str, Any]:
+        r: dict[str, Any] = {"name": name, "bandwidth_Bps": gbps * 1e9}
+        if cpu_ms is None:
+            r = {"name": name, "failed": "fio psync failed: ..."}
+        else:
+            r["cpu_s"] = cpu_ms / 1e3
+        return r
+
+    rows = [
+        row("psync-jobs4", 2.60, 8.0),  # the highest bandwidth, not the cheapest
+        row("libaio-qd16", 2.40, 5.0),  # within 10%: the cheapest of those -> the floor
+        row("libaio-qd64", 2.30, 4.0),  # cheaper still, but more than 10% slower
+        row("io_uring-qd16", 2.35, 5.0),
+        row("broken", 0.0, None),
+    ]
+    assert best_read_config(rows) == "libaio-qd16"
+    # equal CPU: the faster one
+    assert best_read_config([row("a", 2.4, 5.0), row("b", 2.5, 5.0)]) == "b"
+    assert best_read_config([row("only", 1.0, 9.0)]) == "only"
+    assert best_read_config([row("broken", 0.0, None)]) is None
+    assert best_read_config([]) is None
 
 
 @pytest.mark.slow  # a whole `bsr bench --quick` run
@@ -458,6 +515,10 @@ def test_fio_job_file_reads_every_file_once(tmp_path: Path) -> None:
         job_file(long_names, FioConfig("libaio", 1 << 20, 4), direct=True)
     one = job_file(files, FioConfig("libaio", 1 << 20, 16), direct=False)
     assert one.count("filename=") == 1 and "iodepth=16" in one and "direct=0" in one
+    assert "loops=" not in one  # one pass unless asked
+    assert "loops=4" in job_file(files, FioConfig("libaio", 1 << 20, 16), direct=True, passes=4)
+    with pytest.raises(BenchError, match="passes must be >= 1"):
+        job_file(files, FioConfig("libaio", 1 << 20, 16), direct=True, passes=0)
 
 
 #: the bench package (bench/bsr_bench, the bsr-bench distribution)

@@ -103,13 +103,20 @@ FIO_OPTION_MAX = 4000
 
 
 def job_file(
-    files: Sequence[str], config: FioConfig, *, direct: bool, directory: str | None = None
+    files: Sequence[str],
+    config: FioConfig,
+    *,
+    direct: bool,
+    directory: str | None = None,
+    passes: int = 1,
 ) -> str:
-    """The fio job file reading ``files`` once with ``config``.
+    """The fio job file reading ``files`` ``passes`` times (fio's ``loops``) with ``config``.
 
     With ``directory``, files are named by their index in ``files`` (base 36) relative to it:
     :func:`run_fio` links them there, so that a long list fits fio's option length.
     """
+    if passes < 1:
+        raise BenchError(f"fio {config.name}: passes must be >= 1, got {passes}")
     jobs = config.depth if config.engine == "psync" else 1
     jobs = max(1, min(jobs, len(files)))
     lines = [
@@ -123,6 +130,8 @@ def job_file(
         "thread=1",
         "invalidate=0",
     ]
+    if passes > 1:
+        lines.append(f"loops={passes}")
     if directory is not None:
         lines.append(f"directory={directory}")
         index = {f: _b36(i) for i, f in enumerate(files)}
@@ -170,21 +179,32 @@ class FioRead:
     runtime_s: float
     #: fio's own CPU time of its jobs (``usr_cpu`` + ``sys_cpu``, percent of the summed job
     #: runtime, times that runtime): the reads' cost without fio's start-up; None where this
-    #: fio's JSON lacks ``job_runtime``
+    #: fio's JSON lacks ``job_runtime``. Totals over every pass (``io_bytes`` and ``runtime_s``
+    #: too); the bandwidth is the run's, hence a pass's.
     cpu_s: float | None = None
     usr_s: float | None = None
     sys_s: float | None = None
+    #: how many times the run read the files (fio's ``loops``)
+    passes: int = 1
+
+    def per_pass(self, seconds: float | None) -> float | None:
+        """``seconds`` (one of this run's totals) divided by its passes."""
+        return None if seconds is None else seconds / self.passes
 
 
-def run_fio(binary: str, files: Sequence[str], config: FioConfig, *, direct: bool) -> FioRead:
-    """Run one configuration over ``files``; :class:`BenchError` when fio fails."""
+def run_fio(
+    binary: str, files: Sequence[str], config: FioConfig, *, direct: bool, passes: int = 1
+) -> FioRead:
+    """Run one configuration over ``files`` (``passes`` times in one run: fio's CPU figure
+    comes in whole milliseconds, so a small read is measured over several passes);
+    :class:`BenchError` when fio fails."""
     with tempfile.TemporaryDirectory(prefix="bsr-fio-") as tmp:
         links = Path(tmp) / "files"
         links.mkdir()
         for i, f in enumerate(files):  # short names: the list must fit fio's option length
             (links / _b36(i)).symlink_to(os.path.abspath(f))
         job = Path(tmp) / "read.fio"
-        job.write_text(job_file(files, config, direct=direct, directory=str(links)))
+        job.write_text(job_file(files, config, direct=direct, directory=str(links), passes=passes))
         proc = subprocess.run(
             [binary, "--output-format=json", str(job)],
             capture_output=True,
@@ -205,7 +225,7 @@ def run_fio(binary: str, files: Sequence[str], config: FioConfig, *, direct: boo
     if io_bytes <= 0 or bw <= 0:
         raise BenchError(f"fio {config.name} read nothing from {len(files)} files")
     cpu = None if usr is None or sys_ is None else usr + sys_
-    return FioRead(config, float(bw), int(io_bytes), runtime_ms / 1000.0, cpu, usr, sys_)
+    return FioRead(config, float(bw), int(io_bytes), runtime_ms / 1000.0, cpu, usr, sys_, passes)
 
 
 def _cpu_seconds(job: dict[str, Any]) -> tuple[float | None, float | None]:
