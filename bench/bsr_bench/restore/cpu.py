@@ -543,7 +543,8 @@ async def measure_cpu(
         "clock": "time.process_time (user + system CPU of every thread of the bench process); "
         "split from getrusage(RUSAGE_SELF)",
         "floor": "xxh3 pass + numpy.copyto into the destination (+ for FileTier: fio's job CPU "
-        "reading the same files, best-bandwidth configuration)",
+        "per pass reading the same files, the cheapest configuration within 10% of the best "
+        "bandwidth)",
         "window": window,
         "io_depth": io_depth,
         "repeats": repeats,
