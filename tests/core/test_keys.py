@@ -316,6 +316,15 @@ def test_a_wide_token_changes_only_its_own_chunk_and_later_keys() -> None:
     assert chunk_keys(ns, [5, 0, 0, 0], 4) != chunk_keys(ns, [2**32 + 5, 0, 0, 0], 4)
 
 
+def _chunk_encoding(chunk: list[int]) -> bytes:
+    """A chunk's width byte and tokens, as the module docstring defines them (struct, token by
+    token)."""
+    import struct
+
+    fmt = "<I" if all(t < 2**32 for t in chunk) else "<Q"
+    return bytes([struct.calcsize(fmt)]) + b"".join(struct.pack(fmt, t) for t in chunk)
+
+
 def _format3_keys(ns: bytes, tokens: list[int], chunk_tokens: int) -> list[bytes]:
     """Format 3's chain (no extras), from its definition: separate hashes, each over the
     previous key, the width byte and the chunk's tokens."""
@@ -326,10 +335,7 @@ def _format3_keys(ns: bytes, tokens: list[int], chunk_tokens: int) -> list[bytes
     prev = hashlib.sha256(b"bsr-chunk-v2" + ns + struct.pack("<I", chunk_tokens)).digest()
     for i in range(len(tokens) // chunk_tokens):
         chunk = tokens[i * chunk_tokens : (i + 1) * chunk_tokens]
-        fmt = "<I" if all(t < 2**32 for t in chunk) else "<Q"
-        prev = hashlib.sha256(
-            prev + bytes([struct.calcsize(fmt)]) + b"".join(struct.pack(fmt, t) for t in chunk)
-        ).digest()
+        prev = hashlib.sha256(prev + _chunk_encoding(chunk)).digest()
         out.append(prev)
     return out
 
@@ -387,22 +393,17 @@ def test_a_key_alone_does_not_give_the_keys_of_continuations(
     the prefix's tokens (SHA-256 over the key, the width byte and the next chunk). A key of the
     streaming chain is the digest of the whole prefix: hashing on from it gives no key."""
     import hashlib
-    import struct
 
     keys = digests(ns, tokens, bsr.StateLayout(chunk, LAYOUT.groups))
     assert keys == reference_keys(ns, tokens, chunk)
     for i in range(len(keys) - 1):
-        nxt = tokens[(i + 1) * chunk : (i + 2) * chunk]
-        fmt = "<I" if all(t < 2**32 for t in nxt) else "<Q"
-        enc = bytes([struct.calcsize(fmt)]) + b"".join(struct.pack(fmt, t) for t in nxt)
+        enc = _chunk_encoding(tokens[(i + 1) * chunk : (i + 2) * chunk])
         assert hashlib.sha256(keys[i] + enc).digest() != keys[i + 1]  # format 3's step
         assert hashlib.sha256(keys[i] + enc).digest() not in keys
     # and format 3's step does give format 3's next key (the test above can fail)
     old = _format3_keys(ns, tokens, chunk)
     for i in range(len(old) - 1):
-        nxt = tokens[(i + 1) * chunk : (i + 2) * chunk]
-        fmt = "<I" if all(t < 2**32 for t in nxt) else "<Q"
-        enc = bytes([struct.calcsize(fmt)]) + b"".join(struct.pack(fmt, t) for t in nxt)
+        enc = _chunk_encoding(tokens[(i + 1) * chunk : (i + 2) * chunk])
         assert hashlib.sha256(old[i] + enc).digest() == old[i + 1]
 
 
