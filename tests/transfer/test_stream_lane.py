@@ -64,7 +64,7 @@ class CountingReader(UringReader):
     def _stream_pieces(self, r: Any, bufs: Any) -> Any:
         with self._guard:
             self.streamed += 1
-        trap = self.traps.get(r.token[2])  # FileTier's token: (caller's, okey, oid, view)
+        trap = self.traps.get(r.token[3])  # FileTier's token: (caller's, key, group, oid, view)
         if trap is not None:
             retarget_stream_read(r, trap, self.pipe[0])
         return super()._stream_pieces(r, bufs)
@@ -316,8 +316,8 @@ class HoldingReader(UringReader):
         self.begun: list[str] = []  # object ids, in the order their reads began
 
     def _stream_pieces(self, r: Any, bufs: Any) -> Any:
-        self.begun.append(r.token[2])
-        if r.token[2] == self.hold and not self.streaming.is_set():
+        self.begun.append(r.token[3])
+        if r.token[3] == self.hold and not self.streaming.is_set():
             self.streaming.set()
             deadline = time.monotonic() + 30  # a hang guard
             while not self.pool.contended and time.monotonic() < deadline:

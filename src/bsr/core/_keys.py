@@ -332,9 +332,12 @@ class ObjectKey:
         d["chunk"] = chunk
         d["group"] = group
 
-    @functools.cached_property
+    @property
     def object_id(self) -> str:
-        """Hex digest naming the object in a tier (file names derive only from it)."""
+        """Hex digest naming the object in a tier (file names derive only from it).
+
+        A plain property over the cached :func:`object_id`: Python 3.11's ``cached_property``
+        takes a lock on every first access, and a probe makes a fresh key per object."""
         return _object_id(self.chunk.digest, self.group)
 
     @property
@@ -344,8 +347,8 @@ class ObjectKey:
 
 @functools.lru_cache(maxsize=1 << 16)
 def _object_id(digest: bytes, group: str) -> str:
-    """Cached: a restore's probe and its reads name the same objects (the probe's keys are
-    other ``ObjectKey`` instances than the reads', so ``cached_property`` alone misses)."""
+    """Cached: a restore's probe and its reads name the same objects (with other
+    ``ObjectKey`` instances: the cache is keyed by value)."""
     h = hashlib.blake2b(digest, digest_size=20, person=b"bsr-object")
     h.update(_group_bytes(group))
     return h.hexdigest()
@@ -364,6 +367,10 @@ def _group_bytes(group: str) -> bytes:
 @functools.lru_cache(maxsize=1024)
 def _group_digest(group: str) -> bytes:
     return hashlib.blake2b(_group_bytes(group), digest_size=16, person=b"bsr-group").digest()
+
+
+#: the digest of a state group's name (cached): ``ObjectKey(key, group).group_digest``
+group_digest = _group_digest
 
 
 def token_count(tokens: TokensLike) -> int:

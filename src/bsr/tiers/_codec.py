@@ -22,7 +22,7 @@ import numpy as np
 import xxhash
 
 from .._errors import ConfigError, CorruptObjectError, ObjectError, TruncatedObjectError
-from ..core._keys import FORMAT_VERSION, ChunkKey, ObjectKey
+from ..core._keys import FORMAT_VERSION, ChunkKey, ObjectKey, group_digest
 from ..core._layout import align_up
 from ..core._object import (
     _FIELDS,
@@ -47,6 +47,30 @@ class ObjectHeader(NamedTuple):
 
 def _ctx(okey: ObjectKey, where: str) -> dict[str, Any]:
     return {"key": okey.chunk.hex[:16], "group": okey.group, "tier": where or None}
+
+
+def _intact_header(header: Any, stored: int, key: ChunkKey, group: str) -> tuple[int, int] | None:
+    """``(payload_len, payload_sum)`` of the first HEADER_SIZE bytes of ``header`` (any buffer)
+    when they are an intact header of ``(key, group)`` (magic, version, flags, namespace, key,
+    group, index and the header checksum) and ``stored`` (the object's stored length) is what it
+    says, padded or not; else None (the one-object checks then say why)."""
+    (magic, version, flags, ns, digest, gd, index, plen, psum, hsum) = _FIELDS.unpack_from(header)
+    h = xxhash.xxh3_64(header[:_SUM_OFFSET])
+    h.update(_ZERO_SUM)
+    h.update(header[_SUM_OFFSET + 8 : HEADER_SIZE])
+    if (
+        h.intdigest() == hsum
+        and magic == MAGIC
+        and version == FORMAT_VERSION
+        and not flags
+        and digest == key.digest
+        and ns == key.namespace
+        and index == key.index
+        and gd == group_digest(group)
+        and (stored == HEADER_SIZE + plen or stored == HEADER_SIZE + align_up(plen))
+    ):
+        return plen, psum
+    return None
 
 
 class ObjectCodec:
@@ -164,36 +188,16 @@ class ObjectCodec:
         """
         out: list[Any] = []
         append = out.append
-        unpack: Any = _FIELDS.unpack_from  # takes any buffer too
-        hasher: Any = xxhash.xxh3_64  # takes any buffer (a NumPy view of the tier's bytes)
-        digest64: Any = xxhash.xxh3_64_intdigest
-        group_digests: dict[str, bytes] = {}
+        digest64: Any = xxhash.xxh3_64_intdigest  # takes any buffer (a NumPy view)
         for blob, (key, group) in zip(blobs, objects):
             stored = len(blob)
-            if stored >= HEADER_SIZE:
-                (magic, version, flags, ns, digest, gd, index, plen, psum, hsum) = unpack(blob)
-                h = hasher(blob[:_SUM_OFFSET])
-                h.update(_ZERO_SUM)
-                h.update(blob[_SUM_OFFSET + 8 : HEADER_SIZE])
-                want = group_digests.get(group)
-                if want is None:
-                    want = group_digests[group] = ObjectKey(key, group).group_digest
-                end = HEADER_SIZE + plen
-                if (
-                    h.intdigest() == hsum
-                    and magic == MAGIC
-                    and version == FORMAT_VERSION
-                    and not flags
-                    and digest == key.digest
-                    and ns == key.namespace
-                    and index == key.index
-                    and gd == want
-                    and (stored == end or stored == HEADER_SIZE + align_up(plen))
-                ):
-                    body = blob[HEADER_SIZE:end]
-                    if digest64(body) == psum:
-                        append(body)
-                        continue
+            fields = _intact_header(blob, stored, key, group) if stored >= HEADER_SIZE else None
+            if fields is not None:
+                plen, psum = fields
+                body = blob[HEADER_SIZE : HEADER_SIZE + plen]
+                if digest64(body) == psum:
+                    append(body)
+                    continue
             try:  # the one-object checks name what failed
                 ObjectCodec.verified_payload(blob, ObjectKey(key, group), where=where)
                 raise CorruptObjectError(
@@ -202,6 +206,30 @@ class ObjectCodec:
             except ObjectError as exc:
                 append(exc)
         return out
+
+    @staticmethod
+    def read_payload_len(
+        header: Any, n: int, stored: int, key: ChunkKey, group: str, payload: Any
+    ) -> int:
+        """The happy path of a tier's read check, in one call: the payload length when a read
+        of ``n`` bytes of a ``stored``-byte object left an intact header of ``(key, group)`` in
+        ``header`` (every field and its checksum), the stored length matches it, ``payload``
+        (what was read after the header) holds the whole payload and its checksum is right;
+        else -1, and the caller runs the one-object checks (:meth:`decode_header`,
+        :meth:`check_stored_size`, :meth:`verify_payload`), which raise the typed error that
+        says what failed. A read verifies its object here: one call, not five, per object.
+        """
+        if n < HEADER_SIZE:
+            return -1
+        fields = _intact_header(header, stored, key, group)
+        if fields is None:
+            return -1
+        plen, psum = fields
+        if plen > len(payload) or n < HEADER_SIZE + plen:
+            return -1
+        if xxhash.xxh3_64_intdigest(payload[:plen]) != psum:
+            return -1
+        return plen
 
     @staticmethod
     def decode_into(blob: Any, okey: ObjectKey, dst: Any, *, where: str = "") -> int:

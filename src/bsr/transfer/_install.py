@@ -64,6 +64,10 @@ class HostInstaller:
         #: per group, per chunk: its first block when the chunk's blocks are consecutive and
         #: real (one slice copy), else -1 (made on first use)
         self._firsts: dict[str, list[int]] = {}
+        #: per group, per slot: the slot's region of the group as the fast path copies it
+        self._staged: dict[str, dict[Slot, np.ndarray[Any, Any]]] = {
+            g.name: {} for g in layout.groups
+        }
         tensors = [cache.tensor(g.name) for g in layout.groups] if not cache.per_layer else []
         if tensors and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors):
             self._dst = {}
@@ -82,6 +86,15 @@ class HostInstaller:
         if arr is None:
             arr = self._slots[slot] = slot.tensor.numpy()
         return arr
+
+    def _stage(self, group: str, slot: Slot) -> np.ndarray[Any, Any]:
+        """The slot's region of ``group`` shaped as the fast path copies it (made once per slot,
+        group and restore: a slot's buffer never changes)."""
+        _, word, shape, n = self._fast[group]
+        off = self._offsets[group]
+        staged = self.slot_array(slot)[off : off + n].view(word).reshape(shape)
+        self._staged[group][slot] = staged
+        return staged
 
     def _chunk_firsts(self, group: str) -> list[int]:
         """Per chunk of ``group``'s table: its first block if its blocks are consecutive real
@@ -117,9 +130,12 @@ class HostInstaller:
                 dst, word, shape, n = self._fast[g]
                 payload = lent.get(g) if lent else None
                 if payload is None:
-                    off = self._offsets[g]
-                    payload = self.slot_array(slot)[off : off + n]
-                dst[:, first : first + bpc, :] = payload[:n].view(word).reshape(shape)
+                    staged = self._staged[g].get(slot)
+                    if staged is None:
+                        staged = self._stage(g, slot)
+                    dst[:, first : first + bpc, :] = staged
+                else:
+                    dst[:, first : first + bpc, :] = payload[:n].view(word).reshape(shape)
             if not todo:
                 return
             groups = tuple(todo)

@@ -303,7 +303,7 @@ class _Depth:
         self.limit = n
         self.free = n
         self.peak = 0  # the most requests in flight at once
-        self._cond = threading.Condition()
+        self._cond = threading.Condition(threading.Lock())  # never taken twice by one thread
         self._waiting = 0  # threads waiting in take (a give wakes them only if there are some)
 
     def take(self, want: int, block: bool, check: Callable[[], bool] | None) -> int:
@@ -530,7 +530,8 @@ class UringReader(PosixReader):
                     tags[ring.read(fd, off, addr, length)] = i
                 queued += 1
         finally:
-            self._depth.give(len(batch) - queued)  # places taken but never used
+            if queued < len(batch):
+                self._depth.give(len(batch) - queued)  # places taken but never used
         return queued
 
     def _reap(
@@ -709,7 +710,8 @@ class UringReader(PosixReader):
                 queued += 1
         finally:
             del st.waiting[:queued]
-            self._depth.give(k - queued)
+            if queued < k:
+                self._depth.give(k - queued)  # places taken but never used
 
     def _reap_stream(self, ring: Ring, st: _StreamState) -> None:
         """Take the completions the ring holds; end each object whose requests are all in."""

@@ -547,8 +547,8 @@ class FileTier(IndexedTier):
         """From the index, and for objects it lacks, from the directory (another process may
         have written them): metadata only, in a worker thread."""
         self._ready()
-        oids = [o.object_id for o in objects]
-        have = [oid in self._index for oid in oids]
+        oids = [object_id(o.chunk.digest, o.group) for o in objects]
+        have = self._index.contains_many(oids)
         unknown = [i for i, h in enumerate(have) if not h]
         if not unknown:
             return have
@@ -691,9 +691,8 @@ class FileTier(IndexedTier):
             if item is None:
                 return None
             token, key, group, dst = item
-            okey = ObjectKey(key, group)
             oid = object_id(key.digest, group)
-            r = StreamRead((token, okey, oid, None))
+            r = StreamRead((token, key, group, oid, None))
             if self._index.pin(oid) is None:
                 self._count(misses=1)
                 r.error = ObjectNotFoundError(
@@ -701,7 +700,7 @@ class FileTier(IndexedTier):
                 )
                 return r
             view = as_byte_view(dst)
-            r.token = (token, okey, oid, view)
+            r.token = (token, key, group, oid, view)
             begun[id(r)] = r
             try:
                 r.fd, st = self._open_object(dirs, oid)
@@ -718,8 +717,8 @@ class FileTier(IndexedTier):
             return r
 
         def tier_end(r: StreamRead) -> bool:
-            token, okey, oid, view = r.token
-            return end(token, self._end_stream_read(r, okey, oid, view, begun))
+            token, key, group, oid, view = r.token
+            return end(token, self._end_stream_read(r, key, group, oid, view, begun))
 
         try:
             reader.stream(tier_begin, tier_end, ahead)
@@ -727,13 +726,14 @@ class FileTier(IndexedTier):
             for r in begun.values():  # only when the stream raised: every end closes its own
                 if r.fd >= 0:
                     os.close(r.fd)
-                self._index.unpin(r.token[2])
+                self._index.unpin(r.token[3])
             self._leave()
 
     def _end_stream_read(
         self,
         r: StreamRead,
-        okey: ObjectKey,
+        key: ChunkKey,
+        group: str,
         oid: str,
         view: memoryview | None,
         begun: dict[int, StreamRead],
@@ -749,10 +749,13 @@ class FileTier(IndexedTier):
                 r.fd = -1
             if r.error is not None:
                 raise r.error
-            room = len(r.payload) if r.payload is not None else 0
-            plen = self._verified(r.header, r.total, r.size, okey, view, room)
+            got = r.got[0] if len(r.got) == 1 else r.total
+            plen = ObjectCodec.read_payload_len(r.header, got, r.size, key, group, r.payload)
+            if plen < 0:  # not intact: the one-object checks say what failed
+                room = len(r.payload) if r.payload is not None else 0
+                plen = self._verified(r.header, got, r.size, ObjectKey(key, group), view, room)
         except Exception as exc:  # the caller's (a destination too small) too: as a read raises
-            return self._read_failure(exc, oid, okey)
+            return self._read_failure(exc, oid, ObjectKey(key, group))
         finally:
             self._index.unpin(oid)
         self._count_hit(plen)
@@ -846,6 +849,9 @@ class FileTier(IndexedTier):
     ) -> int:
         """Check what a read of ``n`` bytes left in ``header`` and ``view`` (the file is
         ``size`` bytes; ``room``: the aligned part of ``view`` read into); the payload length."""
+        plen = ObjectCodec.read_payload_len(header, n, size, okey.chunk, okey.group, view[:room])
+        if plen >= 0:  # intact: the checks below run only to say what failed
+            return plen
         if n < HEADER_SIZE:  # the buffer may still hold another object's header: never decode it
             raise TruncatedObjectError(
                 f"short read: {n} bytes, less than the header", **self._context(okey)
