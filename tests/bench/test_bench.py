@@ -743,3 +743,24 @@ def test_the_file_tier_reads_with_bsrs_default_reader(
         assert read["reader"] == st["reader"]
         if read["reader"] == "uring":
             assert read["depth"] >= 1 and read["source"] in ("default", "calibrated")
+
+
+def test_the_keys_section_times_each_form_after_its_warmup(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each form gets ``warmup`` untimed calls, then ``repeats`` timed ones; all give one key
+    chain (a form giving other keys is an error of the bench, not a figure)."""
+    import bsr
+    from bsr_bench.restore.machinery import measure_keys
+
+    calls: list[int] = []
+    real = bsr.prepare_tokens
+
+    def counted(*a: Any, **k: Any) -> Any:
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(bsr, "prepare_tokens", counted)
+    out = measure_keys(4096, 3, warmup=2)
+    assert len(calls) == 3 * (2 + 3)  # list, numpy, torch
+    assert out["warmup"] == 2 and out["repeats"] == 3
+    for form in ("list", "numpy", "torch"):
+        assert out[f"{form}_cpu_s"]["n"] == 3

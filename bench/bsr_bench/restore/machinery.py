@@ -241,19 +241,33 @@ async def measure_concurrency(
     }
 
 
-def measure_keys(tokens: int, repeats: int, chunk_tokens: int = 256) -> dict[str, Any]:
+#: timed calls of each form at least (as the ``cpu`` section's points: a median of 7 moved by
+#: 5% with the machine, the size of the keys' margin to their target)
+KEYS_REPEATS = 11
+
+
+def measure_keys(
+    tokens: int, repeats: int, chunk_tokens: int = 256, warmup: int = 1
+) -> dict[str, Any]:
     """The ``keys`` section: :func:`bsr.prepare_tokens` (conversion + chained keys) on a list,
     a numpy array and a torch tensor of ``tokens`` random ids, medians over ``repeats``, in wall
-    seconds (``<form>_s``) and in CPU seconds of the process (``<form>_cpu_s``)."""
+    seconds (``<form>_s``) and in CPU seconds of the process (``<form>_cpu_s``), after
+    ``warmup`` untimed calls of each form (a serving process keys every request: the first
+    call's one-off costs, its code and buffers first touched, are not what each one pays; they
+    made the first one to three of seven timed calls 10-25% slower)."""
     layout = bsr.StateLayout(chunk_tokens, (bsr.StateGroup("kv", 1, 16, dtype="uint8"),))
     ns = bsr.Namespace("bsr-bench/keys").fingerprint(layout)
     ids = np.random.default_rng(0).integers(0, 128_000, size=tokens, dtype=np.int64)
     forms: dict[str, Any] = {"list": ids.tolist(), "numpy": ids, "torch": torch.from_numpy(ids)}
-    out: dict[str, Any] = {"tokens": tokens, "chunk_tokens": chunk_tokens, "repeats": repeats}
+    out: dict[str, Any] = {
+        "tokens": tokens, "chunk_tokens": chunk_tokens, "repeats": repeats, "warmup": warmup,
+    }  # fmt: skip
     ref = None
     for name, given in forms.items():
         samples = []
         cpu = []
+        for _ in range(warmup):
+            bsr.prepare_tokens(ns, given, chunk_tokens)
         for _ in range(repeats):
             c0, t0 = time.process_time(), time.perf_counter()
             kt = bsr.prepare_tokens(ns, given, chunk_tokens)

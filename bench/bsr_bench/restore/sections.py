@@ -38,6 +38,7 @@ from ..common.stats import BenchError, ratio
 from .cpu import CPU_POINTS, CPU_REPEATS, QUICK_CPU_POINTS, cpu_targets, measure_cpu
 from .machinery import (
     CONCURRENCY_LEVELS,
+    KEYS_REPEATS,
     OVERHEAD_POINTS,
     QUICK_OVERHEAD_POINTS,
     measure_concurrency,
@@ -161,7 +162,9 @@ async def run_sections(
         out["concurrency"] = await measure_concurrency(
             levels, 4 if quick else 16, 1 << 20, repeats, opts.window, opts.io_depth, opts.seed
         )
-    out["keys"] = measure_keys(64 * 1024 if quick else 512 * 1024, repeats)
+    out["keys"] = measure_keys(
+        64 * 1024 if quick else 512 * 1024, repeats if quick else max(KEYS_REPEATS, repeats)
+    )
     if getattr(opts, "cpu", True):
         ui.log("cpu: CPU seconds per GiB restored (HostTier, FileTier) vs the floor")
         out["cpu"] = await measure_cpu(
