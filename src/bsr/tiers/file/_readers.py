@@ -835,6 +835,8 @@ class StreamRead:
     @property
     def total(self) -> int:
         """Bytes read contiguously from the start of the file."""
+        if len(self.got) == 1:  # the usual object: one request
+            return self.got[0]
         total = 0
         for n, length in zip(self.got, self.lengths):
             total += n

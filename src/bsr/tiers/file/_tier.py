@@ -749,11 +749,8 @@ class FileTier(IndexedTier):
                 r.fd = -1
             if r.error is not None:
                 raise r.error
-            got = r.got[0] if len(r.got) == 1 else r.total
-            plen = ObjectCodec.read_payload_len(r.header, got, r.size, key, group, r.payload)
-            if plen < 0:  # not intact: the one-object checks say what failed
-                room = len(r.payload) if r.payload is not None else 0
-                plen = self._verified(r.header, got, r.size, ObjectKey(key, group), view, room)
+            room = len(r.payload) if r.payload is not None else 0
+            plen = self._verified(r.header, r.total, r.size, key, group, view, room)
         except Exception as exc:  # the caller's (a destination too small) too: as a read raises
             return self._read_failure(exc, oid, ObjectKey(key, group))
         finally:
@@ -838,20 +835,28 @@ class FileTier(IndexedTier):
                 n = self.reader.read(f"/proc/self/fd/{fd}", header, view[:room])
         finally:
             os.close(fd)
-        return self._verified(header, n, size, okey, view, room)
+        return self._verified(header, n, size, okey.chunk, okey.group, view, room)
 
     def _context(self, okey: ObjectKey) -> dict[str, Any]:
         """An object error's fields (made only when one is raised: a read makes none)."""
         return {"tier": self.name, "key": okey.chunk.hex[:16], "group": okey.group}
 
     def _verified(
-        self, header: Any, n: int, size: int, okey: ObjectKey, view: memoryview, room: int
+        self,
+        header: Any,
+        n: int,
+        size: int,
+        key: ChunkKey,
+        group: str,
+        view: memoryview,
+        room: int,
     ) -> int:
         """Check what a read of ``n`` bytes left in ``header`` and ``view`` (the file is
         ``size`` bytes; ``room``: the aligned part of ``view`` read into); the payload length."""
-        plen = ObjectCodec.read_payload_len(header, n, size, okey.chunk, okey.group, view[:room])
+        plen = ObjectCodec.read_payload_len(header, n, size, key, group, view[:room])
         if plen >= 0:  # intact: the checks below run only to say what failed
             return plen
+        okey = ObjectKey(key, group)
         if n < HEADER_SIZE:  # the buffer may still hold another object's header: never decode it
             raise TruncatedObjectError(
                 f"short read: {n} bytes, less than the header", **self._context(okey)
