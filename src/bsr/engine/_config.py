@@ -67,8 +67,9 @@ def _tier(value: Any, key: str) -> TierOptions:
         raise _err(f"{key}.kind", "must name a tier kind such as 'host' or 'file'", kind)
     try:
         cls = tier_options(kind)
-    except ConfigError as exc:
-        raise ConfigError(f"{key}.kind: {exc.message}", key=f"{key}.kind") from None
+    except ConfigError as exc:  # keeps what it names (a plugin's kind and module)
+        fields = {**exc.fields, "key": f"{key}.kind"}
+        raise ConfigError(f"{key}.kind: {exc.message}", **fields) from exc.__cause__
     return cls.from_dict({k: v for k, v in value.items() if k != "kind"}, f"{key}.")
 
 

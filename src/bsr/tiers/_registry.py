@@ -17,6 +17,18 @@ looked up in order:
    ``[project.entry-points."bsr.tiers"] mykind = "mypkg.tier:MyTierOptions"`` and its kind works
    in every config once it is installed, loaded on first use. bsr's own ``redis`` kind
    (:mod:`bsr.redis`) is declared this way, as any third party would.
+
+Plugins never take a built-in kind: the kinds bsr provides (:data:`RESERVED_KINDS`: ``host``,
+``file``, ``mooncake`` and bsr's own entry point ``redis``) are bsr's wherever the packages lie
+on ``sys.path``. An entry point of another package naming one of them is refused: ignored, with
+a ``UserWarning`` (and a ``bsr.tiers.plugin_refused`` log event) naming the package, so a
+config's ``"file"`` always means bsr's FileTier. Only this process's own code may replace a
+kind, explicitly: ``register_tier("file", ..., replace=True)``. Two other packages declaring one
+kind make that kind a ConfigError naming both (neither is chosen silently), and a package whose
+metadata cannot be read is skipped with a warning. A plugin's module is third-party code run at
+import: whatever it raises there (any ``BaseException`` but ``KeyboardInterrupt``, so
+``SystemExit`` too) is a :class:`~bsr.ConfigError` naming the kind and the module, from
+:func:`register_tier`, :func:`tier_options` and ``EngineConfig`` alike.
 """
 
 from __future__ import annotations
@@ -24,13 +36,16 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import re
 import threading
+import warnings
 from collections.abc import Callable, Mapping
 from importlib import metadata
 from typing import Any, ClassVar, Concatenate, ParamSpec, TypeVar
 
 from .._check import check_options, option_fields, parse_options, short_repr
 from .._errors import ConfigError
+from .._log import logger
 from ._base import Tier
 
 #: the entry point group third-party tier kinds are declared in
@@ -42,6 +57,11 @@ BUILTIN_TIERS: dict[str, str] = {
     "file": "bsr.tiers.file:FileTierOptions",
     "mooncake": "bsr.tiers._mooncake:MooncakeTierOptions",
 }
+#: the distribution bsr is installed as (its entry points are bsr's own kinds)
+OWN_DISTRIBUTION = "bsr"
+#: kinds only bsr provides: the built-in ones and those bsr declares as entry points itself
+#: (``redis``); an entry point of another package naming one is refused with a warning
+RESERVED_KINDS = frozenset({*BUILTIN_TIERS, "redis"})
 
 OptionsT = TypeVar("OptionsT", bound="TierOptions")
 TierT = TypeVar("TierT", bound=Tier)
@@ -171,22 +191,26 @@ def _import(kind: str, target: str) -> type[TierOptions]:
     """Import ``"module:Class"`` for ``kind``; whatever goes wrong is a ConfigError naming both.
 
     A plugin's module is third-party code: at import it may raise anything (an ImportError of
-    its own dependency, a RuntimeError, a SyntaxError in its source), and its module may refuse
-    the attribute with something other than AttributeError.
+    its own dependency, a RuntimeError, a SyntaxError in its source, even ``SystemExit`` from a
+    ``sys.exit()`` at module level), and its module may refuse the attribute with something
+    other than AttributeError. All of it but ``KeyboardInterrupt`` (the user's own Ctrl-C) is a
+    ConfigError here: a config naming a broken plugin must not end the process.
     """
     module, _, attr = target.partition(":")
     try:
         mod = importlib.import_module(module)
     except ImportError as exc:
         raise ConfigError(
-            f"tier kind {kind!r} needs {module}, which cannot be imported: {exc}",
+            f"tier kind {kind!r} needs {module}, which cannot be imported: {_describe(exc)}",
             kind=kind,
             module=module,
         ) from exc
-    except Exception as exc:  # the module itself failed while importing
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # the module itself failed while importing (SystemExit too)
         raise ConfigError(
-            f"tier kind {kind!r}: importing {module} failed ({type(exc).__name__}: {exc}); "
-            "fix or reinstall the package that provides it, or remove the kind from the config",
+            f"tier kind {kind!r}: importing {module} failed ({_describe(exc)}); fix or "
+            "reinstall the package that provides it, or remove the kind from the config",
             kind=kind,
             module=module,
         ) from exc
@@ -196,20 +220,94 @@ def _import(kind: str, target: str) -> type[TierOptions]:
         raise ConfigError(
             f"tier kind {kind!r}: {module} has no {attr}", kind=kind, module=module
         ) from None
-    except Exception as exc:  # a module-level __getattr__ that raised something else
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # a module-level __getattr__ that raised something else
         raise ConfigError(
-            f"tier kind {kind!r}: reading {attr} from {module} failed "
-            f"({type(exc).__name__}: {exc})",
+            f"tier kind {kind!r}: reading {attr} from {module} failed ({_describe(exc)})",
             kind=kind,
             module=module,
         ) from exc
     if not (isinstance(cls, type) and issubclass(cls, TierOptions)):
-        raise ConfigError(f"tier kind {kind!r}: {target} is not a bsr.TierOptions subclass")
+        raise ConfigError(
+            f"tier kind {kind!r}: {target} is not a bsr.TierOptions subclass",
+            kind=kind,
+            module=module,
+        )
     return cls
 
 
-def _entry_points() -> dict[str, metadata.EntryPoint]:
-    return {ep.name: ep for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)}
+def _describe(exc: BaseException) -> str:
+    """``"Type: text"`` of a third party's exception, bounded (its ``__str__`` may be huge, or
+    raise)."""
+    try:
+        text = str(exc)
+    except Exception:
+        text = "(its message cannot be shown)"
+    text = text if len(text) <= 200 else f"{text[:200]}...({len(text)} characters)"
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _normalized(name: str) -> str:
+    """A distribution name as packaging compares them (PEP 503)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _refused(message: str, **fields: Any) -> None:
+    warnings.warn(message, UserWarning, stacklevel=4)
+    logger.warning("bsr.tiers.plugin_refused", reason=message, **fields)
+
+
+#: an installed kind: the distributions declaring it and their entry points (one, unless two
+#: packages claim the kind)
+_Declared = list[tuple[str, metadata.EntryPoint]]
+
+
+def _entry_points() -> dict[str, _Declared]:
+    """The ``bsr.tiers`` entry points of the installed distributions, by kind.
+
+    Each distribution counts once (the first on ``sys.path``, as importlib.metadata does). An
+    entry point of another package naming a reserved kind is dropped with a warning; a
+    package whose metadata cannot be read is skipped with a warning (a damaged
+    ``entry_points.txt`` of one unrelated package must not break every config).
+    """
+    seen: set[str] = set()
+    out: dict[str, _Declared] = {}
+    for dist in metadata.distributions():
+        try:
+            key = getattr(dist, "_normalized_name", None)  # from the path: no file read
+            if not isinstance(key, str):
+                key = _normalized(str(dist.metadata["Name"] or ""))
+            if key in seen:
+                continue
+            seen.add(key)
+            eps = [ep for ep in dist.entry_points if ep.group == ENTRY_POINT_GROUP]
+            name = str(dist.metadata["Name"] or key) if eps else key
+            key = _normalized(name)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:
+            where = str(getattr(dist, "_path", None) or repr(dist))
+            where = where if len(where) <= 300 else f"...{where[-300:]}"
+            _refused(
+                f"bsr: skipped the installed package at {where}: its metadata cannot be read "
+                f"({_describe(exc)}); reinstall or remove it",
+                distribution=where,
+            )
+            continue
+        for ep in eps:
+            if ep.name in RESERVED_KINDS and key != OWN_DISTRIBUTION:
+                _refused(
+                    f"bsr: ignored the entry point {ep.name} = {ep.value!r} of the package "
+                    f"{name!r}: {ep.name!r} is a built-in bsr tier kind, which a plugin cannot "
+                    "replace; the plugin should declare a kind of its own name (or register it "
+                    f"in code with bsr.register_tier({ep.name!r}, ..., replace=True))",
+                    kind=ep.name,
+                    distribution=name,
+                )
+                continue
+            out.setdefault(ep.name, []).append((name, ep))
+    return out
 
 
 def tier_kinds() -> list[str]:
@@ -226,16 +324,28 @@ def tier_options(kind: str) -> type[TierOptions]:
         ConfigError: no such kind (the message lists the known ones), or its module fails to
             import.
     """
+    if not isinstance(kind, str):
+        raise ConfigError(f"a tier kind is a string such as 'file', got {short_repr(kind)}")
     with _lock:
         cls = _registered.get(kind)
+        known = set(_registered) | set(BUILTIN_TIERS)
     if cls is not None:
         return cls
+    installed = _entry_points()  # also warns of a package declaring a built-in kind
     if kind in BUILTIN_TIERS:
         return _import(kind, BUILTIN_TIERS[kind])
-    ep = _entry_points().get(kind) if isinstance(kind, str) else None
-    if ep is None:
-        raise ConfigError(f"unknown tier kind {short_repr(kind)}; known kinds: {tier_kinds()}")
-    cls = _import(kind, ep.value)
-    with _lock:
-        _registered.setdefault(kind, cls)
-    return cls
+    declared = installed.get(kind)
+    if not declared:
+        known |= set(installed)
+        raise ConfigError(f"unknown tier kind {short_repr(kind)}; known kinds: {sorted(known)}")
+    if len(declared) > 1:
+        who = "; ".join(f"{dist!r} ({ep.value})" for dist, ep in declared)
+        raise ConfigError(
+            f"tier kind {kind!r} is declared by {len(declared)} installed packages: {who}; "
+            "uninstall all but one, or choose one in code with "
+            f"bsr.register_tier({kind!r}, 'module:Class')",
+            kind=kind,
+        )
+    # not cached as registered: every lookup sees what is installed now (and warns of an
+    # impostor); the module itself is imported once (sys.modules)
+    return _import(kind, declared[0][1].value)
