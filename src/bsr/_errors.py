@@ -90,6 +90,11 @@ class TierIOError(TierError, OSError):
     """An I/O error inside a tier (short read, EIO, permission denied ...)."""
 
 
+class ReadWithdrawnError(TierIOError):
+    """A read withdrawn because its request ended (or its caller stopped waiting): no outcome
+    for the object or the tier (the engine reports it to no breaker and quarantines nothing)."""
+
+
 class TierTimeoutError(TierError, TimeoutError):
     """A tier call did not finish within its timeout."""
 

@@ -26,8 +26,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from ..core._keys import ChunkKey, ObjectKey, object_id
-from ..transfer._ladder import Outcome, ReadOutcome
-from ..transfer._pipeline import RestoreRun
+from ..transfer._ladder import BatchAdmission, Outcome, ReadOutcome
+from ..transfer._run import RestoreRun
 from ._health import TierHealth
 
 
@@ -117,7 +117,6 @@ class RestoreGate:
         # per tier: reads in flight, since when one was, and the time one was (its busy time:
         # what the cost model divides the tier's bytes by)
         self._inflight: dict[str, int] = {}
-        self._local = threading.local()  # .batch: the tier this thread's admitted batch reads
         self._since: dict[str, float] = {}
         self._busy: dict[str, float] = {}
 
@@ -126,7 +125,7 @@ class RestoreGate:
             return "object quarantined"
         if not self.health.admit(tier):
             return "circuit breaker open"
-        self._started(tier)  # an admitted attempt ends in exactly one report, report_ok or withdraw
+        self._started(tier)  # an admitted attempt ends in exactly one report or withdraw
         return None
 
     def _started(self, tier: str) -> None:
@@ -157,44 +156,32 @@ class RestoreGate:
                     out[t] = out.get(t, 0.0) + now - self._since[t]
         return out
 
-    def admit_batch(self, tier: str, objects: Sequence[tuple[ChunkKey, str]]) -> bool:
-        """Whether every object of a batch may be asked of ``tier`` without admitting each: the
-        tier's breaker is closed (admission would change nothing) and none is quarantined.
-        False: the ladder admits and reports object by object."""
+    def admit_batch(
+        self, tier: str, objects: Sequence[tuple[ChunkKey, str]]
+    ) -> BatchAdmission | None:
+        """Every object of a batch asked of ``tier`` without admitting each, when the tier's
+        breaker is closed (admission would change nothing) and none is quarantined; else None
+        (the ladder admits and reports object by object). The batch's reads are one span of
+        the tier's busy time: its objects' failures are reported without ending it, its end
+        does (with one success report when the tier served any of them)."""
         if not self.health.closed(tier):
-            return False
+            return None
         if len(self.quarantine):
             q = self.quarantine
             if any((tier, object_id(key.digest, g)) in q for key, g in objects):
-                return False
-        # the batch's reads are one span of the tier's busy time, in this (worker) thread: its
-        # objects' failures are reported without ending it, its success report ends it
+                return None
         self._started(tier)
-        self._local.batch = tier
-        return True
-
-    def end_batch(self, tier: str) -> None:
-        """The batch this thread was admitted on ``tier`` ended without a success report."""
-        if getattr(self._local, "batch", None) == tier:
-            self._local.batch = None
-            self._ended(tier)
+        return _Batch(self, tier)
 
     def withdraw(self, tier: str) -> None:
         self._ended(tier)
         self.health.release(tier)
 
-    def report_ok(self, tier: str) -> None:
-        """``report`` of an ``OK`` outcome, without the record (called once per object read,
-        or once for an admitted batch)."""
-        if getattr(self._local, "batch", None) == tier:
-            self.end_batch(tier)
-        else:
-            self._ended(tier)
-        self.health.success(tier)
-
     def report(self, outcome: ReadOutcome) -> None:
-        if getattr(self._local, "batch", None) != outcome.tier:  # not one object of a batch
-            self._ended(outcome.tier)
+        self._ended(outcome.tier)
+        self._outcome(outcome)
+
+    def _outcome(self, outcome: ReadOutcome) -> None:
         kind = outcome.outcome
         if kind in (Outcome.OK, Outcome.MISS, Outcome.CORRUPT):
             self.health.success(outcome.tier)  # the tier answered
@@ -226,3 +213,26 @@ class RestoreGate:
         with self._lock:
             out, self.pending = self.pending, []
         return out
+
+
+class _Batch:
+    """A batch :meth:`RestoreGate.admit_batch` admitted on one tier (a
+    :class:`~bsr.transfer._ladder.BatchAdmission`)."""
+
+    __slots__ = ("_ended", "gate", "tier")
+
+    def __init__(self, gate: RestoreGate, tier: str) -> None:
+        self.gate = gate
+        self.tier = tier
+        self._ended = False
+
+    def report(self, outcome: ReadOutcome) -> None:
+        self.gate._outcome(outcome)
+
+    def end(self, served: bool) -> None:
+        if self._ended:
+            return
+        self._ended = True
+        self.gate._ended(self.tier)
+        if served:
+            self.gate.health.success(self.tier)

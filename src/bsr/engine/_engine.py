@@ -52,10 +52,8 @@ from ..core._results import Probe, RestoreResult, SaveResult
 from ..tiers._base import Tier, TierLease, TierStatistics
 from ..tiers._watch import Removal, RemovalFeed, RemovalListener
 from ..transfer._cache import PagedKVCache
-from ..transfer._pipeline import (
-    OnInstalled,
-    WindowPipeline,
-)
+from ..transfer._pipeline import WindowPipeline
+from ..transfer._run import OnInstalled
 from ..transfer._save import save_chunks
 from ..transfer._staging import StagingPool, StagingStatistics
 from ..transfer._tables import BlockTables

@@ -51,14 +51,9 @@ from ..core._lifecycle import Reason, RequestState
 from ..core._options import Policy, Strategy
 from ..core._plan import plan_restore
 from ..core._results import LoadDecision, Probe, RestoreResult, Timings
-from ..transfer._pipeline import (
-    ChunkFailure,
-    RestoreRun,
-    SlotSource,
-    WholePlanBuffer,
-    WindowPipeline,
-)
-from ..transfer._staging import StagingPool
+from ..transfer._pipeline import WindowPipeline
+from ..transfer._run import ChunkFailure, RestoreRun
+from ..transfer._staging import SlotSource, StagingPool, WholePlanBuffer
 from ._coordinator import Coordinator, agree_on_time, agree_prefix
 from ._cost import CostModel
 from ._decisions import Quarantine, RestoreGate, TierQuarantine

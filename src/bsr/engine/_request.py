@@ -15,7 +15,7 @@ from ..core._keys import KeyExtra
 from ..core._lifecycle import RequestLifecycle
 from ..core._options import Policy, Strategy
 from ..transfer._cache import PagedKVCache
-from ..transfer._pipeline import OnInstalled
+from ..transfer._run import OnInstalled
 from ..transfer._tables import BlockTables
 
 

@@ -37,6 +37,7 @@ from .._errors import (
 from ..core._keys import ChunkKey, ObjectKey
 from ..core._object import HEADER_SIZE
 from ..tiers._base import Tier, TierWrapper
+from ..tiers._reads import Fetched
 
 
 class FaultKind(str, enum.Enum):
@@ -222,7 +223,7 @@ class FaultyTier(TierWrapper[Tier]):
         got = await self.inner.contains_many(objects)
         return [g or o.object_id in self._lost for g, o in zip(got, objects)]
 
-    async def read_into(self, key: ChunkKey, group: str, dst: Any) -> int:
+    async def fetch_into(self, key: ChunkKey, group: str, dst: Any) -> Fetched:
         okey = ObjectKey(key, group)
         if okey.object_id in self._lost:
             raise ObjectNotFoundError(
@@ -239,7 +240,7 @@ class FaultyTier(TierWrapper[Tier]):
                 raise CorruptObjectError("injected corruption", tier=self.name, group=group)
             elif f.kind is FaultKind.TRUNCATE and not truncate_stored(self.inner, key, group):
                 raise TruncatedObjectError("injected truncation", tier=self.name, group=group)
-        return await self.inner.read_into(key, group, dst)
+        return await self.inner.fetch_into(key, group, dst)
 
     async def write(self, key: ChunkKey, group: str, payload: Any) -> bool:
         okey = ObjectKey(key, group)
@@ -285,9 +286,9 @@ class LatencyTier(TierWrapper[Tier]):
             await anyio.sleep(self.probe_latency_s)
         return await self.inner.contains_many(objects)
 
-    async def read_into(self, key: ChunkKey, group: str, dst: Any) -> int:
+    async def fetch_into(self, key: ChunkKey, group: str, dst: Any) -> Fetched:
         await anyio.sleep(self.read_latency_s)
-        n = await self.inner.read_into(key, group, dst)
+        fetched = await self.inner.fetch_into(key, group, dst)
         if self.bandwidth:
-            await anyio.sleep(n / self.bandwidth)
-        return n
+            await anyio.sleep(fetched.nbytes / self.bandwidth)
+        return fetched

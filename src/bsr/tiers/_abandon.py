@@ -18,8 +18,9 @@ one place that makes them hold (every tier and the transfer pipeline use it):
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import anyio
@@ -31,6 +32,29 @@ T = TypeVar("T")
 
 
 _HERE = threading.local()  # the call a worker thread is running now
+_CANCEL = threading.local()  # the withdrawal check of the reads a worker thread runs now
+
+
+@contextlib.contextmanager
+def cancellation(check: Callable[[], bool]) -> Iterator[None]:
+    """Reads of this thread inside the block that can withdraw their work (io_uring requests)
+    poll ``check()`` while they wait; once it is true they withdraw it and end with
+    :class:`~bsr.ReadWithdrawnError`, only after the kernel let go of every buffer (nothing is
+    written after the read ended). The transfer pipeline wraps its batches in it (its request
+    ended); :meth:`AbandonableCalls.run`'s callers use :meth:`AbandonableCalls.abandoned_here`.
+    """
+    prev = getattr(_CANCEL, "check", None)
+    _CANCEL.check = check
+    try:
+        yield
+    finally:
+        _CANCEL.check = prev
+
+
+def cancel_check() -> Callable[[], bool] | None:
+    """The withdrawal check in force on this thread (:func:`cancellation`), or None."""
+    check: Callable[[], bool] | None = getattr(_CANCEL, "check", None)
+    return check
 
 
 class _NotRun(Exception):

@@ -1,24 +1,29 @@
 """The abstract tier: a place that retains objects.
 
 Where it runs: on the serving process's event loop (any anyio backend). Blocking work (file I/O,
-store RPCs, large memcpy) must run in worker threads; every method is a coroutine, except
-:meth:`Tier.read_into_blocking`, which a tier with ``blocking_reads = True`` offers so that the
-transfer pipeline can read, verify and install a whole batch of chunks in one worker-thread call.
+store RPCs, large memcpy) must run in worker threads; every method is a coroutine, except the
+blocking reads (:meth:`Tier.fetch_into_blocking`, :meth:`Tier.read_many_blocking`), which a tier
+with ``blocking_reads = True`` offers so that the transfer pipeline can move a whole batch of
+objects in one worker-thread call.
 
-How it works: a tier implements a small core (``contains_many``, ``read_into``, ``write``,
-``delete``) and inherits working defaults for the rest (``usage``, ``statistics``, ``lease``,
-``quarantine``, ``contains``). ``read_into`` writes the payload into a caller-provided buffer (a
-staging slot region) and verifies the object's header and checksum before returning; it never
-returns unverified bytes as valid. Capability flags are class attributes, as in zarr's stores,
-and each one is read by the library: ``durable`` by the test kit's campaign (a volatile tier
-starts empty after a reopen) and ``blocking_reads`` / ``inline_reads`` by the transfer pipeline. A
-:class:`TierWrapper` delegates every method and reads every flag through to the tier it wraps.
+How it works: a tier implements a small core (``contains_many``, ``fetch_into``, ``write``,
+``delete``) and inherits working defaults for the rest (``read_into``, ``read_many_blocking``,
+``usage``, ``statistics``, ``lease``, ``quarantine``, ``contains``). ``fetch_into`` moves an
+object's stored bytes (its header, and its payload into a caller-provided buffer); it does not
+vouch for them: whoever reads checks them against the header (``read_into`` does, and so does
+the transfer pipeline for every object it installs, whatever tier moved it). Capability flags
+are class attributes, as in zarr's stores, each read by the library: ``durable`` by the test
+kit's campaign, ``blocking_reads`` / ``inline_reads`` / ``bulk_reads`` by the transfer pipeline,
+``medium`` by the adapters that tell an engine where a hit came from. A :class:`TierWrapper`
+delegates every method and reads every flag through to the tier it wraps, unless it changes
+reads.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
+import enum
 import math
 import threading
 import time
@@ -27,14 +32,31 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
-import torch
-
 from .._check import positive_float, text
-from .._errors import ClosedError, ConfigError
+from .._errors import ClosedError, ObjectError
 from .._log import logger
 from .._resource import AsyncResource
 from ..core._keys import ChunkKey, ObjectKey
+from ._codec import ObjectCodec
+from ._reads import Begin, Borrowed, End, Fetched, read_one_by_one
+from ._views import as_byte_view, as_payload_view
 from ._watch import Removal, RemovalFeed, RemovalListener
+
+__all__ = ["Borrowed", "Medium", "Tier", "TierWrapper", "as_byte_view", "as_payload_view"]
+
+
+class Medium(str, enum.Enum):
+    """Where a tier keeps its objects (:attr:`Tier.medium`), as an engine reports its hits."""
+
+    #: the serving process's own memory (HostTier)
+    HOST = "host"
+    #: storage local to the serving host (FileTier)
+    DISK = "disk"
+    #: a store across the network or in other processes (Redis, Mooncake; the default)
+    REMOTE = "remote"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass(frozen=True)
@@ -148,73 +170,6 @@ class TierLease:
         return f"{type(self).__name__}(objects={len(self.objects)})"
 
 
-class Borrowed:
-    """A verified payload lent by a tier in place (:meth:`Tier.borrow_blocking`).
-
-    ``payload`` is a flat uint8 NumPy view of the tier's own bytes: read it, never write it, and
-    :meth:`release` it (idempotent) as soon as it has been copied; until then the tier keeps the
-    object pinned.
-    """
-
-    __slots__ = ("_release", "payload")
-
-    def __init__(self, payload: Any, release: Any) -> None:
-        self.payload = payload
-        self._release = release
-
-    def release(self) -> None:
-        release, self._release = self._release, None
-        if release is not None:
-            release()
-
-
-class LentPayloads:
-    """The payloads of a batch of objects lent by a tier in place
-    (:meth:`Tier.borrow_many_blocking`).
-
-    ``items[i]`` is the i-th object's verified payload (a flat uint8 NumPy view of the tier's
-    own bytes, as :attr:`Borrowed.payload`) or the exception asking for it raised
-    (``ObjectNotFoundError``, an ``ObjectError``, ...): one object's failure is its own, the
-    others are lent. Read the payloads, never write them, and :meth:`release` them (idempotent)
-    once copied; until then the tier keeps every lent object pinned.
-    """
-
-    __slots__ = ("_release", "items")
-
-    def __init__(self, items: list[Any], release: Any) -> None:
-        self.items = items
-        self._release = release
-
-    def release(self) -> None:
-        release, self._release = self._release, None
-        if release is not None:
-            release()
-
-
-def as_byte_view(dst: Any) -> memoryview:
-    """A writable flat byte view of a CPU buffer (uint8 tensor, numpy array, bytearray...)."""
-    if isinstance(dst, torch.Tensor):
-        if dst.device.type != "cpu":
-            raise ConfigError(
-                "this tier reads into host buffers; pass a CPU tensor", device=str(dst.device)
-            )
-        if not dst.is_contiguous():
-            raise ConfigError("read_into needs a contiguous destination tensor")
-        dst = dst.view(torch.uint8).reshape(-1).numpy()
-    mv = memoryview(dst)
-    if mv.readonly:
-        raise ConfigError("read_into needs a writable destination buffer")
-    return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
-
-
-def as_payload_view(payload: Any) -> memoryview:
-    """A flat byte view of a payload to store (bytes-likes as they are, else as_byte_view)."""
-    if isinstance(payload, (bytes, bytearray, memoryview)):
-        mv = memoryview(payload)
-        return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
-    return as_byte_view(payload)
-
-
 class StorageHooks(Protocol):
     """Raw access to the objects a tier stores, behind its API: what :mod:`bsr.testing` uses to
     damage and seed stored objects (:meth:`Tier.storage_hooks`). The library never calls it.
@@ -249,17 +204,34 @@ class Tier(AsyncResource, abc.ABC):
     #: objects survive a process restart (read by bsr.testing's campaign: a volatile tier
     #: starts empty after a reopen)
     durable: ClassVar[bool] = False
-    #: read_into_blocking() is implemented: the transfer pipeline may then run reads, checksum
-    #: verification and host installs of a whole batch of chunks in ONE worker-thread call
+    #: fetch_into_blocking() is implemented: the transfer pipeline may then move a whole batch
+    #: of objects (:meth:`read_many_blocking`), check and install them in ONE worker-thread call
     blocking_reads: ClassVar[bool] = False
-    #: read_into_blocking() is a bounded memory copy that never waits on a device or a peer, so
-    #: the pipeline may run a small batch (a few hundred KiB) on the event loop itself instead of
-    #: paying a worker-thread hop (implies ``blocking_reads``)
+    #: fetch_into_blocking() is a bounded memory copy that never waits on a device or a peer,
+    #: so the pipeline may run a small batch (a few hundred KiB) on the event loop itself
+    #: instead of paying a worker-thread hop (implies ``blocking_reads``)
     inline_reads: ClassVar[bool] = False
-    #: borrow_blocking() is implemented: the tier holds objects in host memory and can lend a
-    #: verified payload where it lies (pinned until released), so a host install copies it
-    #: once, with no staging copy
-    borrow_reads: ClassVar[bool] = False
+    #: read_many_blocking() moves a batch its own way (several reads in flight on one thread,
+    #: or objects lent in place), so the pipeline hands it whole batches through several
+    #: staging slots at once (implies ``blocking_reads``)
+    bulk_reads: ClassVar[bool] = False
+    #: where the objects live (what an engine reports its hits as): the serving process's
+    #: memory, local storage, or a remote store (the default)
+    medium: ClassVar[Medium] = Medium.REMOTE
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # bsr 0.3 tiers implemented read_into (read and verify); since 0.4 the engine checks
+        # every read itself and needs the object's header: refuse a tier it could not check
+        if "read_into" in cls.__dict__ and "fetch_into" not in cls.__dict__:
+            raise TypeError(
+                f"{cls.__name__} overrides read_into() but not fetch_into(): since bsr 0.4 a "
+                "tier moves an object's stored bytes with fetch_into(key, group, dst) -> "
+                "Fetched(header, nbytes) and the engine checks them (docs/tiers.md, 'Write "
+                "your own tier'); move your read into fetch_into and return the stored header "
+                "with it (a wrapper that changes reads overrides fetch_into and, for blocking "
+                "reads, fetch_into_blocking)"
+            )
 
     def __init__(self, name: str) -> None:
         # a name is a log field, a result key and a metric label: text with a UTF-8 form
@@ -297,12 +269,17 @@ class Tier(AsyncResource, abc.ABC):
         """For each object, whether this tier holds it completely. Metadata only."""
 
     @abc.abstractmethod
-    async def read_into(self, key: ChunkKey, group: str, dst: Any) -> int:
-        """Read and verify the payload of ``(key, group)`` into ``dst``; return its length.
+    async def fetch_into(self, key: ChunkKey, group: str, dst: Any) -> Fetched:
+        """Move the stored object ``(key, group)``: its payload into ``dst`` (at most
+        ``len(dst)`` bytes), its stored header into the :class:`Fetched` returned.
+
+        Nothing here vouches for the bytes (a tier may check them too): :meth:`read_into` and
+        the transfer pipeline check them against the header (:meth:`ObjectCodec.check_read`).
+        A call its caller abandons (cancelled) never writes into ``dst`` after it returned.
 
         Raises:
             ObjectNotFoundError: the tier does not hold it.
-            ObjectError: it failed verification (nothing valid was returned).
+            ObjectError: the stored bytes are not an object (a tier that looked).
             TierError: I/O failure or timeout.
         """
 
@@ -317,56 +294,54 @@ class Tier(AsyncResource, abc.ABC):
     async def delete(self, key: ChunkKey, group: str) -> bool:
         """Remove the object; return whether it existed."""
 
-    # ------------------------------------------------------------------ defaults
-    def read_into_blocking(self, key: ChunkKey, group: str, dst: Any) -> int:
-        """Same contract as read_into (verify before returning; raise ObjectNotFoundError /
-        ObjectError / TierError), but synchronous and safe to call from any worker thread
-        concurrently with the event loop.
+    # ------------------------------------------------------------------ reads
+    async def read_into(self, key: ChunkKey, group: str, dst: Any) -> int:
+        """Read ``(key, group)`` into ``dst`` and check it; return the payload's length.
 
-        Only tiers with ``blocking_reads = True`` implement it.
+        Raises:
+            ObjectNotFoundError: the tier does not hold it.
+            ObjectError: it failed the check (nothing valid was returned).
+            ConfigError: ``dst`` is smaller than the object's payload (the object is fine).
+            TierError: I/O failure or timeout.
         """
+        return self._checked(key, group, dst, await self.fetch_into(key, group, dst))
+
+    def fetch_into_blocking(self, key: ChunkKey, group: str, dst: Any) -> Fetched:
+        """:meth:`fetch_into`, synchronous and safe to call from any worker thread concurrently
+        with the event loop. Only tiers with ``blocking_reads = True`` implement it."""
         raise NotImplementedError(
             f"{type(self).__name__} has no blocking reads (blocking_reads is False); "
-            "call await read_into()"
+            "call await fetch_into()"
         )
 
-    def borrow_blocking(self, key: ChunkKey, group: str) -> Borrowed:
-        """Verify ``(key, group)`` where the tier keeps it and lend its payload, pinned (never
-        evicted or changed) until :meth:`Borrowed.release`. Same errors as ``read_into``.
+    def read_into_blocking(self, key: ChunkKey, group: str, dst: Any) -> int:
+        """:meth:`read_into`, synchronous (tiers with ``blocking_reads = True``)."""
+        return self._checked(key, group, dst, self.fetch_into_blocking(key, group, dst))
 
-        Only tiers with ``borrow_reads = True`` implement it (any thread, like
-        :meth:`read_into_blocking`).
+    def _checked(self, key: ChunkKey, group: str, dst: Any, fetched: Fetched) -> int:
+        """The payload length of a fetch into ``dst`` that passes the check, else its error."""
+        view = as_byte_view(dst)
+        header, n, stored = fetched
+        plen = ObjectCodec.check_read(header, n, key, group, view, -1, stored)
+        if plen >= 0:
+            return plen
+        exc = ObjectCodec.read_error(header, n, key, group, view, -1, stored, where=self.name)
+        if isinstance(exc, ObjectError):
+            self._count(errors=1)
+        raise exc
+
+    def read_many_blocking(self, begin: Begin, end: End, ahead: int, *, lend: bool = False) -> None:
+        """Move a batch of objects (:mod:`bsr.tiers._reads` has the contract): ``begin()``
+        gives the next :class:`ReadItem` (None: none now), ``end(item, result)`` takes each one
+        once as its read completes (the payload bytes moved into ``item.dst``, a
+        :class:`Borrowed` payload when ``lend`` allows it, or the exception), with the stored
+        header in ``item.header``; at most ``ahead`` reads in flight. Returns only once no
+        destination it was given may still be written.
+
+        Default: item by item with :meth:`fetch_into_blocking` (``blocking_reads`` tiers). A tier
+        that moves a batch its own way overrides it and sets ``bulk_reads``.
         """
-        raise NotImplementedError(f"{type(self).__name__} lends no payloads (borrow_reads)")
-
-    def borrow_many_blocking(self, objects: Sequence[tuple[ChunkKey, str]]) -> LentPayloads:
-        """:meth:`borrow_blocking` of every ``(key, group)`` of ``objects``, one result per
-        object (a payload, or the exception asking for it raised; see :class:`LentPayloads`).
-
-        Default: one :meth:`borrow_blocking` per object. A lending tier may override it to pin
-        and verify a whole batch at once (HostTier does); the contract is the same.
-        """
-        lent: list[Borrowed] = []
-        items: list[Any] = []
-        try:
-            for key, group in objects:
-                try:
-                    b = self.borrow_blocking(key, group)
-                except Exception as exc:
-                    items.append(exc)
-                    continue
-                lent.append(b)
-                items.append(b.payload)
-        except BaseException:
-            for b in lent:
-                b.release()
-            raise
-
-        def release() -> None:
-            for b in lent:
-                b.release()
-
-        return LentPayloads(items, release)
+        read_one_by_one(self, begin, end)
 
     def usage(self) -> TierUsage:
         """What the tier holds now. Default: unknown (zeros); override to report it."""
@@ -477,14 +452,25 @@ class TierWrapper(Tier, Generic[T]):
     so results and ``bytes_by_tier`` read the same as without it; ``statistics()`` and ``repr``
     report the wrapper's own name.
 
-    ``blocking_reads`` reads through only while the wrapper does not change reads: a subclass
-    that overrides ``read_into`` without also overriding ``read_into_blocking`` reports False,
-    so a pipeline that batches blocking reads cannot bypass the wrapper's behaviour.
+    A wrapper that changes reads overrides :meth:`fetch_into` (and, to keep blocking reads,
+    :meth:`fetch_into_blocking`). The flags then say what is left: ``blocking_reads`` only while
+    the blocking read goes through the wrapper too, ``inline_reads`` and ``bulk_reads`` only
+    while reads pass through unchanged; and :meth:`read_many_blocking` hands the batch to the
+    inner tier only then (else it reads item by item through the wrapper's own
+    ``fetch_into_blocking``), so a pipeline that moves batches never bypasses the wrapper.
     """
 
     def __init__(self, inner: T, *, name: str | None = None) -> None:
         super().__init__(name or inner.name)
         self.inner: T = inner
+
+    @classmethod
+    def _changes(cls, method: str) -> bool:
+        return getattr(cls, method) is not getattr(TierWrapper, method)
+
+    @classmethod
+    def _reads_unchanged(cls) -> bool:
+        return not (cls._changes("fetch_into") or cls._changes("fetch_into_blocking"))
 
     # capability flags: class-level on tiers, read through to the inner tier here
     @property  # type: ignore[misc]
@@ -492,22 +478,23 @@ class TierWrapper(Tier, Generic[T]):
         return self.inner.durable
 
     @property  # type: ignore[misc]
+    def medium(self) -> Medium:  # type: ignore[override]
+        return self.inner.medium
+
+    @property  # type: ignore[misc]
     def blocking_reads(self) -> bool:  # type: ignore[override]
         cls = type(self)
-        changes_reads = cls.read_into is not TierWrapper.read_into
-        blocking_too = cls.read_into_blocking is not TierWrapper.read_into_blocking
-        return self.inner.blocking_reads and (blocking_too or not changes_reads)
+        through = cls._changes("fetch_into_blocking") or not cls._changes("fetch_into")
+        return self.inner.blocking_reads and through
 
     @property  # type: ignore[misc]
     def inline_reads(self) -> bool:  # type: ignore[override]
-        # a wrapper that changes blocking reads (delay, faults) may block: never on the loop
-        unchanged = type(self).read_into_blocking is TierWrapper.read_into_blocking
-        return self.inner.inline_reads and bool(self.blocking_reads) and unchanged
+        # a wrapper that changes reads (delay, faults) may block: never on the event loop
+        return self.inner.inline_reads and self._reads_unchanged()
 
     @property  # type: ignore[misc]
-    def borrow_reads(self) -> bool:  # type: ignore[override]
-        # a wrapper exists to change reads (delay, faults, accounting): never lend around it
-        return False
+    def bulk_reads(self) -> bool:  # type: ignore[override]
+        return self.inner.bulk_reads and self._reads_unchanged()
 
     @property
     def closed(self) -> bool:
@@ -531,11 +518,17 @@ class TierWrapper(Tier, Generic[T]):
     async def contains_many(self, objects: Sequence[ObjectKey]) -> list[bool]:
         return await self.inner.contains_many(objects)
 
-    async def read_into(self, key: ChunkKey, group: str, dst: Any) -> int:
-        return await self.inner.read_into(key, group, dst)
+    async def fetch_into(self, key: ChunkKey, group: str, dst: Any) -> Fetched:
+        return await self.inner.fetch_into(key, group, dst)
 
-    def read_into_blocking(self, key: ChunkKey, group: str, dst: Any) -> int:
-        return self.inner.read_into_blocking(key, group, dst)
+    def fetch_into_blocking(self, key: ChunkKey, group: str, dst: Any) -> Fetched:
+        return self.inner.fetch_into_blocking(key, group, dst)
+
+    def read_many_blocking(self, begin: Begin, end: End, ahead: int, *, lend: bool = False) -> None:
+        if self._reads_unchanged():
+            self.inner.read_many_blocking(begin, end, ahead, lend=lend)
+        else:  # through this wrapper's own reads, item by item
+            read_one_by_one(self, begin, end)
 
     async def write(self, key: ChunkKey, group: str, payload: Any) -> bool:
         return await self.inner.write(key, group, payload)

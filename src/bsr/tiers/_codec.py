@@ -30,12 +30,13 @@ from ..core._object import (
     _ZERO_SUM,
     HEADER_SIZE,
     MAGIC,
+    PAYLOAD_LEN_OFFSET,
     decode_header,
     encode_header,
     payload_checksum,
     verify_payload,
 )
-from ._base import as_byte_view, as_payload_view
+from ._views import as_byte_view, as_payload_view
 
 
 class ObjectHeader(NamedTuple):
@@ -52,8 +53,10 @@ def _ctx(okey: ObjectKey, where: str) -> dict[str, Any]:
 def _intact_header(header: Any, stored: int, key: ChunkKey, group: str) -> tuple[int, int] | None:
     """``(payload_len, payload_sum)`` of the first HEADER_SIZE bytes of ``header`` (any buffer)
     when they are an intact header of ``(key, group)`` (magic, version, flags, namespace, key,
-    group, index and the header checksum) and ``stored`` (the object's stored length) is what it
-    says, padded or not; else None (the one-object checks then say why)."""
+    group, index and the header checksum) and ``stored`` (the object's stored length; -1: not
+    known) is what it says, padded or not; else None (the one-object checks then say why)."""
+    if len(header) < HEADER_SIZE:
+        return None
     (magic, version, flags, ns, digest, gd, index, plen, psum, hsum) = _FIELDS.unpack_from(header)
     h = xxhash.xxh3_64(header[:_SUM_OFFSET])
     h.update(_ZERO_SUM)
@@ -67,7 +70,7 @@ def _intact_header(header: Any, stored: int, key: ChunkKey, group: str) -> tuple
         and ns == key.namespace
         and index == key.index
         and gd == group_digest(group)
-        and (stored == HEADER_SIZE + plen or stored == HEADER_SIZE + align_up(plen))
+        and (stored < 0 or stored == HEADER_SIZE + plen or stored == HEADER_SIZE + align_up(plen))
     ):
         return plen, psum
     return None
@@ -230,6 +233,76 @@ class ObjectCodec:
         if xxhash.xxh3_64_intdigest(payload[:plen]) != psum:
             return -1
         return plen
+
+    @staticmethod
+    def stated_length(header: Any) -> int:
+        """The payload length ``header`` states, unverified (-1 when it is too short): for a
+        tier's counters, never for a decision."""
+        if header is None or len(header) < HEADER_SIZE:
+            return -1
+        return int.from_bytes(header[PAYLOAD_LEN_OFFSET : PAYLOAD_LEN_OFFSET + 8], "little")
+
+    @staticmethod
+    def check_read(
+        header: Any, nbytes: int, key: ChunkKey, group: str, payload: Any, expected: int,
+        stored: int = -1,
+    ) -> int:  # fmt: skip
+        """The check of a read the engine makes whatever tier moved the bytes: the payload
+        length when ``header`` is an intact header of ``(key, group)`` (every field and its
+        checksum) saying ``expected`` payload bytes, ``nbytes`` (what the tier moved into
+        ``payload``, or the length of a lent ``payload``) covers them and their checksum is
+        right; else -1, and :meth:`read_error` names what failed. One call per object.
+        ``expected`` -1: any length (a caller without a layout); ``stored``: the object's
+        stored length where the tier knows it (it must match the header's, padded or not).
+        """
+        if header is None:
+            return -1
+        fields = _intact_header(header, stored, key, group)
+        if fields is None:
+            return -1
+        plen, psum = fields
+        if (expected >= 0 and plen != expected) or nbytes < plen or len(payload) < plen:
+            return -1
+        if xxhash.xxh3_64_intdigest(payload[:plen]) != psum:
+            return -1
+        return plen
+
+    @staticmethod
+    def read_error(
+        header: Any, nbytes: int, key: ChunkKey, group: str, payload: Any, expected: int,
+        stored: int = -1, *, where: str = "",
+    ) -> ObjectError | ConfigError:  # fmt: skip
+        """The typed error for a read :meth:`check_read` refused (what failed, named): an
+        :class:`~bsr.ObjectError`, or a :class:`~bsr.ConfigError` when an intact object's
+        payload is larger than the caller's ``payload`` buffer (the object is fine)."""
+        okey = ObjectKey(key, group)
+        try:
+            if header is None:
+                raise CorruptObjectError("the tier returned no header", **_ctx(okey, where))
+            head = ObjectCodec.decode_header(header, okey, where=where)
+            if stored >= 0:  # a forged length is the object's fault, not the destination's
+                ObjectCodec.check_stored_size(head, stored, okey, where=where)
+            if expected < 0 and head.payload_len > len(payload):
+                return ConfigError(
+                    f"destination holds {len(payload)} bytes, object payload is "
+                    f"{head.payload_len}; pass a buffer of the chunk's size",
+                    tier=where or None,
+                )
+            if expected >= 0 and head.payload_len != expected:
+                raise CorruptObjectError(
+                    f"payload is {head.payload_len} bytes, the layout says {expected}",
+                    **_ctx(okey, where),
+                )
+            if nbytes < head.payload_len or len(payload) < head.payload_len:
+                raise TruncatedObjectError(
+                    f"short read: {min(nbytes, len(payload))} payload bytes, the header says "
+                    f"{head.payload_len}",
+                    **_ctx(okey, where),
+                )
+            ObjectCodec.verify_payload(payload[: head.payload_len], head, okey, where=where)
+        except ObjectError as exc:
+            return exc
+        return CorruptObjectError("object failed verification", **_ctx(okey, where))
 
     @staticmethod
     def decode_into(blob: Any, okey: ObjectKey, dst: Any, *, where: str = "") -> int:

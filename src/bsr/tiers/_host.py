@@ -1,20 +1,21 @@
 """HostTier: L1, objects in host DRAM with LRU eviction.
 
-Where it runs: the serving process; reads run in worker threads (``read_into`` is a thin
-``to_thread`` wrapper over :meth:`HostTier.read_into_blocking`, which the transfer pipeline may
-also call directly in its own worker thread).
+Where it runs: the serving process; reads run in worker threads (``fetch_into`` is a thin
+``to_thread`` wrapper over :meth:`HostTier.fetch_into_blocking`; the transfer pipeline calls
+:meth:`HostTier.read_many_blocking` in its own worker thread).
 
-How it works: objects are kept encoded (header + payload) so a read verifies exactly what a
-durable tier would. Sizes, LRU order, pins and leases live in a shared
-:class:`~bsr.tiers._lru.LruIndex` (thread-safe): a write reserves its bytes before it fills
-them, so concurrent writes never overshoot ``capacity_bytes``; an object being read, or held by
-an unexpired lease, is never evicted.
+How it works: objects are kept encoded (header + payload) so a read is checked exactly as a
+durable tier's would be. A bulk read lends payloads where they lie (pinned until the pipeline
+has copied them): a host hit is copied once, into the cache. Sizes, LRU order, pins and
+leases live in a shared :class:`~bsr.tiers._lru.LruIndex` (thread-safe): a write reserves its
+bytes before it fills them, so concurrent writes never overshoot ``capacity_bytes``; an object
+being read, or held by an unexpired lease, is never evicted.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import KW_ONLY, dataclass
+from functools import partial
 from typing import Any
 
 import anyio
@@ -23,12 +24,15 @@ import numpy as np
 from .._check import Check, option
 from .._errors import ObjectNotFoundError
 from ..core._keys import ChunkKey, ObjectKey, object_id
-from ._base import Borrowed, LentPayloads, StorageHooks, Tier, as_payload_view
+from ._base import Medium, StorageHooks, Tier
 from ._codec import ObjectCodec
 from ._lru import IndexedTier, LruIndex
+from ._reads import Begin, Borrowed, End, Fetched, ReadItem
 from ._registry import TierOptions, takes_options
+from ._views import as_byte_view, as_payload_view
 
 Blob = np.ndarray[Any, np.dtype[np.uint8]]
+HEADER_SIZE = ObjectCodec.HEADER_SIZE
 
 
 @dataclass(frozen=True)
@@ -55,8 +59,9 @@ class HostTier(IndexedTier):
 
     durable = False
     blocking_reads = True
-    inline_reads = True  # a verified memcpy out of DRAM
-    borrow_reads = True  # a verified payload lent where it lies (borrow_blocking)
+    inline_reads = True  # a memcpy out of DRAM
+    bulk_reads = True  # a batch pinned under one lock, lent where it lies
+    medium = Medium.HOST
 
     @takes_options(HostTierOptions)
     def __init__(self, options: HostTierOptions) -> None:
@@ -65,39 +70,13 @@ class HostTier(IndexedTier):
         self.capacity_bytes = options.capacity_bytes
         self._index: LruIndex[Blob] = LruIndex(self.capacity_bytes, name=options.name)
 
-    async def read_into(self, key: ChunkKey, group: str, dst: Any) -> int:
+    async def fetch_into(self, key: ChunkKey, group: str, dst: Any) -> Fetched:
         # not abandonable: a memcpy is bounded, and no byte may land in dst after we return
-        return await anyio.to_thread.run_sync(self.read_into_blocking, key, group, dst)
+        return await anyio.to_thread.run_sync(self.fetch_into_blocking, key, group, dst)
 
-    def read_into_blocking(self, key: ChunkKey, group: str, dst: Any) -> int:
+    def fetch_into_blocking(self, key: ChunkKey, group: str, dst: Any) -> Fetched:
         self._check_open()
-        okey = ObjectKey(key, group)
-        got = self._index.pin(okey.object_id)
-        if got is None:
-            self._count(misses=1)
-            raise ObjectNotFoundError(
-                "object not in host tier", tier=self.name, key=key.hex[:16], group=group
-            )
-        try:
-            plen = self._copy_verified(okey, got[1], dst)
-        except Exception:
-            self._count(errors=1)
-            raise
-        finally:
-            self._index.unpin(okey.object_id)
-        self._count_hit(plen)
-        return plen
-
-    def borrow_blocking(self, key: ChunkKey, group: str) -> Borrowed:
-        """Verify the object where it lies and lend its payload, pinned until released.
-
-        The restore pipeline installs a host-destination chunk from here with one copy (no
-        staging slot copy); the pin keeps the object from eviction meanwhile (its bytes are
-        immutable once written), and the payload is checked here, before anything is copied.
-        """
-        self._check_open()
-        okey = ObjectKey(key, group)
-        oid = okey.object_id
+        oid = object_id(key.digest, group)
         got = self._index.pin(oid)
         if got is None:
             self._count(misses=1)
@@ -105,64 +84,62 @@ class HostTier(IndexedTier):
                 "object not in host tier", tier=self.name, key=key.hex[:16], group=group
             )
         try:
-            payload = ObjectCodec.verified_payload(got[1], okey, where=self.name)
-        except BaseException:
+            blob = got[1]
+            out = np.frombuffer(as_byte_view(dst), dtype=np.uint8)
+            n = max(0, min(len(blob) - HEADER_SIZE, len(out)))
+            out[:n] = blob[HEADER_SIZE : HEADER_SIZE + n]
+            header = blob[:HEADER_SIZE].tobytes()  # the caller may keep it past the unpin
+        finally:
             self._index.unpin(oid)
-            self._count(errors=1)
-            raise
-        self._count_hit(len(payload))
-        return Borrowed(payload, lambda: self._index.unpin(oid))
+        self._count_hit(n)
+        return Fetched(header, n, len(blob))
 
-    def borrow_many_blocking(self, objects: Sequence[tuple[ChunkKey, str]]) -> LentPayloads:
-        """:meth:`borrow_blocking` of a whole batch: every object pinned under one lock,
-        verified where it lies (header, stored length, payload checksum: the same checks, before
-        anything is lent), the counters updated once, and one release that unpins them all."""
+    def read_many_blocking(self, begin: Begin, end: End, ahead: int, *, lend: bool = False) -> None:
+        """Up to ``ahead`` objects at a time pinned under one lock, then each one lent where it
+        lies (``lend``: pinned until the caller releases it) or copied into its destination,
+        with its stored header (a view of the tier's bytes, valid while pinned)."""
         self._check_open()
-        oids = [object_id(key.digest, group) for key, group in objects]
-        entries = self._index.pin_many(oids)
-        pinned = [oid for oid, e in zip(oids, entries) if e is not None]
-        try:
-            if len(pinned) == len(oids):  # the usual case: every object is here
-                blobs = [e[1] for e in entries if e is not None]
-                items = ObjectCodec.verified_bodies(blobs, objects, where=self.name)
-            else:
-                items = [None] * len(oids)
-                here = [i for i, e in enumerate(entries) if e is not None]
-                found = ObjectCodec.verified_bodies(
-                    [e[1] for e in entries if e is not None],
-                    [objects[i] for i in here],
-                    where=self.name,
-                )
-                for i, got in zip(here, found):
-                    items[i] = got
-                for i, e in enumerate(entries):
-                    if e is None:
-                        key, group = objects[i]
-                        items[i] = ObjectNotFoundError(
-                            "object not in host tier", tier=self.name, key=key.hex[:16], group=group
-                        )
-        except BaseException:
-            self._index.unpin_many(pinned)
-            raise
-        held: list[str] = []  # pinned and lent: unpinned by the release
-        dropped: list[str] = []  # pinned, but failed verification: unpinned now
-        nbytes = 0
-        for oid, entry, got in zip(oids, entries, items):
-            if entry is None:
-                continue
-            if isinstance(got, BaseException):
-                dropped.append(oid)
-            else:
-                held.append(oid)
-                nbytes += len(got)
-        if dropped:
-            self._index.unpin_many(dropped)
-        self._count(hits=len(held), reads=len(held), bytes_read=nbytes,
-                    misses=len(oids) - len(pinned), errors=len(dropped))  # fmt: skip
-        return LentPayloads(items, lambda: self._index.unpin_many(held))
-
-    def _copy_verified(self, okey: ObjectKey, blob: Blob, dst: Any) -> int:
-        return ObjectCodec.decode_into(blob, okey, dst, where=self.name)
+        index = self._index
+        more = True
+        while more:
+            items: list[ReadItem] = []
+            while len(items) < max(1, ahead) and (item := begin()) is not None:
+                items.append(item)
+            if not items:
+                return
+            oids = [object_id(it.key.digest, it.group) for it in items]
+            entries = index.pin_many(oids)
+            hits = nbytes = 0
+            try:
+                for i, item in enumerate(items):
+                    entry = entries[i]
+                    if entry is None:
+                        result: int | Borrowed | BaseException = ObjectNotFoundError(
+                            "object not in host tier",
+                            tier=self.name, key=item.key.hex[:16], group=item.group,
+                        )  # fmt: skip
+                        self._count(misses=1)
+                    else:
+                        blob, oid = entry[1], oids[i]
+                        entries[i] = None  # its pin is the result's (lent) or undone below
+                        item.header = blob[:HEADER_SIZE]
+                        body = blob[HEADER_SIZE:]
+                        hits += 1
+                        nbytes += len(body)
+                        if lend:
+                            result = Borrowed(body, partial(index.unpin, oid), item.header)
+                        else:
+                            try:
+                                n = max(0, min(len(body), len(item.dst)))
+                                item.dst[:n] = body[:n]
+                                result = n
+                            finally:
+                                index.unpin(oid)
+                    more = end(item, result) and more
+            finally:  # an end that raised: the pins not handed out yet go back
+                index.unpin_many([oids[i] for i, e in enumerate(entries) if e is not None])
+                if hits:
+                    self._count(hits=hits, reads=hits, bytes_read=nbytes)
 
     async def write(self, key: ChunkKey, group: str, payload: Any) -> bool:
         self._check_open()

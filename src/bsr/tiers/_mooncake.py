@@ -90,9 +90,11 @@ from .._errors import (
 from ..core._keys import ChunkKey, ObjectKey
 from ..core._layout import align_up
 from ._abandon import AbandonableCalls
-from ._base import StorageHooks, Tier, TierUsage, as_byte_view, as_payload_view
+from ._base import StorageHooks, Tier, TierUsage
 from ._codec import ObjectCodec
+from ._reads import Fetched
 from ._registry import TierOptions, takes_options
+from ._views import as_byte_view, as_payload_view
 
 HEADER_SIZE = ObjectCodec.HEADER_SIZE
 
@@ -504,7 +506,7 @@ class MooncakeTier(Tier):
             raise self._error(bad[0], "batch_is_exist", None)
         return [int(c) == 1 for c in codes]
 
-    async def read_into(self, key: ChunkKey, group: str, dst: Any) -> int:
+    async def fetch_into(self, key: ChunkKey, group: str, dst: Any) -> Fetched:
         store = self._require_store()
         okey = ObjectKey(key, group)
         skey = self.key_prefix + okey.object_id
@@ -530,21 +532,19 @@ class MooncakeTier(Tier):
                         self._counters.errors += 1
                         raise self._error(rc, "get_into", okey)
 
-                    def _verify_and_copy() -> int:
+                    def _copy() -> Fetched:  # bounded memory work into dst: never abandoned
                         got = bounce.array[:rc]
-                        return ObjectCodec.decode_into(got, okey, out, where=self.name)
+                        n = max(0, min(rc - HEADER_SIZE, len(out)))
+                        out[:n] = got[HEADER_SIZE : HEADER_SIZE + n]
+                        return Fetched(got[:HEADER_SIZE].tobytes(), n, rc)
 
-                    try:
-                        plen = await self._cpu(_verify_and_copy)
-                    except Exception:
-                        self._counters.errors += 1
-                        raise
+                    fetched = await self._cpu(_copy)
                 finally:
                     self._release(bounce)
         self._counters.hits += 1
         self._counters.reads += 1
-        self._counters.bytes_read += plen
-        return plen
+        self._counters.bytes_read += fetched.nbytes
+        return fetched
 
     async def _diagnose_too_small(self, store: Any, skey: str, okey: ObjectKey, room: int) -> None:
         """After ``-600`` from get_into: raise the right error for an object larger than ``dst``.

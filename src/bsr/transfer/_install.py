@@ -206,15 +206,31 @@ class CudaInstaller:
         self.stream = stream
         self.first_block = first_block
 
-    def install(self, chunk: int, groups: tuple[str, ...], slot: Slot) -> Any:
-        """Enqueue the copy of ``chunk``; return the CUDA event recorded after it."""
+    def install(
+        self,
+        chunk: int,
+        groups: tuple[str, ...],
+        slot: Slot,
+        lent: Mapping[str, np.ndarray[Any, Any]] | None = None,
+    ) -> Any:
+        """Enqueue the copy of ``chunk``; return the CUDA event recorded after it.
+
+        A group in ``lent`` is copied from that payload where a tier keeps it (a HostTier's
+        pinned object: one host-to-device copy of the chunk's bytes per group, no staging copy);
+        the others from the slot. What the copies read must stay until the event completed.
+        """
         bpc = self.cache.blocks_per_chunk
         skip = min(max(0, self.first_block - chunk * bpc), bpc)
         with torch.cuda.stream(self.stream):
             for g in groups if skip < bpc else ():
+                payload = lent.get(g) if lent else None
+                if payload is not None:
+                    region = torch.from_numpy(payload)
+                else:
+                    region = slot.tensor[self.layout.slot_offset(g) :]
                 install_chunk(
-                    self.cache, g, self.tables.chunk_blocks(g, chunk),
-                    slot.tensor[self.layout.slot_offset(g) :], non_blocking=True, first=skip,
+                    self.cache, g, self.tables.chunk_blocks(g, chunk), region,
+                    non_blocking=True, first=skip,
                 )  # fmt: skip
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(self.stream)

@@ -14,6 +14,7 @@ import mmap
 import threading
 from collections import deque
 from dataclasses import dataclass
+from typing import Protocol
 
 import anyio
 import torch
@@ -297,3 +298,52 @@ class _Released:
 
 
 _RELEASED: StagingAccount | None = _Released()  # type: ignore[assignment]
+
+
+class WholePlanBuffer:
+    """Whole-plan baseline: one private host buffer holding every chunk of the plan (RWS = |S|)."""
+
+    def __init__(self, n: int, slot_bytes: int, pin: bool) -> None:
+        pin = pin and torch.cuda.is_available()
+        self.buffer = torch.empty(max(n, 1) * slot_bytes, dtype=torch.uint8, pin_memory=pin)
+        self.slot_bytes = slot_bytes
+        self._next = 0
+        self.peak_bytes = n * slot_bytes
+
+    async def acquire(self) -> Slot:
+        i = self._next
+        self._next += 1
+        await anyio.lowlevel.checkpoint()
+        return Slot(i, self.buffer[i * self.slot_bytes : (i + 1) * self.slot_bytes])
+
+    def acquire_nowait(self) -> Slot:
+        """Never: a whole-plan run takes its regions one by one (:meth:`acquire`)."""
+        raise anyio.WouldBlock
+
+    #: a private buffer: nobody else waits for its regions
+    contended = False
+
+    def release(self, slot: Slot) -> None:
+        """Nothing to give back: the buffer lives as long as the request."""
+
+    def park(self, slot: Slot, done: threading.Event) -> None:
+        """Nothing to park: the buffer is private to the request."""
+
+
+class SlotSource(Protocol):
+    """Where a run takes its staging slots: the engine's shared window (a
+    :class:`StagingAccount`) or a whole-plan run's private buffer (:class:`WholePlanBuffer`)."""
+
+    @property
+    def contended(self) -> bool: ...
+
+    @property
+    def peak_bytes(self) -> int: ...
+
+    async def acquire(self) -> Slot: ...
+
+    def acquire_nowait(self) -> Slot: ...
+
+    def release(self, slot: Slot) -> None: ...
+
+    def park(self, slot: Slot, done: threading.Event) -> None: ...

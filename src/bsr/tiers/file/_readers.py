@@ -31,14 +31,17 @@ import mmap
 import os
 import stat
 import threading
-from collections.abc import Callable, Iterable, Iterator
+import time
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import numpy as np
 
-from ..._errors import TierIOError
+from ..._errors import ReadWithdrawnError as ReadWithdrawnError  # re-exported
 from ...core._layout import ALIGNMENT, align_up
 from ...core._object import HEADER_SIZE
+from .._abandon import cancel_check
+from .._abandon import cancellation as cancellation  # re-exported
 from ._uring import Ring, RingError, uring_status
 
 _HAS_ODIRECT = hasattr(os, "O_DIRECT")
@@ -61,11 +64,6 @@ class ReadCancelledError(OSError):
 
     def __init__(self) -> None:
         super().__init__(errno.ECANCELED, "read withdrawn: its request was abandoned")
-
-
-class ReadWithdrawnError(TierIOError):
-    """A tier read withdrawn because its request ended: no outcome for the object or the tier
-    (the tier ladder reports it to nobody's breaker and quarantines nothing)."""
 
 
 class NotRegularFileError(Exception):
@@ -277,24 +275,6 @@ RING_ENTRIES_MAX = 1024
 #: how often a thread waiting on the ring looks whether its read was abandoned (seconds)
 CANCEL_POLL_S = 0.1
 
-_CANCEL = threading.local()
-#: rings dropped with requests still in flight (never closed: see UringReader._drain)
-_UNDRAINED: list[Any] = []
-
-
-@contextlib.contextmanager
-def cancellation(check: Callable[[], bool]) -> Iterator[None]:
-    """Reads of this thread inside the block poll ``check()`` while they wait on the ring; once
-    it is true their requests are cancelled in the kernel and the read raises ``ECANCELED``
-    (only after every request completed: the buffer is never written after the read returns).
-    """
-    prev = getattr(_CANCEL, "check", None)
-    _CANCEL.check = check
-    try:
-        yield
-    finally:
-        _CANCEL.check = prev
-
 
 class _Depth:
     """The cap on read requests in flight, shared by every thread of one reader."""
@@ -388,6 +368,9 @@ class UringReader(PosixReader):
         self.block_bytes = block_bytes
         self.disabled_reason: str | None = None
         self.fallback_reads = 0
+        #: threads waiting for the kernel to complete the requests of a ring that failed under
+        #: them (their buffers stay theirs, and their callers' slots parked, until it has)
+        self.settling = 0
         self._local = threading.local()
 
     @property
@@ -477,7 +460,7 @@ class UringReader(PosixReader):
         reap). Only a ring that fails under us (:class:`RingError` from ``io_uring_enter``)
         leaves requests behind: they are drained, bounded, and the ring is dropped.
         """
-        check = getattr(_CANCEL, "check", None)
+        check = cancel_check()
         got = [0] * len(pieces)
         tags: dict[int, int] = {}
         nxt = 0
@@ -505,8 +488,8 @@ class UringReader(PosixReader):
                     cancelled = stop = True
                     self._withdraw(ring, tags)
         except BaseException:
-            # the ring failed under us: wait (bounded) for what is in flight, so the kernel does
-            # not write into the buffers after we return, and start a new ring next time
+            # the ring failed under us: wait for what is in flight, so the kernel does not
+            # write into the buffers after we return, and start a new ring next time
             self._give_up(ring, tags)
             raise
         if cancelled:
@@ -594,7 +577,7 @@ class UringReader(PosixReader):
         if bufs is None or bufs.n < ahead:
             bufs = self._local.streams = _Streams(max(ahead, 1))
         st = _StreamState(list(range(max(1, ahead))), end)
-        check = getattr(_CANCEL, "check", None)
+        check = cancel_check()
         try:
             while True:
                 self._stream_fill(ring, st, bufs, begin, check, block=not st.reads)
@@ -622,12 +605,10 @@ class UringReader(PosixReader):
                     st.cancel()
                     self._withdraw(ring, st.reads)
         except RingError:
-            # the ring failed under us: wait (bounded) for what is in flight, end those reads
-            # with the error (objects read whole end as read), and read the rest with preadv
-            begun = st.begun()  # before the drain, which forgets the requests it reaps
+            # the ring failed under us: wait for what is in flight, end those reads with the
+            # error (objects read whole end as read), and read the rest with preadv
+            begun = st.begun()  # before the wait, which forgets the requests it reaps
             self._give_up(ring, st.reads)
-            if st.reads:  # still in flight after the drain: their buffers may be written
-                raise
             st.waiting = []
             exc = OSError(errno.EIO, "io_uring failed under a stream read")
             for r in begun:
@@ -771,33 +752,45 @@ class UringReader(PosixReader):
             ring.enter()
 
     def _give_up(self, ring: Ring, tags: dict[int, Any]) -> None:
-        """A ring that failed under a read: wait (bounded) for the requests in flight
-        (``tags``: those still there after the wait stay), give their places in the depth back
-        and drop the ring (kept open while requests may still write into their buffers)."""
+        """A ring that failed under a read: withdraw the requests in flight (``tags``) and wait
+        until the kernel completed every one of them, however long that takes (a request the
+        kernel still owns may write into its buffer: the calling thread stays, and a caller
+        that stops waiting for it parks the buffers, never reuses them). Their places in the
+        depth then go back and the ring is closed (the thread makes a new one next time).
+
+        The wait asks the ring to enter the kernel; where entering fails (the ring's failure
+        itself), it polls the completion queue, which the kernel fills without a system call.
+        """
         outstanding = len(tags)
-        self._drain(ring, tags)
-        self._depth.give(outstanding)
-        self._drop_ring(closed=not tags)
-
-    @staticmethod
-    def _drain(ring: Ring, tags: dict[int, Any], rounds: int = 50) -> None:
-        for _ in range(rounds):
-            if not tags:
-                return
+        if tags:
+            with self._lock:
+                self.settling += 1
             try:
-                ring.enter(wait=len(tags), timeout_s=CANCEL_POLL_S)
-                for tag, _ in ring.reap():
-                    tags.pop(tag, None)
-            except Exception:
-                return
+                with contextlib.suppress(Exception):  # a full or failing ring: wait regardless
+                    for tag in tags:
+                        ring.cancel(tag)
+                pause = 0.001
+                while tags:
+                    try:
+                        ring.enter(wait=len(tags), timeout_s=CANCEL_POLL_S)
+                    except Exception:
+                        time.sleep(pause)
+                        pause = min(2 * pause, CANCEL_POLL_S)
+                    for tag, _ in ring.reap():
+                        tags.pop(tag, None)
+            finally:
+                with self._lock:
+                    self.settling -= 1
+        self._depth.give(outstanding)
+        self._drop_ring()
 
-    def _drop_ring(self, closed: bool) -> None:
+    def _drop_ring(self) -> None:
+        """Close this thread's ring (nothing is in flight on it) and its iovecs."""
         owned = getattr(self._local, "ring", None)
-        iov = getattr(self._local, "iov", None)
         self._local.ring = self._local.iov = None
-        if owned is not None and not closed:
-            _UNDRAINED.append(owned)  # requests may still write into their buffers: keep it open
-            _UNDRAINED.append(iov)  # and read their iovecs: keep them too
+        if owned is not None:
+            owned.ring.close()
+            owned.closed = True
 
 
 class StreamRead:
@@ -916,13 +909,15 @@ class _StreamState:
 class _OwnedRing:
     """A thread's ring, closed when the thread's locals go (the thread ended)."""
 
-    __slots__ = ("ring",)
+    __slots__ = ("closed", "ring")
 
     def __init__(self, ring: Ring) -> None:
         self.ring = ring
+        self.closed = False
 
     def __del__(self) -> None:
-        self.ring.close()
+        if not self.closed:
+            self.ring.close()
 
 
 # ---------------------------------------------------------------------- depth calibration

@@ -61,42 +61,26 @@ from ..._check import Check, option
 from ..._errors import (
     ClosedError,
     ConfigError,
-    CorruptObjectError,
-    ObjectError,
-    ObjectNotFoundError,
     TierBusyError,
     TierIOError,
-    TruncatedObjectError,
 )
 from ...core._keys import ChunkKey, ObjectKey, object_id
 from .._abandon import AbandonableCalls
-from .._base import (
-    StorageHooks,
-    Tier,
-    TierStatistics,
-    TierUsage,
-    as_byte_view,
-    as_payload_view,
-)
+from .._base import Medium, StorageHooks, Tier, TierStatistics, TierUsage
 from .._codec import ObjectCodec
 from .._lru import IndexedTier, LruIndex, RoomPending
+from .._reads import Begin, End, Fetched
 from .._registry import TierOptions, takes_options
+from .._views import as_payload_view
 from .._watch import Removal
 from ._ledger import Pending, RootBusy, SharedSpace, ledger_error
 from ._readers import (
-    NotRegularFileError,
     ObjectReader,
-    PosixReader,
-    ReadCancelledError,
-    ReadWithdrawnError,
-    StreamRead,
     UringReader,
-    aligned_buffer,
     calibrate_depth,
-    cancellation,
     default_reader,
-    open_regular,
 )
+from ._reads import FileReads
 from ._root import (
     _ID_RE as _ID_RE,  # read by bsr store
 )
@@ -235,6 +219,7 @@ class FileTier(IndexedTier):
 
     durable = True
     blocking_reads = True
+    medium = Medium.DISK
 
     @takes_options(FileTierOptions)
     def __init__(self, options: FileTierOptions) -> None:
@@ -267,6 +252,7 @@ class FileTier(IndexedTier):
             on_abandon=lambda: self._count(abandoned_reads=1),
         )
         self._index: LruIndex[None] = LruIndex(o.capacity_bytes, name=o.name)
+        self._io = FileReads(self)
         self._opened = False
         # guards _dirs and _busy: worker threads touch them
         self._lock = threading.Lock()
@@ -351,7 +337,7 @@ class FileTier(IndexedTier):
             try:
                 newest = reversed(self._index.oids())
                 sized = ((oid, self._index.size_of(oid) or 0) for oid in newest)
-                return calibrate_depth(reader, lambda oid: self._open_object(dirs, oid), sized)
+                return calibrate_depth(reader, lambda oid: self._io.open_object(dirs, oid), sized)
             finally:
                 self._leave()
 
@@ -586,297 +572,34 @@ class FileTier(IndexedTier):
         finally:
             self._leave()
 
-    # ------------------------------------------------------------------ core (usage, statistics,
-    # contains_many and lease come from IndexedTier)
-    async def read_into(self, key: ChunkKey, group: str, dst: Any) -> int:
-        """Read and verify ``(key, group)`` into ``dst`` in a worker thread.
-
-        Abandonable: on cancellation (a deadline, an outer scope) this returns at once even if
-        the worker is stuck in the kernel; ``dst`` may then still be written until the worker
-        returns, so the caller must not reuse it before (the transfer pipeline parks the slot).
-        Abandoned reads are counted (``statistics().abandoned_reads``); once ``io_threads`` of
-        them are still stuck, new reads fail fast with :class:`~bsr.TierIOError`.
-        """
-        self._ensure_open()
-        return await self._reads.run(lambda: self._read_withdrawable(key, group, dst))
-
-    def _read_withdrawable(self, key: ChunkKey, group: str, dst: Any) -> int:
-        # a read stuck in an io_uring sees its call abandoned and withdraws its requests
-        with cancellation(AbandonableCalls.abandoned_here):
-            return self.read_into_blocking(key, group, dst)
-
-    def read_into_blocking(self, key: ChunkKey, group: str, dst: Any) -> int:
-        self._ensure_open()
-        okey = ObjectKey(key, group)
-        oid = okey.object_id
-        if self._index.pin(oid) is None:
-            self._count(misses=1)
-            raise ObjectNotFoundError(
-                "object not in file tier", tier=self.name, key=key.hex[:16], group=group
-            )
-        try:
-            view = as_byte_view(dst)
-            dirs = self._enter()
-            try:
-                plen = self._read_verify(dirs, oid, okey, view)
-            finally:
-                self._leave()
-        except (ObjectError, OSError, NotRegularFileError) as exc:
-            failure = self._read_failure(exc, oid, okey)
-            if failure is exc:
-                raise
-            raise failure  # noqa: B904 - its cause is set (or suppressed) by _read_failure
-        finally:
-            self._index.unpin(oid)
-        self._count_hit(plen)
-        return plen
-
-    def _read_failure(self, exc: Exception, oid: str, okey: ObjectKey) -> Exception:
-        """What a read of ``oid`` that failed with ``exc`` raises, counted as the tier's error
-        where it is one: a corrupt object as is; a withdrawn read as
-        :class:`ReadWithdrawnError` (no outcome); an I/O error or a file that is not regular
-        as :meth:`_read_error` says (caused by ``exc``); anything else (the caller's) as is."""
-        if isinstance(exc, ObjectError):
-            self._count(errors=1)
-            return exc
-        if isinstance(exc, ReadCancelledError):
-            withdrawn = ReadWithdrawnError(
-                "read withdrawn: its request ended",
-                tier=self.name, key=okey.chunk.hex[:16], group=okey.group,
-            )  # fmt: skip
-            withdrawn.__suppress_context__ = True  # as ``raise ... from None``
-            return withdrawn
-        if isinstance(exc, (OSError, NotRegularFileError)):
-            self._count(errors=1)
-            failure = self._read_error(exc, oid, okey)
-            failure.__cause__ = exc  # as ``raise ... from exc``
-            return failure
-        return exc
-
+    # ------------------------------------------------------------------ reads (_reads.FileReads)
     @property
-    def stream_reads(self) -> bool:
-        """Whether :meth:`stream_into_blocking` keeps several reads in flight on one thread
-        (an io_uring reader that the kernel has not refused)."""
+    def bulk_reads(self) -> bool:  # type: ignore[override]
+        """Whether :meth:`read_many_blocking` keeps several reads in flight on one thread (an
+        io_uring reader that the kernel has not refused)."""
         reader = self.reader
         return isinstance(reader, UringReader) and reader.disabled_reason is None
 
-    def stream_into_blocking(
-        self,
-        begin: Callable[[], tuple[Any, ChunkKey, str, Any] | None],
-        end: Callable[[Any, int | Exception], bool],
-        ahead: int,
-    ) -> None:
-        """Read objects into their destinations with up to ``ahead`` reads in flight on this
-        (worker) thread's ring, each verified as its read completes.
+    async def fetch_into(self, key: ChunkKey, group: str, dst: Any) -> Fetched:
+        """Read ``(key, group)`` into ``dst`` in a worker thread (unchecked: see
+        :meth:`~bsr.Tier.fetch_into`; :meth:`~bsr.Tier.read_into` checks).
 
-        ``begin()`` gives the next ``(token, key, group, dst)``, or None when none can begin
-        now (asked again after each ``end``); ``end(token, result)`` is called exactly once
-        per object begun, in the order reads complete, with the payload length (verified, as
-        :meth:`read_into_blocking` returns it) or the exception :meth:`read_into_blocking`
-        would have raised (a miss, a corrupt object, an I/O error, :class:`ReadWithdrawnError`
-        once the calling request ended); a ``dst`` is written only between its ``begin`` and
-        its ``end``. ``end`` returns whether to begin more. Without an io_uring reader the
-        objects are read one by one (:meth:`read_into_blocking`).
+        Abandonable: on cancellation (a deadline, an outer scope) this returns at once even if
+        the worker is stuck in the kernel; the worker reads into a buffer of its own, so not a
+        byte reaches ``dst`` after this returned. Abandoned reads are counted
+        (``statistics().abandoned_reads``); once ``io_threads`` of them are still stuck, new
+        reads fail fast with :class:`~bsr.TierIOError`.
         """
-        self._ensure_open()
-        reader = self.reader
-        if not isinstance(reader, UringReader):
-            self._stream_one_by_one(begin, end)
-            return
-        dirs = self._enter()
-        begun: dict[int, StreamRead] = {}  # objects opened and not ended (closed on the way out)
+        return await self._io.fetch(key, group, dst)
 
-        def tier_begin() -> StreamRead | None:
-            item = begin()
-            if item is None:
-                return None
-            token, key, group, dst = item
-            oid = object_id(key.digest, group)
-            r = StreamRead((token, key, group, oid, None))
-            if self._index.pin(oid) is None:
-                self._count(misses=1)
-                r.error = ObjectNotFoundError(
-                    "object not in file tier", tier=self.name, key=key.hex[:16], group=group
-                )
-                return r
-            view = as_byte_view(dst)
-            r.token = (token, key, group, oid, view)
-            begun[id(r)] = r
-            try:
-                r.fd, st = self._open_object(dirs, oid)
-            except (OSError, NotRegularFileError) as exc:
-                r.error = exc
-                return r
-            r.size = st.st_size
-            r.payload = view[: len(view) - len(view) % 4096]
-            if r.size < HEADER_SIZE:
-                r.error = TruncatedObjectError(
-                    f"object file is {r.size} bytes, shorter than its {HEADER_SIZE}-byte header",
-                    tier=self.name, key=key.hex[:16], group=group,
-                )  # fmt: skip
-            return r
+    def fetch_into_blocking(self, key: ChunkKey, group: str, dst: Any) -> Fetched:
+        return self._io.fetch_blocking(key, group, dst)
 
-        def tier_end(r: StreamRead) -> bool:
-            token, key, group, oid, view = r.token
-            return end(token, self._end_stream_read(r, key, group, oid, view, begun))
-
-        try:
-            reader.stream(tier_begin, tier_end, ahead)
-        finally:
-            for r in begun.values():  # only when the stream raised: every end closes its own
-                if r.fd >= 0:
-                    os.close(r.fd)
-                self._index.unpin(r.token[3])
-            self._leave()
-
-    def _end_stream_read(
-        self,
-        r: StreamRead,
-        key: ChunkKey,
-        group: str,
-        oid: str,
-        view: memoryview | None,
-        begun: dict[int, StreamRead],
-    ) -> int | Exception:
-        """Close, verify and unpin one object of a stream: its payload length or the error."""
-        if view is None:  # never pinned: a miss
-            assert r.error is not None
-            return r.error if isinstance(r.error, Exception) else ReadCancelledError()
-        del begun[id(r)]
-        try:
-            if r.fd >= 0:
-                os.close(r.fd)
-                r.fd = -1
-            if r.error is not None:
-                raise r.error
-            room = len(r.payload) if r.payload is not None else 0
-            plen = self._verified(r.header, r.total, r.size, key, group, view, room)
-        except Exception as exc:  # the caller's (a destination too small) too: as a read raises
-            return self._read_failure(exc, oid, ObjectKey(key, group))
-        finally:
-            self._index.unpin(oid)
-        self._count_hit(plen)
-        return plen
-
-    def _stream_one_by_one(
-        self,
-        begin: Callable[[], tuple[Any, ChunkKey, str, Any] | None],
-        end: Callable[[Any, int | Exception], bool],
-    ) -> None:
-        while (item := begin()) is not None:
-            token, key, group, dst = item
-            result: int | Exception
-            try:
-                result = self.read_into_blocking(key, group, dst)
-            except Exception as exc:
-                result = exc
-            if not end(token, result):
-                return
-
-    def _read_error(self, exc: BaseException, oid: str, okey: ObjectKey) -> Exception:
-        ctx = self._context(okey)
-        kind = classify_read_error(exc)
-        if kind is ReadFailure.MISSING:
-            self._index.discard(oid)
-            return ObjectNotFoundError("object file vanished", **ctx)
-        if kind is ReadFailure.NOT_REGULAR:
-            return CorruptObjectError(
-                f"{object_relpath(oid)} is not a regular file bsr wrote ({exc}); "
-                "it is never followed or read",
-                **ctx,
-            )
-        assert isinstance(exc, OSError)
-        return TierIOError(
-            f"reading {object_relpath(oid)} failed: {exc.strerror or exc}",
-            errno=exc.errno,
-            **ctx,
-        )
-
-    def _open_object(self, dirs: Dirs, oid: str) -> tuple[int, os.stat_result]:
-        """Open object ``oid`` through its fan-out directory's kept descriptor (once more
-        through a fresh one when it is missing there: the directory may have been made anew)."""
-        sub = oid[:2]
-        sub_fd = dirs.subdir(sub)
-        try:
-            return self._open_in(sub_fd, oid)
-        except FileNotFoundError:
-            fresh = dirs.reopen_subdir(sub, sub_fd)
-            if fresh == sub_fd:
-                raise
-            return self._open_in(fresh, oid)
-
-    def _open_in(self, sub_fd: int, oid: str) -> tuple[int, os.stat_result]:
-        """Open object ``oid`` in its directory ``sub_fd`` (``objects/<id[:2]>``)."""
-        name = oid + OBJECT_SUFFIX
-        if isinstance(self.reader, PosixReader):
-            return self.reader.open(name, dir_fd=sub_fd)
-        return open_regular(name, dir_fd=sub_fd)
-
-    def _read_verify(self, dirs: Dirs, oid: str, okey: ObjectKey, view: memoryview) -> int:
-        fd, st = self._open_object(dirs, oid)
-        try:
-            size = st.st_size
-            if size < HEADER_SIZE:
-                raise TruncatedObjectError(
-                    f"object file is {size} bytes, shorter than its {HEADER_SIZE}-byte header",
-                    **self._context(okey),
-                )
-            header = getattr(_THREAD, "header", None)
-            if header is None:  # one aligned header buffer per worker thread, reused
-                header = _THREAD.header = aligned_buffer(HEADER_SIZE)
-            # read into as much of dst as is 4 KiB aligned; objects are padded to 4 KiB
-            room = len(view) - len(view) % 4096
-            read_fd = getattr(self.reader, "read_fd", None)
-            if isinstance(self.reader, UringReader):  # it needs the size: no second fstat
-                n = self.reader.read_fd(fd, header, view[:room], size=size)
-            elif read_fd is not None:
-                n = int(read_fd(fd, header, view[:room]))
-            else:  # a reader that opens by path: give it the file we checked
-                n = self.reader.read(f"/proc/self/fd/{fd}", header, view[:room])
-        finally:
-            os.close(fd)
-        return self._verified(header, n, size, okey.chunk, okey.group, view, room)
-
-    def _context(self, okey: ObjectKey) -> dict[str, Any]:
-        """An object error's fields (made only when one is raised: a read makes none)."""
-        return {"tier": self.name, "key": okey.chunk.hex[:16], "group": okey.group}
-
-    def _verified(
-        self,
-        header: Any,
-        n: int,
-        size: int,
-        key: ChunkKey,
-        group: str,
-        view: memoryview,
-        room: int,
-    ) -> int:
-        """Check what a read of ``n`` bytes left in ``header`` and ``view`` (the file is
-        ``size`` bytes; ``room``: the aligned part of ``view`` read into); the payload length."""
-        plen = ObjectCodec.read_payload_len(header, n, size, key, group, view[:room])
-        if plen >= 0:  # intact: the checks below run only to say what failed
-            return plen
-        okey = ObjectKey(key, group)
-        if n < HEADER_SIZE:  # the buffer may still hold another object's header: never decode it
-            raise TruncatedObjectError(
-                f"short read: {n} bytes, less than the header", **self._context(okey)
-            )
-        head = ObjectCodec.decode_header(header, okey, where=self.name)
-        # checked before the destination: a forged length is the object's fault, not the caller's
-        ObjectCodec.check_stored_size(head, size, okey, where=self.name)
-        plen = head.payload_len
-        if plen > room:
-            if plen > len(view):
-                raise ConfigError(
-                    f"destination holds {len(view)} bytes, object payload is {plen}", tier=self.name
-                )
-            raise ConfigError("destination must be 4 KiB aligned in length", tier=self.name)
-        if n < HEADER_SIZE + plen:
-            raise TruncatedObjectError(
-                f"short read: {n} bytes, object needs {HEADER_SIZE + plen}", **self._context(okey)
-            )
-        ObjectCodec.verify_payload(view[:plen], head, okey, where=self.name)
-        return plen
+    def read_many_blocking(self, begin: Begin, end: End, ahead: int, *, lend: bool = False) -> None:
+        """Up to ``ahead`` objects in flight on this thread's io_uring (``read_depth`` caps
+        requests across the tier), each ended as its reads complete; without io_uring, one by
+        one. Returns only once the kernel is done with every destination it was given."""
+        self._io.read_many(begin, end, ahead)
 
     async def write(self, key: ChunkKey, group: str, payload: Any) -> bool:
         self._ensure_open()
