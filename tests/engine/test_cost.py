@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import anyio
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -473,3 +474,47 @@ async def test_a_tier_that_stays_slow_is_read_once_in_probe_every_requests(
         assert (stats.avoided, stats.probes) == (2 * every, 2)
         # measured, and still slow: loading looks no faster than a read's sleep
         assert 4 * layout.group_chunk_bytes("kv") / stats.read_rates["t"] >= SPELL_S
+
+
+@pytest.mark.anyio
+async def test_a_probe_on_one_rank_is_carried_out_by_every_rank() -> None:
+    """Two ranks agree on how much to load (the least). Their probe counters are one decision
+    apart (rank 1 decided once more, at a local lookup), so each probes at a request where the
+    other recomputes: had the least won, neither probe would ever load. A rank's probe holds
+    for every rank: both read their tier at rank 1's 16th decision and at rank 0's."""
+    layout = bsr.StateLayout(chunk_tokens=16, groups=(bsr.StateGroup("kv", 2, 128),))
+    toks = tokens_for(4 * 16)
+    group = bsr.InProcessGroup(2, timeout_s=5)
+    engines = [
+        make_engine(
+            layout, [bsr.HostTier(1 << 24)], policy="cost", coordinator=group.coordinator(r),
+            namespace=bsr.Namespace("m", tp_rank=r, tp_size=2),
+        )
+        for r in range(2)
+    ]  # fmt: skip
+    async with engines[0], engines[1]:
+        async with anyio.create_task_group() as tg:
+            for r in range(2):
+                tg.start_soon(engines[r].save, toks, filled_cache(layout, 8, 16, seed=r), range(4))
+        for eng in engines:  # judged slow: 1 byte/s, recomputing takes 64 ms
+            eng.cost.alpha = 1.0  # (each sample replaces the estimate: the test's own stays)
+            eng.cost.observe_read("host", 1, 1.0)
+            eng.cost.observe_prefill(1000, 1.0)
+        lone = await engines[1].lookup(toks, local=True)  # rank 1's counter: one ahead
+        assert lone.decision is not None and lone.decision.choice == "recompute"
+        loaded: list[list[int]] = [[], []]
+
+        async def one(r: int, i: int) -> None:
+            res = await engines[r].restore(toks, bsr.PagedKVCache(layout, 8, 16), range(4))
+            if res.bytes_by_tier:
+                assert res.committed_tokens == len(toks) and res.decision is not None
+                assert res.decision.choice == "probe"
+                loaded[r].append(i)
+                engines[r].cost.observe_read("host", 1, 1.0)  # and judged slow again
+
+        for i in range(1, 17):
+            async with anyio.create_task_group() as tg:
+                for r in range(2):
+                    tg.start_soon(one, r, i)
+        assert loaded == [[15, 16], [15, 16]]
+        assert [e.cost.statistics().probes for e in engines] == [1, 1]

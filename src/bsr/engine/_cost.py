@@ -41,7 +41,10 @@ A tier fast again is therefore loaded again within ``probe_every`` such decision
 loading at ``alpha`` times its new rate still beats recomputing (a probe's sample weighs at
 least ``alpha``; by default a tier more than 1 / 0.3 = 3.3 times faster than it needs to be);
 a closer race takes ``j`` probes where ``1 - (1 - alpha)**j`` of the new rate is enough (fewer
-when time has passed). ``probe_every=0`` never probes.
+when time has passed). ``probe_every=0`` never probes. Where several ranks agree on what to
+load (a restore that decides, under a coordinator), one rank's probe holds for every rank (the
+least would otherwise cut it): the share is at most ``world_size / probe_every`` of requests,
+``1 / probe_every`` while the ranks' counters are in step (the same requests, the same rates).
 """
 
 from __future__ import annotations
