@@ -40,7 +40,7 @@ With the defaults (``eps`` 0.01, ``h`` 4, ``depth`` 4): ``beta`` = 0.2237, ``rho
 What the bound costs is memory of the past, stated too:
 
 - A first sighting is remembered for at least :attr:`SightingCounter.remembers` later sightings
-  (``floor(floor(beta * doorkeeper_bits) / h)``: 234,468 with the defaults): a generation takes at
+  (``floor(floor(beta * doorkeeper_bits) / h)``: 234,542 with the defaults): a generation takes at
   least that many insertions before it is retired, and a prefix is dropped only with the
   generation after its own. A prefix seen again within that many sightings is admitted at
   threshold 2 at that sighting, always (a Bloom filter has no false negatives).
