@@ -20,6 +20,14 @@ from ._errors import ConfigError
 MAX_BYTES = (1 << 63) - 1
 #: Linux's limits on a path and on one name in it (bytes); longer ones fail with ENAMETOOLONG
 PATH_MAX, NAME_MAX = 4096, 255
+#: the longest time a seconds option may name: 2**31 ms rounded down to whole seconds
+#: (2,147,483 s, about 24.8 days). poll(2) and epoll_wait(2) take a timeout in milliseconds as a
+#: C int, and CPython hands a socket's timeout to poll() that way: a socket timeout of 2**32 ms
+#: plus 0.5 s times out after 0.5 s, and past about 9.2e9 s (2**63 ns) ``settimeout``,
+#: ``threading`` waits and ``time`` conversions raise OverflowError. Every option is used
+#: as a socket, thread, lock or event-loop timeout somewhere, so one bound covers them all; a
+#: longer time is a typo or "forever", which an option says with None where it allows it.
+MAX_SECONDS = 2_147_483
 
 
 def positive_int(
@@ -115,6 +123,9 @@ def finite_float(
     *,
     minimum: float | None = None,
     strict: bool = False,
+    maximum: float | None = None,
+    unit: str = "",
+    too_large: str = "",
     none_ok: bool = False,
     error: type[ConfigError] = ConfigError,
     **fields: Any,
@@ -126,6 +137,9 @@ def finite_float(
         what: its name, for the message.
         minimum: lowest accepted value (inclusive, or exclusive when ``strict``).
         strict: ``value`` must be strictly greater than ``minimum``.
+        maximum: highest accepted value (inclusive).
+        unit: written after the number in messages (``" s"``).
+        too_large: what the message says after a value above ``maximum`` (why, what to do).
         none_ok: the option also accepts None (said in the message; the caller handles None).
     """
     import math
@@ -146,6 +160,12 @@ def finite_float(
     if minimum is not None and (number <= minimum if strict else number < minimum):
         bound = f"> {minimum:g}" if strict else f">= {minimum:g}"
         raise error(f"{what} must be {bound}{alt}, got {short_repr(value)}", **fields)
+    if maximum is not None and number > maximum:
+        tail = f"; {too_large}" if too_large else ""
+        raise error(
+            f"{what} must be at most {maximum:,}{unit}{alt}, got {short_repr(value)}{tail}",
+            **fields,
+        )
     return number
 
 
@@ -170,6 +190,67 @@ def optional_positive_float(
     if value is None:
         return None
     return finite_float(value, what, minimum=0.0, strict=True, none_ok=True, error=error, **fields)
+
+
+def _seconds_hint(none_ok: bool) -> str:
+    forever = " (None: no limit)" if none_ok else ""
+    return (
+        "that is about 24.8 days, the longest timeout poll() and sockets represent: use a "
+        f"shorter time{forever}"
+    )
+
+
+def positive_seconds(
+    value: Any, what: str, *, error: type[ConfigError] = ConfigError, **fields: Any
+) -> float:
+    """A time in seconds: a finite number > 0 and at most :data:`MAX_SECONDS`."""
+    return finite_float(
+        value,
+        what,
+        minimum=0.0,
+        strict=True,
+        maximum=MAX_SECONDS,
+        unit=" s",
+        too_large=_seconds_hint(False),
+        error=error,
+        **fields,
+    )
+
+
+def non_negative_seconds(
+    value: Any, what: str, *, error: type[ConfigError] = ConfigError, **fields: Any
+) -> float:
+    """A time in seconds that may be 0: a finite number >= 0, at most :data:`MAX_SECONDS`."""
+    return finite_float(
+        value,
+        what,
+        minimum=0.0,
+        maximum=MAX_SECONDS,
+        unit=" s",
+        too_large=_seconds_hint(False),
+        error=error,
+        **fields,
+    )
+
+
+def optional_positive_seconds(
+    value: Any, what: str, *, error: type[ConfigError] = ConfigError, **fields: Any
+) -> float | None:
+    """``None`` (no limit) or :func:`positive_seconds` (e.g. an optional deadline)."""
+    if value is None:
+        return None
+    return finite_float(
+        value,
+        what,
+        minimum=0.0,
+        strict=True,
+        maximum=MAX_SECONDS,
+        unit=" s",
+        too_large=_seconds_hint(True),
+        none_ok=True,
+        error=error,
+        **fields,
+    )
 
 
 def is_int(value: Any) -> TypeGuard[int]:
@@ -325,17 +406,18 @@ class Check:
 
     @staticmethod
     def seconds(value: Any, key: str) -> float:
-        """A finite number of seconds > 0."""
-        return positive_float(value, key, key=key)
+        """A number of seconds > 0, at most :data:`MAX_SECONDS`."""
+        return positive_seconds(value, key, key=key)
 
     @staticmethod
     def optional_seconds(value: Any, key: str) -> float | None:
-        """None or a finite number of seconds > 0."""
-        return optional_positive_float(value, key, key=key)
+        """None or a number of seconds > 0, at most :data:`MAX_SECONDS`."""
+        return optional_positive_seconds(value, key, key=key)
 
     @staticmethod
     def non_negative_seconds(value: Any, key: str) -> float:
-        return non_negative_float(value, key, key=key)
+        """A number of seconds >= 0, at most :data:`MAX_SECONDS`."""
+        return non_negative_seconds(value, key, key=key)
 
     @staticmethod
     def flag(value: Any, key: str) -> bool:

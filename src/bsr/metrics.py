@@ -42,6 +42,11 @@ Metric names (prefix ``bsr`` by default; one engine per registry and prefix):
 ``bsr_prefill_rate_tokens_per_second``  the prefill rate the server reported to the cost model
 ======================================  =======================================================
 
+Labels come from closed sets: outcomes, reasons and choices are bsr's own values, tiers are the
+engine's; whatever a label's source, one event metric keeps at most :data:`MAX_LABEL_VALUES`
+values of a label (later ones are counted under ``other``), so nothing a request or a plugin
+produces can add series without bound.
+
 Example::
 
     from prometheus_client import start_http_server
@@ -71,7 +76,10 @@ except ModuleNotFoundError as exc:  # pragma: no cover - exercised only without 
         name=exc.name,
     ) from exc
 
-__all__ = ("LATENCY_BUCKETS", "RWS_BUCKETS", "PrometheusMetrics")
+__all__ = ("LATENCY_BUCKETS", "MAX_LABEL_VALUES", "RWS_BUCKETS", "PrometheusMetrics")
+
+#: values one label of one event metric takes at most (the last is ``other``)
+MAX_LABEL_VALUES = 64
 
 #: seconds; probes are sub-millisecond, restores of large states take seconds
 LATENCY_BUCKETS: tuple[float, ...] = (
@@ -166,6 +174,7 @@ class PrometheusMetrics:
         self.registry = prometheus_client.REGISTRY if registry is None else registry
         self.prefix = prefix
         self._metrics: list[Any] = []
+        self._values: dict[tuple[str, int], set[str]] = {}  # (metric, label) -> values used
         try:
             self._declare(tuple(latency_buckets), tuple(rws_buckets))
             self._collector = _EngineCollector(engine, prefix)
@@ -190,31 +199,44 @@ class PrometheusMetrics:
             setattr(self, attr, metric)
 
     # ------------------------------------------------------------------ events
+    def _value(self, metric: str, value: str, position: int = 0) -> str:
+        """``value`` as label ``position`` of ``metric``: encodable, and one of the first
+        :data:`MAX_LABEL_VALUES` - 1 values it took (else ``other``)."""
+        used = self._values.setdefault((metric, position), set())
+        if value not in used:
+            if len(used) >= MAX_LABEL_VALUES - 1:
+                return "other"
+            used.add(value)
+        return _label(value)
+
     def observe(self, record: Probe | RestoreResult | SaveResult) -> None:
         """Count one engine record (called by the engine for every lookup, restore, save)."""
         if isinstance(record, RestoreResult):
             outcome = "committed" if record.state is RequestState.COMMITTED else "invalidated"
-            self.restores.labels(outcome, str(record.reason.value)).inc()
+            self.restores.labels(
+                outcome, self._value("restores", str(record.reason.value), 1)
+            ).inc()
             self.restored_tokens.inc(record.committed_tokens)
             for tier, n in record.bytes_by_tier.items():
-                self.restored_bytes.labels(_label(tier)).inc(n)
+                self.restored_bytes.labels(self._value("restored_bytes", tier)).inc(n)
             self.fallbacks.inc(record.fallbacks)
             self.quarantined.inc(record.quarantined)
             self.restore_seconds.labels(outcome).observe(record.timings.total_s)
             self.restore_rws.observe(record.rws_peak_bytes)
             if record.decision is not None:
-                self.load_decisions.labels(record.decision.choice).inc()
+                choice = self._value("load_decisions", str(record.decision.choice))
+                self.load_decisions.labels(choice).inc()
         elif isinstance(record, Probe):
             self.lookups.labels("hit" if record.hit else "miss").inc()
             self.probe_seconds.observe(record.duration_s)
         elif isinstance(record, SaveResult):
             self.saves.inc()
             for tier, n in record.bytes_written.items():
-                self.saved_bytes.labels(_label(tier)).inc(n)
+                self.saved_bytes.labels(self._value("saved_bytes", tier)).inc(n)
             for tier, n in record.errors.items():
-                self.save_errors.labels(_label(tier)).inc(n)
+                self.save_errors.labels(self._value("save_errors", tier)).inc(n)
             for reason in record.skipped:
-                self.saves_skipped.labels(_label(reason)).inc()
+                self.saves_skipped.labels(self._value("saves_skipped", reason)).inc()
             self.save_seconds.observe(record.duration_s)
 
     def close(self) -> None:

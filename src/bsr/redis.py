@@ -27,7 +27,12 @@ How it works:
   of the rename.
 - Probes are one pipelined ``EXISTS`` per object (one round trip per node). A read ``GET``\\ s the
   first key, learns the object's length from its verified header and fetches the other parts with
-  one ``MGET``; a part missing (the server evicted it) is a miss, never a short object.
+  one ``MGET``; a part missing (the server evicted it, whichever part it was) is a miss, never a
+  short or corrupt object (nothing is quarantined), and the read deletes the object's remaining
+  keys, so its probes miss too (a first key left in place would keep the object a probe hit that
+  no read can serve). A save that finds some of an object's keys but not all writes it whole
+  again. Only a first value shorter than its header says, with no part beside it and not
+  ``part_bytes`` long (a value cut short, never something eviction does), is truncated.
 - Capacity is the server's own: configure ``maxmemory`` and an eviction policy
   (``allkeys-lru`` for a cache; with ``noeviction`` a full server refuses writes, which this tier
   reports as :class:`~bsr.TierFullError`). A probe hit can become a miss when the server evicts.
@@ -346,14 +351,18 @@ class RedisTier(Tier):
             if len(first) >= total:
                 return first  # one part (a longer value fails the length check)
             parts = -(-total // len(first))
-            names = self.store_keys(key, group, min(parts, _MAX_PARTS + 1))
-            second = client.get(names[1])
-            if second is None or parts > _MAX_PARTS:
-                return first  # a value cut short (or a forged length): the codec says truncated
-            rest = client.mget(names[2:]) if parts > 2 else []
+            if parts > _MAX_PARTS:
+                return first  # a forged length: the codec says truncated
+            names = self.store_keys(key, group, parts)
+            rest = client.mget(names[1:])
+            if all(p is None for p in rest) and len(first) != self.options.part_bytes:
+                return first  # one value cut short (no part was ever written): truncated
             if any(p is None for p in rest):
-                return None  # the server evicted a part: the object is gone (a miss)
-            return b"".join([first, second, *rest])
+                # the server evicted a part (any part: the verified header says the object
+                # had these parts): the object is gone, a miss; drop what is left of it
+                client.delete(*names)
+                return None
+            return b"".join([first, *rest])
 
         with self._deadline("read", okey):
             async with self._ops:
@@ -396,10 +405,11 @@ class RedisTier(Tier):
             mapping = {k: blob[i * part : (i + 1) * part].tobytes() for i, k in enumerate(keys)}
             if client.msetnx(mapping):
                 return True
-            if client.exists(keys[0]):
+            if client.exists(*keys) == nparts:
                 return False  # already stored (kept as is)
-            # parts of an object whose first key the server evicted: clear them, write again
-            client.delete(*keys[1:])
+            # what is left of an object the server evicted a key of (its first key or any
+            # other part): clear it, write again
+            client.delete(*keys)
             return bool(client.msetnx(mapping))
 
         with self._deadline("write", okey):

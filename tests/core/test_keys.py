@@ -588,3 +588,116 @@ def test_the_same_image_at_another_offset_in_its_chunk_has_another_key() -> None
 def test_bad_extras_raise_typed_errors(make: object, fragment: str) -> None:
     with pytest.raises(bsr.TokenError, match=fragment):
         make()  # type: ignore[operator]
+
+
+# ---------------------------------------------------------------------- hostile tensor kinds
+# Found as a hostile user: meta, sparse and quantized tensors escaped chunk_keys / lookup /
+# save as NotImplementedError, RuntimeError or TypeError, and an np.matrix of shape [1, n] was
+# keyed as 0 chunks (its reshape(-1) is still [1, n]). Each is now a TokenError saying what to
+# pass instead, from every entry that converts tokens.
+
+
+def _fake_tensor() -> torch.Tensor:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        return torch.arange(16)
+
+
+_ROW = torch.arange(16)
+HOSTILE_TOKENS = {
+    "meta": lambda: torch.arange(16, device="meta"),
+    "meta-2d": lambda: torch.zeros(1, 16, dtype=torch.long, device="meta"),
+    "sparse-coo": lambda: _ROW.to_sparse(),
+    "sparse-csr": lambda: _ROW.reshape(1, 16).to_sparse_csr(),
+    "sparse-csc": lambda: _ROW.reshape(1, 16).to_sparse_csc(),
+    "sparse-bsr": lambda: _ROW.reshape(1, 16).to_sparse_bsr((1, 4)),
+    "sparse-bsc": lambda: _ROW.reshape(1, 16).to_sparse_bsc((1, 4)),
+    "quantized-qint8": lambda: torch.quantize_per_tensor(_ROW.float(), 1.0, 0, torch.qint8),
+    "quantized-quint8": lambda: torch.quantize_per_tensor(_ROW.float(), 1.0, 0, torch.quint8),
+    "quantized-qint32": lambda: torch.quantize_per_tensor(_ROW.float(), 1.0, 0, torch.qint32),
+    "quantized-per-channel": lambda: torch.quantize_per_channel(
+        _ROW.float().reshape(1, 16), torch.tensor([1.0]), torch.tensor([0]), 0, torch.quint8
+    ),
+    "nested": lambda: torch.nested.nested_tensor([_ROW, _ROW]),
+    "nested-jagged": lambda: torch.nested.nested_tensor([_ROW, _ROW[:8]], layout=torch.jagged),
+    "bits8": lambda: torch.zeros(16, dtype=torch.bits8),
+    "fake": _fake_tensor,
+    "np-matrix-row": lambda: np.matrix(np.arange(16)),
+    "np-matrix-column": lambda: np.matrix(np.arange(16)).T,
+    "np-masked": lambda: np.ma.masked_array(np.arange(16), mask=[0, 1] * 8),
+    "np-masked-nothing": lambda: np.ma.masked_array(np.arange(16)),
+}
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # torch: sparse CSR beta, quantization
+@pytest.mark.filterwarnings("ignore::PendingDeprecationWarning")  # np.matrix
+@pytest.mark.parametrize("kind", sorted(HOSTILE_TOKENS))
+def test_hostile_tensor_kinds_are_token_errors(kind: str) -> None:
+    tokens = HOSTILE_TOKENS[kind]()
+    for convert in (
+        lambda: chunk_keys(fp(), tokens, 4),
+        lambda: prepare_tokens(fp(), tokens, 4),
+        lambda: as_token_array(tokens),
+    ):
+        with pytest.raises(bsr.TokenError) as info:
+            convert()
+        assert "pass" in str(info.value)  # it says what to pass instead
+
+
+_NP_INT_DTYPES = [
+    np.dtype(f"{order}{kind}{size}") for kind in "iu" for size in (1, 2, 4, 8) for order in "<>"
+]
+_TORCH_INT_DTYPES = [
+    torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64,
+    torch.uint16, torch.uint32, torch.uint64,
+]  # fmt: skip
+
+
+def _fits(dtype: object) -> int:
+    """The largest token a dtype holds (and bsr accepts: at most int64's largest)."""
+    if isinstance(dtype, np.dtype):
+        return int(min(np.iinfo(dtype).max, 2**63 - 1))
+    return int(min(torch.iinfo(dtype).max, 2**63 - 1))  # type: ignore[arg-type]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    data=st.data(),
+    chunk=st.integers(1, 6),
+    dtype=st.sampled_from(_NP_INT_DTYPES + _TORCH_INT_DTYPES),
+    shape=st.sampled_from(["1-D", "[1, n]", "strided", "memmap"]),
+)
+def test_every_integer_dtype_keys_as_the_reference_chain(
+    data: st.DataObject,
+    chunk: int,
+    dtype: object,
+    shape: str,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """The refusals changed nothing for ordinary tokens: 1-D or [1, n] arrays and tensors of
+    every integer dtype (NumPy's in both byte orders), strided views and memory maps key as
+    the independent reference chain of the same ints."""
+    tokens = data.draw(st.lists(st.integers(0, _fits(dtype)), max_size=40))
+    if isinstance(dtype, np.dtype):
+        arr = np.asarray(tokens, dtype=dtype)
+        if shape == "memmap":
+            path = tmp_path_factory.mktemp("mm") / "t.bin"
+            mm = np.memmap(path, dtype=dtype, mode="w+", shape=(max(1, len(tokens)),))
+            mm[: len(tokens)] = arr
+            given_tokens: object = mm[: len(tokens)]
+        elif shape == "strided":
+            given_tokens = np.repeat(arr, 2)[::2]
+        else:
+            given_tokens = arr.reshape(1, -1) if shape == "[1, n]" else arr
+    else:
+        t = torch.tensor(tokens, dtype=torch.int64).to(dtype)  # type: ignore[call-overload]
+        if shape == "strided":
+            given_tokens = t.repeat_interleave(2)[::2]
+        else:
+            given_tokens = t.reshape(1, -1) if shape == "[1, n]" else t
+    ns = b"k" * 16
+    assert [k.digest for k in chunk_keys(ns, given_tokens, chunk)] == reference_keys(  # type: ignore[arg-type]
+        ns, tokens, chunk
+    )
+    assert prepare_tokens(ns, given_tokens, chunk).tokens.tolist() == tokens  # type: ignore[arg-type]

@@ -127,6 +127,38 @@ CASES: list[tuple[str, Call, type[bsr.BsrError], tuple[str, ...]]] = [
         (">= 0", "-5", "strip padding"),
     ),
     (
+        "meta-tensor-tokens",
+        lambda e, c: e.restore(torch.tensor(TOKENS, device="meta"), c, DST_IDS),
+        bsr.TokenError,
+        ("meta tensor", "holds no data", "pass token ids"),
+    ),
+    (
+        "sparse-tokens-save",
+        lambda e, c: e.save(torch.tensor(TOKENS).to_sparse(), c, SRC_IDS),
+        bsr.TokenError,
+        ("sparse_coo", "dense", "tokens.to_dense()"),
+    ),
+    (
+        "quantized-tokens-lookup",
+        lambda e, c: e.lookup(
+            torch.quantize_per_tensor(torch.tensor(TOKENS) * 1.0, 1.0, 0, torch.qint32)
+        ),
+        bsr.TokenError,
+        ("quantized tensor", "torch.qint32"),
+    ),
+    (
+        "matrix-tokens",  # before: keyed as 0 chunks (a restore of nothing)
+        lambda e, c: e.restore(np.matrix(TOKENS), c, DST_IDS),
+        bsr.TokenError,
+        ("np.matrix", "(1, 64)", "np.asarray(tokens).ravel()"),
+    ),
+    (
+        "matrix-tokens-save",
+        lambda e, c: e.save(np.matrix(TOKENS), c, SRC_IDS),
+        bsr.TokenError,
+        ("np.matrix",),
+    ),
+    (
         "too-few-block-ids",
         lambda e, c: e.restore(TOKENS, c, DST_IDS[:-1]),
         bsr.BlockTableError,
@@ -183,6 +215,8 @@ CASES: list[tuple[str, Call, type[bsr.BsrError], tuple[str, ...]]] = [
 ]
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")  # torch's quantization deprecation
+@pytest.mark.filterwarnings("ignore::PendingDeprecationWarning")  # np.matrix
 @pytest.mark.parametrize(
     ("call", "error", "fragments"),
     [pytest.param(call, err, frags, id=name) for name, call, err, frags in CASES],

@@ -4,8 +4,11 @@ made from, and restores through a real engine whose tiers are measured as they a
 from __future__ import annotations
 
 import math
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
+import anyio
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -245,3 +248,273 @@ async def test_a_lookup_under_policy_cost_carries_its_decision() -> None:
         assert r.decision == probe.decision
     async with make_engine(layout, [bsr.HostTier(1 << 24)]) as eng:  # other policies: none
         assert (await eng.lookup(toks)).decision is None
+
+
+# --------------------------------------------------------------------------- looking again
+class Clock:
+    """An injected clock: seconds that pass only when the test says so."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def model_estimate(
+    samples: list[tuple[float, float]], alpha: float, half_life: float | None
+) -> float:
+    """The estimate after ``samples`` ((time, rate), in time order), from the closed form of
+    its weights: sample ``i`` keeps ``a_i * prod_{j > i} w_j`` of the estimate, where ``w_j`` is
+    the weight the estimate had against sample ``j`` (``(1 - alpha)``, halved every half-life
+    since the sample before) and ``a_i = 1 - w_i`` (the first sample: all of it)."""
+    w = [0.0] + [
+        (1 - alpha) * (1.0 if half_life is None else 0.5 ** ((t - samples[j][0]) / half_life))
+        for j, (t, _) in enumerate(samples[1:])
+    ]
+    weights = [(1 - w[i]) * math.prod(w[i + 1 :]) for i in range(len(samples))]
+    assert math.isclose(sum(weights), 1.0, rel_tol=1e-9)
+    return sum(wi * rate for wi, (_, rate) in zip(weights, samples, strict=True))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.floats(0, 1000), st.floats(1.0, 1e9)), min_size=1, max_size=12),
+    st.sampled_from([0.1, 0.3, 1.0]),
+    st.sampled_from([None, 1.0, 60.0]),
+)
+def test_estimates_decay_by_samples_and_by_time_as_their_weights_say(
+    steps: list[tuple[float, float]], alpha: float, half_life: float | None
+) -> None:
+    clock = Clock()
+    model = bsr.CostModel(alpha=alpha, half_life_s=half_life, clock=clock)
+    samples = []
+    for dt, rate in steps:
+        clock.now += dt
+        model.observe_read("t", int(rate), 1.0)
+        model.observe_prefill(int(rate), 1.0)
+        samples.append((clock.now, float(int(rate))))
+    want = model_estimate(samples, alpha, half_life)
+    assert model.read_rate("t") == pytest.approx(want, rel=1e-9)
+    assert model.prefill_rate == pytest.approx(want, rel=1e-9)
+
+
+@st.composite
+def decision_runs(draw: st.DrawFn):  # type: ignore[no-untyped-def]
+    return draw(st.sampled_from([0, 1, 2, 3, 16])), draw(st.lists(cases(), max_size=40))
+
+
+@settings(max_examples=150, deadline=None)
+@given(decision_runs())
+def test_every_nth_decision_that_loads_less_than_the_prefix_is_a_probe(run) -> None:  # type: ignore[no-untyped-def]
+    """Against a brute-force model: the cheapest prefix (the longest on a tie), except that
+    the ``probe_every``-th decision (counted over the model's life) that would load less than
+    the whole probed prefix, all of it loadable, loads it all."""
+    probe_every, decisions = run
+    model = bsr.CostModel(alpha=1.0, probe_every=probe_every, half_life_s=None)
+    avoided = probes = 0
+    for layout, holders, rates, prefill, start in decisions:
+        for t, r in rates.items():  # alpha 1: each sample is the estimate
+            model.observe_read(t, int(r), 1.0)
+        model.observe_prefill(int(prefill), 1.0)
+        d = model.decide(layout, probe_of(layout, holders), start_tokens=start)
+        p, s = len(holders), min(start // 32, len(holders))
+        if p <= s:
+            assert d.choice == "empty"
+            continue
+        costs = {
+            k: model_cost(layout, holders, rates, int(prefill), start, k) for k in range(s, p + 1)
+        }
+        best = min(costs.values())
+        k = max(k for k, c in costs.items() if math.isclose(c, best, rel_tol=1e-9, abs_tol=1e-12))
+        if k < p and math.isfinite(costs[p]):
+            avoided += 1
+            if probe_every and avoided % probe_every == 0:
+                probes += 1
+                assert d.choice == "probe" and d.load_chunks == p and d.loads, d
+                assert d.load_s == d.full_load_s and d.recompute_s == 0.0
+                continue
+        assert d.choice == ("load" if k == p else "recompute" if k == s else "partial"), d
+        assert d.load_chunks == k
+    stats = model.statistics()
+    assert (stats.avoided, stats.probes) == (avoided, probes)
+
+
+def slow_and_fast(model: bsr.CostModel) -> tuple[bsr.StateLayout, bsr.Probe]:
+    """A four-chunk prefix in tier "t"; recomputing it takes 1 s (1,024 tokens/s)."""
+    layout = bsr.StateLayout(chunk_tokens=256, groups=(bsr.StateGroup("kv", 2, 256),))
+    model.observe_prefill(1024, 1.0)
+    return layout, probe_of(layout, [{"kv": ("t",)}] * 4)
+
+
+def test_a_tier_that_stays_slow_is_probed_once_in_probe_every_decisions() -> None:
+    """The probing share is bounded and exact: 62 of 1,000 decisions (1 in 16) load the slow
+    tier, each measuring it slow again; the other 938 recompute. Never with probe_every=0."""
+    for every, want in ((16, 1000 // 16), (0, 0)):
+        model = bsr.CostModel(probe_every=every)
+        layout, probe = slow_and_fast(model)
+        nbytes = 4 * layout.group_chunk_bytes("kv")
+        model.observe_read("t", nbytes, 10.0)  # loading takes 10 s: recompute
+        probed = []
+        for i in range(1000):
+            d = model.decide(layout, probe)
+            if d.loads:
+                assert d.choice == "probe" and d.load_chunks == 4
+                probed.append(i + 1)
+                model.observe_read("t", nbytes, 10.0)  # the probe's restore: still slow
+            else:
+                assert d.choice == "recompute"
+        assert probed == list(range(every, 1001, every) if every else [])
+        assert len(probed) == want and model.statistics().probes == want
+
+
+@pytest.mark.parametrize(
+    ("fast_s", "pause_s", "within"),
+    [
+        (0.1, 0.0, 16),  # 10x faster than recomputing: one probe's sample is enough
+        # a close race: 2x faster than recomputing; after one probe the estimate says loading
+        # takes 1.49 s (0.7 of the slow sample left), after two 0.94 s
+        (0.5, 0.0, 32),
+        (0.5, 600.0, 16),  # the same race ten half-lives later: the slow sample weighs 0.07%
+    ],
+)
+def test_a_tier_fast_again_is_loaded_again_within_n_decisions(
+    fast_s: float, pause_s: float, within: int
+) -> None:
+    clock = Clock()
+    model = bsr.CostModel(clock=clock)
+    layout, probe = slow_and_fast(model)
+    nbytes = 4 * layout.group_chunk_bytes("kv")
+    model.observe_read("t", nbytes, 10.0)  # one slow restore: loading looks 10x too slow
+    clock.now += pause_s
+    first_load = None
+    for i in range(1, 100):
+        d = model.decide(layout, probe)
+        if d.loads:
+            model.observe_read("t", nbytes, fast_s)  # the tier is fast again
+            if d.choice == "load":
+                first_load = first_load or i
+        else:
+            assert d.choice == "recompute"
+        if first_load is not None:
+            assert d.choice == "load", (i, d)  # and stays chosen
+    assert first_load == within + 1  # the probe at `within`, loads from the next one on
+
+
+# --------------------------------------------------------------------------- a slow spell, e2e
+SPELL_S = 0.5  # the spell's latency per read: loading 4 chunks takes at least this long
+PREFILL = 5000.0  # tokens/s: recomputing the 1,024 tokens takes 0.2 s
+
+
+@asynccontextmanager
+async def spell_engine(
+    tmp_path: Path,
+) -> AsyncIterator[tuple[bsr.RestoreEngine, LatencyTier, list[int], bsr.StateLayout]]:
+    """An open engine (policy "cost") over a file tier slowed by SPELL_S per read, holding a
+    4-chunk prefix; its prefill rate is given (PREFILL), its read rate is measured."""
+    chunk = 256
+    layout = bsr.StateLayout(chunk_tokens=chunk, groups=(bsr.StateGroup("kv", 2, 256),))
+    tier = LatencyTier(bsr.FileTier(tmp_path / "l2", 1 << 24), read_latency_s=SPELL_S, name="t")
+    toks = tokens_for(4 * chunk)
+    async with make_engine(layout, [tier], io_depth=2, policy="cost") as eng:
+        await eng.save(toks, filled_cache(layout, 64, 32, seed=1), shuffled_blocks(64, 32, seed=2))
+        eng.cost.observe_prefill(int(PREFILL), 1.0)
+        yield eng, tier, toks, layout
+
+
+@pytest.mark.anyio
+async def test_a_tier_fast_again_after_a_slow_spell_is_loaded_again(tmp_path: Path) -> None:
+    """A cold start: the tier's first read is slow (0.5 s per read: the 4 chunks look slower
+    to load than the 0.2 s of recomputing them), then it is fast again (a file read, ~1 ms).
+    Before, the next 40 requests all recomputed (the tier was never read again). Now the 16th
+    decision probes it (loads the whole prefix, measured fast) and from the 17th every request
+    loads: N = probe_every = 16. Requests go the server's way: a lookup decides, the restore
+    given that probe carries the decision out. The margins are wide both ways (the spell's
+    reads cannot be faster than their sleep; a fast load would have to take over 60 ms to
+    lose)."""
+    every = 16  # the default probe_every
+    async with spell_engine(tmp_path) as (eng, tier, toks, layout):
+
+        async def request() -> bsr.RestoreResult:
+            probe = await eng.lookup(toks)
+            dst = bsr.PagedKVCache(layout, 64, 32)
+            return await eng.restore(toks, dst, shuffled_blocks(64, 32, seed=3), probe=probe)
+
+        cold = await request()
+        assert cold.decision is not None and cold.decision.choice == "unmeasured"
+        assert cold.committed_tokens == len(toks)  # loaded, measured slow
+        tier.read_latency_s = 0.0  # the spell is over
+        choices = []
+        for _ in range(40):
+            r = await request()
+            assert r.decision is not None
+            choices.append(r.decision.choice)
+            assert r.committed_tokens == (len(toks) if r.decision.loads else 0)
+        assert choices == ["recompute"] * (every - 1) + ["probe"] + ["load"] * (40 - every), choices
+        assert eng.cost.probe_every == every and eng.cost.statistics().probes == 1
+
+
+@pytest.mark.anyio
+async def test_a_tier_that_stays_slow_is_read_once_in_probe_every_requests(
+    tmp_path: Path,
+) -> None:
+    """The same tier, slow throughout: of 32 requests after the cold start, exactly the 16th
+    and the 32nd read it (and measure it slow again); the other 30 recompute and read nothing."""
+    every = 16  # the default probe_every
+    async with spell_engine(tmp_path) as (eng, _tier, toks, layout):
+        read = []
+        for i in range(1 + 2 * every):
+            dst = bsr.PagedKVCache(layout, 64, 32)
+            r = await eng.restore(toks, dst, shuffled_blocks(64, 32, seed=3))
+            assert r.decision is not None
+            if r.bytes_by_tier:
+                read.append((i, r.decision.choice))
+        assert read == [(0, "unmeasured"), (every, "probe"), (2 * every, "probe")]
+        stats = eng.cost.statistics()
+        assert (stats.avoided, stats.probes) == (2 * every, 2)
+        # measured, and still slow: loading looks no faster than a read's sleep
+        assert 4 * layout.group_chunk_bytes("kv") / stats.read_rates["t"] >= SPELL_S
+
+
+@pytest.mark.anyio
+async def test_a_probe_on_one_rank_is_carried_out_by_every_rank() -> None:
+    """Two ranks agree on how much to load (the least). Their probe counters are one decision
+    apart (rank 1 decided once more, at a local lookup), so each probes at a request where the
+    other recomputes: had the least won, neither probe would ever load. A rank's probe holds
+    for every rank: both read their tier at rank 1's 16th decision and at rank 0's."""
+    layout = bsr.StateLayout(chunk_tokens=16, groups=(bsr.StateGroup("kv", 2, 128),))
+    toks = tokens_for(4 * 16)
+    group = bsr.InProcessGroup(2, timeout_s=5)
+    engines = [
+        make_engine(
+            layout, [bsr.HostTier(1 << 24)], policy="cost", coordinator=group.coordinator(r),
+            namespace=bsr.Namespace("m", tp_rank=r, tp_size=2),
+        )
+        for r in range(2)
+    ]  # fmt: skip
+    async with engines[0], engines[1]:
+        async with anyio.create_task_group() as tg:
+            for r in range(2):
+                tg.start_soon(engines[r].save, toks, filled_cache(layout, 8, 16, seed=r), range(4))
+        for eng in engines:  # judged slow: 1 byte/s, recomputing takes 64 ms
+            eng.cost.alpha = 1.0  # (each sample replaces the estimate: the test's own stays)
+            eng.cost.observe_read("host", 1, 1.0)
+            eng.cost.observe_prefill(1000, 1.0)
+        lone = await engines[1].lookup(toks, local=True)  # rank 1's counter: one ahead
+        assert lone.decision is not None and lone.decision.choice == "recompute"
+        loaded: list[list[int]] = [[], []]
+
+        async def one(r: int, i: int) -> None:
+            res = await engines[r].restore(toks, bsr.PagedKVCache(layout, 8, 16), range(4))
+            if res.bytes_by_tier:
+                assert res.committed_tokens == len(toks) and res.decision is not None
+                assert res.decision.choice == "probe"
+                loaded[r].append(i)
+                engines[r].cost.observe_read("host", 1, 1.0)  # and judged slow again
+
+        for i in range(1, 17):
+            async with anyio.create_task_group() as tg:
+                for r in range(2):
+                    tg.start_soon(one, r, i)
+        assert loaded == [[15, 16], [15, 16]]
+        assert [e.cost.statistics().probes for e in engines] == [1, 1]

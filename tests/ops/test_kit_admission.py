@@ -3,6 +3,8 @@ turn that says ``store=False`` keeps its conversation out of the store."""
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 
 import bsr
@@ -57,3 +59,28 @@ async def test_a_turn_that_says_store_false_keeps_its_conversation_out() -> None
             await convs.admit("b", a, store="no")  # type: ignore[arg-type]
         with pytest.raises(bsr.ConfigError, match="admit_after_sightings"):
             ConversationCache(eng, bsr.PagedKVCache(LAYOUT, 16, 8), admit_after_sightings=0)
+
+
+@pytest.mark.anyio
+async def test_admission_still_filters_after_heavy_traffic() -> None:
+    """A counter shared with another server loop has sighted four times its width of prefixes
+    seen once (262,144). Histories seen once are still not saved (before the doorkeeper, 79%
+    of new prefixes passed 2 sightings at that volume and the kit saved them); a history seen
+    twice still is."""
+    counter = bsr.SightingCounter()
+    for i in range(4 * counter.width // 64):
+        counter.add([hashlib.sha256(b"other/%d/%d" % (i, j)).digest() for j in range(64)])
+    lone = [tokens_for(2 * CT, seed=100 + i) for i in range(6)]
+    again = tokens_for(2 * CT, seed=99)
+    async with make_engine(LAYOUT, [bsr.HostTier(1 << 24)]) as eng:
+        convs = ConversationCache(
+            eng, bsr.PagedKVCache(LAYOUT, 64, 8), admit_after_sightings=2, sightings=counter
+        )
+        await turn(convs, "again", again)
+        for i, toks in enumerate(lone):
+            await turn(convs, f"lone{i}", toks)
+        await turn(convs, "again", [*again, 7])  # its two chunks now seen twice
+        await convs.evict_all()
+        assert [await held_tokens(eng, toks) for toks in lone] == [0] * 6
+        assert convs.statistics().not_admitted == 6
+        assert await held_tokens(eng, again) == 2 * CT

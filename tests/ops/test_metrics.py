@@ -163,3 +163,31 @@ def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="Duplicated"):  # same registry and prefix twice
         bsr.metrics.PrometheusMetrics(engine, registry=registry)
     bsr.metrics.PrometheusMetrics(engine, registry=registry, prefix="other")
+
+
+def test_label_values_are_bounded_whatever_the_records_say() -> None:
+    """A record whose labels are many distinct strings (a plugin tier's skip reasons, 500 tier
+    names) adds at most MAX_LABEL_VALUES series to a metric; the rest count under ``other``,
+    so the totals stay right and the exposition stays small."""
+    layout = two_group_layout()
+    engine = make_engine(layout, [bsr.HostTier(1 << 20)])
+    registry = prometheus_client.CollectorRegistry()
+    metrics = bsr.metrics.PrometheusMetrics(engine, registry=registry, prefix="t")
+    n = 500
+    record = bsr.SaveResult(
+        saved_tokens=0, chunks=0, objects_written={}, objects_skipped={},
+        bytes_written={f"tier-{i}-{'x' * 200}": 1 for i in range(n)}, errors={},
+        rws_peak_bytes=0, duration_s=0.0, skipped={f"reason-{i}": 1 for i in range(n)},
+    )  # fmt: skip
+    metrics.observe(record)
+    metrics.observe(record)
+    got = _samples(registry)
+    limit = getattr(bsr.metrics, "MAX_LABEL_VALUES", 64)  # (64: what the old code lacked)
+    for name in ("t_saved_bytes_total", "t_saves_skipped_total"):
+        series = {labels: v for (s, labels), v in got.items() if s == name}
+        assert len(series) == limit, (name, len(series))
+        assert sum(series.values()) == 2 * n  # every count kept
+        label = "tier" if "bytes" in name else "reason"
+        assert series[((label, "other"),)] == 2 * (n - (limit - 1))
+    assert len(prometheus_client.generate_latest(registry)) < 64 * 1024
+    metrics.close()

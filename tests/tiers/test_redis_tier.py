@@ -236,6 +236,10 @@ async def test_hostile_values_in_the_store_are_typed(redis_server: RedisServer) 
         ("url", ""),
         ("key_prefix", "bsr{x}:"),
         ("timeout_s", float("inf")),
+        ("timeout_s", 1e10),  # accepted before, then OverflowError when the tier opened
+        ("connect_timeout_s", 1e10),
+        ("connect_timeout_s", 1e300),
+        ("timeout_s", 4294967.8),  # 2**32 ms + 0.5 s: a socket timing out after 0.5 s
         ("part_bytes", 100),
         ("cluster", "yes"),
         ("max_stuck_calls", 0),
@@ -266,6 +270,121 @@ def test_redis_kind_comes_from_the_entry_point() -> None:
     assert config.tiers == (RedisTierOptions(url="redis://127.0.0.1:1/0", cluster=True),)
     (tier,) = config.build_tiers()
     assert isinstance(tier, RedisTier) and tier.options.cluster
+
+
+# ---------------------------------------------------------------------- evicted parts
+PART = 4096
+
+
+def _stored(client: Any, tier: Any, key: bsr.ChunkKey, parts: int) -> list[bool]:
+    return [bool(client.exists(k)) for k in tier.store_keys(key, "kv", parts)]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("size", "gone"),
+    [
+        (4 * PART, (2,)),  # a middle part of five
+        (4 * PART, (1,)),  # the part after the first: read as "truncated" before
+        (4 * PART, (1, 2, 3, 4)),  # every part but the first
+        (PART, (1,)),  # the last of two
+    ],
+    ids=["middle", "second", "all-but-first", "last-of-two"],
+)
+async def test_an_evicted_part_is_a_miss_and_the_object_is_written_again(
+    redis_server: RedisServer, size: int, gone: tuple[int, ...]
+) -> None:
+    """A multi-part object missing any part is a miss (ObjectNotFoundError, not an
+    ObjectError), its remaining keys are dropped (its probe misses too), and it can be saved
+    again. Before: a missing second part read as a truncated object (quarantined by an
+    engine), and the object stayed a probe hit that no save could repair."""
+    client = raw_client(redis_server.url)
+    tier = make_tier(redis_server.url, part_bytes=PART)
+    keys = make_keys(2)
+    parts = -(-(size + HEADER) // PART)
+    async with tier:
+        for i, k in enumerate(keys):
+            assert await tier.write(k, "kv", payload(i, size))
+            assert all(_stored(client, tier, k, parts))
+            client.delete(*[tier.store_keys(k, "kv", parts)[j] for j in gone])
+        dst = np.zeros(size, dtype=np.uint8)
+        with pytest.raises(bsr.ObjectNotFoundError):
+            await tier.read_into(keys[0], "kv", dst)
+        assert not dst.any()
+        assert not any(_stored(client, tier, keys[0], parts))  # nothing of it is left
+        assert await tier.contains_many([bsr.ObjectKey(keys[0], "kv")]) == [False]
+        assert await tier.write(keys[0], "kv", payload(0, size))
+        # a save finding what is left of an object (never read since) writes it whole again
+        assert await tier.contains_many([bsr.ObjectKey(keys[1], "kv")]) == [True]
+        assert await tier.write(keys[1], "kv", payload(1, size))
+        for i, k in enumerate(keys):
+            assert await tier.read_into(k, "kv", dst) == size
+            assert dst.tobytes() == payload(i, size).tobytes()
+        assert not await tier.write(keys[1], "kv", payload(1, size))  # whole: kept as is
+
+
+@pytest.mark.anyio
+async def test_a_value_cut_short_is_still_a_truncated_object(redis_server: RedisServer) -> None:
+    """Only eviction is a miss: a first value shorter than its header says, alone and not a
+    part's length (written so by something else), still reads as truncated."""
+    client = raw_client(redis_server.url)
+    tier = make_tier(redis_server.url, part_bytes=PART)
+    (key,) = make_keys(1)
+    async with tier:
+        assert await tier.write(key, "kv", payload(0, 2 * PART))
+        blob = b"".join(client.get(k) for k in tier.store_keys(key, "kv", 3))
+        client.delete(*tier.store_keys(key, "kv", 3))
+        client.set(tier.store_keys(key, "kv")[0], blob[: HEADER + 100])
+        with pytest.raises(bsr.TruncatedObjectError):
+            await tier.read_into(key, "kv", np.zeros(2 * PART, dtype=np.uint8))
+
+
+@pytest.mark.anyio
+async def test_an_engine_restoring_an_object_with_an_evicted_part_quarantines_nothing(
+    redis_server: RedisServer,
+) -> None:
+    layout = two_group_layout()  # a kv chunk is 16 KiB: five parts of 4 KiB
+    chunks, block_tokens = 4, 8
+    tokens = list(range(1000, 1000 + chunks * layout.chunk_tokens))
+    num_blocks = 2 * len(tokens) // block_tokens
+    src = filled_cache(layout, num_blocks, block_tokens, seed=9)
+    ids = shuffled_blocks(num_blocks, len(tokens) // block_tokens, seed=10)
+    tier = make_tier(redis_server.url, part_bytes=PART, key_prefix=f"{prefix()}eng:")
+    client = raw_client(redis_server.url)
+    async with make_engine(layout, [tier], model_id="redis-parts") as eng:
+        assert (await eng.save(tokens, src, ids)).chunks == chunks
+        key = bsr.chunk_keys(
+            bsr.Namespace("redis-parts").fingerprint(layout), tokens, layout.chunk_tokens
+        )[1]
+        assert client.delete(tier.store_keys(key, "kv", 5)[1]) == 1  # a middle part evicted
+        dst = bsr.PagedKVCache(layout, num_blocks, block_tokens)
+        r = await eng.restore(tokens, dst, ids)
+        assert r.state is bsr.RequestState.INVALIDATED and r.committed_tokens == 0, r
+        assert eng.statistics().quarantined == 0, r.errors  # a miss, not a corrupt object
+        assert (await eng.save(tokens, src, ids)).ok
+        r = await eng.restore(tokens, dst, ids)
+        assert r.committed_tokens == len(tokens), r
+        assert blocks_equal(layout, src, ids, dst, ids, chunks)
+
+
+@pytest.mark.anyio
+async def test_the_longest_timeouts_accepted_work_against_a_server(
+    redis_server: RedisServer,
+) -> None:
+    """``timeout_s`` and ``connect_timeout_s`` at bsr.MAX_SECONDS: the tier opens, writes,
+    reads and closes (the socket takes them, as 1e10 it could not)."""
+    from bsr._check import MAX_SECONDS
+
+    (key,) = make_keys(1)
+    tier = make_tier(
+        redis_server.url, timeout_s=MAX_SECONDS, connect_timeout_s=MAX_SECONDS, part_bytes=PART
+    )
+    with anyio.fail_after(30):
+        async with tier:
+            assert await tier.write(key, "kv", payload(0, 3 * PART))
+            dst = np.zeros(3 * PART, dtype=np.uint8)
+            assert await tier.read_into(key, "kv", dst) == 3 * PART
+            assert dst.tobytes() == payload(0, 3 * PART).tobytes()
 
 
 # ---------------------------------------------------------------------- fault ladder

@@ -74,7 +74,7 @@ def site_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A fresh directory at the *start* of ``sys.path`` (a first-wins lookup would pick it)."""
     where = tmp_path / "site_first"
     where.mkdir()
-    monkeypatch.syspath_prepend(str(where))
+    monkeypatch.setattr(sys, "path", [str(where), *sys.path])  # restored as it was, like `site`
     importlib.invalidate_caches()
     return where
 

@@ -27,7 +27,14 @@ import bsr
 from bsr.vllm._bridge import LoopThread
 from bsr.vllm._lookup import LookupServer, private_socket_path
 from bsr.vllm._options import ConnectorOptions, ConnectorSettings
-from bsr.vllm._request_keys import RequestOptionError, RequestOptions, request_keys
+from bsr.vllm._request_keys import (
+    MAX_OPTION_CHARS,
+    OPTION_FIELDS,
+    RequestOptionError,
+    RequestOptions,
+    option_label,
+    request_keys,
+)
 from bsr.vllm._scheduler import BsrScheduler
 
 CHUNK, BLOCK = 64, 32
@@ -65,7 +72,6 @@ def test_each_input_kind_separates_the_keys_and_equal_inputs_share_them(tmp_path
         "salt alice": {"cache_salt": "alice"},
         "salt bob": {"cache_salt": "bob"},
         "lora a": {"lora_request": LoRARequest("a", 1, str(a))},
-        "lora a renamed": {"lora_request": LoRARequest("a2", 1, str(a))},
         "lora b": {"lora_request": LoRARequest("b", 2, str(b))},
         "image x": {"mm_features": [image("x")]},
         "image y": {"mm_features": [image("y")]},
@@ -85,9 +91,11 @@ def test_each_input_kind_separates_the_keys_and_equal_inputs_share_them(tmp_path
     assert len(set(firsts.values())) == len(firsts)
     assert chains["two images"][0] == chains["image x"][0]
     assert chains["two images"][1] != chains["image x"][1]
-    # the same inputs in another request: the same keys (a later request hits)
-    again = request_keys(request("again", lora_request=LoRARequest("a", 7, str(a))), CHUNK)
-    assert again.extras == keys["lora a"].extras  # vLLM's adapter id is per server: not keyed
+    # the same inputs in another request: the same keys (a later request hits); an adapter is
+    # vLLM's id here (each worker binds it to the weights it loaded: test_adapters.py), its
+    # name and path are not read
+    again = request_keys(request("again", lora_request=LoRARequest("a2", 1, "/elsewhere")), CHUNK)
+    assert again.extras == keys["lora a"].extras
     assert request_keys(request("x2", mm_features=[image("x")]), CHUNK).extras == (
         keys["image x"].extras
     )
@@ -103,20 +111,21 @@ def test_each_input_kind_separates_the_keys_and_equal_inputs_share_them(tmp_path
     assert k1[:2] == k3[:2] and k1[2] != k3[2]  # shared up to the chunk that differs
 
 
-def test_a_rewritten_adapter_under_the_same_name_is_another_key(tmp_path: Path) -> None:
-    path = write_adapter(tmp_path / "a", 1)
-    before = request_keys(request("r", lora_request=LoRARequest("a", 1, str(path))), CHUNK)
-    (path / "adapter_model.safetensors").write_bytes(bytes([9]) * 64)
-    st = (path / "adapter_model.safetensors").stat()
-    os.utime(path / "adapter_model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
-    after = request_keys(request("r", lora_request=LoRARequest("a", 1, str(path))), CHUNK)
-    assert before.extras != after.extras
+def test_an_adapter_is_keyed_without_touching_its_files(tmp_path: Path) -> None:
+    """The scheduler keys a LoRA request by vLLM's adapter id alone: a path that does not
+    exist, or a FIFO whose open would block, is never looked at (a stat on vLLM's scheduler
+    loop stalled every running request behind a hung mount: test_adapters.py)."""
+    fifo = tmp_path / "adapter"
+    os.mkfifo(fifo)
+    for path in ("/nonexistent/adapter", str(fifo)):
+        keys = request_keys(request("r", lora_request=LoRARequest("a", 3, path)), CHUNK)
+        assert keys.usable and keys.loads and keys.stores
+        assert [e.key for e in keys.extras] == [b"vllm-lora-ref:3"]
 
 
 @pytest.mark.parametrize(
     ("kw", "reason"),
     [
-        ({"lora_request": LoRARequest("gone", 1, "/nonexistent/adapter")}, "lora_path"),
         ({"mm_features": [image("")]}, "mm_identifier"),
     ],
 )
@@ -153,6 +162,74 @@ def test_request_options_parse() -> None:
     assert RequestOptions.from_params({"do_remote_prefill": True}) == RequestOptions()
     got = RequestOptions.from_params({"bsr": {"store": False, "max_load_tokens": 128}})
     assert got == RequestOptions(load=True, store=False, max_load_tokens=128)
+
+
+def test_hostile_option_names_and_values_are_refused_in_bounded_work() -> None:
+    """A client's option name or value is refused by its kind and size: never compared with
+    difflib (a 16 MiB name took 1.5 s there, on vLLM's scheduler loop), never copied into the
+    message (which the response, the log and before this the metric label carried)."""
+    huge = "x" * (16 << 20)
+    cases = [
+        ({"bsr": {huge: 1}}, "kv_transfer_params.bsr"),
+        ({"bsr": {"store": huge}}, "kv_transfer_params.bsr.store"),
+        ({"bsr": {"max_load_tokens": [0] * 1_000_000}}, "kv_transfer_params.bsr.max_load_tokens"),
+        ({"bsr": {"load": {"a": 1}}}, "kv_transfer_params.bsr.load"),
+        ({"bsr": {"max_load_tokens": 1 << 4000}}, "kv_transfer_params.bsr.max_load_tokens"),
+        ({"bsr": huge}, "kv_transfer_params.bsr"),
+        ({"bsr": {f"k{i}": 1 for i in range(100_000)}}, "kv_transfer_params.bsr"),
+        ({"bsr": {7: True}}, "kv_transfer_params.bsr"),
+    ]
+    for params, field in cases:
+        t0 = time.perf_counter()
+        with pytest.raises(RequestOptionError) as ei:
+            RequestOptions.from_params(params)
+        took = time.perf_counter() - t0
+        err = ei.value
+        assert err.fields["field"] == field, (field, err.fields)
+        assert len(str(err)) < 300 and len(repr(err.fields)) < 300, str(err)[:300]
+        assert option_label(err) in (*OPTION_FIELDS, "unknown")
+        assert took < 0.5, (field, took)  # bounded work (microseconds); difflib took 1.5 s
+    # a short unknown name still gets its suggestion and is named in the field, but its label
+    # is "unknown": no metric series per client-chosen name
+    with pytest.raises(RequestOptionError) as ei:
+        RequestOptions.from_params({"bsr": {"stor": False}})
+    assert ei.value.fields["field"] == "kv_transfer_params.bsr.stor"
+    assert "did you mean 'store'" in str(ei.value) and option_label(ei.value) == "unknown"
+    long_name = "s" * (MAX_OPTION_CHARS + 1)
+    with pytest.raises(RequestOptionError) as ei:
+        RequestOptions.from_params({"bsr": {long_name: False}})
+    assert long_name not in str(ei.value) and "did you mean" not in str(ei.value)
+
+
+def test_rejected_options_labels_come_from_a_closed_set() -> None:
+    """300 requests with distinct 1 KiB option names, and one 16 MiB name, through the
+    scheduler: their counts go to the closed label ``unknown`` (the scheduler's stats, vLLM's
+    aggregation, the Prometheus series), and every keyed counter keeps a bounded number of
+    series whatever is counted."""
+    from bsr.vllm._stats import MAX_LABELS, OTHER, BsrConnectorStats
+
+    s = ConnectorSettings(
+        engine=bsr.EngineConfig.from_dict({"tiers": [{"kind": "host", "capacity_bytes": "1MiB"}]}),
+        options=ConnectorOptions.from_dict({}),
+        block_size=BLOCK, chunk_tokens=CHUNK, tp_size=1, model_id="seam", config_digest="",
+        engine_id="e", loads=True, saves=True, failure_policy="recompute",
+    )  # fmt: skip
+    sched = BsrScheduler(s)  # no lookup socket: bad options are refused before any lookup
+    names = [f"{i:04d}" + "k" * 1020 for i in range(300)] + ["x" * (16 << 20)]
+    for i, name in enumerate(names):
+        req = request(f"r{i}", params={"bsr": {name: True}})
+        assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+        done, params = finish(sched, req)
+        assert not done and len(json.dumps(params)) < 1024
+    stats = sched.take_stats()
+    assert stats is not None
+    assert stats.data["rejected_options"] == {"unknown": len(names)}
+    # what a worker (or anything) counts under client-looking labels stays bounded too
+    many = BsrConnectorStats({"saves_skipped": {f"reason{i}": 1 for i in range(500)}})
+    assert len(many.data["saves_skipped"]) == MAX_LABELS
+    assert many.data["saves_skipped"][OTHER] == 500 - (MAX_LABELS - 1)
+    forged = BsrConnectorStats({"rejected_options": {"kv_transfer_params.bsr.zzz": 3}})
+    assert forged.data["rejected_options"] == {"unknown": 3}
 
 
 # ---------------------------------------------------------------------- through the scheduler

@@ -444,6 +444,18 @@ def _check_2d(shape: tuple[int, ...]) -> None:
 
 
 def _from_numpy(tokens: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    if type(tokens) is not np.ndarray:
+        if isinstance(tokens, np.matrix):  # always 2-D: reshape(-1) is [1, n], keyed as 0 chunks
+            raise TokenError(
+                f"tokens must be a 1-D array, got an np.matrix of shape {tokens.shape}; pass "
+                "np.asarray(tokens).ravel()"
+            )
+        if isinstance(tokens, np.ma.MaskedArray):  # masked positions hold no token
+            raise TokenError(
+                "tokens must be a plain array, got a masked array; pass tokens.compressed() "
+                "(the unmasked tokens) or tokens.filled(...)"
+            )
+        tokens = tokens.view(np.ndarray)  # a memmap or another subclass: its plain data
     if tokens.dtype.kind not in "iu":
         raise TokenError(
             f"tokens must be an integer array, got dtype {tokens.dtype}; pass token ids",
@@ -454,6 +466,20 @@ def _from_numpy(tokens: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
 
 
 def _from_torch(tokens: torch.Tensor) -> np.ndarray[Any, Any]:
+    """A dense integer tensor's tokens as a NumPy array (on the CPU).
+
+    Refused with a TokenError: a meta tensor (it has no data), a sparse or other non-strided
+    layout (COO, CSR, CSC, BSR, BSC, MKL-DNN), a nested tensor, a quantized one (its integers
+    are a quantization of other values), and any tensor (a subclass such as a fake tensor)
+    whose values cannot be read on the CPU.
+    """
+    kind = _torch_kind(tokens)
+    if kind:
+        raise TokenError(
+            f"tokens must be a dense integer tensor with data, got {kind}; pass token ids as a "
+            "plain tensor (e.g. tokens.to_dense().long(), or a list of ints)",
+            kind=kind,
+        )
     if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
         raise TokenError(
             f"tokens must be an integer tensor, got dtype {tokens.dtype}; pass token ids "
@@ -461,7 +487,29 @@ def _from_torch(tokens: torch.Tensor) -> np.ndarray[Any, Any]:
             dtype=str(tokens.dtype),
         )
     _check_2d(tuple(tokens.shape))
-    return tokens.detach().to("cpu").reshape(-1).numpy()
+    cpu = tokens.detach().to("cpu")  # a device's own failure (CUDA) is not the tokens' fault
+    try:
+        return cpu.reshape(-1).numpy()
+    except (RuntimeError, TypeError, NotImplementedError, ValueError) as exc:
+        raise TokenError(
+            f"tokens must be a plain integer tensor, got a {type(tokens).__name__} of dtype "
+            f"{tokens.dtype} whose values cannot be read ({type(exc).__name__}: "
+            f"{str(exc)[:200]}); pass token ids as a plain tensor or a list of ints",
+            dtype=str(tokens.dtype),
+        ) from exc
+
+
+def _torch_kind(tokens: torch.Tensor) -> str:
+    """What makes ``tokens`` no plain tensor of token ids ("" when nothing does)."""
+    if tokens.is_nested:
+        return "a nested tensor"
+    if tokens.layout != torch.strided:
+        return f"a tensor of layout {tokens.layout} (sparse or opaque, not dense)"
+    if tokens.is_meta or tokens.device.type == "meta":
+        return "a meta tensor (it holds no data)"
+    if tokens.is_quantized:
+        return f"a quantized tensor of dtype {tokens.dtype}"
+    return ""
 
 
 def _from_sequence(tokens: Any) -> np.ndarray[Any, Any]:

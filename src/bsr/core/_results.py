@@ -25,8 +25,11 @@ class LoadDecision:
     Attributes:
         choice: ``"load"`` (the whole probed prefix), ``"partial"`` (a shorter prefix: the
             rest is recomputed), ``"recompute"`` (nothing is loaded), ``"unmeasured"`` (a rate
-            it needs has no measurement yet: the whole prefix is loaded, which measures it) or
-            ``"empty"`` (nothing to decide: no chunk past the caller's own).
+            it needs has no measurement yet: the whole prefix is loaded, which measures it),
+            ``"probe"`` (the cheapest was less than the whole prefix, but this is the one such
+            decision in ``probe_every`` that loads it all, to measure the tiers it avoided
+            again; :class:`~bsr.CostModel`) or ``"empty"`` (nothing to decide: no chunk past
+            the caller's own).
         load_chunks: chunks loaded from token 0 (chunks below ``start_chunks`` are the
             caller's own); the probed prefix past them is recomputed.
         probed_chunks: the probed (agreed) prefix.

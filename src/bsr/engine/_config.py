@@ -137,6 +137,10 @@ class EngineConfig:
             window must fit in it (else a ConfigError when the engine is built); a whole-plan
             restore whose plan exceeds it ends Invalidated (``staging_budget``). ``None``: no
             budget.
+
+    Every ``*_s`` option, of the engine and of each tier kind, is at most
+    :data:`bsr._check.MAX_SECONDS` (2,147,483 s, about 24.8 days: the longest timeout a socket
+    or ``poll()`` takes); a larger value, infinity or NaN is a ConfigError naming its key.
     """
 
     tiers: tuple[TierOptions, ...] = option(_tiers)

@@ -1,7 +1,8 @@
 """Load or recompute, by cost: policy ``"cost"``, decided from a probe and measured rates.
 
-Where it runs: the engine's event loop (:meth:`CostModel.decide` is pure arithmetic over a
-probe; the ``observe_*`` methods take one lock, so a server may feed them from any thread).
+Where it runs: the engine's event loop (:meth:`CostModel.decide` is arithmetic over a probe and
+one counter; it and the ``observe_*`` methods take one lock, so a server may feed them from any
+thread).
 
 How it works: a probe says, before any byte moves, which tier holds every (chunk, group) of
 the reusable prefix. The engine measures each tier's read rate from its own restores: the
@@ -20,18 +21,42 @@ caller already holds (``start_tokens``: a serving engine's own prefix-cache hit)
 either way. A tier or the prefill rate that has no measurement yet decides nothing: the
 whole prefix is loaded (and measured). Prefill is modelled as linear in tokens, which makes
 recomputing a long prefix look cheaper than it is (attention grows with the context), so the
-policy leans towards recomputing long prefixes; rates are exponentially weighted means.
+policy leans towards recomputing long prefixes.
+
+Looking again. A tier judged slow is not read, so its rate would never be measured again: one
+slow restore (a cold start, a busy spell) would keep a tier out for good. Two things undo that.
+
+- Estimates decay, by samples and by time: a rate is an exponentially weighted mean whose old
+  value's weight, ``1 - alpha``, also halves every ``half_life_s`` without a sample (a new
+  sample weighs ``1 - (1 - alpha) * 2**(-age / half_life_s)``, :meth:`CostModel.old_weight`),
+  so a sample after a quiet spell outweighs what was measured before it.
+- A tier judged slow is probed: every ``probe_every``-th decision that would load less than the
+  whole probed prefix with every rate measured (choice ``"partial"`` or ``"recompute"``) loads
+  it all instead (choice ``"probe"``), which reads, and so measures, every tier the decision
+  avoided. The share is a count, not a draw: of ``n`` such decisions exactly
+  ``n // probe_every`` are probes (1 in 16 by default: 6.25%), so a tier that stays slow costs
+  at most that share of the extra time its loads take over the cheapest choice.
+
+A tier fast again is therefore loaded again within ``probe_every`` such decisions whenever
+loading at ``alpha`` times its new rate still beats recomputing (a probe's sample weighs at
+least ``alpha``; by default a tier more than 1 / 0.3 = 3.3 times faster than it needs to be);
+a closer race takes ``j`` probes where ``1 - (1 - alpha)**j`` of the new rate is enough (fewer
+when time has passed). ``probe_every=0`` never probes. Where several ranks agree on what to
+load (a restore that decides, under a coordinator), one rank's probe holds for every rank (the
+least would otherwise cut it): the share is at most ``world_size / probe_every`` of requests,
+``1 / probe_every`` while the ranks' counters are in step (the same requests, the same rates).
 """
 
 from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .._check import non_negative_int
+from .._check import non_negative_int, optional_positive_float
 from .._errors import ConfigError
 from ..core._results import LoadDecision
 
@@ -39,8 +64,12 @@ if TYPE_CHECKING:
     from ..core._layout import StateLayout
     from ..core._results import Probe, RestoreResult
 
-#: weight of a new sample in the exponentially weighted rates
+#: weight of a new sample in the exponentially weighted rates (at least: more after a pause)
 EWMA_ALPHA = 0.3
+#: one decision in this many that loads less than the whole probed prefix loads it all
+PROBE_EVERY = 16
+#: seconds without a sample in which an estimate's weight against the next sample halves
+HALF_LIFE_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -54,6 +83,10 @@ class CostStatistics:
     #: samples taken
     read_samples: int
     prefill_samples: int
+    #: decisions that loaded less than the whole probed prefix, all rates measured
+    avoided: int = 0
+    #: of those, the ones that loaded it all to measure again (every ``probe_every``-th)
+    probes: int = 0
 
 
 def _rate(value: float, what: str) -> float:
@@ -66,25 +99,57 @@ def _rate(value: float, what: str) -> float:
 
 
 class CostModel:
-    """Measured read rates per tier and the server's prefill rate; decides load vs recompute.
+    """Measured read rates per tier and the server's prefill rate; decides load vs recompute,
+    and now and then loads what it judged slow, to measure it again (see the module docstring).
 
     Args:
         alpha: weight of a new sample in the exponentially weighted rates (0 < alpha <= 1).
+        probe_every: every this many decisions that load less than the whole probed prefix,
+            one loads it all (0: never).
+        half_life_s: seconds without a sample in which an estimate's weight against the next
+            sample halves (None: it does not decay by time, only by samples).
+        clock: seconds, monotonic (tests inject one).
     """
 
-    def __init__(self, *, alpha: float = EWMA_ALPHA) -> None:
+    def __init__(
+        self,
+        *,
+        alpha: float = EWMA_ALPHA,
+        probe_every: int = PROBE_EVERY,
+        half_life_s: float | None = HALF_LIFE_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if not 0.0 < float(alpha) <= 1.0:
             raise ConfigError(f"alpha must be in (0, 1], got {alpha!r}")
         self.alpha = float(alpha)
+        self.probe_every = non_negative_int(probe_every, "probe_every")
+        self.half_life_s = optional_positive_float(half_life_s, "half_life_s")
+        if not callable(clock):
+            raise ConfigError(f"clock must be callable, got {type(clock).__name__}")
+        self._clock = clock
         self._lock = threading.Lock()
-        self._read: dict[str, float] = {}
-        self._prefill: float | None = None
+        # estimate -> (value, clock of its last sample)
+        self._read: dict[str, tuple[float, float]] = {}
+        self._prefill: tuple[float, float] | None = None
         self._read_samples = 0
         self._prefill_samples = 0
+        self._avoided = 0
+        self._probes = 0
 
     # ------------------------------------------------------------------ measurements
-    def _mix(self, old: float | None, sample: float) -> float:
-        return sample if old is None else (1 - self.alpha) * old + self.alpha * sample
+    def old_weight(self, age_s: float) -> float:
+        """The weight of an estimate ``age_s`` seconds old against a new sample."""
+        w = 1.0 - self.alpha
+        if self.half_life_s is not None:
+            w *= 0.5 ** (max(0.0, age_s) / self.half_life_s)
+        return w
+
+    def _mix(self, old: tuple[float, float] | None, sample: float) -> tuple[float, float]:
+        now = self._clock()
+        if old is None:
+            return sample, now
+        w = self.old_weight(now - old[1])
+        return w * old[0] + (1.0 - w) * sample, now
 
     def observe_read(self, tier: str, nbytes: int, seconds: float) -> None:
         """One measurement: ``nbytes`` read (and installed) from ``tier`` in ``seconds``."""
@@ -118,7 +183,7 @@ class CostModel:
         if not seconds > 0:
             return
         with self._lock:
-            known = [self._read[t] for t in by_tier if t in self._read]
+            known = [self._read[t][0] for t in by_tier if t in self._read]
         guess = sum(known) / len(known) if known else 1.0
         weights = {t: n / self._read_rate_or(t, guess) for t, n in by_tier.items()}
         total = sum(weights.values())
@@ -126,8 +191,8 @@ class CostModel:
             self.observe_read(t, n, seconds * weights[t] / total)
 
     def _read_rate_or(self, tier: str, default: float) -> float:
-        with self._lock:
-            return self._read.get(tier, default)
+        rate = self.read_rate(tier)
+        return default if rate is None else rate
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """One measurement of the server's prefill: ``tokens`` computed in ``seconds``."""
@@ -141,17 +206,24 @@ class CostModel:
 
     def read_rate(self, tier: str) -> float | None:
         with self._lock:
-            return self._read.get(tier)
+            got = self._read.get(tier)
+        return None if got is None else got[0]
 
     @property
     def prefill_rate(self) -> float | None:
         with self._lock:
-            return self._prefill
+            got = self._prefill
+        return None if got is None else got[0]
 
     def statistics(self) -> CostStatistics:
         with self._lock:
             return CostStatistics(
-                dict(self._read), self._prefill, self._read_samples, self._prefill_samples
+                {t: r for t, (r, _) in self._read.items()},
+                None if self._prefill is None else self._prefill[0],
+                self._read_samples,
+                self._prefill_samples,
+                self._avoided,
+                self._probes,
             )
 
     # ------------------------------------------------------------------ the decision
@@ -163,7 +235,9 @@ class CostModel:
         start_tokens: int = 0,
         prefill_rate: float | None = None,
     ) -> LoadDecision:
-        """How much of ``probe``'s agreed prefix to load (see the module docstring).
+        """How much of ``probe``'s agreed prefix to load (see the module docstring): the
+        cheapest by the measured rates, or all of it when this is the ``probe_every``-th
+        decision that would load less (choice ``"probe"``).
 
         Args:
             layout: the engine's layout.
@@ -230,11 +304,25 @@ class CostModel:
             if cost <= best:
                 best_k, best, best_load = k, cost, load
         full_load = load_cost(p)
+        if best_k < p and math.isfinite(full_load) and self._probe_now():
+            return LoadDecision(
+                "probe", p, p, s, by_tier, rates, rate_p, full_load, recompute_from[p],
+                full_load, recompute_from[s],
+            )  # fmt: skip
         choice = "load" if best_k == p else "recompute" if best_k == s else "partial"
         return LoadDecision(
             choice, best_k, p, s, by_tier, rates, rate_p, best_load, recompute_from[best_k],
             full_load, recompute_from[s],
         )  # fmt: skip
+
+    def _probe_now(self) -> bool:
+        """Count a decision that loads less than the whole prefix; whether it is the one in
+        ``probe_every`` that loads it all."""
+        with self._lock:
+            self._avoided += 1
+            probe = self.probe_every > 0 and self._avoided % self.probe_every == 0
+            self._probes += probe
+        return probe
 
 
 def _prefix_sums(row: Sequence[float]) -> tuple[list[float], list[int]]:

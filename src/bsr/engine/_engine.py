@@ -31,7 +31,14 @@ from .._check import (
     positive_float,
     short_repr,
 )
-from .._errors import BlockTableError, BsrError, ClosedError, ConfigError
+from .._errors import (
+    BlockTableError,
+    BsrError,
+    ClosedError,
+    ConfigError,
+    ObjectError,
+    ObjectNotFoundError,
+)
 from .._log import logger
 from .._resource import AsyncResource
 from ..core._keys import (
@@ -452,7 +459,11 @@ class RestoreEngine(AsyncResource):
         self._removals.emit(object_id, Removal.QUARANTINED, tier=tier)
 
     async def audit(
-        self, objects: Sequence[tuple[str, ObjectKey]], *, deadline_s: float | None = None
+        self,
+        objects: Sequence[tuple[str, ObjectKey]],
+        *,
+        deadline_s: float | None = None,
+        verify: bool | Sequence[bool] = False,
     ) -> list[bool | None]:
         """Whether each ``(tier name, object)`` can still be served from that tier.
 
@@ -462,9 +473,22 @@ class RestoreEngine(AsyncResource):
         :meth:`on_removed` listeners (``Removal.VANISHED``). An object this engine quarantined
         is not servable. ``None``: the tier did not answer (an error, or ``deadline_s``
         passed); nothing is reported for it.
+
+        ``verify`` (one flag, or one per object): also read each such object that the tier
+        holds back through the tier's own verified read (:meth:`Tier.read_into`: header,
+        length and checksums) into one staging slot, one object at a time. A corrupt or
+        truncated one is quarantined as a restore would (``Removal.QUARANTINED``) and is not
+        servable; one that failed to read is ``None``. It costs a read per object: ask it for
+        objects this engine did not just write itself (a save that found them already held).
         """
-        self._open_pool()
+        pool = self._open_pool()
         deadline = optional_positive_float(deadline_s, "deadline_s")
+        checks = [bool(verify)] * len(objects) if isinstance(verify, bool) else list(verify)
+        if len(checks) != len(objects):
+            raise ConfigError(
+                f"verify has {len(checks)} flags for {len(objects)} objects; pass one flag, or "
+                "one per object"
+            )
         by_tier: dict[str, list[int]] = {}
         for i, (name, _) in enumerate(objects):
             self._tier(name)  # an unknown tier name is the caller's error
@@ -477,12 +501,58 @@ class RestoreEngine(AsyncResource):
                 except (BsrError, OSError) as exc:
                     self._log.warning("bsr.engine.audit_failed", tier=name, error=repr(exc))
                     continue
+                unread: list[int] = []
                 for i, h in zip(idx, held):
                     oid = objects[i][1].object_id
                     out[i] = bool(h) and (name, oid) not in self._quarantine
                     if not h:
                         self._removals.emit(oid, Removal.VANISHED, tier=name)
+                    elif out[i] and checks[i]:
+                        out[i] = None  # not known good until read back
+                        unread.append(i)
+                if unread:
+                    await self._verify_held(pool, name, [(i, objects[i][1]) for i in unread], out)
         return out
+
+    async def _verify_held(
+        self,
+        pool: StagingPool,
+        name: str,
+        objects: list[tuple[int, ObjectKey]],
+        out: list[bool | None],
+    ) -> None:
+        """:meth:`audit`'s read-back: each object through ``tier.read_into`` into one staging
+        slot (the slot goes back in ``finally``); ``out[i]`` is True (it verified), False (gone,
+        or corrupt and now quarantined) or stays None (the read failed otherwise)."""
+        tier = self._tier(name)
+        slot = await pool.acquire()
+        try:
+            for i, okey in objects:
+                try:
+                    nbytes = self.layout.group_chunk_bytes(okey.group)
+                    await tier.read_into(okey.chunk, okey.group, slot.tensor[:nbytes])
+                except ObjectNotFoundError:
+                    out[i] = False
+                    self._removals.emit(okey.object_id, Removal.VANISHED, tier=name)
+                except ObjectError as exc:  # corrupt or truncated: never served, moved out
+                    out[i] = False
+                    self._log.warning(
+                        "bsr.engine.audit_corrupt", tier=name, key=okey.chunk.hex[:16],
+                        group=okey.group, error=repr(exc),
+                    )  # fmt: skip
+                    self._quarantine.add(name, okey.object_id)
+                    why = type(exc).__name__
+                    await self._move_out(
+                        [TierQuarantine(name, okey.chunk, okey.group, why)],
+                        self.shield_timeout_s,
+                        self._log,
+                    )
+                except (BsrError, OSError) as exc:
+                    self._log.warning("bsr.engine.audit_unread", tier=name, error=repr(exc))
+                else:
+                    out[i] = True
+        finally:
+            pool.release(slot)
 
     def _notify(self, record: Record) -> None:
         for listener in list(self._listeners):

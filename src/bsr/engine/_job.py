@@ -242,7 +242,12 @@ class RestoreJob:
             decision = self.parts.cost.decide(layout, probe, start_tokens=start)
         k = decision.load_chunks
         if coordinator.world_size > 1:  # every rank with a hit runs this collective
-            k = await coordinator.agree_min(k)
+            # a rank's probe (the whole prefix, to measure again) holds for every rank: its -1
+            # is the least; else the least any rank would load
+            agreed = await coordinator.agree_min(-1 if decision.choice == "probe" else k)
+            k = probe.prefix_chunks if agreed < 0 else agreed
+            if agreed < 0 and decision.choice != "probe":
+                decision = replace(decision, choice="probe")
         if k != decision.load_chunks:
             decision = replace(decision, load_chunks=k)
         req.life.facts.prefix_chunks = k

@@ -9,9 +9,22 @@ two values A and B and checks, on a prompt of its own:
 2. ``A`` computed and stored (the reference of A); the suite waits until the save landed;
 3. ``B`` again: **no** cached prompt token (a hit would be A's KV), the tokens of B's reference;
 4. ``A`` again: **every** full chunk of the prompt cached (restored from the store), the tokens
-   of A's reference;
-5. optionally (``changes_output``) the control: A's and B's references differ, so the prompt
+   of A's reference; this proves A's KV is visible to lookups now;
+5. ``B`` once more (``late``): still no cached token and B's tokens. Step 3 alone misses a
+   deployment whose saves become visible a request (or a moment) late: step 4 proved A's KV
+   visible, so a wrong key shows here;
+6. optionally (``changes_output``) the control: A's and B's references differ, so the prompt
    depends on the value and a wrong hit would show in the tokens too.
+
+A case with ``change`` checks a value that changes *in place*: an adapter whose weights are
+rewritten under the same name, path, size and times, or reloaded. Its steps: A computed and
+stored, A again (every full chunk cached: visible), then ``change()`` (rewrite the files and
+reload the adapter in place, or restart the server over the same store with the new weights),
+then B (usually the same request as A) computed with ``load: false, store: false`` (its
+reference under the new weights), and B again, which must get no cached token and the tokens of
+that reference. A harness that rewrites the files *before* the case (while the server still
+computes with the weights it loaded) and reloads in ``change`` checks that the KV computed
+with the loaded weights is never keyed by the files on disk.
 
 How it works: the suite drives a :class:`KeyClient`, which sends one greedy completion of a
 prompt under a :class:`Variant` and returns a :class:`Completion` (tokens and cached prompt
@@ -62,9 +75,12 @@ class Completion:
 class KeyClient(Protocol):
     """What the suite needs from a deployment."""
 
-    def complete(self, prompt: Sequence[int], variant: Variant, *, store: bool) -> Completion:
+    def complete(
+        self, prompt: Sequence[int], variant: Variant, *, store: bool, load: bool = True
+    ) -> Completion:
         """A greedy completion of ``prompt`` under ``variant`` (``store``: may the connector
-        save it)."""
+        save it; ``load``: may it restore a stored prefix, False only for a case with
+        ``change``)."""
         ...
 
     def saves(self) -> float:
@@ -82,6 +98,9 @@ class PartitionCase:
         changes_output: whether A and B must give different tokens on the suite's prompt (true
             for an adapter or an image; a salt changes nothing of the computation).
         prompt_tokens: the prompt's length (the suite draws its tokens).
+        change: for a value that changes in place (see the module docstring): called once A's
+            KV is stored and restored; B is then the request after the change (the client's
+            ``complete`` must take ``load=False`` for its reference).
     """
 
     kind: str
@@ -89,6 +108,7 @@ class PartitionCase:
     b: Variant
     changes_output: bool = True
     prompt_tokens: int = 200
+    change: Callable[[], object] | None = None
 
 
 @dataclass
@@ -103,6 +123,7 @@ class CaseReport:
     hit: Completion
     expected_hit: int
     problems: list[str] = field(default_factory=list)
+    late: Completion | None = None
 
     @property
     def ok(self) -> bool:
@@ -134,46 +155,97 @@ def check_key_partition(
     for case, prompt in zip(cases, draw_prompts(cases, seed, vocab)):
         n = _prompt_len(prompt, case)
         expected = (n - 1) // chunk_tokens * chunk_tokens
+        if case.change is not None:
+            reports.append(_changed_case(client, case, prompt, expected, save_timeout_s))
+            continue
         ref_b = client.complete(prompt, case.b, store=False)
         before = client.saves()
         ref_a = client.complete(prompt, case.a, store=True)
         _wait_for_save(client, before, save_timeout_s, f"{case.kind}: {case.a.name}'s save")
         cross = client.complete(prompt, case.b, store=False)
         hit = client.complete(prompt, case.a, store=False)
-        rep = CaseReport(case, tuple(prompt), ref_a, ref_b, cross, hit, expected)
+        late = client.complete(prompt, case.b, store=False)
+        rep = CaseReport(case, tuple(prompt), ref_a, ref_b, cross, hit, expected, late=late)
         if ref_b.cached_tokens or ref_a.cached_tokens:
             rep.problems.append(
                 f"a fresh prompt was served cached tokens ({ref_b.cached_tokens} under "
                 f"{case.b.name}, {ref_a.cached_tokens} under {case.a.name}) before anything of "
                 "it was stored"
             )
-        if cross.cached_tokens:
-            rep.problems.append(
-                f"{case.b.name} was served {cross.cached_tokens} cached tokens of a prompt only "
-                f"{case.a.name} stored: one {case.kind}'s KV served to another"
-            )
-        if cross.tokens != ref_b.tokens:
-            rep.problems.append(
-                f"{case.b.name}'s tokens after {case.a.name}'s save differ from its own "
-                f"reference: {list(cross.tokens)} != {list(ref_b.tokens)}"
-            )
-        if hit.cached_tokens != expected:
-            rep.problems.append(
-                f"{case.a.name} again was served {hit.cached_tokens} cached tokens, expected "
-                f"every full chunk ({expected}): a store keyed by {case.kind} must still hit"
-            )
-        if hit.tokens != ref_a.tokens:
-            rep.problems.append(
-                f"{case.a.name}'s tokens from its restored prefix differ from its reference: "
-                f"{list(hit.tokens)} != {list(ref_a.tokens)}"
-            )
-        if case.changes_output and ref_a.tokens == ref_b.tokens:
-            rep.problems.append(
-                f"control: {case.a.name} and {case.b.name} give the same tokens, so this prompt "
-                f"cannot show a wrong hit by its output; choose values that change the output"
-            )
+        _check_cross(rep, cross, "after")
+        _check_hit(rep)
+        _check_cross(rep, late, "once A's KV was served (a save visible late)")
+        _check_control(rep)
         reports.append(rep)
     return reports
+
+
+def _changed_case(
+    client: KeyClient, case: PartitionCase, prompt: Sequence[int], expected: int, timeout: float
+) -> CaseReport:
+    """A value changed in place (``case.change``): A stored and restored, the change, then B."""
+    assert case.change is not None
+    before = client.saves()
+    ref_a = client.complete(prompt, case.a, store=True)
+    _wait_for_save(client, before, timeout, f"{case.kind}: {case.a.name}'s save")
+    hit = client.complete(prompt, case.a, store=False)
+    case.change()
+    ref_b = client.complete(prompt, case.b, store=False, load=False)
+    cross = client.complete(prompt, case.b, store=False)
+    rep = CaseReport(case, tuple(prompt), ref_a, ref_b, cross, hit, expected)
+    if ref_a.cached_tokens:
+        rep.problems.append(
+            f"a fresh prompt was served {ref_a.cached_tokens} cached tokens under {case.a.name} "
+            "before anything of it was stored"
+        )
+    if ref_b.cached_tokens:
+        rep.problems.append(
+            f"{case.b.name} with load: false was served {ref_b.cached_tokens} cached tokens: "
+            "the deployment does not honour load: false, so this case cannot check it"
+        )
+    _check_hit(rep)
+    _check_cross(rep, cross, "changed in place after")
+    _check_control(rep)
+    return rep
+
+
+def _check_cross(rep: CaseReport, cross: Completion, when: str) -> None:
+    """B after A's save: no cached token, B's reference tokens."""
+    a, b, kind = rep.case.a.name, rep.case.b.name, rep.case.kind
+    if cross.cached_tokens:
+        rep.problems.append(
+            f"{b} ({when} {a}'s save) was served {cross.cached_tokens} cached tokens of a "
+            f"prompt only {a} stored: one {kind}'s KV served to another"
+        )
+    if cross.tokens != rep.reference_b.tokens:
+        rep.problems.append(
+            f"{b}'s tokens ({when} {a}'s save) differ from its own reference: "
+            f"{list(cross.tokens)} != {list(rep.reference_b.tokens)}"
+        )
+
+
+def _check_hit(rep: CaseReport) -> None:
+    """A again: every full chunk restored, A's reference tokens."""
+    a, hit = rep.case.a.name, rep.hit
+    if hit.cached_tokens != rep.expected_hit:
+        rep.problems.append(
+            f"{a} again was served {hit.cached_tokens} cached tokens, expected every full chunk "
+            f"({rep.expected_hit}): a store keyed by {rep.case.kind} must still hit"
+        )
+    if hit.tokens != rep.reference_a.tokens:
+        rep.problems.append(
+            f"{a}'s tokens from its restored prefix differ from its reference: "
+            f"{list(hit.tokens)} != {list(rep.reference_a.tokens)}"
+        )
+
+
+def _check_control(rep: CaseReport) -> None:
+    case = rep.case
+    if case.changes_output and rep.reference_a.tokens == rep.reference_b.tokens:
+        rep.problems.append(
+            f"control: {case.a.name} and {case.b.name} give the same tokens, so this prompt "
+            "cannot show a wrong hit by its output; choose values that change the output"
+        )
 
 
 def report_dict(report: CaseReport) -> dict[str, Any]:
@@ -184,6 +256,8 @@ def report_dict(report: CaseReport) -> dict[str, Any]:
         "cross": report.cross,
         "hit": report.hit,
     }
+    if report.late is not None:
+        runs["late"] = report.late
     return {
         "kind": report.case.kind,
         "a": report.case.a.name,
@@ -223,8 +297,8 @@ def _wait_for_save(client: KeyClient, before: float, timeout_s: float, what: str
         time.sleep(0.1)
 
 
-def _params(store: bool) -> dict[str, Any]:
-    return {"bsr": {"store": store}}
+def _params(store: bool, load: bool = True) -> dict[str, Any]:
+    return {"bsr": {"store": store} if load else {"store": store, "load": False}}
 
 
 class OpenAIKeyClient:
@@ -241,7 +315,9 @@ class OpenAIKeyClient:
         self.max_tokens = max_tokens
         self.timeout_s = timeout_s
 
-    def complete(self, prompt: Sequence[int], variant: Variant, *, store: bool) -> Completion:
+    def complete(
+        self, prompt: Sequence[int], variant: Variant, *, store: bool, load: bool = True
+    ) -> Completion:
         body: dict[str, Any] = {
             "model": self.model,
             "prompt": list(prompt),
@@ -249,7 +325,7 @@ class OpenAIKeyClient:
             "temperature": 0.0,
             "ignore_eos": True,
             "return_token_ids": True,
-            "kv_transfer_params": _params(store),
+            "kv_transfer_params": _params(store, load),
         }
         for k, v in variant.fields.items():
             if k == "prompt_embeds":
@@ -327,13 +403,15 @@ class LLMKeyClient:
         self.max_tokens = max_tokens
         self._saves = saves
 
-    def complete(self, prompt: Sequence[int], variant: Variant, *, store: bool) -> Completion:
+    def complete(
+        self, prompt: Sequence[int], variant: Variant, *, store: bool, load: bool = True
+    ) -> Completion:
         from vllm import SamplingParams
         from vllm.lora.request import LoRARequest
 
         params = SamplingParams(
             max_tokens=self.max_tokens, temperature=0.0, ignore_eos=True, detokenize=False,
-            extra_args={"kv_transfer_params": _params(store)},
+            extra_args={"kv_transfer_params": _params(store, load)},
         )  # fmt: skip
         fields = dict(variant.fields)
         lora = fields.pop("lora", None)

@@ -15,10 +15,13 @@ How it works:
   covers vLLM blocks ``c*C/B .. (c+1)*C/B - 1``: its event names those blocks' hashes, the hash
   before them as parent, the chunk's tokens, ``group_idx=i`` (a sliding-window group stores and
   so announces only its window's chunks).
-* **Stored only once durable.** After a save returns, the worker asks every tier's storage
-  itself whether it holds each object (``RestoreEngine.audit``); only what it holds becomes a
-  stored notice, with the tier's medium (``CPU`` for a HostTier, ``STORAGE`` for a FileTier or a
-  remote store, ``locality`` LOCAL or REMOTE). A save that failed in a tier announces nothing
+* **Stored only once durable, and verified.** After a save returns, the worker asks every
+  tier's storage itself whether it holds each object (``RestoreEngine.audit``), and reads back
+  through the tier's verified read each object the save found already held (not written by it:
+  a server's restart, another server sharing the root) that is not announced there yet; a
+  damaged one is quarantined, never announced. Only what it holds becomes a stored notice,
+  with the tier's medium (``CPU`` for a HostTier, ``STORAGE`` for a FileTier or a remote
+  store, ``locality`` LOCAL or REMOTE). A save that failed in a tier announces nothing
   there. A removal of that object in that tier reported while the save and the audit ran
   (:meth:`EventJournal.begin` numbers them) cancels the notice, so an eviction racing the save
   is never followed by a stale "stored".
@@ -273,6 +276,12 @@ class EventJournal:
             self._count(f"removed.{record.cause}")
 
     # ------------------------------------------------------------------ reading
+    def is_announced(self, tier: str, object_id: str) -> bool:
+        """Whether ``object_id`` is announced as stored in ``tier`` now."""
+        with self._lock:
+            entry = self._entries.get(object_id)
+            return entry is not None and tier in entry.tiers
+
     def announced(self) -> list[tuple[str, ObjectKey]]:
         """Every ``(tier, object)`` announced as stored now (what an audit rechecks)."""
         with self._lock:

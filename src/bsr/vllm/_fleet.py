@@ -8,10 +8,12 @@ made once the engine is open (:meth:`bsr.vllm._worker.BsrWorker.register_kv_cach
 How it works:
 
 * **Events** (vLLM's KV events on): the engine's removals feed the :class:`EventJournal`; after
-  each save the saved objects are audited in every tier (``RestoreEngine.audit``) and what is
-  held is announced (:meth:`WorkerFleet.after_save`); every ``kv_events_audit_s`` every
-  announced object is audited again (:meth:`WorkerFleet.audit_forever`), which reports what
-  vanished. The notices go to the scheduler with the step's worker metadata.
+  each save the saved objects are audited in every tier (``RestoreEngine.audit``; those the
+  save skipped as already held and not yet announced are read back and verified, a damaged one
+  quarantined) and what is held is announced (:meth:`WorkerFleet.after_save`); every
+  ``kv_events_audit_s`` every announced object is audited again
+  (:meth:`WorkerFleet.audit_forever`), which reports what vanished. The notices go to the
+  scheduler with the step's worker metadata.
 * **Per-tier answer**: of the tokens a lookup offers past vLLM's own hit, how many each tier
   holds (a chunk counts under the slowest tier any of its groups is read from), so the
   scheduler reports vLLM's hits by source (``get_external_cache_hit_sources``).
@@ -118,8 +120,17 @@ class WorkerFleet:
             for (c, g), info in infos.items()
             for t in self.engine.tiers
         ]
+        # an object the save found already held in a tier (it did not write it) is read back
+        # and verified there before it is announced, unless it is announced there already
+        skipped = {name for name, n in result.objects_skipped.items() if n}
+        verify = [
+            name in skipped and not journal.is_announced(name, okey.object_id)
+            for name, okey, _ in objects
+        ]
         try:
-            held = await self.engine.audit([(name, okey) for name, okey, _ in objects])
+            held = await self.engine.audit(
+                [(name, okey) for name, okey, _ in objects], verify=verify
+            )
         except BsrError as exc:
             self._log.warning("bsr.vllm.events_audit_failed", error=repr(exc))
             return

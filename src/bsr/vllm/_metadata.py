@@ -4,7 +4,8 @@ Where it runs: built in vLLM's EngineCore process (scheduler side) and read in e
 process, and back: vLLM pickles these between the processes.
 
 * :class:`BsrConnectorMetadata` (scheduler -> workers, every step): the loads to start, the saves
-  to start, and the lookups whose leases the workers may drop.
+  to start, the lookups whose leases the workers may drop, and the requests to bind to the
+  LoRA weights the workers loaded.
 * :class:`BsrWorkerMetadata` (workers -> scheduler, every step): the outcome of every load that
   ended in the step, so the scheduler knows which KV is verified before it ever saves it, and
   the KV event notices of the step (:mod:`bsr.vllm._events`).
@@ -109,6 +110,9 @@ class BsrConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
         forget_lookups: lookups answered but not used by a load; their leases may go.
         forget_all: drop every leased lookup (``reset_cache``).
         windows: window saves of running requests (after this step's forward).
+        adapters: requests this step schedules for the first time under a LoRA adapter:
+            request id -> vLLM's adapter id; each worker binds them to the weights it loaded
+            (:mod:`bsr.vllm._adapters`), which vLLM loads before the connector's hooks run.
     """
 
     loads: list[LoadJob] = field(default_factory=list)
@@ -116,6 +120,7 @@ class BsrConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     forget_lookups: list[int] = field(default_factory=list)
     forget_all: bool = False
     windows: list[WindowJob] = field(default_factory=list)
+    adapters: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

@@ -68,6 +68,10 @@ class ConnectorOptions:
             server or a remote store's own eviction removed).
         kv_events_max_objects: objects a worker keeps announced (least recently stored first
             out, withdrawn with a BlockRemoved).
+
+    Every ``*_s`` option is a number of seconds > 0 and at most :data:`bsr._check.MAX_SECONDS`
+    (2,147,483 s, about 24.8 days: the longest timeout a socket or ``poll()`` takes); a larger
+    one, infinity or NaN is refused here, at startup, naming its key.
     """
 
     load: str = option(Check.one_of(*LOAD_MODES), "async")

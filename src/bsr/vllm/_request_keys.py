@@ -8,27 +8,30 @@ differs (``vllm/v1/core/kv_cache_utils.py``, ``generate_block_hash_extra_keys``)
 same inputs into its chunk keys, each as a :class:`bsr.KeyExtra` over the tokens it affects:
 
 * the request's ``cache_salt``: the first token (so every chunk);
-* its LoRA adapter: the whole request; the adapter's name, its resolved path and the size and
-  modification time of every file in it (a reloaded or rewritten adapter under the same name is
-  another key);
+* its LoRA adapter: the whole request; here only a marker naming vLLM's adapter id
+  (:func:`bsr.vllm._adapters.adapter_marker`, no file system call on the scheduler's loop),
+  which each worker replaces by the digest of the weights it loaded (a rewritten or reloaded
+  adapter under the same name is another key; :mod:`bsr.vllm._adapters`);
 * each multimodal item: its placeholder tokens, with its identifier (vLLM's content hash, or the
   caller's UUID), modality, offset and length;
 * prompt embeddings: per bsr chunk, a SHA-256 of the embedding rows of that chunk (and, in a
   prompt that mixes tokens and embeddings, which positions are which).
 
 The token ids are vLLM's own (``all_token_ids``: an embedding position holds 0 there). What bsr
-cannot key it neither loads nor saves (:attr:`RequestKeys.unkeyable` names why): an adapter whose
-files the scheduler cannot read, a multimodal item without an identifier, embeddings that cannot
-be read. The per-request options come from ``kv_transfer_params["bsr"]``
+cannot key it neither loads nor saves (:attr:`RequestKeys.unkeyable` names why): a multimodal
+item without an identifier, embeddings that cannot be read (an adapter the worker has not
+loaded is the worker's miss). The per-request options come from ``kv_transfer_params["bsr"]``
 (:class:`RequestOptions`); a bad one is a :class:`RequestOptionError` naming the field, and the
-request is then served without bsr (neither loaded nor saved), never a stopped engine.
+request is then served without bsr (neither loaded nor saved), never a stopped engine. A client
+chooses these options: a name or value is refused past a small bound without being compared,
+echoed or counted (:data:`MAX_OPTION_CHARS`), and the metric label of a refusal is one of
+:data:`OPTION_FIELDS` or ``unknown`` (:func:`option_label`).
 """
 
 from __future__ import annotations
 
 import difflib
 import hashlib
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,14 +39,55 @@ from typing import Any
 from bsr import ConfigError, KeyExtra
 
 from .._check import Check, non_negative_int
+from ._adapters import adapter_marker
 
 #: the ``kv_transfer_params`` key of bsr's per-request options
 PARAMS_KEY = "bsr"
+#: the per-request options
+OPTION_NAMES = ("load", "store", "max_load_tokens")
+#: where the options are, as a refusal's ``field`` names them
+WHERE = f"kv_transfer_params.{PARAMS_KEY}"
+#: every ``field`` a refusal may carry as a metric label (:func:`option_label`), but ``unknown``
+OPTION_FIELDS = (WHERE, *(f"{WHERE}.{name}" for name in OPTION_NAMES))
+#: the longest option name or string value looked at (compared, suggested for, echoed)
+MAX_OPTION_CHARS = 64
 
 
 class RequestOptionError(ConfigError):
     """A per-request option (``kv_transfer_params["bsr"]``) is invalid: that request is served
-    without bsr (neither loaded nor saved); ``field`` names the option."""
+    without bsr (neither loaded nor saved); ``field`` names the option (a name past
+    :data:`MAX_OPTION_CHARS` is not echoed: ``field`` is then ``kv_transfer_params.bsr``)."""
+
+
+def option_label(error: RequestOptionError) -> str:
+    """The ``rejected_options{field}`` label of a refusal: a known field, or ``unknown`` for an
+    option name that is not one (a client's own name never becomes a metric series)."""
+    name = str(error.fields.get("field", WHERE))
+    return "unknown" if error.fields.get("unknown") or name not in OPTION_FIELDS else name
+
+
+def describe(value: Any) -> str:
+    """What a client sent, for a message: short values as they are, long ones by kind and size
+    (never copied whole into a message, a log line or a response)."""
+    if isinstance(value, str):
+        return (
+            repr(value)
+            if len(value) <= MAX_OPTION_CHARS
+            else f"a string of {len(value)} characters"
+        )
+    if isinstance(value, (bytes, bytearray)):
+        return f"{len(value)} bytes"
+    if isinstance(value, Mapping):
+        return f"an object of {len(value)} keys"
+    if isinstance(value, (list, tuple)):
+        return f"an array of {len(value)} items"
+    if isinstance(value, bool) or value is None:
+        return repr(value)
+    if isinstance(value, int):
+        return repr(value) if value.bit_length() <= 64 else f"an int of {value.bit_length()} bits"
+    if isinstance(value, float):
+        return repr(value)
+    return f"a {type(value).__name__}"
 
 
 @dataclass(frozen=True)
@@ -66,6 +110,10 @@ class RequestOptions:
     def from_params(cls, params: Any) -> RequestOptions:
         """The options in a request's ``kv_transfer_params`` (absent: every default).
 
+        Bounded work whatever the client sent: more names than there are options, a name
+        longer than :data:`MAX_OPTION_CHARS` or one that is not a string is refused without
+        being compared; only a short unknown name gets the closest known one.
+
         Raises:
             RequestOptionError: ``params["bsr"]`` is not a dict, names an unknown option (the
                 closest known one is given), or holds a bad value.
@@ -73,32 +121,54 @@ class RequestOptions:
         if not isinstance(params, Mapping) or params.get(PARAMS_KEY) is None:
             return cls()
         data = params[PARAMS_KEY]
-        where = f"kv_transfer_params.{PARAMS_KEY}"
         if not isinstance(data, Mapping):
             raise RequestOptionError(
-                f"{where} must be an object such as {{'store': false}}, got {data!r}",
-                field=where,
+                f"{WHERE} must be an object such as {{'store': false}}, got {describe(data)}",
+                field=WHERE,
             )
-        known = ("load", "store", "max_load_tokens")
+        if len(data) > len(OPTION_NAMES):
+            raise RequestOptionError(
+                f"{WHERE} holds {len(data)} options; the options are {list(OPTION_NAMES)}",
+                field=WHERE,
+                unknown=True,
+            )
         for name in data:
-            if name not in known:
-                close = difflib.get_close_matches(str(name), known, n=1)
-                hint = f"; did you mean {close[0]!r}?" if close else f"; known: {list(known)}"
+            if name in OPTION_NAMES:
+                continue
+            if not isinstance(name, str) or len(name) > MAX_OPTION_CHARS:
                 raise RequestOptionError(
-                    f"unknown option '{where}.{name}'{hint}", field=f"{where}.{name}"
+                    f"unknown option in {WHERE}: {describe(name)} (names are at most "
+                    f"{MAX_OPTION_CHARS} characters); the options are {list(OPTION_NAMES)}",
+                    field=WHERE,
+                    unknown=True,
                 )
+            close = difflib.get_close_matches(name, OPTION_NAMES, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; known: {list(OPTION_NAMES)}"
+            raise RequestOptionError(
+                f"unknown option '{WHERE}.{name}'{hint}", field=f"{WHERE}.{name}", unknown=True
+            )
         out: dict[str, Any] = {}
         for name in ("load", "store"):
             if name in data:
-                out[name] = _checked(Check.flag, data[name], f"{where}.{name}")
+                out[name] = _checked(Check.flag, data[name], f"{WHERE}.{name}")
         if data.get("max_load_tokens") is not None:
-            what = f"{where}.max_load_tokens"
+            what = f"{WHERE}.max_load_tokens"
             out["max_load_tokens"] = _checked(non_negative_int, data["max_load_tokens"], what)
         return cls(**out)
 
 
 def _checked(check: Any, value: Any, what: str) -> Any:
-    """``check(value, what)`` with its ConfigError turned into a RequestOptionError."""
+    """``check(value, what)`` with its ConfigError turned into a RequestOptionError; a value no
+    option takes that is large (a long string, an array, an object, a huge int) is refused by
+    its kind and size, never printed."""
+    large = (
+        isinstance(value, (Mapping, list, tuple, bytes, bytearray))
+        or (isinstance(value, str) and len(value) > MAX_OPTION_CHARS)
+        or (isinstance(value, int) and value.bit_length() > 64)
+    )
+    if large:
+        wanted = "an int >= 0" if what.endswith("tokens") else "True or False"
+        raise RequestOptionError(f"{what} must be {wanted}, got {describe(value)}", field=what)
     try:
         return check(value, what)
     except ConfigError as exc:
@@ -170,30 +240,14 @@ def salt_extras(salt: Any) -> list[KeyExtra]:
 
 
 def lora_extras(lora: Any) -> list[KeyExtra]:
-    """The adapter's identity: name, resolved path, and each file's name, size and mtime."""
+    """The adapter's marker (its vLLM id), bound to the weights by each worker; no file system
+    call (see :mod:`bsr.vllm._adapters`)."""
     if not lora:
         return []
-    name = str(getattr(lora, "lora_name", ""))
-    path = str(getattr(lora, "lora_path", "") or "")
-    h = hashlib.sha256()
-    h.update(name.encode("utf-8", "surrogatepass") + b"\0")
     try:
-        real = os.path.realpath(path)
-        h.update(real.encode("utf-8", "surrogatepass") + b"\0")
-        if os.path.isdir(real):
-            entries = sorted(os.scandir(real), key=lambda e: e.name)
-            files = [(e.name, e.stat()) for e in entries if e.is_file()]
-        else:
-            files = [(os.path.basename(real), os.stat(real))]
-    except OSError as exc:
-        raise Unkeyable(
-            "lora_path", f"the files of adapter {name!r} at {path!r} cannot be read: {exc}"
-        ) from None
-    if not files:
-        raise Unkeyable("lora_path", f"adapter {name!r} at {path!r} holds no files")
-    for fname, st in files:
-        h.update(f"{fname}\0{st.st_size}\0{st.st_mtime_ns}\0".encode("utf-8", "surrogatepass"))
-    return [KeyExtra(b"vllm-lora:" + h.digest())]
+        return [adapter_marker(lora)]
+    except (AttributeError, TypeError, ValueError):
+        raise Unkeyable("lora_id", "the request's adapter has no integer lora_int_id") from None
 
 
 def mm_extras(features: Any) -> list[KeyExtra]:

@@ -7,7 +7,9 @@ How it works:
 
 * **Keys.** A request is keyed by its token ids and by what else its KV depends on (its
   ``cache_salt``, LoRA adapter, multimodal items, prompt embeddings: :mod:`bsr.vllm._request_keys`),
-  computed once when the scheduler first sees it; a request bsr cannot key, or whose
+  computed once when the scheduler first sees it, with no file system call (an adapter is a
+  marker the workers bind to the weights they loaded: :mod:`bsr.vllm._adapters`; the step that
+  first schedules a LoRA request tells them to bind it); a request bsr cannot key, or whose
   per-request options (``kv_transfer_params["bsr"]``) are bad or say so, is neither loaded nor
   saved.
 * **Lookups.** ``get_num_new_matched_tokens`` sends the request's prompt (its full chunks,
@@ -78,7 +80,7 @@ from ._metadata import (
     WindowJob,
 )
 from ._options import ConnectorSettings
-from ._request_keys import RequestKeys, request_keys
+from ._request_keys import RequestKeys, option_label, request_keys
 from ._stats import BsrConnectorStats
 from ._windows import WindowSaver
 
@@ -217,8 +219,8 @@ class BsrScheduler:
                 self.stats.count_key("unkeyable_requests", keys.unkeyable)
                 self._log.info("bsr.vllm.unkeyable", request=rid, reason=keys.unkeyable)
             if keys.error is not None:
-                field_ = str(keys.error.fields.get("field", "kv_transfer_params.bsr"))
-                self.stats.count_key("rejected_options", field_)
+                # a known field or "unknown": never a series per client-chosen name
+                self.stats.count_key("rejected_options", option_label(keys.error))
                 self._log.warning("bsr.vllm.bad_request_option", request=rid, error=str(keys.error))
         return keys
 
@@ -404,6 +406,12 @@ class BsrScheduler:
         )  # fmt: skip
         self._loads, self._saves, self._forget, self._forget_all = [], [], [], False
         meta.windows = self._plan_windows(scheduler_output)
+        # the workers bind each LoRA request to the weights they loaded for its first step
+        meta.adapters = {
+            r.req_id: int(r.lora_request.lora_int_id)
+            for r in scheduler_output.scheduled_new_reqs
+            if getattr(r, "lora_request", None) is not None
+        }
         if self._unverified_blocks and not self.opts.asynchronous:
             # async scheduling runs a step ahead of a sync load's report: a request whose load
             # is not known good computes over it in this step too (a long prompt's next prefill

@@ -10,6 +10,11 @@ that serves ``/metrics`` (the OpenAI server's front end).
 How it works: the data is a flat dict of counters (``int``) plus per-tier and per-reason dicts
 of counters and one peak; everything in it travels between processes as plain values. Request
 counts (loads, failures, saves) come from tensor-parallel rank 0 only, bytes from every rank.
+
+Labels come from closed sets: a keyed counter whose labels a client could choose has its set
+here (:data:`CLOSED_LABELS`: ``rejected_options{field}`` is a known option or ``unknown``), and
+every keyed counter keeps at most :data:`MAX_LABELS` series in one ``/metrics`` (what comes
+after counts under ``other``), so no request adds a series of its own.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
 )
+
+from ._request_keys import OPTION_FIELDS
 
 #: plain counters, summed
 COUNTERS = (
@@ -32,6 +39,7 @@ COUNTERS = (
     "cancelled_loads",  # loads of requests that finished (aborted) while loading
     "saves",  # saves that ended
     "window_saves",  # sliding windows saved while their request ran (prefix ends)
+    "adapter_misses",  # lookups answered 0 at once: the request's LoRA adapter is not loaded
 )
 #: dicts of counters (tier or reason -> count), summed key by key
 KEYED = (
@@ -49,8 +57,29 @@ KEYED = (
     "object_removals",  # cause -> objects that left an announced tier (rank 0)
     "windows_skipped",  # reason -> sliding windows worth saving that were not
 )
+#: the labels a keyed counter may carry where a client's request chooses them (anything else is
+#: counted under the last one)
+CLOSED_LABELS: dict[str, tuple[str, ...]] = {
+    "rejected_options": (*OPTION_FIELDS, "unknown"),
+}
+#: series one keyed counter keeps at most (its tiers, reasons, causes are far fewer)
+MAX_LABELS = 64
+#: where a keyed counter counts what comes past :data:`MAX_LABELS`
+OTHER = "other"
+
 #: peaks, aggregated by max
 PEAKS = ("rws_peak_bytes",)  # the largest restoration working set of one load (staging bytes)
+
+
+def closed_label(counter: str, label: str, seen: Any) -> str:
+    """``label`` as ``counter`` may carry it: one of its closed set (else the set's last), and
+    one of the first :data:`MAX_LABELS` - 1 labels ``seen`` (else :data:`OTHER`)."""
+    allowed = CLOSED_LABELS.get(counter)
+    if allowed is not None and label not in allowed:
+        return allowed[-1]
+    if label not in seen and len(seen) >= MAX_LABELS - 1:  # the last one is OTHER
+        return OTHER
+    return label
 
 
 def empty() -> dict[str, Any]:
@@ -72,7 +101,8 @@ class BsrConnectorStats(KVConnectorStats):  # type: ignore[misc]
         for k in KEYED:
             into = self.data[k]
             for name, n in (data.get(k) or {}).items():
-                into[str(name)] = into.get(str(name), 0) + int(n)
+                label = closed_label(k, str(name), into)
+                into[label] = into.get(label, 0) + int(n)
         for k in PEAKS:
             self.data[k] = max(self.data[k], int(data.get(k, 0) or 0))
 
@@ -80,7 +110,9 @@ class BsrConnectorStats(KVConnectorStats):  # type: ignore[misc]
         self.data[name] += n
 
     def count_key(self, name: str, key: str, n: int = 1) -> None:
-        self.data[name][key] = self.data[name].get(key, 0) + n
+        into = self.data[name]
+        label = closed_label(name, key, into)
+        into[label] = into.get(label, 0) + n
 
     def peak(self, name: str, value: int) -> None:
         self.data[name] = max(self.data[name], value)
@@ -131,6 +163,10 @@ METRICS = {
     "window_saves": (
         "vllm:bsr_window_saves",
         "Sliding windows bsr saved while their request ran (window checkpoints, ends).",
+    ),
+    "adapter_misses": (
+        "vllm:bsr_adapter_misses",
+        "bsr lookups that missed at once: the request's LoRA adapter was not loaded in the worker.",
     ),
 }
 KEYED_METRICS = {
@@ -211,6 +247,7 @@ class BsrPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
             multiprocess_mode="mostrecent",
         )
         self._peak: dict[int, int] = {}
+        self._labels: dict[tuple[int, str], set[str]] = {}  # series made per engine and counter
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         stats = BsrConnectorStats(transfer_stats_data).data
@@ -219,9 +256,12 @@ class BsrPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
             if stats[key]:
                 counter.labels(*labels).inc(stats[key])
         for key, counter in self._keyed.items():
+            made = self._labels.setdefault((engine_idx, key), set())
             for name, n in stats[key].items():
                 if n:
-                    counter.labels(*labels, name).inc(n)
+                    label = closed_label(key, name, made)
+                    made.add(label)
+                    counter.labels(*labels, label).inc(n)
         peak = max(self._peak.get(engine_idx, 0), stats["rws_peak_bytes"])
         if peak:
             self._peak[engine_idx] = peak

@@ -30,6 +30,12 @@ How it works:
   reported done once its task has ended (nothing reads the blocks then), counted in
   ``saves_skipped`` as ``timeout``; a save that skipped a busy tier is counted there under the
   tier's reason (``root_locked``).
+* Adapters. A LoRA request's keys name vLLM's adapter id only; this process's
+  :class:`~bsr.vllm._adapters.AdapterBook` (fed by hooks on vLLM's LoRA manager) replaces it by
+  the digest of the weights vLLM loaded: a lookup or a load with the weights loaded now (not
+  loaded: a miss, never a wait or a file read), a save with the weights that computed the
+  request (bound when the worker first saw it; two sets of weights during its life: not saved,
+  ``saves_skipped{reason="adapter_changed"}``).
 * Outcomes (:class:`BsrWorkerMetadata`) and stats (:class:`BsrConnectorStats`) go back with
   every step; request counts from rank 0 only.
 """
@@ -67,6 +73,7 @@ from bsr import (
 )
 
 from .._log import logger
+from ._adapters import AdapterBook, adapter_book, unbound_extras
 from ._bridge import LoopThread
 from ._fleet import WorkerFleet
 from ._kv_events import group_specs
@@ -108,6 +115,7 @@ class _Load:
     scope: anyio.CancelScope | None = None
     cancelled: bool = False
     aborted: bool = False  # the request finished while this load ran
+    unbound: bool = False  # its adapter is not loaded here (or changed): restored as a miss
     result: RestoreResult | None = None
     error: str | None = None
 
@@ -120,6 +128,8 @@ class _Load:
     def reason(self) -> str:
         """Why it did not commit what was promised (a ``failed_loads`` label)."""
         r = self.result
+        if self.unbound:
+            return "adapter_not_loaded"
         if r is not None:
             # a probe at load time that found less (evicted meanwhile) commits a shorter prefix
             return "shorter_prefix" if r.committed else str(r.reason.value)
@@ -156,6 +166,8 @@ class BsrWorker:
         self.fleet: WorkerFleet | None = None  # events, per-tier answers, cost (_fleet.py)
         self._audit: concurrent.futures.Future[None] | None = None
         self._log = logger.bind(role="worker", model=settings.model_id)
+        # the LoRA weights vLLM loads in this process, hooked before any adapter is loaded
+        self.adapters: AdapterBook = adapter_book()
 
     # ================================================================== startup
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -310,8 +322,12 @@ class BsrWorker:
     ) -> None:
         hit, by_tier = 0, [0]
         try:
+            bound = self.adapters.resolve(extras)
+            if bound is None:  # its adapter is not loaded here: a miss, at once
+                self.stats.count("adapter_misses")
+                return
             with anyio.move_on_after(self.opts.lookup_timeout_s):
-                hit, probe = await self._lookup(seq, tokens, extras, hints)
+                hit, probe = await self._lookup(seq, tokens, bound, hints)
                 if probe is not None and self.fleet is not None:
                     by_tier = self.fleet.by_tier(probe, hit, hints.start_tokens)
         except Exception as exc:  # a failed lookup is a miss
@@ -385,6 +401,8 @@ class BsrWorker:
         loop = self.loop
         if loop is not None and (meta.forget_lookups or meta.forget_all):
             loop.submit(self._forget, list(meta.forget_lookups), meta.forget_all)
+        for rid, lora_id in meta.adapters.items():  # vLLM loaded this step's adapters already
+            self.adapters.bind(rid, lora_id)
         if not meta.loads:
             return
         loads = [_Load(job) for job in meta.loads]
@@ -475,6 +493,11 @@ class BsrWorker:
                 entry[1].release()
             raise BsrError(f"load refused: {why}")
         deadline = self.settings.engine.deadline_s or self.opts.load_deadline_s
+        extras = self.adapters.bind_and_resolve(job.req_id, job.extras)
+        if extras is None:  # not loaded here (or since changed): a miss on this rank, while
+            # the restore still runs its agreement with the other ranks
+            load.unbound = True
+            extras = unbound_extras(job.extras)
         return await engine.restore(
             np.asarray(job.tokens, dtype=np.int64),
             cache,
@@ -485,7 +508,7 @@ class BsrWorker:
             probe=None if entry is None else entry[1],
             request_id=job.req_id,
             start_tokens=job.start_tokens,
-            extras=job.extras,
+            extras=extras,
         )
 
     def _cancel(self, load: _Load) -> None:
@@ -536,6 +559,12 @@ class BsrWorker:
     async def _save_one(self, job: SaveJob) -> SaveResult | str | None:
         engine, cache, fleet = self.engine, self.cache, self.fleet
         assert engine is not None and cache is not None
+        bound = self.adapters.resolve_bound(job.req_id, job.extras)
+        self.adapters.forget(job.req_id)
+        if isinstance(bound, str):  # not computed with one known set of adapter weights
+            self._log.info("bsr.vllm.save_skipped", request=job.req_id, reason=bound)
+            return bound
+        job = dataclasses.replace(job, extras=bound)
         since = None if fleet is None else fleet.begin()
         result: SaveResult | None = None
         try:
@@ -585,15 +614,17 @@ class BsrWorker:
         assert engine is not None and cache is not None
         out: list[SaveResult] = []
         block = self.settings.block_size
+        bound = self.adapters.resolve_bound(job.req_id, job.extras)
+        if isinstance(bound, str):  # not computed with one known set of adapter weights
+            self._log.info("bsr.vllm.window_save_skipped", request=job.req_id, reason=bound)
+            return out
         with anyio.move_on_after(self.opts.save_timeout_s):
             if written is not None:
                 await anyio.to_thread.run_sync(written.synchronize, abandon_on_cancel=True)
             for end in job.ends:
                 tables = self.tables(tuple(t[: end // block] for t in job.block_ids))
                 try:
-                    saved = await engine.save(
-                        list(job.tokens[:end]), cache, tables, extras=job.extras
-                    )
+                    saved = await engine.save(list(job.tokens[:end]), cache, tables, extras=bound)
                     out.append(saved)
                 except BsrError as exc:
                     log = self._log.warning
@@ -622,11 +653,13 @@ class BsrWorker:
             if fut.done() and rid in self._finished:
                 del self._saves[rid]
                 self._finished.pop(rid)
+                self.adapters.forget(rid)
                 out.finished_sending.add(rid)
                 self._account_save(fut)
         for rid, step in list(self._finished.items()):
             if self._step - step > FINISHED_KEEP_STEPS and rid not in self._saves:
                 del self._finished[rid]
+                self.adapters.forget(rid)  # finished without a save
         for job, wfut in list(self._window_saves.items()):
             if wfut.done():  # nothing reads the window's blocks any more
                 del self._window_saves[job]
