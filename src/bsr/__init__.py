@@ -27,6 +27,7 @@ from ._errors import LayoutError as LayoutError
 from ._errors import ObjectError as ObjectError
 from ._errors import ObjectNotFoundError as ObjectNotFoundError
 from ._errors import OutOfBlocksError as OutOfBlocksError
+from ._errors import ReadWithdrawnError as ReadWithdrawnError
 from ._errors import StagingError as StagingError
 from ._errors import TierBusyError as TierBusyError
 from ._errors import TierError as TierError
@@ -81,6 +82,7 @@ if TYPE_CHECKING:  # what mypy and readers see; at run time __getattr__ imports 
     from .engine._engine import RestoreEngine as RestoreEngine
     from .engine._health import BreakerState as BreakerState
     from .tiers._abandon import AbandonableCalls as AbandonableCalls
+    from .tiers._base import Medium as Medium
     from .tiers._base import Tier as Tier
     from .tiers._base import TierLease as TierLease
     from .tiers._base import TierStatistics as TierStatistics
@@ -90,6 +92,9 @@ if TYPE_CHECKING:  # what mypy and readers see; at run time __getattr__ imports 
     from .tiers._base import as_payload_view as as_payload_view
     from .tiers._codec import ObjectCodec as ObjectCodec
     from .tiers._codec import ObjectHeader as ObjectHeader
+    from .tiers._reads import Borrowed as Borrowed
+    from .tiers._reads import Fetched as Fetched
+    from .tiers._reads import ReadItem as ReadItem
     from .tiers._host import HostTier as HostTier
     from .tiers._host import HostTierOptions as HostTierOptions
     from .tiers._mooncake import MooncakeTier as MooncakeTier
@@ -152,6 +157,7 @@ _LAZY: dict[str, tuple[str, ...]] = {
     ".engine._health": ("BreakerState",),
     ".tiers._abandon": ("AbandonableCalls",),
     ".tiers._base": (
+        "Medium",
         "Tier",
         "TierLease",
         "TierStatistics",
@@ -161,6 +167,7 @@ _LAZY: dict[str, tuple[str, ...]] = {
         "as_payload_view",
     ),
     ".tiers._codec": ("ObjectCodec", "ObjectHeader"),
+    ".tiers._reads": ("Borrowed", "Fetched", "ReadItem"),
     ".tiers.file": ("FileTier", "FileTierOptions", "KvikioReader", "PosixReader", "UringReader"),
     ".tiers._host": ("HostTier", "HostTierOptions"),
     ".tiers._mooncake": ("MooncakeTier", "MooncakeTierOptions"),

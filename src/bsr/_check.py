@@ -430,6 +430,11 @@ class Check:
         return value
 
     @staticmethod
+    def optional_flag(value: Any, key: str) -> bool | None:
+        """True, False, or None (unset: the owner decides)."""
+        return None if value is None else Check.flag(value, key)
+
+    @staticmethod
     def text(value: Any, key: str) -> str:
         """A non-empty string with a UTF-8 form."""
         return text(value, key, key=key)

@@ -58,6 +58,7 @@ from bsr import (
     Check,
     ChunkKey,
     ConfigError,
+    Fetched,
     ObjectCodec,
     ObjectKey,
     ObjectNotFoundError,
@@ -335,7 +336,7 @@ class RedisTier(Tier):
                 found = await self._call(probe, "EXISTS")
         return [bool(n) for n in found]
 
-    async def read_into(self, key: ChunkKey, group: str, dst: Any) -> int:
+    async def fetch_into(self, key: ChunkKey, group: str, dst: Any) -> Fetched:
         client = self._require()
         okey = ObjectKey(key, group)
         keys = self.store_keys(key, group)
@@ -378,16 +379,11 @@ class RedisTier(Tier):
                     raise ObjectNotFoundError(
                         f"object not in Redis at {self._where()}", **self._ctx(okey)
                     )
-                try:
-                    # bounded memory work into the caller's buffer: never abandoned
-                    plen = await anyio.to_thread.run_sync(
-                        lambda: ObjectCodec.decode_into(blob, okey, dst, where=self.name)
-                    )
-                except Exception:
-                    self._count(errors=1)
-                    raise
-        self._count(hits=1, reads=1, bytes_read=plen)
-        return plen
+
+                # bounded memory work into the caller's buffer: never abandoned
+                fetched = await anyio.to_thread.run_sync(ObjectCodec.copy_out, blob, dst)
+        self._count(hits=1, reads=1, bytes_read=fetched.nbytes)
+        return fetched
 
     async def write(self, key: ChunkKey, group: str, payload: Any) -> bool:
         client = self._require()
@@ -452,3 +448,4 @@ class RedisTier(Tier):
     def __repr__(self) -> str:
         mode = "cluster" if self.options.cluster else "server"
         return f"RedisTier(name={self.name!r}, {mode}={self._where()!r})"
+

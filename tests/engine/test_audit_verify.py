@@ -21,7 +21,7 @@ LAYOUT = bsr.StateLayout(chunk_tokens=32, groups=(bsr.StateGroup("kv", 2, 256),)
 class FailingReads(bsr.TierWrapper[bsr.Tier]):
     """A tier that holds its objects but cannot read them now (a device error)."""
 
-    async def read_into(self, key: bsr.ChunkKey, group: str, dst: Any) -> int:
+    async def fetch_into(self, key: bsr.ChunkKey, group: str, dst: Any) -> bsr.Fetched:
         raise bsr.TierIOError("the device failed the read", tier=self.name)
 
 

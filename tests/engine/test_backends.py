@@ -180,11 +180,11 @@ class StuckBlockingTier(bsr.TierWrapper[bsr.Tier]):
         self.unstick = threading.Event()
         self.stuck = threading.Event()
 
-    def read_into_blocking(self, key: bsr.ChunkKey, group: str, dst: Any) -> int:
+    def fetch_into_blocking(self, key: bsr.ChunkKey, group: str, dst: Any) -> bsr.Fetched:
         if key.index == 1:
             self.stuck.set()
             self.unstick.wait(30)
-        return self.inner.read_into_blocking(key, group, dst)
+        return self.inner.fetch_into_blocking(key, group, dst)
 
 
 async def test_deadline_abandons_a_stuck_worker_thread(anyio_backend: str, tier: bsr.Tier) -> None:
@@ -220,8 +220,8 @@ class ShieldedSlowReads(bsr.TierWrapper[bsr.Tier]):
     """Async reads that outlast the deadline shielded and return without another checkpoint,
     so the cancellation lands at the next one: just before the install's worker thread."""
 
-    async def read_into(self, key: bsr.ChunkKey, group: str, dst: Any) -> int:
-        n = await self.inner.read_into(key, group, dst)
+    async def fetch_into(self, key: bsr.ChunkKey, group: str, dst: Any) -> bsr.Fetched:
+        n = await self.inner.fetch_into(key, group, dst)
         if group == LAYOUT.groups[-1].name:  # the chunk's last read: the install comes next
             with anyio.CancelScope(shield=True):
                 await anyio.sleep(0.4)

@@ -252,10 +252,10 @@ class HangingQuarantineTier(bsr.TierWrapper[bsr.Tier]):
         self.entered = anyio.Event()
         self.moved: list[str] = []
 
-    async def read_into(self, key: Any, group: str, dst: Any) -> int:
+    async def fetch_into(self, key: Any, group: str, dst: Any) -> bsr.Fetched:
         if ObjectKey(key, group).object_id in self.bad:
             raise bsr.CorruptObjectError("checksum mismatch (test)", tier=self.name)
-        return await self.inner.read_into(key, group, dst)
+        return await self.inner.fetch_into(key, group, dst)
 
     async def quarantine(self, key: Any, group: str, reason: str) -> None:
         self.entered.set()

@@ -20,7 +20,7 @@ from bsr.core._plan import plan_restore
 from bsr.engine._decisions import Quarantine, RestoreGate, TierQuarantine
 from bsr.engine._health import TierHealth
 from bsr.transfer._ladder import Outcome, ReadOutcome
-from bsr.transfer._pipeline import RestoreRun
+from bsr.transfer._run import RestoreRun
 from support.helpers import two_group_layout
 
 TIERS = ("fast", "slow")
@@ -137,8 +137,8 @@ def test_busy_time_spans_exactly_the_reads_in_flight(
     steps: list[tuple[str, list[Outcome], int]],
 ) -> None:
     """The cost model's read time per tier (``busy_by_tier``): each admitted attempt, and each
-    admitted batch (its objects' failures reported inside it, one success report or
-    ``end_batch`` closing it), is one span; once every span ended the time stops growing. The
+    admitted batch (its objects' failures reported through it, its ``end`` closing it), is one
+    span; once every span ended the time stops growing. The
     model: the sum of the spans' lengths (they do not overlap here)."""
     gate, clock = _fake_clock_gate()
     tier = TIERS[0]
@@ -157,20 +157,16 @@ def test_busy_time_spans_exactly_the_reads_in_flight(
             if kind == "single":
                 assert gate.admit(tier, KEYS[0], "kv") is None
                 at(start + length)
-                if outcomes and outcomes[0] is not Outcome.OK:
-                    gate.report(ReadOutcome(tier, KEYS[0], "kv", 0, outcomes[0]))
-                else:
-                    gate.report_ok(tier)
+                outcome = outcomes[0] if outcomes else Outcome.OK
+                gate.report(ReadOutcome(tier, KEYS[0], "kv", 0, outcome))
             else:
-                assert gate.admit_batch(tier, [(KEYS[0], "kv")])
+                batch = gate.admit_batch(tier, [(KEYS[0], "kv")])
+                assert batch is not None
                 for o in outcomes:  # the batch's failed objects, reported inside it
                     if o is not Outcome.OK:
-                        gate.report(ReadOutcome(tier, KEYS[0], "kv", 0, o))
+                        batch.report(ReadOutcome(tier, KEYS[0], "kv", 0, o))
                 at(start + length)
-                if any(o is Outcome.OK for o in outcomes) or not outcomes:
-                    gate.report_ok(tier)
-                else:
-                    gate.end_batch(tier)
+                batch.end(any(o is Outcome.OK for o in outcomes) or not outcomes)
             expected += length
             at(clock[0] + 5)  # idle: no read in flight
             busy = gate.busy_by_tier().get(tier, 0.0)

@@ -31,10 +31,10 @@ class HangingTier(bsr.TierWrapper[bsr.Tier]):
         self.hang_close = hang_close
         self.quarantine_calls = 0
 
-    async def read_into(self, key: ChunkKey, group: str, dst: Any) -> int:
+    async def fetch_into(self, key: ChunkKey, group: str, dst: Any) -> bsr.Fetched:
         if ObjectKey(key, group).object_id in self.bad:
             raise bsr.CorruptObjectError("checksum mismatch (test)", tier=self.name)
-        return await self.inner.read_into(key, group, dst)
+        return await self.inner.fetch_into(key, group, dst)
 
     async def quarantine(self, key: ChunkKey, group: str, reason: str) -> None:
         self.quarantine_calls += 1

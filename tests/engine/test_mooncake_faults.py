@@ -231,8 +231,8 @@ class KillAfterReads(LatencyTier):
         self.reads = 0
         self.fired_at: float | None = None
 
-    async def read_into(self, key: bsr.ChunkKey, group: str, dst: Any) -> int:
-        n = await super().read_into(key, group, dst)
+    async def fetch_into(self, key: bsr.ChunkKey, group: str, dst: Any) -> bsr.Fetched:
+        n = await super().fetch_into(key, group, dst)
         self.reads += 1
         if self.reads == self.after:
             self.fired_at = time.monotonic()
@@ -249,8 +249,8 @@ class PauseMasterAfterReads(LatencyTier):
         self.after = after
         self.reads = 0
 
-    async def read_into(self, key: bsr.ChunkKey, group: str, dst: Any) -> int:
-        n = await super().read_into(key, group, dst)
+    async def fetch_into(self, key: bsr.ChunkKey, group: str, dst: Any) -> bsr.Fetched:
+        n = await super().fetch_into(key, group, dst)
         self.reads += 1
         if self.reads == self.after:
             self.cluster.pause_master()

@@ -73,9 +73,9 @@ class GatedTier(bsr.TierWrapper[bsr.Tier]):
         await self._pass("probe")
         return await self.inner.contains_many(objects)
 
-    async def read_into(self, key: Any, group: str, dst: Any) -> int:
+    async def fetch_into(self, key: Any, group: str, dst: Any) -> bsr.Fetched:
         await self._pass("read")
-        return await self.inner.read_into(key, group, dst)
+        return await self.inner.fetch_into(key, group, dst)
 
 
 def history(conv: int, n: int) -> list[int]:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import hypothesis
+import numpy as np
 import pytest
 import structlog
 import torch
@@ -179,14 +180,18 @@ def test_campaign(name: str, report: dict[str, Any]) -> None:
 
 # ------------------------------------------------------------------ the campaign can fail
 class _LyingHostTier(bsr.HostTier):
-    """Verifies, then hands back one wrong byte for some objects: a tier bug."""
+    """Stores one wrong byte for some objects, sealed as if it were right (a tier bug no check
+    of a read can see: every read the engine checks matches the header stored with it). A
+    tier returning wrong bytes on read is caught by the engine itself (see
+    tests/transfer/test_lying_tiers.py); this one only the campaign's model can catch."""
 
-    async def read_into(self, key: bsr.ChunkKey, group: str, dst: Any) -> int:
-        n = await super().read_into(key, group, dst)
+    async def write(self, key: bsr.ChunkKey, group: str, payload: Any) -> bool:
         if key.digest[0] % 3 == 0:
-            view = memoryview(dst.numpy() if isinstance(dst, torch.Tensor) else dst).cast("B")
-            view[0] ^= 0x01
-        return n
+            flipped = np.array(memoryview(payload.numpy() if isinstance(payload, torch.Tensor)
+                                          else payload).cast("B"), dtype=np.uint8)  # fmt: skip
+            flipped[0] ^= 0x01
+            payload = flipped
+        return await super().write(key, group, payload)
 
 
 class _ForgetfulHostTier(bsr.HostTier):

@@ -219,12 +219,12 @@ class DictTier(bsr.Tier):
     async def contains_many(self, objects: Sequence[bsr.ObjectKey]) -> list[bool]:
         return [o.object_id in self.store for o in objects]
 
-    async def read_into(self, key: bsr.ChunkKey, group: str, dst: Any) -> int:
+    async def fetch_into(self, key: bsr.ChunkKey, group: str, dst: Any) -> bsr.Fetched:
         okey = bsr.ObjectKey(key, group)
         blob = self.store.get(okey.object_id)
         if blob is None:
             raise bsr.ObjectNotFoundError("not stored", tier=self.name)
-        return bsr.ObjectCodec.decode_into(blob, okey, dst, where=self.name)
+        return bsr.ObjectCodec.copy_out(blob, dst)
 
     async def write(self, key: bsr.ChunkKey, group: str, payload: Any) -> bool:
         okey = bsr.ObjectKey(key, group)

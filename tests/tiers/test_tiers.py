@@ -197,7 +197,7 @@ async def test_base_tier_defaults_work_for_a_minimal_tier() -> None:
         async def contains_many(self, objects):  # type: ignore[no-untyped-def]
             return [False] * len(objects)
 
-        async def read_into(self, key, group, dst):  # type: ignore[no-untyped-def]
+        async def fetch_into(self, key, group, dst):  # type: ignore[no-untyped-def]
             raise bsr.ObjectNotFoundError("none")
 
         async def write(self, key, group, payload):  # type: ignore[no-untyped-def]

@@ -1,8 +1,9 @@
-"""The transfer pipeline on its own: slot accounting, early stop, outcomes reported to the gate.
+"""The transfer pipeline on its own: slot accounting, early stop, outcomes reported to the gate,
+one test per install mode.
 
-A small in-memory tier (payload = a known byte pattern per (chunk, group)) stands in for storage,
-so each test controls exactly which reads succeed; the pipeline, the staging pool, the ladder and
-the paged cache are the real ones.
+A small in-memory tier (each object a real stored object whose payload is a known byte pattern
+per (chunk, group)) stands in for storage, so each test controls exactly which reads succeed;
+the pipeline, the staging pool, the ladder and the paged cache are the real ones.
 """
 
 from __future__ import annotations
@@ -19,9 +20,12 @@ import bsr
 from bsr.core._keys import ChunkKey, ObjectKey, chunk_keys
 from bsr.core._plan import plan_restore
 from bsr.core._results import Probe
+from bsr.core._object import encode_object
+from bsr.transfer._install import HostInstaller
 from bsr.transfer._ladder import Outcome, ReadOutcome
-from bsr.transfer._pipeline import RestoreRun, WholePlanBuffer, WindowPipeline
-from bsr.transfer._staging import StagingPool
+from bsr.transfer._pipeline import WindowPipeline
+from bsr.transfer._run import RestoreRun
+from bsr.transfer._staging import StagingPool, WholePlanBuffer
 
 LAYOUT = bsr.StateLayout(
     chunk_tokens=16,
@@ -61,7 +65,7 @@ class MemTier(bsr.Tier):
     async def contains_many(self, objects: Sequence[ObjectKey]) -> list[bool]:
         return [o.chunk.hex in self.index for o in objects]
 
-    def read_into_blocking(self, key: ChunkKey, group: str, dst: Any) -> int:
+    def fetch_into_blocking(self, key: ChunkKey, group: str, dst: Any) -> bsr.Fetched:
         self.threads.add(threading.current_thread().name)
         if self.gate is not None:
             self.gate.wait(10)
@@ -69,14 +73,12 @@ class MemTier(bsr.Tier):
         self.reads.append((c, group))
         if (c, group) in self.fail:
             raise self.fail[(c, group)]
-        data = pattern(c, group).numpy()
-        out = dst.numpy() if isinstance(dst, torch.Tensor) else dst  # any writable buffer
-        memoryview(out).cast("B")[: len(data)] = data.tobytes()
-        return len(data)
+        blob = encode_object(ObjectKey(key, group), pattern(c, group).numpy())
+        return bsr.ObjectCodec.copy_out(blob, dst)
 
-    async def read_into(self, key: ChunkKey, group: str, dst: Any) -> int:
+    async def fetch_into(self, key: ChunkKey, group: str, dst: Any) -> bsr.Fetched:
         await anyio.lowlevel.checkpoint()
-        return self.read_into_blocking(key, group, dst)
+        return self.fetch_into_blocking(key, group, dst)
 
     async def write(self, key: ChunkKey, group: str, payload: Any) -> bool:
         raise NotImplementedError
@@ -95,6 +97,9 @@ class RecordingGate:
 
     def admit(self, tier: str, key: ChunkKey, group: str) -> str | None:
         return "refused by test" if tier in self.refuse else None
+
+    def admit_batch(self, tier: str, objects: Any) -> Any:
+        return None  # every object admitted and reported on its own
 
     def report(self, outcome: ReadOutcome) -> None:
         self.outcomes.append(outcome)
@@ -291,19 +296,19 @@ async def test_whole_plan_reads_everything_before_installing() -> None:
 
     async def main() -> None:
         installs: list[int] = []
-        orig = WindowPipeline._install_host
+        orig = HostInstaller.install
 
-        def counting(self: WindowPipeline, job: Any, c: int, slot: Any) -> bool:
+        def counting(self: HostInstaller, c: int, *args: Any, **kw: Any) -> None:
             installs.append(len(tier.reads))  # reads done when this chunk is installed
-            return orig(self, job, c, slot)
+            orig(self, c, *args, **kw)
 
-        WindowPipeline._install_host = counting  # type: ignore[method-assign]
+        HostInstaller.install = counting  # type: ignore[method-assign]
         try:
             run, pool, cache, ids, _ = await run_pipeline(
                 [tier], n, strategy=bsr.Strategy.WHOLE_PLAN, keys=keys
             )
         finally:
-            WindowPipeline._install_host = orig  # type: ignore[method-assign]
+            HostInstaller.install = orig  # type: ignore[method-assign]
         # every chunk was read before the first install
         assert installs and min(installs) == 2 * n
         assert len(run.installed) == 2 * n

@@ -69,7 +69,7 @@ class GateTier(bsr.TierWrapper[bsr.Tier]):
                 await anyio.sleep(0.05)
         return await self.inner.contains_many(objects)
 
-    def read_into_blocking(self, key: bsr.ChunkKey, group: str, dst: Any) -> int:
+    def fetch_into_blocking(self, key: bsr.ChunkKey, group: str, dst: Any) -> bsr.Fetched:
         held = self._held()
         if held:
             self._mark("read-waiting")
@@ -77,7 +77,7 @@ class GateTier(bsr.TierWrapper[bsr.Tier]):
                 time.sleep(0.05)
         try:
             self._corrupt(key, group)
-            return self.inner.read_into_blocking(key, group, dst)
+            return self.inner.fetch_into_blocking(key, group, dst)
         finally:
             if held:
                 self._mark("read-returned")
@@ -86,7 +86,7 @@ class GateTier(bsr.TierWrapper[bsr.Tier]):
         if key.index == 0 and (self.where / "corrupt-first").exists():
             raise bsr.CorruptObjectError("injected by the test", tier=self.name, group=group)
 
-    async def read_into(self, key: bsr.ChunkKey, group: str, dst: Any) -> int:
+    async def fetch_into(self, key: bsr.ChunkKey, group: str, dst: Any) -> bsr.Fetched:
         held = self._held()
         if held:
             self._mark("read-waiting")
@@ -94,7 +94,7 @@ class GateTier(bsr.TierWrapper[bsr.Tier]):
                 await anyio.sleep(0.05)
         try:
             self._corrupt(key, group)
-            return await self.inner.read_into(key, group, dst)
+            return await self.inner.fetch_into(key, group, dst)
         finally:
             if held:
                 self._mark("read-returned")

@@ -59,13 +59,17 @@ from .._errors import (
     ForeignObjectError,
     ObjectError,
     ObjectNotFoundError,
+    ReadWithdrawnError,
     TierError,
     TruncatedObjectError,
 )
 from ..core._keys import ChunkKey, Namespace, ObjectKey, chunk_keys
 from ..core._layout import StateGroup, StateLayout
 from ..core._object import HEADER_SIZE, encode_header, encode_object
+from ..tiers._abandon import cancellation
 from ..tiers._base import Tier
+from ..tiers._codec import ObjectCodec
+from ..tiers._reads import Borrowed, ReadItem
 from ..tiers.file import FileTier
 from ._faults import corrupt_stored, put_raw_stored, storage_tier, truncate_stored
 
@@ -374,6 +378,246 @@ class TierConformance:
                     tg.start_soon(read, j)
             for j in range(8):
                 assert np.array_equal(bufs[j], payload(j % 4))
+
+        await self.run(tmp_path, body)
+
+    # ------------------------------------------------------------------ the bulk read
+    async def test_fetch_moves_the_stored_header_and_payload(self, tmp_path: Path) -> None:
+        """``fetch_into`` hands back what was stored: a header that the engine's check accepts
+        with the payload it moved (the check, not the tier, vouches for the bytes)."""
+        keys = make_keys(2)
+
+        async def body(tier: Tier) -> None:
+            await tier.write(keys[0], "kv", payload(5))
+            dst = np.zeros(PAYLOAD_BYTES, dtype=np.uint8)
+            got = await tier.fetch_into(keys[0], "kv", dst)
+            assert got.nbytes >= PAYLOAD_BYTES and len(got.header) >= HEADER_SIZE
+            assert ObjectCodec.check_read(
+                got.header, got.nbytes, keys[0], "kv", dst, PAYLOAD_BYTES, got.stored
+            ) == PAYLOAD_BYTES  # fmt: skip
+            assert np.array_equal(dst, payload(5))
+            # the same bytes are not another object's
+            assert ObjectCodec.check_read(got.header, got.nbytes, keys[1], "kv", dst, -1) == -1
+            assert ObjectCodec.check_read(got.header, got.nbytes, keys[0], "aux", dst, -1) == -1
+            with pytest.raises(ObjectNotFoundError):
+                await tier.fetch_into(keys[1], "kv", dst)
+
+        await self.run(tmp_path, body)
+
+    async def _read_many(
+        self, tier: Tier, items: list[ReadItem], *, lend: bool = False, ahead: int = 4,
+        stop_after: int | None = None,
+    ) -> list[tuple[ReadItem, Any]]:  # fmt: skip
+        """``tier.read_many_blocking`` of ``items`` in a worker thread; each ``end`` call as
+        ``(item, result)``, in order."""
+        pending = list(reversed(items))
+        ended: list[tuple[ReadItem, Any]] = []
+
+        def begin() -> ReadItem | None:
+            return pending.pop() if pending else None
+
+        def end(item: ReadItem, result: Any) -> bool:
+            ended.append((item, result))
+            if isinstance(result, Borrowed):
+                # a lent payload and its header stay valid until released
+                assert result.header is not None or item.header is not None
+            return stop_after is None or len(ended) < stop_after
+
+        await anyio.to_thread.run_sync(
+            lambda: tier.read_many_blocking(begin, end, ahead, lend=lend)
+        )
+        return ended
+
+    async def test_read_many_ends_each_item_once_with_what_was_stored(
+        self, tmp_path: Path
+    ) -> None:
+        """Every item begun ends exactly once: its stored bytes (the header the check accepts
+        with them) or its miss; lent or copied, the bytes are the saved ones."""
+        keys = make_keys(6)
+
+        async def body(tier: Tier) -> None:
+            for i, k in enumerate(keys[:4]):
+                await tier.write(k, "kv", payload(i))
+            for lend in (False, True):
+                dsts = [np.full(PAYLOAD_BYTES, 0xEE, dtype=np.uint8) for _ in keys]
+                items = [ReadItem(k, "kv", d, PAYLOAD_BYTES, chunk=i)
+                         for i, (k, d) in enumerate(zip(keys, dsts))]  # fmt: skip
+                ended = await self._read_many(tier, items, lend=lend)
+                assert sorted(it.chunk for it, _ in ended) == list(range(len(keys)))
+                for item, result in ended:
+                    i = item.chunk
+                    if i >= 4:
+                        assert isinstance(result, ObjectNotFoundError), (i, result)
+                        continue
+                    if isinstance(result, Borrowed):
+                        assert lend, "lent without leave"
+                        head = result.header if result.header is not None else item.header
+                        view, n = result.payload, len(result.payload)
+                    else:
+                        assert isinstance(result, int), (i, result)
+                        head, view, n = item.header, item.dst, result
+                    assert ObjectCodec.check_read(
+                        head, n, item.key, "kv", view, PAYLOAD_BYTES
+                    ) == PAYLOAD_BYTES  # fmt: skip
+                    assert np.array_equal(np.asarray(view)[:PAYLOAD_BYTES], payload(i))
+                    if isinstance(result, Borrowed):
+                        result.release()
+                        result.release()  # idempotent
+
+        await self.run(tmp_path, body)
+
+    async def test_read_many_writes_a_destination_only_between_its_begin_and_its_end(
+        self, tmp_path: Path
+    ) -> None:
+        """A destination is untouched when its item begins and never written after its end
+        (nor after the call returned)."""
+        keys = make_keys(6)
+
+        async def body(tier: Tier) -> None:
+            for i, k in enumerate(keys):
+                await tier.write(k, "kv", payload(i))
+            dsts = [np.full(PAYLOAD_BYTES, 0xEE, dtype=np.uint8) for _ in keys]
+            items = [ReadItem(k, "kv", d, PAYLOAD_BYTES, chunk=i)
+                     for i, (k, d) in enumerate(zip(keys, dsts))]  # fmt: skip
+            pending = list(reversed(items))
+            at_end: dict[int, bytes] = {}
+
+            def begin() -> ReadItem | None:
+                if not pending:
+                    return None
+                item = pending.pop()
+                assert (item.dst == 0xEE).all(), "written before its begin"
+                return item
+
+            def end(item: ReadItem, result: Any) -> bool:
+                at_end[item.chunk] = item.dst.tobytes()
+                if isinstance(result, Borrowed):
+                    result.release()
+                return True
+
+            await anyio.to_thread.run_sync(lambda: tier.read_many_blocking(begin, end, 3))
+            await anyio.sleep(0.05)
+            assert sorted(at_end) == list(range(len(keys)))
+            for i, d in enumerate(dsts):
+                assert d.tobytes() == at_end[i], f"item {i}'s destination written after its end"
+
+        await self.run(tmp_path, body)
+
+    async def test_read_many_begins_no_more_once_end_says_so(self, tmp_path: Path) -> None:
+        """``end`` returning False stops the beginning; every item begun still ends once."""
+        keys = make_keys(8)
+
+        async def body(tier: Tier) -> None:
+            for i, k in enumerate(keys):
+                await tier.write(k, "kv", payload(i))
+            begun: list[int] = []
+            pending = [ReadItem(k, "kv", np.zeros(PAYLOAD_BYTES, np.uint8), PAYLOAD_BYTES,
+                                chunk=i) for i, k in enumerate(keys)][::-1]  # fmt: skip
+            ended: list[int] = []
+
+            def begin() -> ReadItem | None:
+                if not pending:
+                    return None
+                item = pending.pop()
+                begun.append(item.chunk)
+                return item
+
+            def end(item: ReadItem, result: Any) -> bool:
+                ended.append(item.chunk)
+                return len(ended) < 2
+
+            await anyio.to_thread.run_sync(lambda: tier.read_many_blocking(begin, end, 2))
+            assert sorted(ended) == sorted(begun) and len(set(ended)) == len(ended)
+            assert len(begun) < len(keys)
+
+        await self.run(tmp_path, body)
+
+    async def test_read_many_lent_payload_outlives_eviction_until_released(
+        self, tmp_path: Path
+    ) -> None:
+        """A payload a tier lends stays the saved bytes while it is lent, even if its object is
+        deleted and the tier is filled past its capacity meanwhile (its memory is never
+        handed to another object before the release)."""
+        n = max(4, self.capacity_bytes // (PAYLOAD_BYTES + 4096) + 2)
+        keys = make_keys(n + 1)
+
+        async def body(tier: Tier) -> None:
+            await tier.write(keys[0], "kv", payload(0))
+            item = ReadItem(keys[0], "kv", np.zeros(PAYLOAD_BYTES, np.uint8), PAYLOAD_BYTES)
+            ((_, result),) = await self._read_many(tier, [item], lend=True)
+            if not isinstance(result, Borrowed):
+                pytest.skip("the tier lends nothing (it copies into the destination)")
+            try:
+                await tier.delete(keys[0], "kv")
+                for i, k in enumerate(keys[1:], 1):  # reuse every byte the tier could
+                    await tier.write(k, "kv", payload(i))
+                assert np.array_equal(np.asarray(result.payload)[:PAYLOAD_BYTES], payload(0))
+            finally:
+                result.release()
+
+        await self.run(tmp_path, body)
+
+    async def test_read_many_damage_never_passes_the_check(self, tmp_path: Path) -> None:
+        """A damaged object read in a batch ends as an error, or as bytes the check refuses."""
+        keys = make_keys(3)
+
+        async def body(tier: Tier) -> None:
+            for i, k in enumerate(keys):
+                await tier.write(k, "kv", payload(i))
+            if not await self.corrupt_object(tier, keys[1], "kv", HEADER_SIZE + 77):
+                pytest.skip("tier offers no corruption hook")
+            for lend in (False, True):
+                items = [ReadItem(k, "kv", np.zeros(PAYLOAD_BYTES, np.uint8), PAYLOAD_BYTES,
+                                  chunk=i) for i, k in enumerate(keys)]  # fmt: skip
+                for item, result in await self._read_many(tier, items, lend=lend):
+                    if isinstance(result, BaseException):
+                        assert item.chunk == 1 and isinstance(result, BsrError), result
+                        continue
+                    lent = isinstance(result, Borrowed)
+                    head = result.header if lent and result.header is not None else item.header
+                    view = result.payload if lent else item.dst
+                    n = len(view) if lent else result
+                    ok = ObjectCodec.check_read(head, n, item.key, "kv", view, PAYLOAD_BYTES)
+                    assert (ok == -1) is (item.chunk == 1)
+                    if lent:
+                        result.release()
+
+        await self.run(tmp_path, body)
+
+    async def test_read_many_withdrawn_when_the_request_ends(self, tmp_path: Path) -> None:
+        """Under a request that has ended (``cancellation``), a bulk read still ends every
+        item it began exactly once (read, or withdrawn) and returns."""
+        keys = make_keys(5)
+
+        async def body(tier: Tier) -> None:
+            for i, k in enumerate(keys):
+                await tier.write(k, "kv", payload(i))
+            items = [ReadItem(k, "kv", np.zeros(PAYLOAD_BYTES, np.uint8), PAYLOAD_BYTES,
+                              chunk=i) for i, k in enumerate(keys)][::-1]  # fmt: skip
+            begun: list[int] = []
+            ended: list[tuple[int, Any]] = []
+
+            def begin() -> ReadItem | None:
+                if not items:
+                    return None
+                begun.append(items[-1].chunk)
+                return items.pop()
+
+            def end(item: ReadItem, result: Any) -> bool:
+                ended.append((item.chunk, result))
+                if isinstance(result, Borrowed):
+                    result.release()
+                return True
+
+            def work() -> None:
+                with cancellation(lambda: True):
+                    tier.read_many_blocking(begin, end, 4)
+
+            with anyio.fail_after(30):
+                await anyio.to_thread.run_sync(work)
+            assert sorted(c for c, _ in ended) == sorted(begun)
+            for _, result in ended:
+                assert isinstance(result, (int, Borrowed, ReadWithdrawnError, BsrError)), result
 
         await self.run(tmp_path, body)
 

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
+import anyio
+
 from .._check import positive_float, text
 from .._errors import ClosedError, ObjectError
 from .._log import logger
@@ -307,12 +309,24 @@ class Tier(AsyncResource, abc.ABC):
         return self._checked(key, group, dst, await self.fetch_into(key, group, dst))
 
     def fetch_into_blocking(self, key: ChunkKey, group: str, dst: Any) -> Fetched:
-        """:meth:`fetch_into`, synchronous and safe to call from any worker thread concurrently
-        with the event loop. Only tiers with ``blocking_reads = True`` implement it."""
-        raise NotImplementedError(
-            f"{type(self).__name__} has no blocking reads (blocking_reads is False); "
-            "call await fetch_into()"
-        )
+        """:meth:`fetch_into`, synchronous and safe to call from a worker thread concurrently
+        with the event loop. Tiers with ``blocking_reads = True`` implement it natively.
+
+        Default (a tier whose reads are async only): its :meth:`fetch_into`, run on the event
+        loop of the anyio worker thread calling this (``anyio.from_thread``); the transfer
+        pipeline never calls it so (it reads such tiers with their async reads), but a caller
+        of :meth:`read_many_blocking` in an ``anyio.to_thread`` worker may.
+        """
+        try:
+            return anyio.from_thread.run(self.fetch_into, key, group, dst)
+        except RuntimeError as exc:
+            if "worker thread" not in str(exc):
+                raise
+            raise RuntimeError(
+                f"{type(self).__name__} reads with await fetch_into() (blocking_reads is "
+                "False); its blocking reads run only in an anyio worker thread "
+                "(anyio.to_thread.run_sync)"
+            ) from exc
 
     def read_into_blocking(self, key: ChunkKey, group: str, dst: Any) -> int:
         """:meth:`read_into`, synchronous (tiers with ``blocking_reads = True``)."""
@@ -327,8 +341,13 @@ class Tier(AsyncResource, abc.ABC):
             return plen
         exc = ObjectCodec.read_error(header, n, key, group, view, -1, stored, where=self.name)
         if isinstance(exc, ObjectError):
-            self._count(errors=1)
+            self.refused()
         raise exc
+
+    def refused(self) -> None:
+        """Count one read whose bytes the reader's check refused (``statistics().errors``):
+        the tier moved them, the engine would not have them. Thread-safe."""
+        self._count(errors=1)
 
     def read_many_blocking(self, begin: Begin, end: End, ahead: int, *, lend: bool = False) -> None:
         """Move a batch of objects (:mod:`bsr.tiers._reads` has the contract): ``begin()``
@@ -522,7 +541,12 @@ class TierWrapper(Tier, Generic[T]):
         return await self.inner.fetch_into(key, group, dst)
 
     def fetch_into_blocking(self, key: ChunkKey, group: str, dst: Any) -> Fetched:
+        if self._changes("fetch_into"):  # this wrapper's own async read, never around it
+            return Tier.fetch_into_blocking(self, key, group, dst)
         return self.inner.fetch_into_blocking(key, group, dst)
+
+    def refused(self) -> None:
+        self.inner.refused()
 
     def read_many_blocking(self, begin: Begin, end: End, ahead: int, *, lend: bool = False) -> None:
         if self._reads_unchanged():

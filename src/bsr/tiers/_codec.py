@@ -36,6 +36,7 @@ from ..core._object import (
     payload_checksum,
     verify_payload,
 )
+from ._reads import Fetched
 from ._views import as_byte_view, as_payload_view
 
 
@@ -233,6 +234,17 @@ class ObjectCodec:
         if xxhash.xxh3_64_intdigest(payload[:plen]) != psum:
             return -1
         return plen
+
+    @staticmethod
+    def copy_out(blob: Any, dst: Any) -> Fetched:
+        """What a tier that keeps whole stored objects (a key-value store) returns from
+        :meth:`~bsr.Tier.fetch_into`: ``blob``'s header (a copy) and as much of its payload as
+        ``dst`` holds, copied into ``dst``, unchecked (the reader checks them)."""
+        src = np.frombuffer(as_payload_view(blob), dtype=np.uint8)
+        out = np.frombuffer(as_byte_view(dst), dtype=np.uint8)
+        n = max(0, min(len(src) - HEADER_SIZE, len(out)))
+        out[:n] = src[HEADER_SIZE : HEADER_SIZE + n]
+        return Fetched(src[:HEADER_SIZE].tobytes(), n, len(src))
 
     @staticmethod
     def stated_length(header: Any) -> int:

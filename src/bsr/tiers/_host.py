@@ -22,8 +22,9 @@ import anyio
 import numpy as np
 
 from .._check import Check, option
-from .._errors import ObjectNotFoundError
+from .._errors import ObjectNotFoundError, TierFullError
 from ..core._keys import ChunkKey, ObjectKey, object_id
+from ._arena import Block, HostArena
 from ._base import Medium, StorageHooks, Tier
 from ._codec import ObjectCodec
 from ._lru import IndexedTier, LruIndex
@@ -43,6 +44,9 @@ class HostTierOptions(TierOptions):
     capacity_bytes: int = option(Check.size)
     _: KW_ONLY
     name: str = option(Check.text, "host")
+    #: page-lock the tier's memory (host-to-device copies by DMA straight from an object);
+    #: None: where CUDA is present
+    pinned: bool | None = option(Check.optional_flag, None)
 
     def build(self) -> Tier:
         return HostTier(**self.arguments())
@@ -52,9 +56,15 @@ class HostTier(IndexedTier):
     """L1 tier in host memory.
 
     Args:
-        capacity_bytes: upper bound on stored bytes (headers included); least recently used
-            objects are evicted to make room, never one that is being read or is leased.
+        capacity_bytes: upper bound on stored bytes (headers included, each object rounded up
+            to whole 4 KiB pages); least recently used objects are evicted to make room, never
+            one that is being read, lent or leased. The tier's memory is one arena of this size
+            (:class:`~bsr.tiers._arena.HostArena`), made on the first write.
         name: tier name used in statistics, logs and ``bytes_by_tier``.
+        pinned: page-lock the arena, so a restore into a CUDA cache copies a host hit by DMA
+            straight from where it lies (no staging copy). None (the default): pinned where
+            CUDA is present, ordinary pageable memory otherwise; True without CUDA is an error
+            when the arena is made.
     """
 
     durable = False
@@ -68,7 +78,16 @@ class HostTier(IndexedTier):
         self.options = options
         super().__init__(options.name)
         self.capacity_bytes = options.capacity_bytes
-        self._index: LruIndex[Blob] = LruIndex(self.capacity_bytes, name=options.name)
+        self._arena = HostArena(self.capacity_bytes, pin=options.pinned)
+        # an extent goes back to the arena once its object left the index and nothing pins it
+        self._index: LruIndex[Block] = LruIndex(
+            self.capacity_bytes, name=options.name, release=self._arena.free
+        )
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the tier's memory is page-locked (known once the arena was made)."""
+        return self._arena.pinned
 
     async def fetch_into(self, key: ChunkKey, group: str, dst: Any) -> Fetched:
         # not abandonable: a memcpy is bounded, and no byte may land in dst after we return
@@ -84,7 +103,7 @@ class HostTier(IndexedTier):
                 "object not in host tier", tier=self.name, key=key.hex[:16], group=group
             )
         try:
-            blob = got[1]
+            blob = got[1].blob
             out = np.frombuffer(as_byte_view(dst), dtype=np.uint8)
             n = max(0, min(len(blob) - HEADER_SIZE, len(out)))
             out[:n] = blob[HEADER_SIZE : HEADER_SIZE + n]
@@ -120,9 +139,9 @@ class HostTier(IndexedTier):
                         )  # fmt: skip
                         self._count(misses=1)
                     else:
-                        blob, oid = entry[1], oids[i]
+                        blob, oid = entry[1].blob, oids[i]
                         entries[i] = None  # its pin is the result's (lent) or undone below
-                        item.header = blob[:HEADER_SIZE]
+                        item.header, item.stored = blob[:HEADER_SIZE], len(blob)
                         body = blob[HEADER_SIZE:]
                         hits += 1
                         nbytes += len(body)
@@ -148,19 +167,37 @@ class HostTier(IndexedTier):
         if self._index.touch(oid):
             return False
         mv = as_payload_view(payload)
-        size = ObjectCodec.stored_size(len(mv))
-        reservation, victims = await self._index.reserve_waiting(size)
+        stored = ObjectCodec.stored_size(len(mv))
+        reservation, victims = await self._index.reserve_waiting(HostArena.page_size(stored))
         if victims:
             self._count(evictions=len(victims))
+        block: Block | None = None
         try:
-            blob: Blob = np.empty(size, dtype=np.uint8)
-            await anyio.to_thread.run_sync(ObjectCodec.encode_into, okey, mv, blob)
-            if not reservation.commit(oid, blob):  # a concurrent writer won
+            block = self._alloc(stored)
+            await anyio.to_thread.run_sync(ObjectCodec.encode_into, okey, mv, block.blob)
+            if not reservation.commit(oid, block):  # a concurrent writer won
                 return False
+            block = None  # the index's now
         finally:
             reservation.abort()  # gives the bytes back unless committed
+            if block is not None:
+                self._arena.free(block)
         self._count(writes=1, bytes_written=len(mv))
         return True
+
+    def _alloc(self, stored: int) -> Block:
+        """An arena extent for ``stored`` bytes, evicting least recently used objects while
+        none is large enough (the index's room is reserved already; the arena's may be cut
+        up); TierFullError when what is left is pinned."""
+        while (block := self._arena.alloc(stored)) is None:
+            if self._index.pop_victim() is None:
+                raise TierFullError(
+                    f"{self.name!r} has no contiguous room for {stored} bytes: the rest is "
+                    "pinned by reads, lends or leases; retry later or raise capacity_bytes",
+                    tier=self.name,
+                )
+            self._count(evictions=1)
+        return block
 
     async def delete(self, key: ChunkKey, group: str) -> bool:
         self._check_open()
@@ -171,24 +208,40 @@ class HostTier(IndexedTier):
         await super().aclose()
 
     def storage_hooks(self) -> StorageHooks:
-        return _HostStorage(self._index)
+        return _HostStorage(self)
 
 
 class _HostStorage:
-    """HostTier's :class:`~bsr.tiers._base.StorageHooks`: the blobs in its index."""
+    """HostTier's :class:`~bsr.tiers._base.StorageHooks`: the bytes in its arena."""
 
-    def __init__(self, index: LruIndex[Blob]) -> None:
-        self._index = index
+    def __init__(self, tier: HostTier) -> None:
+        self._tier = tier
 
     def peek(self, key: ChunkKey, group: str) -> bytes | None:
-        blob = self._index.peek(ObjectKey(key, group).object_id)
-        return None if blob is None else blob.tobytes()
+        block = self._tier._index.peek(ObjectKey(key, group).object_id)
+        return None if block is None else block.blob.tobytes()
 
     def overwrite(self, key: ChunkKey, group: str, blob: bytes) -> bool:
-        new = np.frombuffer(blob, dtype=np.uint8).copy()
-        return self._index.replace_value(ObjectKey(key, group).object_id, new)
+        oid = ObjectKey(key, group).object_id
+        block = self._tier._index.peek(oid)
+        if block is None:
+            return False
+        if len(blob) == len(block.blob):  # in place, as damage in memory would be
+            block.blob[:] = np.frombuffer(blob, dtype=np.uint8)
+            return True
+        new = self._tier._alloc(len(blob))
+        new.blob[:] = np.frombuffer(blob, dtype=np.uint8)
+        if not self._tier._index.replace_value(oid, new):
+            self._tier._arena.free(new)
+            return False
+        return True
 
     def put_raw(self, key: ChunkKey, group: str, blob: bytes) -> bool:
-        new = np.frombuffer(blob, dtype=np.uint8).copy()
-        self._index.put(ObjectKey(key, group).object_id, len(blob), new)
+        try:
+            new = self._tier._alloc(max(1, len(blob)))
+        except TierFullError:
+            return False
+        new.blob = new.blob[: len(blob)]
+        new.blob[:] = np.frombuffer(blob, dtype=np.uint8)
+        self._tier._index.put(ObjectKey(key, group).object_id, new.size, new)
         return True

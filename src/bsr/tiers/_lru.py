@@ -117,6 +117,11 @@ class LruIndex(Generic[V]):
             capacity; lower it to keep room for writes whatever the leases hold).
         clock: monotonic clock in seconds (leases expire by it); injectable for tests.
         name: the tier's name, for error messages.
+        release: called once for every value that leaves the index (evicted, discarded,
+            replaced, cleared) as soon as no read pins its object id: at once when none does,
+            else at the last :meth:`unpin`. A tier whose values own memory (HostTier's arena
+            blocks) frees it here, never while a read may still use it. Called under the
+            index's lock: cheap, and never calling back into the index.
     """
 
     def __init__(
@@ -126,6 +131,7 @@ class LruIndex(Generic[V]):
         lease_limit_bytes: int | None = None,
         clock: Callable[[], float] = time.monotonic,
         name: str = "tier",
+        release: Callable[[V], None] | None = None,
     ) -> None:
         self.capacity_bytes = positive_int(capacity_bytes, "capacity_bytes")
         self.lease_limit_bytes = (
@@ -148,6 +154,9 @@ class LruIndex(Generic[V]):
         self._next_lease = 0
         #: called (under the lock, in the order the index changes) as an object leaves it
         self._watchers: tuple[Callable[[str, Removal], None], ...] = ()
+        self._release_value = release
+        #: values that left the index while their object id was pinned: released at its unpin
+        self._dropped: dict[str, list[V]] = {}
 
     def watch(self, fn: Callable[[str, Removal], None]) -> None:
         """Call ``fn(oid, cause)`` whenever an object leaves the index (an eviction, a
@@ -160,6 +169,21 @@ class LruIndex(Generic[V]):
     def _left_locked(self, oid: str, cause: Removal) -> None:
         for fn in self._watchers:
             fn(oid, cause)
+
+    def _drop_value_locked(self, oid: str, value: V) -> None:
+        """``value`` left the index: released now, or once no read pins ``oid``."""
+        if self._release_value is None:
+            return
+        if oid in self._pins:
+            self._dropped.setdefault(oid, []).append(value)
+        else:
+            self._release_value(value)
+
+    def _unpinned_locked(self, oid: str) -> None:
+        dropped = self._dropped.pop(oid, None) if self._dropped else None
+        if dropped is not None and self._release_value is not None:
+            for value in dropped:
+                self._release_value(value)
 
     # ------------------------------------------------------------------ queries
     def __contains__(self, oid: object) -> bool:
@@ -241,6 +265,7 @@ class LruIndex(Generic[V]):
             old = self._entries.pop(oid, None)
             if old is not None:
                 self._bytes -= old[0]
+                self._drop_value_locked(oid, old[1])
             self._entries[oid] = (size, value)
             self._bytes += size  # the peak is taken after trim(): put() may overshoot
 
@@ -273,6 +298,7 @@ class LruIndex(Generic[V]):
                     self._evictions += 1
                     if self._watchers:
                         self._left_locked(oid, Removal.EVICTED)
+                    self._drop_value_locked(oid, value)
                     return oid, size, value
             return None
 
@@ -283,6 +309,8 @@ class LruIndex(Generic[V]):
             if entry is None:
                 return False
             self._entries[oid] = (entry[0], value)
+            if entry[1] is not value:
+                self._drop_value_locked(oid, entry[1])
             return True
 
     def discard(self, oid: str, cause: Removal = Removal.DELETED) -> bool:
@@ -295,10 +323,13 @@ class LruIndex(Generic[V]):
             self._bytes -= entry[0]
             if self._watchers:
                 self._left_locked(oid, cause)
+            self._drop_value_locked(oid, entry[1])
             return True
 
     def clear(self) -> None:
         with self._lock:
+            for oid, (_, value) in self._entries.items():
+                self._drop_value_locked(oid, value)
             self._entries.clear()
             self._bytes = 0
 
@@ -341,6 +372,7 @@ class LruIndex(Generic[V]):
                     raise TierError(f"unpin of {oid[:16]} without a pin", tier=self.name)
                 if n == 1:
                     del pins[oid]
+                    self._unpinned_locked(oid)
                 else:
                     pins[oid] = n - 1
 
@@ -351,6 +383,7 @@ class LruIndex(Generic[V]):
                 raise TierError(f"unpin of {oid[:16]} without a pin", tier=self.name)
             if n == 1:
                 del self._pins[oid]
+                self._unpinned_locked(oid)
             else:
                 self._pins[oid] = n - 1
 
@@ -457,6 +490,7 @@ class LruIndex(Generic[V]):
             out.append((oid, value))
             if self._watchers:
                 self._left_locked(oid, Removal.EVICTED)
+            self._drop_value_locked(oid, value)
         return out
 
     def _commit(self, r: Reservation, oid: str, value: Any) -> bool:

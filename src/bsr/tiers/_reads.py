@@ -56,9 +56,13 @@ class ReadItem:
         token: the caller's own.
         header: set by the tier before ``end``: the object's stored header (at least
             ``ObjectCodec.HEADER_SIZE`` bytes, any buffer), valid until ``end`` returns.
+        stored: set by the tier where it knows it: the object's stored length (header,
+            payload, padding), which must match the header's (-1: not known).
     """
 
-    __slots__ = ("chunk", "dst", "expected", "group", "header", "holders", "key", "token")
+    __slots__ = (
+        "chunk", "dst", "expected", "group", "header", "holders", "key", "stored", "token",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -79,6 +83,7 @@ class ReadItem:
         self.holders = holders
         self.token = token
         self.header: Any = None
+        self.stored = -1
 
     def __repr__(self) -> str:
         return f"ReadItem(chunk={self.chunk}, group={self.group!r}, key={self.key.hex[:12]})"
@@ -138,7 +143,6 @@ def read_one_by_one(tier: Tier, begin: Begin, end: End) -> None:
         except Exception as exc:
             result = exc
         else:
-            item.header = fetched.header
-            result = fetched.nbytes
+            item.header, result, item.stored = fetched
         if not end(item, result):
             return

@@ -44,6 +44,7 @@ from ..tiers._reads import Borrowed, ReadItem
 
 #: an async read's check runs on the event loop up to this payload size, else in a thread
 INLINE_CHECK_BYTES = 256 << 10
+HEADER_SIZE = ObjectCodec.HEADER_SIZE
 
 
 class Outcome(str, enum.Enum):
@@ -158,29 +159,27 @@ class LadderResult:
 LadderEnd = Callable[[ReadItem, LadderResult], bool]
 
 
-def checked(name: str, item: ReadItem, got: int | Borrowed | BaseException) -> int | BaseException:
+def checked(tier: Tier, item: ReadItem, got: int | Borrowed | BaseException) -> int | BaseException:
     """The payload length of a tier's result for ``item`` once it passed the check, else the
-    error (a lent payload that fails is released here)."""
+    error (a lent payload that fails is released here; a refused read counts as the tier's
+    error)."""
+    name = tier.name
     if isinstance(got, BaseException):
         return got
-    if isinstance(got, Borrowed):
+    if isinstance(got, Borrowed):  # lent: the payload runs to the object's end
         header = got.header if got.header is not None else item.header
-        n = ObjectCodec.check_read(
-            header, len(got.payload), item.key, item.group, got.payload, item.expected
-        )
-        if n < 0:
-            got.release()
-            return ObjectCodec.read_error(
-                header, len(got.payload), item.key, item.group, got.payload, item.expected,
-                where=name,
-            )  # fmt: skip
-        return n
-    n = ObjectCodec.check_read(item.header, got, item.key, item.group, item.dst, item.expected)
-    if n < 0:
-        return ObjectCodec.read_error(
-            item.header, got, item.key, item.group, item.dst, item.expected, where=name
-        )
-    return n
+        payload, n, stored = got.payload, len(got.payload), HEADER_SIZE + len(got.payload)
+    else:
+        header, payload, n, stored = item.header, item.dst, got, item.stored
+    plen = ObjectCodec.check_read(header, n, item.key, item.group, payload, item.expected, stored)
+    if plen >= 0:
+        return plen
+    if isinstance(got, Borrowed):
+        got.release()
+    tier.refused()
+    return ObjectCodec.read_error(
+        header, n, item.key, item.group, payload, item.expected, stored, where=name
+    )
 
 
 def _failed(name: str, item: ReadItem, exc: BaseException) -> tuple[ReadOutcome, str]:
@@ -255,7 +254,7 @@ class TierLadder:
 
         def tier_end(item: ReadItem, got: int | Borrowed | BaseException) -> bool:
             nonlocal served
-            n = checked(name, item, got)
+            n = checked(self.tiers[name], item, got)
             if not isinstance(n, BaseException):
                 if admission is not None:
                     served = True
@@ -301,7 +300,7 @@ class TierLadder:
     ) -> bool:  # fmt: skip
         """Check and report one admitted attempt; whether it served the object (then
         ``result`` says so)."""
-        n = checked(name, item, got)
+        n = checked(self.tiers[name], item, got)
         if isinstance(n, BaseException):
             report, text = _failed(name, item, n)
             errors.append(text)
@@ -358,7 +357,7 @@ class TierLadder:
             got: int | BaseException
             try:
                 fetched = await self.tiers[name].fetch_into(item.key, item.group, item.dst)
-                item.header, got = fetched.header, fetched.nbytes
+                item.header, got, item.stored = fetched
             except ReadWithdrawnError as exc:
                 gate.withdraw(name)
                 return LadderResult(attempts=result.attempts, withdrawn=True,
@@ -384,8 +383,8 @@ def _one_blocking(tier: Tier, item: ReadItem, lend: bool) -> int | Borrowed | Ba
     into ``item.dst`` (its header then in ``item.header``)."""
     if not (lend and tier.bulk_reads):
         fetched = tier.fetch_into_blocking(item.key, item.group, item.dst)
-        item.header = fetched.header
-        return fetched.nbytes
+        item.header, nbytes, item.stored = fetched
+        return nbytes
     out: list[int | Borrowed | BaseException] = []
     pending = [item]
 

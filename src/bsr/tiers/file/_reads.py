@@ -252,7 +252,7 @@ class FileReads:
             return self.failure(exc, oid, item.key, item.group)
         finally:
             self.tier._index.unpin(oid)
-        item.header = r.header
+        item.header, item.stored = r.header, r.size
         n = max(0, r.total - HEADER_SIZE)
         self._count_hit(r.header, n)
         return n

@@ -1,9 +1,9 @@
 """A restore from memory-speed tiers into a host cache uses at most ``memory_workers`` worker
-threads at once (that work is memory-bandwidth bound; see ``WindowPipeline._turns``), while the
+threads at once (that work is memory-bandwidth bound; see ``WindowPipeline.run``), while the
 restored bytes stay exactly the saved ones.
 
 Real HostTiers and caches. The observation is the tier's own lending call
-(``borrow_many_blocking``, one per worker-thread batch): each call counts itself in and waits
+(``read_many_blocking``, one per worker-thread batch): each call counts itself in and waits
 for a partner before it lends, so calls that may overlap do overlap, and the peak count is the
 number of batches the pipeline let run together.
 """
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +42,7 @@ class PartneredHost(bsr.HostTier):
         self.calls = 0
         self._cond = threading.Condition()
 
-    def borrow_many_blocking(self, objects: Sequence[tuple[bsr.ChunkKey, str]]) -> Any:
+    def read_many_blocking(self, begin: Any, end: Any, ahead: int, *, lend: bool = False) -> None:
         with self._cond:
             self.inside += 1
             self.calls += 1
@@ -52,7 +51,7 @@ class PartneredHost(bsr.HostTier):
             # the peak, not the count inside: once partners met, every waiter goes on
             self._cond.wait_for(lambda: self.peak >= self.partners, timeout=self.wait_s)
         try:
-            return super().borrow_many_blocking(objects)
+            super().read_many_blocking(begin, end, ahead, lend=lend)
         finally:
             with self._cond:
                 self.inside -= 1

@@ -1,9 +1,9 @@
-"""The stream lane: a FileTier's reads kept in flight by one worker thread, chunk by chunk.
+"""A FileTier's bulk read inside a restore: its reads kept in flight by one worker thread.
 
-A restore into a host cache whose every object is first asked of one FileTier reading through
-io_uring goes through :meth:`~bsr.FileTier.stream_into_blocking`: one worker thread keeps up to
-``io_depth`` reads in flight on its ring and verifies and copies each chunk as its read
-completes (``WindowPipeline._stream_worker``). These tests damage real object files in the
+A restore whose every object is first asked of one FileTier reading through io_uring hands each
+batch to :meth:`~bsr.FileTier.read_many_blocking`: one worker thread keeps several reads in
+flight on its ring (a read per object of each staging slot it holds) and the pipeline checks and
+copies each chunk as its reads complete. These tests damage real object files in the
 middle of such a window (corrupt, truncated, missing, a kernel error, a read that never
 completes) and check what the per-object path guarantees: the damaged object goes down the
 ladder to the next tier or ends the prefix there, a partial prefix is never exposed, and the
@@ -64,7 +64,7 @@ class CountingReader(UringReader):
     def _stream_pieces(self, r: Any, bufs: Any) -> Any:
         with self._guard:
             self.streamed += 1
-        trap = self.traps.get(r.token[3])  # FileTier's token: (caller's, key, group, oid, view)
+        trap = self.traps.get(_item_oid(r))  # FileTier's token: the ReadItem
         if trap is not None:
             retarget_stream_read(r, trap, self.pipe[0])
         return super()._stream_pieces(r, bufs)
@@ -72,6 +72,11 @@ class CountingReader(UringReader):
     def close(self) -> None:
         for fd in self.pipe:
             os.close(fd)
+
+
+def _item_oid(r: Any) -> str:
+    """The object id of a streamed read (its token is the pipeline's :class:`bsr.ReadItem`)."""
+    return bsr.ObjectKey(r.token.key, r.token.group).object_id
 
 
 def _engine(tiers: list[bsr.Tier], **kw: Any) -> bsr.RestoreEngine:
@@ -282,13 +287,13 @@ async def test_one_streamed_batch_per_worker_unless_chunks_are_awaited(
     monkeypatch.setattr(pipeline, "MEMORY_BATCH_BYTES", 2 * LAYOUT.chunk_bytes)
     a = bsr.FileTier(tmp_path / "a", 1 << 26, name="a", reader=UringReader(depth=8))
     calls: list[int] = []
-    real = a.stream_into_blocking
+    real = a.read_many_blocking
 
-    def counting(*args: Any) -> None:
+    def counting(*args: Any, **kw: Any) -> None:
         calls.append(1)
-        real(*args)
+        real(*args, **kw)
 
-    monkeypatch.setattr(a, "stream_into_blocking", counting)
+    monkeypatch.setattr(a, "read_many_blocking", counting)
     announced: list[int] = []
     src = filled_cache(LAYOUT, CHUNKS, BLOCK, seed=8)
     async with _engine([a]) as eng:
@@ -316,8 +321,8 @@ class HoldingReader(UringReader):
         self.begun: list[str] = []  # object ids, in the order their reads began
 
     def _stream_pieces(self, r: Any, bufs: Any) -> Any:
-        self.begun.append(r.token[3])
-        if r.token[3] == self.hold and not self.streaming.is_set():
+        self.begun.append(_item_oid(r))
+        if _item_oid(r) == self.hold and not self.streaming.is_set():
             self.streaming.set()
             deadline = time.monotonic() + 30  # a hang guard
             while not self.pool.contended and time.monotonic() < deadline:

@@ -1,0 +1,143 @@
+"""HostArena: one host buffer, allocated once, that a HostTier keeps its objects in.
+
+Where it runs: wherever the HostTier runs (its writes on the event loop, its reads and lends in
+worker threads); every method takes one lock and does no I/O.
+
+How it works: the buffer is ``capacity`` bytes rounded up to 4 KiB, made on first use: page-locked
+(pinned) where CUDA is present, so a host hit can be copied to the device by DMA straight from
+where the object lies, with no staging copy; ordinary pageable memory otherwise (anonymous
+pages, committed by the OS only as objects are written). Objects take extents of whole 4 KiB
+pages (an object's header is a page, so its payload starts page-aligned too), handed out first
+fit from a free list kept sorted by offset, coalesced with its neighbours as extents come back.
+An extent comes back only when its object has left the tier's index *and* no read or lend pins
+it any more (:class:`~bsr.tiers._lru.LruIndex` calls :meth:`HostArena.free` then), so the memory
+under a device copy in flight is never handed to another object.
+
+Fragmentation: objects of one layout have one size per group, so a freed extent fits the next
+object of its group exactly; when no extent fits although the index has room, the tier evicts
+more least-recently-used objects until one does (:meth:`~bsr.HostTier.write`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import mmap
+import sys
+import threading
+from typing import Any
+
+import numpy as np
+
+from ..core._layout import ALIGNMENT, align_up
+
+#: Linux's MAP_NORESERVE (Python's mmap module does not name it): an arena larger than the
+#: memory the kernel would promise up front is still mapped; pages are committed as written
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform == "linux" else 0)
+
+
+class Block:
+    """One object's extent of the arena: ``blob`` (its stored bytes, a view into the arena),
+    ``offset`` and ``size`` (the whole pages it takes)."""
+
+    __slots__ = ("blob", "offset", "size")
+
+    def __init__(self, blob: np.ndarray[Any, np.dtype[np.uint8]], offset: int, size: int) -> None:
+        self.blob = blob
+        self.offset = offset
+        self.size = size
+
+    def __len__(self) -> int:
+        return len(self.blob)
+
+
+class HostArena:
+    """A first-fit allocator of 4 KiB-page extents over one host buffer.
+
+    Args:
+        capacity: bytes the arena holds (rounded up to 4 KiB).
+        pin: page-lock the buffer (needs CUDA; None: pinned where CUDA is available).
+    """
+
+    def __init__(self, capacity: int, *, pin: bool | None = None) -> None:
+        self.capacity = align_up(max(capacity, ALIGNMENT))
+        self._pin = pin
+        self.pinned = False
+        self._buf: np.ndarray[Any, np.dtype[np.uint8]] | None = None
+        self._keep: Any = None  # what owns the memory (a pinned torch tensor)
+        self._lock = threading.Lock()
+        self._starts: list[int] = []  # free extents' offsets, sorted
+        self._sizes: dict[int, int] = {}  # free extent offset -> size
+        self._ends: dict[int, int] = {}  # free extent end -> offset
+        self.used = 0
+        self.peak = 0
+
+    @staticmethod
+    def page_size(nbytes: int) -> int:
+        """The bytes an object of ``nbytes`` takes in the arena (whole pages)."""
+        return align_up(max(nbytes, 1))
+
+    def _buffer(self) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        if self._buf is None:
+            pin = self._pin
+            if pin is None or pin:
+                import torch
+
+                pin = bool(torch.cuda.is_available()) if pin is None else pin
+                if pin:
+                    t = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=True)
+                    self._keep, self._buf, self.pinned = t, t.numpy(), True
+            if self._buf is None:  # anonymous pages, committed only as they are written
+                flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
+                self._keep = mmap.mmap(-1, self.capacity, flags=flags)
+                self._buf = np.frombuffer(self._keep, dtype=np.uint8)
+            self._add_free(0, self.capacity)
+        return self._buf
+
+    def alloc(self, nbytes: int) -> Block | None:
+        """An extent for an object of ``nbytes`` stored bytes, or None when no free extent is
+        large enough (evict, then ask again)."""
+        size = self.page_size(nbytes)
+        with self._lock:
+            buf = self._buffer()
+            for start in self._starts:
+                have = self._sizes[start]
+                if have >= size:
+                    self._take_free(start)
+                    if have > size:
+                        self._add_free(start + size, have - size)
+                    self.used += size
+                    self.peak = max(self.peak, self.used)
+                    return Block(buf[start : start + nbytes], start, size)
+            return None
+
+    def free(self, block: Block) -> None:
+        """Give ``block``'s extent back (exactly once, when nothing reads it any more)."""
+        with self._lock:
+            start, size = block.offset, block.size
+            self.used -= size
+            end = start + size
+            after = self._sizes.get(end)
+            if after is not None:  # coalesce with the extent after it
+                self._take_free(end)
+                size += after
+            before = self._ends.get(start)
+            if before is not None:  # and with the one before it
+                self._take_free(before)
+                size += start - before
+                start = before
+            self._add_free(start, size)
+
+    @property
+    def free_extents(self) -> int:
+        with self._lock:
+            return len(self._starts)
+
+    def _add_free(self, start: int, size: int) -> None:
+        bisect.insort(self._starts, start)
+        self._sizes[start] = size
+        self._ends[start + size] = start
+
+    def _take_free(self, start: int) -> None:
+        size = self._sizes.pop(start)
+        del self._ends[start + size]
+        del self._starts[bisect.bisect_left(self._starts, start)]
