@@ -92,13 +92,13 @@ if TYPE_CHECKING:  # what mypy and readers see; at run time __getattr__ imports 
     from .tiers._base import as_payload_view as as_payload_view
     from .tiers._codec import ObjectCodec as ObjectCodec
     from .tiers._codec import ObjectHeader as ObjectHeader
-    from .tiers._reads import Borrowed as Borrowed
-    from .tiers._reads import Fetched as Fetched
-    from .tiers._reads import ReadItem as ReadItem
     from .tiers._host import HostTier as HostTier
     from .tiers._host import HostTierOptions as HostTierOptions
     from .tiers._mooncake import MooncakeTier as MooncakeTier
     from .tiers._mooncake import MooncakeTierOptions as MooncakeTierOptions
+    from .tiers._reads import Borrowed as Borrowed
+    from .tiers._reads import Fetched as Fetched
+    from .tiers._reads import ReadItem as ReadItem
     from .tiers._registry import TierOptions as TierOptions
     from .tiers._registry import register_tier as register_tier
     from .tiers._registry import takes_options as takes_options

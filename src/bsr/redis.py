@@ -448,4 +448,3 @@ class RedisTier(Tier):
     def __repr__(self) -> str:
         mode = "cluster" if self.options.cluster else "server"
         return f"RedisTier(name={self.name!r}, {mode}={self._where()!r})"
-

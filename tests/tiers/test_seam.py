@@ -18,7 +18,7 @@ import pytest
 
 import bsr
 from bsr.redis import RedisTier, RedisTierOptions
-from bsr.testing import make_keys, payload
+from bsr.testing import TierConformance, make_keys, payload
 from support.helpers import two_group_layout
 
 KEYS = make_keys(4)
@@ -210,31 +210,43 @@ def test_engine_constructor_and_config_refuse_alike(key: str, value: Any) -> Non
 
 # ------------------------------------------------------------------ a third-party kind
 class DictTier(bsr.Tier):
-    """A tier written only against the public seam: objects in a dict, via the codec."""
+    """A tier written only against the public seam: objects in a dict, via the codec (the
+    shape of docs/tiers.md's walk-through)."""
 
     def __init__(self, name: str = "dict") -> None:
         super().__init__(name)
         self.store: dict[str, bytes] = {}
 
     async def contains_many(self, objects: Sequence[bsr.ObjectKey]) -> list[bool]:
+        self._check_open()
         return [o.object_id in self.store for o in objects]
 
     async def fetch_into(self, key: bsr.ChunkKey, group: str, dst: Any) -> bsr.Fetched:
+        self._check_open()
         okey = bsr.ObjectKey(key, group)
         blob = self.store.get(okey.object_id)
         if blob is None:
+            self._count(misses=1)
             raise bsr.ObjectNotFoundError("not stored", tier=self.name)
-        return bsr.ObjectCodec.copy_out(blob, dst)
+        got = bsr.ObjectCodec.copy_out(blob, dst)
+        self._count(hits=1, reads=1, bytes_read=min(got.nbytes, len(blob) - 4096))
+        return got
 
     async def write(self, key: bsr.ChunkKey, group: str, payload: Any) -> bool:
+        self._check_open()
         okey = bsr.ObjectKey(key, group)
         if okey.object_id in self.store:
             return False
         self.store[okey.object_id] = bsr.ObjectCodec.encode(okey, payload)
+        self._count(writes=1, bytes_written=len(bsr.as_payload_view(payload)))
         return True
 
     async def delete(self, key: bsr.ChunkKey, group: str) -> bool:
+        self._check_open()
         return self.store.pop(bsr.ObjectKey(key, group).object_id, None) is not None
+
+    def usage(self) -> bsr.TierUsage:
+        return bsr.TierUsage(len(self.store), sum(len(b) for b in self.store.values()))
 
 
 @dataclass(frozen=True)
@@ -244,6 +256,42 @@ class DictTierOptions(bsr.TierOptions):
 
     def build(self) -> bsr.Tier:
         return DictTier(self.name)
+
+
+class TestDictTierConformance(TierConformance):
+    """The walk-through's kind of tier (docs/tiers.md: a key-value store read with
+    ``ObjectCodec.copy_out``) passes the suite, its bulk read included (the default, item by
+    item through its async ``fetch_into``)."""
+
+    supports_capacity = False
+
+    async def make_tier(self, tmp_path: Path, capacity_bytes: int) -> bsr.Tier:
+        return DictTier()
+
+    async def put_raw(self, tier: bsr.Tier, key: bsr.ChunkKey, group: str, blob: bytes) -> bool:
+        assert isinstance(tier, DictTier)
+        tier.store[bsr.ObjectKey(key, group).object_id] = blob
+        return True
+
+    async def corrupt_object(
+        self, tier: bsr.Tier, key: bsr.ChunkKey, group: str, offset: int
+    ) -> bool:
+        assert isinstance(tier, DictTier)
+        oid = bsr.ObjectKey(key, group).object_id
+        if oid not in tier.store:
+            return False
+        raw = bytearray(tier.store[oid])
+        raw[offset] ^= 0xFF
+        tier.store[oid] = bytes(raw)
+        return True
+
+    async def truncate_object(
+        self, tier: bsr.Tier, key: bsr.ChunkKey, group: str, size: int
+    ) -> bool:
+        assert isinstance(tier, DictTier)
+        oid = bsr.ObjectKey(key, group).object_id
+        tier.store[oid] = tier.store[oid][:size]
+        return True
 
 
 def test_a_registered_kind_works_in_every_config(tmp_path: Path) -> None:

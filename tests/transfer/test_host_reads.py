@@ -98,7 +98,9 @@ async def test_restores_from_host_memory_give_the_saved_bytes(
         dst = bsr.PagedKVCache(LAYOUT, 2 * nblocks, BLOCK)
         held = min(first, chunks - 1) * CT  # tokens the caller holds already: never written
         for g in LAYOUT.groups:  # ... and they are the saved ones
-            dst.tensor(g.name)[:, ids[: held // BLOCK]] = src.tensor(g.name)[:, ids[: held // BLOCK]]
+            dst.tensor(g.name)[:, ids[: held // BLOCK]] = src.tensor(g.name)[
+                :, ids[: held // BLOCK]
+            ]
         r = await eng.restore(toks, dst, ids, start_tokens=held)
         assert r.committed_tokens == chunks * CT
         assert blocks_equal(LAYOUT, src, ids, dst, ids, chunks)

@@ -18,9 +18,9 @@ import torch
 
 import bsr
 from bsr.core._keys import ChunkKey, ObjectKey, chunk_keys
+from bsr.core._object import encode_object
 from bsr.core._plan import plan_restore
 from bsr.core._results import Probe
-from bsr.core._object import encode_object
 from bsr.transfer._install import HostInstaller
 from bsr.transfer._ladder import Outcome, ReadOutcome
 from bsr.transfer._pipeline import WindowPipeline

@@ -428,9 +428,7 @@ class TierConformance:
         )
         return ended
 
-    async def test_read_many_ends_each_item_once_with_what_was_stored(
-        self, tmp_path: Path
-    ) -> None:
+    async def test_read_many_ends_each_item_once_with_what_was_stored(self, tmp_path: Path) -> None:
         """Every item begun ends exactly once: its stored bytes (the header the check accepts
         with them) or its miss; lent or copied, the bytes are the saved ones."""
         keys = make_keys(6)

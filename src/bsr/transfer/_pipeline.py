@@ -38,6 +38,7 @@ from typing import Any
 
 import anyio
 
+from .._log import logger
 from ..core._keys import ChunkKey
 from ..core._layout import StateLayout, align_up
 from ..core._lifecycle import Reason
@@ -285,18 +286,29 @@ class WindowPipeline:
                 run.held.add(slot)
                 slots.append(slot)
             run.touched_chunks.update(batch)
-            async with job.turns:
-                if not job.lane.blocking:
-                    rest = await self._move_async(job, batch, slots[0])
-                elif job.lane.inline and len(batch) * self.layout.chunk_bytes <= INLINE_BYTES:
-                    rest = self._move(job, batch, slots)
-                    await anyio.lowlevel.checkpoint()
-                else:
-                    rest = await self._thread(job, slots, self._move, job, batch, slots)
+            try:
+                async with job.turns:
+                    rest = await self._batch(job, batch, slots)
+            except Exception as exc:  # a tier's (or an installer's) bug: a failed batch
+                rest = []
+                c = min((c for c in batch if c < run.limit), default=batch[0])
+                logger.warning("bsr.transfer.batch_failed", chunk=c, error=repr(exc))
+                run.fail(ChunkFailure(c, run.needed[c][0], Reason.READ_FAILED,
+                                      [f"unexpected {exc!r}"]))  # fmt: skip
             if not job.installer.keeps_slots:
                 for slot in slots:
                     self.release(run, slot)
             await self.announce(run, batch)
+
+    async def _batch(self, job: _Job, batch: list[int], slots: list[Slot]) -> list[int]:
+        """Move one batch the run's way; the chunks not begun."""
+        if not job.lane.blocking:
+            return await self._move_async(job, batch, slots[0])
+        if job.lane.inline and len(batch) * self.layout.chunk_bytes <= INLINE_BYTES:
+            rest = self._move(job, batch, slots)
+            await anyio.lowlevel.checkpoint()
+            return rest
+        return list(await self._thread(job, slots, self._move, job, batch, slots))
 
     async def _thread(self, job: _Job, slots: list[Slot], fn: Any, *args: Any) -> Any:
         """Run ``fn`` in a worker thread that may outlive a cancelled request (then parked).

@@ -487,9 +487,15 @@ class UringReader(PosixReader):
                 if check is not None and not cancelled and check():
                     cancelled = stop = True
                     self._withdraw(ring, tags)
-        except BaseException:
+        except RingError:
             # the ring failed under us: wait for what is in flight, so the kernel does not
-            # write into the buffers after we return, and start a new ring next time
+            # write into the buffers after we return, and start a new ring next time; a read
+            # whose request ended meanwhile is withdrawn (no outcome), else an I/O error
+            self._give_up(ring, tags)
+            if check is not None and check():
+                raise ReadCancelledError from None
+            raise
+        except BaseException:
             self._give_up(ring, tags)
             raise
         if cancelled:
@@ -610,7 +616,9 @@ class UringReader(PosixReader):
             begun = st.begun()  # before the wait, which forgets the requests it reaps
             self._give_up(ring, st.reads)
             st.waiting = []
-            exc = OSError(errno.EIO, "io_uring failed under a stream read")
+            exc: OSError = OSError(errno.EIO, "io_uring failed under a stream read")
+            if check is not None and check():  # the request ended meanwhile: withdrawn
+                exc, st.cancelled, st.more = ReadCancelledError(), True, False
             for r in begun:
                 if r.left != 0:
                     r.error = r.error or exc
@@ -762,6 +770,8 @@ class UringReader(PosixReader):
         itself), it polls the completion queue, which the kernel fills without a system call.
         """
         outstanding = len(tags)
+        for tag in ring.unsubmit():  # queued, never handed over: never the kernel's
+            tags.pop(tag, None)
         if tags:
             with self._lock:
                 self.settling += 1

@@ -227,6 +227,23 @@ class Ring:
         normally if it was already under way); the cancel's own completion is dropped."""
         self._queue(OP_ASYNC_CANCEL, -1, 0, tag, 0, _CANCEL_TAG | tag)
 
+    def unsubmit(self) -> set[int]:
+        """Take back the entries queued but not handed to the kernel yet (an enter failed
+        before it consumed them): they will never run, so their buffers were never the
+        kernel's. Their tags (cancels' included)."""
+        head = self._sq_u32[self._sq_head]
+        tail = self._sq_u32[self._sq_tail]
+        tags: set[int] = set()
+        while tail != head:
+            tail = (tail - 1) & 0xFFFFFFFF
+            user_data = _SQE.unpack_from(self._sqes, (tail & self._sq_mask) * 64)[8]
+            tags.add(user_data)
+            if not user_data & _CANCEL_TAG:
+                self.inflight -= 1
+        self._sq_u32[self._sq_tail] = head
+        self._pending = 0
+        return tags
+
     # ------------------------------------------------------------------ enter and reap
     def enter(self, wait: int = 0, timeout_s: float | None = None) -> None:
         """Hand queued entries to the kernel and wait until ``wait`` completions are there (or
