@@ -88,12 +88,12 @@ from ._root import (
     FANOUTS,
     LEDGER_NAME,
     MARKER_NAME,
-    OBJECT_NAME_RE,
     OBJECT_SUFFIX,
     Dirs,
     Moved,
     ScanReport,
     StoreRoot,
+    walk_fanout,
     walk_objects,
 )
 
@@ -574,27 +574,11 @@ class SharedSpace:
         return not self._recounting
 
     def _fanout_bytes(self, sub: str) -> int:
-        """The bytes of the object files in ``objects/<sub>``, the files :meth:`list_objects`
-        counts (a regular file of bsr's object grammar; anything else is not counted)."""
-        try:
-            sub_fd = os.open(sub, DIR_FLAGS, dir_fd=self.dirs.objects)
-        except OSError:  # none (yet), or not a directory bsr made: nothing of ours there
-            return 0
+        """The bytes of the object files in ``objects/<sub>`` (those :meth:`list_objects`
+        counts: regular files of bsr's object grammar)."""
         total = 0
-        try:
-            with os.scandir(sub_fd) as it:
-                for entry in it:
-                    m = OBJECT_NAME_RE.match(entry.name)
-                    if m is None or not m.group(1).startswith(sub):
-                        continue
-                    try:
-                        st = entry.stat(follow_symlinks=False)
-                    except OSError:
-                        continue  # removed meanwhile (not by bsr: it holds the lock)
-                    if stat.S_ISREG(st.st_mode):
-                        total += st.st_size
-        finally:
-            os.close(sub_fd)
+        for sub_fd, name, _ in walk_fanout(self.dirs.objects, sub):
+            total += _regular_size(name, sub_fd) or 0
         return total
 
     def _try_alone(self) -> bool:
