@@ -31,7 +31,6 @@ there, and prints ``paused POINT`` (before ``ready``); the open goes on once the
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import sys
 import threading
@@ -178,7 +177,7 @@ async def run(tier: bsr.FileTier, engine: bsr.RestoreEngine, cmd: str, a: list[i
             try:
                 with space.locked():  # a stopped peer: frozen inside the root's lock
                     print("locked", flush=True)
-                    os.kill(os.getpid(), signal.SIGSTOP)
+                    signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)  # at once
                 return "unlocked"
             except RootBusy:
                 await anyio.sleep(0.01)
