@@ -1,8 +1,8 @@
 """A process holding one FileTier root open beside others, driven line by line on stdin.
 
-Used by ``tests/tiers/test_file_tier_shared.py``: ``python tests/shared_root_worker.py ROOT
-CAPACITY`` opens ``FileTier(ROOT, CAPACITY)`` and an engine over it, prints ``ready PID``, then
-answers one command per line with one line:
+Used by ``tests/tiers/test_file_tier_shared*.py``: ``python tests/shared_root_worker.py ROOT
+CAPACITY [POINT:K:ACTION]`` opens ``FileTier(ROOT, CAPACITY)`` and an engine over it, prints
+``ready``, then answers one command per line with one line:
 
 - ``write A B``: write objects ``A..B-1`` (payload ``i``) -> ``ok``
 - ``contains A B``: which of objects ``A..B-1`` the tier holds -> ``present 0101...``
@@ -16,14 +16,24 @@ answers one command per line with one line:
 
 Objects and prompts are pure functions of their index, so every process knows what any other
 one wrote.
+
+``POINT:K:ACTION`` pauses the open at a point of its work on the root, the K-th time it gets
+there, and prints ``paused POINT`` (before ``ready``); the open goes on once the pause ends:
+
+- points: ``scan`` (before the K-th object file the open's scan checks, no lock held);
+  ``claim`` (inside a first member's first step: holding the root's lock and the members' lock
+  exclusively); ``recount`` (before the K-th step of a first member's recount, no lock held;
+  one fan-out directory a step, so K-1 of them are counted);
+- actions: ``wait`` (for a line on stdin: the process runs, its open does not move) or ``stop``
+  (SIGSTOP itself; SIGCONT ends the pause).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
 import anyio
@@ -67,6 +77,56 @@ def filled(seed: int, n: int) -> bsr.PagedKVCache:
     t.copy_(torch.randint(0, 256, t.shape, generator=torch.Generator().manual_seed(seed),
                           dtype=torch.uint8))  # fmt: skip
     return cache
+
+
+def pause_at(point: str, k: int, action: str) -> None:
+    """Make this process's open pause (see the module docstring)."""
+    from bsr.tiers.file._ledger import SharedSpace
+    from bsr.tiers.file._root import StoreRoot
+
+    seen = [0]
+
+    def pause() -> None:
+        seen[0] += 1
+        if seen[0] != k:
+            return
+        print("paused", point, flush=True)
+        if action == "stop":  # this thread stops at once (os.kill: maybe a little later)
+            signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
+        else:
+            sys.stdin.readline()
+
+    if point == "scan":
+        check = StoreRoot.check_file
+
+        def checked(fd: int, size: int) -> str:
+            pause()
+            return check(fd, size)
+
+        StoreRoot.check_file = staticmethod(checked)  # type: ignore[method-assign]
+    elif point == "claim":
+        try_alone = SharedSpace._try_alone
+
+        def claimed(self: SharedSpace) -> bool:
+            alone = try_alone(self)
+            if alone:
+                pause()
+            return alone
+
+        SharedSpace._try_alone = claimed  # type: ignore[method-assign]
+    elif point == "recount":
+        import bsr.tiers.file._ledger as ledger_module
+
+        step = SharedSpace.recount  # (a bsr without a recount fails here: nothing to pause)
+        ledger_module.RECOUNT_HOLD_S = 0.0  # one fan-out directory a step: K-1 counted
+
+        def counted(self: SharedSpace) -> bool:
+            pause()
+            return step(self)
+
+        SharedSpace.recount = counted  # type: ignore[method-assign]
+    else:
+        raise SystemExit(f"unknown pause point {point!r}")
 
 
 async def serve(root: Path, capacity: int) -> None:
@@ -117,7 +177,7 @@ async def run(tier: bsr.FileTier, engine: bsr.RestoreEngine, cmd: str, a: list[i
             try:
                 with space.locked():  # a stopped peer: frozen inside the root's lock
                     print("locked", flush=True)
-                    os.kill(os.getpid(), signal.SIGSTOP)
+                    signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)  # at once
                 return "unlocked"
             except RootBusy:
                 await anyio.sleep(0.01)
@@ -129,4 +189,7 @@ async def run(tier: bsr.FileTier, engine: bsr.RestoreEngine, cmd: str, a: list[i
 
 if __name__ == "__main__":
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
+    if len(sys.argv) > 3:
+        where, count, how = sys.argv[3].split(":")
+        pause_at(where, int(count), how)
     anyio.run(serve, Path(sys.argv[1]), int(sys.argv[2]))

@@ -8,7 +8,6 @@ filled the directory to twice ``capacity_bytes``, and one never saw what the oth
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import shutil
@@ -33,85 +32,19 @@ import shared_root_worker as srw
 from bsr.tiers.file._root import OBJECTS_DIR
 from support.engines import make_engine
 from support.helpers import open_fds
-
-LEDGER_NAME = ".bsr-ledger"  # the root's shared ledger (its flock is the root's mutex)
+from support.shared_root import (
+    CAPACITY,
+    LEDGER_NAME,
+    OBJECT,
+    WATCHDOG_S,
+    Worker,
+    on_disk,
+    root_lock,
+    workers,
+)
+from support.shared_root import ledger as _ledger
 
 HERE = Path(__file__).resolve().parents[1]
-OBJECT = 64 << 10  # one worker object on disk
-CAPACITY = 12 * OBJECT
-
-
-class Worker:
-    """One process with the root open (see shared_root_worker.py)."""
-
-    def __init__(self, root: Path, capacity: int = CAPACITY) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, str(HERE / "shared_root_worker.py"), str(root), str(capacity)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            bufsize=1,
-        )
-        assert self.read() == "ready"
-
-    def send(self, line: str) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-
-    def read(self) -> str:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline().strip()
-        if not line:
-            self.proc.wait(timeout=30)
-            err = self.proc.stderr.read() if self.proc.stderr else ""
-            raise AssertionError(f"worker exited ({self.proc.returncode}): {err}")
-        return line
-
-    def ask(self, line: str) -> str:
-        self.send(line)
-        return self.read()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(OSError):
-                self.send("quit")
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        for stream in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
-            if stream is not None:
-                stream.close()
-
-
-@contextlib.contextmanager
-def workers(root: Path, n: int = 2, capacity: int = CAPACITY) -> Iterator[list[Worker]]:
-    started: list[Worker] = []
-    try:
-        for _ in range(n):
-            started.append(Worker(root, capacity))
-        yield started
-    finally:
-        for w in started:
-            w.close()
-
-
-def on_disk(root: Path) -> int:
-    return sum(p.stat().st_size for p in (root / OBJECTS_DIR).rglob("*.bsr"))
-
-
-@contextlib.contextmanager
-def root_lock(root: Path) -> Iterator[None]:
-    """Hold the root's mutex the way a process of bsr does (its ledger's exclusive flock)."""
-    fd = os.open(root / LEDGER_NAME, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
 
 
 def test_two_writers_share_one_capacity(tmp_path: Path) -> None:
@@ -239,8 +172,6 @@ async def test_in_one_process_two_tiers_on_one_root_share_it_too(tmp_path: Path)
 # ------------------------------------------------------------------ a peer stopped in the lock
 #: what a busy machine may add to a bounded call (a hang lasts until the watchdog, far beyond)
 SLACK_S = 4.0
-#: how long a stopped peer is left stopped at most (old code: every call waited this long)
-WATCHDOG_S = 30.0
 
 
 @contextlib.contextmanager
@@ -413,12 +344,6 @@ def crasher() -> Iterator[Crasher]:
         yield c
     finally:
         c.close()
-
-
-def _ledger(root: Path) -> dict[str, object]:
-    with root_lock(root):
-        doc: dict[str, object] = json.loads((root / LEDGER_NAME).read_text())
-    return doc
 
 
 CRASH_POINTS = ("unlinked", "ledger", "renamed", "reserved")

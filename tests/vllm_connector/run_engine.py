@@ -12,6 +12,8 @@ steps driven one engine step at a time, for aborts, hung stores and requests add
 ``vllm:bsr_*`` counters, preemptions) after each batch or where the script asks. ``generate``
 runs single requests with a LoRA adapter and a ``cache_salt`` each; ``key_partition`` runs
 ``bsr.testing.check_key_partition`` in the engine's process (:func:`run_key_partition`).
+``add_loras`` loads adapters into the engine's worker right after it started (as ``vllm serve
+--lora-modules`` does), ``dtype`` sets the model's (bfloat16 by default).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import sys
 import threading
 import time
@@ -108,19 +111,24 @@ def row(o: Any) -> dict[str, Any]:
 def run_script(llm: Any, script: list[dict[str, Any]], params: Any) -> dict[str, Any]:
     """Drive the engine one step at a time.
 
-    Ops: ``add`` (id, prompt, max_tokens), ``abort`` (ids), ``touch`` / ``rm`` (path),
+    Ops: ``add`` (id, prompt, max_tokens, optional ``lora``: ``[name, id, path]``), ``abort``
+    (ids), ``touch`` / ``rm`` (path),
     ``wait_file`` (path, timeout: wait without stepping; the engine core runs on its own),
     ``sleep`` (s), ``action`` (a store action), ``metrics`` (name), ``note`` (name, exists: a
     path; records whether it exists now), and ``run`` (until: ids that must finish, or
     ``min_tokens`` each; ``watchdog``: after that many seconds remove ``release`` and record
-    that the watchdog fired, so a stalled engine fails the test instead of hanging it).
+    that the watchdog fired, so a stalled engine fails the test instead of hanging it). Each
+    row keeps ``times``: when its outputs arrived, ``[seconds since the script began, tokens
+    so far]``, and ``added_s``: when it was added.
     """
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
 
     engine = llm.llm_engine
     rows: dict[str, dict[str, Any]] = {}
     out: dict[str, Any] = {"rows": rows, "notes": {}, "metrics": {}, "waits": {}}
+    began = time.monotonic()
     for op in script:
         kind = op["op"]
         if kind == "add":
@@ -128,8 +136,15 @@ def run_script(llm: Any, script: list[dict[str, Any]], params: Any) -> dict[str,
                 max_tokens=op.get("max_tokens", 8), temperature=0.0, ignore_eos=True,
                 detokenize=False,
             )  # fmt: skip
-            engine.add_request(op["id"], TokensPrompt(prompt_token_ids=op["prompt"]), p)
-            rows[op["id"]] = {"tokens": [], "cached": None, "finished": False, "reason": None}
+            lora = op.get("lora")
+            engine.add_request(
+                op["id"], TokensPrompt(prompt_token_ids=op["prompt"]), p,
+                lora_request=None if lora is None else LoRARequest(*lora),
+            )  # fmt: skip
+            rows[op["id"]] = {
+                "tokens": [], "cached": None, "finished": False, "reason": None, "times": [],
+                "added_s": time.monotonic() - began,
+            }  # fmt: skip
         elif kind == "abort":
             engine.abort_request(op["ids"])
             for rid in op["ids"]:
@@ -152,13 +167,15 @@ def run_script(llm: Any, script: list[dict[str, Any]], params: Any) -> dict[str,
         elif kind == "note":
             out["notes"][op["name"]] = Path(op["exists"]).exists()
         elif kind == "run":
-            _run_until(engine, rows, op, out)
+            _run_until(engine, rows, op, out, began)
         else:
             raise ValueError(f"unknown script op {kind!r}")
     return out
 
 
-def _run_until(engine: Any, rows: dict[str, Any], op: dict[str, Any], out: dict[str, Any]) -> None:
+def _run_until(
+    engine: Any, rows: dict[str, Any], op: dict[str, Any], out: dict[str, Any], began: float
+) -> None:
     ids = op["until"]
     min_tokens = op.get("min_tokens")
     fired = threading.Event()
@@ -182,7 +199,9 @@ def _run_until(engine: Any, rows: dict[str, Any], op: dict[str, Any], out: dict[
         while not all(done(rid) for rid in ids) and engine.has_unfinished_requests():
             for o in engine.step():
                 if o.request_id in rows:
-                    rows[o.request_id].update(row(o))
+                    r = rows[o.request_id]
+                    r.update(row(o))
+                    r["times"].append([time.monotonic() - began, len(r["tokens"])])
     finally:
         if timer is not None:
             timer.cancel()
@@ -190,21 +209,39 @@ def _run_until(engine: Any, rows: dict[str, Any], op: dict[str, Any], out: dict[
         out["notes"][f"watchdog:{op.get('name', ','.join(ids))}"] = fired.is_set()
 
 
-def generate_each(llm: Any, items: list[dict[str, Any]], params: Any) -> list[list[int]]:
-    """Greedy tokens of each ``{"prompt", "lora": [name, id, path] | None, "cache_salt"}``."""
+def generate_each(
+    llm: Any, items: list[dict[str, Any]], params: Any, cached: list[int] | None = None
+) -> list[list[int]]:
+    """Greedy tokens of each ``{"prompt", "lora": [name, id, path] | None, "cache_salt",
+    "params": kv_transfer_params, "copy": [src dir, dst dir]}`` (``copy``: before the request,
+    rewrite each file of ``dst`` in place with ``src``'s); vLLM's cached prompt tokens of each
+    go to ``cached``."""
+    from vllm import SamplingParams
     from vllm.lora.request import LoRARequest
 
     out = []
     for item in items:
+        if item.get("copy"):
+            src, dst = (Path(p) for p in item["copy"])
+            for f in sorted(src.iterdir()):
+                shutil.copyfile(f, dst / f.name)  # the same file (inode), new bytes
         request: dict[str, Any] = {"prompt_token_ids": item["prompt"]}
         if item.get("cache_salt"):
             request["cache_salt"] = item["cache_salt"]
+        p = params
+        if item.get("params") is not None:
+            p = SamplingParams(
+                max_tokens=params.max_tokens, temperature=0.0, ignore_eos=True, detokenize=False,
+                extra_args={"kv_transfer_params": item["params"]},
+            )  # fmt: skip
         lora = item.get("lora")
         (o,) = llm.generate(
-            [request], params, lora_request=None if lora is None else LoRARequest(*lora),
+            [request], p, lora_request=None if lora is None else LoRARequest(*lora),
             use_tqdm=False,
         )  # fmt: skip
         out.append(list(o.outputs[0].token_ids))
+        if cached is not None:
+            cached.append(int(o.num_cached_tokens or 0))
         settle(llm)
     return out
 
@@ -297,7 +334,7 @@ def main(spec_path: str, out_path: str) -> None:
         load_format=spec.get("load_format", "dummy"),
         skip_tokenizer_init=True,
         enforce_eager=True,
-        dtype="bfloat16",
+        dtype=spec.get("dtype", "bfloat16"),
         block_size=spec.get("block_size", 32),
         max_model_len=spec.get("max_model_len", 2048),
         kv_cache_memory_bytes=spec.get("kv_cache_bytes", 64 << 20),
@@ -310,6 +347,11 @@ def main(spec_path: str, out_path: str) -> None:
         **kw,
     )
     out: dict[str, Any] = {"start_s": time.perf_counter() - t0, "actions": [], "batches": []}
+    if spec.get("add_loras"):
+        from vllm.lora.request import LoRARequest
+
+        for lora in spec["add_loras"]:  # into the worker now, as vllm serve --lora-modules
+            llm.llm_engine.add_lora(LoRARequest(*lora))
     for action in spec.get("after_start", []):
         out["actions"].append(apply(action))
     params = SamplingParams(
@@ -318,7 +360,8 @@ def main(spec_path: str, out_path: str) -> None:
     if "script" in spec:
         out["script"] = run_script(llm, spec["script"], params)
     if "generate" in spec:
-        out["generated"] = generate_each(llm, spec["generate"], params)
+        out["generated_cached"] = []
+        out["generated"] = generate_each(llm, spec["generate"], params, out["generated_cached"])
     if "key_partition" in spec:
         out["key_partition"] = run_key_partition(llm, spec["key_partition"])
     prompts: list[list[list[int]]] = []  # each batch's prompts, as run

@@ -360,15 +360,18 @@ def _install(book: AdapterBook) -> bool:
 
     def _add_adapter(self: Any, lora: Any) -> Any:
         out = add(self, lora)
-        book.loaded(lora)
+        try:
+            book.loaded(lora)
+        except Exception as exc:  # bsr never breaks vLLM's load (the adapter stays unbound)
+            book._log.warning("bsr.vllm.adapter_hook_failed", error=repr(exc))
         return out
 
     def _on_remove(self: Any, key: Any, value: Any) -> Any:
         try:
             book.removed(key, value)
-        finally:
-            result = on_remove(self, key, value)
-        return result
+        except Exception as exc:
+            book._log.warning("bsr.vllm.adapter_hook_failed", error=repr(exc))
+        return on_remove(self, key, value)
 
     _add_adapter._bsr_hook = True  # type: ignore[attr-defined]
     _on_remove._bsr_hook = True  # type: ignore[attr-defined]

@@ -40,7 +40,25 @@ bytes in ``objects/`` plus the reservations never exceed the writer's ``capacity
   step. ``bsr store`` waits for the lock (``wait=True``).
 - **Members.** Every open FileTier holds a shared ``flock`` on the root's marker for its
   lifetime. An opener that can take it exclusively (under the mutex) is alone: it removes every
-  leftover temp file and rebuilds the ledger from its scan.
+  leftover temp file, drops every reservation and starts a recount of the ledger, then holds
+  the members' lock shared like the others, all in one short locked step. Every opener scans
+  ``objects/`` (reading each header) without the lock, so a process opening the root while
+  another scans it joins at once, as a later member; only an opener stopped inside that short
+  step keeps the others out (they raise ``RootBusy``; FileTier's open: ``TierBusyError``).
+- **Recount.** The first member recounts the ledger's bytes after its scan, fan-out directory
+  (``objects/<xx>``) after fan-out directory, in steps that hold the lock for about
+  :data:`RECOUNT_HOLD_S` each (one ``stat`` per object, of inodes its scan just read), never
+  for ``objects/`` whole. The ledger keeps the count in progress (``recount``: the last fan-out
+  directory counted and the bytes counted so far), and every change to ``objects/`` (all made
+  under the lock, ``bsr store`` included) is applied to the count too when its fan-out
+  directory is counted already (:meth:`Ledger.count`); so the count is exact when the last
+  directory is counted, and replaces the ledger's bytes, whatever others wrote, evicted or
+  moved meanwhile. A recount left unfinished (its process killed, or the lock held elsewhere
+  past the opener's bound) changes nothing: the ledger's bytes stay what they were, kept up to
+  date by every change, and the next full recount (a write that finds the root over capacity
+  or a dead writer's reservation) or the next first member settles it. A ledger that cannot be
+  parsed (or a new root's empty one) is counted whole in the first step instead: there is
+  nothing to keep exact meanwhile.
 - **Visibility.** A process sees objects others wrote by asking the filesystem for those its
   index lacks (:meth:`SharedSpace.probe`: one ``stat`` per object, by directory descriptor).
 """
@@ -67,6 +85,7 @@ from .._watch import Removal
 from ._readers import NotRegularFileError, file_kind, open_regular
 from ._root import (
     DIR_FLAGS,
+    FANOUTS,
     LEDGER_NAME,
     MARKER_NAME,
     OBJECT_SUFFIX,
@@ -74,6 +93,7 @@ from ._root import (
     Moved,
     ScanReport,
     StoreRoot,
+    walk_fanout,
     walk_objects,
 )
 
@@ -83,6 +103,29 @@ LEDGER_VERSION = 1
 #: rewriting it within its first block needs no new space on a full disk)
 _LEDGER_PAD = 512
 _LEDGER_MAX = 1 << 20
+
+
+@dataclasses.dataclass
+class Recount:
+    """A count of ``objects/`` in progress (see the module docstring): the bytes of the
+    fan-out directories up to ``counted_to`` (in :data:`FANOUTS` order; "" none yet), kept
+    exact by every change made to them since they were counted."""
+
+    counted_to: str = ""
+    nbytes: int = 0
+
+    def encode(self) -> dict[str, Any]:
+        return {"counted_to": self.counted_to, "bytes": self.nbytes}
+
+    @classmethod
+    def decode(cls, doc: Any) -> Recount | None:
+        """The count in ``doc`` (None: not a count bsr wrote)."""
+        if not isinstance(doc, dict) or set(doc) != {"counted_to", "bytes"}:
+            return None
+        counted_to, nbytes = doc["counted_to"], doc["bytes"]
+        if not (counted_to == "" or counted_to in _FANOUT_SET) or not _count(nbytes):
+            return None
+        return cls(counted_to, nbytes)
 
 
 @dataclasses.dataclass
@@ -100,10 +143,21 @@ class Ledger:
     #: object id -> bytes of removals in progress (journaled by the holder of the lock; left
     #: behind only by a holder that died mid-removal)
     removing: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: a recount of objects/ in progress (started by the first member on open)
+    recount: Recount | None = None
 
     @property
     def total(self) -> int:
         return self.nbytes + sum(self.reserved.values())
+
+    def count(self, oid: str, delta: int) -> None:
+        """Count a change of ``delta`` bytes in object ``oid``'s file (under the lock): in the
+        ledger's bytes, and in a recount in progress when it counted ``oid``'s fan-out
+        directory already (one it has not reached yet, it counts as it finds it)."""
+        self.nbytes = max(0, self.nbytes + delta)
+        rc = self.recount
+        if rc is not None and oid[:2] <= rc.counted_to:
+            rc.nbytes = max(0, rc.nbytes + delta)
 
     def encode(self) -> bytes:
         doc = {
@@ -115,6 +169,8 @@ class Ledger:
         }
         if self.removing:
             doc["removing"] = self.removing
+        if self.recount is not None:
+            doc["recount"] = self.recount.encode()
         return json.dumps(doc, sort_keys=True).encode()
 
     @classmethod
@@ -129,11 +185,13 @@ class Ledger:
             removing = doc.get("removing", {})
             ok = ok and isinstance(removing, dict)
             ok = ok and all(isinstance(k, str) and _count(v) for k, v in removing.items())
+            recount = Recount.decode(doc["recount"]) if "recount" in doc else None
+            ok = ok and (recount is not None or "recount" not in doc)
         except (UnicodeDecodeError, ValueError, KeyError, TypeError, RecursionError):
             ok = False
         if not ok:
             return cls(valid=False)
-        return cls(bytes_, dict(reserved), commits, removing=dict(removing))
+        return cls(bytes_, dict(reserved), commits, removing=dict(removing), recount=recount)
 
 
 class RootBusy(Exception):
@@ -148,6 +206,12 @@ PATIENCE_S = 0.05
 #: the pause between two tries (short: a process changing the root holds the lock for most
 #: of its changes, and the one that tries more often wins it)
 _TRY_EVERY_S = 0.0005
+#: how long one step of a recount holds the lock (it counts fan-out directories until then;
+#: one at least: about 400 objects of a 100k-object root, 1 to 3 ms warm), and the pause after
+#: it, without the lock, that lets waiting processes in (they try every half millisecond)
+RECOUNT_HOLD_S = 0.02
+RECOUNT_PAUSE_S = 0.001
+_FANOUT_SET = frozenset(FANOUTS)
 
 
 def _count(v: Any) -> bool:
@@ -221,6 +285,8 @@ class SharedSpace:
         self._member_fd = -1
         self.writable = False
         self._rescanned_at = -1
+        #: this process started a recount on open that it has not seen end yet
+        self._recounting = False
         #: reservations given back while the lock was held elsewhere (dropped at the next step)
         self._owed: set[str] = set()
         self._owed_lock = threading.Lock()  # added to without the mutex (it may be busy)
@@ -346,8 +412,11 @@ class SharedSpace:
 
     def _settle_removals(self, led: Ledger) -> int:
         """Subtract the journaled removals whose file is gone, clear the journal; the bytes."""
-        gone = sum(n for oid, n in led.removing.items() if not self._present(oid))
-        led.nbytes = max(0, led.nbytes - gone)
+        gone = 0
+        for oid, n in led.removing.items():
+            if not self._present(oid):
+                led.count(oid, -n)
+                gone += n
         led.removing.clear()
         return gone
 
@@ -367,7 +436,10 @@ class SharedSpace:
     def _saw(self, led: Ledger) -> None:
         if led.valid:
             self.seen = dataclasses.replace(
-                led, reserved=dict(led.reserved), removing=dict(led.removing)
+                led,
+                reserved=dict(led.reserved),
+                removing=dict(led.removing),
+                recount=None if led.recount is None else dataclasses.replace(led.recount),
             )
             self.peak = max(self.peak, led.total)
 
@@ -384,11 +456,14 @@ class SharedSpace:
 
     # ------------------------------------------------------------------ opening
     def attach(self, report: ScanReport) -> None:
-        """Join the root: scan it (``report`` gets what was found) and settle the ledger.
+        """Join the root, then scan it (``report`` gets what was found).
 
-        The first process in (no other member holds the marker's lock) removes every leftover
-        temp file and rebuilds the ledger from its scan; a later one removes only the temp
-        files no live writer holds, and reads the objects without the lock.
+        Only the first step holds the root's lock, briefly (``tmp/`` and the ledger, never a
+        walk of ``objects/``): the first process in (no other member holds the marker's lock)
+        removes every leftover temp file, drops every reservation and starts a recount
+        (:meth:`recount` continues it); a later one removes only the temp files no live writer
+        holds. Both then scan the objects without the lock, so a process opening the root
+        meanwhile joins at once.
 
         Raises:
             RootBusy: the root's lock is held elsewhere (nothing done; try again, or
@@ -398,16 +473,14 @@ class SharedSpace:
             alone = self._try_alone()
             if alone:
                 self.store.scan_tmp(self.dirs, report, lambda _name: True)
-                self.store.scan_objects(self.dirs, report)
-                led.nbytes = sum(size for _, _, size in report.found)
                 led.reserved.clear()
-                led.valid = True
+                if self.writable:
+                    self._start_recount(led)
             else:
                 self.store.scan_tmp(self.dirs, report, self._temp_dead)
                 self._reclaim(led)
             self._join()
-        if not alone:
-            self.store.scan_objects(self.dirs, report)
+        self._scan(report)
 
     def attach_unlocked(self, report: ScanReport) -> None:
         """Join the root without its lock (another process held it past the opener's bound):
@@ -416,16 +489,97 @@ class SharedSpace:
         member settles them).
 
         Raises:
-            RootBusy: a first member is rebuilding the root (it holds the members' lock
-                exclusively).
+            RootBusy: a first member is claiming the root (it holds the members' lock
+                exclusively inside its first step: stopped there, it keeps others out).
         """
         if self._member_fd >= 0:
             try:
                 fcntl.flock(self._member_fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
             except BlockingIOError:
                 raise RootBusy from None
-        self.store.scan_objects(self.dirs, report)
+        self._scan(report)
         self.peek()
+
+    def _scan(self, report: ScanReport) -> None:
+        """Scan ``objects/`` without the lock; a damaged object is moved to ``quarantine/``
+        under it (if still damaged then) and its bytes leave the count; while another process
+        holds the lock, damaged objects are left in place (the read that finds one moves it)."""
+        busy = False
+
+        def move(sub_fd: int, name: str, oid: str, why: str) -> Moved:
+            nonlocal busy
+            if not busy:
+                try:
+                    moved, _ = self.quarantine(
+                        sub_fd, oid, why, still_bad=lambda: bool(self.store.problem(sub_fd, name))
+                    )
+                    return moved
+                except RootBusy:
+                    busy = True
+            self.store.log.warning(
+                "bsr.tier.quarantine_failed", object_id=oid, reason=why,
+                error="the root's lock is held by another process: left in place",
+            )  # fmt: skip
+            return Moved.FAILED
+
+        self.store.scan_objects(self.dirs, report, move)
+
+    def _start_recount(self, led: Ledger) -> None:
+        if led.valid:
+            led.recount = Recount()
+            self._recounting = True
+            return
+        # unparseable or new (empty): nothing to keep exact meanwhile; count it now
+        led.nbytes = sum(size for _, _, size in self.list_objects())
+        led.recount = None
+        led.valid = True
+
+    @property
+    def recounting(self) -> bool:
+        """Whether this process started a recount on open that :meth:`recount` has not ended."""
+        return self._recounting
+
+    def recount(self) -> bool:
+        """Count the next fan-out directories of the recount this process started on open,
+        under the lock for about :data:`RECOUNT_HOLD_S`, then pause without it; True once
+        the count is over (the ledger's bytes are then what ``objects/`` holds) or another
+        step settled it (a full recount, a ledger that cannot be parsed).
+
+        Raises:
+            RootBusy: the root's lock is held elsewhere (nothing done; try again).
+        """
+        if not self._recounting:
+            return True
+        with self.locked() as led:
+            rc = led.recount
+            if rc is None or not led.valid:
+                self._recounting = False
+                return True
+            start = FANOUTS.index(rc.counted_to) + 1 if rc.counted_to else 0
+            until = time.monotonic() + RECOUNT_HOLD_S
+            for sub in FANOUTS[start:]:
+                rc.nbytes += self._fanout_bytes(sub)
+                rc.counted_to = sub
+                if time.monotonic() >= until:
+                    break
+            if rc.counted_to == FANOUTS[-1]:
+                if rc.nbytes != led.nbytes:
+                    self.store.log.info(
+                        "bsr.tier.ledger_recounted", counted=rc.nbytes, ledger=led.nbytes
+                    )
+                led.nbytes, led.recount = rc.nbytes, None
+                self._recounting = False
+        if self._recounting:
+            time.sleep(RECOUNT_PAUSE_S)
+        return not self._recounting
+
+    def _fanout_bytes(self, sub: str) -> int:
+        """The bytes of the object files in ``objects/<sub>`` (those :meth:`list_objects`
+        counts: regular files of bsr's object grammar)."""
+        total = 0
+        for sub_fd, name, _ in walk_fanout(self.dirs.objects, sub):
+            total += _regular_size(name, sub_fd) or 0
+        return total
 
     def _try_alone(self) -> bool:
         if self._member_fd < 0:
@@ -489,7 +643,7 @@ class SharedSpace:
                 old = 0
             os.replace(p.name, name, src_dir_fd=self.dirs.tmp, dst_dir_fd=sub_fd)
             led.reserved.pop(p.name, None)
-            led.nbytes = max(0, led.nbytes + p.size - old)
+            led.count(oid, p.size - old)
             led.commits += 1
         os.close(p.fd)
         p.fd = -1
@@ -562,7 +716,7 @@ class SharedSpace:
                 self.dirs, sub_fd, oid + OBJECT_SUFFIX, oid, reason
             )
             led.removing.pop(oid, None)
-            led.nbytes = max(0, led.nbytes - size)
+            led.count(oid, -size)
         return moved, dest
 
     def remove_counted(self, led: Ledger, oids: list[str]) -> list[int | None]:
@@ -600,7 +754,7 @@ class SharedSpace:
                         size = None
                     led.removing.pop(oid, None)
                     if size is not None:
-                        led.nbytes = max(0, led.nbytes - size)
+                        led.count(oid, -size)
                 out.append(size)
             return out
         finally:
@@ -714,6 +868,7 @@ class SharedSpace:
         found = self.list_objects()
         led.nbytes = sum(size for _, _, size in found)
         led.valid = True
+        led.recount = None  # counted whole: a recount in progress has nothing left to say
         self._rescanned_at = led.commits
         if self.index is not None:
             on_disk = {oid for _, oid, _ in found}

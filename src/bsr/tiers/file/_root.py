@@ -197,32 +197,46 @@ def walk_objects(
     with os.scandir(objects_fd) as it:
         subs = list(it)
     for sub in sorted(subs, key=lambda e: e.name):
-        where = f"{OBJECTS_DIR}/{sub.name}"
         if not _FANOUT_RE.fullmatch(sub.name) or not sub.is_dir(follow_symlinks=False):
             if report is not None:
-                report.junk.append(where)
+                report.junk.append(f"{OBJECTS_DIR}/{sub.name}")
             continue
-        try:
-            sub_fd = os.open(sub.name, DIR_FLAGS, dir_fd=objects_fd)
-        except OSError as exc:
-            kind = classify_read_error(exc)
-            if report is not None and kind is ReadFailure.NOT_REGULAR:
-                report.junk.append(where)
-            elif report is not None and kind is ReadFailure.IO:
-                report.unreadable.append(f"{where} ({exc.strerror or exc})")
-            continue
-        try:
-            with os.scandir(sub_fd) as it:
-                files = sorted(it, key=lambda e: e.name)
-            for f in files:
-                m = OBJECT_NAME_RE.match(f.name)
-                if m is None or m.group(1)[:2] != sub.name or not f.is_file(follow_symlinks=False):
-                    if report is not None:  # not ours (or not a file bsr wrote): left alone
-                        report.junk.append(f"{where}/{f.name}")
-                    continue
-                yield sub_fd, f.name, m.group(1)
-        finally:
-            os.close(sub_fd)
+        yield from walk_fanout(objects_fd, sub.name, report)
+
+
+def walk_fanout(
+    objects_fd: int, sub: str, report: ScanReport | None = None
+) -> Iterator[tuple[int, str, str]]:
+    """:func:`walk_objects` for one fan-out directory ``objects/<sub>`` (nothing when it is
+    missing; a symlink or a file there is junk)."""
+    where = f"{OBJECTS_DIR}/{sub}"
+    try:
+        sub_fd = os.open(sub, DIR_FLAGS, dir_fd=objects_fd)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        kind = classify_read_error(exc)
+        if report is not None and kind is ReadFailure.NOT_REGULAR:
+            report.junk.append(where)
+        elif report is not None and kind is ReadFailure.IO:
+            report.unreadable.append(f"{where} ({exc.strerror or exc})")
+        return
+    try:
+        with os.scandir(sub_fd) as it:
+            files = sorted(it, key=lambda e: e.name)
+        for f in files:
+            m = OBJECT_NAME_RE.match(f.name)
+            if m is None or m.group(1)[:2] != sub or not f.is_file(follow_symlinks=False):
+                if report is not None:  # not ours (or not a file bsr wrote): left alone
+                    report.junk.append(f"{where}/{f.name}")
+                continue
+            yield sub_fd, f.name, m.group(1)
+    finally:
+        os.close(sub_fd)
+
+
+#: the fan-out directories of ``objects/`` in the order every walk takes them
+FANOUTS = tuple(f"{i:02x}" for i in range(256))
 
 
 class Moved(str, enum.Enum):
@@ -232,6 +246,10 @@ class Moved(str, enum.Enum):
     NOT_REGULAR = "not_regular"  #: something else stands there (left alone: not bsr's)
     MISSING = "missing"  #: nothing there
     FAILED = "failed"  #: the rename failed (logged)
+
+
+#: how a scan moves a damaged object aside: ``(fan-out dir fd, file name, object id, reason)``
+Quarantine = Callable[[int, str, str, str], Moved]
 
 
 class StoreRoot:
@@ -259,14 +277,17 @@ class StoreRoot:
         except OSError as exc:
             raise self._io_error(exc, self.root / TMP_DIR) from exc
 
-    def scan_objects(self, dirs: Dirs, report: ScanReport) -> None:
-        """List the intact objects (oldest first); damaged ones are moved to quarantine.
+    def scan_objects(
+        self, dirs: Dirs, report: ScanReport, quarantine: Quarantine | None = None
+    ) -> None:
+        """List the intact objects (oldest first); damaged ones are moved to quarantine, by
+        ``quarantine`` when given (a shared root's move under its lock), else directly.
 
         Raises:
             TierRootError: ``objects/`` cannot be listed.
         """
         try:
-            self._scan_objects(dirs, report)
+            self._scan_objects(dirs, report, quarantine)
         except OSError as exc:
             raise self._io_error(exc, self.root / OBJECTS_DIR) from exc
 
@@ -502,19 +523,16 @@ class StoreRoot:
             except OSError as exc:  # EROFS, EACCES...: leave it, open anyway
                 report.unreadable.append(f"{TMP_DIR}/{entry.name} ({exc.strerror or exc})")
 
-    def _scan_objects(self, dirs: Dirs, report: ScanReport) -> None:
+    def _scan_objects(self, dirs: Dirs, report: ScanReport, quarantine: Quarantine | None) -> None:
+        move = quarantine or (
+            lambda sub_fd, name, oid, why: self.move_to_quarantine(dirs, sub_fd, name, oid, why)[0]
+        )
         for sub_fd, name, oid in walk_objects(dirs.objects, report):
-            self._scan_one(dirs, sub_fd, name, oid, report.found, report)
+            self._scan_one(sub_fd, name, oid, report, move)
         report.found.sort()
 
     def _scan_one(
-        self,
-        dirs: Dirs,
-        sub_fd: int,
-        name: str,
-        oid: str,
-        found: list[tuple[int, str, int]],
-        report: ScanReport,
+        self, sub_fd: int, name: str, oid: str, report: ScanReport, move: Quarantine
     ) -> None:
         where = f"{object_relpath(oid)}"
         try:
@@ -534,13 +552,27 @@ class StoreRoot:
         finally:
             os.close(fd)
         if problem:
-            moved, _, _ = self.move_to_quarantine(dirs, sub_fd, name, oid, problem)
+            moved = move(sub_fd, name, oid, problem)
             if moved is Moved.MOVED:
                 report.quarantined += 1
             elif moved is Moved.NOT_REGULAR:
                 report.junk.append(where)
             return
-        found.append((st.st_mtime_ns, oid, st.st_size))
+        report.found.append((st.st_mtime_ns, oid, st.st_size))
+
+    def problem(self, sub_fd: int, name: str) -> str | None:
+        """What :meth:`check_file` says of the object file ``name`` now ("" when intact);
+        None when it is missing, not a regular file, or cannot be read."""
+        try:
+            fd, st = open_regular(name, dir_fd=sub_fd)
+        except (OSError, NotRegularFileError):
+            return None
+        try:
+            return self.check_file(fd, st.st_size)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
 
     @staticmethod
     def check_file(fd: int, size: int) -> str:

@@ -351,7 +351,13 @@ class FileTier(IndexedTier):
         The ledger's lock is waited for at most ``lock_timeout_s`` (or the caller's cancel):
         past it the tier joins without it (:meth:`SharedSpace.attach_unlocked`: it reads the
         objects and leaves dead writers' temp files and the ledger to the next locked step),
-        so a process stopped while holding the lock never holds an open.
+        so a process stopped while holding the lock never holds an open. No process holds the
+        lock while it scans (:meth:`SharedSpace.attach`): a first member recounts the ledger
+        afterwards a fan-out directory at a time (:meth:`SharedSpace.recount`).
+
+        Raises:
+            TierBusyError: a process claiming the root (its first step, a short one) kept the
+                members' lock past ``lock_timeout_s``; nothing is held, a later open may work.
         """
         opened: list[tuple[Dirs, SharedSpace]] = []
         report = ScanReport()
@@ -374,10 +380,14 @@ class FileTier(IndexedTier):
                     )
                 for _, oid, size in report.found:
                     self._index.put(oid, size, None)
+                if locked and space.recounting:
+                    await self._recount(space)
                 evicted = 0  # without the lock: the next write makes its room
                 if locked:  # a smaller capacity than the root holds now
                     with contextlib.suppress(TierBusyError):
                         evicted = await self._locked(space.trim, what="trimming to capacity")
+            except TierBusyError:  # a typed bound, not a broken root (an OSError too)
+                raise
             except OSError as exc:  # flock or the ledger failed
                 raise ledger_error(self._store, exc) from exc
             space.peak = space.seen.total  # counted from here: what this process keeps
@@ -410,7 +420,28 @@ class FileTier(IndexedTier):
             space.attach_unlocked(report)
         except RootBusy:
             self._count(busy=1)
-            raise self._busy_error("root_locked", "opening the root") from None
+            raise TierBusyError(
+                f"opening {self.root} failed: another process is claiming the root (the first "
+                f"step of a first member's open) and held it past lock_timeout_s "
+                f"({self.lock_timeout_s:g} s; stopped or frozen there?); nothing is held: open "
+                "again later, or raise lock_timeout_s",
+                tier=self.name,
+                reason="root_locked",
+                path=str(self.root),
+            ) from None
+
+    async def _recount(self, space: SharedSpace) -> None:
+        """Run the recount this first member started on open to its end, a step at a time
+        (each waits for the root's lock like any step). Given up past ``lock_timeout_s``
+        without a step: the ledger keeps its count, a later recount settles it."""
+        try:
+            while not await self._locked(space.recount, what="recounting the root's ledger"):
+                pass
+        except TierBusyError:
+            self._log.warning(
+                "bsr.tier.recount_pending", path=str(self.root), waited_s=self.lock_timeout_s,
+                note="another process held the root's lock; the ledger keeps its count",
+            )  # fmt: skip
 
     # ------------------------------------------------------------------ the root's lock
     async def _locked(
