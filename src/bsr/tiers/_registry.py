@@ -91,6 +91,13 @@ class TierOptions:
         """A new, unopened tier with these options."""
         raise NotImplementedError(f"{type(self).__name__}.build() is not implemented")
 
+    def for_rank(self: OptionsT, rank: int, world: int) -> OptionsT:
+        """The options of tensor-parallel rank ``rank``'s instance of this tier (of ``world``
+        ranks, each serving its own shard in its own process). Default: these options, shared
+        (a store that every process may use at once: objects are keyed by rank anyway). A tier
+        that one process must own (a local directory) gives each rank its own place."""
+        return self
+
     @classmethod
     def from_dict(cls: type[OptionsT], data: Mapping[str, Any], prefix: str = "") -> OptionsT:
         """Parse a plain mapping (a config table without its ``kind``); errors name

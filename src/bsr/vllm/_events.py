@@ -46,7 +46,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from bsr import ObjectKey, ObjectRemoved, Tier
+from bsr import Medium, ObjectKey, ObjectRemoved, Tier
 
 #: vLLM's medium strings (``vllm.distributed.kv_events``)
 MEDIUM_CPU = "CPU"
@@ -69,21 +69,21 @@ class TierKind:
     source: str
 
 
-def tier_kind(tier: Tier) -> TierKind:
-    """A HostTier is host memory (``CPU``, hits under ``host``); a FileTier local storage
-    (``STORAGE``, ``disk``); anything else (Redis, Mooncake, a registered kind) a remote store
-    (``STORAGE`` with ``REMOTE`` locality, hits under ``external_unspecified``: vLLM 0.32 has no
-    source for a shared remote store). Wrappers are seen through."""
-    from bsr import FileTier, HostTier
+#: how each medium a tier declares (:attr:`bsr.Tier.medium`) appears to vLLM
+_KINDS = {
+    Medium.HOST: TierKind(MEDIUM_CPU, LOCAL, SOURCE_HOST),
+    Medium.DISK: TierKind(MEDIUM_STORAGE, LOCAL, SOURCE_DISK),
+    Medium.REMOTE: TierKind(MEDIUM_STORAGE, REMOTE, SOURCE_EXTERNAL),
+}
 
-    inner: Any = tier
-    while hasattr(inner, "inner") and not isinstance(inner, (HostTier, FileTier)):
-        inner = inner.inner
-    if isinstance(inner, HostTier):
-        return TierKind(MEDIUM_CPU, LOCAL, SOURCE_HOST)
-    if isinstance(inner, FileTier):
-        return TierKind(MEDIUM_STORAGE, LOCAL, SOURCE_DISK)
-    return TierKind(MEDIUM_STORAGE, REMOTE, SOURCE_EXTERNAL)
+
+def tier_kind(tier: Tier) -> TierKind:
+    """As the tier declares its medium (:attr:`bsr.Tier.medium`; wrappers read through): host
+    memory is ``CPU`` (hits under ``host``), local storage ``STORAGE`` (``disk``), a remote
+    store (Redis, Mooncake, a registered kind by default) ``STORAGE`` with ``REMOTE``
+    locality, hits under ``external_unspecified`` (vLLM 0.32 has no source for a shared
+    remote store)."""
+    return _KINDS.get(tier.medium, _KINDS[Medium.REMOTE])
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,6 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -59,7 +58,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from bsr import (
     NULL_BLOCK,
     BsrError,
-    FileTierOptions,
     KeyExtra,
     PagedKVCache,
     Policy,
@@ -274,14 +272,8 @@ class BsrWorker:
             config.namespace(tp_rank=self.tp_rank, tp_size=s.tp_size),
             config_digest=s.config_digest,
         )
-        if s.tp_size > 1:  # one process per FileTier root: each rank gets its own
-            sub = f"rank-{self.tp_rank}-of-{s.tp_size}"
-            tiers = tuple(
-                dataclasses.replace(t, path=str(Path(t.path) / sub))
-                if isinstance(t, FileTierOptions)
-                else t
-                for t in config.tiers
-            )
+        if s.tp_size > 1:  # each rank's instance, as its tier's options say (own roots)
+            tiers = tuple(t.for_rank(self.tp_rank, s.tp_size) for t in config.tiers)
             config = dataclasses.replace(config, tiers=tiers)
         built = self.wrap_tiers(config.build_tiers())
         return RestoreEngine.from_config(

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import os
 import threading
 import time
@@ -105,6 +104,7 @@ from ._root import (
     classify_read_error,
     object_relpath,
 )
+from ._writes import FileWrites
 
 HEADER_SIZE = ObjectCodec.HEADER_SIZE
 
@@ -174,6 +174,13 @@ class FileTierOptions(TierOptions):
 
     def build(self) -> Tier:
         return FileTier(**self.arguments())
+
+    def for_rank(self, rank: int, world: int) -> FileTierOptions:
+        """Each tensor-parallel rank gets its own root under ``path``
+        (``rank-<r>-of-<world>``): one process per root's own shard."""
+        if world <= 1:
+            return self
+        return dataclasses.replace(self, path=str(Path(self.path) / f"rank-{rank}-of-{world}"))
 
     def to_dict(self) -> dict[str, Any]:
         if not isinstance(self.reader, str):
@@ -253,6 +260,7 @@ class FileTier(IndexedTier):
         )
         self._index: LruIndex[None] = LruIndex(o.capacity_bytes, name=o.name)
         self._io = FileReads(self)
+        self._writes = FileWrites(self)
         self._opened = False
         # guards _dirs and _busy: worker threads touch them
         self._lock = threading.Lock()
@@ -645,9 +653,9 @@ class FileTier(IndexedTier):
         where = object_relpath(oid)
         try:
             await anyio.to_thread.run_sync(
-                self._write_temp, okey, mv, pending, limiter=self._limiter
+                self._writes.write_temp, okey, mv, pending, limiter=self._limiter
             )
-            await self._locked(self._commit_sync, oid, pending, renamed, what=f"writing {where}")
+            await self._locked(self._writes.commit, oid, pending, renamed, what=f"writing {where}")
         except TierBusyError:
             raise
         except OSError as exc:
@@ -663,7 +671,7 @@ class FileTier(IndexedTier):
                 self._index.put(oid, size, None)
             else:  # every failure path gives the bytes back and removes the temp file
                 with anyio.CancelScope(shield=True):  # never waits for the lock: bounded
-                    await anyio.to_thread.run_sync(self._abort_sync, pending)
+                    await anyio.to_thread.run_sync(self._writes.abort, pending)
         if new:
             self._count(writes=1, bytes_written=len(mv))
         return new
@@ -675,7 +683,7 @@ class FileTier(IndexedTier):
         where = object_relpath(oid)
         try:
             evicted = await self._locked(
-                self._reserve_sync, oid, size, out, what=f"reserving room for {where}"
+                self._writes.reserve, oid, size, out, what=f"reserving room for {where}"
             )
         except TierBusyError:
             raise
@@ -689,72 +697,11 @@ class FileTier(IndexedTier):
         except BaseException:
             if out:  # reserved, then cancelled: give it back
                 with anyio.CancelScope(shield=True):
-                    await anyio.to_thread.run_sync(self._abort_sync, out[0])
+                    await anyio.to_thread.run_sync(self._writes.abort, out[0])
             raise
         if evicted:
             self._count(evictions=evicted)
         return out[0]
-
-    def _reserve_sync(self, oid: str, size: int, out: list[Pending]) -> int:
-        _, space = self._enter_space()
-        try:
-            pending, evicted = space.reserve(oid, size)
-            out.append(pending)
-            return evicted
-        finally:
-            self._leave()
-
-    def _abort_sync(self, pending: Pending) -> None:
-        try:
-            _, space = self._enter_space()
-        except ClosedError:  # closed meanwhile: the temp file, unlocked now, is a dead writer's
-            if pending.fd >= 0:
-                os.close(pending.fd)
-                pending.fd = -1
-            return
-        try:
-            space.abort(pending)
-        finally:
-            self._leave()
-
-    def _write_temp(self, okey: ObjectKey, mv: memoryview, pending: Pending) -> None:
-        """Write and fsync the object into its reserved temp file (no lock held)."""
-        header = ObjectCodec.header(okey, mv)
-        pad = b"\x00" * (ObjectCodec.stored_size(len(mv), padded=True) - HEADER_SIZE - len(mv))
-        _write_all(pending.fd, [header, mv, pad])
-        if self.fsync:
-            os.fsync(pending.fd)
-
-    def _commit_sync(self, oid: str, pending: Pending, renamed: list[bool]) -> None:
-        """Rename the written temp file into ``objects/`` under the root's lock (RootBusy
-        while another process holds it), then fsync the directory."""
-        dirs, space = self._enter_space()
-        try:
-            sub_fd = self._object_dir(dirs, oid[:2])
-            try:
-                space.commit(pending, oid, sub_fd)
-                renamed.append(True)
-                if self.fsync:
-                    os.fsync(sub_fd)
-            finally:
-                os.close(sub_fd)
-        finally:
-            self._leave()
-
-    def _object_dir(self, dirs: Dirs, sub: str) -> int:
-        try:
-            os.mkdir(sub, 0o755, dir_fd=dirs.objects)
-        except FileExistsError:
-            pass
-        try:
-            return os.open(sub, DIR_FLAGS, dir_fd=dirs.objects)
-        except OSError as exc:
-            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                exc.strerror = (
-                    f"{OBJECTS_DIR}/{sub} is not a directory bsr made (a symlink or a file); "
-                    "remove it"
-                )
-            raise
 
     def _unlink_victims(self, oids: list[str]) -> None:
         _, space = self._enter_space()
@@ -840,14 +787,3 @@ def _close(dirs: Dirs, space: SharedSpace | None) -> None:
     if space is not None:
         space.close()
     dirs.close()
-
-
-def _write_all(fd: int, bufs: list[Any]) -> None:
-    want = sum(len(b) for b in bufs)
-    done = 0
-    while done < want:
-        n = os.writev(fd, bufs)
-        done += n
-        if done < want:  # partial write: rebuild the remaining buffers
-            flat = memoryview(b"".join(bytes(b) for b in bufs))[n:]
-            bufs = [flat]
