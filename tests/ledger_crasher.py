@@ -76,8 +76,9 @@ def arm(point: str, k: int) -> None:
     elif point == "renamed":
         hooked.replace = replace  # type: ignore[attr-defined]
     elif point == "reserved":
-        cls: Any = file_module.FileTier
-        name = "_write_temp" if hasattr(cls, "_write_temp") else "_write_file"
+        writes = getattr(file_module, "FileWrites", None)  # 0.4: the write steps' own class
+        cls: Any = writes if writes is not None else file_module.FileTier
+        name = next(n for n in ("write_temp", "_write_temp", "_write_file") if hasattr(cls, n))
         inner = getattr(cls, name)
 
         def data_phase(self: Any, *args: Any) -> Any:

@@ -5,9 +5,12 @@
 On a dsv4-flash state (random bytes generated on the device, saved once into a HostTier and a
 FileTier), each measured ``--repeats`` times, medians reported:
 
-* ``install``: BSR restores from the HostTier (host memory, so the staging and the
-  host-to-device install are the cost) against a pinned host-to-device copy of the same bytes,
-  whole and chunk by chunk, and a host memcpy of them (the HostTier-to-slot copy);
+* ``install``: BSR restores from the HostTier (host memory: its objects in one pinned arena,
+  each host hit copied by DMA straight from where it lies, checked on the CPU beside it)
+  against a pinned host-to-device copy of the same bytes, whole and chunk by chunk, and a host
+  memcpy of them (what a staging copy costs);
+* ``layer_install``: the same into vLLM's per-layer layout (a llama-class model: 32 layers of
+  ``[num_blocks, 2, block_size, 8 * 128]`` bfloat16 tensors, ``--layer-tokens`` tokens);
 * ``readers``: BSR restores from the FileTier with the POSIX and with the kvikio reader, and raw
   reads of the same object files with each (``io_depth`` threads, no verification), the page
   cache dropped (``posix_fadvise``) before every measurement;
@@ -40,6 +43,7 @@ from _shared import (
     filesystem,
     filled_cache,
     machine,
+    median,
     object_files,
     same_bytes,
     sync,
@@ -207,6 +211,7 @@ class Figures:
         }
         self.root.mkdir(parents=True, exist_ok=True)
         await self.install_section(doc, cap)
+        doc["layer_install"] = await self.layer_install_section()
         doc["readers"] = await self.readers_section(cap)
         doc["rws"] = {
             "expected_bytes": ns.window * self.layout.slot_bytes,
@@ -243,6 +248,83 @@ class Figures:
             f"pinned copy {self.state_bytes / w_s / 1e9:.2f} GB/s",
             flush=True,
         )
+
+    async def layer_install_section(self) -> dict[str, Any]:
+        """HostTier restores into vLLM's per-layer tensors against a pinned host-to-device copy
+        of the same bytes (whole and per chunk)."""
+        layers, heads = 32, 8 * 128  # llama-3-8b's KV: 8 heads of 128, K and V, bfloat16
+        layout = bsr.StateLayout(256, (bsr.StateGroup("kv", layers, 2 * heads * 2),))
+        tokens = self.ns.layer_tokens // 256 * 256
+        nblocks = tokens // 16
+        gen = torch.Generator(device=self.device).manual_seed(self.ns.seed + 1)
+
+        def tensors(fill: bool) -> list[torch.Tensor]:
+            out = []
+            for _ in range(layers):
+                t = torch.empty(nblocks, 2, 16, heads, dtype=torch.bfloat16, device=self.device)
+                flat = t.view(-1).view(torch.int16)
+                flat.random_(generator=gen) if fill else flat.zero_()
+                out.append(t)
+            return out
+
+        src_layers, dst_layers = tensors(True), tensors(False)
+        src = bsr.PagedKVCache.from_layer_tensors(layout, {"kv": src_layers}, 16)
+        dst = bsr.PagedKVCache.from_layer_tensors(layout, {"kv": dst_layers}, 16)
+        toks, ids = token_ids(tokens, self.ns.seed + 1), list(range(nblocks))
+        state = tokens * layout.groups[0].token_bytes * layers
+        host = bsr.HostTier(state + GIB)
+        eng = bsr.RestoreEngine(layout, [host], window=self.ns.window,
+                                io_depth=self.ns.io_depth, namespace=NS)  # fmt: skip
+        times: list[float] = []
+        async with eng:
+            if not (await eng.save(toks, src, ids)).ok:
+                raise SystemExit("per-layer save failed")
+            for i in range(self.ns.repeats + 1):  # the first is a warm-up
+                for t in dst_layers:
+                    t.zero_()
+                with timed(self.device) as t_:
+                    r = await eng.restore(toks, dst, ids)
+                if r.committed_tokens != tokens:
+                    raise SystemExit(f"per-layer restore did not commit: {r}")
+                if i == 0 and not all(
+                    torch.equal(a.view(torch.int16), b.view(torch.int16))
+                    for a, b in zip(src_layers, dst_layers)
+                ):
+                    raise SystemExit("per-layer restored bytes differ from the source")
+                times.append(t_["s"])
+        cuda = torch.device(self.device).type == "cuda"
+        ref_host = torch.empty(state, dtype=torch.uint8, pin_memory=cuda)
+        ref_dev = torch.empty(state, dtype=torch.uint8, device=self.device)
+        cb = layout.chunk_bytes
+        whole, chunked = [], []
+        for _ in range(self.ns.repeats + 1):
+            with timed(self.device) as t_:
+                ref_dev.copy_(ref_host, non_blocking=True)
+            whole.append(t_["s"])
+            with timed(self.device) as t_:
+                for c in range(0, state, cb):
+                    ref_dev[c : c + cb].copy_(ref_host[c : c + cb], non_blocking=True)
+            chunked.append(t_["s"])
+        r_s, w_s, c_s = median(times[1:]), median(whole[1:]), median(chunked[1:])
+        out = {
+            "layers": layers,
+            "tokens": tokens,
+            "state_bytes": state,
+            "host_tier_pinned": host.pinned,
+            "restore_s": dist(times[1:]),
+            "h2d_whole_s": dist(whole[1:]),
+            "h2d_per_chunk_s": dist(chunked[1:]),
+            "restore_bandwidth_Bps": bandwidth(state, r_s),
+            "restore_vs_h2d_bandwidth": w_s / r_s,
+            "restore_vs_h2d_per_chunk_bandwidth": c_s / r_s,
+            "verified": True,
+        }
+        print(
+            f"layer install: restore from host memory {state / r_s / 1e9:.2f} GB/s, pinned "
+            f"copy {state / w_s / 1e9:.2f} GB/s ({out['restore_vs_h2d_bandwidth']:.2f})",
+            flush=True,
+        )
+        return out
 
     async def readers_section(self, cap: int) -> dict[str, Any]:
         """FileTier restores and raw reads with the POSIX and the kvikio reader (``readers``)."""
@@ -284,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda")
     p.add_argument("--tokens", type=int, default=16384, help="state size (default 16384: 1 GiB)")
+    p.add_argument("--layer-tokens", type=int, default=8192, help="per-layer state (8192: 1 GiB)")
     p.add_argument("--window", "-W", type=int, default=8)
     p.add_argument("--io-depth", type=int, default=4)
     p.add_argument("--repeats", type=int, default=3)

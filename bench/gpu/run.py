@@ -294,7 +294,8 @@ class Run:
         def figures(run: Run, limit: float) -> list[str]:
             cmd = [py, str(HERE / "cuda_figures.py"), "--device", dev, "--state-dir", state,
                    "--json", str(work / "figures.json")]  # fmt: skip
-            size = "--tokens 2048 -W 4 --io-depth 2 --repeats 2" if d else "--tokens 16384"
+            size = ("--tokens 2048 --layer-tokens 512 -W 4 --io-depth 2 --repeats 2" if d
+                    else "--tokens 16384")  # fmt: skip
             return [*cmd, *size.split()]
 
         def paper(run: Run, limit: float) -> list[str]:
@@ -555,6 +556,8 @@ def figures_of(step: str, doc: Any) -> dict[str, Any]:
         out["restore_from_host_GBps"] = _gb(_get(doc, "install", "restore_bandwidth_Bps"))
         out["pinned_h2d_GBps"] = _gb(_get(doc, "install", "h2d_bandwidth_Bps"))
         out["restore_vs_h2d"] = _get(doc, "install", "restore_vs_h2d_bandwidth")
+        out["layer_restore_vs_h2d"] = _get(doc, "layer_install", "restore_vs_h2d_bandwidth")
+        out["layer_restore_GBps"] = _gb(_get(doc, "layer_install", "restore_bandwidth_Bps"))
         for r in ("posix", "kvikio"):
             out[f"{r}_restore_GBps"] = _gb(_get(doc, "readers", r, "restore_bandwidth_Bps"))
             out[f"{r}_raw_GBps"] = _gb(_get(doc, "readers", r, "raw_bandwidth_Bps"))

@@ -16,19 +16,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import anyio
+import numpy as np
 import pytest
 import torch
 
 import bsr
-from bsr.testing import corrupt_stored, truncate_stored
-from bsr.transfer._pipeline import WindowPipeline
+from bsr.testing import corrupt_stored, make_keys, truncate_stored
+from bsr.transfer._installers import _CudaCall, release_lent
 from gpu.cuda_kit import (
     BLOCK,
     Case,
     FailingInstallCache,
     SlowSideStreamCache,
-    chunk_bytes,
     staging_settled,
 )
 
@@ -78,8 +77,12 @@ async def test_restore_into_a_device_cache_holds_the_saved_bytes(
         assert r.state is COMMITTED and r.committed_tokens == case.n_tokens, r
         assert case.mismatches(dst, case.chunks) == []
         assert case.stray_writes(dst) == 0
-        # bounded: W slots for a state 3x the window; whole-plan: one region per chunk
-        assert r.rws_peak_bytes == (window if strategy == "bounded" else case.chunks) * slot
+        # bounded: W slots for a state 3x the window (host hits are lent: no slot bytes, the
+        # window bounds them, they need not fill it); whole-plan: one region per chunk
+        if strategy == "bounded" and tier == "host":
+            assert 0 < r.rws_peak_bytes <= window * slot
+        else:
+            assert r.rws_peak_bytes == (window if strategy == "bounded" else case.chunks) * slot
         settled, stats = staging_settled(eng)
         assert settled, stats
         assert stats.pinned is (device == "cuda")
@@ -117,61 +120,148 @@ async def test_restore_into_per_layer_device_tensors_writes_the_engines_own_memo
     assert torch.equal(own, case.source_chunk("kv", 0))
 
 
-async def _release_then_wait(self: WindowPipeline, job: Any, c: int, slot: Any, event: Any) -> None:
-    """A broken ``_await_device``: gives the slot back before its copy completed."""
-    self._installed(job, slot)
-    if event is None:
-        return
-    while not event.query():  # noqa: ASYNC110
-        await anyio.sleep(0.0005)
-    job.run.record_installed(c, job.run.needed[c])
-    await self._announce(job, [c])
+def _early_release(real: Any) -> Any:
+    """A broken ``_CudaCall.after_read``: gives a chunk's slot and lent host objects back at
+    once, before its copy's event completed (the mutant that proves the test can fail)."""
+
+    def after_read(self: _CudaCall, run: Any, c: int, slot: Any, lent: Any, ok: bool) -> Any:
+        free = list(real(self, run, c, slot, lent, ok))
+        if self.pending and self.pending[-1][1] == c:
+            event, _, held, held_lent = self.pending.pop()
+            release_lent(held_lent)
+            if held_lent:
+                self.lent_pending -= 1
+            self.pending.append((event, c, None, None))
+            free += [] if held is None else [held]
+        return free
+
+    return after_read
 
 
+def _churn(host: bsr.HostTier, layout: bsr.StateLayout, count: int) -> None:
+    """Delete every object of ``host`` and fill the room with others (from the installing
+    thread): memory the tier gave back is reused at once."""
+    for oid in host._index.oids():
+        host._index.discard(oid)
+    for g in layout.groups:
+        filler = np.full(layout.group_chunk_bytes(g.name), 0x5A, dtype=np.uint8)
+        for k in make_keys(count, model="churn"):
+            blob = bsr.ObjectCodec.encode(bsr.ObjectKey(k, g.name), filler)
+            host.storage_hooks().put_raw(k, g.name, blob)
+
+
+@pytest.mark.parametrize("source", ["file", "host"])
 @pytest.mark.parametrize("release_early", [False, True], ids=["on-event", "early-mutant"])
 @pytest.mark.anyio
-async def test_a_slot_is_refilled_only_after_its_copy_event(
-    real_cuda: None, monkeypatch: pytest.MonkeyPatch, release_early: bool
-) -> None:
-    """W=2 slots carry 12 chunks, each copy held back on the GPU by a spin kernel while the
-    next reads (HostTier, microseconds) wait for a slot. Released on the event, every chunk
-    lands intact and is readable on the default stream when announced. The mutant that
-    releases first must show corruption: proof that this test can fail."""
-    if release_early:
-        monkeypatch.setattr(WindowPipeline, "_await_device", _release_then_wait)
+async def test_what_a_copy_reads_is_reused_only_after_its_copy_event(
+    real_cuda: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str,
+    release_early: bool,
+) -> None:  # fmt: skip
+    """Each copy held back on the GPU by a spin kernel. From a FileTier, W=2 slots carry 12
+    chunks: a slot is refilled by the next read only after its copy landed. From a HostTier
+    the copy reads the pinned object where it lies (no slot): right after the first chunk's
+    copy is enqueued, every object is deleted and the tier filled with others, and the lent
+    object's memory is reused only after its copy landed. The mutant that lets go first shows
+    corruption: proof that this test can fail."""
     case = Case(chunks=12, seed=3)
-    announced: list[tuple[int, bool]] = []
+    if source == "host":
+        per = sum(-(-(4096 + case.layout.group_chunk_bytes(g.name)) // 4096) * 4096
+                  for g in case.layout.groups)  # fmt: skip
+        tier: bsr.Tier = bsr.HostTier(case.chunks * per)  # no room but what churn frees
+    else:
+        tier = bsr.FileTier(tmp_path, CAP, reader="posix")
+    real = _CudaCall.after_read
+    after = _early_release(real) if release_early else real
+    churned: list[int] = []
 
-    async def main() -> bsr.RestoreResult:
-        async with case.engine([bsr.HostTier(CAP)], window=2, io_depth=2) as eng:
-            await eng.save(case.tokens, case.src, case.src_ids)
-            dst = case.destination("cuda", SlowSideStreamCache)
-            dst.cycles = DELAY_CYCLES
-            bpc = case.layout.chunk_tokens // BLOCK
+    def after_read(self: _CudaCall, run: Any, c: int, slot: Any, lent: Any, ok: bool) -> Any:
+        free = after(self, run, c, slot, lent, ok)
+        if source == "host" and not churned and lent:
+            churned.append(c)
+            assert isinstance(tier, bsr.HostTier)
+            _churn(tier, case.layout, case.chunks)
+        return free
 
-            def on_installed(chunk: int, groups: tuple[str, ...]) -> None:
-                blocks = case.dst_ids[chunk * bpc : (chunk + 1) * bpc]
-                same = all(
-                    torch.equal(chunk_bytes(dst, g, blocks), case.source_chunk(g, chunk))
-                    for g in groups
-                )  # read on the default stream: no wait on bsr's side stream
-                announced.append((chunk, same))
+    monkeypatch.setattr(_CudaCall, "after_read", after_read)
+    async with case.engine([tier], window=2, io_depth=2) as eng:
+        await eng.save(case.tokens, case.src, case.src_ids)
+        if source == "host":
+            assert isinstance(tier, bsr.HostTier) and tier.pinned  # DMA straight from there
+        dst = case.destination("cuda", SlowSideStreamCache)
+        dst.cycles = DELAY_CYCLES
+        r = await eng.restore(case.tokens, dst, case.dst_ids)
+        settled, stats = staging_settled(eng)
+        assert settled, stats
+    landed = case.chunks if source == "file" else churned[0] + 1
+    bad = case.mismatches(dst, landed)
+    if release_early:
+        assert bad, "let go before the copy landed: some chunk must be wrong"
+    else:
+        assert bad == []
+        if source == "file":
+            assert r.state is COMMITTED and r.rws_peak_bytes == 2 * case.layout.slot_bytes
 
-            r = await eng.restore(case.tokens, dst, case.dst_ids, on_installed=on_installed)
-            settled, stats = staging_settled(eng)
-            assert settled, stats
-            bad = case.mismatches(dst, case.chunks)
-            if release_early:
-                assert bad, "slots given back before their copy: some chunk must be wrong"
-            else:
-                assert bad == []
-                assert sorted(c for c, _ in announced) == list(range(case.chunks))
-                assert all(same for _, same in announced), announced
-                assert r.rws_peak_bytes == 2 * case.layout.slot_bytes
-            return r
 
-    r = await main()
-    assert r.state is COMMITTED
+@pytest.mark.parametrize("layer_tensors", [False, True], ids=["contiguous", "per-layer"])
+@pytest.mark.anyio
+async def test_host_hits_go_by_dma_from_pinned_objects_and_every_byte_lands(
+    real_cuda: None, layer_tensors: bool
+) -> None:
+    """A HostTier on a CUDA machine keeps its objects pinned; a restore into a device cache
+    (bsr's own, or vLLM's per-layer tensors) copies each host hit from there, checked on the
+    CPU first: no staging slot is written, and every byte matches the source."""
+    layout = bsr.StateLayout(64, (bsr.StateGroup("kv", 4, 512),))
+    case = Case(chunks=16, seed=5, layout=layout)
+    host = bsr.HostTier(CAP)
+    if layer_tensors:
+        mine = [
+            torch.zeros(case.num_blocks, 2, BLOCK, 128, dtype=torch.bfloat16, device="cuda")
+            for _ in range(4)
+        ]
+        dst = bsr.PagedKVCache.from_layer_tensors(layout, {"kv": mine}, BLOCK)
+    else:
+        dst = case.destination("cuda")
+    async with case.engine([host], window=4, io_depth=2) as eng:
+        await eng.save(case.tokens, case.src, case.src_ids)
+        assert host.pinned
+        eng.staging.buffer.zero_()
+        r = await eng.restore(case.tokens, dst, case.dst_ids)
+        assert r.state is COMMITTED and r.committed_tokens == case.n_tokens, r
+        assert not eng.staging.buffer.any()  # nothing passed through a slot
+        settled, stats = staging_settled(eng)
+        assert settled, stats
+        assert host._index.statistics().pinned == 0
+    assert case.mismatches(dst, case.chunks) == []
+    assert case.stray_writes(dst) == 0
+
+
+@pytest.mark.parametrize("below", [False, True], ids=["alone", "file-below"])
+@pytest.mark.anyio
+async def test_a_flipped_byte_in_a_pinned_host_object_is_caught_before_its_copy(
+    tmp_path: Path, device: str, below: bool
+) -> None:
+    """One bit flipped where a host object lies (its pinned memory on a GPU machine): the
+    check refuses it before any byte of it is copied; a FileTier below serves the chunk."""
+    case = Case(chunks=8, seed=9)
+    host = bsr.HostTier(CAP)
+    tiers: list[bsr.Tier] = [host]
+    if below:
+        tiers.append(bsr.FileTier(tmp_path, CAP, reader="posix"))
+    async with case.engine(tiers, window=3, io_depth=2) as eng:
+        await eng.save(case.tokens, case.src, case.src_ids)
+        key = _keys(case)[5]
+        g = case.layout.groups[0].name
+        assert corrupt_stored(host, key, g, 4096 + 777)
+        dst = case.destination(device)
+        r = await eng.restore(case.tokens, dst, case.dst_ids)
+        assert r.quarantined == 1
+        if below:
+            assert r.state is COMMITTED and r.fallbacks == 1, r
+            assert case.mismatches(dst, case.chunks) == []
+        else:
+            assert r.state is INVALIDATED and r.committed_tokens == 0, r
+        settled, stats = staging_settled(eng)
+        assert settled, stats
 
 
 @pytest.mark.parametrize("strategy", ["bounded", "whole_plan"])

@@ -307,3 +307,35 @@ async def test_an_engine_at_the_bounds_saves_and_restores() -> None:
         with anyio.fail_after(60):
             result = await engine.restore(tokens, dst, blocks, deadline_s=MAX_SECONDS)
         assert result.state is bsr.RequestState.COMMITTED
+
+
+@pytest.mark.parametrize("value", [1e10, 1e300, math.inf])
+@pytest.mark.anyio
+async def test_the_engines_own_times_and_per_call_times_are_bounded_alike(value: float) -> None:
+    """The engine's constructor and its calls take times too: ``shield_timeout_s`` and
+    ``breaker_cooldown_s`` when it is built, ``deadline_s`` and ``lease_ttl_s`` per call, a
+    tier's lease ``ttl_s``; each refused naming its key, as the config refuses it."""
+    from support.helpers import filled_cache, two_group_layout
+
+    layout = two_group_layout()
+    ns = bsr.Namespace("m")
+    host = bsr.HostTier(1 << 22)
+    for key in ("shield_timeout_s", "breaker_cooldown_s", "deadline_s"):
+        with pytest.raises(bsr.ConfigError) as info:
+            bsr.RestoreEngine(layout, [host], namespace=ns, **{key: value})
+        assert info.value.fields["key"] == key
+    tokens = list(range(layout.chunk_tokens * 2))
+    src, blocks = filled_cache(layout, 16, 4), list(range(len(tokens) // 4))
+    async with bsr.RestoreEngine(layout, [host], window=2, io_depth=1, namespace=ns) as engine:
+        await engine.save(tokens, src, blocks)
+        dst = bsr.PagedKVCache(layout, 16, 4)
+        calls = {
+            "restore deadline_s": lambda: engine.restore(tokens, dst, blocks, deadline_s=value),
+            "lookup deadline_s": lambda: engine.lookup(tokens, deadline_s=value),
+            "lookup lease_ttl_s": lambda: engine.lookup(tokens, lease_ttl_s=value),
+            "tier lease ttl_s": lambda: host.lease([], value),
+        }
+        for what, call in calls.items():
+            with pytest.raises(bsr.ConfigError) as info:
+                await call()
+            assert f"{MAX_SECONDS:,}" in str(info.value) or "finite" in str(info.value), what

@@ -428,7 +428,7 @@ async def test_a_reservation_given_back_while_another_process_holds_the_lock_is_
         assert _ledger(tmp_path)["reserved"] == {pending.name: OBJECT}
         with root_lock(tmp_path):
             with anyio.fail_after(5):
-                await anyio.to_thread.run_sync(tier._abort_sync, pending, abandon_on_cancel=True)
+                await anyio.to_thread.run_sync(tier._writes.abort, pending, abandon_on_cancel=True)
             assert not (tmp_path / "tmp" / pending.name).exists()
             # still counted (nobody could take the lock to say otherwise)
             assert json.loads((tmp_path / LEDGER_NAME).read_text())["reserved"] != {}

@@ -256,46 +256,15 @@ class CostModel:
         rate_p = self.prefill_rate if prefill_rate is None else prefill_rate
         if p <= s:
             return LoadDecision("empty", p, p, s, prefill_rate=rate_p)
-        # per group: the time to read each chunk's object from its first holder (inf: no
-        # holder, or an unmeasured one; a prefix needing it is never chosen)
-        by_tier: dict[str, int] = {}
-        rates: dict[str, float | None] = {}
-        for g in layout.groups:
-            nbytes = layout.group_chunk_bytes(g.name)
-            for c in layout.needed_chunks(g.name, p):
-                if c >= s:
-                    tier = probe.holders[c][g.name][0]
-                    by_tier[tier] = by_tier.get(tier, 0) + nbytes
-                    rates.setdefault(tier, self.read_rate(tier))
+        by_tier, rates = self._first_holders(layout, probe, p, s)
         if rate_p is None or any(r is None for r in rates.values()):
             return LoadDecision(
                 "unmeasured", p, p, s, by_tier, rates, rate_p,
             )  # fmt: skip
-        sums: dict[str, tuple[list[float], list[int]]] = {}
-        for g in layout.groups:
-            nbytes = layout.group_chunk_bytes(g.name)
-            row: list[float] = []
-            for c in range(p):
-                names = probe.holders[c].get(g.name, ()) if c >= s else ()
-                r = self.read_rate(names[0]) if names else None
-                row.append(math.inf if c >= s and not r else nbytes / r if r else 0.0)
-            sums[g.name] = _prefix_sums(row)
+        load_cost = self._load_costs(layout, probe, p, s)
         recompute_from = [  # seconds to recompute chunks k..p-1 (tokens past start only)
             (p * c_tokens - max(k * c_tokens, start_tokens)) / rate_p for k in range(p + 1)
         ]
-
-        def load_cost(k: int) -> float:
-            total = 0.0
-            for g in layout.groups:
-                need = layout.needed_chunks(g.name, k)
-                lo, hi = max(need.start, s), need.stop
-                if hi > lo:
-                    times, missing = sums[g.name]
-                    if missing[hi] - missing[lo]:
-                        return math.inf
-                    total += times[hi] - times[lo]
-            return total
-
         best_k, best = s, recompute_from[s]
         best_load = 0.0
         for k in range(s + 1, p + 1):
@@ -314,6 +283,50 @@ class CostModel:
             choice, best_k, p, s, by_tier, rates, rate_p, best_load, recompute_from[best_k],
             full_load, recompute_from[s],
         )  # fmt: skip
+
+    def _first_holders(
+        self, layout: StateLayout, probe: Probe, p: int, s: int
+    ) -> tuple[dict[str, int], dict[str, float | None]]:
+        """The bytes each first holder would serve of chunks ``s..p-1`` and its read rate."""
+        by_tier: dict[str, int] = {}
+        rates: dict[str, float | None] = {}
+        for g in layout.groups:
+            nbytes = layout.group_chunk_bytes(g.name)
+            for c in layout.needed_chunks(g.name, p):
+                if c >= s:
+                    tier = probe.holders[c][g.name][0]
+                    by_tier[tier] = by_tier.get(tier, 0) + nbytes
+                    rates.setdefault(tier, self.read_rate(tier))
+        return by_tier, rates
+
+    def _load_costs(
+        self, layout: StateLayout, probe: Probe, p: int, s: int
+    ) -> Callable[[int], float]:
+        """``load_cost(k)``: seconds to read chunks ``s..k-1`` of every group needing them from
+        their first holders (inf: one without a holder, or an unmeasured one: never chosen)."""
+        sums: dict[str, tuple[list[float], list[int]]] = {}
+        for g in layout.groups:
+            nbytes = layout.group_chunk_bytes(g.name)
+            row: list[float] = []
+            for c in range(p):
+                names = probe.holders[c].get(g.name, ()) if c >= s else ()
+                r = self.read_rate(names[0]) if names else None
+                row.append(math.inf if c >= s and not r else nbytes / r if r else 0.0)
+            sums[g.name] = _prefix_sums(row)
+
+        def load_cost(k: int) -> float:
+            total = 0.0
+            for g in layout.groups:
+                need = layout.needed_chunks(g.name, k)
+                lo, hi = max(need.start, s), need.stop
+                if hi > lo:
+                    times, missing = sums[g.name]
+                    if missing[hi] - missing[lo]:
+                        return math.inf
+                    total += times[hi] - times[lo]
+            return total
+
+        return load_cost
 
     def _probe_now(self) -> bool:
         """Count a decision that loads less than the whole prefix; whether it is the one in

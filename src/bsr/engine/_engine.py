@@ -27,8 +27,8 @@ from .._check import (
     byte_size,
     non_negative_int,
     option_fields,
-    optional_positive_float,
-    positive_float,
+    optional_positive_seconds,
+    positive_seconds,
     short_repr,
 )
 from .._errors import (
@@ -191,7 +191,9 @@ class RestoreEngine(AsyncResource):
         self.deadline_s = _OPTION["deadline_s"](deadline_s, "deadline_s")
         self.pin_staging = _OPTION["pin_staging"](pin_staging, "pin_staging")
         self.prefault_staging = _OPTION["prefault_staging"](prefault_staging, "prefault_staging")
-        self.shield_timeout_s = positive_float(shield_timeout_s, "shield_timeout_s")
+        self.shield_timeout_s = positive_seconds(
+            shield_timeout_s, "shield_timeout_s", key="shield_timeout_s"
+        )
         self.staging_budget_bytes = self._check_budget(staging_budget_bytes)
         self.window_checkpoint_chunks: int | None = _OPTION["window_checkpoint_chunks"](
             window_checkpoint_chunks, "window_checkpoint_chunks"
@@ -482,7 +484,7 @@ class RestoreEngine(AsyncResource):
         objects this engine did not just write itself (a save that found them already held).
         """
         pool = self._open_pool()
-        deadline = optional_positive_float(deadline_s, "deadline_s")
+        deadline = optional_positive_seconds(deadline_s, "deadline_s", key="deadline_s")
         checks = [bool(verify)] * len(objects) if isinstance(verify, bool) else list(verify)
         if len(checks) != len(objects):
             raise ConfigError(
@@ -614,8 +616,8 @@ class RestoreEngine(AsyncResource):
         self._open_pool()
         self._leases.reclaim()
         extras = check_extras(extras)
-        ttl = optional_positive_float(lease_ttl_s, "lease_ttl_s")
-        deadline = optional_positive_float(deadline_s, "deadline_s")
+        ttl = optional_positive_seconds(lease_ttl_s, "lease_ttl_s", key="lease_ttl_s")
+        deadline = optional_positive_seconds(deadline_s, "deadline_s", key="deadline_s")
         if Check.flag(local, "local") and ttl is not None:
             raise ConfigError(
                 "a local lookup takes no lease (its probe is one rank's); drop lease_ttl_s or "
@@ -769,7 +771,7 @@ class RestoreEngine(AsyncResource):
         n_full = self.layout.num_chunks(token_count(tokens))
         tables = cache.block_tables(block_ids, n_full * self.layout.chunk_tokens)
         _check_serves(tables, n_full, first_block, self.layout.chunk_tokens)
-        deadline = optional_positive_float(deadline_s, "deadline_s")
+        deadline = optional_positive_seconds(deadline_s, "deadline_s", key="deadline_s")
         deadline = self.deadline_s if deadline is None else deadline
         rid = request_id or f"r{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         life = RequestLifecycle(rid, rank=self.namespace.tp_rank)

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from .._check import non_negative_float, optional_positive_int
+from .._check import non_negative_seconds, optional_positive_int
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ class TierHealth:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.threshold = optional_positive_int(threshold, "breaker_threshold")
-        self.cooldown_s = non_negative_float(cooldown_s, "breaker_cooldown_s")
+        self.cooldown_s = non_negative_seconds(cooldown_s, "breaker_cooldown_s")
         self._clock = clock
         self._lock = threading.Lock()
         self._failures = {n: 0 for n in names}

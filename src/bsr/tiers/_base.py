@@ -34,7 +34,7 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import anyio
 
-from .._check import positive_float, text
+from .._check import positive_seconds, text
 from .._errors import ClosedError, ObjectError
 from .._log import logger
 from .._resource import AsyncResource
@@ -322,7 +322,7 @@ class Tier(AsyncResource, abc.ABC):
         except RuntimeError as exc:
             if "worker thread" not in str(exc):
                 raise
-            raise RuntimeError(
+            raise NotImplementedError(
                 f"{type(self).__name__} reads with await fetch_into() (blocking_reads is "
                 "False); its blocking reads run only in an anyio worker thread "
                 "(anyio.to_thread.run_sync)"
@@ -380,7 +380,7 @@ class Tier(AsyncResource, abc.ABC):
             TierFullError: the lease would pin more than the tier's capacity.
         """
         self._check_open()
-        ttl = positive_float(ttl_s, "lease ttl_s")
+        ttl = positive_seconds(ttl_s, "lease ttl_s")
         return TierLease(tuple(o.object_id for o in objects), time.monotonic() + ttl)
 
     async def contains(self, key: ChunkKey, group: str) -> bool:

@@ -28,7 +28,7 @@ from typing import Any, Generic, TypeVar
 
 import anyio
 
-from .._check import positive_float, positive_int
+from .._check import positive_int, positive_seconds
 from .._errors import TierError, TierFullError
 from ..core._keys import ObjectKey, object_id
 from ._base import Tier, TierLease, TierStatistics, TierUsage
@@ -522,7 +522,7 @@ class LruIndex(Generic[V]):
             ConfigError: ``ttl_s`` is not a finite number > 0.
             TierFullError: the objects pinned by leases would exceed ``lease_limit_bytes``.
         """
-        ttl = positive_float(ttl_s, "lease ttl_s")
+        ttl = positive_seconds(ttl_s, "lease ttl_s")
         with self._lock:
             self._expire_locked()
             held = tuple(dict.fromkeys(o for o in oids if o in self._entries))

@@ -304,7 +304,8 @@ class WindowPipeline:
         """Move one batch the run's way; the chunks not begun."""
         if not job.lane.blocking:
             return await self._move_async(job, batch, slots[0])
-        if job.lane.inline and len(batch) * self.layout.chunk_bytes <= INLINE_BYTES:
+        small = len(batch) * self.layout.chunk_bytes <= INLINE_BYTES
+        if job.lane.inline and job.host is not None and small:  # a host copy: on the loop
             rest = self._move(job, batch, slots)
             await anyio.lowlevel.checkpoint()
             return rest

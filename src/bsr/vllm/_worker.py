@@ -420,7 +420,9 @@ class BsrWorker:
     def _wait_sync(self, loads: list[_Load]) -> None:
         """Sync mode: the step waits for its loads (bounded; an overrun is cancelled)."""
         deadline = self.settings.engine.deadline_s or self.opts.load_deadline_s
-        bound = time.monotonic() + len(loads) * (deadline + SYNC_GRACE_S)
+        # at most a threading wait can take, however many loads (each deadline is bounded)
+        budget = min(len(loads) * (deadline + SYNC_GRACE_S), threading.TIMEOUT_MAX / 2)
+        bound = time.monotonic() + budget
         for load in loads:
             if not load.done.wait(max(0.0, bound - time.monotonic())):
                 self._cancel(load)
