@@ -76,10 +76,11 @@ def _pinned(host: bsr.HostTier) -> int:
     seed=st.integers(0, 1000),
     window=st.integers(1, 5),
     memory_workers=st.integers(1, 3),
+    straddle=st.integers(0, CT // BLOCK - 1),
 )
 @pytest.mark.anyio
 async def test_restores_from_host_memory_give_the_saved_bytes(
-    chunks: int, first: int, seed: int, window: int, memory_workers: int
+    chunks: int, first: int, seed: int, window: int, memory_workers: int, straddle: int
 ) -> None:
     """Whatever the prefix's length, the blocks' order, the window and the workers: the cache
     gets exactly the saved bytes (an independent gather of both caches compares them), the
@@ -96,7 +97,8 @@ async def test_restores_from_host_memory_give_the_saved_bytes(
         assert (await eng.save(toks, src, ids)).ok
         eng.staging.buffer.zero_()  # the save staged through the slots: start clean
         dst = bsr.PagedKVCache(LAYOUT, 2 * nblocks, BLOCK)
-        held = min(first, chunks - 1) * CT  # tokens the caller holds already: never written
+        # tokens the caller holds already (never written), possibly inside a chunk
+        held = min(min(first, chunks - 1) * CT + straddle * BLOCK, (chunks - 1) * CT)
         for g in LAYOUT.groups:  # ... and they are the saved ones
             dst.tensor(g.name)[:, ids[: held // BLOCK]] = src.tensor(g.name)[
                 :, ids[: held // BLOCK]

@@ -37,14 +37,31 @@ _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform == "linux
 
 class Block:
     """One object's extent of the arena: ``blob`` (its stored bytes, a view into the arena),
-    ``offset`` and ``size`` (the whole pages it takes)."""
+    ``offset`` and ``size`` (the whole pages it takes); :meth:`views` its header and body."""
 
-    __slots__ = ("blob", "offset", "size")
+    __slots__ = ("_views", "blob", "offset", "size", "stored")
 
     def __init__(self, blob: np.ndarray[Any, np.dtype[np.uint8]], offset: int, size: int) -> None:
         self.blob = blob
         self.offset = offset
         self.size = size
+        #: the stored length (``len(blob)``)
+        self.stored = len(blob)
+        self._views: tuple[Any, Any] | None = None
+
+    def views(self, header_size: int) -> tuple[Any, Any]:
+        """``(header, body)``: views of the stored bytes before and after ``header_size`` (made
+        once: every read of the object hands them out; one header size per tier)."""
+        views = self._views
+        if views is None:  # the header as a memoryview: the check slices it, cheaply
+            blob = self.blob
+            head: Any = blob[:header_size]
+            views = self._views = (memoryview(head), blob[header_size:])
+        return views
+
+    def reshaped(self, blob: np.ndarray[Any, np.dtype[np.uint8]]) -> None:
+        """The stored bytes are now ``blob`` (same extent, a shorter or longer view)."""
+        self.blob, self.stored, self._views = blob, len(blob), None
 
     def __len__(self) -> int:
         return len(self.blob)

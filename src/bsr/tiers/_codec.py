@@ -51,7 +51,7 @@ def _ctx(okey: ObjectKey, where: str) -> dict[str, Any]:
     return {"key": okey.chunk.hex[:16], "group": okey.group, "tier": where or None}
 
 
-def _intact_header(header: Any, stored: int, key: ChunkKey, group: str) -> tuple[int, int] | None:
+def intact_header(header: Any, stored: int, key: ChunkKey, group: str) -> tuple[int, int] | None:
     """``(payload_len, payload_sum)`` of the first HEADER_SIZE bytes of ``header`` (any buffer)
     when they are an intact header of ``(key, group)`` (magic, version, flags, namespace, key,
     group, index and the header checksum) and ``stored`` (the object's stored length; -1: not
@@ -195,7 +195,7 @@ class ObjectCodec:
         digest64: Any = xxhash.xxh3_64_intdigest  # takes any buffer (a NumPy view)
         for blob, (key, group) in zip(blobs, objects):
             stored = len(blob)
-            fields = _intact_header(blob, stored, key, group) if stored >= HEADER_SIZE else None
+            fields = intact_header(blob, stored, key, group) if stored >= HEADER_SIZE else None
             if fields is not None:
                 plen, psum = fields
                 body = blob[HEADER_SIZE : HEADER_SIZE + plen]
@@ -225,7 +225,7 @@ class ObjectCodec:
         """
         if n < HEADER_SIZE:
             return -1
-        fields = _intact_header(header, stored, key, group)
+        fields = intact_header(header, stored, key, group)
         if fields is None:
             return -1
         plen, psum = fields
@@ -269,7 +269,7 @@ class ObjectCodec:
         """
         if header is None:
             return -1
-        fields = _intact_header(header, stored, key, group)
+        fields = intact_header(header, stored, key, group)
         if fields is None:
             return -1
         plen, psum = fields

@@ -15,7 +15,6 @@ being read, or held by an unexpired lease, is never evicted.
 from __future__ import annotations
 
 from dataclasses import KW_ONLY, dataclass
-from functools import partial
 from typing import Any
 
 import anyio
@@ -119,11 +118,15 @@ class HostTier(IndexedTier):
         with its stored header (a view of the tier's bytes, valid while pinned)."""
         self._check_open()
         index = self._index
+        unpin_many = index.unpin_many
+        limit = max(1, ahead)
         more = True
         while more:
             items: list[ReadItem] = []
-            while len(items) < max(1, ahead) and (item := begin()) is not None:
+            while (item := begin()) is not None:
                 items.append(item)
+                if len(items) >= limit:
+                    break
             if not items:
                 return
             oids = [object_id(it.key.digest, it.group) for it in items]
@@ -139,14 +142,14 @@ class HostTier(IndexedTier):
                         )  # fmt: skip
                         self._count(misses=1)
                     else:
-                        blob, oid = entry[1].blob, oids[i]
+                        block, oid = entry[1], oids[i]
                         entries[i] = None  # its pin is the result's (lent) or undone below
-                        item.header, item.stored = blob[:HEADER_SIZE], len(blob)
-                        body = blob[HEADER_SIZE:]
+                        header, body = block.views(HEADER_SIZE)
+                        item.header, item.stored = header, block.stored
                         hits += 1
-                        nbytes += len(body)
-                        if lend:
-                            result = Borrowed(body, partial(index.unpin, oid), item.header)
+                        nbytes += block.stored
+                        if lend:  # unpinned by the release (several in one call)
+                            result = Borrowed(body, None, header, many=unpin_many, arg=oid)
                         else:
                             try:
                                 n = max(0, min(len(body), len(item.dst)))
@@ -157,8 +160,8 @@ class HostTier(IndexedTier):
                     more = end(item, result) and more
             finally:  # an end that raised: the pins not handed out yet go back
                 index.unpin_many([oids[i] for i, e in enumerate(entries) if e is not None])
-                if hits:
-                    self._count(hits=hits, reads=hits, bytes_read=nbytes)
+                if hits:  # payload bytes: each lent or copied body past its header
+                    self._count(hits=hits, reads=hits, bytes_read=nbytes - hits * HEADER_SIZE)
 
     async def write(self, key: ChunkKey, group: str, payload: Any) -> bool:
         self._check_open()
@@ -241,7 +244,7 @@ class _HostStorage:
             new = self._tier._alloc(max(1, len(blob)))
         except TierFullError:
             return False
-        new.blob = new.blob[: len(blob)]
+        new.reshaped(new.blob[: len(blob)])
         new.blob[:] = np.frombuffer(blob, dtype=np.uint8)
         self._tier._index.put(ObjectKey(key, group).object_id, new.size, new)
         return True

@@ -33,7 +33,7 @@ HostTier lends a batch pinned under one lock) and declares ``bulk_reads``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
@@ -99,21 +99,55 @@ class Borrowed:
     keeps the object pinned, neither evicted nor its memory reused.
     """
 
-    __slots__ = ("_release", "header", "payload")
+    __slots__ = ("_arg", "_many", "_release", "header", "payload")
 
-    def __init__(self, payload: Any, release: Callable[[], None] | None, header: Any = None):
+    def __init__(
+        self,
+        payload: Any,
+        release: Callable[[], None] | None,
+        header: Any = None,
+        *,
+        many: Callable[[list[Any]], None] | None = None,
+        arg: Any = None,
+    ) -> None:
         self.payload = payload
         self.header = header
         self._release = release
+        #: a tier that lets go of several lent objects in one call (HostTier: one lock for a
+        #: batch of unpins) lends with ``many`` (``many([arg, ...])``) instead of ``release``
+        self._many = many
+        self._arg = arg
 
     def release(self) -> None:
         release, self._release = self._release, None
+        many, self._many = self._many, None
         if release is not None:
             release()
+        elif many is not None:
+            many([self._arg])
 
     @property
     def released(self) -> bool:
-        return self._release is None
+        return self._release is None and self._many is None
+
+    @staticmethod
+    def release_all(lent: Iterable[Borrowed]) -> None:
+        """:meth:`release` of each of ``lent`` (idempotent), those of a tier that lets go in
+        bulk in one call per tier."""
+        bulk: dict[Any, list[Any]] = {}
+        for b in lent:
+            many = b._many
+            if many is not None:
+                b._many = None
+                args = bulk.get(many)
+                if args is None:
+                    bulk[many] = [b._arg]
+                else:
+                    args.append(b._arg)
+            else:
+                b.release()
+        for many, args in bulk.items():
+            many(args)
 
 
 class Fetched(NamedTuple):

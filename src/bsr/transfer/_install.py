@@ -112,7 +112,7 @@ class HostInstaller:
         self,
         chunk: int,
         groups: tuple[str, ...],
-        slot: Slot,
+        slot: Slot | None,
         lent: Mapping[str, np.ndarray[Any, Any]] | None = None,
     ) -> None:
         """Copy chunk ``chunk`` (its ``groups``) from ``slot`` into the cache blocks; a group in
@@ -130,6 +130,7 @@ class HostInstaller:
                 dst, word, shape, n = self._fast[g]
                 payload = lent.get(g) if lent else None
                 if payload is None:
+                    assert slot is not None, "a group not lent is read into a slot"
                     staged = self._staged[g].get(slot)
                     if staged is None:
                         staged = self._stage(g, slot)
@@ -149,10 +150,11 @@ class HostInstaller:
                 if payload is not None:
                     region = torch.from_numpy(payload)
                 else:
+                    assert slot is not None, "a group not lent is read into a slot"
                     region = slot.tensor[self.layout.slot_offset(g) :]
                 install_chunk(self.cache, g, self.tables.chunk_blocks(g, chunk), region, first=skip)
             return
-        src = self.slot_array(slot)
+        src = None if slot is None else self.slot_array(slot)
         for g in groups:
             blocks = self.tables.blocks(g)[lo + skip : lo + self.bpc]
             rows: list[int] | None = None
@@ -168,6 +170,7 @@ class HostInstaller:
             if payload is not None:
                 flat = payload[:n]
             else:
+                assert src is not None, "a group not lent is read into a slot"
                 off = self._offsets[g]
                 flat = src[off : off + n]
             chunk3 = flat.view(word).reshape(layers, self.bpc, words)

@@ -39,6 +39,8 @@ from ._staging import Slot
 
 #: lent chunks whose device copies may be in flight per worker call before it waits for one
 MAX_PENDING_LENT = 16
+#: chunks lent whole that a host install copies together (one entry of the install gate)
+LENT_INSTALL_BATCH = 16
 
 
 class RunOps(Protocol):
@@ -55,8 +57,8 @@ class RunOps(Protocol):
 
 
 def release_lent(lent: Mapping[str, Borrowed] | None) -> None:
-    for b in (lent or {}).values():
-        b.release()
+    if lent:
+        Borrowed.release_all(lent.values())
 
 
 class Installer:
@@ -106,22 +108,55 @@ def _failed_install(run: RestoreRun, c: int, exc: BaseException) -> None:
 
 
 class StreamedHostInstall(Installer):
-    """Host destination, bounded: a chunk is copied into the cache in the thread that read it."""
+    """Host destination, bounded: a chunk is copied into the cache in the thread that read it
+    (each worker call records its installed chunks at once when it ends: :meth:`call`)."""
 
     lends = True
 
     def __init__(self, host: HostInstaller) -> None:
         self.host = host
 
+    def call(self) -> Installer:
+        assert self.host is not None
+        return _HostCall(self.host)
+
+
+class _HostCall(Installer):
+    """The chunks one worker call of a :class:`StreamedHostInstall` copies into the cache.
+
+    A chunk lent whole (every group a tier's own memory: no byte in its slot) waits with up to
+    :data:`LENT_INSTALL_BATCH` others and they are copied together, under one entry of the
+    run's install gate, then let go (its slot is free at once: it holds nothing of it); any
+    other chunk is copied at once. The installed chunks are recorded when the call ends
+    (:meth:`drain`): one lock per call, not per chunk.
+    """
+
+    lends = True
+
+    def __init__(self, host: HostInstaller) -> None:
+        self.host: HostInstaller = host
+        self.done: list[int] = []
+        self.pending: list[tuple[int, dict[str, Borrowed]]] = []
+        self.run: RestoreRun | None = None
+
     def after_read(
         self, run: RestoreRun, c: int, slot: Slot, lent: dict[str, Borrowed] | None, ok: bool
     ) -> list[Slot]:
+        self.run = run
+        if not ok:
+            release_lent(lent)
+            return [slot]
+        if lent is not None and len(lent) == len(run.needed[c]):
+            self.pending.append((c, lent))
+            if len(self.pending) >= LENT_INSTALL_BATCH:
+                self._flush(run)
+            return [slot]
         try:
-            if ok and run.installs.enter():
+            if run.installs.enter():
                 try:
                     payloads = {g: b.payload for g, b in lent.items()} if lent else None
-                    self.host.install(c, run.needed[c], slot, payloads)  # type: ignore[union-attr]
-                    run.record_installed(c, run.needed[c])
+                    self.host.install(c, run.needed[c], slot, payloads)
+                    self.done.append(c)
                 except Exception as exc:
                     _failed_install(run, c, exc)
                 finally:
@@ -129,6 +164,35 @@ class StreamedHostInstall(Installer):
         finally:
             release_lent(lent)
         return [slot]
+
+    def _flush(self, run: RestoreRun) -> None:
+        pending, self.pending = self.pending, []
+        gate, install, needed, done = run.installs, self.host.install, run.needed, self.done
+        try:
+            if gate.enter():
+                c = -1
+                try:
+                    for c, lent in pending:
+                        if gate.closing or c >= run.limit:
+                            break  # the request ended (the close waits for us), or failed
+                        install(c, needed[c], None, {g: b.payload for g, b in lent.items()})
+                        done.append(c)
+                except Exception as exc:
+                    _failed_install(run, c, exc)
+                finally:
+                    gate.leave()
+        finally:
+            Borrowed.release_all(b for _, lent in pending for b in lent.values())
+
+    def drain(self) -> list[Slot]:
+        run = self.run
+        if run is not None:
+            if self.pending:
+                self._flush(run)
+            if self.done:
+                run.record_installed_many(self.done)
+                self.done = []
+        return []
 
 
 class StreamedCudaInstall(Installer):

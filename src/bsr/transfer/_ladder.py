@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import anyio
+from xxhash import xxh3_64_intdigest
 
 from .._errors import (
     BsrError,
@@ -40,6 +41,7 @@ from .._errors import (
 from ..core._keys import ChunkKey, ObjectKey
 from ..tiers._base import Tier
 from ..tiers._codec import ObjectCodec
+from ..tiers._codec import intact_header as intact_header
 from ..tiers._reads import Borrowed, ReadItem
 
 #: an async read's check runs on the event loop up to this payload size, else in a thread
@@ -130,7 +132,7 @@ def classify(exc: BaseException) -> Outcome:
     return Outcome.ERROR
 
 
-@dataclass
+@dataclass(slots=True)
 class LadderResult:
     """The result of reading one (chunk, group) down the ladder."""
 
@@ -168,12 +170,17 @@ def checked(tier: Tier, item: ReadItem, got: int | Borrowed | BaseException) -> 
         return got
     if isinstance(got, Borrowed):  # lent: the payload runs to the object's end
         header = got.header if got.header is not None else item.header
-        payload, n, stored = got.payload, len(got.payload), HEADER_SIZE + len(got.payload)
+        payload = got.payload
+        n = len(payload)
+        stored = HEADER_SIZE + n
     else:
         header, payload, n, stored = item.header, item.dst, got, item.stored
-    plen = ObjectCodec.check_read(header, n, item.key, item.group, payload, item.expected, stored)
-    if plen >= 0:
-        return plen
+    fields = intact_header(header, stored, item.key, item.group) if header is not None else None
+    if fields is not None:  # the usual read: checked here in one go (ObjectCodec.check_read)
+        plen, psum = fields
+        ok = plen == item.expected and n >= plen and len(payload) >= plen
+        if ok and xxh3_64_intdigest(payload[:plen]) == psum:
+            return plen
     if isinstance(got, Borrowed):
         got.release()
     tier.refused()
@@ -234,15 +241,14 @@ class TierLadder:
 
         ``objects``: the batch's ``(key, group)`` for the gate to admit at once; without them,
         or when the gate will not, each item is admitted as it begins (one refused goes down
-        its other holders at once).
+        its other holders at once). A result is ``end``'s only until ``end`` returns (the one
+        of an object its first holder served is reused for the next such object).
         """
         admission = gate.admit_batch(name, objects) if objects else None
         served = False
 
-        def tier_begin() -> ReadItem | None:
+        def admitted_begin() -> ReadItem | None:
             while (item := begin()) is not None:
-                if admission is not None:
-                    return item
                 why = gate.admit(name, item.key, item.group)
                 if why is None:
                     return item
@@ -252,16 +258,38 @@ class TierLadder:
                     return None
             return None
 
+        tier = self.tiers[name]
+        served_by_first = LadderResult(tier=name, attempts=1)  # handed to end, then reused
+
         def tier_end(item: ReadItem, got: int | Borrowed | BaseException) -> bool:
             nonlocal served
-            n = checked(self.tiers[name], item, got)
+            if type(got) is Borrowed:  # the usual lent object, checked here in one go
+                payload = got.payload
+                header = got.header if got.header is not None else item.header
+                fields = intact_header(header, HEADER_SIZE + len(payload), item.key, item.group)
+                if (
+                    fields is not None
+                    and fields[0] == item.expected
+                    and len(payload) >= item.expected
+                    and xxh3_64_intdigest(payload[: item.expected]) == fields[1]
+                ):
+                    served = admission is not None or served
+                    if admission is None:
+                        gate.report(ReadOutcome(name, item.key, item.group, item.chunk,
+                                                Outcome.OK, item.expected))  # fmt: skip
+                    result = served_by_first
+                    result.nbytes, result.borrowed = item.expected, got
+                    return end(item, result)
+            n = checked(tier, item, got)
             if not isinstance(n, BaseException):
                 if admission is not None:
                     served = True
                 else:
                     gate.report(ReadOutcome(name, item.key, item.group, item.chunk, Outcome.OK, n))
-                lent = got if isinstance(got, Borrowed) else None
-                return end(item, LadderResult(tier=name, nbytes=n, attempts=1, borrowed=lent))
+                result = served_by_first
+                result.nbytes = n
+                result.borrowed = got if isinstance(got, Borrowed) else None
+                return end(item, result)
             if isinstance(n, ReadWithdrawnError):  # the request ended: nobody's outcome
                 if admission is None:
                     gate.withdraw(name)
@@ -274,6 +302,7 @@ class TierLadder:
             )  # fmt: skip
             return end(item, result)
 
+        tier_begin = begin if admission is not None else admitted_begin
         try:
             self.tiers[name].read_many_blocking(tier_begin, tier_end, ahead, lend=lend)
         finally:

@@ -398,11 +398,14 @@ class WindowPipeline:
                 return []
         return []
 
-    def _item(self, job: _Job, c: int, g: str, slot: Slot) -> ReadItem:
+    def _region(self, job: _Job, slot: Slot, g: str) -> Any:
+        """The slot's region of group ``g`` (a flat uint8 NumPy view)."""
         off, end = self._spans[g]
-        dst = job.host.slot_array(slot)[off:end] if job.host else slot.tensor[off:end].numpy()
-        return ReadItem(job.probe.keys[c], g, dst, self._expected[g], chunk=c,
-                        holders=job.probe.holders[c][g], token=slot)  # fmt: skip
+        return job.host.slot_array(slot)[off:end] if job.host else slot.tensor[off:end].numpy()
+
+    def _item(self, job: _Job, c: int, g: str, slot: Slot) -> ReadItem:
+        return ReadItem(job.probe.keys[c], g, self._region(job, slot, g), self._expected[g],
+                        chunk=c, holders=job.probe.holders[c][g], token=slot)  # fmt: skip
 
     @staticmethod
     def read_failed(run: RestoreRun, chunk: int, group: str, result: LadderResult) -> None:
@@ -421,14 +424,17 @@ class _Steps:
     """The ``begin`` and ``end`` of one batch call: a chunk begins when a slot is free (its
     groups one by one), unless each slot has taken one and another caller waits for the window;
     once its last group ended it goes to the installer (unless it or an earlier chunk failed),
-    which hands its slot back (at once, or once its device copy landed)."""
+    which hands its slot back (at once, or once its device copy landed). What a chunk read
+    from its first holder adds to the run (its bytes by tier) is kept here and recorded once,
+    when the call ends (:meth:`finish`): one lock per call, not per chunk."""
 
-    __slots__ = ("begun", "call", "failed", "free", "job", "left", "lent", "nslots", "pipe",
-                 "queued", "todo")  # fmt: skip
+    __slots__ = ("begun", "call", "failed", "free", "items", "job", "left", "lent", "nslots",
+                 "pipe", "queued", "run", "tier_bytes", "todo", "waiters")  # fmt: skip
 
     def __init__(self, pipe: WindowPipeline, job: _Job, batch: Sequence[int], slots: list[Slot]):
         self.pipe = pipe
         self.job = job
+        self.run = job.run
         self.call = job.installer.call()
         self.free = list(reversed(slots))
         self.nslots = len(slots)
@@ -438,53 +444,87 @@ class _Steps:
         self.lent: dict[int, dict[str, Borrowed]] = {}
         self.failed: set[int] = set()
         self.begun = 0
+        # per slot, one item per group, reused chunk after chunk: an item is the tier's only
+        # between its begin and its end, and its slot holds one chunk at a time
+        self.items: dict[tuple[Slot, tuple[str, ...]], list[ReadItem]] = {}
+        self.tier_bytes: dict[str, int] = {}
+        self.waiters = job.slots.waiters  # true while another caller waits for a slot
 
     def begin(self) -> ReadItem | None:
         if self.queued:
             return self.queued.pop()
-        run, todo = self.job.run, self.todo
-        if not todo or not run.wanted(todo[-1]):
+        run, todo, free = self.run, self.todo, self.free
+        if not todo:
             return None
-        if not self.free:
-            self.free.extend(self.call.reclaim())  # a device copy in flight holds it
-            if not self.free:
+        c = todo[-1]
+        if c >= run.limit or run.stopped:
+            return None
+        if not free:
+            free.extend(self.call.reclaim())  # a device copy in flight holds it
+            if not free:
                 return None
-        if self.begun >= self.nslots and self.job.slots.contended:
+        if self.begun >= self.nslots and self.waiters:
             return None  # yield the window: the rest of the batch comes back to the worker
         self.begun += 1
-        c = todo.pop()
-        slot = self.free.pop()
+        todo.pop()
+        slot = free.pop()
         groups = run.needed[c]
         self.left[c] = len(groups)
-        items = [self.pipe._item(self.job, c, g, slot) for g in groups]
-        self.queued.extend(reversed(items[1:]))
+        items = self.items.get((slot, groups))
+        if items is None:
+            items = self.items[(slot, groups)] = self._items(slot, groups)
+        key, holders = self.job.probe.keys[c], self.job.probe.holders[c]
+        for item in items:
+            item.key, item.chunk, item.holders = key, c, holders[item.group]
+            item.header, item.stored = None, -1
+        if len(items) > 1:
+            self.queued.extend(reversed(items[1:]))
         return items[0]
+
+    def _items(self, slot: Slot, groups: Sequence[str]) -> list[ReadItem]:
+        pipe, job = self.pipe, self.job
+        return [ReadItem(job.probe.keys[0], g, pipe._region(job, slot, g), pipe._expected[g],
+                         token=slot) for g in groups]  # fmt: skip
 
     def end(self, item: ReadItem, result: LadderResult) -> bool:
         c = item.chunk
-        run = self.job.run
-        if result.ok:
-            run.record_read(result)
+        run = self.run
+        tier = result.tier
+        if tier is not None:
+            if result.attempts == 1 and not result.errors:  # its first holder served it
+                tb = self.tier_bytes
+                tb[tier] = tb.get(tier, 0) + result.nbytes
+            else:
+                run.record_read(result)
             if result.borrowed is not None:
-                self.lent.setdefault(c, {})[item.group] = result.borrowed
+                lent = self.lent.get(c)
+                if lent is None:
+                    lent = self.lent[c] = {}
+                lent[item.group] = result.borrowed
         else:
             self.pipe.read_failed(run, c, item.group, result)
             self.failed.add(c)
-        self.left[c] -= 1
-        if self.left[c] == 0:
-            del self.left[c]
-            ok = c not in self.failed and run.wanted(c)
-            self.free.extend(self.call.after_read(run, c, item.token, self.lent.pop(c, None), ok))
-        return not run.must_stop
+        left = self.left[c] - 1
+        if left:
+            self.left[c] = left
+            return not run.stopped
+        del self.left[c]
+        ok = c < run.limit and not run.stopped and c not in self.failed
+        self.free.extend(self.call.after_read(run, c, item.token, self.lent.pop(c, None), ok))
+        return not run.stopped
 
     def finish(self) -> None:
-        """The call ends: copies still in flight land; lent payloads of chunks that never
-        ended (a read that raised) go back."""
-        self.free.extend(self.call.drain())
-        for lent in self.lent.values():
-            for b in lent.values():
-                b.release()
-        self.lent.clear()
+        """The call ends: copies still in flight land (and are recorded); lent payloads of
+        chunks that never ended (a read that raised) go back; the bytes read are recorded."""
+        try:
+            self.free.extend(self.call.drain())
+        finally:
+            for lent in self.lent.values():
+                for b in lent.values():
+                    b.release()
+            self.lent.clear()
+            if self.tier_bytes:
+                self.run.add_bytes(self.tier_bytes)
 
 
 __all__ = ["ChunkFailure", "ChunkKey", "RestoreRun", "WindowPipeline"]

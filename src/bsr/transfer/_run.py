@@ -106,6 +106,8 @@ class RestoreRun:
         self.quarantined = 0
         self.errors: list[str] = []
         self.abandoned = False
+        #: nothing more can be committed: the window should stop now (kept by fail/abandon)
+        self.stopped = False
         self.installs = InstallGate()
         #: where the run's slots come from, who hears of installed chunks, and which chunks it
         #: was told of (set by the pipeline when the run starts)
@@ -121,6 +123,8 @@ class RestoreRun:
             if self.failure is None or failure.chunk < self.failure.chunk:
                 self.failure = failure
             self.limit = min(self.limit, failure.chunk)
+            if self.limit == 0 or self.policy is Policy.ALL_OR_NOTHING:
+                self.stopped = True
 
     def record_read(self, result: LadderResult) -> None:
         with self._lock:
@@ -129,6 +133,18 @@ class RestoreRun:
             if result.fell_back:
                 self.fallbacks += 1
                 self.errors.extend(result.errors)
+
+    def add_bytes(self, by_tier: dict[str, int]) -> None:
+        """Bytes served by first holders (a batch call's, recorded at its end)."""
+        with self._lock:
+            for tier, n in by_tier.items():
+                self.bytes_by_tier[tier] = self.bytes_by_tier.get(tier, 0) + n
+
+    def record_installed_many(self, chunks: Sequence[int]) -> None:
+        """Every needed group of each of ``chunks`` is in the cache (one lock for a call)."""
+        needed = self.needed
+        with self._lock:
+            self.installed.update((c, g) for c in chunks for g in needed[c])
 
     def record_installed(self, chunk: int, groups: Sequence[str]) -> None:
         with self._lock:
@@ -145,17 +161,15 @@ class RestoreRun:
         Waits (bounded) for copies already under way, which are memory copies of one chunk.
         """
         self.installs.close()
-        self.abandoned = True
+        self.abandoned = self.stopped = True
 
     @property
     def must_stop(self) -> bool:
         """Whether nothing more can be committed, so the window should stop now."""
-        return self.abandoned or (
-            self.failure is not None and (self.limit == 0 or self.policy is Policy.ALL_OR_NOTHING)
-        )
+        return self.stopped
 
     def wanted(self, chunk: int) -> bool:
-        return not self.must_stop and chunk < self.limit
+        return not self.stopped and chunk < self.limit
 
 
 class Batches:

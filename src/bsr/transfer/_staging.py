@@ -14,7 +14,7 @@ import mmap
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import anyio
 import torch
@@ -137,6 +137,12 @@ class StagingPool:
     def contended(self) -> bool:
         """Whether a caller waits for a slot now (read from any thread: a hint, not a lock)."""
         return bool(self._waiters)
+
+    @property
+    def waiters(self) -> deque[Any]:
+        """The callers waiting for a slot (a hint read from any thread: true while any waits;
+        a hot loop keeps it and tests its truth, with no call)."""
+        return self._waiters
 
     @property
     def buffer(self) -> torch.Tensor:
@@ -289,6 +295,10 @@ class StagingAccount:
         return self.pool.contended
 
     @property
+    def waiters(self) -> deque[Any]:
+        return self.pool.waiters
+
+    @property
     def peak_bytes(self) -> int:
         return self.peak_in_use * self.pool.slot_bytes
 
@@ -322,6 +332,7 @@ class WholePlanBuffer:
 
     #: a private buffer: nobody else waits for its regions
     contended = False
+    waiters: tuple[Any, ...] = ()
 
     def release(self, slot: Slot) -> None:
         """Nothing to give back: the buffer lives as long as the request."""
@@ -336,6 +347,11 @@ class SlotSource(Protocol):
 
     @property
     def contended(self) -> bool: ...
+
+    @property
+    def waiters(self) -> Any:
+        """True while another caller waits for a slot (a deque, or an empty tuple)."""
+        ...
 
     @property
     def peak_bytes(self) -> int: ...
