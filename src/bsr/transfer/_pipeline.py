@@ -428,8 +428,9 @@ class _Steps:
     from its first holder adds to the run (its bytes by tier) is kept here and recorded once,
     when the call ends (:meth:`finish`): one lock per call, not per chunk."""
 
-    __slots__ = ("begun", "call", "failed", "free", "items", "job", "left", "lent", "nslots",
-                 "pipe", "queued", "run", "tier_bytes", "todo", "waiters")  # fmt: skip
+    __slots__ = ("begun", "call", "failed", "free", "holders", "items", "job", "keys", "left",
+                 "lent", "nslots", "pipe", "queued", "run", "tier_bytes", "todo",
+                 "waiters")  # fmt: skip
 
     def __init__(self, pipe: WindowPipeline, job: _Job, batch: Sequence[int], slots: list[Slot]):
         self.pipe = pipe
@@ -446,7 +447,8 @@ class _Steps:
         self.begun = 0
         # per slot, one item per group, reused chunk after chunk: an item is the tier's only
         # between its begin and its end, and its slot holds one chunk at a time
-        self.items: dict[tuple[Slot, tuple[str, ...]], list[ReadItem]] = {}
+        self.items: dict[Slot, tuple[tuple[str, ...], list[ReadItem]]] = {}
+        self.keys, self.holders = job.probe.keys, job.probe.holders
         self.tier_bytes: dict[str, int] = {}
         self.waiters = job.slots.waiters  # true while another caller waits for a slot
 
@@ -470,15 +472,23 @@ class _Steps:
         slot = free.pop()
         groups = run.needed[c]
         self.left[c] = len(groups)
-        items = self.items.get((slot, groups))
-        if items is None:
-            items = self.items[(slot, groups)] = self._items(slot, groups)
-        key, holders = self.job.probe.keys[c], self.job.probe.holders[c]
+        held = self.items.get(slot)
+        if held is not None and held[0] == groups:
+            items = held[1]
+        else:
+            items = self._items(slot, groups)
+            self.items[slot] = (groups, items)
+        key, holders = self.keys[c], self.holders[c]
+        if len(items) == 1:
+            item = items[0]
+            item.key, item.chunk, item.holders = key, c, holders[item.group]
+            item.header = None
+            item.stored = -1
+            return item
         for item in items:
             item.key, item.chunk, item.holders = key, c, holders[item.group]
             item.header, item.stored = None, -1
-        if len(items) > 1:
-            self.queued.extend(reversed(items[1:]))
+        self.queued.extend(reversed(items[1:]))
         return items[0]
 
     def _items(self, slot: Slot, groups: Sequence[str]) -> list[ReadItem]:
