@@ -35,6 +35,7 @@ from typing import Any
 import anyio
 import numpy as np
 import torch
+import xxhash
 from _shared import (
     DSV4_FLASH,
     GIB,
@@ -148,7 +149,24 @@ class Figures:
             "h2d_whole_s": dist(whole[1:]),
             "h2d_per_chunk_s": dist(chunked[1:]),
             "host_memcpy_s": dist(host_copy[1:]),
+            "verify": self.verify_rate(host.numpy(), cb),
         }
+
+    def verify_rate(self, host: np.ndarray, cb: int) -> dict[str, Any]:
+        """The check a host hit gets before its DMA (xxh3-64 of each chunk's bytes), on 1 and
+        on ``io_depth`` threads (the worker threads a CUDA restore verifies on): whether the
+        CPU checks keep up with the link."""
+        views = [memoryview(host[c : c + cb]) for c in range(0, host.size - cb + 1, cb)]
+        out: dict[str, Any] = {"chunk_bytes": cb}
+        for threads in sorted({1, self.ns.io_depth}):
+            runs = []
+            with ThreadPoolExecutor(threads) as pool:
+                for _ in range(self.ns.repeats + 1):
+                    t0 = time.perf_counter()
+                    list(pool.map(xxhash.xxh3_64_intdigest, views))
+                    runs.append(time.perf_counter() - t0)
+            out[f"threads_{threads}_Bps"] = bandwidth(len(views) * cb, median(runs[1:]))
+        return out
 
     # ------------------------------------------------------------------ raw reads
     def raw_reads(self, files: list[Path], reader: str) -> dict[str, Any]:

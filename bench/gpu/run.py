@@ -558,6 +558,11 @@ def figures_of(step: str, doc: Any) -> dict[str, Any]:
         out["restore_vs_h2d"] = _get(doc, "install", "restore_vs_h2d_bandwidth")
         out["layer_restore_vs_h2d"] = _get(doc, "layer_install", "restore_vs_h2d_bandwidth")
         out["layer_restore_GBps"] = _gb(_get(doc, "layer_install", "restore_bandwidth_Bps"))
+        verify = _get(doc, "install", "reference", "verify")
+        if isinstance(verify, dict):  # the CPU checks' rate, on 1 and on io_depth threads
+            for k, v in verify.items():
+                if k.startswith("threads_"):
+                    out[f"verify_{k.removesuffix('_Bps')}_GBps"] = _gb(v)
         for r in ("posix", "kvikio"):
             out[f"{r}_restore_GBps"] = _gb(_get(doc, "readers", r, "restore_bandwidth_Bps"))
             out[f"{r}_raw_GBps"] = _gb(_get(doc, "readers", r, "raw_bandwidth_Bps"))

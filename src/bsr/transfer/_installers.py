@@ -41,6 +41,9 @@ from ._staging import Slot
 MAX_PENDING_LENT = 16
 #: chunks lent whole that a host install copies together (one entry of the install gate)
 LENT_INSTALL_BATCH = 16
+#: ... as long as their bytes stay under this: a chunk checked just now is copied while the
+#: check's pass over it is still in the CPU's cache (a batch of large chunks would evict it)
+LENT_INSTALL_BYTES = 256 * 1024
 
 
 class RunOps(Protocol):
@@ -125,10 +128,11 @@ class _HostCall(Installer):
     """The chunks one worker call of a :class:`StreamedHostInstall` copies into the cache.
 
     A chunk lent whole (every group a tier's own memory: no byte in its slot) waits with up to
-    :data:`LENT_INSTALL_BATCH` others and they are copied together, under one entry of the
-    run's install gate, then let go (its slot is free at once: it holds nothing of it); any
-    other chunk is copied at once. The installed chunks are recorded when the call ends
-    (:meth:`drain`): one lock per call, not per chunk.
+    :data:`LENT_INSTALL_BATCH` others (fewer when they would pass :data:`LENT_INSTALL_BYTES`)
+    and they are copied together, under one entry of the run's install gate, then let go (its
+    slot is free at once: it holds nothing of it); any other chunk is copied at once. The
+    installed chunks are recorded when the call ends (:meth:`drain`): one lock per call, not
+    per chunk.
     """
 
     lends = True
@@ -137,6 +141,8 @@ class _HostCall(Installer):
         self.host: HostInstaller = host
         self.done: list[int] = []
         self.pending: list[tuple[int, dict[str, Borrowed]]] = []
+        per = LENT_INSTALL_BYTES // max(1, host.layout.chunk_bytes)
+        self.batch = max(1, min(LENT_INSTALL_BATCH, per))
         self.run: RestoreRun | None = None
 
     def after_read(
@@ -148,7 +154,7 @@ class _HostCall(Installer):
             return [slot]
         if lent is not None and len(lent) == len(run.needed[c]):
             self.pending.append((c, lent))
-            if len(self.pending) >= LENT_INSTALL_BATCH:
+            if len(self.pending) >= self.batch:
                 self._flush(run)
             return [slot]
         try:

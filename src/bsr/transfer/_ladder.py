@@ -189,6 +189,20 @@ def checked(tier: Tier, item: ReadItem, got: int | Borrowed | BaseException) -> 
     )
 
 
+def _lent_intact(item: ReadItem, got: Borrowed) -> bool:
+    """Whether a lent object passes the check (the usual case of :func:`checked`, in one go;
+    one that does not is left to :func:`checked`, which names what failed)."""
+    payload = got.payload
+    header = got.header if got.header is not None else item.header
+    fields = intact_header(header, HEADER_SIZE + len(payload), item.key, item.group)
+    return (
+        fields is not None
+        and fields[0] == item.expected
+        and len(payload) >= item.expected
+        and xxh3_64_intdigest(payload[: item.expected]) == fields[1]
+    )
+
+
 def _failed(name: str, item: ReadItem, exc: BaseException) -> tuple[ReadOutcome, str]:
     outcome = classify(exc)
     text = f"{name}: {exc}" if outcome is not Outcome.ERROR else f"{name}: unexpected {exc!r}"
@@ -263,23 +277,14 @@ class TierLadder:
 
         def tier_end(item: ReadItem, got: int | Borrowed | BaseException) -> bool:
             nonlocal served
-            if type(got) is Borrowed:  # the usual lent object, checked here in one go
-                payload = got.payload
-                header = got.header if got.header is not None else item.header
-                fields = intact_header(header, HEADER_SIZE + len(payload), item.key, item.group)
-                if (
-                    fields is not None
-                    and fields[0] == item.expected
-                    and len(payload) >= item.expected
-                    and xxh3_64_intdigest(payload[: item.expected]) == fields[1]
-                ):
-                    served = admission is not None or served
-                    if admission is None:
-                        gate.report(ReadOutcome(name, item.key, item.group, item.chunk,
-                                                Outcome.OK, item.expected))  # fmt: skip
-                    result = served_by_first
-                    result.nbytes, result.borrowed = item.expected, got
-                    return end(item, result)
+            if type(got) is Borrowed and _lent_intact(item, got):  # the usual case, in one go
+                served = admission is not None or served
+                if admission is None:
+                    gate.report(ReadOutcome(name, item.key, item.group, item.chunk,
+                                            Outcome.OK, item.expected))  # fmt: skip
+                result = served_by_first
+                result.nbytes, result.borrowed = item.expected, got
+                return end(item, result)
             n = checked(tier, item, got)
             if not isinstance(n, BaseException):
                 if admission is not None:

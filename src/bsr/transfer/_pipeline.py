@@ -46,7 +46,7 @@ from ..core._options import Strategy
 from ..core._results import Probe
 from ..tiers._abandon import AbandonableCalls, cancellation
 from ..tiers._base import Tier
-from ..tiers._reads import Borrowed, ReadItem
+from ..tiers._reads import ReadItem
 from ._cache import PagedKVCache
 from ._install import CudaInstaller, HostInstaller
 from ._installers import (
@@ -55,9 +55,10 @@ from ._installers import (
     StreamedHostInstall,
     WholePlanInstall,
 )
-from ._ladder import LadderResult, ReadGate, TierLadder
+from ._ladder import ReadGate, TierLadder
 from ._run import Batches, ChunkFailure, OnInstalled, RestoreRun
 from ._staging import Slot, SlotSource
+from ._steps import BatchSteps, read_failed
 from ._tables import BlockTables
 
 #: aim for at most this many payload bytes per worker-thread call of per-object reads
@@ -357,7 +358,9 @@ class WindowPipeline:
     def _move(self, job: _Job, batch: Sequence[int], slots: list[Slot]) -> list[int]:
         """Worker thread (or the event loop): read, check and install ``batch`` through
         ``slots``; the chunks not begun (the window was wanted elsewhere), in order."""
-        steps = _Steps(self, job, batch, slots)
+        region = self._region
+        steps = BatchSteps(job.run, job.probe, job.installer.call(), job.slots.waiters, batch,
+                           slots, lambda slot, g: region(job, slot, g), self._expected)  # fmt: skip
         run, holders, keys = job.run, job.probe.holders, job.probe.keys
         objects = [(keys[c], g) for c in batch for g in run.needed[c]]
         first = {holders[c][g][0] for c in batch for g in run.needed[c] if holders[c][g]}
@@ -388,7 +391,7 @@ class WindowPipeline:
                 item = self._item(job, c, g, slot)
                 result = await self.ladder.read_one(job.gate, item, item.holders)
                 if not result.ok:
-                    self.read_failed(run, c, g, result)
+                    read_failed(run, c, g, result)
                     ok = False
                     break
                 run.record_read(result)
@@ -407,134 +410,10 @@ class WindowPipeline:
         return ReadItem(job.probe.keys[c], g, self._region(job, slot, g), self._expected[g],
                         chunk=c, holders=job.probe.holders[c][g], token=slot)  # fmt: skip
 
-    @staticmethod
-    def read_failed(run: RestoreRun, chunk: int, group: str, result: LadderResult) -> None:
-        if result.withdrawn:
-            return  # the request ended: nothing to record
-        reason = Reason.CORRUPT if result.corrupt else Reason.READ_FAILED
-        run.fail(ChunkFailure(chunk, group, reason, result.errors))
-
 
 def _install_one(call: Installer, run: RestoreRun, c: int, slot: Slot, ok: bool) -> None:
     call.after_read(run, c, slot, None, ok)
     call.drain()
-
-
-class _Steps:
-    """The ``begin`` and ``end`` of one batch call: a chunk begins when a slot is free (its
-    groups one by one), unless each slot has taken one and another caller waits for the window;
-    once its last group ended it goes to the installer (unless it or an earlier chunk failed),
-    which hands its slot back (at once, or once its device copy landed). What a chunk read
-    from its first holder adds to the run (its bytes by tier) is kept here and recorded once,
-    when the call ends (:meth:`finish`): one lock per call, not per chunk."""
-
-    __slots__ = ("begun", "call", "failed", "free", "holders", "items", "job", "keys", "left",
-                 "lent", "nslots", "pipe", "queued", "run", "tier_bytes", "todo",
-                 "waiters")  # fmt: skip
-
-    def __init__(self, pipe: WindowPipeline, job: _Job, batch: Sequence[int], slots: list[Slot]):
-        self.pipe = pipe
-        self.job = job
-        self.run = job.run
-        self.call = job.installer.call()
-        self.free = list(reversed(slots))
-        self.nslots = len(slots)
-        self.todo = list(reversed(batch))
-        self.queued: list[ReadItem] = []  # the groups of the chunk begun last, not begun yet
-        self.left: dict[int, int] = {}  # chunk -> its groups not ended yet
-        self.lent: dict[int, dict[str, Borrowed]] = {}
-        self.failed: set[int] = set()
-        self.begun = 0
-        # per slot, one item per group, reused chunk after chunk: an item is the tier's only
-        # between its begin and its end, and its slot holds one chunk at a time
-        self.items: dict[Slot, tuple[tuple[str, ...], list[ReadItem]]] = {}
-        self.keys, self.holders = job.probe.keys, job.probe.holders
-        self.tier_bytes: dict[str, int] = {}
-        self.waiters = job.slots.waiters  # true while another caller waits for a slot
-
-    def begin(self) -> ReadItem | None:
-        if self.queued:
-            return self.queued.pop()
-        run, todo, free = self.run, self.todo, self.free
-        if not todo:
-            return None
-        c = todo[-1]
-        if c >= run.limit or run.stopped:
-            return None
-        if not free:
-            free.extend(self.call.reclaim())  # a device copy in flight holds it
-            if not free:
-                return None
-        if self.begun >= self.nslots and self.waiters:
-            return None  # yield the window: the rest of the batch comes back to the worker
-        self.begun += 1
-        todo.pop()
-        slot = free.pop()
-        groups = run.needed[c]
-        self.left[c] = len(groups)
-        held = self.items.get(slot)
-        if held is not None and held[0] == groups:
-            items = held[1]
-        else:
-            items = self._items(slot, groups)
-            self.items[slot] = (groups, items)
-        key, holders = self.keys[c], self.holders[c]
-        if len(items) == 1:
-            item = items[0]
-            item.key, item.chunk, item.holders = key, c, holders[item.group]
-            item.header = None
-            item.stored = -1
-            return item
-        for item in items:
-            item.key, item.chunk, item.holders = key, c, holders[item.group]
-            item.header, item.stored = None, -1
-        self.queued.extend(reversed(items[1:]))
-        return items[0]
-
-    def _items(self, slot: Slot, groups: Sequence[str]) -> list[ReadItem]:
-        pipe, job = self.pipe, self.job
-        return [ReadItem(job.probe.keys[0], g, pipe._region(job, slot, g), pipe._expected[g],
-                         token=slot) for g in groups]  # fmt: skip
-
-    def end(self, item: ReadItem, result: LadderResult) -> bool:
-        c = item.chunk
-        run = self.run
-        tier = result.tier
-        if tier is not None:
-            if result.attempts == 1 and not result.errors:  # its first holder served it
-                tb = self.tier_bytes
-                tb[tier] = tb.get(tier, 0) + result.nbytes
-            else:
-                run.record_read(result)
-            if result.borrowed is not None:
-                lent = self.lent.get(c)
-                if lent is None:
-                    lent = self.lent[c] = {}
-                lent[item.group] = result.borrowed
-        else:
-            self.pipe.read_failed(run, c, item.group, result)
-            self.failed.add(c)
-        left = self.left[c] - 1
-        if left:
-            self.left[c] = left
-            return not run.stopped
-        del self.left[c]
-        ok = c < run.limit and not run.stopped and c not in self.failed
-        self.free.extend(self.call.after_read(run, c, item.token, self.lent.pop(c, None), ok))
-        return not run.stopped
-
-    def finish(self) -> None:
-        """The call ends: copies still in flight land (and are recorded); lent payloads of
-        chunks that never ended (a read that raised) go back; the bytes read are recorded."""
-        try:
-            self.free.extend(self.call.drain())
-        finally:
-            for lent in self.lent.values():
-                for b in lent.values():
-                    b.release()
-            self.lent.clear()
-            if self.tier_bytes:
-                self.run.add_bytes(self.tier_bytes)
 
 
 __all__ = ["ChunkFailure", "ChunkKey", "RestoreRun", "WindowPipeline"]
