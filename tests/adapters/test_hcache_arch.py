@@ -170,9 +170,11 @@ async def test_damaged_hidden_state_is_visible_in_the_logits(tmp_path: Path) -> 
 
 
 @pytest.mark.parametrize("kind", SUPPORTED)
-def test_bf16_models_pass_the_self_check_on_the_module_path(kind: str) -> None:
+def test_bf16_models_pass_the_self_check_on_their_paths(kind: str) -> None:
+    """bf16 (what a GPU serves) takes the folded one-GEMM path wherever fp32 does; key norms and
+    partial rotary (Qwen3, OLMo2, partial Phi3) the module-by-module one; the self-check holds."""
     model = build(kind, kv_heads=2).to(torch.bfloat16)
     report = hcache.check_model(model)
     assert report.ok and report.tolerance == 3e-2
     adapter = hcache.ModelAdapter(model)
-    assert not adapter.fast(0, adapter.rope(0, 8))  # no complex bf16: the module-by-module path
+    assert adapter.fast(0, adapter.rope(0, 8)) == (kind not in ("qwen3", "olmo2", "phi3_partial"))

@@ -234,11 +234,8 @@ class _LayerProj:
     bias: torch.Tensor | None
     key_norm: Callable[[torch.Tensor], torch.Tensor] | None
     key_norm_per_head: bool
-    #: fast path (see ``ModelAdapter._fold``): norm weight folded into W, K rows interleaved
-    wk: torch.Tensor | None = None
-    wv: torch.Tensor | None = None
-    bk: torch.Tensor | None = None
-    bv: torch.Tensor | None = None
+    #: fast path (see ``ModelAdapter._fold``): ``[W_k; W_v]`` with the norm weight folded in
+    wkv: torch.Tensor | None = None
     eps: float = 0.0
 
 
@@ -249,17 +246,16 @@ class RopeTable:
     Attributes:
         cos: ``[n, rot_dim]`` in the model dtype.
         sin: likewise.
-        freq: ``cos + i sin`` of the first half ``[n, rot_dim / 2]`` (complex) when the halves
-            repeat (standard RoPE) and the dtype has a complex type, else ``None``.
+        paired: the table rotates whole heads and its halves repeat (standard RoPE): the fast
+            path then rotates with the first halves only.
     """
 
     cos: torch.Tensor
     sin: torch.Tensor
-    freq: torch.Tensor | None
+    paired: bool
 
     def __getitem__(self, sel: Any) -> RopeTable:
-        f = None if self.freq is None else self.freq[sel]
-        return RopeTable(self.cos[sel], self.sin[sel], f)
+        return RopeTable(self.cos[sel], self.sin[sel], self.paired)
 
     def __len__(self) -> int:
         return int(self.cos.shape[0])
@@ -340,34 +336,23 @@ class ModelAdapter:
         """Prepare the fast path of a layer whose input norm is a plain RMSNorm.
 
         ``W (w * h * r) = r * ((W * w) h)`` with ``r = rsqrt(mean(h^2) + eps)`` per token, so
-        the norm becomes one reduction and a row scale after the GEMM (folded into the RoPE
-        factor for K). K rows are permuted so each head's rotary pairs ``(i, i + d/2)`` sit
-        side by side: RoPE is then one complex multiply, and the scatter into the cache undoes
-        the permutation. Not for key norms (Qwen3, OLMo2), partial rotary, or dtypes without a
-        complex type; those take the module-by-module path.
+        the norm becomes one reduction and a row scale after the GEMM, and the layer's K and V
+        come out of one GEMM with ``[W_k; W_v] * w`` (folded in float64, stored in the model's
+        dtype) already in the cache's row order. Not for key norms (Qwen3, OLMo2), which take
+        the module-by-module path.
         """
         s = self.shape
         norm = p.norm
         if norm is None or p.key_norm is not None or not type(norm).__name__.endswith("RMSNorm"):
             return
-        if self.shape.head_dim % 2 or p.weight.dtype not in (torch.float32, torch.float64):
+        if s.head_dim % 2 or not p.weight.dtype.is_floating_point:
             return
         w = getattr(norm, "weight", None)
         eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
         if not isinstance(w, torch.Tensor) or not isinstance(eps, float) or w.shape != (s.hidden,):
             return
         scale = w.detach().double() + (1.0 if s.model_type == "gemma" else 0.0)
-        folded = (p.weight.double() * scale).to(p.weight.dtype)
-        kd, hd = s.kv_dim, s.head_dim
-        half = hd // 2
-        per_head = torch.stack((torch.arange(half), torch.arange(half, hd)), 1).reshape(-1)
-        perm = (torch.arange(s.kv_heads).unsqueeze(1) * hd + per_head).reshape(-1)
-        perm = perm.to(p.weight.device)
-        p.wk = folded[:kd][perm].contiguous()
-        p.wv = folded[kd:].contiguous()
-        if p.bias is not None:
-            p.bk = p.bias[:kd][perm].contiguous()
-            p.bv = p.bias[kd:].contiguous()
+        p.wkv = (p.weight.double() * scale).to(p.weight.dtype).contiguous()
         p.eps = eps
 
     @property
@@ -382,77 +367,74 @@ class ModelAdapter:
         cos, sin = self.rotary(probe, pos)
         cos, sin = cos[0], sin[0]
         rd = cos.shape[-1]
-        freq = None
-        if (
+        paired = (
             rd == self.shape.head_dim
-            and cos.dtype in (torch.float32, torch.float64)
             and torch.equal(cos[:, : rd // 2], cos[:, rd // 2 :])
             and torch.equal(sin[:, : rd // 2], sin[:, rd // 2 :])
-        ):
-            freq = torch.complex(cos[:, : rd // 2], sin[:, : rd // 2])
-        return RopeTable(cos, sin, freq)
+        )
+        return RopeTable(cos, sin, paired)
 
     def fast(self, layer: int, rope: RopeTable) -> bool:
-        """Whether ``layer`` takes the folded-norm, complex-RoPE path with this table."""
-        return self._proj[layer].wk is not None and rope.freq is not None
+        """Whether ``layer`` takes the folded-norm path (one GEMM, RoPE on its output)."""
+        return self._proj[layer].wkv is not None and rope.paired
 
-    def project_parts(
-        self,
-        layer: int,
-        h: torch.Tensor,
-        rope: RopeTable,
-        scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of ``layer`` for hidden states ``h`` ``[m, hidden]``, as views.
+    def project_into(
+        self, layer: int, h: torch.Tensor, rope: RopeTable, out: torch.Tensor
+    ) -> torch.Tensor:
+        """Write the cache rows ``[m, 2 kv_dim]`` (``[K | V]``) of ``layer`` into ``out``.
 
-        Returns ``(k, v)``: ``k`` is ``[m, kv_heads, 2, head_dim / 2]`` (fast path, a permuted
-        view) or ``[m, kv_heads, head_dim]``; either reshapes onto the K half of a cache row
-        viewed the same way. ``v`` is ``[m, kv_dim]``. ``scratch`` holds reusable
-        ``[>= m, kv_dim]`` buffers for K and V (fast path).
+        ``h`` is ``[m, hidden]``; ``out`` a contiguous ``[>= m, 2 kv_dim]`` buffer of the model's
+        dtype, which must not overlap ``h``. On the fast path (:meth:`fast`) it is one GEMM into
+        ``out``, the norm's row scale and the bias on its output, and RoPE on its K half as a
+        few elementwise operations on whole ``[m, heads, head_dim / 2]`` views: a constant number
+        of kernels per call, whatever ``m``. Else the module-by-module arithmetic, copied in.
+        Returns ``out[:m]``.
         """
-        p = self._proj[layer]
-        s = self.shape
         m = h.shape[0]
+        rows = out[:m]
+        p = self._proj[layer]
         if not self.fast(layer, rope):
-            rows = self.project(layer, h, rope)
-            return rows[:, : s.kv_dim].view(m, s.kv_heads, s.head_dim), rows[:, s.kv_dim :]
-        assert p.wk is not None and p.wv is not None and rope.freq is not None
-        if scratch is None:
-            scratch = (h.new_empty(m, s.kv_dim), h.new_empty(m, s.kv_dim))
-        k = torch.mm(h, p.wk.t(), out=scratch[0][:m])
-        v = torch.mm(h, p.wv.t(), out=scratch[1][:m])
+            rows.copy_(self._project_modules(layer, h, rope))
+            return rows
+        assert p.wkv is not None
+        s = self.shape
+        torch.mm(h, p.wkv.t(), out=rows)
         ss = torch.linalg.vector_norm(h, dim=-1, keepdim=True, dtype=torch.float32)
-        r = torch.rsqrt(ss.square_().div_(s.hidden).add_(p.eps)).to(h.dtype)  # [m, 1]
-        freq = rope.freq
-        if p.bk is not None and p.bv is not None:
-            k.mul_(r).add_(p.bk)
-            v.mul_(r).add_(p.bv)
-        else:
-            v.mul_(r)
-            freq = freq * r
+        r = torch.rsqrt(ss.square_().div_(s.hidden).add_(p.eps)).to(rows.dtype)  # [m, 1]
         half = s.head_dim // 2
-        kc = torch.view_as_complex(k.view(m, s.kv_heads, half, 2))
-        kc.mul_(freq.unsqueeze(1))
-        return torch.view_as_real(kc).permute(0, 1, 3, 2), v
+        c = rope.cos[:, :half].unsqueeze(1)  # [m, 1, half]
+        sn = rope.sin[:, :half].unsqueeze(1)
+        if p.bias is not None:
+            rows.mul_(r).add_(p.bias)
+        else:  # K's row scale rides on the rotation's factors (m x half values, not m x kv_dim)
+            rows[:, s.kv_dim :].mul_(r)
+            r3 = r.unsqueeze(-1)
+            c, sn = c * r3, sn * r3
+        k = rows[:, : s.kv_dim].view(m, s.kv_heads, 2, half)
+        x, y = k[:, :, 0], k[:, :, 1]
+        xs = x * sn
+        x.mul_(c).sub_(y * sn)  # x c - y s
+        y.mul_(c).add_(xs)  # y c + x s
+        return rows
 
     def project(self, layer: int, h: torch.Tensor, rope: RopeTable) -> torch.Tensor:
         """Cache rows ``[n, 2 kv_dim]`` (``[K | V]``) of ``layer`` from its input hidden states.
 
-        The same arithmetic as :meth:`project_parts` (what :func:`check_model` verifies).
+        The same arithmetic as :meth:`project_into` (what :func:`check_model` verifies).
 
         Args:
             layer: model layer index.
             h: ``[n, hidden]`` input hidden states of the layer.
             rope: from :meth:`rope`, sliced to the tokens of ``h``.
         """
+        if self.fast(layer, rope):
+            return self.project_into(layer, h, rope, h.new_empty(h.shape[0], self.row_elems))
+        return self._project_modules(layer, h, rope)
+
+    def _project_modules(self, layer: int, h: torch.Tensor, rope: RopeTable) -> torch.Tensor:
+        """The module-by-module path: the layer's own norm, one GEMM, key norm, RoPE."""
         s = self.shape
         n = h.shape[0]
-        if self.fast(layer, rope):
-            k, v = self.project_parts(layer, h, rope)
-            rows = h.new_empty(n, 2 * s.kv_dim)
-            rows[:, : s.kv_dim].view(k.shape).copy_(k)
-            rows[:, s.kv_dim :].copy_(v)
-            return rows
         p = self._proj[layer]
         x = p.norm(h) if p.norm is not None else h
         if p.bias is not None:

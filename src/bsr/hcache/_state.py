@@ -149,6 +149,23 @@ def write_hidden_to_cache(
         typed[i][blocks, rows] = h.to(typed.device)
 
 
+#: the hidden rows one piece of a rebuild gathers at most (bytes): large enough that a piece is
+#: one GEMM per layer for every chunk of a restore up to this size (16K tokens of a 1024-wide
+#: fp32 model, 4K tokens of a 4096-wide bf16 one), small enough to stay a bounded scratch
+PIECE_BYTES = 64 << 20
+
+
+def _run_start(idx: torch.Tensor) -> int | None:
+    """The first id of ``idx`` (on the CPU) when it is one ascending run of ids, else ``None``."""
+    if idx.device.type != "cpu" or idx.numel() == 0:
+        return None
+    first = int(idx[0])
+    if int(idx[-1]) - first != idx.numel() - 1:
+        return None
+    run = torch.arange(first, first + idx.numel(), dtype=idx.dtype)
+    return first if torch.equal(idx, run) else None
+
+
 def rebuild_rows(
     adapter: ModelAdapter,
     src: PagedKVCache,
@@ -160,18 +177,21 @@ def rebuild_rows(
     rope: RopeTable,
     *,
     dst_group: str = "kv",
-    piece_tokens: int = 512,
+    piece_tokens: int | None = None,
     start: int = 0,
 ) -> None:
     """Project the hidden states of ``group`` (model layers ``layers``) into ``dst``'s K/V rows.
 
-    Works on whole blocks: gather the hidden rows of up to ``piece_tokens`` tokens,
-    :meth:`ModelAdapter.project_parts` (GEMMs into reusable buffers, RoPE as one complex multiply
-    with the norm's row scale folded in), then scatter K (undoing the pair
-    interleave on the way) and V into the layer's blocks; a trailing partial block is written
-    row by row. ``src`` may alias ``dst`` (the hidden rows of layer ``i`` living in the first
-    bytes of layer ``i``'s K/V rows): each piece is read into a private buffer before its K/V
-    are written, and pieces never share blocks.
+    Works on whole blocks, a piece of up to ``piece_tokens`` tokens at a time (default: as many
+    as :data:`PIECE_BYTES` of hidden rows hold, so a chunk or a run of chunks is one piece): per
+    layer, the piece's hidden rows are gathered into a private buffer (or viewed in place when
+    its blocks are one ascending run), :meth:`ModelAdapter.project_into` writes their cache rows
+    ``[K | V]`` into a reusable buffer (one GEMM, the norm's row scale, RoPE), and one
+    ``index_copy_`` puts those rows into the layer's blocks; a trailing partial block is
+    written row by row. The number of kernels per layer and piece does not depend on the
+    number of blocks. ``src`` may alias ``dst`` (the hidden rows of layer ``i`` living in the
+    first bytes of layer ``i``'s K/V rows): every read of a piece's hidden rows ends before its
+    rows are written, and pieces never share blocks.
 
     Args:
         rope: from :meth:`ModelAdapter.rope` for positions ``[0, num_tokens)`` (once per restore).
@@ -187,29 +207,31 @@ def rebuild_rows(
     g, og = src.layout.group(group), dst.layout.group(dst_group)
     hid = [t.view(g.torch_dtype) for t in src.layers(group)]  # stacked or per-layer caches
     out = [t.view(og.torch_dtype) for t in dst.layers(dst_group)]
-    hidden = adapter.shape.hidden
-    kd = adapter.shape.kv_dim
+    hidden, row = adapter.shape.hidden, adapter.row_elems
     full, first = num_tokens // bt, start // bt
+    if piece_tokens is None:
+        piece_tokens = PIECE_BYTES // (hidden * adapter.dtype.itemsize)
     per = max(1, piece_tokens // bt)
     dev = adapter.device
     m = max(1, min(full - first, per)) * bt
-    scratch = (
-        torch.empty(m, kd, dtype=adapter.dtype, device=dev),
-        torch.empty(m, kd, dtype=adapter.dtype, device=dev),
-    )
-    nb_all = dst.num_blocks
+    scratch = torch.empty(m, row, dtype=adapter.dtype, device=dev)
+    pieces = []
+    for b0 in range(first, full, per):
+        b1 = min(full, b0 + per)
+        idx = ids[b0:b1]
+        pieces.append((b0, b1, idx.to(src.device), idx.to(dst.device), _run_start(idx)))
     with torch.no_grad():
         for j, layer in enumerate(layers):
             src_l, dst_l = hid[j], out[layer]
-            for b0 in range(first, full, per):
-                b1 = min(full, b0 + per)
-                idx = ids[b0:b1].to(src.device)
-                h = torch.index_select(src_l, 0, idx).view(-1, hidden).to(dev)
-                k, v = adapter.project_parts(layer, h, rope[b0 * bt : b1 * bt], scratch)
-                didx = idx.to(dst.device)
-                kdst = dst_l[..., :kd].view(nb_all, bt, *k.shape[1:])
-                kdst.index_copy_(0, didx, k.reshape(b1 - b0, bt, *k.shape[1:]).to(dst.device))
-                dst_l[..., kd:].index_copy_(0, didx, v.view(b1 - b0, bt, kd).to(dst.device))
+            rows_view = dst_l.view(dst_l.shape[0], bt, row)
+            for b0, b1, sidx, didx, run in pieces:
+                part = src_l[run : run + b1 - b0] if run is not None else None
+                if part is not None and part.is_contiguous() and src.device == dev:
+                    h = part.view(-1, hidden)  # one run of whole blocks: no gather
+                else:
+                    h = torch.index_select(src_l, 0, sidx).view(-1, hidden).to(dev)
+                rows = adapter.project_into(layer, h, rope[b0 * bt : b1 * bt], scratch)
+                rows_view.index_copy_(0, didx, rows.view(b1 - b0, bt, row).to(dst.device))
             if full * bt < num_tokens:  # full * bt >= start: start is block-aligned
                 blocks, r = token_rows(src, ids, full * bt, num_tokens)
                 h = src_l[blocks, r].to(dev)

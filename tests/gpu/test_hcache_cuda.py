@@ -1,0 +1,89 @@
+"""HCache's rebuild on the device (#49): every operator of a rebuilt layer runs where the model
+runs, a constant number of them per layer and piece whatever the number of blocks, no hidden or
+K/V rows copied between devices, and the rebuilt K/V equal to the model's own projection
+within the dtype's tolerance, in fp32 and in bf16 (what a GPU serves).
+
+Marked ``cuda``: run by ``bench/gpu/run.py`` on a GPU, on the CPU in its dry run.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from adapters.hcache_kit import build
+from bsr import PagedKVCache, StateGroup, StateLayout, hcache
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.cuda
+
+BT, LAYERS = 16, 3
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
+
+
+class _Where(TorchDispatchMode):
+    """Counts operators, the devices of the values they were given, and copies of more than
+    a few rows between devices."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+        self.devices: set[str] = set()
+        self.cross: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = func.overloadpacket.__name__
+        self.ops[name] += 1
+        ts = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)]
+        # where the values live (block ids are a CPU table, moved once per piece)
+        self.devices |= {a.device.type for a in ts if a.is_floating_point()}
+        out = func(*args, **(kwargs or {}))
+        copies = name in ("_to_copy", "copy_") and isinstance(out, torch.Tensor)
+        if copies and any(a.device != out.device and a.numel() > BT * 64 for a in ts):
+            self.cross.append(name)
+        return out
+
+
+def _rebuild(model: Any, blocks: int, device: str) -> tuple[_Where, float]:
+    a = hcache.ModelAdapter(model)
+    s, item = a.shape, a.dtype.itemsize
+    name = str(a.dtype).removeprefix("torch.")
+    n = blocks * BT
+    hl = StateLayout(n, (StateGroup("h", s.num_layers, s.hidden * item, dtype=name),))
+    kl = StateLayout(n, (StateGroup("kv", s.num_layers, 2 * s.kv_dim * item, dtype=name),))
+    src = PagedKVCache(hl, blocks, BT, device=device)
+    src.typed("h").copy_(
+        torch.randn(src.typed("h").shape, generator=torch.Generator().manual_seed(3))
+    )
+    dst = PagedKVCache(kl, blocks, BT, device=device)
+    ids = torch.randperm(blocks, generator=torch.Generator().manual_seed(blocks))
+    rope = a.rope(0, n)
+    with _Where() as seen:
+        hcache.rebuild_rows(a, src, "h", range(LAYERS), dst, ids, n, rope)
+    t = torch.arange(n)
+    worst = 0.0
+    for layer in range(LAYERS):
+        h = src.typed("h")[layer][ids[t // BT], t % BT]
+        want = a._project_modules(layer, h, rope).float()
+        got = dst.typed("kv")[layer][ids[t // BT], t % BT].float()
+        worst = max(worst, ((got - want).abs().max() / want.abs().max()).item())
+    return seen, worst
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_the_rebuild_runs_on_the_device_in_constant_kernels(
+    device: str, kv_heads: int, dtype: torch.dtype
+) -> None:
+    model = build("llama", layers=LAYERS, kv_heads=kv_heads).to(device=device, dtype=dtype)
+    few, err_few = _rebuild(model, 4, device)
+    many, err_many = _rebuild(model, 48, device)
+    assert few.ops == many.ops, (few.ops, many.ops)
+    assert many.ops["mm"] == LAYERS
+    assert many.devices == {torch.device(device).type}, many.devices
+    assert not many.cross, many.cross
+    assert max(err_few, err_many) <= TOLERANCE[dtype], (err_few, err_many)
