@@ -27,13 +27,16 @@ from ._arch import SUPPORTED_ARCHITECTURES as SUPPORTED_ARCHITECTURES
 from ._arch import ArchSupport as ArchSupport
 from ._arch import ModelAdapter as ModelAdapter
 from ._arch import check_config as check_config
+from ._calibrate import calibrate as calibrate
+from ._calibrate import calibration_key as calibration_key
+from ._calibrate import measure_compute as measure_compute
+from ._calibrate import measure_read as measure_read
 from ._plan import HIDDEN as HIDDEN
 from ._plan import KV as KV
 from ._plan import RECOMPUTE as RECOMPUTE
 from ._plan import LayerPlan as LayerPlan
 from ._plan import PlanCost as PlanCost
 from ._plan import Rates as Rates
-from ._plan import calibrate as calibrate
 from ._plan import fixed_plan as fixed_plan
 from ._plan import plan_layers as plan_layers
 from ._session import HCache as HCache
@@ -67,11 +70,14 @@ __all__ = (
     "StateBytes",
     "UnsupportedModelError",
     "calibrate",
+    "calibration_key",
     "check_config",
     "check_model",
     "compare_state_bytes",
     "fixed_plan",
     "hidden_layout",
+    "measure_compute",
+    "measure_read",
     "plan_layers",
     "rebuild_kv",
     "rebuild_rows",

@@ -27,8 +27,6 @@ described to another.
 from __future__ import annotations
 
 import math
-import tempfile
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -306,152 +304,6 @@ def fixed_plan(
     return LayerPlan(ms, num_tokens, s, rates, False, cost, {}, group_layers, dt)
 
 
-# ---------------------------------------------------------------- calibration
-_RATES: dict[tuple[Any, ...], Rates] = {}
-
-
-def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    return xs[len(xs) // 2]
-
-
-def measure_compute(model: Any, *, tokens: int = 512, repeats: int = 3) -> tuple[float, float]:
-    """(project, recompute) seconds per token and layer of ``model`` on its device.
-
-    Projection: :func:`~bsr.hcache._state.rebuild_rows` of every layer from random hidden
-    states into a scratch paged cache. Recompute: one prefill of ``tokens`` random tokens.
-    """
-    from .. import PagedKVCache
-    from ._arch import ModelAdapter
-    from ._state import rebuild_rows
-
-    a = ModelAdapter(model)
-    s = a.shape
-    bt = 16
-    tokens = max(bt, tokens // bt * bt)
-    nb = tokens // bt
-    name = dtype_name(a.dtype)
-    item = a.dtype.itemsize
-    hl = StateLayout(tokens, (StateGroup("h", s.num_layers, s.hidden * item, dtype=name),))
-    kl = StateLayout(tokens, (StateGroup(KV, s.num_layers, 2 * s.kv_dim * item, dtype=name),))
-    src = PagedKVCache(hl, nb, bt, device=a.device)
-    src.typed("h").normal_()
-    dst = PagedKVCache(kl, nb, bt, device=a.device)
-    ids = torch.arange(nb)
-    proj: list[float] = []
-    for _ in range(repeats + 1):
-        t0 = time.perf_counter()
-        rope = a.rope(0, tokens)
-        rebuild_rows(a, src, "h", range(s.num_layers), dst, ids, tokens, rope)
-        _sync(a.device)
-        proj.append(time.perf_counter() - t0)
-    vocab = int(getattr(model.config, "vocab_size", 32) or 32)
-    ids_in = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(0))
-    rec: list[float] = []
-    with torch.no_grad():
-        for _ in range(repeats + 1):
-            t0 = time.perf_counter()
-            model(input_ids=ids_in.to(a.device), use_cache=True)
-            _sync(a.device)
-            rec.append(time.perf_counter() - t0)
-    per = tokens * s.num_layers
-    return _median(proj[1:]) / per, _median(rec[1:]) / per
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":  # pragma: no cover - no GPU in CI
-        torch.cuda.synchronize(device)
-
-
-def measure_read(
-    tier_factory: Any = None, *, mib: int = 64, window: int = 4, repeats: int = 5
-) -> float:
-    """Restore bandwidth (bytes/s) of a tier through a :class:`~bsr.RestoreEngine`.
-
-    Saves ``mib`` MiB of a scratch KV layout and restores it ``repeats`` times into a CPU paged
-    cache (the same path, verification and install as a real restore); returns the median.
-
-    Args:
-        tier_factory: ``callable(path) -> Tier``; default a :class:`~bsr.FileTier` in a
-            temporary directory.
-    """
-    import anyio
-
-    from .. import FileTier, Namespace, PagedKVCache, RestoreEngine
-
-    chunk, bt, row = 256, 16, 16384
-    n_chunks = max(1, (mib << 20) // (chunk * row))
-    layout = StateLayout(chunk, (StateGroup(KV, 1, row),))
-    n = n_chunks * chunk
-    cache = PagedKVCache(layout, n // bt, bt)
-    cache.tensor(KV).random_(0, 255)
-    ids = torch.arange(n // bt)
-    tokens = torch.arange(n)
-    with tempfile.TemporaryDirectory(prefix="bsr-calib-") as tmp:
-        tier = tier_factory(tmp) if tier_factory else FileTier(tmp, capacity_bytes=(mib + 16) << 20)
-
-        async def run() -> list[float]:
-            engine = RestoreEngine(
-                layout,
-                [tier],
-                window=window,
-                io_depth=min(window, 4),
-                namespace=Namespace("bsr-calibrate"),
-            )
-            out = []
-            async with engine:
-                await engine.save(tokens, cache, ids)
-                await engine.restore(tokens, cache, ids)  # warm-up: first-touch, thread pools
-                for _ in range(repeats):
-                    t0 = time.perf_counter()
-                    res = await engine.restore(tokens, cache, ids)
-                    out.append(time.perf_counter() - t0)
-                    if res.committed_tokens != n:
-                        raise ConfigError("calibration restore did not commit; check the tier")
-            return out
-
-        times = anyio.run(run)
-    return n * row / _median(times)
-
-
-def calibrate(
-    model: Any,
-    *,
-    tier_factory: Any = None,
-    tier_name: str = "file",
-    tokens: int = 512,
-    refresh: bool = False,
-    read_bytes_per_s: float | None = None,
-    read_mib: int = 64,
-) -> Rates:
-    """Measure (once; cached per model, device and tier name) the rates :func:`plan_layers` needs.
-
-    Args:
-        model: the model (its device is where projections and recompute run).
-        tier_factory: ``callable(path) -> Tier`` for the read measurement (default FileTier).
-        tier_name: the cache key for the tier.
-        tokens: prefix length of the compute measurements.
-        refresh: measure again.
-        read_bytes_per_s: skip the read measurement and use this bandwidth.
-        read_mib: MiB saved and restored by the read measurement.
-    """
-    from ._arch import ModelAdapter
-
-    dev = ModelAdapter(model).device
-    key = (id(model), str(dev), tier_name, tokens, read_bytes_per_s)
-    if not refresh and key in _RATES:
-        return _RATES[key]
-    proj, rec = measure_compute(model, tokens=tokens)
-    read = (
-        read_bytes_per_s
-        if read_bytes_per_s is not None
-        else measure_read(tier_factory, mib=read_mib)
-    )
-    rates = Rates(read, proj, rec, tokens, "measured", shared=dev.type == "cpu")
-    _RATES[key] = rates
-    return rates
-
-
 __all__ = (
     "HIDDEN",
     "KV",
@@ -459,9 +311,6 @@ __all__ = (
     "LayerPlan",
     "PlanCost",
     "Rates",
-    "calibrate",
     "fixed_plan",
-    "measure_compute",
-    "measure_read",
     "plan_layers",
 )
