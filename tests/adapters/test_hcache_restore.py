@@ -375,3 +375,56 @@ async def test_hcache_restores_only_under_the_extras_it_saved_with(tmp_path: Pat
     assert other.committed_tokens == 0
     assert other.engine is not None and other.engine.bytes_read == 0
     assert own.committed_tokens == PREFIX
+
+
+def _planes(rows: bsr.PagedKVCache, kd: int) -> list[torch.Tensor]:
+    """vLLM's per-layer layout of ``rows``' K/V: one ``[blocks, 2, block, kv_dim]`` tensor per
+    layer, each block's K rows then its V rows (a copy, the engine's own memory)."""
+    typed = rows.typed("kv")  # [layers, blocks, block, 2 kv_dim]
+    layers, nb, bt, _ = typed.shape
+    return [typed[i].view(nb, bt, 2, kd).transpose(1, 2).contiguous() for i in range(layers)]
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+@pytest.mark.parametrize("plan", ["hidden", "recompute+hidden+kv"])
+@pytest.mark.anyio
+async def test_restore_into_vllms_per_layer_planes(
+    plan: str, kv_heads: int, tmp_path: Path
+) -> None:
+    """``kv_block_layout="planes"``: the served and the restored caches are per-layer tensors
+    in vLLM's layout; the rebuilt K and V land in their planes, equal to the served ones."""
+    model = build("llama", layers=4, kv_heads=kv_heads)
+    served = Served(model, PLANS[plan])
+    kd = served.hc.adapter.shape.kv_dim
+    hc = hcache.HCache(
+        model,
+        hcache.fixed_plan(model.config, PLANS[plan], group_layers=1),
+        chunk_tokens=CHUNK,
+        kv_block_layout="planes",
+    )
+    src = bsr.PagedKVCache.from_layer_tensors(hc.kv_layout, {"kv": _planes(served.kv, kd)}, BLOCK)
+    mine = [torch.zeros(NUM_BLOCKS, 2, BLOCK, kd) for _ in range(4)]
+    dst = bsr.PagedKVCache.from_layer_tensors(hc.kv_layout, {"kv": mine}, BLOCK)
+    engine = make_engine(
+        hc.layout, [bsr.FileTier(tmp_path, 1 << 26)], window=2, io_depth=2,
+        namespace=hc.namespace("hcache-planes"),
+    )  # fmt: skip
+    async with engine:
+        await hc.save(engine, served.toks[0, :PREFIX], src, served.store, served.src_ids)
+        res = await hc.restore(engine, served.toks[0, :PROMPT], dst, served.dst_ids)
+    assert res.committed_tokens == PREFIX and res.reason is None
+    want = _planes(served.kv, kd)
+    blocks = PREFIX // BLOCK
+    for layer in range(4):
+        a = want[layer][served.src_ids[:blocks]]
+        b = mine[layer][served.dst_ids[:blocks]]  # the engine's own tensors, read directly
+        assert torch.allclose(a, b, atol=1e-5, rtol=0), (layer, (a - b).abs().max())
+    # the rows layout would have put V rows where K rows belong: the planes are not a no-op
+    rows_hc = served.hc
+    assert not rows_hc.planes and hc.planes
+
+
+def test_an_unknown_kv_block_layout_is_refused() -> None:
+    model = build("llama", layers=4, kv_heads=2)
+    with pytest.raises(bsr.ConfigError, match="kv_block_layout must be 'rows'"):
+        hcache.HCache(model, hcache.fixed_plan(model.config, ["kv"] * 4), kv_block_layout="heads")

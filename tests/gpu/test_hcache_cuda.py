@@ -87,3 +87,33 @@ def test_the_rebuild_runs_on_the_device_in_constant_kernels(
     assert many.devices == {torch.device(device).type}, many.devices
     assert not many.cross, many.cross
     assert max(err_few, err_many) <= TOLERANCE[dtype], (err_few, err_many)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_rebuild_lands_in_vllms_per_layer_planes_on_the_device(
+    device: str, dtype: torch.dtype
+) -> None:
+    """vLLM's per-layer tensors ``[blocks, 2, block, kv_dim]`` on the device: each block's K
+    rows then its V rows, equal to the rows the bsr.hf layout gets, still one copy per layer."""
+    model = build("llama", layers=LAYERS, kv_heads=2).to(device=device, dtype=dtype)
+    a = hcache.ModelAdapter(model)
+    s, item = a.shape, a.dtype.itemsize
+    name = str(a.dtype).removeprefix("torch.")
+    blocks, kd = 24, s.kv_dim
+    n = blocks * BT
+    hl = StateLayout(n, (StateGroup("h", s.num_layers, s.hidden * item, dtype=name),))
+    kl = StateLayout(n, (StateGroup("kv", s.num_layers, 2 * kd * item, dtype=name),))
+    src = PagedKVCache(hl, blocks, BT, device=device)
+    src.typed("h").normal_()
+    rows = PagedKVCache(kl, blocks, BT, device=device)
+    mine = [torch.zeros(blocks, 2, BT, kd, dtype=dtype, device=device) for _ in range(LAYERS)]
+    planes = PagedKVCache.from_layer_tensors(kl, {"kv": mine}, BT)
+    ids = torch.randperm(blocks, generator=torch.Generator().manual_seed(7))
+    rope = a.rope(0, n)
+    hcache.rebuild_rows(a, src, "h", range(LAYERS), rows, ids, n, rope)
+    with _Where() as seen:
+        hcache.rebuild_rows(a, src, "h", range(LAYERS), planes, ids, n, rope, planes=True)
+    assert seen.ops["index_copy_"] == LAYERS and not seen.cross
+    for layer in range(LAYERS):
+        want = rows.typed("kv")[layer].view(blocks, BT, 2, kd).transpose(1, 2)
+        assert torch.equal(mine[layer], want), layer

@@ -101,6 +101,10 @@ class HCache:
             model whose rebuilt K/V differ from its own).
         pipeline: project each restored chunk while later chunks are read (default); ``False``
             projects everything after the engine returns (the benchmark's side-by-side baseline).
+        kv_block_layout: how a block of the serving cache holds its tokens' K/V: ``"rows"``
+            (each token's ``[K | V]`` row, :mod:`bsr.hf`'s layout, the default) or ``"planes"``
+            (the block's K rows, then its V rows: ``[2, block_tokens, kv_heads x head_dim]``,
+            vLLM's per-layer layout). Only the rebuild reads it; KV layers are moved as bytes.
 
     Raises:
         UnsupportedModelError: the plan uses hidden-state layers and the model is refused.
@@ -114,9 +118,16 @@ class HCache:
         chunk_tokens: int = 256,
         check: bool = True,
         pipeline: bool = True,
+        kv_block_layout: str = "rows",
     ) -> None:
         if not isinstance(plan, LayerPlan):
             raise ConfigError("plan must be a bsr.hcache.LayerPlan (see plan_layers)")
+        if kv_block_layout not in ("rows", "planes"):
+            raise ConfigError(
+                f"kv_block_layout must be 'rows' (bsr.hf) or 'planes' (vLLM), got "
+                f"{kv_block_layout!r}"
+            )
+        self.planes = kv_block_layout == "planes"
         self.model = model
         self.plan = plan
         self.pipeline = bool(pipeline)
@@ -186,7 +197,8 @@ class HCache:
         layout = StateLayout(chunk_tokens=self.layout.chunk_tokens, groups=(g,))
         return PagedKVCache(layout, num_blocks, block_tokens, device or self.adapter.device)
 
-    def _check_kv(self, kv_cache: PagedKVCache) -> torch.Tensor:
+    def _check_kv(self, kv_cache: PagedKVCache) -> list[torch.Tensor]:
+        """The serving cache's K/V, one tensor per layer (stacked or the engine's own)."""
         if not isinstance(kv_cache, PagedKVCache):
             raise ConfigError("kv_cache must be a bsr.PagedKVCache with the bsr.hf layout")
         try:
@@ -201,17 +213,14 @@ class HCache:
                 f"model needs {self.adapter.shape.num_layers} x {self.plan.kv_bytes}; build it "
                 "with HCache.kv_layout"
             )
-        return kv_cache.tensor(KV)
+        return list(kv_cache.layers(KV))
 
     def _view(self, kv_cache: PagedKVCache, hidden: dict[str, torch.Tensor]) -> PagedKVCache:
         kv = self._check_kv(kv_cache)
-        tensors = dict(hidden)
-        kv_layers = self.plan.layers(KV)
-        if kv_layers:
-            tensors[KV] = kv[kv_layers[0] : kv_layers[-1] + 1]
-        return PagedKVCache(
-            self.layout, kv_cache.num_blocks, kv_cache.block_tokens, tensors=tensors
-        )
+        views = {name: list(t.unbind(0)) for name, t in hidden.items()}
+        if self.plan.layers(KV):
+            views[KV] = [kv[i] for i in self.plan.layers(KV)]
+        return PagedKVCache.from_layer_tensors(self.layout, views, kv_cache.block_tokens)
 
     def save_view(self, kv_cache: PagedKVCache, store: PagedKVCache) -> PagedKVCache:
         """The engine-layout cache to save from: KV layers of ``kv_cache``, hidden of ``store``.
@@ -322,7 +331,7 @@ class HCache:
             if handle is not None:
                 handle.remove()
         blocks, rows = token_rows(kv_cache, ids, 0, num_tokens)
-        typed = kv.view(self.plan.dtype)
+        nb, bt, kd = kv_cache.num_blocks, kv_cache.block_tokens, s.kv_dim
         for i in range(r):
             layer: Any = past.layers[i]
             k, v = layer.keys[0], layer.values[0]  # [kv_heads, n, head_dim]
@@ -333,7 +342,11 @@ class HCache:
                 ),
                 1,
             )
-            typed[i][blocks, rows] = data.to(typed.device)
+            typed = kv[i].view(self.plan.dtype)
+            if self.planes:  # the block's K rows, then its V rows
+                typed.view(nb, 2, bt, kd)[blocks, :, rows] = data.view(-1, 2, kd).to(typed.device)
+            else:
+                typed.view(nb, bt, 2 * kd)[blocks, rows] = data.to(typed.device)
 
     def rebuild(
         self,
@@ -352,7 +365,10 @@ class HCache:
         """
         table = rope if rope is not None else self.adapter.rope(0, n)
         for name, layers in self.plan.hidden_groups:
-            rebuild_rows(self.adapter, view, name, layers, kv_cache, ids, n, table, start=start)
+            rebuild_rows(
+                self.adapter, view, name, layers, kv_cache, ids, n, table,
+                start=start, planes=self.planes,
+            )  # fmt: skip
 
     async def restore(
         self, engine: Any, tokens: Any, kv_cache: PagedKVCache, block_ids: Any, **kw: Any

@@ -179,6 +179,7 @@ def rebuild_rows(
     dst_group: str = "kv",
     piece_tokens: int | None = None,
     start: int = 0,
+    planes: bool = False,
 ) -> None:
     """Project the hidden states of ``group`` (model layers ``layers``) into ``dst``'s K/V rows.
 
@@ -198,6 +199,9 @@ def rebuild_rows(
         start: project only tokens ``[start, num_tokens)`` (one restored chunk: a pipelined
             restore projects each chunk as it lands); a multiple of the block size, since a
             block's rebuild overwrites all of its hidden rows.
+        planes: the destination's blocks hold their tokens' K rows, then their V rows
+            (``[2, block_tokens, kv_dim]``: vLLM's per-layer layout) instead of each token's
+            ``[K | V]`` row (:mod:`bsr.hf`'s); still one ``index_copy_`` per layer and piece.
     """
     bt = src.block_tokens
     if start % bt:
@@ -207,7 +211,7 @@ def rebuild_rows(
     g, og = src.layout.group(group), dst.layout.group(dst_group)
     hid = [t.view(g.torch_dtype) for t in src.layers(group)]  # stacked or per-layer caches
     out = [t.view(og.torch_dtype) for t in dst.layers(dst_group)]
-    hidden, row = adapter.shape.hidden, adapter.row_elems
+    hidden, row, kd = adapter.shape.hidden, adapter.row_elems, adapter.shape.kv_dim
     full, first = num_tokens // bt, start // bt
     if piece_tokens is None:
         piece_tokens = PIECE_BYTES // (hidden * adapter.dtype.itemsize)
@@ -223,6 +227,8 @@ def rebuild_rows(
     with torch.no_grad():
         for j, layer in enumerate(layers):
             src_l, dst_l = hid[j], out[layer]
+            # a block as the rows land in it: [bt, K | V] or [K, V planes] x [bt, kv_dim]
+            blocks_view = dst_l.view(dst_l.shape[0], 2, bt, kd) if planes else None
             rows_view = dst_l.view(dst_l.shape[0], bt, row)
             for b0, b1, sidx, didx, run in pieces:
                 part = src_l[run : run + b1 - b0] if run is not None else None
@@ -231,12 +237,20 @@ def rebuild_rows(
                 else:
                     h = torch.index_select(src_l, 0, sidx).view(-1, hidden).to(dev)
                 rows = adapter.project_into(layer, h, rope[b0 * bt : b1 * bt], scratch)
-                rows_view.index_copy_(0, didx, rows.view(b1 - b0, bt, row).to(dst.device))
+                if blocks_view is not None:
+                    landed = rows.view(b1 - b0, bt, 2, kd).transpose(1, 2)
+                    blocks_view.index_copy_(0, didx, landed.to(dst.device))
+                else:
+                    rows_view.index_copy_(0, didx, rows.view(b1 - b0, bt, row).to(dst.device))
             if full * bt < num_tokens:  # full * bt >= start: start is block-aligned
                 blocks, r = token_rows(src, ids, full * bt, num_tokens)
                 h = src_l[blocks, r].to(dev)
-                rows = adapter.project(layer, h, rope[full * bt : num_tokens])
-                dst_l[blocks.to(dst.device), r.to(dst.device)] = rows.to(dst.device)
+                rows = adapter.project(layer, h, rope[full * bt : num_tokens]).to(dst.device)
+                at = blocks.to(dst.device), r.to(dst.device)
+                if blocks_view is not None:
+                    blocks_view[at[0], :, at[1]] = rows.view(-1, 2, kd)
+                else:
+                    rows_view[at] = rows
 
 
 def rebuild_kv(
