@@ -19,24 +19,35 @@ def test_flag_is_registered_and_bad_sizes_are_refused(capsys: Any) -> None:
     assert "bsr bench --hcache: error: sizes must be multiples of 256" in capsys.readouterr().err
 
 
+def _tier(kv: float, pipelined: float) -> dict[str, Any]:
+    dist = {"median": 1.0, "min": 1.0, "max": 1.0, "n": 1}
+    return {
+        "kv": {"total_s": {**dist, "median": kv}, "methods": ["kv"] * 8},
+        "hcache": {"total_s": {**dist, "median": 0.5}, "methods": ["hidden"] * 8},
+        "planner": {"total_s": {**dist, "median": kv}, "methods": ["kv"] * 8},
+        "planner_same_as": "kv",
+        "planner_regret": 1.0,
+        "regime": {"planner": "storage-bound"},
+        "ratios": {
+            "recompute_vs_hcache": 8.0,
+            "kv_vs_hcache": kv / 0.5,
+            "recompute_vs_planner": 4.0 / kv,
+            "kv_vs_planner": 1.0,
+            "best_pure_vs_planner": 1.0,
+        },
+        "compute_to_io": 2.5,
+        "pipelining": {"sequential_vs_pipelined": pipelined},
+    }
+
+
 def test_table_reports_ratios_next_to_the_paper() -> None:
     dist = {"median": 1.0, "min": 1.0, "max": 1.0, "n": 1}
     point = {
         "model": "mha",
         "tokens": 1024,
         "recompute_s": {**dist, "median": 4.0},
-        "kv": {"total_s": {**dist, "median": 0.1}, "methods": ["kv"] * 8},
-        "hcache": {"total_s": {**dist, "median": 0.5}, "methods": ["hidden"] * 8},
-        "planner": {"total_s": {**dist, "median": 0.1}, "methods": ["kv"] * 8},
-        "ratios": {
-            "recompute_vs_hcache": 8.0,
-            "kv_vs_hcache": 0.2,
-            "recompute_vs_planner": 40.0,
-            "kv_vs_planner": 1.0,
-            "best_pure_vs_planner": 1.0,
-        },
+        "tiers": {"file": _tier(0.1, 1.37), "host": _tier(0.05, 1.02)},
         "rebuild_vs_gemm": 1.2,
-        "compute_to_io": 2.5,
     }
     capture = {
         "overhead": 0.01,
@@ -46,18 +57,28 @@ def test_table_reports_ratios_next_to_the_paper() -> None:
         "overhead_direct": 1e-4,
     }
     rates = {"project_s_per_token_layer": 3e-5, "read_bytes_per_s": 1e9}
-    doc = {
+    doc: dict[str, Any] = {
         "results": [point],
-        "models": {"mha": {"compute_to_io": 7.5, "rates": rates, "decode_capture": capture}},
+        "models": {
+            "mha": {
+                "compute_to_io": {"file": 7.5, "host": 9.0},
+                "rates": {"file": rates, "host": {**rates, "read_bytes_per_s": 4e9}},
+                "decode_capture": capture,
+            }
+        },
+        "targets": {
+            "rebuild_vs_gemm": {"limit": 1.3, "worst": 1.2, "met": True},
+            "planner_regret": {"limit": 1.1, "worst": None, "met": None},
+        },
         "why_different": "because",
     }
     text = hb.table(doc)
-    assert "overlapped with the reads" not in text  # a document from before the pipelining
-    point["pipelining"] = {"sequential_vs_pipelined": 1.37}
-    text = hb.table(doc)
-    assert "overlapped with the reads" in text and "mha 1024: 1.37x" in text
-    assert "8.00x" in text and "0.20x" in text and "0r/0h/8kv" in text
-    assert "mha 1024: 2.50" in text
+    assert "mha 1024 file: 1.37x" in text and "mha 1024 host: 1.02x" in text
+    assert "8.00x" in text and "0.20x" in text and "0r/0h/8kv (= kv), storage-bound" in text
+    assert "mha 1024 file: 2.50" in text
+    assert "file: read 1.00 GB/s, compute/IO 7.50" in text and "host: read 4.00 GB/s" in text
+    assert "target rebuild_vs_gemm <= 1.3: worst 1.20" in text and "met" in text
+    assert "target planner_regret <= 1.1: no point" in text
     assert "5.73x vs recompute" in text and "1.93x vs KV" in text and "+1.0%" in text
 
 
@@ -78,9 +99,10 @@ def test_the_state_directory_is_made_fresh_and_removed_after(
             raise RuntimeError("a point failed")
         return {"model": name, "tokens": n}
 
-    monkeypatch.setattr(hb, "MODELS", {"mha": 4, "gqa": 2})
-    monkeypatch.setattr(hb, "_model", lambda kv_heads, seed, device: None)
-    monkeypatch.setattr(hb, "_calibrated", lambda model, kv_heads, quick: (None, {}))
+    shape = hb.Shape(64, 2, 4, 4, 128)
+    monkeypatch.setitem(hb.SHAPES, "toy", {"mha": shape, "gqa": shape})
+    monkeypatch.setattr(hb, "_model", lambda spec, seed, device, dtype: None)
+    monkeypatch.setattr(hb, "_calibrated", lambda model, spec, quick: (None, {}))
     monkeypatch.setattr(hb, "_point", point)
     monkeypatch.setattr(hb, "_row", lambda p: "")
     store = tmp_path / "store"

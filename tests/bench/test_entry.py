@@ -25,6 +25,7 @@ FLAGS = {
     "--device": "cpu",
     "--engine": "bsr",
     "--hcache": False,
+    "--hcache-shape": "toy",
     "--io-depth": None,
     "--io-depths": None,
     "--json": None,
