@@ -379,16 +379,23 @@ class ModelAdapter:
         return self._proj[layer].wkv is not None and rope.paired
 
     def project_into(
-        self, layer: int, h: torch.Tensor, rope: RopeTable, out: torch.Tensor
+        self,
+        layer: int,
+        h: torch.Tensor,
+        rope: RopeTable,
+        out: torch.Tensor,
+        tmp: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Write the cache rows ``[m, 2 kv_dim]`` (``[K | V]``) of ``layer`` into ``out``.
 
         ``h`` is ``[m, hidden]``; ``out`` a contiguous ``[>= m, 2 kv_dim]`` buffer of the model's
-        dtype, which must not overlap ``h``. On the fast path (:meth:`fast`) it is one GEMM into
-        ``out``, the norm's row scale and the bias on its output, and RoPE on its K half as a
-        few elementwise operations on whole ``[m, heads, head_dim / 2]`` views: a constant number
-        of kernels per call, whatever ``m``. Else the module-by-module arithmetic, copied in.
-        Returns ``out[:m]``.
+        dtype, which must not overlap ``h``; ``tmp`` an optional reusable buffer of at least
+        ``m x kv_dim / 2`` values for RoPE (else one is allocated). On the fast path
+        (:meth:`fast`) it is one GEMM into ``out``, the norm's row scale and the bias on its
+        output, and RoPE on its K half as five elementwise operations on whole
+        ``[m, heads, head_dim / 2]`` views: a constant number of kernels per call, whatever
+        ``m``, and no allocation the size of the rows. Else the module-by-module arithmetic,
+        copied in. Returns ``out[:m]``.
         """
         m = h.shape[0]
         rows = out[:m]
@@ -412,8 +419,11 @@ class ModelAdapter:
             c, sn = c * r3, sn * r3
         k = rows[:, : s.kv_dim].view(m, s.kv_heads, 2, half)
         x, y = k[:, :, 0], k[:, :, 1]
-        xs = x * sn
-        x.mul_(c).sub_(y * sn)  # x c - y s
+        n_half = m * s.kv_heads * half
+        if tmp is None or tmp.numel() < n_half:
+            tmp = rows.new_empty(n_half)
+        xs = torch.mul(x, sn, out=tmp[:n_half].view(m, s.kv_heads, half))  # x s, before x moves
+        x.mul_(c).addcmul_(y, sn, value=-1)  # x c - y s
         y.mul_(c).add_(xs)  # y c + x s
         return rows
 

@@ -218,7 +218,10 @@ def rebuild_rows(
     per = max(1, piece_tokens // bt)
     dev = adapter.device
     m = max(1, min(full - first, per)) * bt
+    # reused by every layer and piece: fresh buffers this size cost page faults on each use
     scratch = torch.empty(m, row, dtype=adapter.dtype, device=dev)
+    tmp = torch.empty(m * kd // 2, dtype=adapter.dtype, device=dev)
+    gathered: torch.Tensor | None = None
     pieces = []
     for b0 in range(first, full, per):
         b1 = min(full, b0 + per)
@@ -235,8 +238,11 @@ def rebuild_rows(
                 if part is not None and part.is_contiguous() and src.device == dev:
                     h = part.view(-1, hidden)  # one run of whole blocks: no gather
                 else:
-                    h = torch.index_select(src_l, 0, sidx).view(-1, hidden).to(dev)
-                rows = adapter.project_into(layer, h, rope[b0 * bt : b1 * bt], scratch)
+                    if gathered is None:
+                        gathered = torch.empty(m * hidden, dtype=src_l.dtype, device=src.device)
+                    into = gathered[: (b1 - b0) * bt * hidden].view((b1 - b0, *src_l.shape[1:]))
+                    h = torch.index_select(src_l, 0, sidx, out=into).view(-1, hidden).to(dev)
+                rows = adapter.project_into(layer, h, rope[b0 * bt : b1 * bt], scratch, tmp)
                 if blocks_view is not None:
                     landed = rows.view(b1 - b0, bt, 2, kd).transpose(1, 2)
                     blocks_view.index_copy_(0, didx, landed.to(dst.device))
