@@ -216,17 +216,12 @@ def rebuild_rows(
     if piece_tokens is None:
         piece_tokens = PIECE_BYTES // (hidden * adapter.dtype.itemsize)
     per = max(1, piece_tokens // bt)
-    dev = adapter.device
     m = max(1, min(full - first, per)) * bt
-    # reused by every layer and piece: fresh buffers this size cost page faults on each use
-    scratch = torch.empty(m, row, dtype=adapter.dtype, device=dev)
-    tmp = torch.empty(m * kd // 2, dtype=adapter.dtype, device=dev)
-    gathered: torch.Tensor | None = None
-    pieces = []
-    for b0 in range(first, full, per):
-        b1 = min(full, b0 + per)
-        idx = ids[b0:b1]
-        pieces.append((b0, b1, idx.to(src.device), idx.to(dst.device), _run_start(idx)))
+    bufs = _Buffers(adapter, m, src.device)
+    pieces = [  # block range, its ids where the hidden rows and the K/V live, its run start
+        (b0, min(full, b0 + per), *_piece_ids(ids[b0 : min(full, b0 + per)], src, dst))
+        for b0 in range(first, full, per)
+    ]
     with torch.no_grad():
         for j, layer in enumerate(layers):
             src_l, dst_l = hid[j], out[layer]
@@ -234,29 +229,60 @@ def rebuild_rows(
             blocks_view = dst_l.view(dst_l.shape[0], 2, bt, kd) if planes else None
             rows_view = dst_l.view(dst_l.shape[0], bt, row)
             for b0, b1, sidx, didx, run in pieces:
-                part = src_l[run : run + b1 - b0] if run is not None else None
-                if part is not None and part.is_contiguous() and src.device == dev:
-                    h = part.view(-1, hidden)  # one run of whole blocks: no gather
-                else:
-                    if gathered is None:
-                        gathered = torch.empty(m * hidden, dtype=src_l.dtype, device=src.device)
-                    into = gathered[: (b1 - b0) * bt * hidden].view((b1 - b0, *src_l.shape[1:]))
-                    h = torch.index_select(src_l, 0, sidx, out=into).view(-1, hidden).to(dev)
-                rows = adapter.project_into(layer, h, rope[b0 * bt : b1 * bt], scratch, tmp)
+                h = bufs.hidden_rows(src_l, sidx, run, b1 - b0)
+                rows = adapter.project_into(layer, h, rope[b0 * bt : b1 * bt], bufs.rows, bufs.tmp)
+                rows = rows.view(b1 - b0, bt, row).to(dst.device)
                 if blocks_view is not None:
                     landed = rows.view(b1 - b0, bt, 2, kd).transpose(1, 2)
-                    blocks_view.index_copy_(0, didx, landed.to(dst.device))
+                    blocks_view.index_copy_(0, didx, landed)
                 else:
-                    rows_view.index_copy_(0, didx, rows.view(b1 - b0, bt, row).to(dst.device))
+                    rows_view.index_copy_(0, didx, rows)
             if full * bt < num_tokens:  # full * bt >= start: start is block-aligned
                 blocks, r = token_rows(src, ids, full * bt, num_tokens)
-                h = src_l[blocks, r].to(dev)
+                h = src_l[blocks, r].to(adapter.device)
                 rows = adapter.project(layer, h, rope[full * bt : num_tokens]).to(dst.device)
                 at = blocks.to(dst.device), r.to(dst.device)
                 if blocks_view is not None:
                     blocks_view[at[0], :, at[1]] = rows.view(-1, 2, kd)
                 else:
                     rows_view[at] = rows
+
+
+def _piece_ids(
+    idx: torch.Tensor, src: PagedKVCache, dst: PagedKVCache
+) -> tuple[torch.Tensor, torch.Tensor, int | None]:
+    return idx.to(src.device), idx.to(dst.device), _run_start(idx)
+
+
+class _Buffers:
+    """A rebuild's buffers, reused by every layer and piece (fresh buffers this size cost page
+    faults on each use): the projected rows, RoPE's temporary, the gathered hidden rows."""
+
+    def __init__(self, adapter: ModelAdapter, m: int, src_device: torch.device) -> None:
+        dev, dt = adapter.device, adapter.dtype
+        self.rows = torch.empty(m, adapter.row_elems, dtype=dt, device=dev)
+        self.tmp = torch.empty(m * adapter.shape.kv_dim // 2, dtype=dt, device=dev)
+        self.hidden = adapter.shape.hidden
+        self.m = m
+        self.dev = dev
+        self.src_device = src_device
+        self.gathered: torch.Tensor | None = None
+
+    def hidden_rows(
+        self, src_l: torch.Tensor, sidx: torch.Tensor, run: int | None, nblk: int
+    ) -> torch.Tensor:
+        """The ``[nblk x block_tokens, hidden]`` input rows of a piece: viewed where they lie when
+        its blocks are one ascending run, else gathered into the buffer."""
+        part = src_l[run : run + nblk] if run is not None else None
+        if part is not None and part.is_contiguous() and self.src_device == self.dev:
+            return part.view(-1, self.hidden)
+        if self.gathered is None:
+            self.gathered = torch.empty(
+                self.m * self.hidden, dtype=src_l.dtype, device=self.src_device
+            )
+        per_block = src_l[0].numel()
+        into = self.gathered[: nblk * per_block].view((nblk, *src_l.shape[1:]))
+        return torch.index_select(src_l, 0, sidx, out=into).view(-1, self.hidden).to(self.dev)
 
 
 def rebuild_kv(
