@@ -29,14 +29,16 @@ $(VENV)/.bsr-installed: pyproject.toml bench/pyproject.toml
 	touch $@
 
 # spin (model checker), libibverbs (Mooncake's transfer engine), fio (the bench's physical
-# reference) and redis-server (with redis-cli: the Redis tier's tests start real servers) from
+# reference), redis-server (with redis-cli: the Redis tier's tests start real servers) and
+# sshfs with openssh-server (a real network filesystem on loopback: tests/support/sshfs.py) from
 # Debian packages
 system-deps:
 	@if ! command -v spin >/dev/null || ! ldconfig -p | grep -q libibverbs.so.1 \
 			|| ! command -v fio >/dev/null || ! command -v redis-server >/dev/null \
-			|| ! command -v redis-cli >/dev/null; then \
+			|| ! command -v redis-cli >/dev/null || ! command -v sshfs >/dev/null \
+			|| ! test -x /usr/sbin/sshd; then \
 		$(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q spin libibverbs1 gcc fio \
-			redis-server; \
+			redis-server sshfs openssh-server; \
 	fi
 
 # fio for the bench where apt-get works; without it the bench says so and uses its raw reader

@@ -38,6 +38,7 @@ from ._errors import TierTimeoutError as TierTimeoutError
 from ._errors import TokenError as TokenError
 from ._errors import TruncatedObjectError as TruncatedObjectError
 from ._errors import UnknownGroupError as UnknownGroupError
+from ._errors import UntrustedRootError as UntrustedRootError
 
 if TYPE_CHECKING:  # what mypy and readers see; at run time __getattr__ imports on first use
     from . import kit as kit

@@ -116,6 +116,14 @@ class TierRootError(TierError):
     """A tier's root directory is not one bsr owns, or cannot be used as one (names the path)."""
 
 
+class UntrustedRootError(TierRootError):
+    """A FileTier root is on a filesystem whose ``flock`` may be local to each client (NFS,
+    FUSE such as sshfs, Lustre, CephFS...), so the processes sharing it on several nodes could
+    not keep it within its capacity together; ``fstype`` names the filesystem. Use a local
+    filesystem, or ``trust_locks=True`` when only one node opens the root or its locks are
+    coherent across clients."""
+
+
 # --------------------------------------------------------------------- lifecycle
 class IllegalTransitionError(BsrError, RuntimeError):
     """A trigger is not allowed in the request's current state (the state is left unchanged)."""

@@ -28,9 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from ..._check import is_int
-from ..._errors import TierRootError
+from ..._errors import TierRootError, UntrustedRootError
 from ...core._object import HEADER_SIZE, MAGIC, object_size
 from ...core._object import PAYLOAD_LEN_OFFSET as _PLEN_OFFSET
+from ._fstype import locks_untrusted, mount_type
 from ._readers import NotRegularFileError, file_kind, open_regular
 
 # ---------------------------------------------------------------------- on-disk layout
@@ -259,12 +260,15 @@ class StoreRoot:
         root: the root directory.
         tier: the tier's name (for errors).
         log: the tier's bound logger.
+        trust_locks: open a root on a filesystem whose flock may be local to each client
+            (:func:`_fstype.locks_untrusted`); else :meth:`open` refuses it.
     """
 
-    def __init__(self, root: Path, tier: str, log: Any) -> None:
+    def __init__(self, root: Path, tier: str, log: Any, *, trust_locks: bool = False) -> None:
         self.root = root
         self.tier = tier
         self.log = log
+        self.trust_locks = trust_locks
 
     def scan_tmp(self, dirs: Dirs, report: ScanReport, dead: Callable[[str], bool]) -> None:
         """Remove the temp files of dead writers (``dead(name)`` says which) from ``tmp/``.
@@ -305,6 +309,7 @@ class StoreRoot:
 
     def open(self) -> Dirs:
         root = self.root
+        self._check_locks()  # before anything is made there
         try:
             root.mkdir(parents=True, exist_ok=True)
             root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -331,6 +336,24 @@ class StoreRoot:
                 os.close(fd)
             raise
         return Dirs(root_fd, *fds)
+
+    def _check_locks(self) -> None:
+        """Refuse a root whose filesystem may keep flock local to each client (before anything
+        is written there), unless told to trust it."""
+        fstype = mount_type(self.root)
+        if self.trust_locks or not locks_untrusted(fstype):
+            return
+        raise UntrustedRootError(
+            f"{self.root}: is on a {fstype} filesystem, whose flock may be local to each "
+            "client: processes on several nodes sharing this root would each hold its lock at "
+            "once and together fill it past capacity_bytes; use a root on a local filesystem, "
+            "or pass trust_locks=True if only this node opens it (or its locks are coherent "
+            "across clients)",
+            tier=self.tier,
+            path=str(self.root),
+            fstype=fstype,
+            reason="untrusted_locks",
+        )
 
     def open_existing(self, refuse: type[TierRootError] = TierRootError) -> Dirs:
         """Open a root someone made, changing nothing (for ``bsr store``): the root must hold

@@ -171,6 +171,8 @@ class FileTierOptions(TierOptions):
     read_depth: int | None = option(Check.optional_positive_int, None)
     #: the longest one step waits for the root's lock (or for room held by writes in progress)
     lock_timeout_s: float = option(Check.non_negative_seconds, 2.0)
+    #: open a root on a filesystem whose flock may be local to each client (NFS, FUSE, ...)
+    trust_locks: bool = option(Check.flag, False)
 
     def build(self) -> Tier:
         return FileTier(**self.arguments())
@@ -222,6 +224,12 @@ class FileTier(IndexedTier):
             (a save then skips this tier, counted as ``SaveResult.skipped``), and ``open`` joins
             without the lock. Never held while waiting: a caller's cancel or deadline ends the
             wait at once. Reads never take the lock.
+        trust_locks: open a root on a filesystem whose ``flock`` may be local to each client
+            (NFS, CIFS, Lustre, CephFS, GPFS, any FUSE filesystem such as sshfs:
+            ``_fstype.NETWORK_TYPES``). By default such a root is refused with
+            :class:`~bsr.UntrustedRootError`, since nodes sharing it would each hold its lock
+            at once and fill it past ``capacity_bytes`` together. Set it when only this node
+            opens the root, or when its locks are known to be coherent across clients.
     """
 
     durable = True
@@ -245,7 +253,7 @@ class FileTier(IndexedTier):
         #: how the io_uring read depth was chosen (``calibrate_read_depth``); None: not io_uring
         self.read_calibration: dict[str, Any] | None = None
         self.fsync = o.fsync
-        self._store = StoreRoot(self.root, o.name, self._log)
+        self._store = StoreRoot(self.root, o.name, self._log, trust_locks=o.trust_locks)
         self._limiter = anyio.CapacityLimiter(o.io_threads)
         # reads are abandonable: io_threads of them stuck in the kernel and new ones fail fast
         self._reads = AbandonableCalls(
