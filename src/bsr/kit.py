@@ -298,7 +298,7 @@ class ConversationCache:
             history that turns (of any conversation) were admitted with at least this many
             times; 1 (default) saves every full chunk. A prefix seen once is not worth
             storing when nothing will ask for it again.
-        sightings: the sighting counter (default: a :class:`~bsr.SightingCounter` of 1 MiB),
+        sightings: the sighting counter (default: a :class:`~bsr.SightingCounter` of 2 MiB),
             e.g. one shared with another server loop.
 
     Where it runs: the server's event loop; turns of different conversations may run
