@@ -51,7 +51,7 @@ KEYED = (
     "unkeyable_requests",  # reason -> requests bsr could not key (neither loaded nor saved)
     "rejected_options",  # field -> requests whose kv_transfer_params["bsr"] was bad
     "hit_tokens_by_tier",  # tier -> promised tokens each tier holds (the lookup's probe)
-    "load_decisions",  # choice -> policy "cost" decisions (load, partial, recompute, unmeasured, probe)
+    "load_decisions",  # choice -> policy "cost" decisions (load, partial, recompute, ...)
     "cost_tokens",  # load / recompute -> tokens policy "cost" chose to load or to recompute
     "kv_events",  # stored / removed -> KV events published (chunks x tiers)
     "object_removals",  # cause -> objects that left an announced tier (rank 0)
