@@ -246,7 +246,8 @@ def calibrate(
         read_bytes_per_s: skip the read measurement and use this bandwidth.
         read_mib: MiB saved and restored by the read measurement.
         cache_dir: keep the rates in a file there (see :func:`calibration_key`) and reuse them
-            in later processes on the same machine; ``None``: in this process only.
+            in later processes on the same machine; ``None``: in this process only. Not used
+            with ``read_bytes_per_s`` (rates partly given are not the machine's to keep).
     """
     from ._arch import ModelAdapter
 
