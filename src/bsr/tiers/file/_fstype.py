@@ -20,12 +20,14 @@ from pathlib import Path
 __all__ = ("NETWORK_TYPES", "locks_untrusted", "mount_type", "parse_mountinfo")
 
 #: filesystem types whose flock is not known to be coherent across clients (every ``fuse.*``
-#: type too: FUSE keeps flock in the client's kernel unless the filesystem implements it)
+#: type too: FUSE keeps flock in the client's kernel unless the filesystem implements it).
+#: Shared-disk cluster filesystems whose lock manager makes flock cluster-wide (GFS2, OCFS2)
+#: are not in it.
 NETWORK_TYPES = frozenset(
     {
         "nfs", "nfs4", "cifs", "smb3", "smbfs", "9p", "ceph", "lustre", "gpfs", "glusterfs",
         "beegfs", "wekafs", "orangefs", "pvfs2", "afs", "ncpfs", "davfs", "fuse", "fuseblk",
-        "sshfs", "virtiofs", "ocfs2", "gfs2",
+        "sshfs", "virtiofs",
     }
 )  # fmt: skip
 
