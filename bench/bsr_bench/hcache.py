@@ -16,7 +16,9 @@ GPU) and each size (1K/4K/8K tokens; ``--quick``: 1K), the same run measures
   once), each saved and restored through a :class:`~bsr.RestoreEngine` and
   :class:`bsr.hcache.HCache`, round-robin; restored K/V are checked against the served ones
   within the dtype's tolerance;
-* the rebuild against its own GEMMs (one fused K/V matmul per layer alone, same shapes);
+* the rebuild against its own GEMMs (one fused K/V matmul per layer alone, same shapes), layer
+  by layer (``rebuild_vs_gemm``) and with each group's four layers together
+  (``rebuild_grouped_vs_gemm``, ``HCache(grouped_rebuild=True)``);
 * the decode-step overhead of capture hooks (steps with and without them, interleaved).
 
 Per point it reports ``rebuild_vs_gemm``, ``planner_regret`` (the chosen plan's measured time
@@ -250,10 +252,11 @@ def _rebuild_vs_gemm(model: Any, served: _Served, repeats: int) -> dict[str, Any
 
     GEMMs: one fused K/V projection matmul per layer (``[n, hidden] x [hidden, 2 kv_dim]``, into
     a preallocated output) on the same ``n`` tokens: what the rebuild cannot avoid. Rebuild:
-    :func:`bsr.hcache.rebuild_rows` from the hidden store (blocks in the served, shuffled
-    order, so the hidden rows are gathered) into a paged KV cache, RoPE table included.
+    ``HCache.rebuild`` of the all-hidden plan's groups from the hidden store (blocks in the
+    served, shuffled order, so the hidden rows are gathered) into a paged KV cache, RoPE table
+    included; layer by layer, and (interleaved, A B C A B C) each group's layers together.
     """
-    from bsr import PagedKVCache, hcache
+    from bsr import PagedKVCache
 
     hc = served.hc_all
     a = hc.adapter
@@ -269,24 +272,32 @@ def _rebuild_vs_gemm(model: Any, served: _Served, repeats: int) -> dict[str, Any
             torch.mm(x, w.t(), out=out)
         _sync(a.device)
 
-    def rebuild() -> None:
-        rope = a.rope(0, n)
-        hcache.rebuild_rows(a, served.store, "hidden", range(_layers(model)), dst, ids, n, rope)
+    view = hc.save_view(dst, served.store)  # the plan's hidden groups (4 layers each)
+
+    def rebuild(grouped: bool = False) -> None:
+        hc.grouped = grouped  # layer by layer, or each group's layers together
+        hc.rebuild(view, dst, ids, n, rope=a.rope(0, n))
         _sync(a.device)
 
     gemm()
     rebuild()
-    g, r = [], []
+    rebuild(True)
+    g, r, rg = [], [], []
     for _ in range(repeats):
         g += _timed(gemm, 1)
         r += _timed(rebuild, 1)
+        rg += _timed(lambda: rebuild(True), 1)
     return {
         "gemm_s": _dist(g),
         "rebuild_s": _dist(r),
+        "rebuild_grouped_s": _dist(rg),
         # each rebuild against the GEMMs timed just before it: drift and load cancel
         "ratio": _median([b / a for a, b in zip(g, r)]),
         "ratio_of_mins": min(r) / min(g),
+        # each group's layers (four) rebuilt together: one batched GEMM per group and piece
+        "grouped_ratio": _median([b / a for a, b in zip(g, rg)]),
     }
+    hc.grouped = False
 
 
 def _sync(device: Any) -> None:
@@ -527,6 +538,7 @@ def _point(
     point.update(point["tiers"]["file"])  # the disk tier's figures, also at the top level
     point["rebuild_gemm"] = _rebuild_vs_gemm(model, served, 7 if quick else 9)
     point["rebuild_vs_gemm"] = point["rebuild_gemm"]["ratio"]
+    point["rebuild_grouped_vs_gemm"] = point["rebuild_gemm"]["grouped_ratio"]
     point["planner_regret"] = max(t["planner_regret"] for t in point["tiers"].values())
     return point
 

@@ -591,6 +591,7 @@ def figures_of(step: str, doc: Any) -> dict[str, Any]:
                 if r and t:
                     out[f"{tag}_recompute_vs_{k}"] = r / t
             out[f"{tag}_rebuild_vs_gemm"] = p.get("rebuild_vs_gemm")
+            out[f"{tag}_rebuild_grouped_vs_gemm"] = p.get("rebuild_grouped_vs_gemm")
             out[f"{tag}_planner_regret"] = p.get("planner_regret")
     return {k: v for k, v in out.items() if v is not None}
 

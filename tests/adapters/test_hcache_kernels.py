@@ -123,3 +123,51 @@ def test_rebuilt_rows_are_the_modules_projection(kind: str, order: str) -> None:
         got = dst.typed("kv")[layer][ids[t // BT], t % BT]
         err = ((got - want).abs().max() / want.abs().max()).item()
         assert err < 1e-5, (layer, err)
+
+
+@pytest.mark.parametrize("planes", [False, True], ids=["rows", "planes"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])  # qwen2: a bias on K and V
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_grouped_rebuild_is_the_per_layer_one_in_fewer_kernels(
+    kind: str, dtype: torch.dtype, planes: bool
+) -> None:
+    """``grouped=True``: one batched GEMM and one set of elementwise kernels for the layers of
+    a group, per piece; the same rows as the per-layer rebuild (to the dtype's rounding)."""
+    model = build(kind, layers=LAYERS, kv_heads=2).to(dtype)
+    a = hcache.ModelAdapter(model)
+    blocks = 24
+    ids = _shuffled(blocks)
+    src, _ = _caches(a, blocks)
+    n = blocks * BT
+    rope = a.rope(0, n)
+    s = a.shape
+    shape = (blocks, 2, BT, s.kv_dim) if planes else (blocks, BT, 2 * s.kv_dim)
+    got = {}
+    for grouped in (False, True):
+        mine = [torch.zeros(shape, dtype=dtype) for _ in range(LAYERS)]
+        dst = PagedKVCache.from_layer_tensors(_caches(a, blocks)[1].layout, {"kv": mine}, BT)
+        with _Ops() as seen:
+            hcache.rebuild_rows(
+                a, src, "h", range(LAYERS), dst, ids, n, rope, planes=planes, grouped=grouped,
+                piece_tokens=8 * BT,
+            )  # fmt: skip
+        got[grouped] = (mine, seen.ops)
+    (per_layer, ops1), (grouped_rows, ops2) = got[False], got[True]
+    for a_, b_ in zip(per_layer, grouped_rows):
+        err = ((a_.float() - b_.float()).abs().max() / a_.float().abs().max()).item()
+        assert err <= (1e-6 if dtype == torch.float32 else 1e-2), err
+    pieces = 3
+    assert ops1["mm"] == LAYERS * pieces and ops2["bmm"] == pieces and ops2["mm"] == 0
+    assert ops2["index_copy_"] == ops1["index_copy_"] == LAYERS * pieces
+    assert ops2["linalg_vector_norm"] == pieces  # one norm pass for the group, per piece
+    k1 = sum(v for k, v in ops1.items() if k not in VIEWS)
+    k2 = sum(v for k, v in ops2.items() if k not in VIEWS)
+    assert k2 <= k1 // 2, (k1, k2)
+
+
+def test_a_group_that_cannot_go_together_is_rebuilt_layer_by_layer() -> None:
+    model = build("qwen3", layers=LAYERS, kv_heads=2)  # key norms: the module-by-module path
+    a = hcache.ModelAdapter(model)
+    assert not a.groupable(range(LAYERS), a.rope(0, 8))
+    seen, *_ = _rebuild(model, 8, _shuffled(8), grouped=True)
+    assert seen.ops["bmm"] == 0 and seen.ops["mm"] == LAYERS

@@ -428,3 +428,43 @@ def test_an_unknown_kv_block_layout_is_refused() -> None:
     model = build("llama", layers=4, kv_heads=2)
     with pytest.raises(bsr.ConfigError, match="kv_block_layout must be 'rows'"):
         hcache.HCache(model, hcache.fixed_plan(model.config, ["kv"] * 4), kv_block_layout="heads")
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+@pytest.mark.parametrize("layout", ["rows", "planes"])
+@pytest.mark.anyio
+async def test_a_grouped_rebuild_restores_what_was_served(
+    layout: str, kv_heads: int, tmp_path: Path
+) -> None:
+    """``grouped_rebuild=True``: the four hidden-state layers of one group rebuilt together,
+    chunk by chunk as they land, equal the served K/V."""
+    model = build("llama", layers=4, kv_heads=kv_heads)
+    served = Served(model, ["hidden"] * 4)
+    kd = served.hc.adapter.shape.kv_dim
+    plan = hcache.fixed_plan(model.config, ["hidden"] * 4)  # one group of 4 layers
+    hc = hcache.HCache(
+        model, plan, chunk_tokens=CHUNK, kv_block_layout=layout, grouped_rebuild=True
+    )
+    assert hc.plan.hidden_groups[0][1] == (0, 1, 2, 3)
+    if layout == "planes":
+        src_t, want = _planes(served.kv, kd), _planes(served.kv, kd)
+        mine = [torch.zeros(NUM_BLOCKS, 2, BLOCK, kd) for _ in range(4)]
+    else:
+        src_t = list(served.kv.tensor("kv").unbind(0))
+        want = [t.view(NUM_BLOCKS, BLOCK, 2 * kd) for t in served.kv.typed("kv").unbind(0)]
+        mine = [torch.zeros(NUM_BLOCKS, BLOCK, 2 * kd) for _ in range(4)]
+    src = bsr.PagedKVCache.from_layer_tensors(hc.kv_layout, {"kv": src_t}, BLOCK)
+    dst = bsr.PagedKVCache.from_layer_tensors(hc.kv_layout, {"kv": mine}, BLOCK)
+    engine = make_engine(
+        hc.layout, [bsr.FileTier(tmp_path, 1 << 26)], window=2, io_depth=2,
+        namespace=hc.namespace("hcache-grouped"),
+    )  # fmt: skip
+    async with engine:
+        await hc.save(engine, served.toks[0, :PREFIX], src, served.store, served.src_ids)
+        res = await hc.restore(engine, served.toks[0, :PROMPT], dst, served.dst_ids)
+    assert res.committed_tokens == PREFIX and res.reason is None
+    blocks = PREFIX // BLOCK
+    for layer in range(4):
+        a = want[layer][served.src_ids[:blocks]]
+        b = mine[layer][served.dst_ids[:blocks]]
+        assert torch.allclose(a, b, atol=1e-5, rtol=0), (layer, (a - b).abs().max())

@@ -17,7 +17,7 @@ also compares the numbers.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -284,6 +284,7 @@ class ModelAdapter:
         self.layers: Any = layers
         self.rotary: Any = rotary
         self._proj: list[_LayerProj] = [self._layer(i) for i in range(self.shape.num_layers)]
+        self._stacks: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor | None]] = {}
         param = next(model.parameters())
         self.device = param.device
         self.dtype = param.dtype
@@ -426,6 +427,66 @@ class ModelAdapter:
         x.mul_(c).addcmul_(y, sn, value=-1)  # x c - y s
         y.mul_(c).add_(xs)  # y c + x s
         return rows
+
+    def groupable(self, layers: Sequence[int], rope: RopeTable) -> bool:
+        """Whether ``layers`` can be projected together (:meth:`project_group_into`): all on
+        the fast path, with one norm epsilon and all or none with a bias."""
+        ps = [self._proj[i] for i in layers]
+        return (
+            len(ps) > 1
+            and all(self.fast(i, rope) for i in layers)
+            and len({p.eps for p in ps}) == 1
+            and len({p.bias is None for p in ps}) == 1
+        )
+
+    def _stacked(self, layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``[G, hidden, 2 kv_dim]`` fused weights (transposed) of ``layers``, and their
+        ``[G, 1, 2 kv_dim]`` biases; made once per group of layers."""
+        got = self._stacks.get(layers)
+        if got is None:
+            ps = [self._proj[i] for i in layers]
+            wt = torch.stack([p.wkv.t() for p in ps if p.wkv is not None]).contiguous()
+            bias = None
+            if ps[0].bias is not None:
+                bias = torch.stack([p.bias for p in ps if p.bias is not None]).unsqueeze(1)
+            got = self._stacks[layers] = (wt, bias)
+        return got
+
+    def project_group_into(
+        self,
+        layers: Sequence[int],
+        h: torch.Tensor,
+        rope: RopeTable,
+        out: torch.Tensor,
+        tmp: torch.Tensor,
+    ) -> torch.Tensor:
+        """:meth:`project_into` of several layers at once (:meth:`groupable` ones): ``h`` is
+        ``[G, m, hidden]``, ``out`` a contiguous ``[G, m, 2 kv_dim]`` buffer, ``tmp`` at least
+        ``G x m x kv_dim / 2`` values. One batched GEMM and the same elementwise operations on
+        ``[G, m, ...]`` views: the kernels of one layer for the whole group. Returns ``out``.
+        """
+        s = self.shape
+        g, m = h.shape[0], h.shape[1]
+        wt, bias = self._stacked(tuple(layers))
+        torch.bmm(h, wt, out=out)
+        ss = torch.linalg.vector_norm(h, dim=-1, keepdim=True, dtype=torch.float32)  # [G, m, 1]
+        eps = self._proj[layers[0]].eps
+        r = torch.rsqrt(ss.square_().div_(s.hidden).add_(eps)).to(out.dtype)
+        half = s.head_dim // 2
+        c = rope.cos[:, :half].unsqueeze(1)  # [m, 1, half]
+        sn = rope.sin[:, :half].unsqueeze(1)
+        if bias is not None:
+            out.mul_(r).add_(bias)
+        else:
+            out[..., s.kv_dim :].mul_(r)
+            r4 = r.unsqueeze(-1)  # [G, m, 1, 1]
+            c, sn = c * r4, sn * r4
+        k = out[..., : s.kv_dim].view(g, m, s.kv_heads, 2, half)
+        x, y = k[..., 0, :], k[..., 1, :]
+        xs = torch.mul(x, sn, out=tmp[: g * m * s.kv_heads * half].view(g, m, s.kv_heads, half))
+        x.mul_(c).addcmul_(y, sn, value=-1)
+        y.mul_(c).add_(xs)
+        return out
 
     def project(self, layer: int, h: torch.Tensor, rope: RopeTable) -> torch.Tensor:
         """Cache rows ``[n, 2 kv_dim]`` (``[K | V]``) of ``layer`` from its input hidden states.

@@ -105,6 +105,10 @@ class HCache:
             (each token's ``[K | V]`` row, :mod:`bsr.hf`'s layout, the default) or ``"planes"``
             (the block's K rows, then its V rows: ``[2, block_tokens, kv_heads x head_dim]``,
             vLLM's per-layer layout). Only the rebuild reads it; KV layers are moved as bytes.
+        grouped_rebuild: rebuild the layers of a hidden-state group together (one batched GEMM
+            and one set of elementwise kernels per piece instead of one per layer; see
+            :func:`~bsr.hcache.rebuild_rows`). Off by default: ``bsr bench --hcache`` reports
+            both (``rebuild_vs_gemm``, ``rebuild_grouped_vs_gemm``) for a device to choose.
 
     Raises:
         UnsupportedModelError: the plan uses hidden-state layers and the model is refused.
@@ -119,6 +123,7 @@ class HCache:
         check: bool = True,
         pipeline: bool = True,
         kv_block_layout: str = "rows",
+        grouped_rebuild: bool = False,
     ) -> None:
         if not isinstance(plan, LayerPlan):
             raise ConfigError("plan must be a bsr.hcache.LayerPlan (see plan_layers)")
@@ -128,6 +133,7 @@ class HCache:
                 f"{kv_block_layout!r}"
             )
         self.planes = kv_block_layout == "planes"
+        self.grouped = bool(grouped_rebuild)
         self.model = model
         self.plan = plan
         self.pipeline = bool(pipeline)
@@ -367,7 +373,7 @@ class HCache:
         for name, layers in self.plan.hidden_groups:
             rebuild_rows(
                 self.adapter, view, name, layers, kv_cache, ids, n, table,
-                start=start, planes=self.planes,
+                start=start, planes=self.planes, grouped=self.grouped,
             )  # fmt: skip
 
     async def restore(

@@ -180,6 +180,7 @@ def rebuild_rows(
     piece_tokens: int | None = None,
     start: int = 0,
     planes: bool = False,
+    grouped: bool = False,
 ) -> None:
     """Project the hidden states of ``group`` (model layers ``layers``) into ``dst``'s K/V rows.
 
@@ -202,6 +203,10 @@ def rebuild_rows(
         planes: the destination's blocks hold their tokens' K rows, then their V rows
             (``[2, block_tokens, kv_dim]``: vLLM's per-layer layout) instead of each token's
             ``[K | V]`` row (:mod:`bsr.hf`'s); still one ``index_copy_`` per layer and piece.
+        grouped: project every layer of ``layers`` at once where they allow it
+            (:meth:`ModelAdapter.groupable`): per piece one gather and one copy per layer, one
+            batched GEMM and one set of elementwise kernels for the group (fewer launches on a
+            GPU; pieces shrink so the group's buffers stay within :data:`PIECE_BYTES`).
     """
     bt = src.block_tokens
     if start % bt:
@@ -211,41 +216,73 @@ def rebuild_rows(
     g, og = src.layout.group(group), dst.layout.group(dst_group)
     hid = [t.view(g.torch_dtype) for t in src.layers(group)]  # stacked or per-layer caches
     out = [t.view(og.torch_dtype) for t in dst.layers(dst_group)]
-    hidden, row, kd = adapter.shape.hidden, adapter.row_elems, adapter.shape.kv_dim
+    hidden = adapter.shape.hidden
     full, first = num_tokens // bt, start // bt
+    together = len(layers) if grouped and adapter.groupable(layers, rope) else 1
     if piece_tokens is None:
-        piece_tokens = PIECE_BYTES // (hidden * adapter.dtype.itemsize)
+        piece_tokens = PIECE_BYTES // (hidden * adapter.dtype.itemsize * together)
     per = max(1, piece_tokens // bt)
     m = max(1, min(full - first, per)) * bt
-    bufs = _Buffers(adapter, m, src.device)
+    bufs = _Buffers(adapter, m * together, src.device)
     pieces = [  # block range, its ids where the hidden rows and the K/V live, its run start
         (b0, min(full, b0 + per), *_piece_ids(ids[b0 : min(full, b0 + per)], src, dst))
         for b0 in range(first, full, per)
     ]
+    land = _Landing(adapter, [out[layer] for layer in layers], bt, planes, dst.device)
     with torch.no_grad():
+        for b0, b1, sidx, didx, _run in pieces if together > 1 else ():
+            h = bufs.group_rows(hid[: len(layers)], sidx, b1 - b0)
+            rows = bufs.rows[: h.numel() // hidden * adapter.row_elems].view(*h.shape[:2], -1)
+            adapter.project_group_into(layers, h, rope[b0 * bt : b1 * bt], rows, bufs.tmp)
+            for j in range(len(layers)):
+                land.blocks(j, didx, rows[j])
         for j, layer in enumerate(layers):
-            src_l, dst_l = hid[j], out[layer]
-            # a block as the rows land in it: [bt, K | V] or [K, V planes] x [bt, kv_dim]
-            blocks_view = dst_l.view(dst_l.shape[0], 2, bt, kd) if planes else None
-            rows_view = dst_l.view(dst_l.shape[0], bt, row)
-            for b0, b1, sidx, didx, run in pieces:
-                h = bufs.hidden_rows(src_l, sidx, run, b1 - b0)
+            for b0, b1, sidx, didx, run in pieces if together == 1 else ():
+                h = bufs.hidden_rows(hid[j], sidx, run, b1 - b0)
                 rows = adapter.project_into(layer, h, rope[b0 * bt : b1 * bt], bufs.rows, bufs.tmp)
-                rows = rows.view(b1 - b0, bt, row).to(dst.device)
-                if blocks_view is not None:
-                    landed = rows.view(b1 - b0, bt, 2, kd).transpose(1, 2)
-                    blocks_view.index_copy_(0, didx, landed)
-                else:
-                    rows_view.index_copy_(0, didx, rows)
+                land.blocks(j, didx, rows)
             if full * bt < num_tokens:  # full * bt >= start: start is block-aligned
                 blocks, r = token_rows(src, ids, full * bt, num_tokens)
-                h = src_l[blocks, r].to(adapter.device)
-                rows = adapter.project(layer, h, rope[full * bt : num_tokens]).to(dst.device)
-                at = blocks.to(dst.device), r.to(dst.device)
-                if blocks_view is not None:
-                    blocks_view[at[0], :, at[1]] = rows.view(-1, 2, kd)
-                else:
-                    rows_view[at] = rows
+                h = hid[j][blocks, r].to(adapter.device)
+                land.tokens(j, blocks, r, adapter.project(layer, h, rope[full * bt : num_tokens]))
+
+
+class _Landing:
+    """Where projected rows go: each layer's blocks, as ``[block, K | V]`` token rows or as K
+    and V planes (``[block, 2, block_tokens, kv_dim]``: vLLM's per-layer layout)."""
+
+    def __init__(
+        self,
+        adapter: ModelAdapter,
+        out: list[torch.Tensor],
+        bt: int,
+        planes: bool,
+        device: torch.device,
+    ) -> None:
+        self.bt, self.kd, self.row = bt, adapter.shape.kv_dim, adapter.row_elems
+        self.device = device
+        self.rows = [t.view(t.shape[0], bt, self.row) for t in out]
+        self.planes = [t.view(t.shape[0], 2, bt, self.kd) for t in out] if planes else None
+
+    def blocks(self, j: int, didx: torch.Tensor, rows: torch.Tensor) -> None:
+        """One ``index_copy_`` of whole blocks' rows ``[n x block_tokens, 2 kv_dim]``."""
+        nblk = didx.numel()
+        rows = rows.reshape(nblk, self.bt, self.row).to(self.device)
+        if self.planes is not None:
+            self.planes[j].index_copy_(
+                0, didx, rows.view(nblk, self.bt, 2, self.kd).transpose(1, 2)
+            )
+        else:
+            self.rows[j].index_copy_(0, didx, rows)
+
+    def tokens(self, j: int, blocks: torch.Tensor, r: torch.Tensor, rows: torch.Tensor) -> None:
+        """Rows of single tokens (a trailing partial block)."""
+        at = blocks.to(self.device), r.to(self.device)
+        rows = rows.to(self.device)
+        if self.planes is not None:
+            self.planes[j][at[0], :, at[1]] = rows.view(-1, 2, self.kd)
+        else:
+            self.rows[j][at] = rows
 
 
 def _piece_ids(
@@ -267,6 +304,21 @@ class _Buffers:
         self.dev = dev
         self.src_device = src_device
         self.gathered: torch.Tensor | None = None
+
+    def group_rows(self, hid: list[torch.Tensor], sidx: torch.Tensor, nblk: int) -> torch.Tensor:
+        """The ``[G, nblk x block_tokens, hidden]`` input rows of a piece for every layer of a
+        group, gathered into the buffer (one ``index_select`` per layer)."""
+        per_block = hid[0][0].numel()
+        need = len(hid) * nblk * per_block
+        if self.gathered is None:
+            self.gathered = torch.empty(
+                self.m * self.hidden, dtype=hid[0].dtype, device=self.src_device
+            )
+        flat = self.gathered[:need]
+        for j, src_l in enumerate(hid):
+            into = flat[j * nblk * per_block : (j + 1) * nblk * per_block]
+            torch.index_select(src_l, 0, sidx, out=into.view((nblk, *src_l.shape[1:])))
+        return flat.view(len(hid), -1, self.hidden).to(self.dev)
 
     def hidden_rows(
         self, src_l: torch.Tensor, sidx: torch.Tensor, run: int | None, nblk: int
