@@ -106,6 +106,7 @@ def test_a_root_on_sshfs_is_refused_before_anything_is_made(
     async def main() -> None:
         with pytest.raises(bsr.UntrustedRootError, match="trust_locks=True") as info:
             await tier.open()
+        await tier.aclose()
         assert isinstance(info.value, bsr.TierRootError)
         assert info.value.fstype == "fuse.sshfs" and info.value.reason == "untrusted_locks"
 
