@@ -689,24 +689,25 @@ def _row(p: dict[str, Any]) -> str:
     return "\n".join(_rows(p))
 
 
+def _each_tier(doc: dict[str, Any], figure: Callable[[dict[str, Any]], str]) -> str:
+    """``model tokens tier: figure`` of every point and tier, comma-separated."""
+    return ", ".join(
+        f"{p['model']} {p['tokens']} {tier}: {figure(t)}"
+        for p in doc["results"]
+        for tier, t in p["tiers"].items()
+    )
+
+
 def table(doc: dict[str, Any]) -> str:
     """The printed summary of a document."""
     lines = [HEADER] + [row for p in doc["results"] for row in _rows(p)]
     lines.append(
         "compute/IO in this run (HCache rebuild s / its read s): "
-        + ", ".join(
-            f"{p['model']} {p['tokens']} {tier}: {t['compute_to_io']:.2f}"
-            for p in doc["results"]
-            for tier, t in p["tiers"].items()
-        )
+        + _each_tier(doc, lambda t: f"{t['compute_to_io']:.2f}")
     )
     lines.append(
         "HCache projection overlapped with the reads (sequential s / pipelined s, medians): "
-        + ", ".join(
-            f"{p['model']} {p['tokens']} {tier}: {t['pipelining']['sequential_vs_pipelined']:.2f}x"
-            for p in doc["results"]
-            for tier, t in p["tiers"].items()
-        )
+        + _each_tier(doc, lambda t: f"{t['pipelining']['sequential_vs_pipelined']:.2f}x")
     )
     lines.append(
         f"paper (A100, 4 NVMe): up to {PAPER_VS_RECOMPUTE}x vs recompute, {PAPER_VS_KV}x vs KV "

@@ -385,6 +385,33 @@ def _planes(rows: bsr.PagedKVCache, kd: int) -> list[torch.Tensor]:
     return [typed[i].view(nb, bt, 2, kd).transpose(1, 2).contiguous() for i in range(layers)]
 
 
+async def _restore_layers(
+    hc: hcache.HCache,
+    served: Served,
+    root: Path,
+    src: list[torch.Tensor],
+    mine: list[torch.Tensor],
+    want: list[torch.Tensor],
+) -> None:
+    """Save from per-layer tensors ``src`` (the engine's own), restore into ``mine`` and check
+    every layer's restored blocks, read from ``mine`` directly, against ``want``."""
+    src_cache = bsr.PagedKVCache.from_layer_tensors(hc.kv_layout, {"kv": src}, BLOCK)
+    dst = bsr.PagedKVCache.from_layer_tensors(hc.kv_layout, {"kv": mine}, BLOCK)
+    engine = make_engine(
+        hc.layout, [bsr.FileTier(root, 1 << 26)], window=2, io_depth=2,
+        namespace=hc.namespace("hcache-layers"),
+    )  # fmt: skip
+    async with engine:
+        await hc.save(engine, served.toks[0, :PREFIX], src_cache, served.store, served.src_ids)
+        res = await hc.restore(engine, served.toks[0, :PROMPT], dst, served.dst_ids)
+    assert res.committed_tokens == PREFIX and res.reason is None
+    blocks = PREFIX // BLOCK
+    for layer in range(len(mine)):
+        a = want[layer][served.src_ids[:blocks]]
+        b = mine[layer][served.dst_ids[:blocks]]
+        assert torch.allclose(a, b, atol=1e-5, rtol=0), (layer, (a - b).abs().max())
+
+
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
 @pytest.mark.parametrize("plan", ["hidden", "recompute+hidden+kv"])
 @pytest.mark.anyio
@@ -402,23 +429,10 @@ async def test_restore_into_vllms_per_layer_planes(
         chunk_tokens=CHUNK,
         kv_block_layout="planes",
     )
-    src = bsr.PagedKVCache.from_layer_tensors(hc.kv_layout, {"kv": _planes(served.kv, kd)}, BLOCK)
     mine = [torch.zeros(NUM_BLOCKS, 2, BLOCK, kd) for _ in range(4)]
-    dst = bsr.PagedKVCache.from_layer_tensors(hc.kv_layout, {"kv": mine}, BLOCK)
-    engine = make_engine(
-        hc.layout, [bsr.FileTier(tmp_path, 1 << 26)], window=2, io_depth=2,
-        namespace=hc.namespace("hcache-planes"),
-    )  # fmt: skip
-    async with engine:
-        await hc.save(engine, served.toks[0, :PREFIX], src, served.store, served.src_ids)
-        res = await hc.restore(engine, served.toks[0, :PROMPT], dst, served.dst_ids)
-    assert res.committed_tokens == PREFIX and res.reason is None
-    want = _planes(served.kv, kd)
-    blocks = PREFIX // BLOCK
-    for layer in range(4):
-        a = want[layer][served.src_ids[:blocks]]
-        b = mine[layer][served.dst_ids[:blocks]]  # the engine's own tensors, read directly
-        assert torch.allclose(a, b, atol=1e-5, rtol=0), (layer, (a - b).abs().max())
+    await _restore_layers(
+        hc, served, tmp_path, _planes(served.kv, kd), mine, _planes(served.kv, kd)
+    )
     # the rows layout would have put V rows where K rows belong: the planes are not a no-op
     rows_hc = served.hc
     assert not rows_hc.planes and hc.planes
@@ -453,18 +467,4 @@ async def test_a_grouped_rebuild_restores_what_was_served(
         src_t = list(served.kv.tensor("kv").unbind(0))
         want = [t.view(NUM_BLOCKS, BLOCK, 2 * kd) for t in served.kv.typed("kv").unbind(0)]
         mine = [torch.zeros(NUM_BLOCKS, BLOCK, 2 * kd) for _ in range(4)]
-    src = bsr.PagedKVCache.from_layer_tensors(hc.kv_layout, {"kv": src_t}, BLOCK)
-    dst = bsr.PagedKVCache.from_layer_tensors(hc.kv_layout, {"kv": mine}, BLOCK)
-    engine = make_engine(
-        hc.layout, [bsr.FileTier(tmp_path, 1 << 26)], window=2, io_depth=2,
-        namespace=hc.namespace("hcache-grouped"),
-    )  # fmt: skip
-    async with engine:
-        await hc.save(engine, served.toks[0, :PREFIX], src, served.store, served.src_ids)
-        res = await hc.restore(engine, served.toks[0, :PROMPT], dst, served.dst_ids)
-    assert res.committed_tokens == PREFIX and res.reason is None
-    blocks = PREFIX // BLOCK
-    for layer in range(4):
-        a = want[layer][served.src_ids[:blocks]]
-        b = mine[layer][served.dst_ids[:blocks]]
-        assert torch.allclose(a, b, atol=1e-5, rtol=0), (layer, (a - b).abs().max())
+    await _restore_layers(hc, served, tmp_path, src_t, mine, want)

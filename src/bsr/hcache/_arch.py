@@ -405,28 +405,8 @@ class ModelAdapter:
             rows.copy_(self._project_modules(layer, h, rope))
             return rows
         assert p.wkv is not None
-        s = self.shape
         torch.mm(h, p.wkv.t(), out=rows)
-        ss = torch.linalg.vector_norm(h, dim=-1, keepdim=True, dtype=torch.float32)
-        r = torch.rsqrt(ss.square_().div_(s.hidden).add_(p.eps)).to(rows.dtype)  # [m, 1]
-        half = s.head_dim // 2
-        c = rope.cos[:, :half].unsqueeze(1)  # [m, 1, half]
-        sn = rope.sin[:, :half].unsqueeze(1)
-        if p.bias is not None:
-            rows.mul_(r).add_(p.bias)
-        else:  # K's row scale rides on the rotation's factors (m x half values, not m x kv_dim)
-            rows[:, s.kv_dim :].mul_(r)
-            r3 = r.unsqueeze(-1)
-            c, sn = c * r3, sn * r3
-        k = rows[:, : s.kv_dim].view(m, s.kv_heads, 2, half)
-        x, y = k[:, :, 0], k[:, :, 1]
-        n_half = m * s.kv_heads * half
-        if tmp is None or tmp.numel() < n_half:
-            tmp = rows.new_empty(n_half)
-        xs = torch.mul(x, sn, out=tmp[:n_half].view(m, s.kv_heads, half))  # x s, before x moves
-        x.mul_(c).addcmul_(y, sn, value=-1)  # x c - y s
-        y.mul_(c).add_(xs)  # y c + x s
-        return rows
+        return self._scale_and_rotate(rows, h, rope, p.eps, p.bias, tmp)
 
     def groupable(self, layers: Sequence[int], rope: RopeTable) -> bool:
         """Whether ``layers`` can be projected together (:meth:`project_group_into`): all on
@@ -465,28 +445,45 @@ class ModelAdapter:
         ``G x m x kv_dim / 2`` values. One batched GEMM and the same elementwise operations on
         ``[G, m, ...]`` views: the kernels of one layer for the whole group. Returns ``out``.
         """
-        s = self.shape
-        g, m = h.shape[0], h.shape[1]
         wt, bias = self._stacked(tuple(layers))
         torch.bmm(h, wt, out=out)
-        ss = torch.linalg.vector_norm(h, dim=-1, keepdim=True, dtype=torch.float32)  # [G, m, 1]
-        eps = self._proj[layers[0]].eps
-        r = torch.rsqrt(ss.square_().div_(s.hidden).add_(eps)).to(out.dtype)
+        return self._scale_and_rotate(out, h, rope, self._proj[layers[0]].eps, bias, tmp)
+
+    def _scale_and_rotate(
+        self,
+        rows: torch.Tensor,
+        h: torch.Tensor,
+        rope: RopeTable,
+        eps: float,
+        bias: torch.Tensor | None,
+        tmp: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The fast path after its GEMM, on ``rows`` ``[..., m, 2 kv_dim]`` (one layer, or a
+        group's ``[G, m, ...]``) from ``h`` ``[..., m, hidden]``: the norm's row scale (for K
+        on RoPE's factors), the bias, then RoPE on the K half, five elementwise operations
+        whatever the shape. ``tmp``: at least ``rows.numel() / 4`` values, else allocated."""
+        s = self.shape
+        ss = torch.linalg.vector_norm(h, dim=-1, keepdim=True, dtype=torch.float32)
+        r = torch.rsqrt(ss.square_().div_(s.hidden).add_(eps)).to(rows.dtype)  # [..., m, 1]
         half = s.head_dim // 2
         c = rope.cos[:, :half].unsqueeze(1)  # [m, 1, half]
         sn = rope.sin[:, :half].unsqueeze(1)
         if bias is not None:
-            out.mul_(r).add_(bias)
-        else:
-            out[..., s.kv_dim :].mul_(r)
-            r4 = r.unsqueeze(-1)  # [G, m, 1, 1]
+            rows.mul_(r).add_(bias)
+        else:  # K's row scale rides on the rotation's factors (m x half values, not m x kv_dim)
+            rows[..., s.kv_dim :].mul_(r)
+            r4 = r.unsqueeze(-1)  # [..., m, 1, 1]
             c, sn = c * r4, sn * r4
-        k = out[..., : s.kv_dim].view(g, m, s.kv_heads, 2, half)
+        lead = rows.shape[:-1]
+        k = rows[..., : s.kv_dim].view(*lead, s.kv_heads, 2, half)
         x, y = k[..., 0, :], k[..., 1, :]
-        xs = torch.mul(x, sn, out=tmp[: g * m * s.kv_heads * half].view(g, m, s.kv_heads, half))
-        x.mul_(c).addcmul_(y, sn, value=-1)
-        y.mul_(c).add_(xs)
-        return out
+        n_half = rows.numel() // 4  # lead x kv_heads x half
+        if tmp is None or tmp.numel() < n_half:
+            tmp = rows.new_empty(n_half)
+        xs = torch.mul(x, sn, out=tmp[:n_half].view(*lead, s.kv_heads, half))  # x s, first
+        x.mul_(c).addcmul_(y, sn, value=-1)  # x c - y s
+        y.mul_(c).add_(xs)  # y c + x s
+        return rows
 
     def project(self, layer: int, h: torch.Tensor, rope: RopeTable) -> torch.Tensor:
         """Cache rows ``[n, 2 kv_dim]`` (``[K | V]``) of ``layer`` from its input hidden states.

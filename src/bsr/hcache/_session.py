@@ -46,7 +46,7 @@ from .. import (
 from .._errors import ConfigError, LayoutError, UnsupportedModelError
 from ._arch import ModelAdapter, RopeTable, dtype_name
 from ._plan import HIDDEN, KV, RECOMPUTE, LayerPlan
-from ._state import rebuild_rows, token_rows
+from ._state import KVLanding, rebuild_rows, token_rows
 from ._verify import CheckReport, check_model, compare_rows
 
 #: the hidden store's group
@@ -337,7 +337,8 @@ class HCache:
             if handle is not None:
                 handle.remove()
         blocks, rows = token_rows(kv_cache, ids, 0, num_tokens)
-        nb, bt, kd = kv_cache.num_blocks, kv_cache.block_tokens, s.kv_dim
+        typed = [kv[i].view(self.plan.dtype) for i in range(r)]
+        land = KVLanding(a, typed, kv_cache.block_tokens, self.planes, typed[0].device)
         for i in range(r):
             layer: Any = past.layers[i]
             k, v = layer.keys[0], layer.values[0]  # [kv_heads, n, head_dim]
@@ -348,11 +349,7 @@ class HCache:
                 ),
                 1,
             )
-            typed = kv[i].view(self.plan.dtype)
-            if self.planes:  # the block's K rows, then its V rows
-                typed.view(nb, 2, bt, kd)[blocks, :, rows] = data.view(-1, 2, kd).to(typed.device)
-            else:
-                typed.view(nb, bt, 2 * kd)[blocks, rows] = data.to(typed.device)
+            land.tokens(i, blocks, rows, data)
 
     def rebuild(
         self,

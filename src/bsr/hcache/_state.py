@@ -228,7 +228,7 @@ def rebuild_rows(
         (b0, min(full, b0 + per), *_piece_ids(ids[b0 : min(full, b0 + per)], src, dst))
         for b0 in range(first, full, per)
     ]
-    land = _Landing(adapter, [out[layer] for layer in layers], bt, planes, dst.device)
+    land = KVLanding(adapter, [out[layer] for layer in layers], bt, planes, dst.device)
     with torch.no_grad():
         for b0, b1, sidx, didx, _run in pieces if together > 1 else ():
             h = bufs.group_rows(hid[: len(layers)], sidx, b1 - b0)
@@ -247,7 +247,7 @@ def rebuild_rows(
                 land.tokens(j, blocks, r, adapter.project(layer, h, rope[full * bt : num_tokens]))
 
 
-class _Landing:
+class KVLanding:
     """Where projected rows go: each layer's blocks, as ``[block, K | V]`` token rows or as K
     and V planes (``[block, 2, block_tokens, kv_dim]``: vLLM's per-layer layout)."""
 
@@ -305,16 +305,17 @@ class _Buffers:
         self.src_device = src_device
         self.gathered: torch.Tensor | None = None
 
+    def _gather_buffer(self, dtype: torch.dtype) -> torch.Tensor:
+        """The gathered rows' buffer, made on first use (a piece of one run needs none)."""
+        if self.gathered is None:
+            self.gathered = torch.empty(self.m * self.hidden, dtype=dtype, device=self.src_device)
+        return self.gathered
+
     def group_rows(self, hid: list[torch.Tensor], sidx: torch.Tensor, nblk: int) -> torch.Tensor:
         """The ``[G, nblk x block_tokens, hidden]`` input rows of a piece for every layer of a
         group, gathered into the buffer (one ``index_select`` per layer)."""
         per_block = hid[0][0].numel()
-        need = len(hid) * nblk * per_block
-        if self.gathered is None:
-            self.gathered = torch.empty(
-                self.m * self.hidden, dtype=hid[0].dtype, device=self.src_device
-            )
-        flat = self.gathered[:need]
+        flat = self._gather_buffer(hid[0].dtype)[: len(hid) * nblk * per_block]
         for j, src_l in enumerate(hid):
             into = flat[j * nblk * per_block : (j + 1) * nblk * per_block]
             torch.index_select(src_l, 0, sidx, out=into.view((nblk, *src_l.shape[1:])))
@@ -328,12 +329,8 @@ class _Buffers:
         part = src_l[run : run + nblk] if run is not None else None
         if part is not None and part.is_contiguous() and self.src_device == self.dev:
             return part.view(-1, self.hidden)
-        if self.gathered is None:
-            self.gathered = torch.empty(
-                self.m * self.hidden, dtype=src_l.dtype, device=self.src_device
-            )
         per_block = src_l[0].numel()
-        into = self.gathered[: nblk * per_block].view((nblk, *src_l.shape[1:]))
+        into = self._gather_buffer(src_l.dtype)[: nblk * per_block].view((nblk, *src_l.shape[1:]))
         return torch.index_select(src_l, 0, sidx, out=into).view(-1, self.hidden).to(self.dev)
 
 
