@@ -119,9 +119,10 @@ class TierRootError(TierError):
 class UntrustedRootError(TierRootError):
     """A FileTier root is on a filesystem whose ``flock`` may be local to each client (NFS,
     FUSE such as sshfs, Lustre, CephFS...), so the processes sharing it on several nodes could
-    not keep it within its capacity together; ``fstype`` names the filesystem. Use a local
-    filesystem, or ``trust_locks=True`` when only one node opens the root or its locks are
-    coherent across clients."""
+    not keep it within its capacity together; ``fstype`` names the filesystem. Share it with
+    ``shared="network"`` and a node id per node, use a local filesystem, or pass
+    ``trust_locks=True`` when only one node opens the root or its locks are coherent across
+    clients."""
 
 
 # --------------------------------------------------------------------- lifecycle

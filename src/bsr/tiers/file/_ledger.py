@@ -881,41 +881,53 @@ class SharedSpace:
     def list_objects(self) -> list[tuple[int, str, int]]:
         """``(mtime_ns, object id, size)`` of every object file in ``objects/`` (no content
         check)."""
-        out = []
-        for sub_fd, name, oid in walk_objects(self.dirs.objects):
-            try:
-                st = os.stat(name, dir_fd=sub_fd, follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            if stat.S_ISREG(st.st_mode):
-                out.append((st.st_mtime_ns, oid, st.st_size))
-        return out
+        return list_objects(self.dirs)
 
     # ------------------------------------------------------------------ visibility
     def probe(self, oids: list[str]) -> list[int]:
-        """The size of each object's file if one that could be an object is there, else 0.
+        """For objects this process's index lacks (another process wrote them):
+        :func:`probe_sizes`."""
+        return probe_sizes(self.dirs, oids)
 
-        For objects this process's index lacks (another process wrote them): each file is
-        opened by directory descriptor like a read opens it (never following a link, never
-        blocking on a FIFO; one this process may not read is absent, as on open) and its size
-        checked; the read verifies the rest.
-        """
-        subs: dict[str, int] = {}
-        out = []
+
+def list_objects(dirs: Dirs) -> list[tuple[int, str, int]]:
+    """``(mtime_ns, object id, size)`` of every object file in ``objects/`` (no content
+    check)."""
+    out = []
+    for sub_fd, name, oid in walk_objects(dirs.objects):
         try:
-            for oid in oids:
-                sub = oid[:2]
-                if sub not in subs:
-                    try:
-                        subs[sub] = os.open(sub, DIR_FLAGS, dir_fd=self.dirs.objects)
-                    except OSError:
-                        subs[sub] = -1
-                out.append(_probe_one(oid + OBJECT_SUFFIX, subs[sub]) if subs[sub] >= 0 else 0)
-        finally:
-            for fd in subs.values():
-                if fd >= 0:
-                    os.close(fd)
-        return out
+            st = os.stat(name, dir_fd=sub_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            out.append((st.st_mtime_ns, oid, st.st_size))
+    return out
+
+
+def probe_sizes(dirs: Dirs, oids: list[str]) -> list[int]:
+    """The size of each object's file if one that could be an object is there, else 0.
+
+    Each file is opened by directory descriptor like a read opens it (never following a link,
+    never blocking on a FIFO; one this process may not read, or that the filesystem cannot
+    show now, ESTALE or EIO, is absent, as on open) and its size checked; the read verifies
+    the rest.
+    """
+    subs: dict[str, int] = {}
+    out = []
+    try:
+        for oid in oids:
+            sub = oid[:2]
+            if sub not in subs:
+                try:
+                    subs[sub] = os.open(sub, DIR_FLAGS, dir_fd=dirs.objects)
+                except OSError:
+                    subs[sub] = -1
+            out.append(_probe_one(oid + OBJECT_SUFFIX, subs[sub]) if subs[sub] >= 0 else 0)
+    finally:
+        for fd in subs.values():
+            if fd >= 0:
+                os.close(fd)
+    return out
 
 
 def _regular_size(name: str, sub_fd: int) -> int | None:

@@ -42,6 +42,8 @@ MARKER_KIND = "bsr.FileTier"
 MARKER_VERSION = 1
 #: the shared ledger (bytes and reservations; its exclusive flock is the root's mutex)
 LEDGER_NAME = ".bsr-ledger"
+#: the nodes' journals and locks of a root shared in network mode (``_network``)
+NODES_DIR = "nodes"
 OBJECTS_DIR = "objects"
 TMP_DIR = "tmp"
 QUARANTINE_DIR = "quarantine"
@@ -262,13 +264,25 @@ class StoreRoot:
         log: the tier's bound logger.
         trust_locks: open a root on a filesystem whose flock may be local to each client
             (:func:`_fstype.locks_untrusted`); else :meth:`open` refuses it.
+        network: the root is shared in network mode (``_network``: no lock is trusted, so
+            any filesystem will do); a root once used so (it holds ``nodes/``) is refused
+            otherwise.
     """
 
-    def __init__(self, root: Path, tier: str, log: Any, *, trust_locks: bool = False) -> None:
+    def __init__(
+        self,
+        root: Path,
+        tier: str,
+        log: Any,
+        *,
+        trust_locks: bool = False,
+        network: bool = False,
+    ) -> None:
         self.root = root
         self.tier = tier
         self.log = log
         self.trust_locks = trust_locks
+        self.network = network
 
     def scan_tmp(self, dirs: Dirs, report: ScanReport, dead: Callable[[str], bool]) -> None:
         """Remove the temp files of dead writers (``dead(name)`` says which) from ``tmp/``.
@@ -329,6 +343,8 @@ class StoreRoot:
                 self.claim(root_fd)
             except OSError as exc:  # e.g. listing the root failed
                 raise self._io_error(exc, self.root) from exc
+            if not self.network:
+                self._check_local(root_fd)
             for name in (OBJECTS_DIR, TMP_DIR, QUARANTINE_DIR):
                 fds.append(self._subdir(root_fd, name))
         except BaseException:
@@ -337,18 +353,36 @@ class StoreRoot:
             raise
         return Dirs(root_fd, *fds)
 
+    def _check_local(self, root_fd: int) -> None:
+        """Refuse a root nodes share in network mode: the local mode's ledger would not know
+        what they write, nor they its lock."""
+        try:
+            os.stat(NODES_DIR, dir_fd=root_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise self._io_error(exc, self.root) from exc
+        raise self.error(
+            f"is shared by nodes in network mode (it holds {NODES_DIR}/)",
+            "open it with shared='network' and this node's id, or use another directory",
+            reason="network_root",
+        )
+
     def _check_locks(self) -> None:
         """Refuse a root whose filesystem may keep flock local to each client (before anything
-        is written there), unless told to trust it."""
+        is written there), unless told to trust it or shared in network mode."""
+        if self.network:
+            return
         fstype = mount_type(self.root)
         if self.trust_locks or not locks_untrusted(fstype):
             return
         raise UntrustedRootError(
             f"{self.root}: is on a {fstype} filesystem, whose flock may be local to each "
             "client: processes on several nodes sharing this root would each hold its lock at "
-            "once and together fill it past capacity_bytes; use a root on a local filesystem, "
-            "or pass trust_locks=True if only this node opens it (or its locks are coherent "
-            "across clients)",
+            "once and together fill it past capacity_bytes; share it with "
+            "shared='network' and a node id per node (each node within its own share), use a "
+            "root on a local filesystem, or pass trust_locks=True if only this node opens it "
+            "(or its locks are coherent across clients)",
             tier=self.tier,
             path=str(self.root),
             fstype=fstype,

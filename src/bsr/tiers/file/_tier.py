@@ -60,10 +60,12 @@ from ..._check import Check, option
 from ..._errors import (
     ClosedError,
     ConfigError,
+    ObjectError,
     TierBusyError,
     TierIOError,
 )
 from ...core._keys import ChunkKey, ObjectKey, object_id
+from ...core._object import decode_object
 from .._abandon import AbandonableCalls
 from .._base import Medium, StorageHooks, Tier, TierStatistics, TierUsage
 from .._codec import ObjectCodec
@@ -73,11 +75,14 @@ from .._registry import TierOptions, takes_options
 from .._views import as_payload_view
 from .._watch import Removal
 from ._ledger import Pending, RootBusy, SharedSpace, ledger_error
+from ._network import NodeSpace, check_node
 from ._readers import (
+    NotRegularFileError,
     ObjectReader,
     UringReader,
     calibrate_depth,
     default_reader,
+    open_regular,
 )
 from ._reads import FileReads
 from ._root import (
@@ -107,6 +112,9 @@ from ._root import (
 from ._writes import FileWrites
 
 HEADER_SIZE = ObjectCodec.HEADER_SIZE
+#: a root's shared accounting: one node's processes under its lock, or nodes of a network
+#: filesystem each within its own share
+Space = SharedSpace | NodeSpace
 
 #: the on-disk layout, defined in _root and re-exported here
 __all__ = (
@@ -135,6 +143,14 @@ CALIBRATE_MIN_BYTES = 32 << 20
 
 
 READER_NAMES = ("auto", "uring", "posix", "kvikio")
+SHARED_MODES = ("local", "network")
+
+
+def _node_choice(value: Any, key: str) -> str | None:
+    return None if value is None else check_node(value, key)
+
+
+_node_choice.takes_string = True  # type: ignore[attr-defined]
 _reader_name = Check.one_of(*READER_NAMES)
 
 
@@ -173,6 +189,11 @@ class FileTierOptions(TierOptions):
     lock_timeout_s: float = option(Check.non_negative_seconds, 2.0)
     #: open a root on a filesystem whose flock may be local to each client (NFS, FUSE, ...)
     trust_locks: bool = option(Check.flag, False)
+    #: "local": processes of one node share the root under its lock; "network": nodes of a
+    #: network filesystem share it, each within its own share (``_network``)
+    shared: str = option(Check.one_of(*SHARED_MODES), "local")
+    #: this node's id (``shared="network"`` only)
+    node: str | None = option(_node_choice, None)
 
     def build(self) -> Tier:
         return FileTier(**self.arguments())
@@ -230,6 +251,15 @@ class FileTier(IndexedTier):
             :class:`~bsr.UntrustedRootError`, since nodes sharing it would each hold its lock
             at once and fill it past ``capacity_bytes`` together. Set it when only this node
             opens the root, or when its locks are known to be coherent across clients.
+        shared: how processes sharing the root coordinate. ``"local"`` (default): processes of
+            one node, through the root's lock and ledger; the whole root stays within
+            ``capacity_bytes``. ``"network"``: nodes of a network filesystem (NFS, Lustre,
+            CephFS, sshfs...), with no lock across nodes: each node keeps what it wrote within
+            ``capacity_bytes`` (its share of the root's budget) and evicts only that;
+            ``bsr store gc --budget`` collects what no node owns (see ``_network``). A root
+            once used in network mode is refused in local mode.
+        node: this node's id in network mode (required there, refused in local mode): letters,
+            digits, ``.``, ``_``, ``-``; every process sharing the root needs its own.
     """
 
     durable = True
@@ -239,6 +269,15 @@ class FileTier(IndexedTier):
     @takes_options(FileTierOptions)
     def __init__(self, options: FileTierOptions) -> None:
         o = self.options = options
+        if (o.shared == "network") != (o.node is not None):
+            raise ConfigError(
+                "node: shared='network' needs this node's id (node='<host>-<rank>'), and only "
+                "network mode takes one"
+                if o.node is None
+                else f"node: given ({o.node!r}) but shared={o.shared!r}; a node id is for "
+                "shared='network' (drop it, or set shared='network')",
+                key="node",
+            )
         super().__init__(o.name)
         self.lock_timeout_s = o.lock_timeout_s
         self._root_stuck = False  # a step gave up on the root's lock, none got it since
@@ -253,7 +292,9 @@ class FileTier(IndexedTier):
         #: how the io_uring read depth was chosen (``calibrate_read_depth``); None: not io_uring
         self.read_calibration: dict[str, Any] | None = None
         self.fsync = o.fsync
-        self._store = StoreRoot(self.root, o.name, self._log, trust_locks=o.trust_locks)
+        self._store = StoreRoot(
+            self.root, o.name, self._log, trust_locks=o.trust_locks, network=o.shared == "network"
+        )
         self._limiter = anyio.CapacityLimiter(o.io_threads)
         # reads are abandonable: io_threads of them stuck in the kernel and new ones fail fast
         self._reads = AbandonableCalls(
@@ -273,10 +314,10 @@ class FileTier(IndexedTier):
         # guards _dirs and _busy: worker threads touch them
         self._lock = threading.Lock()
         self._dirs: Dirs | None = None
-        self._space: SharedSpace | None = None  # the root's shared ledger (open while _dirs is)
+        self._space: Space | None = None  # the root's shared accounting (open while _dirs is)
         self._busy = 0  # worker calls using _dirs now (the descriptors close after the last)
         # closed by the last worker to leave after aclose()
-        self._closing: tuple[Dirs, SharedSpace | None] | None = None
+        self._closing: tuple[Dirs, Space | None] | None = None
 
     # ------------------------------------------------------------------ paths
     def _obj_path(self, oid: str) -> Path:
@@ -375,7 +416,7 @@ class FileTier(IndexedTier):
             TierBusyError: a process claiming the root (its first step, a short one) kept the
                 members' lock past ``lock_timeout_s``; nothing is held, a later open may work.
         """
-        opened: list[tuple[Dirs, SharedSpace]] = []
+        opened: list[tuple[Dirs, Space]] = []
         report = ScanReport()
         try:
             await anyio.to_thread.run_sync(self._start_sync, opened, limiter=self._limiter)
@@ -423,15 +464,21 @@ class FileTier(IndexedTier):
             self._dirs, self._space = opened[0]
         return report
 
-    def _start_sync(self, opened: list[tuple[Dirs, SharedSpace]]) -> None:
+    def _start_sync(self, opened: list[tuple[Dirs, Space]]) -> None:
         dirs = self._store.open()
         try:
-            opened.append((dirs, SharedSpace(self._store, dirs, self._index, self.capacity_bytes)))
+            node = self.options.node
+            space: Space = (
+                SharedSpace(self._store, dirs, self._index, self.capacity_bytes)
+                if node is None
+                else NodeSpace(self._store, dirs, self._index, self.capacity_bytes, node)
+            )
+            opened.append((dirs, space))
         except BaseException:
             dirs.close()
             raise
 
-    def _attach_unlocked(self, space: SharedSpace, report: ScanReport) -> None:
+    def _attach_unlocked(self, space: Space, report: ScanReport) -> None:
         try:
             space.attach_unlocked(report)
         except RootBusy:
@@ -446,7 +493,7 @@ class FileTier(IndexedTier):
                 path=str(self.root),
             ) from None
 
-    async def _recount(self, space: SharedSpace) -> None:
+    async def _recount(self, space: Space) -> None:
         """Run the recount this first member started on open to its end, a step at a time
         (each waits for the root's lock like any step). Given up past ``lock_timeout_s``
         without a step: the ledger keeps its count, a later recount settles it."""
@@ -541,7 +588,7 @@ class FileTier(IndexedTier):
     def _enter(self) -> Dirs:
         return self._enter_space()[0]
 
-    def _enter_space(self) -> tuple[Dirs, SharedSpace]:
+    def _enter_space(self) -> tuple[Dirs, Space]:
         with self._lock:
             if self._dirs is None or self._space is None:
                 raise ClosedError(f"tier {self.name!r} is closed; open a new one", tier=self.name)
@@ -747,7 +794,12 @@ class FileTier(IndexedTier):
                 self._leave()
                 return
             try:
-                moved, _ = space.quarantine(sub_fd, oid, reason)
+                proof = (
+                    (lambda: _reads_bad(sub_fd, ObjectKey(key, group)))
+                    if isinstance(space, NodeSpace)
+                    else None
+                )
+                moved, _ = space.quarantine(sub_fd, oid, reason, still_bad=proof)
                 if moved is Moved.MOVED:
                     self._count(quarantined=1)
                 elif moved is Moved.NOT_REGULAR:
@@ -791,7 +843,27 @@ class _FileStorage:
         return True
 
 
-def _close(dirs: Dirs, space: SharedSpace | None) -> None:
+def _reads_bad(sub_fd: int, okey: ObjectKey) -> bool:
+    """Whether ``okey``'s object file, opened and read anew, fails verification (a network
+    mode's proof before a quarantine: a stale view reads well the second time). A file that is
+    gone or cannot be read now proves nothing."""
+    try:
+        fd, _ = open_regular(okey.object_id + OBJECT_SUFFIX, dir_fd=sub_fd)
+    except (OSError, NotRegularFileError):
+        return False
+    try:
+        with os.fdopen(fd, "rb", closefd=True) as fh:
+            blob = fh.read()
+    except OSError:
+        return False
+    try:
+        decode_object(blob, okey)
+    except ObjectError:
+        return True
+    return False
+
+
+def _close(dirs: Dirs, space: Space | None) -> None:
     if space is not None:
         space.close()
     dirs.close()
