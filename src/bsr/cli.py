@@ -305,8 +305,8 @@ def _store_gc(ns: argparse.Namespace) -> int:
     from ._check import byte_size
     from .tiers.file import gc_store
 
-    limit = 0 if ns.max_bytes.strip() == "0" else byte_size(ns.max_bytes, "--max-bytes")
-    report = gc_store(ns.path, limit, dry_run=ns.dry_run)
+    limit = 0 if ns.max_bytes.strip() == "0" else byte_size(ns.max_bytes, "--budget")
+    report = gc_store(ns.path, limit, dry_run=ns.dry_run, tmp_age_s=ns.tmp_age)
     if ns.json:
         _emit_json(report)
         return 0
@@ -314,6 +314,7 @@ def _store_gc(ns: argparse.Namespace) -> int:
     print(
         f"{verb} {len(report.removed)} objects ({_human(report.freed_bytes)}), oldest first; "
         f"{report.remaining_objects} objects ({_human(report.remaining_bytes)}) remain"
+        + (f"; {verb} {report.removed_temps} temp files of dead writers" if report.network else "")
     )
     return 0
 
@@ -385,9 +386,26 @@ def _add_store(sub: Any) -> None:
         action="store_true",
         help="move damaged objects to quarantine/ (objects of another format version stay)",
     )
-    gc = cmd("gc", "delete least recently modified objects down to --max-bytes", _store_gc)
+    gc = cmd(
+        "gc",
+        "delete least recently modified objects down to --budget; on a root shared in network "
+        "mode (no lock: safe beside live nodes) also temp files older than --tmp-age",
+        _store_gc,
+    )
     gc.add_argument(
-        "--max-bytes", required=True, metavar="N", help="bytes to keep, e.g. 500GiB or 1000000"
+        "--budget",
+        "--max-bytes",
+        dest="max_bytes",
+        required=True,
+        metavar="N",
+        help="bytes to keep, e.g. 500GiB or 1000000 (--max-bytes: the same)",
+    )
+    gc.add_argument(
+        "--tmp-age",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="network roots: temp files older than S seconds are a dead writer's (default 600)",
     )
     gc.add_argument("--dry-run", action="store_true", help="only report what would go")
     q = ssub.add_parser("quarantine", help="list or purge quarantine/")

@@ -29,6 +29,7 @@ import contextlib
 import hashlib
 import os
 import stat
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,13 +37,14 @@ from pathlib import Path
 import xxhash
 
 from ..._check import non_negative_int
-from ..._errors import TierRootError
+from ..._errors import ConfigError, TierRootError
 from ...core._keys import FORMAT_VERSION
 from ...core._object import _FIELDS, _SUM_OFFSET, HEADER_SIZE, MAGIC, object_size
 from ._ledger import SharedSpace
 from ._readers import NotRegularFileError, open_regular
 from ._root import (
     DIR_FLAGS,
+    NODES_DIR,
     OBJECT_SUFFIX,
     QUARANTINE_NAME_RE,
     TMP_NAME_RE,
@@ -56,6 +58,8 @@ from ._root import (
 
 #: group names whose digests ``stats`` and ``ls`` recognise (others show as a digest)
 KNOWN_GROUPS = ("kv", "swa_kv", "swa", "hidden", "mla", "indexer")
+#: ``bsr store gc`` on a network root: temp files older than this are a dead writer's
+TMP_AGE_S = 600.0
 
 
 class NotAStoreError(TierRootError):
@@ -134,6 +138,10 @@ class GcReport:
     freed_bytes: int
     remaining_objects: int
     remaining_bytes: int
+    #: temp files older than the grace removed (network roots only: ``tmp_age_s``)
+    removed_temps: int = 0
+    #: the root is shared in network mode (collected without a lock)
+    network: bool = False
 
 
 @dataclass(frozen=True)
@@ -175,7 +183,9 @@ class _Admin:
         self.store = StoreRoot(root, "store", _log)
         self.dirs: Dirs = self.store.open_existing(NotAStoreError)
         self.space: SharedSpace | None = None
-        if change:
+        #: shared by nodes in network mode (holds nodes/): no root lock to take, none to trust
+        self.network = _exists(self.dirs.root, NODES_DIR)
+        if change and not self.network:
             try:
                 self.space = SharedSpace(self.store, self.dirs, None, 1, member=False, wait=True)
             except BaseException:
@@ -477,15 +487,33 @@ def _move_bad(admin: _Admin, oid: str, reason: str) -> str | None:
 
 
 # --------------------------------------------------------------------- cleanup
-def gc_store(path: str | os.PathLike[str], max_bytes: int, *, dry_run: bool = False) -> GcReport:
+def gc_store(
+    path: str | os.PathLike[str],
+    max_bytes: int,
+    *,
+    dry_run: bool = False,
+    tmp_age_s: float = TMP_AGE_S,
+) -> GcReport:
     """Delete oldest objects (by modification time) until at most ``max_bytes`` remain.
 
-    Each deletion takes the root's lock and updates the shared ledger, like an engine's own
-    eviction; a running engine then misses the objects removed.
+    On a root of the local shared mode each deletion takes the root's lock and updates the
+    shared ledger, like an engine's own eviction. On a root shared in network mode (it holds
+    ``nodes/``; :mod:`bsr.tiers.file._network`) no lock is taken or trusted: objects are
+    unlinked (a node reading one then misses; a node that wrote one leaves it out of its
+    count at its next eviction or open), and temp files in ``tmp/`` older than ``tmp_age_s``
+    (writers killed mid-write; a live writer's file is younger) are removed too. Either way a
+    running engine sees the removed objects as misses. Safe to run from one node or a cron
+    job while nodes write and read.
     """
     non_negative_int(max_bytes, "max_bytes")
+    if not (isinstance(tmp_age_s, (int, float)) and tmp_age_s >= 0):
+        raise ConfigError(
+            f"tmp_age_s: {tmp_age_s!r}; give a non-negative age in seconds (temp files older "
+            "than it are a dead writer's)",
+            key="tmp_age_s",
+        )
     with _opened(path, change=not dry_run) as admin:
-        objs = _list(admin)
+        objs = _stat_list(admin)
         total = sum(o.size for o in objs)
         victims: list[ObjectInfo] = []
         for o in objs:
@@ -493,12 +521,18 @@ def gc_store(path: str | os.PathLike[str], max_bytes: int, *, dry_run: bool = Fa
                 break
             victims.append(o)
             total -= o.size
-        removed = victims if dry_run else _remove(admin, victims)
+        if dry_run:
+            removed = victims
+        else:
+            removed = _unlink_all(admin, victims) if admin.network else _remove(admin, victims)
+        temps = _old_temps(admin, tmp_age_s, remove=not dry_run) if admin.network else 0
     return GcReport(
         removed=tuple(removed),
         freed_bytes=sum(o.size for o in removed),
         remaining_objects=len(objs) - len(removed),
         remaining_bytes=sum(o.size for o in objs) - sum(o.size for o in removed),
+        removed_temps=temps,
+        network=admin.network,
     )
 
 
@@ -519,6 +553,71 @@ def _remove(admin: _Admin, victims: list[ObjectInfo], batch: int = 64) -> list[O
             finally:
                 os.close(fd)
     return removed
+
+
+def _stat_list(admin: _Admin) -> list[ObjectInfo]:
+    """Every object file, oldest modification first, from one ``stat`` each (no header read:
+    a round trip per object less on a network filesystem)."""
+    out = []
+    for sub_fd, name, oid in admin.objects():
+        try:
+            st = os.stat(name, dir_fd=sub_fd, follow_symlinks=False)
+        except OSError:
+            continue  # removed meanwhile, or unreadable: not collected
+        if stat.S_ISREG(st.st_mode):
+            out.append(ObjectInfo(admin.root / object_relpath(oid), oid, st.st_size, st.st_mtime))
+    out.sort(key=lambda o: (o.mtime, o.object_id))
+    return out
+
+
+def _unlink_all(admin: _Admin, victims: list[ObjectInfo]) -> list[ObjectInfo]:
+    """Unlink ``victims`` without a lock (a network root); those actually removed."""
+    removed = []
+    for o in victims:
+        try:
+            sub_fd = admin.sub(o.object_id)
+        except OSError:
+            continue
+        try:
+            st = os.stat(o.path.name, dir_fd=sub_fd, follow_symlinks=False)
+            if stat.S_ISREG(st.st_mode):
+                os.unlink(o.path.name, dir_fd=sub_fd)
+                removed.append(o)
+        except OSError:
+            continue  # gone meanwhile (a node evicted it) or not removable: left
+        finally:
+            os.close(sub_fd)
+    return removed
+
+
+def _old_temps(admin: _Admin, age_s: float, *, remove: bool) -> int:
+    """Temp files of bsr's name grammar in ``tmp/`` last modified more than ``age_s`` ago
+    (removed unless ``remove`` is False); how many."""
+    if admin.dirs.tmp < 0:
+        return 0
+    cutoff = time.time() - age_s
+    n = 0
+    for name in os.listdir(admin.dirs.tmp):
+        if not TMP_NAME_RE.match(name):
+            continue
+        try:
+            st = os.stat(name, dir_fd=admin.dirs.tmp, follow_symlinks=False)
+            if not stat.S_ISREG(st.st_mode) or st.st_mtime > cutoff:
+                continue
+            if remove:
+                os.unlink(name, dir_fd=admin.dirs.tmp)
+            n += 1
+        except OSError:
+            continue
+    return n
+
+
+def _exists(dir_fd: int, name: str) -> bool:
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError:
+        return False
+    return True
 
 
 def purge_quarantine(
