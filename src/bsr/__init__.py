@@ -112,6 +112,8 @@ if TYPE_CHECKING:  # what mypy and readers see; at run time __getattr__ imports 
     from .tiers.file import FileTierOptions as FileTierOptions
     from .tiers.file import KvikioReader as KvikioReader
     from .tiers.file import PosixReader as PosixReader
+    from .tiers.file import StripedFileTier as StripedFileTier
+    from .tiers.file import StripedFileTierOptions as StripedFileTierOptions
     from .tiers.file import UringReader as UringReader
     from .transfer._cache import PagedKVCache as PagedKVCache
     from .transfer._staging import StagingPool as StagingPool
@@ -169,7 +171,15 @@ _LAZY: dict[str, tuple[str, ...]] = {
     ),
     ".tiers._codec": ("ObjectCodec", "ObjectHeader"),
     ".tiers._reads": ("Borrowed", "Fetched", "ReadItem"),
-    ".tiers.file": ("FileTier", "FileTierOptions", "KvikioReader", "PosixReader", "UringReader"),
+    ".tiers.file": (
+        "FileTier",
+        "FileTierOptions",
+        "KvikioReader",
+        "PosixReader",
+        "StripedFileTier",
+        "StripedFileTierOptions",
+        "UringReader",
+    ),
     ".tiers._host": ("HostTier", "HostTierOptions"),
     ".tiers._mooncake": ("MooncakeTier", "MooncakeTierOptions"),
     ".tiers._registry": (

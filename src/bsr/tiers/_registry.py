@@ -55,6 +55,7 @@ ENTRY_POINT_GROUP = "bsr.tiers"
 BUILTIN_TIERS: dict[str, str] = {
     "host": "bsr.tiers._host:HostTierOptions",
     "file": "bsr.tiers.file:FileTierOptions",
+    "striped_file": "bsr.tiers.file:StripedFileTierOptions",
     "mooncake": "bsr.tiers._mooncake:MooncakeTierOptions",
 }
 #: the distribution bsr is installed as (its entry points are bsr's own kinds)

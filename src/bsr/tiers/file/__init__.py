@@ -5,6 +5,8 @@
 - ``_ledger``: the shared ledger, the root's lock and eviction across processes;
 - ``_readers``: object readers (io_uring, ``preadv``, kvikio) and regular-file opens;
 - ``_uring``: a minimal io_uring through the raw system calls;
+- ``_network``: a root shared by nodes of a network filesystem (per-node shares, no lock);
+- ``_striped``: :class:`StripedFileTier`, one tier over several roots (devices);
 - ``_admin``: administration of a root (``bsr store``: stats, listing, scrub, gc, quarantine).
 
 The rest of bsr imports the file tier from this package, never from its private modules.
@@ -31,6 +33,7 @@ from ._readers import (
     UringReader,
     cancellation,
 )
+from ._striped import StripedFileTier, StripedFileTierOptions
 from ._tier import FileTier, FileTierOptions
 
 __all__ = [
@@ -44,6 +47,8 @@ __all__ = [
     "QuarantinedFile",
     "ReadWithdrawnError",
     "StoreStats",
+    "StripedFileTier",
+    "StripedFileTierOptions",
     "UringReader",
     "VerifyReport",
     "cancellation",

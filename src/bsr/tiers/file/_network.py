@@ -73,7 +73,7 @@ from ._root import (
 )
 
 #: a node id: what ``node=`` accepts (a file name on every filesystem)
-NODE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+NODE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}\Z")
 _JOURNAL_HEAD = b"bsr.FileTier.node 1\n"
 _LINE_RE = re.compile(rb"^([+-]) ([0-9a-f]{40})(?: ([0-9]{1,19}))?$")
 #: a journal is compacted on open, and when it holds this many more lines than live entries
