@@ -12,7 +12,9 @@ a path that is not a bsr store).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import io
 import json
 import sys
 from collections.abc import Sequence
@@ -305,7 +307,7 @@ def _store_gc(ns: argparse.Namespace) -> int:
     from ._check import byte_size
     from .tiers.file import gc_store
 
-    limit = 0 if ns.max_bytes.strip() == "0" else byte_size(ns.max_bytes, "--budget")
+    limit = 0 if ns.max_bytes.strip() == "0" else byte_size(ns.max_bytes, "--budget (--max-bytes)")
     report = gc_store(ns.path, limit, dry_run=ns.dry_run, tmp_age_s=ns.tmp_age)
     if ns.json:
         _emit_json(report)
@@ -337,10 +339,15 @@ def _store_quarantine(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _store_command(func: Any) -> Any:
-    """Run a store subcommand; bsr errors and OS errors become exit code 2 with a message."""
+def _store_command(func: Any, *, whole: bool = False) -> Any:
+    """Run a store subcommand; bsr errors and OS errors become exit code 2 with a message.
 
-    def run(ns: argparse.Namespace) -> int:
+    Several PATHs (the roots of a striped tier): ``whole`` commands (gc) take them together;
+    the others run root by root, each headed by its path (with ``--json``: one document,
+    ``{"roots": [{"path": ..., "result": ...}]}``), and exit with the worst code.
+    """
+
+    def one(ns: argparse.Namespace) -> int:
         from ._errors import BsrError
 
         try:
@@ -349,6 +356,26 @@ def _store_command(func: Any) -> Any:
             print(f"bsr store: error: {exc}", file=sys.stderr)
             return 2
         return code
+
+    def run(ns: argparse.Namespace) -> int:
+        paths = ns.path if isinstance(ns.path, list) else [ns.path]
+        if whole or len(paths) == 1:
+            return one(argparse.Namespace(**{**vars(ns), "path": paths if whole else paths[0]}))
+        codes, docs = [], []
+        for p in paths:
+            each = argparse.Namespace(**{**vars(ns), "path": p})
+            if getattr(ns, "json", False):
+                out = io.StringIO()
+                with contextlib.redirect_stdout(out):
+                    codes.append(one(each))
+                text = out.getvalue().strip()
+                docs.append({"path": p, "result": json.loads(text) if text else None})
+            else:
+                print(f"== {p}")
+                codes.append(one(each))
+        if docs:
+            print(json.dumps({"roots": docs}, indent=2, sort_keys=True))
+        return max(codes)
 
     return run
 
@@ -367,11 +394,16 @@ def _add_store(sub: Any) -> None:
     )
     ssub = store.add_subparsers(dest="store_command", metavar="STORE_COMMAND")
 
-    def cmd(name: str, help: str, func: Any) -> argparse.ArgumentParser:
+    def cmd(name: str, help: str, func: Any, *, whole: bool = False) -> argparse.ArgumentParser:
         p: argparse.ArgumentParser = ssub.add_parser(name, help=help, description=help)
-        p.add_argument("path", metavar="PATH", help="the FileTier directory")
+        p.add_argument(
+            "path",
+            metavar="PATH",
+            nargs="+",
+            help="the FileTier directory (several: the roots of a StripedFileTier)",
+        )
         p.add_argument("--json", action="store_true", help="print JSON instead of text")
-        p.set_defaults(func=_store_command(func))
+        p.set_defaults(func=_store_command(func, whole=whole))
         return p
 
     cmd("stats", "objects and bytes, in total and per namespace", _store_stats)
@@ -389,8 +421,10 @@ def _add_store(sub: Any) -> None:
     gc = cmd(
         "gc",
         "delete least recently modified objects down to --budget; on a root shared in network "
-        "mode (no lock: safe beside live nodes) also temp files older than --tmp-age",
+        "mode (no lock: safe beside live nodes) also temp files older than --tmp-age; over "
+        "several PATHs (a striped tier's roots) the budget holds for them together",
         _store_gc,
+        whole=True,
     )
     gc.add_argument(
         "--budget",
@@ -410,7 +444,7 @@ def _add_store(sub: Any) -> None:
     gc.add_argument("--dry-run", action="store_true", help="only report what would go")
     q = ssub.add_parser("quarantine", help="list or purge quarantine/")
     q.add_argument("action", choices=("list", "purge"))
-    q.add_argument("path", metavar="PATH", help="the FileTier directory")
+    q.add_argument("path", metavar="PATH", nargs="+", help="the FileTier directory (or several)")
     q.add_argument("--json", action="store_true", help="print JSON instead of text (list)")
     q.add_argument("--dry-run", action="store_true", help="purge: only report")
     q.set_defaults(func=_store_command(_store_quarantine))

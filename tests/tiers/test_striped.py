@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import os
 import threading
 from collections import Counter
@@ -26,7 +27,7 @@ import torch
 import bsr
 from bsr.testing import TierConformance, make_keys
 from support.engines import make_engine
-from support.helpers import blocks_equal, filled_cache, tokens_for, two_group_layout
+from support.helpers import blocks_equal, bsr_main, filled_cache, tokens_for, two_group_layout
 
 LAYOUT = two_group_layout()
 CT = LAYOUT.chunk_tokens
@@ -268,3 +269,32 @@ async def test_a_root_failing_mid_restore_fails_only_its_objects(tmp_path: Path,
     assert blocks_equal(LAYOUT, src, ids, dst, ids, n)
     assert r.bytes_by_tier.get("below", 0) > 0  # root 1's objects came from the next tier
     assert tier.roots[0].statistics().hits + tier.roots[2].statistics().hits > 0
+
+
+# ---------------------------------------------------------------------- bsr store
+@pytest.mark.anyio
+async def test_store_commands_take_a_stripes_roots(tmp_path: Path) -> None:
+    obj = 4096 + 4096
+    tier = _striped(tmp_path, 64 << 20)
+    keys = make_keys(30)
+    async with tier:
+        for i, k in enumerate(keys):
+            await tier.write(k, "kv", bytes([i]) * 4096)
+            os.utime(tier.object_path(k, "kv"), (1_000_000 + i,) * 2)  # written in key order
+    roots = [str(r.root) for r in tier.roots]
+    p = bsr_main("store", "stats", *roots, "--json")
+    assert p.returncode == 0, p.stderr
+    docs = json.loads(p.stdout)["roots"]
+    assert [d["path"] for d in docs] == roots
+    assert sum(d["result"]["objects"] for d in docs) == 30
+    text = bsr_main("store", "ls", *roots).stdout
+    assert [line for line in text.splitlines() if line.startswith("== ")] == [
+        f"== {r}" for r in roots
+    ]
+    # one budget over the three roots: the 20 oldest go, wherever they live
+    p = bsr_main("store", "gc", *roots, "--budget", str(10 * obj), "--json")
+    assert p.returncode == 0, p.stderr
+    gone = {o["object_id"] for o in json.loads(p.stdout)["removed"]}
+    assert gone == {bsr.ObjectKey(k, "kv").object_id for k in keys[:20]}
+    left = {f.stem for r in tier.roots for f in r.root.glob("objects/*/*.bsr")}
+    assert left == {bsr.ObjectKey(k, "kv").object_id for k in keys[20:]}

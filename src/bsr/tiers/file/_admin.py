@@ -30,7 +30,7 @@ import hashlib
 import os
 import stat
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -488,13 +488,16 @@ def _move_bad(admin: _Admin, oid: str, reason: str) -> str | None:
 
 # --------------------------------------------------------------------- cleanup
 def gc_store(
-    path: str | os.PathLike[str],
+    path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
     max_bytes: int,
     *,
     dry_run: bool = False,
     tmp_age_s: float = TMP_AGE_S,
 ) -> GcReport:
     """Delete oldest objects (by modification time) until at most ``max_bytes`` remain.
+
+    ``path`` is a root, or the roots of a :class:`~bsr.StripedFileTier` (a list): the budget
+    then holds for them together, oldest first across all of them.
 
     On a root of the local shared mode each deletion takes the root's lock and updates the
     shared ledger, like an engine's own eviction. On a root shared in network mode (it holds
@@ -512,27 +515,35 @@ def gc_store(
             "than it are a dead writer's)",
             key="tmp_age_s",
         )
-    with _opened(path, change=not dry_run) as admin:
-        objs = _stat_list(admin)
-        total = sum(o.size for o in objs)
-        victims: list[ObjectInfo] = []
-        for o in objs:
+    roots = [path] if isinstance(path, (str, os.PathLike)) else list(path)
+    with contextlib.ExitStack() as stack:
+        admins = [stack.enter_context(_opened(p, change=not dry_run)) for p in roots]
+        listed = [(o, a) for a in admins for o in _stat_list(a)]
+        listed.sort(key=lambda oa: (oa[0].mtime, oa[0].object_id))
+        total = sum(o.size for o, _ in listed)
+        victims: dict[int, list[ObjectInfo]] = {}
+        for o, a in listed:
             if total <= max_bytes:
                 break
-            victims.append(o)
+            victims.setdefault(id(a), []).append(o)
             total -= o.size
-        if dry_run:
-            removed = victims
-        else:
-            removed = _unlink_all(admin, victims) if admin.network else _remove(admin, victims)
-        temps = _old_temps(admin, tmp_age_s, remove=not dry_run) if admin.network else 0
+        removed: list[ObjectInfo] = []
+        temps = 0
+        for a in admins:
+            mine = victims.get(id(a), [])
+            if dry_run:
+                removed += mine
+            else:
+                removed += _unlink_all(a, mine) if a.network else _remove(a, mine)
+            temps += _old_temps(a, tmp_age_s, remove=not dry_run) if a.network else 0
+    removed.sort(key=lambda o: (o.mtime, o.object_id))
     return GcReport(
         removed=tuple(removed),
         freed_bytes=sum(o.size for o in removed),
-        remaining_objects=len(objs) - len(removed),
-        remaining_bytes=sum(o.size for o in objs) - sum(o.size for o in removed),
+        remaining_objects=len(listed) - len(removed),
+        remaining_bytes=sum(o.size for o, _ in listed) - sum(o.size for o in removed),
         removed_temps=temps,
-        network=admin.network,
+        network=any(a.network for a in admins),
     )
 
 
