@@ -283,8 +283,10 @@ class LruIndex(Generic[V]):
             self._bytes += size
             return True
 
-    def pop_victim(self) -> tuple[str, int, V] | None:
-        """Remove and return the least recently used object not pinned by a read or a lease.
+    def pop_victim(self, only: Callable[[str], bool] | None = None) -> tuple[str, int, V] | None:
+        """Remove and return the least recently used object not pinned by a read or a lease
+        (and, given ``only``, one for which ``only(oid)`` is true: a FileTier in network mode
+        evicts only what its node wrote).
 
         Selection and removal are one step under the lock, so a read that pins the object first
         keeps it, and one that comes after misses. The caller deletes its storage.
@@ -292,14 +294,15 @@ class LruIndex(Generic[V]):
         with self._lock:
             self._expire_locked()
             for oid, (size, value) in self._entries.items():
-                if oid not in self._pins and oid not in self._leased:
-                    del self._entries[oid]
-                    self._bytes -= size
-                    self._evictions += 1
-                    if self._watchers:
-                        self._left_locked(oid, Removal.EVICTED)
-                    self._drop_value_locked(oid, value)
-                    return oid, size, value
+                if oid in self._pins or oid in self._leased or (only is not None and not only(oid)):
+                    continue
+                del self._entries[oid]
+                self._bytes -= size
+                self._evictions += 1
+                if self._watchers:
+                    self._left_locked(oid, Removal.EVICTED)
+                self._drop_value_locked(oid, value)
+                return oid, size, value
             return None
 
     def replace_value(self, oid: str, value: V) -> bool:

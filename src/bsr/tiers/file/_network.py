@@ -316,16 +316,15 @@ class NodeSpace:
 
     def _make_room(self, size: int) -> int:
         """Evict this node's least recently used unpinned objects until ``size`` more bytes
-        fit in its share; how many. Objects of other nodes the index yields on the way are
-        forgotten (a probe finds them again), never removed; then objects of this node's
-        journal that the index no longer holds (forgotten by a recheck), oldest first."""
+        fit in its share; how many. Other nodes' objects are passed over (neither removed nor
+        reported as evicted); then objects of this node's journal that the index no longer
+        holds (forgotten by a recheck), oldest first."""
         evicted = 0
         while self._over(size):
-            victim = self.index.pop_victim()
+            victim = self.index.pop_victim(only=self.owned.__contains__)
             if victim is None:
                 break
-            if victim[0] in self.owned:
-                evicted += self._remove(victim[0]) is not None
+            evicted += self._remove(victim[0]) is not None
         for oid in [o for o in self.owned if o not in self.index]:
             if not self._over(size):
                 break

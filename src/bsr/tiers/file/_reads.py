@@ -94,6 +94,19 @@ class FileReads:
     def __init__(self, tier: FileTier) -> None:
         self.tier = tier
 
+    def _pin(self, oid: str) -> tuple[int, Any] | None:
+        """Pin ``oid`` in the index; in network mode, one this node has not seen yet (another
+        node wrote it, and no probe asked) is looked for on disk first (the index holds only
+        what this node wrote and probed: a network root is not walked on open)."""
+        tier = self.tier
+        got = tier._index.pin(oid)
+        if got is None and tier.options.shared == "network":
+            size = tier._probe_sync([oid])[0]
+            if size:
+                tier._index.put_lru(oid, size, None)
+                got = tier._index.pin(oid)
+        return got
+
     # ------------------------------------------------------------------ one object
     def fetch_blocking(self, key: ChunkKey, group: str, dst: Any) -> Fetched:
         """Read ``(key, group)``: its header (a copy the caller keeps) and its payload into
@@ -101,7 +114,7 @@ class FileReads:
         tier = self.tier
         tier._ensure_open()
         oid = object_id(key.digest, group)
-        if tier._index.pin(oid) is None:
+        if self._pin(oid) is None:
             tier._count(misses=1)
             raise ObjectNotFoundError(
                 "object not in file tier", tier=tier.name, key=key.hex[:16], group=group
@@ -212,7 +225,7 @@ class FileReads:
         """Pin and open ``item``'s object for the stream (a miss or a failed open: ``error``)."""
         tier = self.tier
         r = StreamRead(item)
-        if tier._index.pin(object_id(item.key.digest, item.group)) is None:
+        if self._pin(object_id(item.key.digest, item.group)) is None:
             tier._count(misses=1)
             r.error = ObjectNotFoundError(
                 "object not in file tier", tier=tier.name, key=item.key.hex[:16], group=item.group
