@@ -16,11 +16,13 @@ import hashlib
 import json
 import os
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import anyio
+import numpy as np
 import pytest
 import torch
 
@@ -298,3 +300,50 @@ async def test_store_commands_take_a_stripes_roots(tmp_path: Path) -> None:
     assert gone == {bsr.ObjectKey(k, "kv").object_id for k in keys[:20]}
     left = {f.stem for r in tier.roots for f in r.root.glob("objects/*/*.bsr")}
     assert left == {bsr.ObjectKey(k, "kv").object_id for k in keys[20:]}
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("fails", ["begin", "end"])
+async def test_a_caller_whose_begin_or_end_raises_gets_its_error_not_a_hang(
+    tmp_path: Path, fails: str
+) -> None:
+    """Lanes of the other root wait for the caller's answer to a result: a caller that raised
+    instead must still get its call back (the lanes are answered "no more"), with its error."""
+    tier = _striped(tmp_path, 64 << 20, n=2)
+    keys = make_keys(16)
+
+    class Boom(Exception):
+        pass
+
+    async with tier:
+        for i, k in enumerate(keys):
+            await tier.write(k, "kv", bytes([i]) * 4096)
+        items = [bsr.ReadItem(k, "kv", np.zeros(4096, np.uint8), 4096) for k in keys][::-1]
+        calls = {"begin": 0, "end": 0}
+
+        def begin() -> bsr.ReadItem | None:
+            calls["begin"] += 1
+            if fails == "begin" and calls["begin"] == 10:
+                raise Boom
+            return items.pop() if items else None
+
+        def end(item: bsr.ReadItem, result: Any) -> bool:
+            calls["end"] += 1
+            if fails == "end" and calls["end"] == 1:
+                time.sleep(0.2)  # the other root's lane is waiting for its answer by now
+                raise Boom
+            return True
+
+        outcome: list[BaseException | None] = []
+
+        def call() -> None:
+            try:
+                tier.read_many_blocking(begin, end, 8)
+                outcome.append(None)
+            except BaseException as exc:
+                outcome.append(exc)
+
+        t = threading.Thread(target=call, daemon=True)
+        t.start()
+        await anyio.to_thread.run_sync(t.join, 30)
+        assert outcome and isinstance(outcome[0], Boom), outcome  # not a hang

@@ -65,7 +65,7 @@ LANES_PER_ROOT = 4
 
 
 def _paths(value: Any, key: str) -> tuple[str, ...]:
-    """Two or more distinct filesystem paths (a list or tuple)."""
+    """One or more distinct filesystem paths (a list or tuple)."""
     if isinstance(value, (str, bytes, os.PathLike)) or not isinstance(value, Sequence):
         raise ConfigError(
             f"{key}: give a list of root directories (one per device), got {value!r}", key=key
@@ -106,7 +106,8 @@ class StripedFileTierOptions(TierOptions):
     "/nvme1/bsr"], "capacity_bytes": N, "file": {"reader": "uring"}}``."""
 
     kind = "striped_file"
-    paths: tuple[str, ...] = option(_paths)
+    #: the roots, one per device (a list or tuple; kept as a tuple of strings)
+    paths: Sequence[str | os.PathLike[str]] = option(_paths)
     capacity_bytes: int = option(Check.size)
     _: KW_ONLY
     name: str = option(Check.text, "file")
@@ -336,8 +337,10 @@ class StripedFileTier(Tier):
         run = _StripedRead(self, ahead, lend, cancel_check())
         try:
             run.drive(begin, end)
-        finally:
-            run.close()
+        except BaseException:
+            run.close(early=True)
+            raise
+        run.close(early=False)
 
 
 class _Lane:
@@ -355,6 +358,10 @@ class _Lane:
         self.future: concurrent.futures.Future[None] | None = None
         #: what the caller's ``end`` said of this lane's last result
         self.reply: queue.SimpleQueue[bool] = queue.SimpleQueue()
+
+    def is_running(self) -> bool:
+        with self.lock:
+            return self.running
 
     def put(self, item: ReadItem) -> None:
         with self.lock:
@@ -448,17 +455,28 @@ class _StripedRead:
             if lane is not None:
                 lane.reply.put(more)
 
-    def close(self) -> None:
-        """Wait for every lane to leave: no destination is written after this returns."""
-        self.stopped = True  # a caller leaving early (an exception) begins nothing more
-        for lane in self.lanes.values():
-            while True:
-                with lane.lock:
-                    running, future = lane.running, lane.future
-                if not running:
-                    break
-                if future is not None:
-                    future.result()
+    def close(self, *, early: bool) -> None:
+        """Wait for every lane to leave: no destination is written after this returns.
+
+        A caller that left ``early`` (its ``begin`` or ``end`` raised) may leave lanes waiting
+        for an answer to a result: each is answered "no more" (a lent payload given back) until
+        every lane left. Otherwise every result was taken and the lanes only have to leave."""
+        self.stopped = True
+        if not early:
+            for lane in self.lanes.values():
+                while lane.is_running():
+                    if lane.future is not None:
+                        lane.future.result()
+            return
+        while any(lane.is_running() for lane in self.lanes.values()):
+            try:
+                _, result, waiting = self.results.get(timeout=0.01)
+            except queue.Empty:
+                continue
+            if isinstance(result, Borrowed):
+                result.release()
+            if waiting is not None:
+                waiting.reply.put(False)
 
 
 class _Leases(TierLease):
