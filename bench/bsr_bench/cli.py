@@ -20,7 +20,7 @@ from typing import Any
 
 import structlog
 
-from . import hcache, vllm_cost, vllm_hybrid, vllm_ttft
+from . import hcache, striped, vllm_cost, vllm_hybrid, vllm_ttft
 from .common.stats import BenchError
 from .paper import options as paper_options
 from .paper import ssd
@@ -34,6 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     restore_options.add_arguments(p)
     paper_options.add_arguments(p)  # --l1-ladder, --tp
     ssd.add_arguments(p)  # --ssd-concurrency
+    striped.add_arguments(p)  # --striped
     vllm_ttft.add_arguments(p)  # --engine vllm
     vllm_hybrid.add_arguments(p)  # --engine vllm --vllm-model gemma3-tiny
     vllm_cost.add_arguments(p)  # --engine vllm --vllm-cost
@@ -46,7 +47,7 @@ def build_parser(prog: str = "bsr bench") -> argparse.ArgumentParser:
         description="Save states of growing size, restore them with BSR (bounded window) and "
         "the whole-plan baseline, read the same files raw, prefill the same tokens, and write "
         "one JSON document plus plots (see bench/README.md). --l1-ladder, --tp, "
-        "--ssd-concurrency, --hcache and --engine vllm run the other programs instead.",
+        "--ssd-concurrency, --striped, --hcache and --engine vllm run the other programs instead.",
     )
     add_arguments(parser)
     return parser
@@ -64,6 +65,8 @@ def program(ns: argparse.Namespace) -> tuple[str, Program]:
         return "--engine vllm", vllm_ttft.run_from_namespace
     if ns.ssd_concurrency:  # the paper's SSD concurrency row
         return "--ssd-concurrency", ssd.run_ssd
+    if ns.striped:  # restore bandwidth over 1, 2, 4 roots of a StripedFileTier, fio beside it
+        return "--striped", striped.run_from_namespace
     if ns.l1_ladder or ns.tp:  # paper scale
         from . import paper
 
