@@ -318,6 +318,13 @@ def _store_gc(ns: argparse.Namespace) -> int:
         f"{report.remaining_objects} objects ({_human(report.remaining_bytes)}) remain"
         + (f"; {verb} {report.removed_temps} temp files of dead writers" if report.network else "")
     )
+    if report.vanished:
+        print(
+            f"{report.vanished} objects listed were gone when gc reached them: nodes evicted "
+            "them meanwhile, or this client's directory listing is stale (sshfs caches it for "
+            "20 s, NFS its attributes): run gc where listings are fresh (on the server, sshfs "
+            "-o cache=no, NFS lookupcache=none,actimeo=0)"
+        )
     return 0
 
 

@@ -41,6 +41,7 @@ from ..._errors import ConfigError, TierRootError
 from ...core._keys import FORMAT_VERSION
 from ...core._object import _FIELDS, _SUM_OFFSET, HEADER_SIZE, MAGIC, object_size
 from ._ledger import SharedSpace
+from ._network import JOURNAL_TMP_RE
 from ._readers import NotRegularFileError, open_regular
 from ._root import (
     DIR_FLAGS,
@@ -142,6 +143,9 @@ class GcReport:
     removed_temps: int = 0
     #: the root is shared in network mode (collected without a lock)
     network: bool = False
+    #: objects chosen that were already gone (evicted by a node since the listing, or a stale
+    #: listing: gc on a network root wants fresh directory listings)
+    vanished: int = 0
 
 
 @dataclass(frozen=True)
@@ -528,22 +532,28 @@ def gc_store(
             victims.setdefault(id(a), []).append(o)
             total -= o.size
         removed: list[ObjectInfo] = []
+        gone: list[ObjectInfo] = []
         temps = 0
         for a in admins:
             mine = victims.get(id(a), [])
             if dry_run:
                 removed += mine
+            elif a.network:
+                done, went = _unlink_all(a, mine)
+                removed, gone = removed + done, gone + went
             else:
-                removed += _unlink_all(a, mine) if a.network else _remove(a, mine)
+                removed += _remove(a, mine)
             temps += _old_temps(a, tmp_age_s, remove=not dry_run) if a.network else 0
     removed.sort(key=lambda o: (o.mtime, o.object_id))
+    out = sum(o.size for o in removed) + sum(o.size for o in gone)
     return GcReport(
         removed=tuple(removed),
         freed_bytes=sum(o.size for o in removed),
-        remaining_objects=len(listed) - len(removed),
-        remaining_bytes=sum(o.size for o, _ in listed) - sum(o.size for o in removed),
+        remaining_objects=len(listed) - len(removed) - len(gone),
+        remaining_bytes=sum(o.size for o, _ in listed) - out,
         removed_temps=temps,
         network=any(a.network for a in admins),
+        vanished=len(gone),
     )
 
 
@@ -581,12 +591,18 @@ def _stat_list(admin: _Admin) -> list[ObjectInfo]:
     return out
 
 
-def _unlink_all(admin: _Admin, victims: list[ObjectInfo]) -> list[ObjectInfo]:
-    """Unlink ``victims`` without a lock (a network root); those actually removed."""
-    removed = []
+def _unlink_all(
+    admin: _Admin, victims: list[ObjectInfo]
+) -> tuple[list[ObjectInfo], list[ObjectInfo]]:
+    """Unlink ``victims`` without a lock (a network root): those removed, and those already
+    gone (a node evicted them since the listing, or the listing was stale)."""
+    removed, gone = [], []
     for o in victims:
         try:
             sub_fd = admin.sub(o.object_id)
+        except FileNotFoundError:
+            gone.append(o)
+            continue
         except OSError:
             continue
         try:
@@ -594,32 +610,44 @@ def _unlink_all(admin: _Admin, victims: list[ObjectInfo]) -> list[ObjectInfo]:
             if stat.S_ISREG(st.st_mode):
                 os.unlink(o.path.name, dir_fd=sub_fd)
                 removed.append(o)
+        except FileNotFoundError:
+            gone.append(o)
         except OSError:
-            continue  # gone meanwhile (a node evicted it) or not removable: left
+            continue  # not removable (EACCES, EIO): left
         finally:
             os.close(sub_fd)
-    return removed
+    return removed, gone
 
 
 def _old_temps(admin: _Admin, age_s: float, *, remove: bool) -> int:
-    """Temp files of bsr's name grammar in ``tmp/`` last modified more than ``age_s`` ago
-    (removed unless ``remove`` is False); how many."""
-    if admin.dirs.tmp < 0:
-        return 0
+    """Temp files of bsr's name grammars last modified more than ``age_s`` ago (removed
+    unless ``remove`` is False): writes of ``tmp/`` and journal rewrites of ``nodes/`` (a
+    node killed midway); how many."""
     cutoff = time.time() - age_s
     n = 0
-    for name in os.listdir(admin.dirs.tmp):
-        if not TMP_NAME_RE.match(name):
-            continue
-        try:
-            st = os.stat(name, dir_fd=admin.dirs.tmp, follow_symlinks=False)
-            if not stat.S_ISREG(st.st_mode) or st.st_mtime > cutoff:
+    try:
+        nodes = os.open(NODES_DIR, DIR_FLAGS, dir_fd=admin.dirs.root)
+    except OSError:
+        nodes = -1
+    try:
+        for dir_fd, grammar in ((admin.dirs.tmp, TMP_NAME_RE), (nodes, JOURNAL_TMP_RE)):
+            if dir_fd < 0:
                 continue
-            if remove:
-                os.unlink(name, dir_fd=admin.dirs.tmp)
-            n += 1
-        except OSError:
-            continue
+            for name in os.listdir(dir_fd):
+                if not grammar.match(name):
+                    continue
+                try:
+                    st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                    if not stat.S_ISREG(st.st_mode) or st.st_mtime > cutoff:
+                        continue
+                    if remove:
+                        os.unlink(name, dir_fd=dir_fd)
+                    n += 1
+                except OSError:
+                    continue
+    finally:
+        if nodes >= 0:
+            os.close(nodes)
     return n
 
 

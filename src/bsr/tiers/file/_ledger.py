@@ -645,8 +645,9 @@ class SharedSpace:
             led.reserved.pop(p.name, None)
             led.count(oid, p.size - old)
             led.commits += 1
-        os.close(p.fd)
-        p.fd = -1
+        fd, p.fd = p.fd, -1  # never kept once closed (a failed close releases it too)
+        with contextlib.suppress(OSError):  # written and fsync'ed before: visible and whole
+            os.close(fd)
 
     def abort(self, p: Pending) -> None:
         """Give a reservation back and remove its temp file (the write failed or was cancelled).
@@ -665,9 +666,10 @@ class SharedSpace:
                 os.unlink(p.name, dir_fd=self.dirs.tmp)
             with self._owed_lock:
                 self._owed.add(p.name)
-        if p.fd >= 0:
-            os.close(p.fd)
-            p.fd = -1
+        fd, p.fd = p.fd, -1
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def trim(self) -> int:
         """Evict until the root is within this process's capacity (a smaller one than before);

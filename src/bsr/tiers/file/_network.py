@@ -75,6 +75,8 @@ from ._root import (
 #: a node id: what ``node=`` accepts (a file name on every filesystem)
 NODE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}\Z")
 _JOURNAL_HEAD = b"bsr.FileTier.node 1\n"
+#: a journal's temp file while it is written anew: ``<node>.log.<12 hex>.tmp``
+JOURNAL_TMP_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}\.log\.[0-9a-f]{12}\.tmp$")
 _LINE_RE = re.compile(rb"^([+-]) ([0-9a-f]{40})(?: ([0-9]{1,19}))?$")
 #: a journal is compacted on open, and when it holds this many more lines than live entries
 _COMPACT_SLACK = 4096
@@ -200,6 +202,7 @@ class NodeSpace:
                 raw = _read_all(fd)
             finally:
                 os.close(fd)
+        self._remove_journal_temps()
         claimed = read_journal(raw)
         present = dict(zip(claimed, probe_sizes(self.dirs, list(claimed))))
         found = []
@@ -212,6 +215,15 @@ class NodeSpace:
         self._saw()
 
     attach_unlocked = attach
+
+    def _remove_journal_temps(self) -> None:
+        """Remove this node's journal temp files (a compaction killed midway; this process
+        holds the node's lock, so none is live)."""
+        prefix = f"{self.node}.log."
+        for name in os.listdir(self._nodes_fd):
+            if name.startswith(prefix) and JOURNAL_TMP_RE.match(name):
+                with contextlib.suppress(OSError):
+                    os.unlink(name, dir_fd=self._nodes_fd)
 
     def recount(self) -> bool:
         return True
@@ -238,16 +250,23 @@ class NodeSpace:
             os.replace(tmp, f"{self.node}.log", src_dir_fd=self._nodes_fd,
                        dst_dir_fd=self._nodes_fd)  # fmt: skip
         except BaseException:
-            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.close(fd)
             with contextlib.suppress(OSError):
                 os.unlink(tmp, dir_fd=self._nodes_fd)
             raise
-        if self._journal_fd >= 0:
-            os.close(self._journal_fd)
-        self._journal_fd, self._journal_end, self._lines = fd, len(body), len(self.owned)
+        old, self._journal_fd = self._journal_fd, fd
+        self._journal_end, self._lines = len(body), len(self.owned)
+        if old >= 0:
+            with contextlib.suppress(OSError):  # released even when it fails (EIO)
+                os.close(old)
 
     def _note(self, line: str) -> None:
-        """Append one line to the journal (at its end as this node wrote it: one writer)."""
+        """Append one line to the journal (at its end as this node wrote it: one writer).
+
+        A journal whose descriptor went bad (a network filesystem's client reconnected: file
+        handles opened before fail with EIO for ever, directories work) is written anew
+        through the ``nodes/`` directory, the line included."""
         data = line.encode()
         try:
             if self._lines > 2 * len(self.owned) + _COMPACT_SLACK:
@@ -256,8 +275,15 @@ class NodeSpace:
             os.pwrite(self._journal_fd, data, self._journal_end)
             self._journal_end += len(data)
             self._lines += 1
+            return
+        except OSError as exc:
+            first = exc
+        try:
+            self._compact()  # self.owned already holds the change the line records
         except OSError as exc:  # the object stays (found by probes, collected by gc)
-            self.store.log.warning("bsr.tier.journal_failed", node=self.node, error=repr(exc))
+            self.store.log.warning(
+                "bsr.tier.journal_failed", node=self.node, error=repr(exc), first=repr(first)
+            )
 
     def _saw(self) -> None:
         self.seen = Ledger(nbytes=sum(self.owned.values()), reserved=dict(self.reserved))
@@ -289,27 +315,31 @@ class NodeSpace:
         return Pending(name, fd, size), evicted
 
     def commit(self, p: Pending, oid: str, sub_fd: int) -> None:
-        """Rename the written temp file into ``objects/`` (replacing another node's copy of
-        the same object, harmlessly) and journal it as this node's."""
+        """Close the written temp file (a network filesystem may report a write's failure
+        only there: then the write fails and nothing is visible), rename it into
+        ``objects/`` (replacing another node's copy of the same object, harmlessly) and
+        journal it as this node's."""
+        fd, p.fd = p.fd, -1  # never kept once closed: a failed close still releases it
+        os.close(fd)
         os.replace(p.name, oid + OBJECT_SUFFIX, src_dir_fd=self.dirs.tmp, dst_dir_fd=sub_fd)
         with self._mutex:
             self.reserved.pop(p.name, None)
             self.owned[oid] = p.size
             self._note(f"+ {oid} {p.size}\n")
             self._saw()
-        os.close(p.fd)
-        p.fd = -1
 
     def abort(self, p: Pending) -> None:
-        """Give a reservation back and remove its temp file."""
+        """Give a reservation back and remove its temp file (never raises: a failed write's
+        own error is the one its caller sees)."""
+        fd, p.fd = p.fd, -1
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
         with contextlib.suppress(OSError):
             os.unlink(p.name, dir_fd=self.dirs.tmp)
         with self._mutex:
             self.reserved.pop(p.name, None)
             self._saw()
-        if p.fd >= 0:
-            os.close(p.fd)
-            p.fd = -1
 
     def _over(self, size: int) -> bool:
         return sum(self.owned.values()) + sum(self.reserved.values()) + size > self.capacity_bytes

@@ -703,6 +703,8 @@ class FileTier(IndexedTier):
             return False
         mv = as_payload_view(payload)
         size = ObjectCodec.stored_size(len(mv), padded=True)
+        if self.options.shared == "network":
+            return await self._write_network(okey, mv, size)
         pending = await self._reserve(oid, size)
         renamed: list[bool] = []
         where = object_relpath(oid)
@@ -729,6 +731,55 @@ class FileTier(IndexedTier):
                     await anyio.to_thread.run_sync(self._writes.abort, pending)
         if new:
             self._count(writes=1, bytes_written=len(mv))
+        return new
+
+    async def _write_network(self, okey: ObjectKey, mv: memoryview, size: int) -> bool:
+        """A write in network mode: every step (reserve, write, commit) in one abandonable
+        worker call, so a hung server holds the caller no longer than its cancel or deadline
+        (it counts as a stuck call, like a read). The worker writes its own copy of the
+        payload (it may outlive this call, the caller's buffer not) and finishes on its own:
+        the object indexed once renamed into place, else its temp file removed."""
+        blob = bytes(mv)
+        where = object_relpath(okey.object_id)
+        try:
+            new = await self._reads.run(lambda: self._write_network_sync(okey, blob, size))
+        except (TierBusyError, TierIOError):
+            raise
+        except OSError as exc:
+            self._count(errors=1)
+            raise TierIOError(
+                f"writing {where} failed: {exc.strerror or exc}", tier=self.name, errno=exc.errno
+            ) from exc
+        if new:
+            self._count(writes=1, bytes_written=len(blob))
+        return new
+
+    def _write_network_sync(self, okey: ObjectKey, blob: bytes, size: int) -> bool:
+        oid = okey.object_id
+        give_up = time.monotonic() + self.lock_timeout_s
+        while True:  # room held by this node's writes in progress comes back as they end
+            out: list[Pending] = []
+            try:
+                evicted = self._writes.reserve(oid, size, out)
+                break
+            except RoomPending:
+                if time.monotonic() >= give_up:
+                    self._count(busy=1)
+                    raise self._busy_error(
+                        "room_pending", f"writing {object_relpath(oid)}"
+                    ) from None
+                time.sleep(ROOM_POLL_S)
+        if evicted:
+            self._count(evictions=evicted)
+        renamed: list[bool] = []
+        try:
+            self._writes.write_temp(okey, memoryview(blob), out[0])
+            self._writes.commit(oid, out[0], renamed)
+        finally:
+            if not renamed:
+                self._writes.abort(out[0])
+        new = oid not in self._index
+        self._index.put(oid, size, None)
         return new
 
     async def _reserve(self, oid: str, size: int) -> Pending:
