@@ -41,6 +41,7 @@ TOO_LONG_IDS = ["1e10", "1e300", "inf", "-inf", "nan", "10**400", "max+1"]
 MINIMAL_TIER: dict[str, dict[str, Any]] = {
     "host": {"capacity_bytes": "1MiB"},
     "file": {"path": "/tmp/bsr-seconds-test", "capacity_bytes": "1MiB"},
+    "striped_file": {"paths": ["/tmp/bsr-seconds-test-0"], "capacity_bytes": "1MiB"},
     "mooncake": {"master_address": "127.0.0.1:1"},
     "redis": {"url": "redis://127.0.0.1:1/0"},
 }

@@ -115,6 +115,7 @@ def test_a_plugin_cannot_take_a_built_in_kind(
 _OWN = {
     "host": lambda: bsr.HostTierOptions,
     "file": lambda: bsr.FileTierOptions,
+    "striped_file": lambda: bsr.StripedFileTierOptions,
     "redis": lambda: importlib.import_module("bsr.redis").RedisTierOptions,
     "mooncake": lambda: importlib.import_module("bsr.tiers._mooncake").MooncakeTierOptions,
 }
@@ -124,6 +125,11 @@ def _minimal(kind: str, root: Path) -> dict[str, object]:
     return {
         "host": {"kind": "host", "capacity_bytes": "1MiB"},
         "file": {"kind": "file", "path": str(root / "l2"), "capacity_bytes": "1MiB"},
+        "striped_file": {
+            "kind": "striped_file",
+            "paths": [str(root / "s0")],
+            "capacity_bytes": "1MiB",
+        },
         "redis": {"kind": "redis", "url": "redis://127.0.0.1:1/0"},
         "mooncake": {"kind": "mooncake", "master_address": "127.0.0.1:1"},
     }[kind]
