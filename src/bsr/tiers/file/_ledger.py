@@ -628,8 +628,10 @@ class SharedSpace:
             led.reserved[name] = size
         return Pending(name, fd, size), evicted
 
-    def commit(self, p: Pending, oid: str, sub_fd: int) -> None:
-        """Rename the written temp file into ``objects/`` and count its bytes (under the lock).
+    def commit(self, p: Pending, oid: str, sub_fd: int) -> bool:
+        """Rename the written temp file into ``objects/``, count its bytes and index it (under
+        the lock: a write making room meanwhile sees it in the index, never evicts it behind a
+        write about to index it); whether the index lacked it.
 
         Raises:
             RootBusy: the root's lock is held elsewhere (nothing done; retry or :meth:`abort`).
@@ -645,9 +647,13 @@ class SharedSpace:
             led.reserved.pop(p.name, None)
             led.count(oid, p.size - old)
             led.commits += 1
+            new = self.index is None or oid not in self.index
+            if self.index is not None:
+                self.index.put(oid, p.size, None)
         fd, p.fd = p.fd, -1  # never kept once closed (a failed close releases it too)
         with contextlib.suppress(OSError):  # written and fsync'ed before: visible and whole
             os.close(fd)
+        return new
 
     def abort(self, p: Pending) -> None:
         """Give a reservation back and remove its temp file (the write failed or was cancelled).

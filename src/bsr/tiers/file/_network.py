@@ -51,6 +51,7 @@ give every node its own id, such as its host name plus a rank).
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import re
@@ -59,9 +60,10 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from ..._errors import ConfigError, TierFullError
+from ..._errors import ConfigError, TierFullError, TierRootError
 from .._lru import LruIndex, RoomPending
-from ._ledger import Ledger, Pending, list_objects, probe_sizes
+from ._ledger import Ledger, Pending, _open_regular_rw, list_objects, probe_sizes
+from ._readers import NotRegularFileError, open_regular
 from ._root import (
     DIR_FLAGS,
     NODES_DIR,
@@ -159,22 +161,59 @@ class NodeSpace:
             raise
 
     def _open(self) -> None:
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(NODES_DIR, 0o755, dir_fd=self.dirs.root)
-        self._nodes_fd = os.open(NODES_DIR, DIR_FLAGS, dir_fd=self.dirs.root)
-        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
-        self._lock_fd = os.open(f"{self.node}.lock", flags, 0o644, dir_fd=self._nodes_fd)
+        """Open ``nodes/`` and take this node's lock; a root that cannot be written (a
+        read-only filesystem) is opened for reads: nothing is created, locked or journaled,
+        and writes fail (``EROFS``). Anything but a directory and regular files bsr made in
+        their places is a typed error, never followed."""
+        where = self.store.root / NODES_DIR
+        try:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(NODES_DIR, 0o755, dir_fd=self.dirs.root)
+        except OSError as exc:
+            if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+                raise self._error(exc, where) from exc
+            self.writable = False
+        try:
+            self._nodes_fd = os.open(NODES_DIR, DIR_FLAGS, dir_fd=self.dirs.root)
+        except FileNotFoundError:
+            return  # read-only, and no node ever wrote here: nothing to read either
+        except OSError as exc:
+            raise self._error(exc, where) from exc
+        if not self.writable:
+            return
+        lock = f"{self.node}.lock"
+        try:
+            self._lock_fd, self.writable = _open_regular_rw(lock, self._nodes_fd, create=True)
+        except (OSError, NotRegularFileError) as exc:
+            raise self._error(exc, where / lock) from exc
+        if not self.writable:
+            return
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise self.store.error(
                 f"node id {self.node!r} is in use by another process on this node",
                 "give every process sharing a network root its own node id",
-                self.store.root / NODES_DIR / f"{self.node}.lock",
+                where / lock,
                 reason="node_in_use",
             ) from None
         except OSError as exc:  # ENOLCK, ENOSYS: no locks here at all; ids are the user's
             self.store.log.info("bsr.tier.node_unlocked", node=self.node, error=repr(exc))
+
+    def _error(self, exc: BaseException, path: Any) -> TierRootError:
+        if isinstance(exc, NotRegularFileError):
+            what = f"is a {exc.kind}, not a file bsr made"
+        elif isinstance(exc, OSError) and exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            what = "is a symlink or a file in place of bsr's own"
+        else:
+            what = f"cannot be used ({getattr(exc, 'strerror', None) or exc})"
+        return self.store.error(
+            what,
+            "remove it: the network mode keeps nodes/ (a directory) and each node's .log and "
+            ".lock files (regular files) there",
+            path,
+            errno=getattr(exc, "errno", None),
+        )
 
     def close(self) -> None:
         for fd in (self._journal_fd, self._lock_fd, self._nodes_fd):
@@ -192,17 +231,9 @@ class NodeSpace:
         for (a walk per node per open costs a metadata round trip per object on a network
         filesystem).
         """
-        name = f"{self.node}.log"
-        try:
-            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._nodes_fd)
-        except FileNotFoundError:
-            raw = b""
-        else:
-            try:
-                raw = _read_all(fd)
-            finally:
-                os.close(fd)
-        self._remove_journal_temps()
+        raw = self._read_journal()
+        if self.writable:
+            self._remove_journal_temps()
         claimed = read_journal(raw)
         present = dict(zip(claimed, probe_sizes(self.dirs, list(claimed))))
         found = []
@@ -211,8 +242,29 @@ class NodeSpace:
                 self.owned[oid] = size
                 found.append((0, oid, size))
         report.found.extend(found)
-        self._compact()
+        if self.writable:
+            try:
+                self._compact()
+            except OSError as exc:
+                raise self._error(exc, self.store.root / NODES_DIR / f"{self.node}.log") from exc
         self._saw()
+
+    def _read_journal(self) -> bytes:
+        """This node's journal as it is (b"" when there is none), opened like an object is
+        (never following a link, never blocking on a FIFO)."""
+        name = f"{self.node}.log"
+        if self._nodes_fd < 0:
+            return b""
+        try:
+            fd, _ = open_regular(name, dir_fd=self._nodes_fd)
+        except FileNotFoundError:
+            return b""
+        except (OSError, NotRegularFileError) as exc:
+            raise self._error(exc, self.store.root / NODES_DIR / name) from exc
+        try:
+            return _read_all(fd)
+        finally:
+            os.close(fd)
 
     attach_unlocked = attach
 
@@ -305,6 +357,8 @@ class NodeSpace:
                 "raise capacity_bytes",
                 tier=self.store.tier,
             )
+        if not self.writable:
+            raise OSError(errno.EROFS, "the root cannot be written (read-only?)")
         with self._mutex:
             evicted = self._make_room(size)
             name = f"{oid}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
@@ -314,19 +368,24 @@ class NodeSpace:
             self._saw()
         return Pending(name, fd, size), evicted
 
-    def commit(self, p: Pending, oid: str, sub_fd: int) -> None:
+    def commit(self, p: Pending, oid: str, sub_fd: int) -> bool:
         """Close the written temp file (a network filesystem may report a write's failure
         only there: then the write fails and nothing is visible), rename it into
         ``objects/`` (replacing another node's copy of the same object, harmlessly) and
-        journal it as this node's."""
+        journal and index it as this node's; whether the index lacked it."""
         fd, p.fd = p.fd, -1  # never kept once closed: a failed close still releases it
         os.close(fd)
         os.replace(p.name, oid + OBJECT_SUFFIX, src_dir_fd=self.dirs.tmp, dst_dir_fd=sub_fd)
         with self._mutex:
             self.reserved.pop(p.name, None)
             self.owned[oid] = p.size
+            # indexed with the rename, under the mutex: a write making room meanwhile sees
+            # it in the index (never removes it behind a write about to index it)
+            new = oid not in self.index
+            self.index.put(oid, p.size, None)
             self._note(f"+ {oid} {p.size}\n")
             self._saw()
+        return new
 
     def abort(self, p: Pending) -> None:
         """Give a reservation back and remove its temp file (never raises: a failed write's

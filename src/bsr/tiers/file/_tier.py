@@ -723,9 +723,8 @@ class FileTier(IndexedTier):
                 errno=exc.errno,
             ) from exc
         finally:
-            if renamed:  # visible on disk: index it even if the caller was cancelled
-                new = oid not in self._index
-                self._index.put(oid, size, None)
+            if renamed:  # visible on disk and indexed by the commit, even if cancelled since
+                new = renamed[0]
             else:  # every failure path gives the bytes back and removes the temp file
                 with anyio.CancelScope(shield=True):  # never waits for the lock: bounded
                     await anyio.to_thread.run_sync(self._writes.abort, pending)
@@ -778,9 +777,7 @@ class FileTier(IndexedTier):
         finally:
             if not renamed:
                 self._writes.abort(out[0])
-        new = oid not in self._index
-        self._index.put(oid, size, None)
-        return new
+        return renamed[0]
 
     async def _reserve(self, oid: str, size: int) -> Pending:
         """Reserve ``size`` bytes in the shared ledger (evicting), waiting at most

@@ -65,13 +65,13 @@ class FileWrites:
 
     def commit(self, oid: str, pending: Pending, renamed: list[bool]) -> None:
         """Rename the written temp file into ``objects/`` under the root's lock (RootBusy
-        while another process holds it), then fsync the directory."""
+        while another process holds it; indexed there too), then fsync the directory;
+        ``renamed`` gets whether the object is new to the index."""
         dirs, space = self.tier._enter_space()
         try:
             sub_fd = self._object_dir(dirs, oid[:2])
             try:
-                space.commit(pending, oid, sub_fd)
-                renamed.append(True)
+                renamed.append(space.commit(pending, oid, sub_fd))
                 if self.tier.fsync:
                     os.fsync(sub_fd)
             finally:
