@@ -10,6 +10,7 @@ import errno
 from pathlib import Path
 from typing import Any
 
+import anyio
 import numpy as np
 import pytest
 import torch
@@ -114,3 +115,40 @@ async def test_an_eviction_reports_only_what_its_node_removed(tmp_path: Path) ->
         for i, k in enumerate(keys[:4]):
             await c.read_into(k, "kv", dst)
             assert np.array_equal(dst, payload(i))
+
+
+@pytest.mark.anyio
+async def test_an_object_retired_for_an_io_error_is_tried_again_after_the_cooldown(
+    tmp_path: Path,
+) -> None:
+    """An I/O error retires the object in the engine for one breaker cooldown, not for the
+    engine's life: once the server is back the same engine restores the prefix without a
+    save in between (a corrupt object, by contrast, stays out until written again)."""
+    n = 3
+    toks = tokens_for(n * CT, seed=9)
+    src = filled_cache(LAYOUT, 32, BLOCK)
+    ids = torch.arange(n * CT // BLOCK)
+    tier = _node(tmp_path / "root", "a")
+    failing = {"on": False}
+    async with make_engine(LAYOUT, [tier], breaker_cooldown_s=0.2) as eng:
+        assert (await eng.save(toks, src, ids)).ok
+        orig = tier._io.open_object
+
+        def open_object(dirs: Any, oid: str) -> Any:
+            if failing["on"]:
+                raise OSError(errno.ENOTCONN, "Transport endpoint is not connected")
+            return orig(dirs, oid)
+
+        tier._io.open_object = open_object  # type: ignore[method-assign]
+        failing["on"] = True
+        r = await eng.restore(toks, bsr.PagedKVCache(LAYOUT, 32, BLOCK), ids)
+        assert r.committed_tokens == 0 and r.quarantined >= 1
+        failing["on"] = False
+        dst = bsr.PagedKVCache(LAYOUT, 32, BLOCK)
+        for _ in range(500):  # the cooldown passes (a bound, not a timing assertion)
+            r = await eng.restore(toks, dst, ids)
+            if r.committed_tokens == n * CT:
+                break
+            await anyio.sleep(0.02)
+        assert r.committed_tokens == n * CT, (r.reason, r.errors)
+        assert blocks_equal(LAYOUT, src, ids, dst, ids, n)

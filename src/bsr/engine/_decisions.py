@@ -7,9 +7,11 @@ How it works: the transfer side reports one :class:`~bsr.transfer._ladder.ReadOu
 attempt. The gate turns outcomes into decisions: a verified-corrupt object is quarantined in the
 engine at once (later probes and reads skip it) and queued for removal from its tier (done by the
 engine after the window, bounded by the request's deadline); an I/O error retires the object in
-this engine only (never ask a possibly dead tier to delete it) and counts against the tier's
-circuit breaker, as does a timeout; a miss and a success are the tier answering. Before an
-attempt, the gate refuses a tier whose breaker is open or an object that is quarantined.
+this engine only (never ask a possibly dead tier to delete it), for one breaker cooldown
+(``breaker_cooldown_s``: the error may pass, as a network filesystem's server coming back), and
+counts against the tier's circuit breaker, as does a timeout; a miss and a success are the
+tier answering. Before an attempt, the gate refuses a tier whose breaker is open or an object
+that is quarantined.
 
 Moving an object out of its tier is tidying, not safety: the engine's own quarantine keeps it out
 of every later probe and read at once, and every read verifies anyway. So that move is never
@@ -42,26 +44,57 @@ class Quarantine:
 
     def __init__(self, on_add: Callable[[str, str], None] | None = None) -> None:
         self._items: set[tuple[str, str]] = set()
+        #: retirements that end on their own (``time.monotonic()`` when): an I/O error's
+        self._until: dict[tuple[str, str], float] = {}
+        #: retirements that ended on their own: served again, still replaced by a save (a
+        #: save rewrites every copy this engine retired, whether or not it reads it again)
+        self._ended: set[tuple[str, str]] = set()
         self._deferred: dict[tuple[str, str], TierQuarantine] = {}
         self._lock = threading.Lock()
         self._on_add = on_add
 
     def __contains__(self, item: tuple[str, str]) -> bool:
-        return item in self._items
+        if item not in self._items:
+            return False
+        until = self._until.get(item)
+        if until is None or time.monotonic() < until:
+            return True
+        with self._lock:  # its time is up: the object may be read again
+            if self._until.get(item) == until:
+                self._items.discard(item)
+                del self._until[item]
+                self._ended.add(item)
+        return False
+
+    def retired(self, tier: str, object_id: str) -> bool:
+        """Whether this engine retired the object since it was last written (quarantined now,
+        or retired for an I/O error whose time ran out): a save writes it again."""
+        item = (tier, object_id)
+        return item in self._items or item in self._ended
 
     def __len__(self) -> int:
         return len(self._items)
 
     def __iter__(self) -> Iterator[tuple[str, str]]:
         with self._lock:
-            return iter(sorted(self._items))
+            items = sorted(self._items)
+        return iter([i for i in items if i in self])
 
-    def add(self, tier: str, object_id: str) -> bool:
-        """Quarantine an object; return False if it already was."""
+    def add(self, tier: str, object_id: str, *, for_s: float | None = None) -> bool:
+        """Quarantine an object (for ``for_s`` seconds, or until lifted); return False if it
+        already was."""
+        item = (tier, object_id)
         with self._lock:
-            if (tier, object_id) in self._items:
+            if item in self._items and (
+                item not in self._until or self._until[item] > time.monotonic()
+            ):
                 return False
-            self._items.add((tier, object_id))
+            self._items.add(item)
+            self._ended.discard(item)
+            if for_s is None:
+                self._until.pop(item, None)
+            else:
+                self._until[item] = time.monotonic() + for_s
         if self._on_add is not None:
             self._on_add(tier, object_id)
         return True
@@ -70,6 +103,8 @@ class Quarantine:
         """A fresh copy was written: the object may be used again (and must stay)."""
         with self._lock:
             self._items.discard((tier, object_id))
+            self._until.pop((tier, object_id), None)
+            self._ended.discard((tier, object_id))
             self._deferred.pop((tier, object_id), None)
 
     def defer(self, moves: list[TierQuarantine]) -> None:
@@ -193,7 +228,10 @@ class RestoreGate:
             self._retire(outcome, physical=False)
 
     def _retire(self, outcome: ReadOutcome, *, physical: bool) -> None:
-        if not self.quarantine.add(outcome.tier, outcome.object_id):
+        # a corrupt object stays out until a fresh copy is written; one that could not be read
+        # (EIO, a server gone: often passing) for one breaker cooldown, then it is tried again
+        for_s = None if physical else self.health.cooldown_s
+        if not self.quarantine.add(outcome.tier, outcome.object_id, for_s=for_s):
             return
         with self._lock:
             self.run.quarantined += 1

@@ -886,7 +886,7 @@ class RestoreEngine(AsyncResource):
             keys=list(keyed.keys), io_depth=self.io_depth, log=self._log,
             # a fresh copy replaces a quarantined one: probes may see it again
             on_written=lambda tier, okey: quarantine.lift(tier.name, okey.object_id),
-            is_retired=lambda tier, okey: (tier.name, okey.object_id) in quarantine,
+            is_retired=lambda tier, okey: quarantine.retired(tier.name, okey.object_id),
             checkpoint_chunks=every,
         )  # fmt: skip
         self._counts["saves"] += 1

@@ -131,7 +131,8 @@ class RestoreMachine(Restores, RuleBasedStateMachine):
         self.fault_log = []
         self.store = {}
         # copies the engine may ignore although the tier holds them: it retires a copy that
-        # failed a read with an I/O error until the copy is saved again or the engine reopened
+        # failed a read with an I/O error (for one breaker cooldown: it may read it again after,
+        # so such a copy is maybe visible) and a save writes it again, until the engine reopens
         self.blind = set()
         # (rank, tier index) whose circuit breaker was open at some point of the step
         self.unavailable = set()
