@@ -606,19 +606,12 @@ class SharedSpace:
             RootBusy: the root's lock is held elsewhere (nothing done; retry).
             OSError: the temp file cannot be created.
         """
-        if size > self.capacity_bytes:
-            raise TierFullError(
-                f"object of {size} bytes exceeds capacity {self.capacity_bytes}; "
-                "raise capacity_bytes",
-                tier=self.store.tier,
-            )
+        check_fits(size, self.capacity_bytes, self.store.tier)
         if not self.writable:
             raise OSError(errno.EROFS, "the store's ledger cannot be written (read-only?)")
         with self.locked() as led:
             evicted = self._make_room(led, size)
-            name = f"{oid}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-            fd = os.open(name, flags, 0o644, dir_fd=self.dirs.tmp)
+            name, fd = create_temp(self.dirs, oid)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # "a live writer holds this"
             except BaseException:
@@ -936,6 +929,22 @@ def probe_sizes(dirs: Dirs, oids: list[str]) -> list[int]:
             if fd >= 0:
                 os.close(fd)
     return out
+
+
+def check_fits(size: int, capacity: int, tier: str, *, of: str = "capacity") -> None:
+    """Refuse an object larger than the whole ``capacity`` (no eviction can make room)."""
+    if size > capacity:
+        raise TierFullError(
+            f"object of {size} bytes exceeds {of} {capacity}; raise capacity_bytes", tier=tier
+        )
+
+
+def create_temp(dirs: Dirs, oid: str) -> tuple[str, int]:
+    """A new temp file for a write of ``oid`` in ``tmp/`` (``TMP_NAME_RE``: unique by pid and
+    12 random hex digits); its name and write descriptor."""
+    name = f"{oid}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    return name, os.open(name, flags, 0o644, dir_fd=dirs.tmp)
 
 
 def _regular_size(name: str, sub_fd: int) -> int | None:

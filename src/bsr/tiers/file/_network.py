@@ -62,7 +62,15 @@ from typing import Any
 
 from ..._errors import ConfigError, TierFullError, TierRootError
 from .._lru import LruIndex, RoomPending
-from ._ledger import Ledger, Pending, _open_regular_rw, list_objects, probe_sizes
+from ._ledger import (
+    Ledger,
+    Pending,
+    _open_regular_rw,
+    check_fits,
+    create_temp,
+    list_objects,
+    probe_sizes,
+)
 from ._readers import NotRegularFileError, open_regular
 from ._root import (
     DIR_FLAGS,
@@ -147,6 +155,7 @@ class NodeSpace:
         self._mutex = threading.Lock()
         #: object id -> bytes, of the objects this node wrote (its journal)
         self.owned: dict[str, int] = {}
+        self._bytes = 0  # the sum of ``owned`` (kept as it changes: eviction asks per victim)
         #: temp file name -> bytes, of this node's writes in progress
         self.reserved: dict[str, int] = {}
         self.seen = Ledger()
@@ -239,7 +248,7 @@ class NodeSpace:
         found = []
         for oid, size in present.items():
             if size:
-                self.owned[oid] = size
+                self._own(oid, size)
                 found.append((0, oid, size))
         report.found.extend(found)
         if self.writable:
@@ -338,7 +347,7 @@ class NodeSpace:
             )
 
     def _saw(self) -> None:
-        self.seen = Ledger(nbytes=sum(self.owned.values()), reserved=dict(self.reserved))
+        self.seen = Ledger(nbytes=self._bytes, reserved=dict(self.reserved))
         self.peak = max(self.peak, self.seen.total)
 
     # ------------------------------------------------------------------ writes
@@ -351,19 +360,12 @@ class NodeSpace:
             RoomPending: room will come once this node's writes in progress finish (retry).
             OSError: the temp file cannot be created.
         """
-        if size > self.capacity_bytes:
-            raise TierFullError(
-                f"object of {size} bytes exceeds this node's capacity {self.capacity_bytes}; "
-                "raise capacity_bytes",
-                tier=self.store.tier,
-            )
+        check_fits(size, self.capacity_bytes, self.store.tier, of="this node's capacity")
         if not self.writable:
             raise OSError(errno.EROFS, "the root cannot be written (read-only?)")
         with self._mutex:
             evicted = self._make_room(size)
-            name = f"{oid}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-            fd = os.open(name, flags, 0o644, dir_fd=self.dirs.tmp)
+            name, fd = create_temp(self.dirs, oid)
             self.reserved[name] = size
             self._saw()
         return Pending(name, fd, size), evicted
@@ -378,7 +380,7 @@ class NodeSpace:
         os.replace(p.name, oid + OBJECT_SUFFIX, src_dir_fd=self.dirs.tmp, dst_dir_fd=sub_fd)
         with self._mutex:
             self.reserved.pop(p.name, None)
-            self.owned[oid] = p.size
+            self._own(oid, p.size)
             # indexed with the rename, under the mutex: a write making room meanwhile sees
             # it in the index (never removes it behind a write about to index it)
             new = oid not in self.index
@@ -400,8 +402,19 @@ class NodeSpace:
             self.reserved.pop(p.name, None)
             self._saw()
 
+    def _own(self, oid: str, size: int) -> None:
+        self._bytes += size - self.owned.get(oid, 0)
+        self.owned[oid] = size
+
+    def _disown(self, oid: str) -> int | None:
+        """Leave ``oid`` out of this node's count; its bytes (None: not this node's)."""
+        size = self.owned.pop(oid, None)
+        if size is not None:
+            self._bytes -= size
+        return size
+
     def _over(self, size: int) -> bool:
-        return sum(self.owned.values()) + sum(self.reserved.values()) + size > self.capacity_bytes
+        return self._bytes + sum(self.reserved.values()) + size > self.capacity_bytes
 
     def _make_room(self, size: int) -> int:
         """Evict this node's least recently used unpinned objects until ``size`` more bytes
@@ -414,10 +427,11 @@ class NodeSpace:
             if victim is None:
                 break
             evicted += self._remove(victim[0]) is not None
-        for oid in [o for o in self.owned if o not in self.index]:
-            if not self._over(size):
-                break
-            evicted += self._remove(oid) is not None
+        if self._over(size):
+            for oid in [o for o in self.owned if o not in self.index]:
+                evicted += self._remove(oid) is not None
+                if not self._over(size):
+                    break
         if self._over(size):
             if self.reserved:
                 raise RoomPending(
@@ -446,10 +460,10 @@ class NodeSpace:
         except OSError as exc:
             self.store.log.warning("bsr.tier.unlink_failed", object_id=oid, error=repr(exc))
             return None
-        size = self.owned.pop(oid, 0)
-        if size:
+        size = self._disown(oid)
+        if size is not None:
             self._note(f"- {oid}\n")
-        return size
+        return size or 0
 
     def unlink(self, oids: list[str]) -> int:
         """Remove the files of ``oids`` (already out of the index); how many were there."""
@@ -469,7 +483,7 @@ class NodeSpace:
             self.dirs, sub_fd, oid + OBJECT_SUFFIX, oid, reason
         )
         with self._mutex:
-            if self.owned.pop(oid, None) is not None:
+            if self._disown(oid) is not None:
                 self._note(f"- {oid}\n")
             self._saw()
         return moved, dest
