@@ -31,7 +31,10 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 SSHD = "/usr/sbin/sshd"
 #: sshfs options that let a mount recover after its connection broke (see the module docstring)
@@ -226,3 +229,17 @@ class SshfsExport:
                 self.sshd.wait()
             # sessions the unmounts did not end (a lazy unmount's), still sshd's (not a reused PID)
             _signal([p for p in sessions if _comm(p).startswith("sshd")], signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def sshfs_export(tmp: Path) -> Iterator[SshfsExport]:
+    """An :class:`SshfsExport` in ``tmp``, closed after (sshd stopped, every mount unmounted);
+    the test is skipped, with the reason, where sshfs cannot run here."""
+    why = sshfs_unavailable()
+    if why:
+        pytest.skip(why)
+    ex = SshfsExport(tmp)
+    try:
+        yield ex
+    finally:
+        ex.close()

@@ -15,7 +15,6 @@ server's side, as another machine would, and seen by the tier through the mount.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import threading
@@ -34,12 +33,13 @@ from bsr.core._object import HEADER_SIZE, decode_object
 from bsr.testing import (
     TierConformance,
     corrupt_stored,
+    fifo_unblocker,
     flip_file_byte,
     make_keys,
     payload,
 )
 from bsr.tiers.file._fstype import mount_type
-from support.sshfs import SshfsExport, sshfs_unavailable
+from support.sshfs import sshfs_export
 
 #: payload bytes of the targeted tests' objects, and what one object holds on disk
 SMALL = 4096
@@ -71,14 +71,8 @@ class Shared:
 
 @pytest.fixture(scope="module")
 def sshfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Export]:
-    why = sshfs_unavailable()
-    if why:
-        pytest.skip(why)
-    ex = SshfsExport(tmp_path_factory.mktemp("sshfs"))
-    try:
+    with sshfs_export(tmp_path_factory.mktemp("sshfs")) as ex:
         yield Export(ex.export, ex.mount("node-a"), ex.mount("node-b"), ex.mount("node-c"))
-    finally:
-        ex.close()
 
 
 @pytest.fixture
@@ -347,30 +341,6 @@ def _plant(path: Path, kind: str, outside: Path) -> None:
         path.write_bytes(b"not bsr's")
 
 
-@contextlib.contextmanager
-def fifo_freed(path: Path, after_s: float) -> Iterator[None]:
-    """After ``after_s``, keep opening ``path`` read-write (a reader and a writer at once), so an
-    open blocked on a FIFO there returns, for reading or for writing (``fifo_unblocker`` of
-    the suite frees readers only): a tier that blocks fails its bound instead of hanging."""
-    stop = threading.Event()
-
-    def run() -> None:
-        if stop.wait(after_s):
-            return
-        while not stop.is_set():
-            with contextlib.suppress(OSError):
-                os.close(os.open(path, os.O_RDWR | os.O_NONBLOCK))
-            stop.wait(0.01)
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        t.join()
-
-
 @pytest.mark.parametrize(
     ("name", "kind"),
     [
@@ -394,7 +364,7 @@ async def test_foreign_entries_in_place_of_a_nodes_files(
         pass
     planted = root / name
     _plant(planted, kind, outside / "a.log" if name != "nodes" else outside)
-    with fifo_freed(planted, after_s=12):  # frees a blocked open, which fails the bound
+    with fifo_unblocker(planted, after_s=12):  # frees a blocked open, which fails the bound
         try:
             with anyio.fail_after(10):  # a hang guard (an open takes milliseconds)
                 async with node_tier(root, "a"):

@@ -35,19 +35,18 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
 import numpy as np
-import pytest
 import torch
 
 import bsr
 import network_node_worker as nnw
 from bsr.tiers.file import gc_store, verify_store
 from bsr.tiers.file._network import read_journal
-from support.sshfs import SshfsExport, sshfs_unavailable
+from support.sshfs import SshfsExport
 
 TESTS = Path(__file__).resolve().parents[1]
 SEED = int(os.environ.get("BSR_CHURN_SEED", "20250611"))
@@ -200,18 +199,6 @@ class Worker:
         if self.code is None:
             os.kill(self.pid, signal.SIGKILL)
             self.code = -signal.SIGKILL
-
-
-@pytest.fixture
-def export(tmp_path: Path) -> Iterator[SshfsExport]:
-    why = sshfs_unavailable()
-    if why:
-        pytest.skip(why)
-    ex = SshfsExport(tmp_path)
-    try:
-        yield ex
-    finally:
-        ex.close()
 
 
 def plant_foreign(root: Path) -> dict[str, tuple[bytes, int]]:

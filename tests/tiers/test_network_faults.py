@@ -21,7 +21,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -34,7 +34,7 @@ import bsr
 import network_node_worker as nnw
 from bsr.tiers.file import gc_store
 from bsr.tiers.file._network import read_journal
-from support.sshfs import SshfsExport, sshfs_unavailable
+from support.sshfs import SshfsExport
 
 RAW = range(8)  # raw objects each test writes
 PROMPTS = (1, 3, 5)  # prompts each test saves (2, 4 and 6 chunks)
@@ -44,18 +44,6 @@ RECOVERY_S = 30.0
 #: a write on a hung server: how long it may hold its caller past DEADLINE_S (a hang guard)
 WRITE_WATCHDOG_S = 5.0  # how long a mount may take to read again once its server is back
 ROOT = "kv"
-
-
-@pytest.fixture
-def export(tmp_path: Path) -> Iterator[SshfsExport]:
-    why = sshfs_unavailable()
-    if why:
-        pytest.skip(why)
-    ex = SshfsExport(tmp_path)
-    try:
-        yield ex
-    finally:
-        ex.close()
 
 
 @asynccontextmanager

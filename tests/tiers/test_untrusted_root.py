@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
@@ -22,7 +21,7 @@ import torch
 
 import bsr
 from bsr.tiers.file._fstype import locks_untrusted, mount_type, parse_mountinfo
-from support.sshfs import SshfsExport, sshfs_unavailable
+from support.sshfs import SshfsExport
 
 MOUNTINFO = r"""22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw
 30 22 0:26 / /mnt/nfs rw,relatime shared:9 - nfs4 srv:/export rw,vers=4.2
@@ -68,18 +67,6 @@ def test_this_machines_local_root_opens(tmp_path: Path) -> None:
             pass
 
     anyio.run(main)
-
-
-@pytest.fixture
-def export(tmp_path: Path) -> Iterator[SshfsExport]:
-    why = sshfs_unavailable()
-    if why:
-        pytest.skip(why)
-    ex = SshfsExport(tmp_path)
-    try:
-        yield ex
-    finally:
-        ex.close()
 
 
 def test_flock_on_two_sshfs_mounts_is_taken_by_both(export: SshfsExport) -> None:

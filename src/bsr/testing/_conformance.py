@@ -1074,7 +1074,8 @@ def _plant_junk(root: Path, oid: str) -> dict[Path, bytes | None]:
 
 @contextlib.contextmanager
 def fifo_unblocker(path: Path, after_s: float = 4.0) -> Iterator[None]:
-    """After ``after_s``, keep opening ``path`` for writing, so a reader blocked on it returns.
+    """After ``after_s``, keep opening ``path`` read-write (a reader and a writer at once), so
+    an open blocked on it returns, whether it opened it for reading or for writing.
 
     Lets a test of a tier that blocks on a FIFO fail (too slow) instead of hanging forever.
     """
@@ -1084,12 +1085,9 @@ def fifo_unblocker(path: Path, after_s: float = 4.0) -> Iterator[None]:
         if stop.wait(after_s):
             return
         while not stop.is_set():
-            try:
-                fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO while nobody reads
-            except OSError:
-                stop.wait(0.05)
-                continue
-            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.close(os.open(path, os.O_RDWR | os.O_NONBLOCK))
+            stop.wait(0.01)
 
     t = threading.Thread(target=run, daemon=True)
     t.start()
