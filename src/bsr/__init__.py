@@ -62,6 +62,7 @@ if TYPE_CHECKING:  # what mypy and readers see; at run time __getattr__ imports 
     from .core._lifecycle import RequestLifecycle as RequestLifecycle
     from .core._lifecycle import RequestState as RequestState
     from .core._lifecycle import TransitionRecord as TransitionRecord
+    from .core._options import Promote as Promote
     from .core._results import LoadDecision as LoadDecision
     from .core._results import Policy as Policy
     from .core._results import Probe as Probe
@@ -82,6 +83,8 @@ if TYPE_CHECKING:  # what mypy and readers see; at run time __getattr__ imports 
     from .engine._engine import EngineStatistics as EngineStatistics
     from .engine._engine import RestoreEngine as RestoreEngine
     from .engine._health import BreakerState as BreakerState
+    from .engine._warm import WarmResult as WarmResult
+    from .engine._warm import WarmStatistics as WarmStatistics
     from .tiers._abandon import AbandonableCalls as AbandonableCalls
     from .tiers._base import Medium as Medium
     from .tiers._base import Tier as Tier
@@ -137,6 +140,7 @@ _LAZY: dict[str, tuple[str, ...]] = {
     ),
     ".core._layout": ("StateGroup", "StateLayout", "kv_layout"),
     ".core._lifecycle": ("Reason", "RequestLifecycle", "RequestState", "TransitionRecord"),
+    ".core._options": ("Promote",),
     ".core._results": (
         "LoadDecision",
         "Policy",
@@ -158,6 +162,7 @@ _LAZY: dict[str, tuple[str, ...]] = {
     ".engine._cost": ("CostModel", "CostStatistics"),
     ".engine._engine": ("EngineStatistics", "RestoreEngine"),
     ".engine._health": ("BreakerState",),
+    ".engine._warm": ("WarmResult", "WarmStatistics"),
     ".tiers._abandon": ("AbandonableCalls",),
     ".tiers._base": (
         "Medium",

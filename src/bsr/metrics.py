@@ -60,7 +60,7 @@ import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from . import Probe, RequestState, RestoreResult, SaveResult
+from . import Probe, RequestState, RestoreResult, SaveResult, WarmResult
 from ._errors import ClosedError, ConfigError
 
 if TYPE_CHECKING:
@@ -120,7 +120,13 @@ _METRICS: tuple[tuple[str, str, str, str, tuple[str, ...]], ...] = (
     ("saves_skipped", "counter", "saves_skipped", "Saves that skipped a busy tier", ("reason",)),
     ("save_seconds", "histogram", "save_duration_seconds", "Save wall time", ()),
     ("load_decisions", "counter", "load_decisions", "Policy 'cost' decisions", ("choice",)),
-)
+    ("warms", "counter", "warms", "Warms and promotions by kind and reason", ("kind", "reason")),
+    (
+        "warmed_bytes", "counter", "warmed_bytes",
+        "Payload bytes warms and promotions copied into the host tier, by source tier",
+        ("kind", "tier"),
+    ),
+)  # fmt: skip
 
 
 class PrometheusMetrics:
@@ -153,6 +159,8 @@ class PrometheusMetrics:
     saves_skipped: Any
     save_seconds: Any
     load_decisions: Any
+    warms: Any
+    warmed_bytes: Any
 
     def __init__(
         self,
@@ -209,8 +217,9 @@ class PrometheusMetrics:
             used.add(value)
         return _label(value)
 
-    def observe(self, record: Probe | RestoreResult | SaveResult) -> None:
-        """Count one engine record (called by the engine for every lookup, restore, save)."""
+    def observe(self, record: Probe | RestoreResult | SaveResult | WarmResult) -> None:
+        """Count one engine record (called by the engine for every lookup, restore, save,
+        warm and promotion)."""
         if isinstance(record, RestoreResult):
             outcome = "committed" if record.state is RequestState.COMMITTED else "invalidated"
             self.restores.labels(
@@ -238,6 +247,11 @@ class PrometheusMetrics:
             for reason in record.skipped:
                 self.saves_skipped.labels(self._value("saves_skipped", reason)).inc()
             self.save_seconds.observe(record.duration_s)
+        elif isinstance(record, WarmResult):
+            kind = "promotion" if record.kind == "promotion" else "warm"
+            self.warms.labels(kind, self._value("warms", record.reason, 1)).inc()
+            for tier, n in record.bytes_by_tier.items():
+                self.warmed_bytes.labels(kind, self._value("warmed_bytes", tier, 1)).inc(n)
 
     def close(self) -> None:
         """Stop observing the engine and remove every metric from the registry."""

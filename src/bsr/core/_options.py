@@ -1,4 +1,4 @@
-"""Option enums of a restore (commit policy, transfer strategy) and their parser."""
+"""Option enums of a restore (commit policy, transfer strategy, promotion) and their parser."""
 
 from __future__ import annotations
 
@@ -29,6 +29,17 @@ class Strategy(str, enum.Enum):
     BOUNDED = "bounded"
     #: LMCache-style baseline: read every hit chunk into host memory, then install (RWS = |S|)
     WHOLE_PLAN = "whole_plan"
+
+
+class Promote(str, enum.Enum):
+    """When a restore's hits read from a tier below the host tier are copied into it."""
+
+    #: never: each restore reads its prefix where it lies (default)
+    NEVER = "never"
+    #: when the same prefix is restored from a lower tier a second time
+    SECOND_HIT = "second_hit"
+    #: after every restore that read from a lower tier
+    ALWAYS = "always"
 
 
 def choice(enum_type: type[E], value: object, what: str) -> E:

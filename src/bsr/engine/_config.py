@@ -33,6 +33,7 @@ from .._check import Check, check_options, fs_path, option, parse_options, posit
 from .._errors import ConfigError
 from ..core._keys import Namespace
 from ..core._layout import StateLayout, utf8_name
+from ..core._options import Promote
 from ..core._results import Policy
 from ..tiers._base import Tier
 from ..tiers._registry import TierOptions, tier_options
@@ -137,6 +138,13 @@ class EngineConfig:
             window must fit in it (else a ConfigError when the engine is built); a whole-plan
             restore whose plan exceeds it ends Invalidated (``staging_budget``). ``None``: no
             budget.
+        promote: when a restore's hits read from a tier below the host tier (the first tier,
+            when it is a ``"host"`` tier) are copied into it, after the restore committed and
+            off its path: ``"never"`` (default), ``"second_hit"`` or ``"always"``.
+        warm_budget_bytes: the bytes that warms and promotions in flight may write into the
+            host tier together (an int or ``"2GiB"``); ``None``: a quarter of its capacity.
+        warm_concurrency: warms and promotions running at once (another warm is refused as
+            ``"busy"``).
 
     Every ``*_s`` option, of the engine and of each tier kind, is at most
     :data:`bsr._check.MAX_SECONDS` (2,147,483 s, about 24.8 days: the longest timeout a socket
@@ -161,6 +169,9 @@ class EngineConfig:
     )
     shield_timeout_s: float = option(Check.seconds, 5.0)
     staging_budget_bytes: int | None = option(Check.optional_size, None)
+    promote: str = option(Check.one_of(*(p.value for p in Promote)), "never")
+    warm_budget_bytes: int | None = option(Check.optional_size, None)
+    warm_concurrency: int = option(Check.positive_int, 2)
 
     def __post_init__(self) -> None:
         check_options(self)  # direct construction is checked exactly like from_dict

@@ -18,7 +18,8 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from types import TracebackType
+from typing import Any, Self
 
 import anyio
 
@@ -53,7 +54,7 @@ from ..core._keys import (
 )
 from ..core._layout import StateLayout
 from ..core._lifecycle import Reason, RequestLifecycle
-from ..core._options import Policy, Strategy, choice
+from ..core._options import Policy, Promote, Strategy, choice
 from ..core._plan import checkpoint_ends, needed_objects
 from ..core._results import Probe, RestoreResult, SaveResult
 from ..tiers._base import Tier, TierLease, TierStatistics
@@ -73,8 +74,9 @@ from ._job import RestoreJob, RestoreParts
 from ._leases import LeaseBook, ProbeLease
 from ._probe import Prober
 from ._request import RestoreRequest
+from ._warm import Warmer, WarmResult, WarmStatistics
 
-Record = Probe | RestoreResult | SaveResult
+Record = Probe | RestoreResult | SaveResult | WarmResult
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,7 @@ class EngineStatistics:
         saves_skipped: saves that skipped a tier because it stayed busy, by reason
             (``"root_locked"``: a FileTier root whose lock another process held; see
             ``SaveResult.skipped``).
+        warm: warms and promotions (:class:`~bsr.WarmStatistics`).
     """
 
     staging: StagingStatistics
@@ -106,6 +109,7 @@ class EngineStatistics:
     abandoned_workers: int = 0
     leases: int = 0
     saves_skipped: dict[str, int] = field(default_factory=dict)
+    warm: WarmStatistics = field(default_factory=WarmStatistics)
 
 
 #: the parsers of the options RestoreEngine shares with EngineConfig (one rule set for both)
@@ -152,7 +156,17 @@ class RestoreEngine(AsyncResource):
         window_checkpoint_chunks: the interval, in chunks, of a sliding-window group's window
             checkpoints in a save that asks for them (``save(..., window_checkpoints=True)``);
             ``None``: none.
+        promote: when a restore's hits read from a tier below the host tier are copied into it
+            (``"never"``, ``"second_hit"``, ``"always"``; see :meth:`warm`): after the restore
+            committed, off its path, by the engine's background task (``async with engine``)
+            or :meth:`run_promotions`.
+        warm_budget_bytes: the bytes warms and promotions in flight may write into the host
+            tier together (None: a quarter of its capacity).
+        warm_concurrency: warms and promotions running at once.
     """
+
+    #: the task running promotions inside ``async with engine`` (None outside it)
+    _background: anyio.abc.TaskGroup | None = None
 
     def __init__(
         self,
@@ -173,6 +187,9 @@ class RestoreEngine(AsyncResource):
         shield_timeout_s: float = 5.0,
         staging_budget_bytes: int | str | None = None,
         window_checkpoint_chunks: int | None = DEFAULT_WINDOW_CHECKPOINT_CHUNKS,
+        promote: Promote | str = Promote.NEVER,
+        warm_budget_bytes: int | str | None = None,
+        warm_concurrency: int = 2,
     ) -> None:
         if not isinstance(layout, StateLayout):
             raise ConfigError(f"layout must be a StateLayout, got {type(layout).__name__}")
@@ -229,6 +246,17 @@ class RestoreEngine(AsyncResource):
             layout, self._prober, self.coordinator, self.health, self._quarantine, self.cost,
             self._window, self._open_pool, self._move_out, self.shield_timeout_s,
             self.pin_staging, self.staging_budget_bytes,
+        )  # fmt: skip
+        self._warmer = self._make_warmer(promote, warm_budget_bytes, warm_concurrency)
+
+    def _make_warmer(self, promote: Any, budget: Any, concurrency: Any) -> Warmer:
+        return Warmer(
+            self.layout, self.tiers, self._prober, self.health, self._quarantine,
+            self._open_pool, self._move_out, io_depth=self.io_depth, window=self.window,
+            budget_bytes=_OPTION["warm_budget_bytes"](budget, "warm_budget_bytes"),
+            concurrency=_OPTION["warm_concurrency"](concurrency, "warm_concurrency"),
+            promote=choice(Promote, _OPTION["promote"](promote, "promote"), "promote"),
+            shield_timeout_s=self.shield_timeout_s, log=self._log, notify=self._notify,
         )  # fmt: skip
 
     @classmethod
@@ -308,6 +336,9 @@ class RestoreEngine(AsyncResource):
             window_checkpoint_chunks=config.window_checkpoint_chunks,
             shield_timeout_s=config.shield_timeout_s,
             staging_budget_bytes=config.staging_budget_bytes,
+            promote=config.promote,
+            warm_budget_bytes=config.warm_budget_bytes,
+            warm_concurrency=config.warm_concurrency,
         )
 
     @staticmethod
@@ -381,15 +412,37 @@ class RestoreEngine(AsyncResource):
             tiers=[t.name for t in self.tiers],
         )  # fmt: skip
 
+    async def __aenter__(self) -> Self:
+        """Open the engine and start its background task (promotions, see :meth:`warm`), which
+        runs until the ``async with`` block ends."""
+        await self.open()
+        tg = anyio.create_task_group()
+        await tg.__aenter__()
+        self._background = tg
+        tg.start_soon(self._warmer.serve)
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        tg, self._background = self._background, None
+        try:
+            if tg is not None:  # the background task never raises: it only has to stop
+                tg.cancel_scope.cancel()
+                await tg.__aexit__(None, None, None)
+        finally:
+            await self.aclose()
+
     async def aclose(self) -> None:
         """Release leases, finish owed quarantine moves and close every tier (each bounded by
-        ``shield_timeout_s``).
+        ``shield_timeout_s``). Promotions not yet run are dropped.
 
         Later calls raise :class:`~bsr.ClosedError`.
         """
         if self.closed:
             return
         await super().aclose()
+        self._warmer.drop_pending()
         self._leases.release_all()
         owed = self._quarantine.take_deferred()
         if owed:  # moves out of a tier that a cancel or a bound cut short, tried once more
@@ -427,6 +480,7 @@ class RestoreEngine(AsyncResource):
             abandoned_workers=self._window.abandoned_workers,
             leases=len(self._leases),
             saves_skipped=dict(self._saves_skipped),
+            warm=self._warmer.statistics(),
         )
 
     def subscribe(self, listener: Callable[[Record], None]) -> Callable[[], None]:
@@ -657,6 +711,48 @@ class RestoreEngine(AsyncResource):
             raise
         return self._leases.add(leases, ttl_s)
 
+    # ------------------------------------------------------------------ warm
+    async def warm(
+        self, tokens: TokensLike, *, extras: Extras | None = None, deadline_s: float | None = None
+    ) -> WarmResult:
+        """Copy the stored prefix of ``tokens`` into the host tier before a restore asks for it.
+
+        A router's hint that a request for ``tokens`` is about to arrive: the objects of this
+        rank's stored prefix that the first tier (a host tier, above at least one other) lacks
+        are read from their first healthy holder below it through the engine's staging window,
+        checked like every restore read, and written to it; a restore of the prefix then reads
+        nothing from a lower tier. A restore that arrives while the warm still copies its
+        objects waits for them (within its deadline) instead of reading them twice.
+
+        Never raises for storage failures (a corrupt copy is quarantined and the next holder
+        tried; what cannot be read ends the warm there). Cancelling it, or ``deadline_s``
+        ending it, leaves whole, verified objects in the host tier or nothing. Idempotent: a
+        prefix already there copies nothing. Bounded: at most ``warm_concurrency`` warms and
+        promotions run at once (another returns at once with reason ``"busy"``); the bytes
+        they write into the host tier while in flight stay within ``warm_budget_bytes`` (a
+        longer prefix is warmed up to its leading part that fits, reason ``"budget"``); one
+        keeps at most ``min(io_depth, window // 2)`` reads in flight, so restores always find
+        half the window. No agreement with other ranks: each rank warms its own objects (call
+        it on every rank).
+
+        ``extras``: as given to the ``save`` that stored the prefix (:class:`~bsr.KeyExtra`).
+        """
+        self._open_pool()
+        self._leases.reclaim()
+        ext = check_extras(extras)
+        deadline = optional_positive_seconds(deadline_s, "deadline_s", key="deadline_s")
+        return await self._warmer.warm(tokens, ext, deadline)
+
+    async def run_promotions(self) -> list[WarmResult]:
+        """Run the promotions queued by restores (option ``promote``) now, one after another.
+
+        Inside ``async with engine`` the engine's background task runs them as they are
+        queued; an engine opened with :meth:`open` alone runs them only when this is called
+        (e.g. submitted to the engine's loop after each finished restore). Returns what each
+        did."""
+        self._open_pool()
+        return await self._warmer.run_promotions()
+
     # ------------------------------------------------------------------ restore
     async def restore(
         self,
@@ -722,6 +818,18 @@ class RestoreEngine(AsyncResource):
             tokens, cache, block_ids, policy, deadline_s, strategy, request_id, started,
             start_tokens, extras, on_installed,
         )  # fmt: skip
+        return await self._run(req, probe)
+
+    async def _run(self, req: RestoreRequest, probe: Probe | None) -> RestoreResult:
+        """Run an admitted restore (after any warm copying its objects), then note it for
+        promotion."""
+        try:  # a warm copying these objects now: wait for it rather than read them twice
+            probe = await self._warmer.join(req.tokens, req.extras, probe, req.deadline_at)
+        except BaseException as exc:
+            if probe is not None:
+                probe.release()  # the job that would have released its leases never ran
+            self._abort(req, exc)
+            raise
         job = RestoreJob(self._parts, req, probe)
         try:
             restored = await job.run()
@@ -730,7 +838,13 @@ class RestoreEngine(AsyncResource):
             raise
         finally:
             await job.release()
-        return self._finish(req, job.result(restored))
+        result = self._finish(req, job.result(restored))
+        if result.committed and restored.window is not None:
+            self._warmer.after_restore(
+                restored.window.probe.keys[: result.committed_tokens // self.layout.chunk_tokens],
+                result.committed_tokens, result.bytes_by_tier,
+            )  # fmt: skip
+        return result
 
     def _check_probe_origin(self, probe: Probe) -> None:
         if not isinstance(probe, Probe):

@@ -23,7 +23,7 @@ import functools
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import anyio
@@ -233,6 +233,20 @@ class Prober:
             )
         probe = self._record(tokens, keyed, holders, max(local, 0), max(agreed, 0), t0)
         return ProbeOutcome(probe, timed_out, other_late=agreed == LATE and not timed_out)
+
+    def from_keys(self, keys: Sequence[ChunkKey], holders: Holders, num_tokens: int) -> Probe:
+        """This rank's probe of chunks already keyed (``keys``; :meth:`holders` found
+        ``holders``) for ``num_tokens`` tokens: no agreement, no digest (it cannot be handed to
+        a restore)."""
+
+        def have(c: int, g: str) -> bool:
+            return bool(holders[c][g])
+
+        local = self._local_prefix(holders, have)
+        return replace(
+            self._record([], None, holders, local, local, time.perf_counter()),
+            num_tokens=num_tokens, keys=tuple(keys),
+        )  # fmt: skip
 
     def _local_prefix(self, holders: Holders, have: Callable[[int, str], bool]) -> int:
         """This rank's longest usable prefix (:func:`~bsr.core._plan.longest_prefix`). Without
