@@ -5,8 +5,9 @@ Used by the vLLM tests (``vllm_engines.run``): each engine starts in a fresh pro
 engine). Usage: ``python run_engine.py spec.json out.json``. The spec names the model directory (a
 ``config.json`` only: random weights, no download), the connector config (or none) and its
 class, role and failure policy, store actions to apply after the engine started (``damage``,
-``evict``, ``fifo``), and either batches of prompts (``llm.generate``; a prompt may continue an
-earlier one with the tokens generated for it: the next turn of a conversation) or a ``script``:
+``evict``, ``fifo``; ``warm``: a router's warm hint), and either batches of prompts
+(``llm.generate``; a prompt may continue an earlier one with the tokens generated for it: the
+next turn of a conversation) or a ``script``:
 steps driven one engine step at a time, for aborts, hung stores and requests added while others run
 (see :func:`run_script`). With ``log_stats`` the run also reports vLLM's metrics (bsr's
 ``vllm:bsr_*`` counters, preemptions) after each batch or where the script asks. ``generate``
@@ -54,12 +55,15 @@ def of_group(path: Path, group: str) -> bool:
         return f.read(16) == group_digest(group)
 
 
-def apply(action: dict[str, Any]) -> int:
+def apply(action: dict[str, Any]) -> Any:
     """Change a file store behind the running engine's back; returns how many objects.
 
     ``group``: only the objects of that bsr state group (e.g. ``"kv0"``, vLLM's first KV cache
-    group).
+    group). ``warm``: POST ``body`` to the worker's warm endpoint at ``address`` as a router
+    would; returns ``[HTTP status, answer]``.
     """
+    if action["kind"] == "warm":
+        return warm(action["address"], action["body"])
     if action["kind"] == "wait_objects":  # until the saves so far have landed
         deadline = time.monotonic() + 180
         while len(store_objects(action["path"])) < action["count"]:
@@ -83,6 +87,22 @@ def apply(action: dict[str, Any]) -> int:
             p.unlink()
             os.mkfifo(p)
     return len(objs)
+
+
+def warm(address: str, body: dict[str, Any]) -> list[Any]:
+    """``POST /bsr/warm`` (the connector's warm endpoint); ``[status, JSON answer]``."""
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(
+        f"http://{address}/bsr/warm", data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return [resp.status, json.loads(resp.read())]
+    except urllib.error.HTTPError as exc:
+        return [exc.code, json.loads(exc.read() or b"{}")]
 
 
 def metrics(llm: Any) -> dict[str, float]:

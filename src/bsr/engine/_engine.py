@@ -419,7 +419,7 @@ class RestoreEngine(AsyncResource):
         tg = anyio.create_task_group()
         await tg.__aenter__()
         self._background = tg
-        tg.start_soon(self._warmer.serve)
+        tg.start_soon(self.run_background)
         return self
 
     async def __aexit__(
@@ -742,6 +742,14 @@ class RestoreEngine(AsyncResource):
         ext = check_extras(extras)
         deadline = optional_positive_seconds(deadline_s, "deadline_s", key="deadline_s")
         return await self._warmer.warm(tokens, ext, deadline)
+
+    async def run_background(self) -> None:
+        """Run the engine's background work until cancelled: the promotions restores queue
+        (option ``promote``), as they are queued. ``async with engine`` runs it for you; a
+        server that opens the engine with :meth:`open` runs it as a task on the engine's loop
+        (the vLLM connector does)."""
+        self._open_pool()
+        await self._warmer.serve()
 
     async def run_promotions(self) -> list[WarmResult]:
         """Run the promotions queued by restores (option ``promote``) now, one after another.

@@ -17,13 +17,16 @@ is tried. Bounds: a copy keeps at most ``min(io_depth, max(1, window // 2))`` re
 so restores always find half the window; at most ``concurrency`` copies run at once (another is
 refused at once, reason ``"busy"``: a hint is never queued behind others); and the bytes that
 copies in flight may write into the target together stay within ``budget_bytes`` (a prefix
-larger than what is left is warmed up to its leading part that fits, reason ``"budget"``).
+larger than what is left is warmed up to its leading part that fits, reason ``"budget"``), and a
+prefix larger than the target's capacity is warmed up to its leading part that fits (reason
+``"capacity"``: copying more would only evict its own first objects).
 Objects being copied are registered, so a restore of the same prefix waits for them
 (:meth:`Warmer.join`) instead of reading them a second time, and reads them from the target.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Sequence
@@ -39,6 +42,7 @@ from ..core._options import Promote
 from ..core._plan import longest_prefix, needed_objects
 from ..core._results import Probe
 from ..tiers._base import Medium, Tier
+from ..tiers._codec import ObjectCodec
 from ..transfer._staging import Slot, StagingPool
 from ._decisions import Quarantine, TierQuarantine
 from ._health import TierHealth
@@ -66,7 +70,9 @@ class WarmResult:
         bytes_by_tier: payload bytes read, by the tier they were read from.
         quarantined: corrupt copies found (and taken out of use) while reading.
         reason: ``"warm"`` (the whole prefix is in the target), ``"miss"`` (nothing stored),
-            ``"budget"`` (only the leading part that fits the warm budget), ``"busy"`` (as many
+            ``"budget"`` (only the leading part that fits the warm budget), ``"capacity"`` (only
+            the leading part that fits the target's capacity: copying more would evict the
+            prefix's own first objects), ``"busy"`` (as many
             copies as allowed are running; nothing done), ``"no_target"`` (the engine has no
             host tier above another tier), ``"read_failed"`` / ``"write_failed"`` (an object could
             not be read from any holder / written to the target; what was copied before it
@@ -121,8 +127,18 @@ class _Copy:
 
     stop: str | None = None
     copied: int = 0
+    present: int = 0
     by_tier: dict[str, int] = field(default_factory=dict)
     moves: list[TierQuarantine] = field(default_factory=list)
+
+
+def _failed(stop: str | None, why: str) -> str:
+    """A copy's stop reason once an object failed (the first failure's stays)."""
+    return why if stop in (None, "budget", "capacity") else stop
+
+
+#: the target's allocation unit (a HostTier keeps objects in whole 4 KiB pages)
+_PAGE = 4096
 
 
 @dataclass(frozen=True)
@@ -217,14 +233,15 @@ class Warmer:
             self._add(warms_refused=1)
             return WarmResult(0, 0, 0, self.target.name, reason="busy")
         self._running += 1
+        state = _Copy()
         try:
             with anyio.move_on_after(deadline_s if deadline_s is not None else float("inf")) as sc:
                 outcome = await self._prober.probe(
                     tokens, deadline_s=deadline_s, partial=True, agree=False, extras=extras
                 )
-                result = await self._copy(outcome.probe)
+                result = await self._copy(outcome.probe, state)
             if sc.cancelled_caught:
-                result = await self._after_deadline(tokens, extras)
+                result = self._copied(await self._after_deadline(tokens, extras), state)
         finally:
             self._running -= 1
         return self._done(replace(result, duration_s=time.perf_counter() - t0))
@@ -250,56 +267,75 @@ class Warmer:
             return replace(await self._measure(probe), reason="deadline")
         return WarmResult(0, 0, 0, self.target.name if self.target else None, reason="deadline")
 
-    async def _copy(self, probe: Probe) -> WarmResult:
-        """Copy what the target lacks of ``probe``'s prefix, in chunk order, within the budget."""
+    @staticmethod
+    def _copied(result: WarmResult, state: _Copy) -> WarmResult:
+        """``result`` with what the copy of ``state`` did."""
+        return replace(
+            result, objects_copied=state.copied, objects_present=state.present,
+            bytes_by_tier=dict(state.by_tier), quarantined=len(state.moves),
+        )  # fmt: skip
+
+    async def _copy(self, probe: Probe, state: _Copy) -> WarmResult:
+        """Copy what the target lacks of ``probe``'s prefix, in chunk order, within the budget
+        and the target's capacity."""
         assert self.target is not None
         target = self.target.name
         todo: list[tuple[int, str]] = []
         joined: list[anyio.Event] = []
-        present = 0
+        held = 0  # what this prefix already takes in the target
         for c, g in needed_objects(self.layout, probe.local_chunks):
             holders = probe.holders[c][g]
             oid = ObjectKey(probe.keys[c], g).object_id
             if target in holders:
-                present += 1
+                state.present += 1
+                held += self._stored(g)
             elif oid in self._inflight:  # another copy has it in hand: wait for that one
                 joined.append(self._inflight[oid])
             else:
                 todo.append((c, g))
-        todo, nbytes, cut = self._reserve(todo)
-        state = _Copy(stop="budget" if cut else None)
+        todo, nbytes, cut = self._reserve(todo, held)
+        state.stop = cut
         try:
             await self._copy_objects(probe, todo, state)
         finally:
             self._reserved -= nbytes
         for event in joined:
             await event.wait()
-        result = await self._measure(probe)
-        reason = "warm"
+        result = self._copied(await self._measure(probe), state)
         if result.prefix_tokens == 0:
-            reason = "miss"
-        elif result.warm_tokens < result.prefix_tokens:
-            reason = state.stop or "read_failed"
-        return replace(
-            result, objects_copied=state.copied, objects_present=present,
-            bytes_by_tier=state.by_tier, quarantined=len(state.moves), reason=reason,
-        )  # fmt: skip
+            return replace(result, reason="miss")
+        if result.warm_tokens < result.prefix_tokens:
+            return replace(result, reason=state.stop or "read_failed")
+        return result
 
-    def _reserve(self, todo: list[tuple[int, str]]) -> tuple[list[tuple[int, str]], int, bool]:
-        """The leading objects of ``todo`` that fit the budget left, the bytes reserved for
-        them, and whether some were left out."""
+    def _stored(self, group: str) -> int:
+        """The bytes an object of ``group`` takes in the target (header, whole pages)."""
+        n = ObjectCodec.stored_size(self.layout.group_chunk_bytes(group))
+        return -(-n // _PAGE) * _PAGE
+
+    def _reserve(
+        self, todo: list[tuple[int, str]], held: int
+    ) -> tuple[list[tuple[int, str]], int, str | None]:
+        """The leading objects of ``todo`` that fit both the budget left and the target's
+        capacity (less ``held``, what the prefix has there already: copying more would evict
+        the prefix's own leading objects), the bytes reserved for them, and what cut them
+        (``"budget"``, ``"capacity"`` or None)."""
         budget = self.budget_bytes
-        if budget is None:
-            return todo, 0, False
-        room = budget - self._reserved
-        take, nbytes = 0, 0
+        capacity = self.target.usage().capacity_bytes if self.target is not None else 0
+        room = math.inf if budget is None else budget - self._reserved
+        space = capacity - held if capacity else math.inf
+        take, nbytes, stored, cut = 0, 0, 0, None
         for _, g in todo:
             size = self.layout.group_chunk_bytes(g)
             if nbytes + size > room:
+                cut = "budget"
                 break
-            take, nbytes = take + 1, nbytes + size
+            if stored + self._stored(g) > space:
+                cut = "capacity"
+                break
+            take, nbytes, stored = take + 1, nbytes + size, stored + self._stored(g)
         self._reserved += nbytes
-        return todo[:take], nbytes, take < len(todo)
+        return todo[:take], nbytes, cut
 
     async def _copy_objects(self, probe: Probe, todo: list[tuple[int, str]], state: _Copy) -> None:
         """Copy ``todo`` through the staging window, at most :attr:`reads` at once; the first
@@ -314,7 +350,7 @@ class Warmer:
         try:
             async with anyio.create_task_group() as tg:
                 for c, g in todo:
-                    if state.stop is not None and state.stop != "budget":
+                    if state.stop is not None and state.stop not in ("budget", "capacity"):
                         break
                     await limiter.acquire()
                     try:
@@ -322,6 +358,10 @@ class Warmer:
                     except BaseException:
                         limiter.release()
                         raise
+                    if state.stop is not None and state.stop not in ("budget", "capacity"):
+                        account.release(slot)  # one in flight failed while this one waited
+                        limiter.release()
+                        break
                     tg.start_soon(self._copy_one, probe, c, g, slot, account, limiter, state)
         finally:
             for (c, g), event in events.items():
@@ -348,14 +388,14 @@ class Warmer:
         try:
             read = await self._read(key, g, probe.holders[c][g], slot, state)
             if read is None:
-                state.stop = state.stop if state.stop not in (None, "budget") else "read_failed"
+                state.stop = _failed(state.stop, "read_failed")
                 return
             source, n = read
             try:
                 written = await self.target.write(key, g, slot.tensor[:n])
             except (BsrError, OSError) as exc:  # full of pinned objects, busy, closed
                 self._log.info("bsr.warm.write_failed", tier=self.target.name, error=repr(exc))
-                state.stop = state.stop if state.stop not in (None, "budget") else "write_failed"
+                state.stop = _failed(state.stop, "write_failed")
                 return
             oid = ObjectKey(key, g).object_id
             self._quarantine.lift(self.target.name, oid)  # a fresh, checked copy
@@ -503,7 +543,7 @@ class Warmer:
             try:
                 holders = await self._prober.holders(p.keys)
                 probe = self._prober.from_keys(p.keys, holders, p.num_tokens)
-                result = await self._copy(probe)
+                result = await self._copy(probe, _Copy())
                 self._add(promotions=1)
             finally:
                 self._running -= 1

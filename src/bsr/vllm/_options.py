@@ -68,6 +68,11 @@ class ConnectorOptions:
             server or a remote store's own eviction removed).
         kv_events_max_objects: objects a worker keeps announced (least recently stored first
             out, withdrawn with a BlockRemoved).
+        warm_address: ``host:port`` where tensor-parallel rank 0's worker answers
+            ``POST /bsr/warm`` (rank ``r`` on the port plus ``r``); None (default): no endpoint.
+            Bind it to loopback or a private network: anyone who reaches it can make the
+            instance read from its store (within the engine's warm bounds).
+        warm_timeout_s: a warm's deadline when its request gives none.
 
     Every ``*_s`` option is a number of seconds > 0 and at most :data:`bsr._check.MAX_SECONDS`
     (2,147,483 s, about 24.8 days: the longest timeout a socket or ``poll()`` takes); a larger
@@ -87,6 +92,8 @@ class ConnectorOptions:
     admit_after_sightings: int = option(Check.positive_int, 1)
     kv_events_audit_s: float = option(Check.seconds, 10.0)
     kv_events_max_objects: int = option(Check.positive_int, 1 << 16)
+    warm_address: str | None = option(Check.optional_address, None)
+    warm_timeout_s: float = option(Check.seconds, 10.0)
 
     def __post_init__(self) -> None:
         check_options(self, PREFIX)  # direct construction is checked exactly like from_dict

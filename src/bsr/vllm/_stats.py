@@ -56,6 +56,9 @@ KEYED = (
     "kv_events",  # stored / removed -> KV events published (chunks x tiers)
     "object_removals",  # cause -> objects that left an announced tier (rank 0)
     "windows_skipped",  # reason -> sliding windows worth saving that were not
+    "warms",  # reason -> warms the endpoint ran (rank 0)
+    "promotions",  # reason -> promotions of restored hits into the host tier (rank 0)
+    "warmed_bytes",  # tier -> bytes warms and promotions read from it into the host tier
 )
 #: the labels a keyed counter may carry where a client's request chooses them (anything else is
 #: counted under the last one)
@@ -217,6 +220,17 @@ KEYED_METRICS = {
         "vllm:bsr_windows_skipped",
         "Sliding windows worth saving that bsr did not save, by reason.",
         "reason",
+    ),
+    "warms": ("vllm:bsr_warms", "Warms routers asked for (POST /bsr/warm), by reason.", "reason"),
+    "promotions": (
+        "vllm:bsr_promotions",
+        "Restored hits bsr copied into its host tier after the load, by reason.",
+        "reason",
+    ),
+    "warmed_bytes": (
+        "vllm:bsr_warmed_bytes",
+        "Bytes warms and promotions read into bsr's host tier, by the tier read.",
+        "tier",
     ),
 }
 

@@ -88,6 +88,7 @@ from ._metadata import (
 )
 from ._options import ConnectorSettings
 from ._stats import BsrConnectorStats
+from ._warm_http import WarmService
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -163,6 +164,7 @@ class BsrWorker:
         self.stats = BsrConnectorStats()
         self.fleet: WorkerFleet | None = None  # events, per-tier answers, cost (_fleet.py)
         self._audit: concurrent.futures.Future[None] | None = None
+        self.warming: WarmService | None = None  # the warm endpoint and promotions
         self._log = logger.bind(role="worker", model=settings.model_id)
         # the LoRA weights vLLM loads in this process, hooked before any adapter is loaded
         self.adapters: AdapterBook = adapter_book()
@@ -214,6 +216,10 @@ class BsrWorker:
             )  # fmt: skip
             if self.fleet.journal is not None:
                 self._audit = self.loop.submit(self.fleet.audit_forever)
+            self.warming = WarmService(
+                engine, self.loop, self.adapters, self.stats, rank=self.tp_rank,
+                address=self.opts.warm_address, timeout_s=self.opts.warm_timeout_s,
+            )  # fmt: skip
             if self.tp_rank == 0:  # the scheduler asks rank 0
                 self._server = LookupServer(
                     private_socket_path(),
@@ -711,6 +717,9 @@ class BsrWorker:
         if self._server is not None:
             self._server.close()
             self._server = None
+        if self.warming is not None:
+            self.warming.close()
+            self.warming = None
         loop = self.loop
         if loop is None:
             return
