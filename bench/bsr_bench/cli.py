@@ -20,7 +20,7 @@ from typing import Any
 
 import structlog
 
-from . import hcache, striped, vllm_cost, vllm_hybrid, vllm_ttft
+from . import hcache, striped, vllm_cost, vllm_hybrid, vllm_ttft, vllm_warm
 from .common.stats import BenchError
 from .paper import options as paper_options
 from .paper import ssd
@@ -38,6 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     vllm_ttft.add_arguments(p)  # --engine vllm
     vllm_hybrid.add_arguments(p)  # --engine vllm --vllm-model gemma3-tiny
     vllm_cost.add_arguments(p)  # --engine vllm --vllm-cost
+    vllm_warm.add_arguments(p)  # --engine vllm --vllm-warm
     hcache.add_arguments(p)  # --hcache
 
 
@@ -59,6 +60,8 @@ def program(ns: argparse.Namespace) -> tuple[str, Program]:
         return "--hcache", hcache.run_from_namespace
     if ns.engine == "vllm" and ns.vllm_cost:  # policy "cost" vs always-load vs recompute
         return "--engine vllm --vllm-cost", vllm_cost.run_from_namespace
+    if ns.engine == "vllm" and ns.vllm_warm:  # a returning turn: warm hint, promotion
+        return "--engine vllm --vllm-warm", vllm_warm.run_from_namespace
     if ns.engine == "vllm" and ns.vllm_model == "gemma3-tiny":  # hybrid manager on vs off
         return "--engine vllm --vllm-model gemma3-tiny", vllm_hybrid.run_from_namespace
     if ns.engine == "vllm":  # TTFT inside vLLM's CPU engine
