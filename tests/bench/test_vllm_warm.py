@@ -65,6 +65,6 @@ def test_the_section_keeps_every_sample_and_ratios_of_medians() -> None:
             "promoted_vs_cold": 1 / 3,
             "warm_0ms_vs_cold": 1.0,
             "warm_50ms_vs_cold": 0.5,
-        }  # fmt: skip
+        }
     )
     assert sec["leads_ms"] == [0, 50] and sec["engine_start_s"] == 12.0
