@@ -406,6 +406,27 @@ async def test_warm_without_a_host_tier_on_top_has_no_target(tmp_path: Path, whi
 
 
 # ---------------------------------------------------------------------- promotion
+@pytest.mark.anyio
+async def test_a_lookup_made_before_a_warm_reads_what_the_warm_copied(tmp_path: Path) -> None:
+    """A server looks a request up (its probe names the FileTier), a warm of the prefix lands,
+    then the restore given that probe runs: it reads the host tier's copies, not the file."""
+    layout = kv_layout()
+    toks = tokens_for(4 * 16)
+    src = filled_cache(layout, 8, 16, seed=21)
+    ids = torch.arange(4)
+    await save_to_file(layout, tmp_path, src, (toks, ids))
+    host = bsr.HostTier(CAP)
+    async with make_engine(layout, [host, bsr.FileTier(tmp_path, CAP)]) as eng:
+        probe = await eng.lookup(toks, lease_ttl_s=30)
+        assert probe.bytes_by_tier == {"file": 4 * 4096}
+        assert (await eng.warm(toks)).objects_copied == 4
+        dst = bsr.PagedKVCache(layout, 8, 16)
+        r = await eng.restore(toks, dst, ids, probe=probe)
+        assert r.committed_tokens == 4 * 16 and r.bytes_by_tier == {"host": 4 * 4096}
+        assert blocks_equal(layout, src, ids, dst, ids, 4)
+        assert eng.statistics().leases == 0  # the probe's lease went with the restore
+
+
 async def _restore_and_promote(
     eng: bsr.RestoreEngine, toks: list[int], src: bsr.PagedKVCache, ids: torch.Tensor
 ) -> tuple[bsr.RestoreResult, list[bsr.WarmResult]]:

@@ -469,34 +469,45 @@ class Warmer:
     ) -> Probe | None:
         """Wait (until ``deadline_at``, ``perf_counter`` time) for the copies in flight of the
         objects of ``tokens``; return ``probe`` with the target put first where a copy landed
-        (a restore given a lookup's probe then reads them from the target)."""
-        if not self._inflight:
+        since the probe was made (a restore given a lookup's probe then reads them from the
+        target, whether the copy was in flight at the restore or ended before it)."""
+        copied_before = probe is not None and self._stats.objects_copied > 0
+        if self.target is None or not (self._inflight or copied_before):
             return probe
-        keys = probe.keys if probe is not None else (await self._prober.keyed(tokens, extras)).keys
-        groups = self.layout.group_names
-        waits = [
-            e for k in keys for g in groups
-            if (e := self._inflight.get(ObjectKey(k, g).object_id)) is not None
-        ]  # fmt: skip
-        if not waits:
-            return probe
-        self._add(restores_joined=1)
-        left = float("inf") if deadline_at is None else deadline_at - time.perf_counter()
-        with anyio.move_on_after(max(0.0, left)):
-            for event in waits:
-                await event.wait()
-        if probe is None or self.target is None:
-            return probe
+        if self._inflight:
+            keys = (
+                probe.keys if probe is not None else (await self._prober.keyed(tokens, extras)).keys
+            )
+            groups = self.layout.group_names
+            waits = [
+                e for k in keys for g in groups
+                if (e := self._inflight.get(ObjectKey(k, g).object_id)) is not None
+            ]  # fmt: skip
+            if waits:
+                self._add(restores_joined=1)
+                left = float("inf") if deadline_at is None else deadline_at - time.perf_counter()
+                with anyio.move_on_after(max(0.0, left)):
+                    for event in waits:
+                        await event.wait()
+        if probe is None:
+            return probe  # the restore probes after this: it sees what landed
         return await self._refresh(probe)
 
     async def _refresh(self, probe: Probe) -> Probe:
+        """``probe`` with the target first for each object of its prefix the target holds now
+        (metadata only, and only when the probe found some object outside the target)."""
         assert self.target is not None
         name = self.target.name
-        objs = needed_objects(self.layout, probe.prefix_chunks)
+        objs = [
+            (c, g) for c, g in needed_objects(self.layout, probe.prefix_chunks)
+            if name not in probe.holders[c][g]
+        ]  # fmt: skip
+        if not objs:
+            return probe
         present = await self.target.contains_many([ObjectKey(probe.keys[c], g) for c, g in objs])
         holders = [dict(h) for h in probe.holders]
         for (c, g), p in zip(objs, present, strict=True):
-            if p and name not in holders[c][g]:
+            if p and (name, ObjectKey(probe.keys[c], g).object_id) not in self._quarantine:
                 holders[c][g] = (name, *holders[c][g])
         return replace(probe, holders=tuple(holders))
 
