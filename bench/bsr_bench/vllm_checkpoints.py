@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -32,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from .common.stats import BenchError, Dist
-from .vllm_common import run_child, tokens, vllm_python
+from .vllm_common import finish_child, run_child, tokens, vllm_python
 
 #: checkpoint intervals (chunks) run by default; None: no periodic checkpoints
 DEFAULT_INTERVALS: tuple[int | None, ...] = (1, 2, 4, 8, 16, None)
@@ -183,12 +182,7 @@ def child(spec_path: str, out_path: str) -> None:
         ttft_s=ttft, cached_tokens=cached, loaded_bytes=_loaded_bytes(llm),
         store=_store(spec["store"]),
     )  # fmt: skip
-    Path(out_path).write_text(json.dumps(result))
-    try:
-        llm.llm_engine.engine_core.shutdown()
-    finally:
-        sys.stdout.flush()
-        os._exit(0)
+    finish_child(llm, out_path, result)
 
 
 # --------------------------------------------------------------------------- bench side

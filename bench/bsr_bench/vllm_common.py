@@ -10,6 +10,7 @@ interpreter needs bsr, not the bench: the child finds this package through ``PYT
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -81,3 +82,16 @@ def run_child(
     if out.exists():
         return dict(json.loads(out.read_text()))
     return {"error": root_cause(proc.stderr), "returncode": proc.returncode}
+
+
+def finish_child(llm: Any, out_path: str, result: dict[str, Any]) -> None:
+    """Write a child's ``result`` to ``out_path``, shut its engine down in order (the connector
+    waits for its saves), then exit at once (a thread of a hung store is never joined)."""
+    from pathlib import Path as _Path
+
+    _Path(out_path).write_text(json.dumps(result))
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    finally:
+        sys.stdout.flush()
+        os._exit(0)

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from .common.stats import BenchError, Dist, load_average, ratio
-from .vllm_common import object_files, run_child, tokens, vllm_python, vllm_version
+from .vllm_common import finish_child, object_files, run_child, tokens, vllm_python, vllm_version
 from .vllm_ttft import BLOCK_SIZE, CHUNK_TOKENS, MODEL, SUFFIX_TOKENS
 
 CONDITIONS = ("fast", "slow", "mixed")
@@ -187,12 +187,7 @@ def child(spec_path: str, out_path: str) -> None:
         "cached_tokens": cached, "decisions": {k: v for k, v in decisions.items() if v},
         "load_average": [load_start, load_average()],
     }  # fmt: skip
-    Path(out_path).write_text(json.dumps(result))
-    try:
-        llm.llm_engine.engine_core.shutdown()
-    finally:
-        sys.stdout.flush()
-        os._exit(0)
+    finish_child(llm, out_path, result)
 
 
 # --------------------------------------------------------------------------- bench side

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -42,7 +41,7 @@ from typing import Any
 
 from . import vllm_checkpoints
 from .common.stats import BenchError, Dist, ratio
-from .vllm_common import run_child, tokens, vllm_python, vllm_version
+from .vllm_common import finish_child, run_child, tokens, vllm_python, vllm_version
 from .vllm_hybrid_model import BLOCK_SIZE, CHUNK_TOKENS, MODEL, WINDOW
 from .vllm_ttft import SUFFIX_TOKENS
 
@@ -169,12 +168,7 @@ def child(spec_path: str, out_path: str) -> None:
             point["loaded_bytes_per_restore"] = (_loaded_bytes(llm) - loaded0) / spec["repeats"]
         point.update(ttft_s=samples, cached_tokens=cached)
         result["points"].append(point)
-    Path(out_path).write_text(json.dumps(result))
-    try:
-        llm.llm_engine.engine_core.shutdown()
-    finally:
-        sys.stdout.flush()
-        os._exit(0)
+    finish_child(llm, out_path, result)
 
 
 # --------------------------------------------------------------------------- bench side

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -46,7 +45,7 @@ from typing import Any
 
 from . import vllm_interference as interference
 from .common.stats import BenchError, Dist, load_average, ratio
-from .vllm_common import object_files, run_child, tokens, vllm_python, vllm_version
+from .vllm_common import finish_child, object_files, run_child, tokens, vllm_python, vllm_version
 from .vllm_interference_figures import print_table as print_interference
 
 #: The TTFT model: GQA Llama, head_dim 64 (CPU attention kernels need >= 32).
@@ -204,12 +203,7 @@ def child(spec_path: str, out_path: str) -> None:
     for n in spec["prefixes"]:
         result["points"].append(_measure_prefix(llm, spec, params, n))
     result["load_average"] = [load_start, load_average()]
-    Path(out_path).write_text(json.dumps(result))
-    try:
-        llm.llm_engine.engine_core.shutdown()
-    finally:
-        sys.stdout.flush()
-        os._exit(0)
+    finish_child(llm, out_path, result)
 
 
 # --------------------------------------------------------------------------- bench side

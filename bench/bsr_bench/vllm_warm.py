@@ -35,7 +35,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -44,7 +43,15 @@ from pathlib import Path
 from typing import Any
 
 from .common.stats import BenchError, Dist, load_average, ratio
-from .vllm_common import object_files, run_child, tokens, vllm_python, vllm_version
+from .common.workers import free_port
+from .vllm_common import (
+    finish_child,
+    object_files,
+    run_child,
+    tokens,
+    vllm_python,
+    vllm_version,
+)
 from .vllm_ttft import BLOCK_SIZE, CHUNK_TOKENS, MODEL, SUFFIX_TOKENS
 
 DEFAULT_LEADS_MS = (0, 50, 200)
@@ -189,21 +196,10 @@ def child(spec_path: str, out_path: str) -> None:
     result: dict[str, Any] = {"phase": spec["phase"], "start_s": time.perf_counter() - t0}
     result.update((_store if spec["phase"] == "store" else _measure)(llm, spec))
     result["load_average"] = [load_start, load_average()]
-    Path(out_path).write_text(json.dumps(result))
-    try:
-        llm.llm_engine.engine_core.shutdown()
-    finally:
-        sys.stdout.flush()
-        os._exit(0)
+    finish_child(llm, out_path, result)
 
 
 # --------------------------------------------------------------------------- bench side
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_warm(
     python: str,
     prefixes: tuple[int, ...],
@@ -217,7 +213,7 @@ def run_warm(
     try:
         (work / "model").mkdir()
         (work / "model" / "config.json").write_text(json.dumps(MODEL))
-        port = _free_port()
+        port = free_port()
         spec = {
             "model": str(work / "model"), "store": str(work / "store"),
             "prefixes": list(prefixes), "repeats": repeats, "leads_ms": list(leads_ms),

@@ -44,6 +44,19 @@ async def save_to_file(
             assert (await eng.save(toks, src, ids)).ok
 
 
+async def stored(
+    root: Path, n_chunks: int, seed: int
+) -> tuple[bsr.StateLayout, list[int], bsr.PagedKVCache, torch.Tensor]:
+    """``kv_layout()`` state of ``n_chunks`` chunks (blocks 0..n-1 of an 8-block cache, 16
+    tokens a block), saved to a FileTier at ``root``: ``(layout, tokens, source, block ids)``."""
+    layout = kv_layout()
+    toks = tokens_for(n_chunks * 16)
+    src = filled_cache(layout, 8, 16, seed=seed)
+    ids = torch.arange(n_chunks)
+    await save_to_file(layout, root, src, (toks, ids))
+    return layout, toks, src, ids
+
+
 async def until(cond: Callable[[], bool], what: str) -> None:
     """Poll ``cond`` (every millisecond, for at least 20 s) until it holds."""
     for _ in range(20_000):
@@ -188,11 +201,7 @@ async def test_warm_of_an_unknown_prefix_is_a_miss(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------- cut short
 @pytest.mark.anyio
 async def test_cancelled_warm_leaves_only_whole_verified_objects(tmp_path: Path) -> None:
-    layout = kv_layout()
-    toks = tokens_for(4 * 16)
-    src = filled_cache(layout, 8, 16, seed=2)
-    ids = torch.arange(4)
-    await save_to_file(layout, tmp_path, src, (toks, ids))
+    layout, toks, src, ids = await stored(tmp_path, 4, seed=2)
 
     host = bsr.HostTier(CAP)
     file = GatedTier(bsr.FileTier(tmp_path, CAP), free=1)  # the 2nd read waits for the gate
@@ -220,11 +229,7 @@ async def test_cancelled_warm_leaves_only_whole_verified_objects(tmp_path: Path)
 
 @pytest.mark.anyio
 async def test_warm_ended_by_its_deadline_reports_what_it_copied(tmp_path: Path) -> None:
-    layout = kv_layout()
-    toks = tokens_for(3 * 16)
-    src = filled_cache(layout, 8, 16, seed=3)
-    ids = torch.arange(3)
-    await save_to_file(layout, tmp_path, src, (toks, ids))
+    layout, toks, src, ids = await stored(tmp_path, 3, seed=3)
 
     file = GatedTier(bsr.FileTier(tmp_path, CAP), free=1)  # the 2nd read never ends by itself
     async with make_engine(layout, [bsr.HostTier(CAP), file], window=2) as eng:
@@ -243,11 +248,7 @@ async def test_warm_ended_by_its_deadline_reports_what_it_copied(tmp_path: Path)
 # ---------------------------------------------------------------------- corrupt source
 @pytest.mark.anyio
 async def test_corrupt_object_ends_the_warm_and_is_never_installed(tmp_path: Path) -> None:
-    layout = kv_layout()
-    toks = tokens_for(4 * 16)
-    src = filled_cache(layout, 8, 16, seed=4)
-    ids = torch.arange(4)
-    await save_to_file(layout, tmp_path, src, (toks, ids))
+    layout, toks, src, ids = await stored(tmp_path, 4, seed=4)
 
     host, file = bsr.HostTier(CAP), bsr.FileTier(tmp_path, CAP)
     async with make_engine(layout, [host, file], window=2) as eng:
@@ -290,11 +291,7 @@ async def test_corrupt_object_stops_copying_at_the_failure(tmp_path: Path) -> No
 # ---------------------------------------------------------------------- races and bounds
 @pytest.mark.anyio
 async def test_restore_during_a_warm_reads_each_object_once(tmp_path: Path) -> None:
-    layout = kv_layout()
-    toks = tokens_for(4 * 16)
-    src = filled_cache(layout, 8, 16, seed=6)
-    ids = torch.arange(4)
-    await save_to_file(layout, tmp_path, src, (toks, ids))
+    layout, toks, src, ids = await stored(tmp_path, 4, seed=6)
 
     file = GatedTier(bsr.FileTier(tmp_path, CAP))  # every read waits for the gate
     async with make_engine(layout, [bsr.HostTier(CAP), file], window=4) as eng:
@@ -325,11 +322,7 @@ async def test_restore_during_a_warm_reads_each_object_once(tmp_path: Path) -> N
 
 @pytest.mark.anyio
 async def test_warm_budget_is_never_exceeded(tmp_path: Path) -> None:
-    layout = kv_layout()
-    toks = tokens_for(5 * 16)
-    src = filled_cache(layout, 8, 16, seed=7)
-    ids = torch.arange(5)
-    await save_to_file(layout, tmp_path, src, (toks, ids))
+    layout, toks, src, ids = await stored(tmp_path, 5, seed=7)
     budget = 2 * 4096 + 2048  # two objects fit, not three
 
     host = bsr.HostTier(CAP)
@@ -410,11 +403,7 @@ async def test_warm_without_a_host_tier_on_top_has_no_target(tmp_path: Path, whi
 async def test_a_lookup_made_before_a_warm_reads_what_the_warm_copied(tmp_path: Path) -> None:
     """A server looks a request up (its probe names the FileTier), a warm of the prefix lands,
     then the restore given that probe runs: it reads the host tier's copies, not the file."""
-    layout = kv_layout()
-    toks = tokens_for(4 * 16)
-    src = filled_cache(layout, 8, 16, seed=21)
-    ids = torch.arange(4)
-    await save_to_file(layout, tmp_path, src, (toks, ids))
+    layout, toks, src, ids = await stored(tmp_path, 4, seed=21)
     host = bsr.HostTier(CAP)
     async with make_engine(layout, [host, bsr.FileTier(tmp_path, CAP)]) as eng:
         probe = await eng.lookup(toks, lease_ttl_s=30)
@@ -441,11 +430,7 @@ async def _restore_and_promote(
 )
 @pytest.mark.anyio
 async def test_promotion_policies(tmp_path: Path, promote: str, promoted_after: int | None) -> None:
-    layout = kv_layout()
-    toks = tokens_for(4 * 16)
-    src = filled_cache(layout, 8, 16, seed=9)
-    ids = torch.arange(4)
-    await save_to_file(layout, tmp_path, src, (toks, ids))
+    layout, toks, src, ids = await stored(tmp_path, 4, seed=9)
 
     host = bsr.HostTier(CAP)
     eng = make_engine(layout, [host, bsr.FileTier(tmp_path, CAP)], promote=promote)
@@ -474,11 +459,7 @@ async def test_promotion_policies(tmp_path: Path, promote: str, promoted_after: 
 
 @pytest.mark.anyio
 async def test_background_task_runs_promotions(tmp_path: Path) -> None:
-    layout = kv_layout()
-    toks = tokens_for(3 * 16)
-    src = filled_cache(layout, 8, 16, seed=10)
-    ids = torch.arange(3)
-    await save_to_file(layout, tmp_path, src, (toks, ids))
+    layout, toks, src, ids = await stored(tmp_path, 3, seed=10)
 
     host = bsr.HostTier(CAP)
     async with make_engine(layout, [host, bsr.FileTier(tmp_path, CAP)], promote="always") as eng:
@@ -493,11 +474,7 @@ async def test_background_task_runs_promotions(tmp_path: Path) -> None:
 
 @pytest.mark.anyio
 async def test_promotion_stays_within_the_host_capacity(tmp_path: Path) -> None:
-    layout = kv_layout()
-    toks = tokens_for(6 * 16)
-    src = filled_cache(layout, 8, 16, seed=11)
-    ids = torch.arange(6)
-    await save_to_file(layout, tmp_path, src, (toks, ids))
+    layout, toks, src, ids = await stored(tmp_path, 6, seed=11)
     capacity = 3 * 8192  # three stored objects of the six the prefix needs
 
     host = bsr.HostTier(capacity)
@@ -526,11 +503,7 @@ async def test_promotion_stays_within_the_host_capacity(tmp_path: Path) -> None:
 
 @pytest.mark.anyio
 async def test_failed_promotion_leaves_the_file_tier_intact(tmp_path: Path) -> None:
-    layout = kv_layout()
-    toks = tokens_for(4 * 16)
-    src = filled_cache(layout, 8, 16, seed=12)
-    ids = torch.arange(4)
-    await save_to_file(layout, tmp_path, src, (toks, ids))
+    layout, toks, src, ids = await stored(tmp_path, 4, seed=12)
 
     def error() -> Exception:
         return bsr.TierIOError("injected write failure", tier="host")
@@ -559,11 +532,7 @@ async def test_failed_promotion_leaves_the_file_tier_intact(tmp_path: Path) -> N
 
 @pytest.mark.anyio
 async def test_promotion_that_raises_leaves_the_background_task_running(tmp_path: Path) -> None:
-    layout = kv_layout()
-    toks = tokens_for(2 * 16)
-    src = filled_cache(layout, 8, 16, seed=13)
-    ids = torch.arange(2)
-    await save_to_file(layout, tmp_path, src, (toks, ids))
+    layout, toks, src, ids = await stored(tmp_path, 2, seed=13)
 
     host = FailingWrites(bsr.HostTier(CAP), lambda: RuntimeError("not a storage error"), times=1)
     tiers = [host, bsr.FileTier(tmp_path, CAP)]

@@ -21,3 +21,12 @@ def child_env() -> dict[str, str]:
     rest = env.get("PYTHONPATH")
     env["PYTHONPATH"] = str(BENCH_ROOT) + (os.pathsep + rest if rest else "")
     return env
+
+
+def free_port() -> int:
+    """A loopback TCP port free now (the OS's pick)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,7 +30,7 @@ from ..common.document import validate, write_json
 from ..common.layouts import resolve_layout
 from ..common.machine import commit_info, machine_info
 from ..common.stats import BenchError
-from ..common.workers import child_env
+from ..common.workers import child_env, free_port
 
 MIB = 1 << 20
 
@@ -100,12 +99,6 @@ def resolve_tp(ns: argparse.Namespace) -> TpOptions:
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _median(xs: list[float]) -> float:
     return float(statistics.median(xs))
 
@@ -127,7 +120,7 @@ def run_tp(opts: TpOptions, console: Any = None) -> dict[str, Any]:
     cfg = {
         **opts.to_dict(),
         "root": str(root),
-        "port": _free_port(),
+        "port": free_port(),
         "fail_rank": opts.world_size - 1,
     }
     cfg_path = root / "config.json"
