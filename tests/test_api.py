@@ -47,6 +47,19 @@ def test_all_is_sorted_and_complete() -> None:
     assert set(bsr.__all__) <= public
 
 
+def test_the_lazy_table_names_each_public_name_once_where_it_lives() -> None:
+    """The facade's lazy table listed ``NULL_BLOCK`` under ``core._keys`` (which has none) as
+    well as under ``transfer._tables``; it worked only because the later entry won."""
+    import importlib
+
+    seen: dict[str, str] = {}
+    for module, names in bsr._LAZY.items():
+        for name in names:
+            assert name not in seen, f"{name} is listed under {seen[name]} and {module}"
+            seen[name] = module
+            assert name in vars(importlib.import_module(module, "bsr")), (name, module)
+
+
 def test_every_error_derives_from_bsr_error() -> None:
     errors = [getattr(bsr, n) for n in bsr.__all__ if n.endswith("Error")]
     assert len(errors) >= 15

@@ -131,7 +131,6 @@ _LAZY: dict[str, tuple[str, ...]] = {
         "ChunkKey",
         "KeyExtra",
         "KeyedTokens",
-        "NULL_BLOCK",
         "Namespace",
         "ObjectKey",
         "as_token_array",
