@@ -73,6 +73,8 @@ FLAGS = {
     "--vllm-cost-slow-mbps": None,
     "--vllm-cost-tokens": None,
     "--vllm-sections": None,
+    "--vllm-warm": False,
+    "--vllm-warm-leads": None,
     "--window": None,
     "--windows": None,
 }

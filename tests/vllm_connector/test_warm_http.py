@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 
 import bsr
+
+pytest.importorskip("vllm")
 from bsr.vllm._adapters import AdapterBook
 from bsr.vllm._bridge import LoopThread
 from bsr.vllm._request_keys import salt_extras
@@ -26,8 +28,6 @@ from bsr.vllm._warm_http import (
     parse_warm,
 )
 from support.helpers import filled_cache
-
-pytest.importorskip("vllm")
 
 LAYOUT = bsr.StateLayout(chunk_tokens=16, groups=(bsr.StateGroup("kv", 2, 256),))
 PROMPT = [3 + (i * 7) % 400 for i in range(16 * 5 + 3)]  # 5 full chunks
