@@ -442,6 +442,8 @@ class RestoreEngine(AsyncResource):
         if self.closed:
             return
         await super().aclose()
+        if self._background is not None:  # closed inside its async with: stop promoting now
+            self._background.cancel_scope.cancel()
         self._warmer.drop_pending()
         self._leases.release_all()
         owed = self._quarantine.take_deferred()
