@@ -35,7 +35,12 @@ DAMAGE = b"\x00\x47" * 1024
 #: namespace, key come first)
 GROUP_OFFSET = 8 + 2 + 2 + 16 + 32
 #: the metrics a run reports (name prefixes)
-METRICS = ("vllm:bsr_", "vllm:num_preemptions", "vllm:prefix_cache_hits")
+METRICS = (
+    "vllm:bsr_",
+    "vllm:num_preemptions",
+    "vllm:prefix_cache_hits",
+    "vllm:prompt_tokens_cached_by_source",
+)
 
 
 def store_objects(root: str) -> list[Path]:

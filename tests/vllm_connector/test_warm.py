@@ -82,6 +82,10 @@ def test_a_warm_hint_makes_the_load_come_from_the_host_tier(
     assert tokens_of(warm_run)[0][0] == engines.baseline_tokens(WARMED)
     assert batch_metric(warm_run, 0, "vllm:bsr_loaded_bytes", tier="host") == 3 * CHUNK_BYTES
     assert batch_metric(warm_run, 0, "vllm:bsr_loaded_bytes", tier="file") == 0
+    # and vLLM counts the hit under the host tier's source (what a router reads)
+    by_source = "vllm:prompt_tokens_cached_by_source"
+    assert batch_metric(warm_run, 0, by_source, source="host") == 192
+    assert batch_metric(warm_run, 0, by_source, source="disk") == 0
     assert batch_metric(warm_run, 0, "vllm:bsr_warms", reason="warm") == 2
     assert batch_metric(warm_run, 0, "vllm:bsr_warms", reason="miss") == 1
     assert batch_metric(warm_run, 0, "vllm:bsr_warmed_bytes", tier="file") == 3 * CHUNK_BYTES
@@ -97,5 +101,8 @@ def test_promotion_reads_a_returning_prefix_from_the_host_tier(
     assert batch_metric(warm_run, 1, "vllm:bsr_loaded_bytes", tier="file") == CHUNK_BYTES
     assert batch_metric(warm_run, 2, "vllm:bsr_loaded_bytes", tier="host") == CHUNK_BYTES
     assert batch_metric(warm_run, 2, "vllm:bsr_loaded_bytes", tier="file") == 0
+    by_source = "vllm:prompt_tokens_cached_by_source"
+    assert batch_metric(warm_run, 1, by_source, source="disk") == 64
+    assert batch_metric(warm_run, 2, by_source, source="host") == 64
     promoted = sum(batch_metric(warm_run, i, "vllm:bsr_promotions", reason="warm") for i in (1, 2))
     assert promoted == 1
