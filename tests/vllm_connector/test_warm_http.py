@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -165,3 +166,33 @@ def test_a_port_in_use_is_a_config_error_naming_the_option(service: Any) -> None
     with pytest.raises(bsr.ConfigError) as err:
         WarmServer(svc.server.address, lambda r: (200, {}))
     assert err.value.fields["key"] == "bsr_connector.warm_address"
+
+
+def test_idle_connections_past_the_bound_are_closed_not_given_threads() -> None:
+    """A client that opens connections and sends nothing holds at most ``max_connections``
+    threads; another connection is closed unanswered, and served again once one is let go."""
+    from bsr.testing._ports import unheld_ports
+
+    (port,) = unheld_ports(1)
+    server = WarmServer(
+        f"127.0.0.1:{port}", lambda r: (200, {"n": len(r.tokens)}), max_connections=2
+    )
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(2)]
+    try:
+        end = time.monotonic() + 30
+        while server.refused == 0:  # until the server has taken both idle ones and refused one
+            assert time.monotonic() < end, "the third connection was never refused"
+            with pytest.raises((http.client.HTTPException, OSError)):
+                post(server.address, {"prompt_token_ids": [1, 2]})
+        idle.pop().close()  # its thread reads EOF and gives its place back
+        while True:
+            try:
+                assert post(server.address, {"prompt_token_ids": [1, 2]}) == (200, {"n": 2})
+                break
+            except (http.client.HTTPException, OSError):
+                assert time.monotonic() < end, "a freed place was never served again"
+                time.sleep(0.01)
+    finally:
+        for s in idle:
+            s.close()
+        server.close()

@@ -13,7 +13,8 @@ request will look up), optional ``deadline_s`` and ``wait``. The handler (the wo
 naming the field; a body larger than :data:`MAX_BODY_BYTES` is a 413, read no further; any
 other path a 404, any other method a 405. The server reads nothing a client sends past those
 bounds and never blocks the engine: the warm itself is bounded by the engine (its concurrency,
-budget and the deadline).
+budget and the deadline), and at most :data:`MAX_CONNECTIONS` connections are served at once
+(each a thread, dropped after 10 s without a whole request; another connection is closed).
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ MAX_BODY_BYTES = 1 << 24
 MAX_WARM_TOKENS = 1 << 22
 #: the longest deadline a warm may ask for (seconds)
 MAX_DEADLINE_S = 600.0
+#: connections served at once (each holds a thread); another is closed unanswered
+MAX_CONNECTIONS = 16
 
 
 class WarmRequestError(ConfigError):
@@ -110,31 +113,75 @@ def parse_warm(raw: bytes) -> WarmRequest:
 Handler = Callable[[WarmRequest], tuple[int, dict[str, Any]]]
 
 
+class _BoundedServer(ThreadingHTTPServer):
+    """A thread per connection, at most ``max_connections`` at once: a connection past them is
+    closed at once (a client holding idle connections cannot make the server spawn threads
+    without bound; each one it holds is dropped after the handler's timeout)."""
+
+    daemon_threads = True
+    max_connections = MAX_CONNECTIONS
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._slots = threading.BoundedSemaphore(self.max_connections)
+        self.refused = 0
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.refused += 1
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
 class WarmServer:
     """``POST /bsr/warm`` on ``host:port`` (see the module docstring); :meth:`close` stops it.
+    At most ``max_connections`` connections are served at once (another is closed unanswered).
 
     Raises:
         ConfigError: the address cannot be bound (in use, or not a local address).
     """
 
-    def __init__(self, address: str, handle: Handler, *, rank: int = 0) -> None:
+    def __init__(
+        self,
+        address: str,
+        handle: Handler,
+        *,
+        rank: int = 0,
+        max_connections: int = MAX_CONNECTIONS,
+    ) -> None:
         host, port = host_port(address, "bsr_connector.warm_address")
         port += rank
         handler = _handler_class(handle)
+        server = type("_Server", (_BoundedServer,), {"max_connections": max_connections})
         try:
-            self._httpd = ThreadingHTTPServer((host, port), handler)
+            self._httpd = server((host, port), handler)
         except OSError as exc:
             raise ConfigError(
                 f"bsr_connector.warm_address: cannot listen on {host}:{port} (rank {rank} uses "
                 f"the port plus its rank): {exc}; pick a free port",
                 key="bsr_connector.warm_address",
             ) from None
-        self._httpd.daemon_threads = True
         self.address = f"{host}:{port}"
         self._thread = threading.Thread(
             target=self._httpd.serve_forever, name="bsr-warm-http", daemon=True
         )
         self._thread.start()
+
+    @property
+    def refused(self) -> int:
+        """Connections closed unanswered because ``max_connections`` were being served."""
+        return int(self._httpd.refused)
 
     def close(self) -> None:
         self._httpd.shutdown()
