@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from .common.stats import BenchError, Dist
-from .vllm_common import finish_child, run_child, tokens, vllm_python
+from .vllm_common import finish_child, metric_values, run_child, tokens, vllm_python
 
 #: checkpoint intervals (chunks) run by default; None: no periodic checkpoints
 DEFAULT_INTERVALS: tuple[int | None, ...] = (1, 2, 4, 8, 16, None)
@@ -125,11 +125,7 @@ def _settle(root: str, deadline_s: float = 120.0) -> None:
 
 
 def _loaded_bytes(llm: Any) -> float:
-    return sum(
-        float(m.value)
-        for m in llm.get_metrics()
-        if m.name == "vllm:bsr_loaded_bytes" and hasattr(m, "value")
-    )
+    return sum(metric_values(llm, "vllm:bsr_loaded_bytes").values())
 
 
 def child(spec_path: str, out_path: str) -> None:

@@ -84,6 +84,19 @@ def run_child(
     return {"error": root_cause(proc.stderr), "returncode": proc.returncode}
 
 
+def metric_values(llm: Any, name: str) -> dict[str, float]:
+    """A vLLM metric of an in-process ``LLM`` (``llm.get_metrics()``), summed per label values
+    other than ``engine`` and ``model_name`` (joined by commas: a ``tier``, a ``choice``)."""
+    out: dict[str, float] = {}
+    for m in llm.get_metrics():
+        if m.name == name and hasattr(m, "value"):
+            key = ",".join(
+                f"{v}" for k, v in sorted(m.labels.items()) if k not in ("engine", "model_name")
+            )
+            out[key] = out.get(key, 0.0) + float(m.value)
+    return out
+
+
 def finish_child(llm: Any, out_path: str, result: dict[str, Any]) -> None:
     """Write a child's ``result`` to ``out_path``, shut its engine down in order (the connector
     waits for its saves), then exit at once (a thread of a hung store is never joined)."""

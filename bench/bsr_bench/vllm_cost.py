@@ -40,7 +40,15 @@ from pathlib import Path
 from typing import Any
 
 from .common.stats import BenchError, Dist, load_average, ratio
-from .vllm_common import finish_child, object_files, run_child, tokens, vllm_python, vllm_version
+from .vllm_common import (
+    finish_child,
+    metric_values,
+    object_files,
+    run_child,
+    tokens,
+    vllm_python,
+    vllm_version,
+)
 from .vllm_ttft import BLOCK_SIZE, CHUNK_TOKENS, MODEL, SUFFIX_TOKENS
 
 CONDITIONS = ("fast", "slow", "mixed")
@@ -72,17 +80,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 # --------------------------------------------------------------------------- child side
-def _metrics(llm: Any, name: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for m in llm.get_metrics():
-        if m.name == name and hasattr(m, "value"):
-            key = ",".join(
-                f"{v}" for k, v in sorted(m.labels.items()) if k not in ("engine", "model_name")
-            )
-            out[key] = out.get(key, 0.0) + float(m.value)
-    return out
-
-
 def _tiers(spec: dict[str, Any]) -> list[dict[str, Any]]:
     """The condition's tiers, shaped by the connector through ``BSR_BENCH_TIERS`` (set here):
     a FileTier, slow under ``slow`` and ``mixed``, a HostTier before it under ``mixed``."""
@@ -169,7 +166,7 @@ def child(spec_path: str, out_path: str) -> None:
     vocab = MODEL["vocab_size"]
     prefixes = [tokens(n, spec["seed"] + 1000 * i + n, vocab) for i in range(spec["prefixes"])]
     _prepare(llm, spec, prefixes)
-    decisions0 = _metrics(llm, "vllm:bsr_load_decisions")
+    decisions0 = metric_values(llm, "vllm:bsr_load_decisions")
     samples: dict[str, list[float]] = {}
     cached: dict[str, list[int]] = {}
     for r in range(spec["repeats"]):
@@ -180,7 +177,8 @@ def child(spec_path: str, out_path: str) -> None:
                 samples.setdefault(way, []).append(s)
                 cached.setdefault(way, []).append(c)
     decisions = {
-        k: v - decisions0.get(k, 0.0) for k, v in _metrics(llm, "vllm:bsr_load_decisions").items()
+        k: v - decisions0.get(k, 0.0)
+        for k, v in metric_values(llm, "vllm:bsr_load_decisions").items()
     }
     result = {
         "condition": cond, "policy": policy, "start_s": start_s, "ttft_s": samples,

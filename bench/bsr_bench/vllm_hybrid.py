@@ -41,7 +41,7 @@ from typing import Any
 
 from . import vllm_checkpoints
 from .common.stats import BenchError, Dist, ratio
-from .vllm_common import finish_child, run_child, tokens, vllm_python, vllm_version
+from .vllm_common import finish_child, metric_values, run_child, tokens, vllm_python, vllm_version
 from .vllm_hybrid_model import BLOCK_SIZE, CHUNK_TOKENS, MODEL, WINDOW
 from .vllm_ttft import SUFFIX_TOKENS
 
@@ -77,11 +77,7 @@ def _store_bytes(root: str) -> tuple[int, int]:
 
 
 def _loaded_bytes(llm: Any) -> float:
-    return sum(
-        float(m.value)
-        for m in llm.get_metrics()
-        if m.name == "vllm:bsr_loaded_bytes" and hasattr(m, "value")
-    )
+    return sum(metric_values(llm, "vllm:bsr_loaded_bytes").values())
 
 
 def _settle(root: str, deadline_s: float = 120.0) -> None:

@@ -46,6 +46,7 @@ from .common.stats import BenchError, Dist, load_average, ratio
 from .common.workers import free_port
 from .vllm_common import (
     finish_child,
+    metric_values,
     object_files,
     run_child,
     tokens,
@@ -55,6 +56,8 @@ from .vllm_common import (
 from .vllm_ttft import BLOCK_SIZE, CHUNK_TOKENS, MODEL, SUFFIX_TOKENS
 
 DEFAULT_LEADS_MS = (0, 50, 200)
+#: the connector's bytes read by loads, per tier
+LOADED = "vllm:bsr_loaded_bytes"
 #: the measure engine's host tier (room for every conversation of a default run)
 HOST_BYTES = 4 << 30
 
@@ -94,15 +97,6 @@ def _drop_page_cache(root: str) -> None:
             os.close(fd)
 
 
-def _loaded(llm: Any) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for m in llm.get_metrics():
-        if m.name == "vllm:bsr_loaded_bytes" and hasattr(m, "value"):
-            tier = m.labels.get("tier", "")
-            out[tier] = out.get(tier, 0.0) + float(m.value)
-    return out
-
-
 def _warm(port: int, prefix: list[int]) -> None:
     body = json.dumps({"prompt_token_ids": prefix, "wait": False}).encode()
     req = urllib.request.Request(
@@ -131,13 +125,13 @@ class _Asker:
 
         self.asked += 1
         suffix = tokens(SUFFIX_TOKENS, self.spec["seed"] * 7919 + self.asked, MODEL["vocab_size"])
-        before = _loaded(self.llm)
+        before = metric_values(self.llm, LOADED)
         t = time.perf_counter()
         (out,) = self.llm.generate(
             [TokensPrompt(prompt_token_ids=prefix + suffix)], self.params, use_tqdm=False
         )
         s = time.perf_counter() - t
-        after = _loaded(self.llm)
+        after = metric_values(self.llm, LOADED)
         read = {k: int(v - before.get(k, 0.0)) for k, v in after.items() if v > before.get(k, 0.0)}
         return {"ttft_s": s, "cached": int(out.num_cached_tokens or 0), "bytes_by_tier": read}
 

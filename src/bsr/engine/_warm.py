@@ -123,18 +123,16 @@ class WarmStatistics:
 
 @dataclass
 class _Copy:
-    """One copy's progress (shared by its object tasks)."""
+    """One copy's progress (shared by its object tasks): ``cut``, what left objects out before
+    it began (``"budget"``, ``"capacity"``); ``failed``, the first object's failure
+    (``"read_failed"``, ``"write_failed"``), after which no more are launched."""
 
-    stop: str | None = None
+    cut: str | None = None
+    failed: str | None = None
     copied: int = 0
     present: int = 0
     by_tier: dict[str, int] = field(default_factory=dict)
     moves: list[TierQuarantine] = field(default_factory=list)
-
-
-def _failed(stop: str | None, why: str) -> str:
-    """A copy's stop reason once an object failed (the first failure's stays)."""
-    return why if stop in (None, "budget", "capacity") else stop
 
 
 #: the target's allocation unit (a HostTier keeps objects in whole 4 KiB pages)
@@ -293,8 +291,7 @@ class Warmer:
                 joined.append(self._inflight[oid])
             else:
                 todo.append((c, g))
-        todo, nbytes, cut = self._reserve(todo, held)
-        state.stop = cut
+        todo, nbytes, state.cut = self._reserve(todo, held)
         try:
             await self._copy_objects(probe, todo, state)
         finally:
@@ -305,7 +302,7 @@ class Warmer:
         if result.prefix_tokens == 0:
             return replace(result, reason="miss")
         if result.warm_tokens < result.prefix_tokens:
-            return replace(result, reason=state.stop or "read_failed")
+            return replace(result, reason=state.failed or state.cut or "read_failed")
         return result
 
     def _stored(self, group: str) -> int:
@@ -326,31 +323,31 @@ class Warmer:
         space = capacity - held if capacity else math.inf
         take, nbytes, stored, cut = 0, 0, 0, None
         for _, g in todo:
-            size = self.layout.group_chunk_bytes(g)
+            size, taken = self.layout.group_chunk_bytes(g), self._stored(g)
             if nbytes + size > room:
                 cut = "budget"
                 break
-            if stored + self._stored(g) > space:
+            if stored + taken > space:
                 cut = "capacity"
                 break
-            take, nbytes, stored = take + 1, nbytes + size, stored + self._stored(g)
+            take, nbytes, stored = take + 1, nbytes + size, stored + taken
         self._reserved += nbytes
         return todo[:take], nbytes, cut
 
     async def _copy_objects(self, probe: Probe, todo: list[tuple[int, str]], state: _Copy) -> None:
         """Copy ``todo`` through the staging window, at most :attr:`reads` at once; the first
         failure stops launching more (what is in flight finishes)."""
-        events = {}
+        events = {}  # object id -> its event, set when this copy ends
         for c, g in todo:
             oid = ObjectKey(probe.keys[c], g).object_id
-            events[(c, g)] = self._inflight[oid] = anyio.Event()
+            events[oid] = self._inflight[oid] = anyio.Event()
         pool = self._pool()
         account = pool.account()
         limiter = anyio.Semaphore(self.reads)
         try:
             async with anyio.create_task_group() as tg:
                 for c, g in todo:
-                    if state.stop is not None and state.stop not in ("budget", "capacity"):
+                    if state.failed:
                         break
                     await limiter.acquire()
                     try:
@@ -358,14 +355,13 @@ class Warmer:
                     except BaseException:
                         limiter.release()
                         raise
-                    if state.stop is not None and state.stop not in ("budget", "capacity"):
+                    if state.failed:
                         account.release(slot)  # one in flight failed while this one waited
                         limiter.release()
                         break
                     tg.start_soon(self._copy_one, probe, c, g, slot, account, limiter, state)
         finally:
-            for (c, g), event in events.items():
-                oid = ObjectKey(probe.keys[c], g).object_id
+            for oid, event in events.items():
                 if self._inflight.get(oid) is event:
                     del self._inflight[oid]
                 event.set()
@@ -388,14 +384,14 @@ class Warmer:
         try:
             read = await self._read(key, g, probe.holders[c][g], slot, state)
             if read is None:
-                state.stop = _failed(state.stop, "read_failed")
+                state.failed = state.failed or "read_failed"
                 return
             source, n = read
             try:
                 written = await self.target.write(key, g, slot.tensor[:n])
             except (BsrError, OSError) as exc:  # full of pinned objects, busy, closed
                 self._log.info("bsr.warm.write_failed", tier=self.target.name, error=repr(exc))
-                state.stop = _failed(state.stop, "write_failed")
+                state.failed = state.failed or "write_failed"
                 return
             oid = ObjectKey(key, g).object_id
             self._quarantine.lift(self.target.name, oid)  # a fresh, checked copy

@@ -20,17 +20,23 @@ budget and the deadline), and at most :data:`MAX_CONNECTIONS` connections are se
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
-import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+import numpy as np
+
+from bsr import KeyExtra, WarmResult
+
 from .._check import host_port
 from .._errors import ConfigError
 from .._log import logger
+from ._adapters import adapter_marker
+from ._request_keys import salt_extras
 
 #: the path routers POST to
 WARM_PATH = "/bsr/warm"
@@ -235,26 +241,18 @@ def _handler_class(handle: Handler) -> type[BaseHTTPRequestHandler]:
     return _Warm
 
 
-def result_json(result: Any) -> dict[str, Any]:
-    """A :class:`~bsr.WarmResult` as the endpoint's answer."""
-    return {
-        "reason": result.reason,
-        "tokens": result.tokens,
-        "prefix_tokens": result.prefix_tokens,
-        "warm_tokens": result.warm_tokens,
-        "target": result.target,
-        "objects_copied": result.objects_copied,
-        "objects_present": result.objects_present,
-        "bytes_by_tier": dict(result.bytes_by_tier),
-        "quarantined": result.quarantined,
-        "duration_s": result.duration_s if math.isfinite(result.duration_s) else None,
-    }
+def result_json(result: WarmResult) -> dict[str, Any]:
+    """A :class:`~bsr.WarmResult` as the endpoint's answer (every field but ``kind``: always
+    ``"warm"`` here)."""
+    out = dataclasses.asdict(result)
+    del out["kind"]
+    return out
 
 
 class WarmService:
     """A worker's warms and promotions: the endpoint (when ``address`` is set), the engine's
-    background task (promotions, when the engine's ``promote`` is not ``"never"``), and their
-    counters in the connector's stats.
+    background task on its loop (it runs promotions as restores queue them, and idles when the
+    engine's ``promote`` is ``"never"``), and their counters in the connector's stats.
 
     Args:
         engine: the rank's open engine.
@@ -291,13 +289,6 @@ class WarmService:
 
     def handle(self, request: WarmRequest) -> tuple[int, dict[str, Any]]:
         """Run one warm on the engine's loop (the endpoint's handler)."""
-        import numpy as np
-
-        from bsr import KeyExtra
-
-        from ._adapters import adapter_marker
-        from ._request_keys import salt_extras
-
         extras = list(salt_extras(request.cache_salt))
         if request.lora_int_id is not None:
             extras.append(adapter_marker(_Lora(request.lora_int_id)))
@@ -320,8 +311,6 @@ class WarmService:
         return await self.engine.warm(tokens, extras=extras, deadline_s=deadline_s)
 
     def _on_record(self, record: Any) -> None:
-        from bsr import WarmResult
-
         if not isinstance(record, WarmResult):
             return
         if self.rank == 0:  # request counts from rank 0, bytes from every rank
