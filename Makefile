@@ -3,6 +3,7 @@
 #   make test       - set up (packages + system tools), then run the whole test suite, each phase
 #                     timed (the table at the end)
 #   make test-quick - the library suite without vLLM, for the edit-run loop
+#   make docs       - the documentation site (docs/ and the API reference) into site/
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -12,7 +13,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 VLLM_VENV ?= .venv-vllm
 LMCACHE_VENV ?= .venv-lmcache
 
-.PHONY: setup system-deps bench-deps test test-main test-bench-vllm test-quick test-vllm wheel-check \
+.PHONY: setup system-deps bench-deps docs test test-main test-bench-vllm test-quick test-vllm wheel-check \
 	lmcache-venv \
 	lint-imports bench lint typecheck clean gpu-wheels gpu-dry-run
 
@@ -25,7 +26,7 @@ $(VENV)/.bsr-installed: pyproject.toml bench/pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	# a CPU torch build unless one is already there (an unpinned torch would pull a CUDA build)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_CPU)"
-	$(BIN)/python -m pip install -q -e ".[dev,mooncake,redis]" -e ./bench
+	$(BIN)/python -m pip install -q -e ".[dev,docs,mooncake,redis]" -e ./bench
 	touch $@
 
 # spin (model checker), libibverbs (Mooncake's transfer engine), fio (the bench's physical
@@ -70,6 +71,7 @@ test:
 	@$(PY) tools/test_phases.py \
 		"setup=$(MAKE) --no-print-directory setup system-deps" \
 		"lint-imports=$(MAKE) --no-print-directory lint-imports" \
+		"+docs=$(MAKE) --no-print-directory docs" \
 		"main suite=$(MAKE) --no-print-directory test-main MAIN_TESTS='-m \"not vllm_env\"'" \
 		"+vLLM setup=$(MAKE) --no-print-directory $(VLLM_VENV)/.bsr-installed" \
 		"vLLM tests=$(MAKE) --no-print-directory test-vllm" \
@@ -141,6 +143,13 @@ gpu-wheels: setup
 gpu-dry-run: gpu-wheels
 	$(BIN)/python bench/gpu/run.py --dry-run
 
+# the documentation site (mkdocs.yml; docs/index.md says how it is built) into site/, git-ignored:
+# strict, so a warning (a broken link, a docstring that does not parse) fails it. It reads the
+# source statically, so vLLM need not be installed. tests/docs checks that every public name has
+# its entry.
+docs: setup
+	$(BIN)/mkdocs build --strict -q
+
 # the layering contracts in pyproject.toml ([tool.importlinter])
 lint-imports: setup
 	$(BIN)/lint-imports
@@ -156,4 +165,4 @@ typecheck:
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(LMCACHE_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(LMCACHE_VENV) site .pytest_cache .mypy_cache .ruff_cache .hypothesis

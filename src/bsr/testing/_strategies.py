@@ -83,7 +83,8 @@ def layouts(
     """A :class:`LayoutCase`: a small layout (some groups windowed) and a block size dividing it.
 
     Args:
-        min_groups, max_groups: how many state groups (1-3 by default).
+        min_groups: the fewest state groups (1 by default).
+        max_groups: the most state groups (3 by default).
         chunk_tokens: chunk sizes to draw from.
         windows: allow sliding-window groups.
     """

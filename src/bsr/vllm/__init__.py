@@ -10,7 +10,14 @@ use, so ``bsr.vllm._layout`` and ``bsr.vllm._options`` work without vLLM.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what type checkers and the API reference see; at run time __getattr__ imports
+    from ._connector import BsrConnector as BsrConnector
+    from ._metadata import BsrConnectorMetadata as BsrConnectorMetadata
+    from ._options import ConnectorOptions as ConnectorOptions
+    from ._stats import BsrConnectorStats as BsrConnectorStats
+    from ._worker import BsrWorker as BsrWorker
 
 __all__ = (
     "BsrConnector",
