@@ -63,7 +63,8 @@ VLLM_XDIST = $(if $(filter-out 0 1,$(VLLM_WORKERS)),-n $(VLLM_WORKERS),)
 # (downloads and unpacking, mostly) beside the main suite, which leaves out the few tests that
 # need it (marked vllm_env: the bench's vLLM sections, ~2.5 min each); those run beside the vLLM
 # tests, whose engines leave the cores idle part of the time; the wheel check runs beside the
-# GPU dry run. The GPU dry run does not run beside the vLLM tests: its steps have fixed time
+# GPU dry run, and the docs build (about 10 s of CPU) beside the import contracts. The GPU dry run
+# does not run beside the vLLM tests: its steps have fixed time
 # budgets (300 s in all) and beside them it once ran out (its cuda tests 70 s instead of 5). The
 # two suites run one after the other: side by side on two cores they took longer than in turn
 # (20:31, against 12:48 and then 9:19).

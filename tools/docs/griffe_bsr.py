@@ -13,6 +13,9 @@ cannot see on its own.
 - ``@takes_options(XOptions)``. A tier's ``__init__(self, options)`` decorated so takes the
   options class's fields as its own parameters (``inspect.signature`` says so at run time): the
   reference shows those parameters, which the tier's docstring documents.
+- Noise. An instance attribute's value is the expression ``__init__`` assigned (``name =
+  text(name, 'tier name')``): left out, its annotation and docstring stay. A reST literal block's
+  ``Example::`` prints as ``Example:`` (the indented block after it is code in Markdown too).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any
 
 import griffe
 
+LITERAL = re.compile(r"(?<=\S)::\n\n")
 ROLE = re.compile(r":(?:py:)?(?:class|func|meth|mod|data|attr|exc|obj|const):`(~?)([^`<>]+)`")
 
 
@@ -44,7 +48,7 @@ def linked(obj: griffe.Object, text: str) -> str:
         path = _target(obj, name)
         return f'<autoref identifier="{path}" optional><code>{title}</code></autoref>'
 
-    return ROLE.sub(one, text)
+    return LITERAL.sub(":\n\n", ROLE.sub(one, text))
 
 
 def _objects(obj: griffe.Object) -> Iterator[griffe.Object]:
@@ -109,6 +113,9 @@ class BsrDocs(griffe.Extension):
         for obj in objects:
             if obj.docstring is not None and ":" in obj.docstring.value:
                 obj.docstring.value = linked(obj, obj.docstring.value)
+            kinds = obj.labels & {"instance-attribute", "class-attribute"}
+            if isinstance(obj, griffe.Attribute) and kinds == {"instance-attribute"}:
+                obj.value = None
             if isinstance(obj, griffe.Class):
                 _fix_option_defaults(obj)
         for obj in objects:
