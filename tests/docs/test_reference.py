@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import inspect
 import subprocess
 import sys
 import zlib
 from pathlib import Path
+from types import ModuleType, SimpleNamespace
 
 import pytest
 
@@ -128,3 +130,24 @@ def test_the_guides_links_to_repository_files_are_copied(site: Path) -> None:
     assert (site / "repo" / "spec" / "bsr.pml").read_bytes() == (ROOT / "spec/bsr.pml").read_bytes()
     page = (site / "architecture" / "index.html").read_text()
     assert 'href="../repo/spec/bsr.pml"' in page
+
+
+def _hooks() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bsr_docs_hooks", ROOT / "tools/docs/hooks.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_link_to_a_file_the_repository_lacks_is_left_to_fail_the_build() -> None:
+    # only files that exist are copied and relinked; mkdocs --strict then fails on the other
+    hooks = _hooks()
+    config = SimpleNamespace(docs_dir=str(ROOT / "docs"), config_file_path=str(ROOT / "mkdocs.yml"))
+    text = "[a](../spec/bsr.pml) [b](../spec/no-such-file.pml) [c](tiers.md#the-seam)"
+    out, found = hooks._repo_links(config, "vllm.md", text)
+    assert found == {"spec/bsr.pml"}
+    assert out == "[a](repo/spec/bsr.pml) [b](../spec/no-such-file.pml) [c](tiers.md#the-seam)"
+    # from a page one folder down, the copy is one folder up
+    out, _ = hooks._repo_links(config, "reference/x.md", "![p](../../spec/bsr.pml)")
+    assert out == "![p](../repo/spec/bsr.pml)"
