@@ -109,7 +109,7 @@ def all_blocks(*langs: str) -> list[Block]:
 
 
 def as_param(block: Block) -> object:
-    marks = [pytest.mark.skip(reason=block.skip)] if block.skip else []
+    marks = [pytest.mark.skip(reason=f"{block.where}: {block.skip}")] if block.skip else []
     return pytest.param(block, id=block.where, marks=marks)
 
 
@@ -178,7 +178,8 @@ def test_relative_links_name_files_and_headings_that_exist(page: Path) -> None:
         path, _, anchor = target.partition("#")
         dest = (page.parent / path).resolve() if path else page
         if not dest.exists():
-            bad.append(f"{target}: no file {dest.relative_to(ROOT) if ROOT in dest.parents else dest}")
+            shown = dest.relative_to(ROOT) if ROOT in dest.parents else dest
+            bad.append(f"{target}: no file {shown}")
         elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
             bad.append(f"{target}: no heading #{anchor} in {dest.relative_to(ROOT)}")
     assert not bad, "\n".join(bad)
@@ -281,6 +282,16 @@ def subcommands(parser: argparse.ArgumentParser, args: list[str]) -> list[str]:
     return chain
 
 
+def strict(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``parser`` and its subcommands refusing abbreviated flags: a page spells them out."""
+    parser.allow_abbrev = False
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                strict(sub)
+    return parser
+
+
 def parse_bsr(args: list[str]) -> str | None:
     """Parse a ``bsr`` command line as the CLI would, running nothing: None, or the error."""
     from bsr.cli import build_parser
@@ -291,9 +302,9 @@ def parse_bsr(args: list[str]) -> str | None:
             if args[:1] == ["bench"]:
                 from bsr_bench.cli import build_parser as bench_parser
 
-                bench_parser().parse_args(args[1:])
+                strict(bench_parser()).parse_args(args[1:])
             else:
-                build_parser().parse_args(args)
+                strict(build_parser()).parse_args(args)
     except SystemExit as exc:
         said = err.getvalue().strip().splitlines()
         return None if exc.code == 0 else (said[-1] if said else f"exit {exc.code}")
@@ -358,7 +369,7 @@ def test_shell_commands_are_split_as_a_shell_would() -> None:
     text = (
         "make setup && make lint   # a comment with 'quotes\n"
         "bsr store gc /nvme/bsr \\\n  --max-bytes 400GiB; bsr demo\n"
-        "vllm serve M --cfg '{\"a\": 1,\n  \"b\": \"#x\"}'\n"
+        'vllm serve M --cfg \'{"a": 1,\n  "b": "#x"}\'\n'
     )
     assert shell_commands(text) == [
         ["make", "setup"],
@@ -373,3 +384,4 @@ def test_shell_commands_are_split_as_a_shell_would() -> None:
     assert parse_bsr(["demo", "--tokens", "1024"]) is None
     assert "invalid int value" in (parse_bsr(["demo", "--tokens", "many"]) or "")
     assert parse_bsr(["no-such-command"]) is not None
+    assert "unrecognized arguments: --token" in (parse_bsr(["demo", "--token", "8"]) or "")
