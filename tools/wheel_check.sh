@@ -2,7 +2,7 @@
 # The release check of `make test` (make wheel-check): build bsr's sdist and wheel as a user's
 # `pip install` would get them, install the wheel into a fresh virtual environment (no editable
 # install, no source tree on sys.path) and use it there: `bsr --help`, `bsr --version`, `bsr config
-# check` on the README's example config, and a save / restore through a FileTier.
+# check` on docs/configuration.md's example config, and a save / restore through a FileTier.
 #
 # Usage: tools/wheel_check.sh PYTHON [TORCH_REQUIREMENT]
 #   PYTHON: the interpreter with `build` installed (.venv/bin/python);
@@ -67,14 +67,13 @@ echo "$GOT"
 test "$GOT" = "bsr $VERSION" || { echo "bsr --version said '$GOT', expected 'bsr $VERSION'"; exit 1; }
 "$VPY" -c "import bsr, sys; assert bsr.__file__.startswith(sys.prefix), bsr.__file__; print(bsr.__file__)"
 
-say "bsr config check on the README's example config"
-# the README's TOML block under "### Configuration", with the store in this directory
-"$VPY" - "$ROOT/README.md" <<'EOF' >bsr.toml
+say "bsr config check on docs/configuration.md's example config"
+# the first TOML block of docs/configuration.md, with the store in this directory
+"$VPY" - "$ROOT/docs/configuration.md" <<'EOF' >bsr.toml
 import re, sys
 text = open(sys.argv[1]).read()
-section = text[text.index("### Configuration"):]
-block = re.search(r"```toml\n(.*?)```", section, re.S).group(1)
-assert 'path = "/nvme/bsr"' in block, "the README's example changed: update tools/wheel_check.sh"
+block = re.search(r"```toml\n(.*?)```", text, re.S).group(1)
+assert 'path = "/nvme/bsr"' in block, "the docs' example changed: update tools/wheel_check.sh"
 print(block.replace('"/nvme/bsr"', '"store"'), end="")
 EOF
 "$WORK/venv/bin/bsr" config check bsr.toml
