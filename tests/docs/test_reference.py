@@ -27,7 +27,7 @@ import bsr
 
 ROOT = Path(__file__).resolve().parents[2]
 #: the public modules whose ``__all__`` the reference must render, beside ``bsr`` itself
-MODULES = ("bsr.kit", "bsr.vllm", "bsr.hcache", "bsr.testing")
+MODULES = ("bsr.kit", "bsr.vllm", "bsr.router", "bsr.hcache", "bsr.testing")
 #: the options dataclass of each tier bsr ships: every field is an entry of the reference
 OPTIONS = (
     "bsr.HostTierOptions",
