@@ -23,15 +23,7 @@ from typing import Any, Self
 
 import anyio
 
-from .._check import (
-    Check,
-    byte_size,
-    non_negative_int,
-    option_fields,
-    optional_positive_seconds,
-    positive_seconds,
-    short_repr,
-)
+from .._check import Check, non_negative_int, optional_positive_seconds
 from .._errors import (
     BlockTableError,
     BsrError,
@@ -65,13 +57,15 @@ from ..transfer._run import OnInstalled
 from ..transfer._save import save_chunks
 from ..transfer._staging import StagingPool, StagingStatistics
 from ..transfer._tables import BlockTables
-from ._config import DEFAULT_WINDOW_CHECKPOINT_CHUNKS, EngineConfig, check_window_memory
+from ._config import EngineConfig
 from ._coordinator import Coordinator, LocalCoordinator
 from ._cost import CostModel
 from ._decisions import Quarantine, TierQuarantine
+from ._from_config import configured
 from ._health import BreakerState, TierHealth
 from ._job import RestoreJob, RestoreParts
 from ._leases import LeaseBook, ProbeLease
+from ._options import EngineArguments, check_budget, check_tiers, takes_options
 from ._probe import Prober
 from ._request import RestoreRequest
 from ._warm import Warmer, WarmResult, WarmStatistics
@@ -112,12 +106,6 @@ class EngineStatistics:
     warm: WarmStatistics = field(default_factory=WarmStatistics)
 
 
-#: the parsers of the options RestoreEngine shares with EngineConfig (one rule set for both)
-_OPTION: dict[str, Any] = {
-    name: f.metadata["parse"] for name, f in option_fields(EngineConfig).items()
-}
-
-
 class RestoreEngine(AsyncResource):
     """Restores and saves one rank's reusable state through a bounded staging window.
 
@@ -125,101 +113,50 @@ class RestoreEngine(AsyncResource):
         layout: the model's state layout.
         tiers: tiers fastest first (e.g. ``[HostTier(...), FileTier(...)]``); restore falls back
             down this list, save writes through to all of them.
-        window: W, staging slots (each ``layout.slot_bytes``); peak staging <= W x slot_bytes.
-        io_depth: reads in flight per restore (1 <= io_depth <= W).
-        memory_workers: worker threads a restore uses at once to verify and copy chunks into a
-            host cache when no thread waits on a read: chunks whose first holder is a
-            memory-speed tier (a HostTier), or one FileTier reading through io_uring (each
-            thread then keeps a read in flight per slot it holds); at most ``io_depth``;
-            default 1: that work is bound by memory bandwidth, and a second thread on a small
-            host adds CPU and little speed.
         namespace: model id, tp rank/size, salt; keys are disjoint across namespaces.
         coordinator: cross-rank agreement (default: single rank).
-        policy: default commit policy (``"all_or_nothing"``, ``"truncate"`` or ``"cost"``: load
-            only what is faster to load than to recompute, see :class:`~bsr.CostModel`).
-        deadline_s: default per-restore deadline (None: no deadline).
-        pin_staging: allocate pinned staging when CUDA is available.
-        prefault_staging: touch the staging window at open (no page faults in the first
-            restore; the window is resident from the start).
-        breaker_threshold: consecutive I/O failures or timeouts after which a tier is skipped
-            for ``breaker_cooldown_s`` (None: never skip a tier).
-        breaker_cooldown_s: how long a tripped tier is skipped before one trial call.
-        shield_timeout_s: the bound (default 5 s) on the calls bsr makes for its own sake:
-            moving a corrupt object out of its tier (also within the request's deadline, and
-            never holding a caller's cancel: the engine's quarantine already keeps the object
-            out of use, and a move cut short is retried at close), waiting for device copies
-            that still read staging slots (shielded: the one wait a caller's cancel is held
-            for, as a slot must not be reused under a copy), and closing a tier (shielded).
-        staging_budget_bytes: host staging the engine may use. The bounded window must fit in
-            it (else ConfigError); a whole-plan restore whose plan exceeds it ends Invalidated
-            with reason ``staging_budget`` before allocating anything. None: no budget.
-        window_checkpoint_chunks: the interval, in chunks, of a sliding-window group's window
-            checkpoints in a save that asks for them (``save(..., window_checkpoints=True)``);
-            ``None``: none.
-        promote: when a restore's hits read from a tier below the host tier are copied into it
-            (``"never"``, ``"second_hit"``, ``"always"``; see :meth:`warm`): after the restore
-            committed, off its path, by the engine's background task (``async with engine``)
-            or :meth:`run_promotions`.
-        warm_budget_bytes: the bytes warms and promotions in flight may write into the host
-            tier together (None: a quarter of its capacity).
-        warm_concurrency: warms and promotions running at once.
+        options: the knobs as one :class:`~bsr.EngineOptions` (or an ``EngineConfig``); a knob
+            also given by name overrides its value there.
+        window, io_depth, memory_workers, policy, deadline_s, pin_staging, prefault_staging,
+            breaker_threshold, breaker_cooldown_s, shield_timeout_s, staging_budget_bytes,
+            window_checkpoint_chunks, promote, warm_budget_bytes, warm_concurrency: the knobs,
+            each documented (and checked, with the same message as in a config) by
+            :class:`~bsr.EngineOptions`, whose fields are exactly these parameters. The window
+            must fit in ``staging_budget_bytes`` when one is set.
+
+    Attributes:
+        options: the knobs this engine was built with (:class:`~bsr.EngineOptions`); the
+            engine also has each as an attribute (``engine.window``; ``engine.policy`` and
+            :class:`~bsr.Policy`).
     """
 
     #: the task running promotions inside ``async with engine`` (None outside it)
     _background: anyio.abc.TaskGroup | None = None
 
-    def __init__(
-        self,
-        layout: StateLayout,
-        tiers: Sequence[Tier],
-        *,
-        window: int = 8,
-        io_depth: int = 4,
-        memory_workers: int = 1,
-        namespace: Namespace,
-        coordinator: Coordinator | None = None,
-        policy: Policy | str = Policy.ALL_OR_NOTHING,
-        deadline_s: float | None = None,
-        pin_staging: bool = True,
-        prefault_staging: bool = True,
-        breaker_threshold: int | None = 3,
-        breaker_cooldown_s: float = 5.0,
-        shield_timeout_s: float = 5.0,
-        staging_budget_bytes: int | str | None = None,
-        window_checkpoint_chunks: int | None = DEFAULT_WINDOW_CHECKPOINT_CHUNKS,
-        promote: Promote | str = Promote.NEVER,
-        warm_budget_bytes: int | str | None = None,
-        warm_concurrency: int = 2,
-    ) -> None:
-        if not isinstance(layout, StateLayout):
-            raise ConfigError(f"layout must be a StateLayout, got {type(layout).__name__}")
-        # the options an EngineConfig also carries are checked by the config's own parsers
-        self.window, self.io_depth = window, io_depth = self._check_window(window, io_depth)
-        self.memory_workers: int = _OPTION["memory_workers"](memory_workers, "memory_workers")
-        self.tiers = self._check_tiers(tiers)
-        if not isinstance(namespace, Namespace):
+    @takes_options(EngineArguments)
+    def __init__(self, args: EngineArguments) -> None:
+        if not isinstance(args.layout, StateLayout):
+            raise ConfigError(f"layout must be a StateLayout, got {type(args.layout).__name__}")
+        if not isinstance(args.namespace, Namespace):
             raise ConfigError("namespace must be a bsr.Namespace(model_id=...)")
-        self.layout = layout
-        self.namespace = namespace
+        self.layout = layout = args.layout
+        self.options = o = args.engine_options()
+        check_budget(o, layout.slot_bytes)
+        self.window, self.io_depth, self.memory_workers = o.window, o.io_depth, o.memory_workers
+        self.policy, self.deadline_s = Policy(o.policy), o.deadline_s
+        self.pin_staging, self.prefault_staging = o.pin_staging, o.prefault_staging
+        self.shield_timeout_s = o.shield_timeout_s
+        self.staging_budget_bytes = o.staging_budget_bytes
+        self.window_checkpoint_chunks = o.window_checkpoint_chunks
+        self.tiers = check_tiers(args.tiers)
+        self.namespace = namespace = args.namespace
         self.namespace_fp = namespace.fingerprint(layout)
-        self.coordinator: Coordinator = coordinator or LocalCoordinator()
+        self.coordinator: Coordinator = args.coordinator or LocalCoordinator()
         self._check_coordinator()
-        self.policy = choice(Policy, _OPTION["policy"](policy, "policy"), "policy")
-        self.deadline_s = _OPTION["deadline_s"](deadline_s, "deadline_s")
-        self.pin_staging = _OPTION["pin_staging"](pin_staging, "pin_staging")
-        self.prefault_staging = _OPTION["prefault_staging"](prefault_staging, "prefault_staging")
-        self.shield_timeout_s = positive_seconds(
-            shield_timeout_s, "shield_timeout_s", key="shield_timeout_s"
-        )
-        self.staging_budget_bytes = self._check_budget(staging_budget_bytes)
-        self.window_checkpoint_chunks: int | None = _OPTION["window_checkpoint_chunks"](
-            window_checkpoint_chunks, "window_checkpoint_chunks"
-        )
         self.health = TierHealth(
-            [t.name for t in self.tiers],
-            threshold=_OPTION["breaker_threshold"](breaker_threshold, "breaker_threshold"),
-            cooldown_s=_OPTION["breaker_cooldown_s"](breaker_cooldown_s, "breaker_cooldown_s"),
-        )
+            [t.name for t in self.tiers], threshold=o.breaker_threshold,
+            cooldown_s=o.breaker_cooldown_s,
+        )  # fmt: skip
         self._pool: StagingPool | None = None  # set by open(): new -> open -> closed
         #: what this engine itself takes out of its tiers' service (quarantine, audits)
         self._removals = RemovalFeed("engine")
@@ -238,25 +175,21 @@ class RestoreEngine(AsyncResource):
         )  # fmt: skip
         # the transfer side; one per engine, so its CUDA side stream is made once
         self._window = WindowPipeline(
-            layout, self.tiers, window=window, io_depth=io_depth,
-            memory_workers=self.memory_workers,
+            layout, self.tiers, window=o.window, io_depth=o.io_depth,
+            memory_workers=o.memory_workers,
         )  # fmt: skip
         #: what each restore job uses of this engine
         self._parts = RestoreParts(
             layout, self._prober, self.coordinator, self.health, self._quarantine, self.cost,
-            self._window, self._open_pool, self._move_out, self.shield_timeout_s,
-            self.pin_staging, self.staging_budget_bytes,
+            self._window, self._open_pool, self._move_out, o.shield_timeout_s,
+            o.pin_staging, o.staging_budget_bytes,
         )  # fmt: skip
-        self._warmer = self._make_warmer(promote, warm_budget_bytes, warm_concurrency)
-
-    def _make_warmer(self, promote: Any, budget: Any, concurrency: Any) -> Warmer:
-        return Warmer(
-            self.layout, self.tiers, self._prober, self.health, self._quarantine,
-            self._open_pool, self._move_out, io_depth=self.io_depth, window=self.window,
-            budget_bytes=_OPTION["warm_budget_bytes"](budget, "warm_budget_bytes"),
-            concurrency=_OPTION["warm_concurrency"](concurrency, "warm_concurrency"),
-            promote=choice(Promote, _OPTION["promote"](promote, "promote"), "promote"),
-            shield_timeout_s=self.shield_timeout_s, log=self._log, notify=self._notify,
+        self._warmer = Warmer(
+            layout, self.tiers, self._prober, self.health, self._quarantine, self._open_pool,
+            self._move_out, io_depth=o.io_depth, window=o.window,
+            budget_bytes=o.warm_budget_bytes, concurrency=o.warm_concurrency,
+            promote=Promote(o.promote), shield_timeout_s=o.shield_timeout_s, log=self._log,
+            notify=self._notify,
         )  # fmt: skip
 
     @classmethod
@@ -272,7 +205,7 @@ class RestoreEngine(AsyncResource):
         """Build an engine and its tiers from a :class:`~bsr.EngineConfig`.
 
         Args:
-            config: the engine config.
+            config: the engine config (its knobs are the engine's options).
             layout: the model's state layout.
             namespace: the namespace; default built from ``config.model_id`` and
                 ``config.tenant``, with the coordinator's rank and world size.
@@ -282,86 +215,12 @@ class RestoreEngine(AsyncResource):
                 still comes from ``config``.
 
         Raises:
-            ConfigError: the layout's chunk size differs from ``config.chunk_tokens``, no
-                namespace can be made, or the namespace disagrees with the config's ``model_id``
-                or ``tenant`` (its salt).
+            ConfigError: the layout's chunk size differs from ``config.chunk_tokens``, the
+                window does not fit in the host's memory, no namespace can be made, or the
+                namespace disagrees with the config's ``model_id`` or ``tenant`` (its salt).
         """
-        if not isinstance(config, EngineConfig):
-            raise ConfigError(
-                "config must be a bsr.EngineConfig (use EngineConfig.from_dict), got "
-                f"{type(config).__name__}"
-            )
-        if not isinstance(layout, StateLayout):
-            raise ConfigError(f"layout must be a StateLayout, got {type(layout).__name__}")
-        if config.chunk_tokens is not None and config.chunk_tokens != layout.chunk_tokens:
-            raise ConfigError(
-                f"chunk_tokens: the config says {short_repr(config.chunk_tokens)} but the layout "
-                f"has chunk_tokens={layout.chunk_tokens}; make them agree (or leave chunk_tokens "
-                "unset to take the layout's)",
-                key="chunk_tokens",
-            )
-        check_window_memory(config.window, layout)
-        if namespace is None:
-            rank = 0 if coordinator is None else coordinator.rank
-            size = 1 if coordinator is None else coordinator.world_size
-            namespace = config.namespace(tp_rank=rank, tp_size=size)
-        elif config.model_id is not None and namespace.model_id != config.model_id:
-            raise ConfigError(
-                f"model_id: the config says {config.model_id!r} but namespace.model_id is "
-                f"{namespace.model_id!r}; drop one or make them agree",
-                key="model_id",
-            )
-        elif config.tenant is not None and bytes(namespace.salt) != config.tenant.encode():
-            # a tenant's prefixes must never be served to another tenant by a silent override
-            raise ConfigError(
-                f"tenant: the config says {config.tenant!r} but the namespace's salt is "
-                f"{bytes(namespace.salt)!r}; pass namespace=bsr.Namespace(..., "
-                f"salt={config.tenant.encode()!r}) or drop tenant from the config",
-                key="tenant",
-            )
-        return cls(
-            layout,
-            config.build_tiers() if tiers is None else tiers,
-            window=config.window,
-            io_depth=config.io_depth,
-            memory_workers=config.memory_workers,
-            namespace=namespace,
-            coordinator=coordinator,
-            policy=config.policy,
-            deadline_s=config.deadline_s,
-            pin_staging=config.pin_staging,
-            prefault_staging=config.prefault_staging,
-            breaker_threshold=config.breaker_threshold,
-            breaker_cooldown_s=config.breaker_cooldown_s,
-            window_checkpoint_chunks=config.window_checkpoint_chunks,
-            shield_timeout_s=config.shield_timeout_s,
-            staging_budget_bytes=config.staging_budget_bytes,
-            promote=config.promote,
-            warm_budget_bytes=config.warm_budget_bytes,
-            warm_concurrency=config.warm_concurrency,
-        )
-
-    @staticmethod
-    def _check_window(window: Any, io_depth: Any) -> tuple[int, int]:
-        window = _OPTION["window"](window, "window")
-        io_depth = _OPTION["io_depth"](io_depth, "io_depth")
-        if io_depth > window:
-            raise ConfigError(
-                f"io_depth must be at most window={window}, got {io_depth!r}; more reads "
-                "in flight than slots cannot help, raise window or lower io_depth",
-                key="io_depth",
-            )
-        return window, io_depth
-
-    @staticmethod
-    def _check_tiers(tiers: Sequence[Tier]) -> list[Tier]:
-        tiers = list(tiers)
-        if not tiers or not all(isinstance(t, Tier) for t in tiers):
-            raise ConfigError("tiers must be a non-empty list of Tier objects, fastest first")
-        names = [t.name for t in tiers]
-        if len(set(names)) != len(names):
-            raise ConfigError(f"tier names must be unique, got {names}; pass name=... to each tier")
-        return tiers
+        tiers, namespace = configured(config, layout, namespace, coordinator, tiers)
+        return cls(layout, tiers, namespace=namespace, coordinator=coordinator, options=config)
 
     def _check_coordinator(self) -> None:
         c, ns = self.coordinator, self.namespace
@@ -370,21 +229,6 @@ class RestoreEngine(AsyncResource):
                 f"coordinator is rank {c.rank} of {c.world_size} but the namespace says "
                 f"tp_rank={ns.tp_rank}, tp_size={ns.tp_size}; make them agree"
             )
-
-    def _check_budget(self, budget: int | str | None) -> int | None:
-        if budget is None:
-            return None
-        nbytes = byte_size(budget, "staging_budget_bytes")
-        window_bytes = self.window * self.layout.slot_bytes
-        if window_bytes > nbytes:
-            raise ConfigError(
-                f"the window needs {window_bytes} bytes of staging ({self.window} slots of "
-                f"{self.layout.slot_bytes}) but staging_budget_bytes is {nbytes}; lower window "
-                f"to at most {nbytes // self.layout.slot_bytes} or raise the budget",
-                key="staging_budget_bytes",
-                window=self.window,
-            )
-        return nbytes
 
     # ------------------------------------------------------------------ lifecycle
     # ``async with engine`` opens and closes it (AsyncResource)
