@@ -3,34 +3,33 @@
 Where it runs: the serving process's event loop (any anyio backend); one engine per rank.
 
 How it works: the engine owns what lives as long as it does: the tiers, the W-slot staging pool,
-the transfer pipeline, tier health, quarantine, probe leases and the measured costs. A restore is
-admitted here (its arguments checked, its request record opened, no I/O) and then run as a
-:class:`~bsr.engine._job.RestoreJob`, whose phases (probe, window, settle, agree; release in the
-engine's ``finally``) each return what the next one takes; see :mod:`bsr.engine._job`. A save
-goes straight to :func:`~bsr.transfer._save.save_chunks` through the same staging pool.
+the transfer pipeline, tier health, quarantine, probe leases and the measured costs. Its knobs
+are the fields of :class:`~bsr.engine._options.EngineOptions` (its constructor's parameters, see
+:mod:`bsr.engine._options`), and ``from_config``'s checks live in :mod:`bsr.engine._from_config`.
+The engine is the public face of its parts: lookups and restores (:mod:`bsr.engine._restores`:
+a restore is admitted, its arguments checked and its request record opened with no I/O, and
+then run as a :class:`~bsr.engine._job.RestoreJob`, whose phases (probe, window, settle, agree;
+release in its ``finally``) each return what the next one takes; see :mod:`bsr.engine._job`),
+saves (:mod:`bsr.engine._saves`: straight to :func:`~bsr.transfer._save.save_chunks` through the
+same staging pool), warms (:mod:`bsr.engine._warm`), and audits, quarantine moves and closing
+the tiers (:mod:`bsr.engine._upkeep`).
 """
 
 from __future__ import annotations
 
-import itertools
-import math
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Self
 
 import anyio
 
-from .._check import Check, non_negative_int, optional_positive_seconds
+from .._check import non_negative_int, optional_positive_seconds
 from .._errors import (
-    BlockTableError,
-    BsrError,
     ClosedError,
     ConfigError,
-    ObjectError,
-    ObjectNotFoundError,
 )
 from .._log import logger
 from .._resource import AsyncResource
@@ -42,32 +41,36 @@ from ..core._keys import (
     TokensLike,
     check_extras,
     chunk_keys,
-    token_count,
 )
 from ..core._layout import StateLayout
-from ..core._lifecycle import Reason, RequestLifecycle
-from ..core._options import Policy, Promote, Strategy, choice
+from ..core._options import Policy, Promote, Strategy
 from ..core._plan import checkpoint_ends, needed_objects
 from ..core._results import Probe, RestoreResult, SaveResult
-from ..tiers._base import Tier, TierLease, TierStatistics
+from ..tiers._base import Tier, TierStatistics
 from ..tiers._watch import Removal, RemovalFeed, RemovalListener
 from ..transfer._cache import PagedKVCache
 from ..transfer._pipeline import WindowPipeline
 from ..transfer._run import OnInstalled
-from ..transfer._save import save_chunks
 from ..transfer._staging import StagingPool, StagingStatistics
-from ..transfer._tables import BlockTables
 from ._config import EngineConfig
-from ._coordinator import Coordinator, LocalCoordinator
+from ._coordinator import Coordinator
 from ._cost import CostModel
-from ._decisions import Quarantine, TierQuarantine
+from ._decisions import Quarantine
 from ._from_config import configured
 from ._health import BreakerState, TierHealth
-from ._job import RestoreJob, RestoreParts
-from ._leases import LeaseBook, ProbeLease
-from ._options import EngineArguments, check_budget, check_tiers, takes_options
+from ._job import RestoreParts
+from ._leases import LeaseBook
+from ._options import (
+    EngineArguments,
+    check_budget,
+    check_coordinator,
+    check_tiers,
+    takes_options,
+)
 from ._probe import Prober
-from ._request import RestoreRequest
+from ._restores import Restores
+from ._saves import Saves
+from ._upkeep import Upkeep
 from ._warm import Warmer, WarmResult, WarmStatistics
 
 Record = Probe | RestoreResult | SaveResult | WarmResult
@@ -151,8 +154,7 @@ class RestoreEngine(AsyncResource):
         self.tiers = check_tiers(args.tiers)
         self.namespace = namespace = args.namespace
         self.namespace_fp = namespace.fingerprint(layout)
-        self.coordinator: Coordinator = args.coordinator or LocalCoordinator()
-        self._check_coordinator()
+        self.coordinator: Coordinator = check_coordinator(args.coordinator, namespace)
         self.health = TierHealth(
             [t.name for t in self.tiers], threshold=o.breaker_threshold,
             cooldown_s=o.breaker_cooldown_s,
@@ -164,11 +166,12 @@ class RestoreEngine(AsyncResource):
         #: measured read rates and prefill rate; decides policy "cost"
         self.cost = CostModel()
         self._leases = LeaseBook()
-        self._ids = itertools.count()
         self._counts = {"restores": 0, "committed": 0, "invalidated": 0, "saves": 0}
-        self._saves_skipped: dict[str, int] = {}
         self._log = logger.bind(rank=namespace.tp_rank, model=namespace.model_id)
         self._listeners: list[Callable[[Record], None]] = []
+        self._upkeep = Upkeep(
+            layout, self.tiers, self._quarantine, self._removals, o.shield_timeout_s, self._log
+        )
         self._prober = Prober(
             layout, self.tiers, self.namespace_fp, self.health, self._quarantine,
             self.coordinator, self._log, origin=uuid.uuid4().bytes,
@@ -181,14 +184,24 @@ class RestoreEngine(AsyncResource):
         #: what each restore job uses of this engine
         self._parts = RestoreParts(
             layout, self._prober, self.coordinator, self.health, self._quarantine, self.cost,
-            self._window, self._open_pool, self._move_out, o.shield_timeout_s,
+            self._window, self._open_pool, self._upkeep.move_out, o.shield_timeout_s,
             o.pin_staging, o.staging_budget_bytes,
         )  # fmt: skip
         self._warmer = Warmer(
             layout, self.tiers, self._prober, self.health, self._quarantine, self._open_pool,
-            self._move_out, io_depth=o.io_depth, window=o.window,
+            self._upkeep.move_out, io_depth=o.io_depth, window=o.window,
             budget_bytes=o.warm_budget_bytes, concurrency=o.warm_concurrency,
             promote=Promote(o.promote), shield_timeout_s=o.shield_timeout_s, log=self._log,
+            notify=self._notify,
+        )  # fmt: skip
+        self._saves = Saves(
+            layout, self.tiers, self._prober, self._quarantine, tier=self._upkeep.tier,
+            io_depth=o.io_depth, checkpoint_chunks=o.window_checkpoint_chunks,
+            counts=self._counts, log=self._log, notify=self._notify,
+        )  # fmt: skip
+        self._restores = Restores(
+            self._parts, self.tiers, self._warmer, self._leases, rank=namespace.tp_rank,
+            policy=self.policy, deadline_s=o.deadline_s, counts=self._counts, log=self._log,
             notify=self._notify,
         )  # fmt: skip
 
@@ -221,14 +234,6 @@ class RestoreEngine(AsyncResource):
         """
         tiers, namespace = configured(config, layout, namespace, coordinator, tiers)
         return cls(layout, tiers, namespace=namespace, coordinator=coordinator, options=config)
-
-    def _check_coordinator(self) -> None:
-        c, ns = self.coordinator, self.namespace
-        if c.world_size != ns.tp_size or c.rank != ns.tp_rank:
-            raise ConfigError(
-                f"coordinator is rank {c.rank} of {c.world_size} but the namespace says "
-                f"tp_rank={ns.tp_rank}, tp_size={ns.tp_size}; make them agree"
-            )
 
     # ------------------------------------------------------------------ lifecycle
     # ``async with engine`` opens and closes it (AsyncResource)
@@ -290,18 +295,7 @@ class RestoreEngine(AsyncResource):
             self._background.cancel_scope.cancel()
         self._warmer.drop_pending()
         self._leases.release_all()
-        owed = self._quarantine.take_deferred()
-        if owed:  # moves out of a tier that a cancel or a bound cut short, tried once more
-            with anyio.CancelScope(shield=True):
-                await self._move_out(owed, self.shield_timeout_s, self._log)
-        for t in self.tiers:
-            with anyio.CancelScope(shield=True), anyio.move_on_after(self.shield_timeout_s) as sc:
-                try:
-                    await t.aclose()
-                except Exception as exc:
-                    self._log.warning("bsr.tier.close_failed", tier=t.name, error=repr(exc))
-            if sc.cancelled_caught:
-                self._log.warning("bsr.tier.close_timeout", tier=t.name)
+        await self._upkeep.close()
         self._log.info("bsr.engine.closed")
 
     def _open_pool(self) -> StagingPool:
@@ -325,7 +319,7 @@ class RestoreEngine(AsyncResource):
             breakers=tuple(self.health.state(t.name) for t in self.tiers),
             abandoned_workers=self._window.abandoned_workers,
             leases=len(self._leases),
-            saves_skipped=dict(self._saves_skipped),
+            saves_skipped=dict(self._saves.skipped),
             warm=self._warmer.statistics(),
         )
 
@@ -385,76 +379,7 @@ class RestoreEngine(AsyncResource):
         """
         pool = self._open_pool()
         deadline = optional_positive_seconds(deadline_s, "deadline_s", key="deadline_s")
-        checks = [bool(verify)] * len(objects) if isinstance(verify, bool) else list(verify)
-        if len(checks) != len(objects):
-            raise ConfigError(
-                f"verify has {len(checks)} flags for {len(objects)} objects; pass one flag, or "
-                "one per object"
-            )
-        by_tier: dict[str, list[int]] = {}
-        for i, (name, _) in enumerate(objects):
-            self._tier(name)  # an unknown tier name is the caller's error
-            by_tier.setdefault(name, []).append(i)
-        out: list[bool | None] = [None] * len(objects)
-        with anyio.move_on_after(math.inf if deadline is None else deadline):
-            for name, idx in by_tier.items():
-                try:
-                    held = await self._tier(name).recheck_many([objects[i][1] for i in idx])
-                except (BsrError, OSError) as exc:
-                    self._log.warning("bsr.engine.audit_failed", tier=name, error=repr(exc))
-                    continue
-                unread: list[int] = []
-                for i, h in zip(idx, held):
-                    oid = objects[i][1].object_id
-                    out[i] = bool(h) and (name, oid) not in self._quarantine
-                    if not h:
-                        self._removals.emit(oid, Removal.VANISHED, tier=name)
-                    elif out[i] and checks[i]:
-                        out[i] = None  # not known good until read back
-                        unread.append(i)
-                if unread:
-                    await self._verify_held(pool, name, [(i, objects[i][1]) for i in unread], out)
-        return out
-
-    async def _verify_held(
-        self,
-        pool: StagingPool,
-        name: str,
-        objects: list[tuple[int, ObjectKey]],
-        out: list[bool | None],
-    ) -> None:
-        """:meth:`audit`'s read-back: each object through ``tier.read_into`` into one staging
-        slot (the slot goes back in ``finally``); ``out[i]`` is True (it verified), False (gone,
-        or corrupt and now quarantined) or stays None (the read failed otherwise)."""
-        tier = self._tier(name)
-        slot = await pool.acquire()
-        try:
-            for i, okey in objects:
-                try:
-                    nbytes = self.layout.group_chunk_bytes(okey.group)
-                    await tier.read_into(okey.chunk, okey.group, slot.tensor[:nbytes])
-                except ObjectNotFoundError:
-                    out[i] = False
-                    self._removals.emit(okey.object_id, Removal.VANISHED, tier=name)
-                except ObjectError as exc:  # corrupt or truncated: never served, moved out
-                    out[i] = False
-                    self._log.warning(
-                        "bsr.engine.audit_corrupt", tier=name, key=okey.chunk.hex[:16],
-                        group=okey.group, error=repr(exc),
-                    )  # fmt: skip
-                    self._quarantine.add(name, okey.object_id)
-                    why = type(exc).__name__
-                    await self._move_out(
-                        [TierQuarantine(name, okey.chunk, okey.group, why)],
-                        self.shield_timeout_s,
-                        self._log,
-                    )
-                except (BsrError, OSError) as exc:
-                    self._log.warning("bsr.engine.audit_unread", tier=name, error=repr(exc))
-                else:
-                    out[i] = True
-        finally:
-            pool.release(slot)
+        return await self._upkeep.audit(pool, objects, deadline, verify)
 
     def _notify(self, record: Record) -> None:
         for listener in list(self._listeners):
@@ -462,11 +387,6 @@ class RestoreEngine(AsyncResource):
                 listener(record)
             except Exception as exc:  # a metrics bug must never fail a restore
                 self._log.warning("bsr.engine.listener_failed", error=repr(exc))
-
-    def _check_cache(self, cache: PagedKVCache) -> None:
-        if not isinstance(cache, PagedKVCache):
-            raise ConfigError(f"cache must be a bsr.PagedKVCache, got {type(cache).__name__}")
-        cache.check_layout(self.layout)
 
     def keys(self, tokens: TokensLike, *, extras: Extras | None = None) -> list[ChunkKey]:
         """Chained keys of every full chunk of ``tokens`` (with ``extras``, see
@@ -513,49 +433,9 @@ class RestoreEngine(AsyncResource):
         ``prefill_tokens_per_s`` if given (else the rate measured by :attr:`cost`). This
         rank's alone: a restore given the probe agrees on it with the other ranks.
         """
-        self._open_pool()
-        self._leases.reclaim()
-        extras = check_extras(extras)
-        ttl = optional_positive_seconds(lease_ttl_s, "lease_ttl_s", key="lease_ttl_s")
-        deadline = optional_positive_seconds(deadline_s, "deadline_s", key="deadline_s")
-        if Check.flag(local, "local") and ttl is not None:
-            raise ConfigError(
-                "a local lookup takes no lease (its probe is one rank's); drop lease_ttl_s or "
-                "local=True"
-            )
-        probe = (
-            await self._prober.probe(
-                tokens, deadline_s=deadline, partial=True, agree=not local, extras=extras
-            )
-        ).probe
-        if self.policy is Policy.COST:
-            probe = replace(probe, decision=self.cost.decide(
-                self.layout, probe, start_tokens=start_tokens, prefill_rate=prefill_tokens_per_s,
-            ))  # fmt: skip
-        if ttl is not None and probe.prefix_chunks:
-            probe = replace(probe, lease=await self._lease(probe, ttl))
-        self._log.debug(
-            "bsr.probe", tokens=probe.num_tokens, prefix_tokens=probe.prefix_tokens,
-            local_chunks=probe.local_chunks, bytes_by_tier=probe.bytes_by_tier,
-        )  # fmt: skip
-        self._notify(probe)
-        return probe
-
-    async def _lease(self, probe: Probe, ttl_s: float) -> ProbeLease:
-        by_tier: dict[str, list[ObjectKey]] = {}
-        for c, g in needed_objects(self.layout, probe.prefix_chunks):
-            for name in probe.holders[c][g]:
-                by_tier.setdefault(name, []).append(ObjectKey(probe.keys[c], g))
-        leases: list[TierLease] = []
-        try:
-            for tier in self.tiers:
-                if tier.name in by_tier:
-                    leases.append(await tier.lease(by_tier[tier.name], ttl_s))
-        except BaseException:
-            for lease in leases:
-                lease.release()
-            raise
-        return self._leases.add(leases, ttl_s)
+        return await self._restores.lookup(
+            tokens, extras, lease_ttl_s, deadline_s, local, start_tokens, prefill_tokens_per_s
+        )
 
     # ------------------------------------------------------------------ warm
     async def warm(
@@ -667,143 +547,12 @@ class RestoreEngine(AsyncResource):
         """
         started = time.perf_counter()  # the deadline counts from here, admission included
         if probe is not None:
-            self._check_probe_origin(probe)
-        req = self._admit(
+            self._restores.check_probe_origin(probe)
+        req = self._restores.admit(
             tokens, cache, block_ids, policy, deadline_s, strategy, request_id, started,
             start_tokens, extras, on_installed,
         )  # fmt: skip
-        return await self._run(req, probe)
-
-    async def _run(self, req: RestoreRequest, probe: Probe | None) -> RestoreResult:
-        """Run an admitted restore (after any warm copying its objects), then note it for
-        promotion."""
-        try:  # a warm copying these objects now: wait for it rather than read them twice
-            probe = await self._warmer.join(req.tokens, req.extras, probe, req.deadline_at)
-        except BaseException as exc:
-            if probe is not None:
-                probe.release()  # the job that would have released its leases never ran
-            self._abort(req, exc)
-            raise
-        job = RestoreJob(self._parts, req, probe)
-        try:
-            restored = await job.run()
-        except BaseException as exc:
-            self._abort(req, exc)
-            raise
-        finally:
-            await job.release()
-        result = self._finish(req, job.result(restored))
-        if result.committed and restored.window is not None:
-            self._warmer.after_restore(
-                restored.window.probe.keys[: result.committed_tokens // self.layout.chunk_tokens],
-                result.committed_tokens, result.bytes_by_tier,
-            )  # fmt: skip
-        return result
-
-    def _check_probe_origin(self, probe: Probe) -> None:
-        if not isinstance(probe, Probe):
-            raise ConfigError(f"probe must be a bsr.Probe from lookup(), got {type(probe)}")
-        if probe.origin != self._prober.origin:
-            # refused before anything moves; the probe (and its lease) stays its engine's
-            raise ConfigError(
-                "probe was made by another RestoreEngine (it names that engine's tiers and "
-                "holds that engine's leases); pass it to the engine whose lookup() made it, or "
-                "pass no probe to probe again"
-            )
-
-    def _admit(
-        self,
-        tokens: TokensLike,
-        cache: PagedKVCache,
-        block_ids: Any,
-        policy: Policy | str | None,
-        deadline_s: float | None,
-        strategy: Strategy | str,
-        request_id: str | None,
-        started: float,
-        start_tokens: int = 0,
-        extras: Extras | None = None,
-        on_installed: OnInstalled | None = None,
-    ) -> RestoreRequest:
-        """Check the arguments and open the request's record (no I/O).
-
-        Runs on the event loop, before the first checkpoint, so it must stay cheap (the block
-        table check is a NumPy sort); its time counts against the deadline, which runs from
-        ``started`` (when ``restore`` was called).
-        """
-        self._open_pool()
-        self._leases.reclaim()
-        self._check_cache(cache)
-        ext = check_extras(extras)
-        first_block, valid_chunks = self._start(start_tokens, cache)
-        n_full = self.layout.num_chunks(token_count(tokens))
-        tables = cache.block_tables(block_ids, n_full * self.layout.chunk_tokens)
-        _check_serves(tables, n_full, first_block, self.layout.chunk_tokens)
-        deadline = optional_positive_seconds(deadline_s, "deadline_s", key="deadline_s")
-        deadline = self.deadline_s if deadline is None else deadline
-        rid = request_id or f"r{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        life = RequestLifecycle(rid, rank=self.namespace.tp_rank)
-        life.facts.layout = self.layout
-        asked = self.policy if policy is None else choice(Policy, policy, "policy")
-        # policy "cost" decides how much to load, then commits that all-or-nothing
-        life.facts.policy = Policy.ALL_OR_NOTHING if asked is Policy.COST else asked
-        self._counts["restores"] += 1
-        return RestoreRequest(
-            rid=rid, life=life, log=self._log.bind(request_id=rid), tokens=tokens, extras=ext,
-            cache=cache, cost=asked is Policy.COST,
-            tables=tables, policy=life.facts.policy,
-            strategy=choice(Strategy, strategy, "strategy"),
-            deadline_at=None if deadline is None else started + deadline, t0=started,
-            first_block=first_block, valid_chunks=valid_chunks, on_installed=on_installed,
-        )  # fmt: skip
-
-    def _start(self, start_tokens: int, cache: PagedKVCache) -> tuple[int, int]:
-        """``(first block to write, chunks already valid)`` for ``restore(start_tokens=...)``."""
-        start = non_negative_int(start_tokens, "start_tokens")
-        if start % cache.block_tokens:
-            raise ConfigError(
-                f"start_tokens={start} is not a multiple of the cache's block_tokens="
-                f"{cache.block_tokens}; pass the tokens of whole blocks the cache already holds",
-                start_tokens=start,
-            )
-        return start // cache.block_tokens, start // self.layout.chunk_tokens
-
-    async def _move_out(self, moves: list[TierQuarantine], budget: float, log: Any) -> None:
-        """Ask each tier to quarantine its objects within ``budget``; defer what is left."""
-        left = list(moves)
-        try:
-            with anyio.move_on_after(budget):
-                while left:
-                    q = left[0]
-                    try:
-                        await self._tier(q.tier).quarantine(q.key, q.group, q.why)
-                    except Exception as exc:
-                        log.warning("bsr.tier.quarantine_failed", tier=q.tier, error=repr(exc))
-                    left.pop(0)
-        finally:
-            if left:
-                self._quarantine.defer(left)
-                log.warning("bsr.tier.quarantine_deferred", objects=len(left))
-
-    def _abort(self, req: RestoreRequest, exc: BaseException) -> None:
-        """Cancellation or a bug: never leave the request non-terminal."""
-        cancelled = isinstance(exc, anyio.get_cancelled_exc_class())
-        if not req.life.terminal:
-            req.life.invalidate(Reason.CANCELLED if cancelled else Reason.INTERNAL_ERROR)
-        self._counts["invalidated"] += 1
-        req.log.warning("bsr.restore.aborted", reason=str(req.life.reason), error=repr(exc))
-
-    def _finish(self, req: RestoreRequest, result: RestoreResult) -> RestoreResult:
-        self._counts["committed" if result.committed else "invalidated"] += 1
-        self.cost.observe_restore(result)
-        req.log.info(
-            "bsr.restore.done", state=str(result.state), reason=str(result.reason),
-            committed_tokens=result.committed_tokens, probed_tokens=result.probed_tokens,
-            bytes_by_tier=result.bytes_by_tier, rws_peak_bytes=result.rws_peak_bytes,
-            total_s=round(result.timings.total_s, 6), strategy=str(result.strategy.value),
-        )  # fmt: skip
-        self._notify(result)
-        return result
+        return await self._restores.run(req, probe)
 
     # ------------------------------------------------------------------ save
     async def save(
@@ -837,37 +586,11 @@ class RestoreEngine(AsyncResource):
         (:class:`~bsr.KeyExtra`: a tenant's salt, an adapter, an image, prompt embeddings); a
         later ``restore`` finds it only with the same.
         """
-        every = (
-            self.window_checkpoint_chunks
-            if Check.flag(window_checkpoints, "window_checkpoints")
-            else None
-        )
         pool = self._open_pool()
         self._leases.reclaim()
-        self._check_cache(cache)
-        keyed = await self._prober.keyed(tokens, check_extras(extras))
-        tables = cache.block_tables(block_ids, len(keyed.keys) * self.layout.chunk_tokens)
-        targets = self.tiers if tiers is None else [self._tier(name) for name in tiers]
-        quarantine = self._quarantine
-        result = await save_chunks(
-            layout=self.layout, tiers=targets, account=pool.account(), cache=cache, tables=tables,
-            keys=list(keyed.keys), io_depth=self.io_depth, log=self._log,
-            # a fresh copy replaces a quarantined one: probes may see it again
-            on_written=lambda tier, okey: quarantine.lift(tier.name, okey.object_id),
-            is_retired=lambda tier, okey: quarantine.retired(tier.name, okey.object_id),
-            checkpoint_chunks=every,
-        )  # fmt: skip
-        self._counts["saves"] += 1
-        for reason in result.skipped:
-            self._saves_skipped[reason] = self._saves_skipped.get(reason, 0) + 1
-        self._log.info(
-            "bsr.save.done", tokens=result.saved_tokens, chunks=result.chunks,
-            written=result.objects_written, skipped=result.objects_skipped,
-            busy_skipped=result.skipped, errors=result.errors,
-            duration_s=round(result.duration_s, 6),
-        )  # fmt: skip
-        self._notify(result)
-        return result
+        return await self._saves.save(
+            pool, tokens, cache, block_ids, tiers, extras, window_checkpoints
+        )
 
     def checkpoint_tokens(self, num_tokens: int) -> tuple[int, ...]:
         """The prefix lengths, in tokens, below ``num_tokens`` at which a save with
@@ -881,24 +604,3 @@ class RestoreEngine(AsyncResource):
             return ()
         ct, every = self.layout.chunk_tokens, self.window_checkpoint_chunks
         return tuple(c * ct for c in checkpoint_ends(self.layout.num_chunks(n), every))
-
-    def _tier(self, name: str) -> Tier:
-        for t in self.tiers:
-            if t.name == name:
-                return t
-        raise ConfigError(f"no tier named {name!r}; tiers are {[t.name for t in self.tiers]}")
-
-
-def _check_serves(tables: BlockTables, n_full: int, first_block: int, chunk_tokens: int) -> None:
-    """Refuse tables that hold no block where the whole token prefix's state would go."""
-    bad = tables.unserved(n_full, first_block)
-    if bad is not None:
-        group, block = bad
-        raise BlockTableError(
-            f"the block table of group {group!r} holds NULL_BLOCK at index {block}, where a "
-            f"restore of {n_full * chunk_tokens} tokens installs that group's state; give it a "
-            "block there (a sliding-window group needs blocks for its window only), or restore "
-            "fewer tokens",
-            group=group,
-            index=block,
-        )

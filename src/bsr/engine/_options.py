@@ -230,3 +230,16 @@ def check_budget(options: EngineOptions, slot_bytes: int) -> None:
             key="staging_budget_bytes",
             window=window,
         )
+
+
+def check_coordinator(coordinator: Coordinator | None, namespace: Namespace) -> Coordinator:
+    """The engine's coordinator (default: a single rank's), of the namespace's rank and size."""
+    from ._coordinator import LocalCoordinator
+
+    c = LocalCoordinator() if coordinator is None else coordinator
+    if c.world_size != namespace.tp_size or c.rank != namespace.tp_rank:
+        raise ConfigError(
+            f"coordinator is rank {c.rank} of {c.world_size} but the namespace says "
+            f"tp_rank={namespace.tp_rank}, tp_size={namespace.tp_size}; make them agree"
+        )
+    return c
