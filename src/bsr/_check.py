@@ -366,7 +366,8 @@ def fs_path(value: Any, what: str, *, error: type[ConfigError] = ConfigError, **
 # wherever it arrives from (a constructor argument, a config dict, a TOML file, an environment
 # variable), so the constructor and the config can never disagree. A parser takes
 # ``(value, key)``, returns the normalised value or raises a ConfigError whose ``key`` field and
-# message name ``key``.
+# message name ``key``. :class:`Options` (below) is the base of such classes: construction runs
+# the parsers, ``from_dict`` parses a mapping into the same checks.
 
 Parser = Callable[[Any, str], Any]
 

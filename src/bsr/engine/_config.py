@@ -10,13 +10,16 @@ checked by a small parser named in the field's metadata; an unknown key is an er
 close-match suggestion, and every error is a :class:`~bsr.ConfigError` naming the dotted key
 (``tiers[1].capacity_bytes``) and what to write instead. Every option, of the engine and of
 each tier kind, is an ``option(...)`` field checked by one parser of the vocabulary in
-:mod:`bsr._check`; the engine's and the tiers' constructors use the same parsers, so a config
-and a constructor accept exactly the same values. Tier entries are dicts with a ``kind`` whose
-other keys are the fields of that kind's :class:`~bsr.TierOptions` class, found in the tier
-registry (:mod:`bsr.tiers._registry`: built-in kinds ``"host"``, ``"file"``, ``"mooncake"``,
-kinds added with :func:`~bsr.register_tier`, and installed ``bsr.tiers`` entry points such as
-``"redis"``). This module builds nothing: ``RestoreEngine.from_config`` (in ``_engine``) turns a
-config into an engine, so the config never imports the engine.
+:mod:`bsr._check`. The engine's knobs are the fields of :class:`~bsr.EngineOptions`, which
+``EngineConfig`` inherits and ``RestoreEngine``'s constructor takes (see
+:mod:`bsr.engine._options`); the tiers' constructors take their options classes' fields the same
+way, so a config and a constructor accept exactly the same values. Tier entries are dicts with
+a ``kind`` whose other keys are the fields of that kind's :class:`~bsr.TierOptions` class, found
+in the tier registry (:mod:`bsr.tiers._registry`: built-in kinds ``"host"``, ``"file"``,
+``"mooncake"``, kinds added with :func:`~bsr.register_tier`, and installed ``bsr.tiers`` entry
+points such as ``"redis"``). This module builds nothing: ``RestoreEngine.from_config`` (its
+checks in ``_from_config``) turns a config into an engine, so the config never imports the
+engine.
 """
 
 from __future__ import annotations
