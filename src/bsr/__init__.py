@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 # the option rules and the errors are light (no torch): always there, so `except bsr.BsrError`
 # needs no import
 from ._check import Check as Check
+from ._check import Options as Options
 from ._check import option as option
 from ._errors import BlockTableError as BlockTableError
 from ._errors import BsrError as BsrError
@@ -83,6 +84,7 @@ if TYPE_CHECKING:  # what mypy and readers see; at run time __getattr__ imports 
     from .engine._engine import EngineStatistics as EngineStatistics
     from .engine._engine import RestoreEngine as RestoreEngine
     from .engine._health import BreakerState as BreakerState
+    from .engine._options import EngineOptions as EngineOptions
     from .engine._warm import WarmResult as WarmResult
     from .engine._warm import WarmStatistics as WarmStatistics
     from .tiers._abandon import AbandonableCalls as AbandonableCalls
@@ -161,6 +163,7 @@ _LAZY: dict[str, tuple[str, ...]] = {
     ".engine._cost": ("CostModel", "CostStatistics"),
     ".engine._engine": ("EngineStatistics", "RestoreEngine"),
     ".engine._health": ("BreakerState",),
+    ".engine._options": ("EngineOptions",),
     ".engine._warm": ("WarmResult", "WarmStatistics"),
     ".tiers._abandon": ("AbandonableCalls",),
     ".tiers._base": (

@@ -11,7 +11,7 @@ import dataclasses
 import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeGuard
+from typing import Any, ClassVar, Self, TypeGuard
 
 from ._errors import ConfigError
 
@@ -366,7 +366,8 @@ def fs_path(value: Any, what: str, *, error: type[ConfigError] = ConfigError, **
 # wherever it arrives from (a constructor argument, a config dict, a TOML file, an environment
 # variable), so the constructor and the config can never disagree. A parser takes
 # ``(value, key)``, returns the normalised value or raises a ConfigError whose ``key`` field and
-# message name ``key``.
+# message name ``key``. :class:`Options` (below) is the base of such classes: construction runs
+# the parsers, ``from_dict`` parses a mapping into the same checks.
 
 Parser = Callable[[Any, str], Any]
 
@@ -461,6 +462,12 @@ class Check:
     @staticmethod
     def optional_address(value: Any, key: str) -> str | None:
         return None if value is None else Check.address(value, key)
+
+    @staticmethod
+    def host_port(value: Any, key: str) -> tuple[str, int]:
+        """An address option split for a socket: ``(host, port)`` of :meth:`address` (an IPv6
+        host without its brackets)."""
+        return host_port(value, key)
 
     @staticmethod
     def one_of(*choices: str) -> Parser:
@@ -559,3 +566,68 @@ def parse_options(
                 f"{prefix}{name} is required; add {name} = ... to {where}", key=f"{prefix}{name}"
             )
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """Base of an options class: a frozen dataclass of :func:`option` fields.
+
+    Direct construction checks every field with its parser (errors name ``options_prefix`` and the
+    field), then :meth:`validate` (rules across fields); :meth:`from_dict` parses a plain
+    mapping (a config table: an unknown key is refused with the closest known one) into the
+    same checks; :meth:`to_dict` is the plain form it reads back. The engine's options
+    (:class:`~bsr.EngineOptions`, :class:`~bsr.EngineConfig`), every tier kind's
+    (:class:`~bsr.TierOptions`) and the vLLM connector's are such classes. Example::
+
+        @dataclass(frozen=True)
+        class MyOptions(bsr.Options):
+            capacity_bytes: int = bsr.option(bsr.Check.size)
+            timeout_s: float = bsr.option(bsr.Check.seconds, 5.0)
+    """
+
+    #: written before a field's name in the errors of direct construction (``"bsr_connector."``)
+    options_prefix: ClassVar[str] = ""
+    #: what a mapping of these options is called in the error for a value that is none
+    options_name: ClassVar[str] = "the options"
+    #: keys a mapping may hold besides the fields (a tier table's ``kind``): listed among the
+    #: known keys in the error for an unknown one
+    options_other_keys: ClassVar[tuple[str, ...]] = ()
+
+    def __post_init__(self) -> None:
+        check_options(self, self.options_prefix)
+        self.validate()
+
+    def validate(self) -> None:
+        """Checks across fields (default: none); raise a ConfigError naming one key."""
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], prefix: str | None = None) -> Self:
+        """Parse a plain mapping; errors name ``<prefix><key>`` (default ``options_prefix``).
+
+        Raises:
+            ConfigError: not a mapping, an unknown key (with the closest known one), a missing
+                required one, or a bad value (naming the key and what to write instead).
+        """
+        prefix = cls.options_prefix if prefix is None else prefix
+        if not isinstance(data, Mapping):
+            names = ", ".join(list(option_fields(cls))[:3])
+            raise ConfigError(
+                f"{cls.options_name} must be a dict/table of options ({names}, ...), got "
+                f"{type(data).__name__} {short_repr(data)}",
+                **({"key": prefix[:-1]} if prefix else {}),
+            )
+        kwargs = parse_options(cls, data, prefix, skip=cls.options_other_keys)
+        try:
+            return cls(**kwargs)
+        except ConfigError as exc:  # a rule across fields (validate): name it under prefix
+            key = str(exc.fields.get("key") or "")
+            key = key[len(cls.options_prefix) :] if key.startswith(cls.options_prefix) else key
+            where = f"{prefix}{key}" if key else prefix[:-1]
+            if not where:
+                raise
+            message = exc.message if exc.message.startswith(where) else f"{where}: {exc.message}"
+            raise ConfigError(message, key=where) from None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every option by name; ``type(self).from_dict`` reads it back."""
+        return {n: getattr(self, n) for n in option_fields(self)}

@@ -271,7 +271,7 @@ async def test_bad_call_raises_typed_error_and_leaves_stored_data_alone(
         ),
         pytest.param(
             {"window": 4, "io_depth": 5},
-            ("io_depth must be at most window=4", "got 5", "raise window or lower io_depth"),
+            ("io_depth: must be at most window=4", "got 5", "lower io_depth or raise window"),
             id="io_depth>W",
         ),
         pytest.param({"deadline_s": -1.0}, ("deadline_s must be > 0 or None",), id="deadline<0"),

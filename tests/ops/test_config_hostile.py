@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 import bsr
-from bsr.engine._config import MAX_WINDOW
+from bsr.engine._options import MAX_WINDOW
 from support.helpers import two_group_layout
 
 BIG = "9" * 400 + "TiB"

@@ -10,13 +10,16 @@ checked by a small parser named in the field's metadata; an unknown key is an er
 close-match suggestion, and every error is a :class:`~bsr.ConfigError` naming the dotted key
 (``tiers[1].capacity_bytes``) and what to write instead. Every option, of the engine and of
 each tier kind, is an ``option(...)`` field checked by one parser of the vocabulary in
-:mod:`bsr._check`; the engine's and the tiers' constructors use the same parsers, so a config
-and a constructor accept exactly the same values. Tier entries are dicts with a ``kind`` whose
-other keys are the fields of that kind's :class:`~bsr.TierOptions` class, found in the tier
-registry (:mod:`bsr.tiers._registry`: built-in kinds ``"host"``, ``"file"``, ``"mooncake"``,
-kinds added with :func:`~bsr.register_tier`, and installed ``bsr.tiers`` entry points such as
-``"redis"``). This module builds nothing: ``RestoreEngine.from_config`` (in ``_engine``) turns a
-config into an engine, so the config never imports the engine.
+:mod:`bsr._check`. The engine's knobs are the fields of :class:`~bsr.EngineOptions`, which
+``EngineConfig`` inherits and ``RestoreEngine``'s constructor takes (see
+:mod:`bsr.engine._options`); the tiers' constructors take their options classes' fields the same
+way, so a config and a constructor accept exactly the same values. Tier entries are dicts with
+a ``kind`` whose other keys are the fields of that kind's :class:`~bsr.TierOptions` class, found
+in the tier registry (:mod:`bsr.tiers._registry`: built-in kinds ``"host"``, ``"file"``,
+``"mooncake"``, kinds added with :func:`~bsr.register_tier`, and installed ``bsr.tiers`` entry
+points such as ``"redis"``). This module builds nothing: ``RestoreEngine.from_config`` (its
+checks in ``_from_config``) turns a config into an engine, so the config never imports the
+engine.
 """
 
 from __future__ import annotations
@@ -25,36 +28,24 @@ import dataclasses
 import json
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
-from .._check import Check, check_options, fs_path, option, parse_options, positive_int, short_repr
+from .._check import Check, fs_path, option, short_repr
 from .._errors import ConfigError
 from ..core._keys import Namespace
-from ..core._layout import StateLayout, utf8_name
-from ..core._options import Promote
-from ..core._results import Policy
+from ..core._layout import utf8_name
 from ..tiers._base import Tier
 from ..tiers._registry import TierOptions, tier_options
+from ._options import EngineOptions
 
 #: a config file larger than this is refused before parsing (a config is a few lines)
 MAX_CONFIG_BYTES = 1 << 20
-#: a sliding-window group's window checkpoints, in chunks (see ``EngineConfig``): the bench's
-#: hybrid section measures bytes stored and read against the hits each interval keeps
-DEFAULT_WINDOW_CHECKPOINT_CHUNKS = 4
-#: the largest window (W) a config accepts: more slots than a 16M-token request has 256-token
-#: chunks cannot be used; the engine also checks W x slot bytes against the host's memory
-MAX_WINDOW = 1 << 16
 
 
 def _err(key: str, message: str, value: Any) -> ConfigError:
     return ConfigError(f"{key}: {message}, got {short_repr(value)}", key=key)
-
-
-def check_window(value: Any, key: str) -> int:
-    """W: a positive int, at most :data:`MAX_WINDOW`."""
-    return positive_int(value, key, maximum=MAX_WINDOW, key=key)
 
 
 # --------------------------------------------------------------------- tiers
@@ -101,94 +92,34 @@ def _tiers(value: Any, key: str) -> tuple[TierOptions, ...]:
 
 # --------------------------------------------------------------------- the config
 @dataclass(frozen=True)
-class EngineConfig:
-    """How to build a :class:`~bsr.RestoreEngine` (tiers and knobs), validated once.
+class EngineConfig(EngineOptions):
+    """How to build a :class:`~bsr.RestoreEngine`: its tiers, its namespace's identity and its
+    knobs (the fields of :class:`~bsr.EngineOptions`, inherited: ``window``, ``io_depth``,
+    ``policy``, ...), validated once.
 
     Attributes:
         tiers: tier configs, fastest first (see the module docstring for the dict form).
-        window: W, the number of staging slots.
-        io_depth: reads in flight per restore (``1 <= io_depth <= window``).
-        memory_workers: worker threads one restore uses at once to verify and copy chunks into
-            a host cache when no thread waits on a read: chunks whose first holder is a
-            memory-speed tier (a HostTier), or whose first holder is one FileTier reading
-            through io_uring, where each thread keeps a read in flight per slot it holds (at
-            most ``io_depth``). That work is bound by memory bandwidth, not by a device's
-            queue: on a small host a second thread adds CPU and little speed, so the default is
-            1; raise it where cores and memory bandwidth are spare and restore wall time matters
-            more than CPU.
         chunk_tokens: tokens per chunk; ``None`` takes the layout's. When both are given they
             must agree.
-        policy: default commit policy, ``"all_or_nothing"``, ``"truncate"`` or ``"cost"``.
-        deadline_s: default per-restore deadline in seconds (``None``: none).
-        breaker_threshold: consecutive tier failures that trip its breaker (``None``: never).
-        breaker_cooldown_s: how long a tripped tier is skipped.
-        pin_staging: pinned staging memory when CUDA is available.
-        prefault_staging: touch the staging window at open.
         model_id: the namespace's model id, used when no namespace is passed.
         tenant: optional tenant name; its UTF-8 bytes salt the namespace.
-        window_checkpoint_chunks: a sliding-window group's *window checkpoints*: a save asked
-            for them (``save(..., window_checkpoints=True)``; the vLLM connector always is) also
-            stores the group's window at every this-many-th chunk boundary, so a later prompt
-            sharing only the first ``j`` chunks restores up to the last checkpoint at or below
-            ``j``; ``None``: only the window at the end of each saved prefix.
-        shield_timeout_s: the bound on the calls bsr makes for its own sake: moving a corrupt
-            object out of its tier, waiting for device copies that still read staging slots,
-            closing a tier (see ``RestoreEngine``).
-        staging_budget_bytes: host staging the engine may use (an int or ``"512MiB"``). The
-            window must fit in it (else a ConfigError when the engine is built); a whole-plan
-            restore whose plan exceeds it ends Invalidated (``staging_budget``). ``None``: no
-            budget.
-        promote: when a restore's hits read from a tier below the host tier (the first tier,
-            when it is a ``"host"`` tier) are copied into it, after the restore committed and
-            off its path: ``"never"`` (default), ``"second_hit"`` or ``"always"``.
-        warm_budget_bytes: the bytes that warms and promotions in flight may write into the
-            host tier together (an int or ``"2GiB"``); ``None``: a quarter of its capacity.
-        warm_concurrency: warms and promotions running at once (another warm is refused as
-            ``"busy"``).
 
-    Every ``*_s`` option, of the engine and of each tier kind, is at most
-    :data:`bsr._check.MAX_SECONDS` (2,147,483 s, about 24.8 days: the longest timeout a socket
-    or ``poll()`` takes); a larger value, infinity or NaN is a ConfigError naming its key.
+    Every knob is documented in :class:`~bsr.EngineOptions`, and checked by the same parser
+    here (from a dict, a TOML file, the environment or direct construction) as in the engine's
+    constructor.
     """
 
     tiers: tuple[TierOptions, ...] = option(_tiers)
-    window: int = option(check_window, 8)
-    io_depth: int = option(Check.positive_int, 4)
-    memory_workers: int = option(Check.positive_int, 1)
+    _: KW_ONLY
     chunk_tokens: int | None = option(Check.optional_positive_int, None)
-    policy: str = option(Check.one_of(*(p.value for p in Policy)), "all_or_nothing")
-    deadline_s: float | None = option(Check.optional_seconds, None)
-    breaker_threshold: int | None = option(Check.optional_positive_int, 3)
-    breaker_cooldown_s: float = option(Check.non_negative_seconds, 5.0)
-    pin_staging: bool = option(Check.flag, True)
-    prefault_staging: bool = option(Check.flag, True)
     model_id: str | None = option(Check.optional_text, None)
     tenant: str | None = option(Check.optional_text, None)
-    window_checkpoint_chunks: int | None = option(
-        Check.optional_positive_int, DEFAULT_WINDOW_CHECKPOINT_CHUNKS
-    )
-    shield_timeout_s: float = option(Check.seconds, 5.0)
-    staging_budget_bytes: int | None = option(Check.optional_size, None)
-    promote: str = option(Check.one_of(*(p.value for p in Promote)), "never")
-    warm_budget_bytes: int | None = option(Check.optional_size, None)
-    warm_concurrency: int = option(Check.positive_int, 2)
-
-    def __post_init__(self) -> None:
-        check_options(self)  # direct construction is checked exactly like from_dict
-        if self.io_depth > self.window:
-            raise ConfigError(
-                f"io_depth: must be at most window={self.window} (more reads in flight than "
-                f"staging slots cannot help), got {self.io_depth}; lower io_depth or raise window",
-                key="io_depth",
-            )
 
     # ------------------------------------------------------------------ constructors
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> EngineConfig:
+    def from_dict(cls, data: Mapping[str, Any], prefix: str | None = None) -> Self:
         """Parse a plain dict (the ``to_dict`` form; sizes may be strings like ``"64GiB"``)."""
-        if not isinstance(data, Mapping):
-            raise ConfigError(f"an engine config must be a dict/table, got {type(data).__name__}")
-        return cls(**parse_options(cls, data))
+        return super().from_dict(data, prefix)
 
     @classmethod
     def from_toml(cls, path: str | os.PathLike[str]) -> EngineConfig:
@@ -306,13 +237,8 @@ class EngineConfig:
     # ------------------------------------------------------------------ use
     def to_dict(self) -> dict[str, Any]:
         """The plain-dict form; ``EngineConfig.from_dict(c.to_dict()) == c``."""
-        out: dict[str, Any] = {}
-        for f in dataclasses.fields(self):
-            if f.name == "tiers":
-                out["tiers"] = [t.to_dict() for t in self.tiers]
-            else:
-                out[f.name] = getattr(self, f.name)
-        return out
+        knobs = {k: v for k, v in super().to_dict().items() if k != "tiers"}
+        return {"tiers": [t.to_dict() for t in self.tiers], **knobs}
 
     def build_tiers(self) -> list[Tier]:
         """New, unopened tier objects, fastest first."""
@@ -328,27 +254,3 @@ class EngineConfig:
             )
         salt = b"" if self.tenant is None else utf8_name(self.tenant, "tenant", error=ConfigError)
         return Namespace(self.model_id, tp_rank=tp_rank, tp_size=tp_size, salt=salt)
-
-
-def host_memory_bytes() -> int | None:
-    """Physical memory of this host in bytes (None where the OS does not say)."""
-    try:
-        pages, page = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):
-        return None
-    return pages * page if pages > 0 and page > 0 else None
-
-
-def check_window_memory(window: int, layout: StateLayout) -> None:
-    """The staging window (W x slot bytes, allocated once when the engine opens) must fit in the
-    host's physical memory: a larger one can only fail (ENOMEM) or swap, so it is refused here,
-    naming ``window``, before anything is allocated."""
-    need = window * layout.slot_bytes
-    have = host_memory_bytes()
-    if have is not None and need > have:
-        raise ConfigError(
-            f"window: {window} staging slots of {layout.slot_bytes} bytes need {need} bytes, "
-            f"more than this host's {have} bytes of memory; lower window to at most "
-            f"{max(1, have // layout.slot_bytes // 2)} (half the memory) or less",
-            key="window",
-        )

@@ -3,42 +3,33 @@
 Where it runs: the serving process's event loop (any anyio backend); one engine per rank.
 
 How it works: the engine owns what lives as long as it does: the tiers, the W-slot staging pool,
-the transfer pipeline, tier health, quarantine, probe leases and the measured costs. A restore is
-admitted here (its arguments checked, its request record opened, no I/O) and then run as a
-:class:`~bsr.engine._job.RestoreJob`, whose phases (probe, window, settle, agree; release in the
-engine's ``finally``) each return what the next one takes; see :mod:`bsr.engine._job`. A save
-goes straight to :func:`~bsr.transfer._save.save_chunks` through the same staging pool.
+the transfer pipeline, tier health, quarantine, probe leases and the measured costs. Its knobs
+are the fields of :class:`~bsr.engine._options.EngineOptions` (its constructor's parameters, see
+:mod:`bsr.engine._options`), and ``from_config``'s checks live in :mod:`bsr.engine._from_config`.
+The engine is the public face of its parts: lookups and restores (:mod:`bsr.engine._restores`:
+a restore is admitted, its arguments checked and its request record opened with no I/O, and
+then run as a :class:`~bsr.engine._job.RestoreJob`, whose phases (probe, window, settle, agree;
+release in its ``finally``) each return what the next one takes; see :mod:`bsr.engine._job`),
+saves (:mod:`bsr.engine._saves`: straight to :func:`~bsr.transfer._save.save_chunks` through the
+same staging pool), warms (:mod:`bsr.engine._warm`), and audits, quarantine moves and closing
+the tiers (:mod:`bsr.engine._upkeep`).
 """
 
 from __future__ import annotations
 
-import itertools
-import math
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Self
 
 import anyio
 
-from .._check import (
-    Check,
-    byte_size,
-    non_negative_int,
-    option_fields,
-    optional_positive_seconds,
-    positive_seconds,
-    short_repr,
-)
+from .._check import non_negative_int, optional_positive_seconds
 from .._errors import (
-    BlockTableError,
-    BsrError,
     ClosedError,
     ConfigError,
-    ObjectError,
-    ObjectNotFoundError,
 )
 from .._log import logger
 from .._resource import AsyncResource
@@ -50,30 +41,36 @@ from ..core._keys import (
     TokensLike,
     check_extras,
     chunk_keys,
-    token_count,
 )
 from ..core._layout import StateLayout
-from ..core._lifecycle import Reason, RequestLifecycle
-from ..core._options import Policy, Promote, Strategy, choice
+from ..core._options import Policy, Promote, Strategy
 from ..core._plan import checkpoint_ends, needed_objects
 from ..core._results import Probe, RestoreResult, SaveResult
-from ..tiers._base import Tier, TierLease, TierStatistics
+from ..tiers._base import Tier, TierStatistics
 from ..tiers._watch import Removal, RemovalFeed, RemovalListener
 from ..transfer._cache import PagedKVCache
 from ..transfer._pipeline import WindowPipeline
 from ..transfer._run import OnInstalled
-from ..transfer._save import save_chunks
 from ..transfer._staging import StagingPool, StagingStatistics
-from ..transfer._tables import BlockTables
-from ._config import DEFAULT_WINDOW_CHECKPOINT_CHUNKS, EngineConfig, check_window_memory
-from ._coordinator import Coordinator, LocalCoordinator
+from ._config import EngineConfig
+from ._coordinator import Coordinator
 from ._cost import CostModel
-from ._decisions import Quarantine, TierQuarantine
+from ._decisions import Quarantine
+from ._from_config import configured
 from ._health import BreakerState, TierHealth
-from ._job import RestoreJob, RestoreParts
-from ._leases import LeaseBook, ProbeLease
+from ._job import RestoreParts
+from ._leases import LeaseBook
+from ._options import (
+    EngineArguments,
+    check_budget,
+    check_coordinator,
+    check_tiers,
+    takes_options,
+)
 from ._probe import Prober
-from ._request import RestoreRequest
+from ._restores import Restores
+from ._saves import Saves
+from ._upkeep import Upkeep
 from ._warm import Warmer, WarmResult, WarmStatistics
 
 Record = Probe | RestoreResult | SaveResult | WarmResult
@@ -112,12 +109,6 @@ class EngineStatistics:
     warm: WarmStatistics = field(default_factory=WarmStatistics)
 
 
-#: the parsers of the options RestoreEngine shares with EngineConfig (one rule set for both)
-_OPTION: dict[str, Any] = {
-    name: f.metadata["parse"] for name, f in option_fields(EngineConfig).items()
-}
-
-
 class RestoreEngine(AsyncResource):
     """Restores and saves one rank's reusable state through a bounded staging window.
 
@@ -125,101 +116,49 @@ class RestoreEngine(AsyncResource):
         layout: the model's state layout.
         tiers: tiers fastest first (e.g. ``[HostTier(...), FileTier(...)]``); restore falls back
             down this list, save writes through to all of them.
-        window: W, staging slots (each ``layout.slot_bytes``); peak staging <= W x slot_bytes.
-        io_depth: reads in flight per restore (1 <= io_depth <= W).
-        memory_workers: worker threads a restore uses at once to verify and copy chunks into a
-            host cache when no thread waits on a read: chunks whose first holder is a
-            memory-speed tier (a HostTier), or one FileTier reading through io_uring (each
-            thread then keeps a read in flight per slot it holds); at most ``io_depth``;
-            default 1: that work is bound by memory bandwidth, and a second thread on a small
-            host adds CPU and little speed.
         namespace: model id, tp rank/size, salt; keys are disjoint across namespaces.
         coordinator: cross-rank agreement (default: single rank).
-        policy: default commit policy (``"all_or_nothing"``, ``"truncate"`` or ``"cost"``: load
-            only what is faster to load than to recompute, see :class:`~bsr.CostModel`).
-        deadline_s: default per-restore deadline (None: no deadline).
-        pin_staging: allocate pinned staging when CUDA is available.
-        prefault_staging: touch the staging window at open (no page faults in the first
-            restore; the window is resident from the start).
-        breaker_threshold: consecutive I/O failures or timeouts after which a tier is skipped
-            for ``breaker_cooldown_s`` (None: never skip a tier).
-        breaker_cooldown_s: how long a tripped tier is skipped before one trial call.
-        shield_timeout_s: the bound (default 5 s) on the calls bsr makes for its own sake:
-            moving a corrupt object out of its tier (also within the request's deadline, and
-            never holding a caller's cancel: the engine's quarantine already keeps the object
-            out of use, and a move cut short is retried at close), waiting for device copies
-            that still read staging slots (shielded: the one wait a caller's cancel is held
-            for, as a slot must not be reused under a copy), and closing a tier (shielded).
-        staging_budget_bytes: host staging the engine may use. The bounded window must fit in
-            it (else ConfigError); a whole-plan restore whose plan exceeds it ends Invalidated
-            with reason ``staging_budget`` before allocating anything. None: no budget.
-        window_checkpoint_chunks: the interval, in chunks, of a sliding-window group's window
-            checkpoints in a save that asks for them (``save(..., window_checkpoints=True)``);
-            ``None``: none.
-        promote: when a restore's hits read from a tier below the host tier are copied into it
-            (``"never"``, ``"second_hit"``, ``"always"``; see :meth:`warm`): after the restore
-            committed, off its path, by the engine's background task (``async with engine``)
-            or :meth:`run_promotions`.
-        warm_budget_bytes: the bytes warms and promotions in flight may write into the host
-            tier together (None: a quarter of its capacity).
-        warm_concurrency: warms and promotions running at once.
+        options: the knobs as one :class:`~bsr.EngineOptions` (or an ``EngineConfig``); a knob
+            also given by name overrides its value there.
+        window, io_depth, memory_workers, policy, deadline_s, pin_staging, prefault_staging,
+            breaker_threshold, breaker_cooldown_s, shield_timeout_s, staging_budget_bytes,
+            window_checkpoint_chunks, promote, warm_budget_bytes, warm_concurrency: the knobs,
+            each documented (and checked, with the same message as in a config) by
+            :class:`~bsr.EngineOptions`, whose fields are exactly these parameters. The window
+            must fit in ``staging_budget_bytes`` when one is set.
+
+    Attributes:
+        options: the knobs this engine was built with (:class:`~bsr.EngineOptions`); the
+            engine also has each as an attribute (``engine.window``; ``engine.policy`` and
+            :class:`~bsr.Policy`).
     """
 
     #: the task running promotions inside ``async with engine`` (None outside it)
     _background: anyio.abc.TaskGroup | None = None
 
-    def __init__(
-        self,
-        layout: StateLayout,
-        tiers: Sequence[Tier],
-        *,
-        window: int = 8,
-        io_depth: int = 4,
-        memory_workers: int = 1,
-        namespace: Namespace,
-        coordinator: Coordinator | None = None,
-        policy: Policy | str = Policy.ALL_OR_NOTHING,
-        deadline_s: float | None = None,
-        pin_staging: bool = True,
-        prefault_staging: bool = True,
-        breaker_threshold: int | None = 3,
-        breaker_cooldown_s: float = 5.0,
-        shield_timeout_s: float = 5.0,
-        staging_budget_bytes: int | str | None = None,
-        window_checkpoint_chunks: int | None = DEFAULT_WINDOW_CHECKPOINT_CHUNKS,
-        promote: Promote | str = Promote.NEVER,
-        warm_budget_bytes: int | str | None = None,
-        warm_concurrency: int = 2,
-    ) -> None:
-        if not isinstance(layout, StateLayout):
-            raise ConfigError(f"layout must be a StateLayout, got {type(layout).__name__}")
-        # the options an EngineConfig also carries are checked by the config's own parsers
-        self.window, self.io_depth = window, io_depth = self._check_window(window, io_depth)
-        self.memory_workers: int = _OPTION["memory_workers"](memory_workers, "memory_workers")
-        self.tiers = self._check_tiers(tiers)
-        if not isinstance(namespace, Namespace):
+    @takes_options(EngineArguments)
+    def __init__(self, args: EngineArguments) -> None:
+        if not isinstance(args.layout, StateLayout):
+            raise ConfigError(f"layout must be a StateLayout, got {type(args.layout).__name__}")
+        if not isinstance(args.namespace, Namespace):
             raise ConfigError("namespace must be a bsr.Namespace(model_id=...)")
-        self.layout = layout
-        self.namespace = namespace
+        self.layout = layout = args.layout
+        self.options = o = args.engine_options()
+        check_budget(o, layout.slot_bytes)
+        self.window, self.io_depth, self.memory_workers = o.window, o.io_depth, o.memory_workers
+        self.policy, self.deadline_s = Policy(o.policy), o.deadline_s
+        self.pin_staging, self.prefault_staging = o.pin_staging, o.prefault_staging
+        self.shield_timeout_s = o.shield_timeout_s
+        self.staging_budget_bytes = o.staging_budget_bytes
+        self.window_checkpoint_chunks = o.window_checkpoint_chunks
+        self.tiers = check_tiers(args.tiers)
+        self.namespace = namespace = args.namespace
         self.namespace_fp = namespace.fingerprint(layout)
-        self.coordinator: Coordinator = coordinator or LocalCoordinator()
-        self._check_coordinator()
-        self.policy = choice(Policy, _OPTION["policy"](policy, "policy"), "policy")
-        self.deadline_s = _OPTION["deadline_s"](deadline_s, "deadline_s")
-        self.pin_staging = _OPTION["pin_staging"](pin_staging, "pin_staging")
-        self.prefault_staging = _OPTION["prefault_staging"](prefault_staging, "prefault_staging")
-        self.shield_timeout_s = positive_seconds(
-            shield_timeout_s, "shield_timeout_s", key="shield_timeout_s"
-        )
-        self.staging_budget_bytes = self._check_budget(staging_budget_bytes)
-        self.window_checkpoint_chunks: int | None = _OPTION["window_checkpoint_chunks"](
-            window_checkpoint_chunks, "window_checkpoint_chunks"
-        )
+        self.coordinator: Coordinator = check_coordinator(args.coordinator, namespace)
         self.health = TierHealth(
-            [t.name for t in self.tiers],
-            threshold=_OPTION["breaker_threshold"](breaker_threshold, "breaker_threshold"),
-            cooldown_s=_OPTION["breaker_cooldown_s"](breaker_cooldown_s, "breaker_cooldown_s"),
-        )
+            [t.name for t in self.tiers], threshold=o.breaker_threshold,
+            cooldown_s=o.breaker_cooldown_s,
+        )  # fmt: skip
         self._pool: StagingPool | None = None  # set by open(): new -> open -> closed
         #: what this engine itself takes out of its tiers' service (quarantine, audits)
         self._removals = RemovalFeed("engine")
@@ -227,36 +166,43 @@ class RestoreEngine(AsyncResource):
         #: measured read rates and prefill rate; decides policy "cost"
         self.cost = CostModel()
         self._leases = LeaseBook()
-        self._ids = itertools.count()
         self._counts = {"restores": 0, "committed": 0, "invalidated": 0, "saves": 0}
-        self._saves_skipped: dict[str, int] = {}
         self._log = logger.bind(rank=namespace.tp_rank, model=namespace.model_id)
         self._listeners: list[Callable[[Record], None]] = []
+        self._upkeep = Upkeep(
+            layout, self.tiers, self._quarantine, self._removals, o.shield_timeout_s, self._log
+        )
         self._prober = Prober(
             layout, self.tiers, self.namespace_fp, self.health, self._quarantine,
             self.coordinator, self._log, origin=uuid.uuid4().bytes,
         )  # fmt: skip
         # the transfer side; one per engine, so its CUDA side stream is made once
         self._window = WindowPipeline(
-            layout, self.tiers, window=window, io_depth=io_depth,
-            memory_workers=self.memory_workers,
+            layout, self.tiers, window=o.window, io_depth=o.io_depth,
+            memory_workers=o.memory_workers,
         )  # fmt: skip
         #: what each restore job uses of this engine
         self._parts = RestoreParts(
             layout, self._prober, self.coordinator, self.health, self._quarantine, self.cost,
-            self._window, self._open_pool, self._move_out, self.shield_timeout_s,
-            self.pin_staging, self.staging_budget_bytes,
+            self._window, self._open_pool, self._upkeep.move_out, o.shield_timeout_s,
+            o.pin_staging, o.staging_budget_bytes,
         )  # fmt: skip
-        self._warmer = self._make_warmer(promote, warm_budget_bytes, warm_concurrency)
-
-    def _make_warmer(self, promote: Any, budget: Any, concurrency: Any) -> Warmer:
-        return Warmer(
-            self.layout, self.tiers, self._prober, self.health, self._quarantine,
-            self._open_pool, self._move_out, io_depth=self.io_depth, window=self.window,
-            budget_bytes=_OPTION["warm_budget_bytes"](budget, "warm_budget_bytes"),
-            concurrency=_OPTION["warm_concurrency"](concurrency, "warm_concurrency"),
-            promote=choice(Promote, _OPTION["promote"](promote, "promote"), "promote"),
-            shield_timeout_s=self.shield_timeout_s, log=self._log, notify=self._notify,
+        self._warmer = Warmer(
+            layout, self.tiers, self._prober, self.health, self._quarantine, self._open_pool,
+            self._upkeep.move_out, io_depth=o.io_depth, window=o.window,
+            budget_bytes=o.warm_budget_bytes, concurrency=o.warm_concurrency,
+            promote=Promote(o.promote), shield_timeout_s=o.shield_timeout_s, log=self._log,
+            notify=self._notify,
+        )  # fmt: skip
+        self._saves = Saves(
+            layout, self.tiers, self._prober, self._quarantine, tier=self._upkeep.tier,
+            io_depth=o.io_depth, checkpoint_chunks=o.window_checkpoint_chunks,
+            counts=self._counts, log=self._log, notify=self._notify,
+        )  # fmt: skip
+        self._restores = Restores(
+            self._parts, self.tiers, self._warmer, self._leases, rank=namespace.tp_rank,
+            policy=self.policy, deadline_s=o.deadline_s, counts=self._counts, log=self._log,
+            notify=self._notify,
         )  # fmt: skip
 
     @classmethod
@@ -272,7 +218,7 @@ class RestoreEngine(AsyncResource):
         """Build an engine and its tiers from a :class:`~bsr.EngineConfig`.
 
         Args:
-            config: the engine config.
+            config: the engine config (its knobs are the engine's options).
             layout: the model's state layout.
             namespace: the namespace; default built from ``config.model_id`` and
                 ``config.tenant``, with the coordinator's rank and world size.
@@ -282,109 +228,12 @@ class RestoreEngine(AsyncResource):
                 still comes from ``config``.
 
         Raises:
-            ConfigError: the layout's chunk size differs from ``config.chunk_tokens``, no
-                namespace can be made, or the namespace disagrees with the config's ``model_id``
-                or ``tenant`` (its salt).
+            ConfigError: the layout's chunk size differs from ``config.chunk_tokens``, the
+                window does not fit in the host's memory, no namespace can be made, or the
+                namespace disagrees with the config's ``model_id`` or ``tenant`` (its salt).
         """
-        if not isinstance(config, EngineConfig):
-            raise ConfigError(
-                "config must be a bsr.EngineConfig (use EngineConfig.from_dict), got "
-                f"{type(config).__name__}"
-            )
-        if not isinstance(layout, StateLayout):
-            raise ConfigError(f"layout must be a StateLayout, got {type(layout).__name__}")
-        if config.chunk_tokens is not None and config.chunk_tokens != layout.chunk_tokens:
-            raise ConfigError(
-                f"chunk_tokens: the config says {short_repr(config.chunk_tokens)} but the layout "
-                f"has chunk_tokens={layout.chunk_tokens}; make them agree (or leave chunk_tokens "
-                "unset to take the layout's)",
-                key="chunk_tokens",
-            )
-        check_window_memory(config.window, layout)
-        if namespace is None:
-            rank = 0 if coordinator is None else coordinator.rank
-            size = 1 if coordinator is None else coordinator.world_size
-            namespace = config.namespace(tp_rank=rank, tp_size=size)
-        elif config.model_id is not None and namespace.model_id != config.model_id:
-            raise ConfigError(
-                f"model_id: the config says {config.model_id!r} but namespace.model_id is "
-                f"{namespace.model_id!r}; drop one or make them agree",
-                key="model_id",
-            )
-        elif config.tenant is not None and bytes(namespace.salt) != config.tenant.encode():
-            # a tenant's prefixes must never be served to another tenant by a silent override
-            raise ConfigError(
-                f"tenant: the config says {config.tenant!r} but the namespace's salt is "
-                f"{bytes(namespace.salt)!r}; pass namespace=bsr.Namespace(..., "
-                f"salt={config.tenant.encode()!r}) or drop tenant from the config",
-                key="tenant",
-            )
-        return cls(
-            layout,
-            config.build_tiers() if tiers is None else tiers,
-            window=config.window,
-            io_depth=config.io_depth,
-            memory_workers=config.memory_workers,
-            namespace=namespace,
-            coordinator=coordinator,
-            policy=config.policy,
-            deadline_s=config.deadline_s,
-            pin_staging=config.pin_staging,
-            prefault_staging=config.prefault_staging,
-            breaker_threshold=config.breaker_threshold,
-            breaker_cooldown_s=config.breaker_cooldown_s,
-            window_checkpoint_chunks=config.window_checkpoint_chunks,
-            shield_timeout_s=config.shield_timeout_s,
-            staging_budget_bytes=config.staging_budget_bytes,
-            promote=config.promote,
-            warm_budget_bytes=config.warm_budget_bytes,
-            warm_concurrency=config.warm_concurrency,
-        )
-
-    @staticmethod
-    def _check_window(window: Any, io_depth: Any) -> tuple[int, int]:
-        window = _OPTION["window"](window, "window")
-        io_depth = _OPTION["io_depth"](io_depth, "io_depth")
-        if io_depth > window:
-            raise ConfigError(
-                f"io_depth must be at most window={window}, got {io_depth!r}; more reads "
-                "in flight than slots cannot help, raise window or lower io_depth",
-                key="io_depth",
-            )
-        return window, io_depth
-
-    @staticmethod
-    def _check_tiers(tiers: Sequence[Tier]) -> list[Tier]:
-        tiers = list(tiers)
-        if not tiers or not all(isinstance(t, Tier) for t in tiers):
-            raise ConfigError("tiers must be a non-empty list of Tier objects, fastest first")
-        names = [t.name for t in tiers]
-        if len(set(names)) != len(names):
-            raise ConfigError(f"tier names must be unique, got {names}; pass name=... to each tier")
-        return tiers
-
-    def _check_coordinator(self) -> None:
-        c, ns = self.coordinator, self.namespace
-        if c.world_size != ns.tp_size or c.rank != ns.tp_rank:
-            raise ConfigError(
-                f"coordinator is rank {c.rank} of {c.world_size} but the namespace says "
-                f"tp_rank={ns.tp_rank}, tp_size={ns.tp_size}; make them agree"
-            )
-
-    def _check_budget(self, budget: int | str | None) -> int | None:
-        if budget is None:
-            return None
-        nbytes = byte_size(budget, "staging_budget_bytes")
-        window_bytes = self.window * self.layout.slot_bytes
-        if window_bytes > nbytes:
-            raise ConfigError(
-                f"the window needs {window_bytes} bytes of staging ({self.window} slots of "
-                f"{self.layout.slot_bytes}) but staging_budget_bytes is {nbytes}; lower window "
-                f"to at most {nbytes // self.layout.slot_bytes} or raise the budget",
-                key="staging_budget_bytes",
-                window=self.window,
-            )
-        return nbytes
+        tiers, namespace = configured(config, layout, namespace, coordinator, tiers)
+        return cls(layout, tiers, namespace=namespace, coordinator=coordinator, options=config)
 
     # ------------------------------------------------------------------ lifecycle
     # ``async with engine`` opens and closes it (AsyncResource)
@@ -446,18 +295,7 @@ class RestoreEngine(AsyncResource):
             self._background.cancel_scope.cancel()
         self._warmer.drop_pending()
         self._leases.release_all()
-        owed = self._quarantine.take_deferred()
-        if owed:  # moves out of a tier that a cancel or a bound cut short, tried once more
-            with anyio.CancelScope(shield=True):
-                await self._move_out(owed, self.shield_timeout_s, self._log)
-        for t in self.tiers:
-            with anyio.CancelScope(shield=True), anyio.move_on_after(self.shield_timeout_s) as sc:
-                try:
-                    await t.aclose()
-                except Exception as exc:
-                    self._log.warning("bsr.tier.close_failed", tier=t.name, error=repr(exc))
-            if sc.cancelled_caught:
-                self._log.warning("bsr.tier.close_timeout", tier=t.name)
+        await self._upkeep.close()
         self._log.info("bsr.engine.closed")
 
     def _open_pool(self) -> StagingPool:
@@ -481,7 +319,7 @@ class RestoreEngine(AsyncResource):
             breakers=tuple(self.health.state(t.name) for t in self.tiers),
             abandoned_workers=self._window.abandoned_workers,
             leases=len(self._leases),
-            saves_skipped=dict(self._saves_skipped),
+            saves_skipped=dict(self._saves.skipped),
             warm=self._warmer.statistics(),
         )
 
@@ -541,76 +379,7 @@ class RestoreEngine(AsyncResource):
         """
         pool = self._open_pool()
         deadline = optional_positive_seconds(deadline_s, "deadline_s", key="deadline_s")
-        checks = [bool(verify)] * len(objects) if isinstance(verify, bool) else list(verify)
-        if len(checks) != len(objects):
-            raise ConfigError(
-                f"verify has {len(checks)} flags for {len(objects)} objects; pass one flag, or "
-                "one per object"
-            )
-        by_tier: dict[str, list[int]] = {}
-        for i, (name, _) in enumerate(objects):
-            self._tier(name)  # an unknown tier name is the caller's error
-            by_tier.setdefault(name, []).append(i)
-        out: list[bool | None] = [None] * len(objects)
-        with anyio.move_on_after(math.inf if deadline is None else deadline):
-            for name, idx in by_tier.items():
-                try:
-                    held = await self._tier(name).recheck_many([objects[i][1] for i in idx])
-                except (BsrError, OSError) as exc:
-                    self._log.warning("bsr.engine.audit_failed", tier=name, error=repr(exc))
-                    continue
-                unread: list[int] = []
-                for i, h in zip(idx, held):
-                    oid = objects[i][1].object_id
-                    out[i] = bool(h) and (name, oid) not in self._quarantine
-                    if not h:
-                        self._removals.emit(oid, Removal.VANISHED, tier=name)
-                    elif out[i] and checks[i]:
-                        out[i] = None  # not known good until read back
-                        unread.append(i)
-                if unread:
-                    await self._verify_held(pool, name, [(i, objects[i][1]) for i in unread], out)
-        return out
-
-    async def _verify_held(
-        self,
-        pool: StagingPool,
-        name: str,
-        objects: list[tuple[int, ObjectKey]],
-        out: list[bool | None],
-    ) -> None:
-        """:meth:`audit`'s read-back: each object through ``tier.read_into`` into one staging
-        slot (the slot goes back in ``finally``); ``out[i]`` is True (it verified), False (gone,
-        or corrupt and now quarantined) or stays None (the read failed otherwise)."""
-        tier = self._tier(name)
-        slot = await pool.acquire()
-        try:
-            for i, okey in objects:
-                try:
-                    nbytes = self.layout.group_chunk_bytes(okey.group)
-                    await tier.read_into(okey.chunk, okey.group, slot.tensor[:nbytes])
-                except ObjectNotFoundError:
-                    out[i] = False
-                    self._removals.emit(okey.object_id, Removal.VANISHED, tier=name)
-                except ObjectError as exc:  # corrupt or truncated: never served, moved out
-                    out[i] = False
-                    self._log.warning(
-                        "bsr.engine.audit_corrupt", tier=name, key=okey.chunk.hex[:16],
-                        group=okey.group, error=repr(exc),
-                    )  # fmt: skip
-                    self._quarantine.add(name, okey.object_id)
-                    why = type(exc).__name__
-                    await self._move_out(
-                        [TierQuarantine(name, okey.chunk, okey.group, why)],
-                        self.shield_timeout_s,
-                        self._log,
-                    )
-                except (BsrError, OSError) as exc:
-                    self._log.warning("bsr.engine.audit_unread", tier=name, error=repr(exc))
-                else:
-                    out[i] = True
-        finally:
-            pool.release(slot)
+        return await self._upkeep.audit(pool, objects, deadline, verify)
 
     def _notify(self, record: Record) -> None:
         for listener in list(self._listeners):
@@ -618,11 +387,6 @@ class RestoreEngine(AsyncResource):
                 listener(record)
             except Exception as exc:  # a metrics bug must never fail a restore
                 self._log.warning("bsr.engine.listener_failed", error=repr(exc))
-
-    def _check_cache(self, cache: PagedKVCache) -> None:
-        if not isinstance(cache, PagedKVCache):
-            raise ConfigError(f"cache must be a bsr.PagedKVCache, got {type(cache).__name__}")
-        cache.check_layout(self.layout)
 
     def keys(self, tokens: TokensLike, *, extras: Extras | None = None) -> list[ChunkKey]:
         """Chained keys of every full chunk of ``tokens`` (with ``extras``, see
@@ -669,49 +433,9 @@ class RestoreEngine(AsyncResource):
         ``prefill_tokens_per_s`` if given (else the rate measured by :attr:`cost`). This
         rank's alone: a restore given the probe agrees on it with the other ranks.
         """
-        self._open_pool()
-        self._leases.reclaim()
-        extras = check_extras(extras)
-        ttl = optional_positive_seconds(lease_ttl_s, "lease_ttl_s", key="lease_ttl_s")
-        deadline = optional_positive_seconds(deadline_s, "deadline_s", key="deadline_s")
-        if Check.flag(local, "local") and ttl is not None:
-            raise ConfigError(
-                "a local lookup takes no lease (its probe is one rank's); drop lease_ttl_s or "
-                "local=True"
-            )
-        probe = (
-            await self._prober.probe(
-                tokens, deadline_s=deadline, partial=True, agree=not local, extras=extras
-            )
-        ).probe
-        if self.policy is Policy.COST:
-            probe = replace(probe, decision=self.cost.decide(
-                self.layout, probe, start_tokens=start_tokens, prefill_rate=prefill_tokens_per_s,
-            ))  # fmt: skip
-        if ttl is not None and probe.prefix_chunks:
-            probe = replace(probe, lease=await self._lease(probe, ttl))
-        self._log.debug(
-            "bsr.probe", tokens=probe.num_tokens, prefix_tokens=probe.prefix_tokens,
-            local_chunks=probe.local_chunks, bytes_by_tier=probe.bytes_by_tier,
-        )  # fmt: skip
-        self._notify(probe)
-        return probe
-
-    async def _lease(self, probe: Probe, ttl_s: float) -> ProbeLease:
-        by_tier: dict[str, list[ObjectKey]] = {}
-        for c, g in needed_objects(self.layout, probe.prefix_chunks):
-            for name in probe.holders[c][g]:
-                by_tier.setdefault(name, []).append(ObjectKey(probe.keys[c], g))
-        leases: list[TierLease] = []
-        try:
-            for tier in self.tiers:
-                if tier.name in by_tier:
-                    leases.append(await tier.lease(by_tier[tier.name], ttl_s))
-        except BaseException:
-            for lease in leases:
-                lease.release()
-            raise
-        return self._leases.add(leases, ttl_s)
+        return await self._restores.lookup(
+            tokens, extras, lease_ttl_s, deadline_s, local, start_tokens, prefill_tokens_per_s
+        )
 
     # ------------------------------------------------------------------ warm
     async def warm(
@@ -823,143 +547,12 @@ class RestoreEngine(AsyncResource):
         """
         started = time.perf_counter()  # the deadline counts from here, admission included
         if probe is not None:
-            self._check_probe_origin(probe)
-        req = self._admit(
+            self._restores.check_probe_origin(probe)
+        req = self._restores.admit(
             tokens, cache, block_ids, policy, deadline_s, strategy, request_id, started,
             start_tokens, extras, on_installed,
         )  # fmt: skip
-        return await self._run(req, probe)
-
-    async def _run(self, req: RestoreRequest, probe: Probe | None) -> RestoreResult:
-        """Run an admitted restore (after any warm copying its objects), then note it for
-        promotion."""
-        try:  # a warm copying these objects now: wait for it rather than read them twice
-            probe = await self._warmer.join(req.tokens, req.extras, probe, req.deadline_at)
-        except BaseException as exc:
-            if probe is not None:
-                probe.release()  # the job that would have released its leases never ran
-            self._abort(req, exc)
-            raise
-        job = RestoreJob(self._parts, req, probe)
-        try:
-            restored = await job.run()
-        except BaseException as exc:
-            self._abort(req, exc)
-            raise
-        finally:
-            await job.release()
-        result = self._finish(req, job.result(restored))
-        if result.committed and restored.window is not None:
-            self._warmer.after_restore(
-                restored.window.probe.keys[: result.committed_tokens // self.layout.chunk_tokens],
-                result.committed_tokens, result.bytes_by_tier,
-            )  # fmt: skip
-        return result
-
-    def _check_probe_origin(self, probe: Probe) -> None:
-        if not isinstance(probe, Probe):
-            raise ConfigError(f"probe must be a bsr.Probe from lookup(), got {type(probe)}")
-        if probe.origin != self._prober.origin:
-            # refused before anything moves; the probe (and its lease) stays its engine's
-            raise ConfigError(
-                "probe was made by another RestoreEngine (it names that engine's tiers and "
-                "holds that engine's leases); pass it to the engine whose lookup() made it, or "
-                "pass no probe to probe again"
-            )
-
-    def _admit(
-        self,
-        tokens: TokensLike,
-        cache: PagedKVCache,
-        block_ids: Any,
-        policy: Policy | str | None,
-        deadline_s: float | None,
-        strategy: Strategy | str,
-        request_id: str | None,
-        started: float,
-        start_tokens: int = 0,
-        extras: Extras | None = None,
-        on_installed: OnInstalled | None = None,
-    ) -> RestoreRequest:
-        """Check the arguments and open the request's record (no I/O).
-
-        Runs on the event loop, before the first checkpoint, so it must stay cheap (the block
-        table check is a NumPy sort); its time counts against the deadline, which runs from
-        ``started`` (when ``restore`` was called).
-        """
-        self._open_pool()
-        self._leases.reclaim()
-        self._check_cache(cache)
-        ext = check_extras(extras)
-        first_block, valid_chunks = self._start(start_tokens, cache)
-        n_full = self.layout.num_chunks(token_count(tokens))
-        tables = cache.block_tables(block_ids, n_full * self.layout.chunk_tokens)
-        _check_serves(tables, n_full, first_block, self.layout.chunk_tokens)
-        deadline = optional_positive_seconds(deadline_s, "deadline_s", key="deadline_s")
-        deadline = self.deadline_s if deadline is None else deadline
-        rid = request_id or f"r{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        life = RequestLifecycle(rid, rank=self.namespace.tp_rank)
-        life.facts.layout = self.layout
-        asked = self.policy if policy is None else choice(Policy, policy, "policy")
-        # policy "cost" decides how much to load, then commits that all-or-nothing
-        life.facts.policy = Policy.ALL_OR_NOTHING if asked is Policy.COST else asked
-        self._counts["restores"] += 1
-        return RestoreRequest(
-            rid=rid, life=life, log=self._log.bind(request_id=rid), tokens=tokens, extras=ext,
-            cache=cache, cost=asked is Policy.COST,
-            tables=tables, policy=life.facts.policy,
-            strategy=choice(Strategy, strategy, "strategy"),
-            deadline_at=None if deadline is None else started + deadline, t0=started,
-            first_block=first_block, valid_chunks=valid_chunks, on_installed=on_installed,
-        )  # fmt: skip
-
-    def _start(self, start_tokens: int, cache: PagedKVCache) -> tuple[int, int]:
-        """``(first block to write, chunks already valid)`` for ``restore(start_tokens=...)``."""
-        start = non_negative_int(start_tokens, "start_tokens")
-        if start % cache.block_tokens:
-            raise ConfigError(
-                f"start_tokens={start} is not a multiple of the cache's block_tokens="
-                f"{cache.block_tokens}; pass the tokens of whole blocks the cache already holds",
-                start_tokens=start,
-            )
-        return start // cache.block_tokens, start // self.layout.chunk_tokens
-
-    async def _move_out(self, moves: list[TierQuarantine], budget: float, log: Any) -> None:
-        """Ask each tier to quarantine its objects within ``budget``; defer what is left."""
-        left = list(moves)
-        try:
-            with anyio.move_on_after(budget):
-                while left:
-                    q = left[0]
-                    try:
-                        await self._tier(q.tier).quarantine(q.key, q.group, q.why)
-                    except Exception as exc:
-                        log.warning("bsr.tier.quarantine_failed", tier=q.tier, error=repr(exc))
-                    left.pop(0)
-        finally:
-            if left:
-                self._quarantine.defer(left)
-                log.warning("bsr.tier.quarantine_deferred", objects=len(left))
-
-    def _abort(self, req: RestoreRequest, exc: BaseException) -> None:
-        """Cancellation or a bug: never leave the request non-terminal."""
-        cancelled = isinstance(exc, anyio.get_cancelled_exc_class())
-        if not req.life.terminal:
-            req.life.invalidate(Reason.CANCELLED if cancelled else Reason.INTERNAL_ERROR)
-        self._counts["invalidated"] += 1
-        req.log.warning("bsr.restore.aborted", reason=str(req.life.reason), error=repr(exc))
-
-    def _finish(self, req: RestoreRequest, result: RestoreResult) -> RestoreResult:
-        self._counts["committed" if result.committed else "invalidated"] += 1
-        self.cost.observe_restore(result)
-        req.log.info(
-            "bsr.restore.done", state=str(result.state), reason=str(result.reason),
-            committed_tokens=result.committed_tokens, probed_tokens=result.probed_tokens,
-            bytes_by_tier=result.bytes_by_tier, rws_peak_bytes=result.rws_peak_bytes,
-            total_s=round(result.timings.total_s, 6), strategy=str(result.strategy.value),
-        )  # fmt: skip
-        self._notify(result)
-        return result
+        return await self._restores.run(req, probe)
 
     # ------------------------------------------------------------------ save
     async def save(
@@ -993,37 +586,11 @@ class RestoreEngine(AsyncResource):
         (:class:`~bsr.KeyExtra`: a tenant's salt, an adapter, an image, prompt embeddings); a
         later ``restore`` finds it only with the same.
         """
-        every = (
-            self.window_checkpoint_chunks
-            if Check.flag(window_checkpoints, "window_checkpoints")
-            else None
-        )
         pool = self._open_pool()
         self._leases.reclaim()
-        self._check_cache(cache)
-        keyed = await self._prober.keyed(tokens, check_extras(extras))
-        tables = cache.block_tables(block_ids, len(keyed.keys) * self.layout.chunk_tokens)
-        targets = self.tiers if tiers is None else [self._tier(name) for name in tiers]
-        quarantine = self._quarantine
-        result = await save_chunks(
-            layout=self.layout, tiers=targets, account=pool.account(), cache=cache, tables=tables,
-            keys=list(keyed.keys), io_depth=self.io_depth, log=self._log,
-            # a fresh copy replaces a quarantined one: probes may see it again
-            on_written=lambda tier, okey: quarantine.lift(tier.name, okey.object_id),
-            is_retired=lambda tier, okey: quarantine.retired(tier.name, okey.object_id),
-            checkpoint_chunks=every,
-        )  # fmt: skip
-        self._counts["saves"] += 1
-        for reason in result.skipped:
-            self._saves_skipped[reason] = self._saves_skipped.get(reason, 0) + 1
-        self._log.info(
-            "bsr.save.done", tokens=result.saved_tokens, chunks=result.chunks,
-            written=result.objects_written, skipped=result.objects_skipped,
-            busy_skipped=result.skipped, errors=result.errors,
-            duration_s=round(result.duration_s, 6),
-        )  # fmt: skip
-        self._notify(result)
-        return result
+        return await self._saves.save(
+            pool, tokens, cache, block_ids, tiers, extras, window_checkpoints
+        )
 
     def checkpoint_tokens(self, num_tokens: int) -> tuple[int, ...]:
         """The prefix lengths, in tokens, below ``num_tokens`` at which a save with
@@ -1037,24 +604,3 @@ class RestoreEngine(AsyncResource):
             return ()
         ct, every = self.layout.chunk_tokens, self.window_checkpoint_chunks
         return tuple(c * ct for c in checkpoint_ends(self.layout.num_chunks(n), every))
-
-    def _tier(self, name: str) -> Tier:
-        for t in self.tiers:
-            if t.name == name:
-                return t
-        raise ConfigError(f"no tier named {name!r}; tiers are {[t.name for t in self.tiers]}")
-
-
-def _check_serves(tables: BlockTables, n_full: int, first_block: int, chunk_tokens: int) -> None:
-    """Refuse tables that hold no block where the whole token prefix's state would go."""
-    bad = tables.unserved(n_full, first_block)
-    if bad is not None:
-        group, block = bad
-        raise BlockTableError(
-            f"the block table of group {group!r} holds NULL_BLOCK at index {block}, where a "
-            f"restore of {n_full * chunk_tokens} tokens installs that group's state; give it a "
-            "block there (a sliding-window group needs blocks for its window only), or restore "
-            "fewer tokens",
-            group=group,
-            index=block,
-        )

@@ -39,11 +39,11 @@ import inspect
 import re
 import threading
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from importlib import metadata
 from typing import Any, ClassVar, Concatenate, ParamSpec, TypeVar
 
-from .._check import check_options, option_fields, parse_options, short_repr
+from .._check import Options, short_repr
 from .._errors import ConfigError
 from .._log import logger
 from ._base import Tier
@@ -70,23 +70,17 @@ P = ParamSpec("P")
 
 
 @dataclasses.dataclass(frozen=True)
-class TierOptions:
+class TierOptions(Options):
     """Base of a tier kind's options: a frozen dataclass of ``option(...)`` fields.
 
     A subclass sets ``kind``, declares its fields (a ``name`` field is expected: engines need
     unique tier names) and implements :meth:`build`. Direct construction checks every field
-    (``__post_init__``); :meth:`from_dict` also refuses unknown keys. Override
-    :meth:`validate` for rules across fields (raise a ConfigError naming one key).
+    (``__post_init__``); :meth:`from_dict` also refuses unknown keys (see :class:`~bsr.Options`).
+    Override :meth:`validate` for rules across fields (raise a ConfigError naming one key).
     """
 
     kind: ClassVar[str] = ""
-
-    def __post_init__(self) -> None:
-        check_options(self)
-        self.validate()
-
-    def validate(self) -> None:
-        """Checks across fields (default: none)."""
+    options_other_keys: ClassVar[tuple[str, ...]] = ("kind",)
 
     def build(self) -> Tier:
         """A new, unopened tier with these options."""
@@ -99,23 +93,10 @@ class TierOptions:
         that one process must own (a local directory) gives each rank its own place."""
         return self
 
-    @classmethod
-    def from_dict(cls: type[OptionsT], data: Mapping[str, Any], prefix: str = "") -> OptionsT:
-        """Parse a plain mapping (a config table without its ``kind``); errors name
-        ``<prefix><key>``."""
-        kwargs = parse_options(cls, data, prefix, skip=("kind",))
-        try:
-            return cls(**kwargs)
-        except ConfigError as exc:
-            key = str(exc.fields.get("key") or "kind")
-            where = key if key.startswith(prefix) else f"{prefix}{key}"
-            message = exc.message if exc.message.startswith(where) else f"{where}: {exc.message}"
-            raise ConfigError(message, key=where) from None
-
     def arguments(self) -> dict[str, Any]:
         """Every option by name: the keyword arguments of the tier's constructor, which takes
         the same options (``build`` is then ``MyTier(**self.arguments())``)."""
-        return {n: getattr(self, n) for n in option_fields(self)}
+        return super().to_dict()
 
     def to_dict(self) -> dict[str, Any]:
         """The plain form (``kind`` first); ``tier_options(kind).from_dict`` reads it back."""

@@ -4,10 +4,11 @@ Where it runs: both sides of the connector at startup (vLLM's EngineCore process
 process), so a bad option stops vLLM before it serves anything. Pure parsing, no vLLM import.
 
 How it works: :class:`ConnectorOptions` is the ``kv_connector_extra_config["bsr_connector"]``
-dict as a frozen dataclass whose fields are declared like :class:`bsr.EngineConfig`'s, each an
-``option(Check....)`` of :mod:`bsr._check`, so the same parsers (and so the same messages)
-decide them: an unknown key names the closest known one, a bad value names the key and what to
-write instead, each a :class:`bsr.ConfigError` with the dotted ``key``. :func:`settings` reads
+dict as a frozen dataclass whose fields are declared like :class:`bsr.EngineConfig`'s (both are
+:class:`bsr.Options`), each an ``option(Check....)`` of bsr's option vocabulary, so the same
+parsers (and so the same messages) decide them: an unknown key names the closest known one, a
+bad value names the key and what to write instead, each a :class:`bsr.ConfigError` with the
+dotted ``key``. :func:`settings` reads
 the rest from vLLM's config (block size, roles, parallelism, the ``"bsr"`` engine config) into
 one :class:`ConnectorSettings` that both sides share.
 """
@@ -16,19 +17,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
-from bsr import ConfigError, EngineConfig, model_config_digest
-
-from .._check import (
-    Check,
-    check_options,
-    non_negative_int,
-    option,
-    parse_options,
-    positive_int,
-    short_repr,
-)
+from bsr import Check, ConfigError, EngineConfig, Options, model_config_digest, option
 
 #: Chunk size when the bsr config sets none: the smallest multiple of the block size >= this.
 DEFAULT_CHUNK_TOKENS = 256
@@ -40,7 +31,7 @@ LOAD_MODES = ("async", "sync")
 
 
 @dataclass(frozen=True)
-class ConnectorOptions:
+class ConnectorOptions(Options):
     """``kv_connector_extra_config["bsr_connector"]``: how the connector serves (all optional).
 
     Attributes:
@@ -74,10 +65,13 @@ class ConnectorOptions:
             instance read from its store (within the engine's warm bounds).
         warm_timeout_s: a warm's deadline when its request gives none.
 
-    Every ``*_s`` option is a number of seconds > 0 and at most :data:`bsr._check.MAX_SECONDS`
-    (2,147,483 s, about 24.8 days: the longest timeout a socket or ``poll()`` takes); a larger
-    one, infinity or NaN is refused here, at startup, naming its key.
+    Every ``*_s`` option is a number of seconds > 0 and at most 2,147,483 s (about 24.8 days:
+    the longest timeout a socket or ``poll()`` takes); a larger one, infinity or NaN is refused
+    here, at startup, naming its key.
     """
+
+    options_prefix = PREFIX
+    options_name = f"kv_connector_extra_config[{SECTION!r}]"
 
     load: str = option(Check.one_of(*LOAD_MODES), "async")
     lookup_timeout_s: float = option(Check.seconds, 2.0)
@@ -95,30 +89,19 @@ class ConnectorOptions:
     warm_address: str | None = option(Check.optional_address, None)
     warm_timeout_s: float = option(Check.seconds, 10.0)
 
-    def __post_init__(self) -> None:
-        check_options(self, PREFIX)  # direct construction is checked exactly like from_dict
-
     @property
     def asynchronous(self) -> bool:
         return self.load == "async"
 
     @classmethod
-    def from_dict(cls, data: Any) -> ConnectorOptions:
+    def from_dict(cls, data: Mapping[str, Any] | None, prefix: str | None = None) -> Self:
         """Parse the ``"bsr_connector"`` dict (``None``: every default).
 
         Raises:
             ConfigError: not a dict, an unknown key (with the closest known one), or a bad
                 value (naming the key, e.g. ``bsr_connector.lookup_timeout_s``).
         """
-        if data is None:
-            return cls()
-        if not isinstance(data, Mapping):
-            raise ConfigError(
-                f"kv_connector_extra_config[{SECTION!r}] must be a dict such as "
-                f"{{'load': 'async', 'lookup_timeout_s': 2.0}}, got {short_repr(data)}",
-                key=SECTION,
-            )
-        return cls(**parse_options(cls, data, PREFIX))
+        return cls() if data is None else super().from_dict(data, prefix)
 
 
 @dataclass(frozen=True)
@@ -177,7 +160,7 @@ def settings(vllm_config: Any, kv_cache_config: Any) -> ConnectorSettings:
         )
     engine = EngineConfig.from_dict(extra["bsr"])
     options = ConnectorOptions.from_dict(extra.get(SECTION))
-    block_size = positive_int(int(vllm_config.cache_config.block_size), "block_size")
+    block_size = Check.positive_int(int(vllm_config.cache_config.block_size), "block_size")
     check_groups(kv_cache_config, options, block_size)
     role = str(ktc.kv_role)
     return ConnectorSettings(
@@ -239,7 +222,7 @@ def check_parallelism(vllm_config: Any, kv_cache_config: Any) -> int:
             "BsrConnector supports tensor parallelism only (pipeline_parallel_size=1, "
             f"data_parallel_size=1), got pp={pp}, dp={dp}"
         )
-    return non_negative_int(int(pc.tensor_parallel_size), "tensor_parallel_size") or 1
+    return Check.non_negative_int(int(pc.tensor_parallel_size), "tensor_parallel_size") or 1
 
 
 def check_groups(kv_cache_config: Any, options: ConnectorOptions, block_size: int) -> None:

@@ -36,9 +36,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from bsr import ConfigError, KeyExtra
+from bsr import Check, ConfigError, KeyExtra
 
-from .._check import Check, non_negative_int
 from ._adapters import adapter_marker
 
 #: the ``kv_transfer_params`` key of bsr's per-request options
@@ -153,7 +152,7 @@ class RequestOptions:
                 out[name] = _checked(Check.flag, data[name], f"{WHERE}.{name}")
         if data.get("max_load_tokens") is not None:
             what = f"{WHERE}.max_load_tokens"
-            out["max_load_tokens"] = _checked(non_negative_int, data["max_load_tokens"], what)
+            out["max_load_tokens"] = _checked(Check.non_negative_int, data["max_load_tokens"], what)
         return cls(**out)
 
 

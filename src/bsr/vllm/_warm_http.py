@@ -30,9 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from bsr import KeyExtra, WarmResult
+from bsr import Check, KeyExtra, WarmResult
 
-from .._check import host_port
 from .._errors import ConfigError
 from .._log import logger
 from ._adapters import adapter_marker
@@ -166,7 +165,7 @@ class WarmServer:
         rank: int = 0,
         max_connections: int = MAX_CONNECTIONS,
     ) -> None:
-        host, port = host_port(address, "bsr_connector.warm_address")
+        host, port = Check.host_port(address, "bsr_connector.warm_address")
         port += rank
         handler = _handler_class(handle)
         server = type("_Server", (_BoundedServer,), {"max_connections": max_connections})
