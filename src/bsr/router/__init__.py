@@ -11,7 +11,7 @@ to put a production router (llm-d, Dynamo, vLLM's router) in its place.
 
 from ._index import MEDIA, FleetIndex, Match, block_digests, request_extra_keys
 from ._policy import Choice, PrefixPolicy, RoundRobinPolicy
-from ._server import EventSubscriber, Router, RouterServer, decode_batch
+from ._server import EventSubscriber, PDSplit, Router, RouterServer, decode_batch
 
 __all__ = [
     "MEDIA",
@@ -19,6 +19,7 @@ __all__ = [
     "EventSubscriber",
     "FleetIndex",
     "Match",
+    "PDSplit",
     "PrefixPolicy",
     "RoundRobinPolicy",
     "Router",

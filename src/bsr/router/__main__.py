@@ -17,7 +17,7 @@ import threading
 from typing import Any
 
 from ._index import MEDIA
-from ._server import EventSubscriber, Router, RouterServer
+from ._server import EventSubscriber, PDSplit, Router, RouterServer
 
 
 def _instance(text: str) -> tuple[str, str]:
@@ -51,8 +51,16 @@ def parser() -> argparse.ArgumentParser:
         "--instance",
         type=_instance,
         action="append",
-        required=True,
+        default=[],
         help="NAME=http://host:port (repeat; NAME is the instance's event topic)",
+    )
+    pd = p.add_argument_group("prefill/decode split (instead of --instance)")
+    pd.add_argument("--prefill", help="http://host:port of the prefill instance (kv_producer)")
+    pd.add_argument("--decode", help="http://host:port of the decode instance (kv_consumer)")
+    pd.add_argument("--decode-warm", help="http://host:port of the decode instance's warm endpoint")
+    pd.add_argument("--chunk-tokens", type=int, help="bsr's chunk_tokens on both instances")
+    pd.add_argument(
+        "--await-s", type=float, default=5.0, help="the longest wait for the prefill's save"
     )
     p.add_argument("--block-size", type=int, required=True, help="the instances' block size")
     p.add_argument("--policy", choices=("prefix", "round_robin"), default="prefix")
@@ -69,7 +77,19 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ns = parser().parse_args(argv)
+    p = parser()
+    ns = p.parse_args(argv)
+    split = None
+    if ns.prefill or ns.decode:
+        if ns.instance or not (ns.prefill and ns.decode and ns.decode_warm and ns.chunk_tokens):
+            p.error(
+                "a prefill/decode split takes --prefill, --decode, --decode-warm and "
+                "--chunk-tokens, and no --instance"
+            )
+        split = PDSplit(ns.prefill, ns.decode, ns.decode_warm, ns.chunk_tokens, ns.await_s)
+        ns.instance = [("prefill", ns.prefill), ("decode", ns.decode)]
+    elif not ns.instance:
+        p.error("give the fleet's instances (--instance NAME=URL, repeated) or --prefill/--decode")
     tokenizer: Any = None
     if ns.tokenizer:
         from transformers import AutoTokenizer
@@ -87,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bsr.router: {e}", file=sys.stderr)
         return 2
     events = EventSubscriber(router, ns.events).start()
-    server = RouterServer(ns.listen, router)
+    server = RouterServer(ns.listen, router, pd=split)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -16,6 +16,7 @@ from __future__ import annotations
 import http.client
 import json
 import threading
+import time
 import urllib.parse
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from typing import Any
 from ._index import FleetIndex, block_digests
 from ._policy import Choice, PrefixPolicy, RoundRobinPolicy
 
-__all__ = ["EventSubscriber", "Router", "RouterServer", "decode_batch"]
+__all__ = ["EventSubscriber", "PDSplit", "Router", "RouterServer", "decode_batch"]
 
 #: requests proxied at once (each a thread); one past it is answered 503 at once
 MAX_CONNECTIONS = 64
@@ -236,15 +237,65 @@ class EventSubscriber:
             self._ctx.term()
 
 
+@dataclass
+class PDSplit:
+    """Prefill and decode on separate instances, through bsr's pool.
+
+    Each request is sent first to the prefill instance (a ``kv_producer``: it computes the
+    prompt and saves it) with ``max_tokens`` 1, then to the decode instance (a
+    ``kv_consumer``: it loads the prompt from the pool and prefills only what it cannot load).
+    Between the two the proxy asks the decode instance's warm endpoint (``warm_address`` of
+    its connector, ``POST /bsr/warm``) for the prompt until the pool holds all of its whole
+    chunks (the save has landed; the warm also copies them into the decode instance's host
+    tier), at most ``await_s``: past it the decode side is sent the request anyway and
+    recomputes what it cannot load (counted). Both instances see the same request (tokens,
+    ``cache_salt``, ``kv_transfer_params``), so both derive the same bsr keys.
+
+    Args:
+        prefill: base URL of the prefill instance.
+        decode: base URL of the decode instance.
+        decode_warm: ``http://host:port`` of the decode instance's warm endpoint.
+        chunk_tokens: bsr's chunk size on both (the save covers whole chunks).
+        await_s: the longest wait for the prefill's save (seconds).
+    """
+
+    prefill: str
+    decode: str
+    decode_warm: str
+    chunk_tokens: int
+    await_s: float = 5.0
+    poll_s: float = 0.05
+    requests: int = 0
+    await_timeouts: int = 0
+    decode_prefilled_tokens: int = 0
+    prompt_tokens: int = 0
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "requests": self.requests,
+            "await_timeouts": self.await_timeouts,
+            "prompt_tokens": self.prompt_tokens,
+            "decode_prefilled_tokens": self.decode_prefilled_tokens,
+        }
+
+
 class RouterServer(ThreadingHTTPServer):
     """The router's HTTP side: proxies each request to the instance :meth:`Router.choose`
-    picks, at most :data:`MAX_CONNECTIONS` at once."""
+    picks (or, with ``pd``, through a prefill and a decode instance: :class:`PDSplit`), at most
+    :data:`MAX_CONNECTIONS` at once."""
 
     daemon_threads = True
 
-    def __init__(self, address: tuple[str, int], router: Router, timeout_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        address: tuple[str, int],
+        router: Router,
+        timeout_s: float = 600.0,
+        pd: PDSplit | None = None,
+    ) -> None:
         self.router = router
         self.timeout_s = timeout_s
+        self.pd = pd
         self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         super().__init__(address, _Handler)
 
@@ -271,7 +322,10 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         if self.path == "/router/stats":
-            self._json(200, self.server.router.snapshot())
+            snap = self.server.router.snapshot()
+            if self.server.pd is not None:
+                snap["pd"] = self.server.pd.stats()
+            self._json(200, snap)
         elif self.path == "/health":
             self._json(200, {"ok": True})
         else:
@@ -297,6 +351,9 @@ class _Handler(BaseHTTPRequestHandler):
             self._json(400, {"error": f"bad JSON body: {e}"})
             return
         router = self.server.router
+        if self.server.pd is not None:
+            self._split(self.server.pd, body, raw)
+            return
         choice = router.choose(self.path, body)
         try:
             self._forward(choice.instance, raw)
@@ -306,8 +363,70 @@ class _Handler(BaseHTTPRequestHandler):
         finally:
             router.done(choice.instance)
 
+    def _split(self, pd: PDSplit, body: dict[str, Any], raw: bytes) -> None:
+        """Prefill on one instance, wait for its save, decode on the other."""
+        tokens = self.server.router.tokens_of(self.path, body)
+        first = {**body, "max_tokens": 1, "stream": False}
+        first.pop("stream_options", None)
+        try:
+            status, _ = _post(pd.prefill, self.path, first, self.server.timeout_s)
+        except OSError as e:
+            self._json(502, {"error": f"prefill instance: {e}"})
+            return
+        if status != 200:
+            self._json(502, {"error": f"prefill instance answered {status}"})
+            return
+        pd.requests += 1
+        if tokens:
+            pd.prompt_tokens += len(tokens)
+            if not self._await_save(pd, body, tokens):
+                pd.await_timeouts += 1
+        try:
+            self._forward_to(pd.decode, raw, "decode", on_body=self._count_prefill(pd, tokens))
+        except OSError as e:
+            self._json(502, {"error": f"decode instance: {e}"})
+
+    def _await_save(self, pd: PDSplit, body: dict[str, Any], tokens: list[int]) -> bool:
+        """Ask the decode side's warm endpoint until the pool holds every whole chunk of
+        ``tokens`` (True), or ``await_s`` passes (False)."""
+        want = len(tokens) // pd.chunk_tokens * pd.chunk_tokens
+        if want == 0:
+            return True
+        ask: dict[str, Any] = {"prompt_token_ids": tokens}
+        if isinstance(body.get("cache_salt"), str):
+            ask["cache_salt"] = body["cache_salt"]
+        end = time.monotonic() + pd.await_s
+        while True:
+            left = end - time.monotonic()
+            if left <= 0:
+                return False
+            ask["deadline_s"] = max(0.01, min(left, 1.0))
+            try:
+                status, out = _post(pd.decode_warm, "/bsr/warm", ask, max(1.0, left))
+            except OSError:
+                status, out = 0, {}
+            if status == 200 and int(out.get("prefix_tokens") or 0) >= want:
+                return True
+            time.sleep(min(pd.poll_s, max(0.0, end - time.monotonic())))
+
+    @staticmethod
+    def _count_prefill(pd: PDSplit, tokens: list[int] | None) -> Any:
+        def count(data: bytes) -> None:
+            try:
+                usage = json.loads(data).get("usage") or {}
+            except ValueError:
+                return  # a stream: its usage is not counted
+            details = usage.get("prompt_tokens_details") or {}
+            n = int(usage.get("prompt_tokens") or (len(tokens) if tokens else 0))
+            pd.decode_prefilled_tokens += n - int(details.get("cached_tokens") or 0)
+
+        return count
+
     def _forward(self, instance: str, raw: bytes) -> None:
-        u = urllib.parse.urlsplit(self.server.router.instances[instance])
+        self._forward_to(self.server.router.instances[instance], raw, instance)
+
+    def _forward_to(self, base: str, raw: bytes, instance: str, on_body: Any = None) -> None:
+        u = urllib.parse.urlsplit(base)
         conn = http.client.HTTPConnection(u.hostname or "", u.port, timeout=self.server.timeout_s)
         try:
             conn.request("POST", self.path, body=raw, headers={"Content-Type": "application/json"})
@@ -317,12 +436,36 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("x-bsr-instance", instance)
             self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
+            seen = bytearray()
             for chunk in _chunks(resp):
+                if on_body is not None and len(seen) < (1 << 20):
+                    seen += chunk
                 self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
                 self.wfile.flush()
             self.wfile.write(b"0\r\n\r\n")
+            if on_body is not None and resp.status == 200:
+                on_body(bytes(seen))
         finally:
             conn.close()
+
+
+def _post(base: str, path: str, body: Any, timeout_s: float) -> tuple[int, dict[str, Any]]:
+    """POST ``body`` as JSON; the status and the JSON answer (``{}`` when it is not JSON)."""
+    u = urllib.parse.urlsplit(base)
+    conn = http.client.HTTPConnection(u.hostname or "", u.port, timeout=timeout_s)
+    try:
+        conn.request(
+            "POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"}
+        )
+        resp = conn.getresponse()
+        data = resp.read()
+        try:
+            out = json.loads(data)
+        except ValueError:
+            out = {}
+        return resp.status, out if isinstance(out, dict) else {}
+    finally:
+        conn.close()
 
 
 def _chunks(resp: http.client.HTTPResponse, size: int = 1 << 16) -> Iterator[bytes]:
