@@ -12,8 +12,11 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 VLLM_VENV ?= .venv-vllm
 LMCACHE_VENV ?= .venv-lmcache
+SGLANG_VENV ?= .venv-sglang
+SGLANG ?= sglang==0.5.23
 
 .PHONY: setup system-deps bench-deps docs test test-main test-bench-vllm test-quick test-vllm wheel-check \
+	test-sglang \
 	lmcache-venv \
 	lint-imports bench lint typecheck clean gpu-wheels gpu-dry-run
 
@@ -75,7 +78,9 @@ test:
 		"+docs=$(MAKE) --no-print-directory docs" \
 		"main suite=$(MAKE) --no-print-directory test-main MAIN_TESTS='-m \"not vllm_env\"'" \
 		"+vLLM setup=$(MAKE) --no-print-directory $(VLLM_VENV)/.bsr-installed" \
+		"+SGLang setup=$(MAKE) --no-print-directory $(SGLANG_VENV)/.bsr-installed" \
 		"vLLM tests=$(MAKE) --no-print-directory test-vllm" \
+		"+SGLang tests=$(MAKE) --no-print-directory test-sglang" \
 		"+bench vLLM tests=$(MAKE) --no-print-directory test-bench-vllm" \
 		"gpu dry run=$(MAKE) --no-print-directory gpu-dry-run" \
 		"+wheel check=$(MAKE) --no-print-directory wheel-check"
@@ -124,6 +129,24 @@ test-vllm: $(VLLM_VENV)/.bsr-installed
 	$(VLLM_VENV)/bin/python $(BYTECODE)
 	$(VLLM_VENV)/bin/python -m pytest -q $(VLLM_XDIST) tests/vllm_connector
 
+# SGLang's storage interface for bsr.sglang's tests (tests/sglang): sglang without its
+# dependencies (they pull CUDA builds of torch and its kernels), then only what
+# sglang.srt.mem_cache.hicache_storage and its storage backend factory import, with the CPU torch
+# pinned in the same resolve so pip never replaces it; SGLang's engine itself does not run here
+SGLANG_IMPORTS = orjson psutil pybase64 requests pillow starlette msgspec pydantic pyzmq tqdm \
+	aiohttp ipython triton
+$(SGLANG_VENV)/.bsr-installed: pyproject.toml
+	test -x $(SGLANG_VENV)/bin/python || $(PY) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/python -m pip install -q --upgrade pip
+	$(SGLANG_VENV)/bin/python -m pip install -q "$(TORCH_CPU)"
+	$(SGLANG_VENV)/bin/python -m pip install -q --no-deps "$(SGLANG)"
+	$(SGLANG_VENV)/bin/python -m pip install -q "$(TORCH_CPU)" -e ".[test]" $(SGLANG_IMPORTS)
+	touch $@
+
+# bsr.sglang's tests in that environment (about 10 s)
+test-sglang: $(SGLANG_VENV)/.bsr-installed
+	$(SGLANG_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/sglang
+
 # LMCache 0.5.6 for `bsr bench --l1-ladder --lmcache` (its own environment; the CPU torch first
 # so pip never pulls a CUDA build). Optional: without it the ladder says so and skips LMCache.
 lmcache-venv: $(LMCACHE_VENV)/.bsr-installed
@@ -166,4 +189,5 @@ typecheck:
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(LMCACHE_VENV) site .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) $(LMCACHE_VENV) site .pytest_cache .mypy_cache \
+		.ruff_cache .hypothesis

@@ -1,0 +1,193 @@
+"""bsr.sglang's guarantees, and equality with SGLang's own file backend (``HiCacheFile``).
+
+Runs in .venv-sglang; skipped where SGLang is not installed. Real files, a real bsr engine.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+hicache = pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
+
+from bsr.sglang import BsrHiCacheStorage  # noqa: E402
+
+KEYS = [f"k{i}" for i in range(6)]
+SRC, DST = [0, 1, 2, 3], [8, 9, 10, 11]  # host pages written from, and restored into
+
+
+@pytest.fixture
+def backends():
+    made: list[BsrHiCacheStorage] = []
+
+    def make(config, pool) -> BsrHiCacheStorage:
+        b = BsrHiCacheStorage(config, {})
+        b.register_mem_pool_host(pool)
+        made.append(b)
+        return b
+
+    yield make
+    for b in made:
+        b.close()
+
+
+def _seed(key: str) -> int:
+    return 1000 + KEYS.index(key) if key in KEYS else hash(key) % 10_000
+
+
+def _file_get(file, pool, keys, pages, ps) -> int:
+    """SGLang's cache controller's generic page get (``_generic_page_get``) over HiCacheFile."""
+    data = file.batch_get(keys, [pool.get_dummy_flat_data_page() for _ in keys])
+    count = 0
+    for i, page in enumerate(data):
+        if page is None:
+            break
+        pool.set_from_flat_data_page(pages[i] * ps, page)
+        count += 1
+    return count
+
+
+keys_st = st.lists(st.sampled_from(KEYS), min_size=1, max_size=4, unique=True)
+ops_st = st.lists(
+    st.tuples(st.sampled_from(["set", "exists", "get"]), keys_st), min_size=1, max_size=8
+)
+
+
+@settings(max_examples=12, deadline=None)
+@given(ops=ops_st)
+def test_same_pages_and_counts_as_hicache_file(sg: SimpleNamespace, ops) -> None:
+    with tempfile.TemporaryDirectory() as d:
+        root = Path(d)
+        ours_pool, file_pool = sg.mha_pool(), sg.mha_pool()
+        config = sg.storage_config(root / "bsr")
+        config.extra_config["file_storage_path"] = str(root / "file")
+        file = hicache.HiCacheFile(config)
+        ours = BsrHiCacheStorage(config, {})
+        ours.register_mem_pool_host(ours_pool)
+        ps = ours_pool.page_size
+        try:
+            for op, keys in ops:
+                pages = SRC[: len(keys)] if op == "set" else DST[: len(keys)]
+                if op == "set":
+                    for k, p in zip(keys, pages):
+                        sg.fill_page(ours_pool, p, _seed(k))
+                        sg.fill_page(file_pool, p, _seed(k))
+                    data = [file_pool.get_data_page(p * ps) for p in pages]
+                    assert file.batch_set(keys, data) is True
+                    assert ours.batch_set_v1(keys, sg.indices(ours_pool, pages)) == [True] * len(
+                        keys
+                    )
+                elif op == "exists":
+                    assert ours.batch_exists(keys) == file.batch_exists(keys)
+                else:
+                    got = ours.batch_get_v1(keys, sg.indices(ours_pool, pages))
+                    n = _file_get(file, file_pool, keys, pages, ps)
+                    assert got == [True] * n + [False] * (len(keys) - n)
+                    assert torch.equal(ours_pool.kv_buffer, file_pool.kv_buffer)
+        finally:
+            ours.close()
+
+
+def _object_of(root: Path, before: set[Path]) -> Path:
+    (new,) = {p for p in root.rglob("*.bsr") if p.is_file()} - before
+    return new
+
+
+def test_a_corrupt_object_ends_the_run_and_is_quarantined(tmp_path, sg, backends) -> None:
+    pool = sg.mha_pool()
+    b = backends(sg.storage_config(tmp_path), pool)
+    objects = []
+    for i, key in enumerate(["a", "b", "c", "d"]):
+        sg.fill_page(pool, i, 10 + i)
+        before = set(tmp_path.rglob("*.bsr"))
+        assert b.batch_set_v1([key], sg.indices(pool, [i])) == [True]
+        objects.append(_object_of(tmp_path, before))
+    page_c = pool.get_data_page(2 * pool.page_size).view(torch.uint8).numpy().tobytes()
+    blob = bytearray(objects[2].read_bytes())
+    at = blob.find(page_c)
+    assert at > 0  # the payload is the flat page
+    blob[at + 7] ^= 0xFF
+    objects[2].write_bytes(bytes(blob))
+
+    pool.kv_buffer[:, 8 * pool.page_size :] = 3  # the pages restored into
+    mark = pool.get_data_page(10 * pool.page_size).clone()
+    assert b.batch_exists(["a", "b", "c", "d"]) == 4  # metadata only: not read yet
+    got = b.batch_get_v1(["a", "b", "c", "d"], sg.indices(pool, [8, 9, 10, 11]))
+    assert got == [True, True, False, False]
+    assert torch.equal(pool.get_data_page(10 * pool.page_size), mark)  # never written
+    assert torch.equal(pool.get_data_page(11 * pool.page_size), mark)  # never read
+    assert b.get_stats().bsr.quarantined == 1
+    assert b.batch_exists(["a", "b", "c", "d"]) == 2  # the quarantined object no longer counts
+    assert any((tmp_path / "quarantine").iterdir())
+
+
+def test_extra_key_and_cache_salt_keep_requests_apart(tmp_path, sg, backends) -> None:
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    class Key(list):  # SGLang's RadixKey: token ids with extra_key (and cache_salt)
+        def __init__(self, ids, extra_key=None, cache_salt=None):
+            super().__init__(ids)
+            self.extra_key, self.cache_salt = extra_key, cache_salt
+
+    pool = sg.mha_pool()
+    b = backends(sg.storage_config(tmp_path), pool)
+    ids = list(range(3 * pool.page_size))
+    chains = [
+        get_storage_hash_str(Key(ids, *kw), page_size=pool.page_size)
+        for kw in [(), ("lora-a",), ("lora-b",), (None, "salt-1"), ("lora-a", "salt-1")]
+    ]
+    assert len({c[0] for c in chains}) == len(chains)
+    for p in range(3):
+        sg.fill_page(pool, p, p)
+    assert b.batch_set_v1(chains[1], sg.indices(pool, [0, 1, 2])) == [True] * 3
+    assert [b.batch_exists(c) for c in chains] == [0, 3, 0, 0, 0]
+
+
+def test_tenants_models_and_mha_ranks_never_share(tmp_path, sg, backends) -> None:
+    pool = sg.mha_pool()
+    writer = backends(sg.storage_config(tmp_path, tp_rank=0, tp_size=2, tenant="t1"), pool)
+    sg.fill_page(pool, 0, 1)
+    assert writer.batch_set_v1(["h"], sg.indices(pool, [0])) == [True]
+    same = sg.storage_config(tmp_path, tp_rank=0, tp_size=2, tenant="t1")
+    others = [
+        sg.storage_config(tmp_path, tp_rank=1, tp_size=2, tenant="t1"),
+        sg.storage_config(tmp_path, tp_rank=0, tp_size=4, tenant="t1"),
+        sg.storage_config(tmp_path, tp_rank=0, tp_size=2, tenant="t2"),
+        sg.storage_config(tmp_path, tp_rank=0, tp_size=2, tenant="t1", model="org/other"),
+    ]
+    assert backends(same, sg.mha_pool()).batch_exists(["h"]) == 1
+    assert [backends(c, sg.mha_pool()).batch_exists(["h"]) for c in others] == [0] * 4
+
+
+def test_mla_pages_are_shared_by_tp_ranks(tmp_path, sg, backends) -> None:
+    pool = sg.mla_pool()
+    writer = backends(sg.storage_config(tmp_path, tp_rank=0, tp_size=2, mla=True), pool)
+    want = sg.fill_page(pool, 0, 5)
+    assert writer.batch_set_v1(["h"], sg.indices(pool, [0])) == [True]
+    reader_pool = sg.mla_pool()
+    reader = backends(sg.storage_config(tmp_path, tp_rank=1, tp_size=2, mla=True), reader_pool)
+    assert reader.batch_get_v1(["h"], sg.indices(reader_pool, [4])) == [True]
+    assert torch.equal(reader_pool.get_data_page(4 * reader_pool.page_size), want)
+    mha = backends(sg.storage_config(tmp_path, tp_rank=1, tp_size=2), sg.mha_pool())
+    assert mha.batch_exists(["h"]) == 0  # an MHA model never reads MLA pages
+
+
+def test_staging_stays_within_the_window(tmp_path, sg, backends) -> None:
+    pool = sg.mha_pool(pages=32)
+    b = backends(sg.storage_config(tmp_path, window=2), pool)
+    keys = [f"p{i}" for i in range(16)]
+    for p in range(16):
+        sg.fill_page(pool, p, p)
+    assert b.batch_set_v1(keys, sg.indices(pool, range(16))) == [True] * 16
+    assert b.batch_get_v1(keys, sg.indices(pool, range(16, 32))) == [True] * 16
+    staging = b.get_stats().bsr.staging
+    page_bytes = pool.get_dummy_flat_data_page().numel() * 2
+    assert (staging.slots, staging.slot_bytes) == (2, b.pages.layout.slot_bytes)
+    assert page_bytes <= staging.slot_bytes < page_bytes + 4096  # one page (aligned) per slot
+    assert 1 <= staging.peak_in_use <= 2
