@@ -28,6 +28,8 @@ import bsr
 ROOT = Path(__file__).resolve().parents[2]
 #: the public modules whose ``__all__`` the reference must render, beside ``bsr`` itself
 MODULES = ("bsr.kit", "bsr.vllm", "bsr.router", "bsr.hcache", "bsr.testing")
+#: public modules that import an optional engine at the top (read without importing them)
+STATIC_MODULES = {"bsr.sglang": Path(__file__).parents[2] / "src/bsr/sglang/__init__.py"}
 #: the options dataclass of each tier bsr ships: every field is an entry of the reference
 OPTIONS = (
     "bsr.HostTierOptions",
@@ -46,12 +48,26 @@ def inventory_names(path: Path) -> set[str]:
     return {line.split(" ", 1)[0] for line in lines if line.strip()}
 
 
+def static_all(path: Path) -> list[str]:
+    """A module's ``__all__`` (a literal list of strings), read from its source."""
+    import ast
+
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+        ):
+            return list(ast.literal_eval(node.value))
+    raise AssertionError(f"{path}: no __all__")
+
+
 def public_names() -> dict[str, str]:
     """Every public name, dotted (``bsr.RestoreEngine``), with what declares it public."""
     names = {f"bsr.{n}": "bsr.__all__" for n in bsr.__all__}
     for module in MODULES:
         mod = importlib.import_module(module)
         names.update({f"{module}.{n}": f"{module}.__all__" for n in mod.__all__})
+    for module, path in STATIC_MODULES.items():
+        names.update({f"{module}.{n}": f"{module}.__all__" for n in static_all(path)})
     redis = importlib.import_module("bsr.redis")  # no __all__: the classes and functions it defines
     for name, value in vars(redis).items():
         defined = inspect.isclass(value) or inspect.isfunction(value)
