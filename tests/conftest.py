@@ -66,6 +66,8 @@ LONG_MODULES = (
     "tests/vllm_connector/test_async_faults.py",
     "tests/vllm_connector/test_key_partition.py",
     "tests/vllm_connector/test_hybrid.py",
+    "tests/vllm_connector/test_fleet_router.py",
+    "tests/vllm_connector/test_pd_split.py",
     "tests/proof/test_campaign.py",
     "tests/vllm_connector/test_mla.py",
     "tests/vllm_connector/test_serve.py",

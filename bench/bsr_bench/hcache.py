@@ -279,14 +279,19 @@ def _rebuild_vs_gemm(model: Any, served: _Served, repeats: int) -> dict[str, Any
         hc.rebuild(view, dst, ids, n, rope=a.rope(0, n))
         _sync(a.device)
 
-    gemm()
-    rebuild()
-    rebuild(True)
-    g, r, rg = [], [], []
-    for _ in range(repeats):
-        g += _timed(gemm, 1)
-        r += _timed(rebuild, 1)
-        rg += _timed(lambda: rebuild(True), 1)
+    g: list[float] = []
+    r: list[float] = []
+    rg: list[float] = []
+    try:
+        gemm()
+        rebuild()
+        rebuild(True)
+        for _ in range(repeats):
+            g += _timed(gemm, 1)
+            r += _timed(rebuild, 1)
+            rg += _timed(lambda: rebuild(True), 1)
+    finally:
+        hc.grouped = False  # the served HCache restores layer by layer after this, as before it
     return {
         "gemm_s": _dist(g),
         "rebuild_s": _dist(r),
@@ -297,7 +302,6 @@ def _rebuild_vs_gemm(model: Any, served: _Served, repeats: int) -> dict[str, Any
         # each group's layers (four) rebuilt together: one batched GEMM per group and piece
         "grouped_ratio": _median([b / a for a, b in zip(g, rg)]),
     }
-    hc.grouped = False
 
 
 def _sync(device: Any) -> None:
