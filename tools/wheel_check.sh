@@ -20,13 +20,15 @@ say "build the sdist, then the wheel from the sdist (python -m build)"
 "$PY" -m build --outdir "$WORK/dist" "$ROOT" >"$WORK/build.log" 2>&1 || {
     cat "$WORK/build.log"; exit 1; }
 tail -n 1 "$WORK/build.log"
-VERSION=$("$PY" - "$ROOT/pyproject.toml" <<'EOF'
-import sys, tomllib
-print(tomllib.load(open(sys.argv[1], "rb"))["project"]["version"])
+# the distribution's name (bsr-kv; the import name is bsr) as file names spell it, and its version
+read -r DIST VERSION < <("$PY" - "$ROOT/pyproject.toml" <<'EOF'
+import re, sys, tomllib
+project = tomllib.load(open(sys.argv[1], "rb"))["project"]
+print(re.sub(r"[-_.]+", "_", project["name"]).lower(), project["version"])
 EOF
 )
-WHEEL="$WORK/dist/bsr-$VERSION-py3-none-any.whl"
-SDIST="$WORK/dist/bsr-$VERSION.tar.gz"
+WHEEL="$WORK/dist/$DIST-$VERSION-py3-none-any.whl"
+SDIST="$WORK/dist/$DIST-$VERSION.tar.gz"
 test -f "$WHEEL" && test -f "$SDIST" || { ls -l "$WORK/dist"; echo "expected $WHEEL and $SDIST"; exit 1; }
 
 say "the wheel holds the package's data files and no tests"

@@ -1,7 +1,7 @@
 """Helpers for serving Hugging Face ``transformers`` models with a bsr paged cache.
 
 Where it runs: the serving process, next to the model. ``transformers`` is an optional extra
-(``pip install bsr[hf]``); it is imported lazily, so ``import bsr.hf`` works without it and only
+(``pip install bsr-kv[hf]``); it is imported lazily, so ``import bsr.hf`` works without it and only
 :func:`read_kv_from_cache` (which builds a ``DynamicCache``) needs it.
 
 How it works: every attention layer of the model is placed in a state group. Layers with full
