@@ -6,7 +6,9 @@ Heavy imports (torch, rich, transformers) happen inside the subcommand that need
 
 Exit codes: 0 success; 1 the command worked and found a problem (``store verify`` found bad
 objects, ``spec diagram --check`` found a stale diagram); 2 usage or I/O error (bad arguments,
-a path that is not a bsr store).
+a path that is not a bsr store); 141 (128 + SIGPIPE) stdout was closed before all was written
+(``bsr store ls DIR | head -1``): the command ends quietly, with the code a shell reports for
+``ls`` or ``cat`` there.
 """
 
 from __future__ import annotations
@@ -16,12 +18,16 @@ import contextlib
 import datetime
 import io
 import json
+import os
+import select
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 DEFAULT_DIAGRAM = "spec/request_lifecycle.mmd"
+#: exit code when stdout's reader went away (128 + SIGPIPE, as a shell reports for ls or cat)
+EXIT_CLOSED_STDOUT = 141
 
 
 BENCH_MISSING = (
@@ -360,6 +366,8 @@ def _store_command(func: Any, *, whole: bool = False) -> Any:
         try:
             code: int = func(ns)
         except (BsrError, OSError) as exc:
+            if isinstance(exc, BrokenPipeError) and _stdout_closed():
+                raise  # the reader of the listing went away: main ends quietly
             print(f"bsr store: error: {exc}", file=sys.stderr)
             return 2
         return code
@@ -567,14 +575,54 @@ def _missing(parser: argparse.ArgumentParser) -> int:
     return 2
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Console script ``bsr``."""
+def _stdout_closed() -> bool:
+    """Whether stdout is a pipe or socket whose reader has gone (poll says POLLERR or POLLHUP);
+    False where that cannot be told (stdout not a file descriptor, no poll)."""
+    try:
+        fd = sys.stdout.fileno()
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        events = poller.poll(0)
+    except (AttributeError, OSError, ValueError):
+        return False
+    return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in events)
+
+
+def _end_quietly() -> int:
+    """stdout's reader went away: point stdout at /dev/null, so that what is still buffered
+    cannot fail again at exit (the recipe of Python's signal docs), and say nothing."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    finally:
+        os.close(devnull)
+    return EXIT_CLOSED_STDOUT
+
+
+def _run(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
     if getattr(ns, "func", None) is None:
         parser.print_help(sys.stderr)
         return 2
     code: int = ns.func(ns)
+    return code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console script ``bsr``. A closed stdout (``bsr store ls DIR | head -1``, any command)
+    ends it quietly with :data:`EXIT_CLOSED_STDOUT`, not a traceback or an error."""
+    try:
+        try:
+            code = _run(argv)
+        except SystemExit:  # --help, --version, a usage error: flushed here, not at exit
+            sys.stdout.flush()
+            raise
+        sys.stdout.flush()
+    except BrokenPipeError:
+        if not _stdout_closed():
+            raise
+        return _end_quietly()
     return code
 
 
