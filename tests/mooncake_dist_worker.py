@@ -26,6 +26,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -50,99 +51,130 @@ def layout() -> bsr.StateLayout:
     )
 
 
-def main() -> None:
-    rank, world, rendezvous = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
-    workdir, client_address, key_prefix = Path(sys.argv[4]), sys.argv[5], sys.argv[6]
-    fault, ssd_arg, out = sys.argv[7], sys.argv[8], Path(sys.argv[9])
-    ssd_ranks = {int(r) for r in ssd_arg.split(",") if r.strip() not in ("", "-")}
-    dist.init_process_group(
-        "gloo",
-        init_method=rendezvous.resolve().as_uri(),
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=60),
-    )
-    lay = layout()
+@dataclass(frozen=True)
+class Args:
+    """The command line (see the module docstring)."""
+
+    rank: int
+    world: int
+    rendezvous: Path
+    workdir: Path
+    client_address: str
+    key_prefix: str
+    fault: str
+    ssd_ranks: frozenset[int]
+    out: Path
+
+    @classmethod
+    def parse(cls, argv: list[str]) -> Args:
+        rank, world, rendezvous, workdir, address, prefix, fault, ssd, out = argv
+        ssd_ranks = frozenset(int(r) for r in ssd.split(",") if r.strip() not in ("", "-"))
+        return cls(int(rank), int(world), Path(rendezvous), Path(workdir), address, prefix,
+                   fault, ssd_ranks, Path(out))  # fmt: skip
+
+
+def source(lay: bsr.StateLayout, rank: int) -> bsr.PagedKVCache:
     gen = torch.Generator().manual_seed(200 + rank)  # each rank holds its own shard
     src = bsr.PagedKVCache(lay, NUM_BLOCKS, BLOCK_TOKENS)
     for g in lay.groups:
         t = src.tensor(g.name)
         t.copy_(torch.randint(0, 256, t.shape, generator=gen, dtype=torch.uint8))
+    return src
+
+
+def engine_for(a: Args, lay: bsr.StateLayout) -> tuple[bsr.RestoreEngine, bsr.MooncakeTier]:
+    """The rank's engine (its remote tier faulty where the fault says so) and the remote tier."""
+    remote = bsr.MooncakeTier(
+        client_address=a.client_address,
+        key_prefix=f"{a.key_prefix}rank{a.rank}/",
+        timeout_s=5.0,
+        local_buffer_size=16 << 20,
+    )
+    top: bsr.Tier = remote
+    if a.fault == "read_error":
+        plan = FaultPlan(
+            seed=3,
+            faults=(Fault(FaultKind.READ_ERROR, chunks=frozenset({FAULTY_CHUNK}), group="kv"),),
+            ranks=frozenset({FAULTY_RANK}),
+        )
+        top = FaultyTier(remote, plan, rank=a.rank)
+    tiers: list[bsr.Tier] = [top]
+    if a.rank in a.ssd_ranks:
+        tiers.append(bsr.FileTier(a.workdir / f"ssd{a.rank}", 1 << 26))
+    engine = bsr.RestoreEngine(
+        lay,
+        tiers,
+        window=2,
+        io_depth=2,
+        namespace=bsr.Namespace("mooncake-dist-model", tp_rank=a.rank, tp_size=a.world),
+        coordinator=bsr.TorchDistributedCoordinator(),
+        deadline_s=30.0,
+    )
+    return engine, remote
+
+
+async def run(a: Args) -> dict[str, object]:
+    """Save the rank's shard, fault it where asked, restore it; what happened, as JSON."""
+    lay = layout()
+    src = source(lay, a.rank)
     tokens = list(range(3000, 3000 + 6 * CHUNK_TOKENS + 5))
     ids = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(11))[:13]
     bpc = CHUNK_TOKENS // BLOCK_TOKENS
-
-    async def run() -> dict[str, object]:
-        remote = bsr.MooncakeTier(
-            client_address=client_address,
-            key_prefix=f"{key_prefix}rank{rank}/",
-            timeout_s=5.0,
-            local_buffer_size=16 << 20,
-        )
-        top: bsr.Tier = remote
-        if fault == "read_error":
-            plan = FaultPlan(
-                seed=3,
-                faults=(Fault(FaultKind.READ_ERROR, chunks=frozenset({FAULTY_CHUNK}), group="kv"),),
-                ranks=frozenset({FAULTY_RANK}),
+    engine, remote = engine_for(a, lay)
+    async with engine:
+        saved = await engine.save(tokens, src, ids)
+        if a.fault == "corrupt" and a.rank == FAULTY_RANK:
+            key = engine.keys(tokens)[FAULTY_CHUNK]
+            if not corrupt_stored(remote, key, "kv"):
+                raise RuntimeError("could not corrupt the stored object")
+        probe = await engine.lookup(tokens)
+        dst = bsr.PagedKVCache(lay, NUM_BLOCKS, BLOCK_TOKENS)
+        t0 = time.monotonic()
+        res = await engine.restore(tokens, dst, ids)
+        elapsed = time.monotonic() - t0
+        exact = all(
+            torch.equal(
+                src.tensor(g.name)[:, ids[c * bpc : (c + 1) * bpc]],
+                dst.tensor(g.name)[:, ids[c * bpc : (c + 1) * bpc]],
             )
-            top = FaultyTier(remote, plan, rank=rank)
-        tiers: list[bsr.Tier] = [top]
-        if rank in ssd_ranks:
-            tiers.append(bsr.FileTier(workdir / f"ssd{rank}", 1 << 26))
-        engine = bsr.RestoreEngine(
-            lay,
-            tiers,
-            window=2,
-            io_depth=2,
-            namespace=bsr.Namespace("mooncake-dist-model", tp_rank=rank, tp_size=world),
-            coordinator=bsr.TorchDistributedCoordinator(),
-            deadline_s=30.0,
+            for g in lay.groups
+            for c in lay.needed_chunks(g.name, res.committed_tokens // CHUNK_TOKENS)
         )
-        async with engine:
-            saved = await engine.save(tokens, src, ids)
-            if fault == "corrupt" and rank == FAULTY_RANK:
-                key = engine.keys(tokens)[FAULTY_CHUNK]
-                if not corrupt_stored(remote, key, "kv"):
-                    raise RuntimeError("could not corrupt the stored object")
-            probe = await engine.lookup(tokens)
-            dst = bsr.PagedKVCache(lay, NUM_BLOCKS, BLOCK_TOKENS)
-            t0 = time.monotonic()
-            res = await engine.restore(tokens, dst, ids)
-            elapsed = time.monotonic() - t0
-            exact = all(
-                torch.equal(
-                    src.tensor(g.name)[:, ids[c * bpc : (c + 1) * bpc]],
-                    dst.tensor(g.name)[:, ids[c * bpc : (c + 1) * bpc]],
-                )
+        return {
+            "rank": a.rank,
+            "saved_tokens": saved.saved_tokens,
+            "save_errors": saved.errors,
+            "probe_tokens": probe.prefix_tokens,
+            "state": res.state.value,
+            "reason": res.reason.value,
+            "committed_tokens": res.committed_tokens,
+            "probed_tokens": res.probed_tokens,
+            "bytes_by_tier": res.bytes_by_tier,
+            "fallbacks": res.fallbacks,
+            "exact": exact,
+            "in_use": engine.staging.statistics().in_use,
+            "invalid_blocks": list(res.invalid_block_ids),
+            "elapsed_s": elapsed,
+            "kv_chunk_bytes": lay.group_chunk_bytes("kv"),
+            "expected_bytes": {
+                g.name: lay.group_chunk_bytes(g.name)
+                * len(lay.needed_chunks(g.name, len(tokens) // CHUNK_TOKENS))
                 for g in lay.groups
-                for c in lay.needed_chunks(g.name, res.committed_tokens // CHUNK_TOKENS)
-            )
-            return {
-                "rank": rank,
-                "saved_tokens": saved.saved_tokens,
-                "save_errors": saved.errors,
-                "probe_tokens": probe.prefix_tokens,
-                "state": res.state.value,
-                "reason": res.reason.value,
-                "committed_tokens": res.committed_tokens,
-                "probed_tokens": res.probed_tokens,
-                "bytes_by_tier": res.bytes_by_tier,
-                "fallbacks": res.fallbacks,
-                "exact": exact,
-                "in_use": engine.staging.statistics().in_use,
-                "invalid_blocks": list(res.invalid_block_ids),
-                "elapsed_s": elapsed,
-                "kv_chunk_bytes": lay.group_chunk_bytes("kv"),
-                "expected_bytes": {
-                    g.name: lay.group_chunk_bytes(g.name)
-                    * len(lay.needed_chunks(g.name, len(tokens) // CHUNK_TOKENS))
-                    for g in lay.groups
-                },
-            }
+            },
+        }
 
-    result = anyio.run(run)
-    out.write_text(json.dumps(result))
+
+def main() -> None:
+    a = Args.parse(sys.argv[1:])
+    dist.init_process_group(
+        "gloo",
+        init_method=a.rendezvous.resolve().as_uri(),
+        rank=a.rank,
+        world_size=a.world,
+        timeout=timedelta(seconds=60),
+    )
+    result = anyio.run(run, a)
+    a.out.write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()
