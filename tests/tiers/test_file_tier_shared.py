@@ -1,8 +1,8 @@
 """Several processes on one FileTier root: one capacity, coherent objects, and the CLI's lock.
 
-Each process is ``tests/shared_root_worker.py`` (a FileTier and an engine, driven by commands on
-stdin). Before the shared ledger, each process evicted by its own index only, so two writers
-filled the directory to twice ``capacity_bytes``, and one never saw what the other saved.
+Each process is ``tests/children/shared_root_worker.py`` (a FileTier and an engine, driven by
+commands on stdin). Before the shared ledger, each process evicted by its own index only, so two
+writers filled the directory to twice ``capacity_bytes``, and one never saw what the other saved.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import bsr
-import shared_root_worker as srw
 from bsr.tiers.file._root import OBJECTS_DIR
+from children import shared_root_worker as srw
 from support.engines import make_engine
 from support.helpers import open_fds
 from support.shared_root import (
@@ -317,12 +317,12 @@ async def test_a_peer_stopped_inside_the_roots_lock_stalls_no_write_open_or_rest
 
 # ------------------------------------------------------------------ crashes inside the ledger
 class Crasher:
-    """``tests/ledger_crasher.py``: forks processes that SIGKILL themselves at a chosen point
-    of the root's bookkeeping (inside an eviction, a reservation or a commit)."""
+    """``tests/children/ledger_crasher.py``: forks processes that SIGKILL themselves at a chosen
+    point of the root's bookkeeping (inside an eviction, a reservation or a commit)."""
 
     def __init__(self) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, str(HERE / "ledger_crasher.py")],
+            [sys.executable, str(HERE / "children" / "ledger_crasher.py")],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,

@@ -1,4 +1,4 @@
-"""One rank of the 2-process restore over a real Mooncake Store (run by test_mooncake_faults.py).
+"""One rank of the 2-process restore over a real Mooncake Store (tests/engine/test_mooncake_faults).
 
 Usage: python mooncake_dist_worker.py RANK WORLD RENDEZVOUS_FILE WORKDIR CLIENT_ADDRESS KEY_PREFIX
        FAULT SSD_RANKS OUT_JSON
