@@ -23,12 +23,14 @@ SGLANG ?= sglang==0.5.23
 setup: $(VENV)/.bsr-installed
 
 # bsr and its benchmark (bsr-bench, bench/pyproject.toml; `bsr bench` needs it, so do tests/bench),
-# both editable, in one resolve (bsr-bench's `bsr` requirement is met by the checkout)
+# both editable, in one resolve (bsr-bench's `bsr-kv` requirement is met by the checkout)
 $(VENV)/.bsr-installed: pyproject.toml bench/pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# a CPU torch build unless one is already there (an unpinned torch would pull a CUDA build)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_CPU)"
+	# bsr was installed as the distribution `bsr` before it was `bsr-kv`: drop that install first
+	$(BIN)/python -m pip uninstall -q -y bsr 2>/dev/null || true
 	$(BIN)/python -m pip install -q -e ".[dev,docs,mooncake,redis]" -e ./bench
 	touch $@
 
@@ -119,6 +121,7 @@ $(VLLM_VENV)/.bsr-installed: pyproject.toml
 	test -x $(VLLM_VENV)/bin/python || $(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install -q "$(TORCH_CPU)"
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y bsr 2>/dev/null || true  # now bsr-kv
 	$(VLLM_VENV)/bin/python -m pip install -q "$(TORCH_CPU)" -e ".[vllm,test]"
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@

@@ -6,8 +6,14 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-#: the library (its test kit, ``bsr.testing``, included) and the benchmark
-CHECKED = (ROOT / "src" / "bsr", ROOT / "bench" / "bsr_bench")
+#: the library (its test kit, ``bsr.testing``, included), the benchmark, the GPU validation run
+#: and the tests themselves (their helpers and the programs they start included)
+CHECKED = (
+    ROOT / "src" / "bsr",
+    ROOT / "bench" / "bsr_bench",
+    ROOT / "bench" / "gpu",
+    ROOT / "tests",
+)
 #: the longest a function may be, its signature and docstring included
 MAX_FUNCTION_LINES = 80
 
@@ -25,6 +31,8 @@ def _functions(root: Path) -> list[tuple[int, str]]:
 
 def test_no_function_is_longer_than_80_lines() -> None:
     found = [f for root in CHECKED for f in _functions(root)]
-    assert len(found) > 500  # the walk saw the code
+    for root in CHECKED:  # the walk saw each tree's code
+        assert any(where.startswith(str(root.relative_to(ROOT))) for _, where in found), root
+    assert len(found) > 500
     too_long = sorted(f"{where} ({n} lines)" for n, where in found if n > MAX_FUNCTION_LINES)
     assert not too_long, "split these functions: " + "; ".join(too_long)

@@ -1,7 +1,7 @@
 """Helpers of the vLLM tests: small random models written by transformers, engine runs.
 
 Import with ``from vllm_engines import ...`` (``tests/`` is on pytest's ``pythonpath``). Each
-engine runs in its own process (``tests/vllm_connector/run_engine.py``), forked by a server that
+engine runs in its own process (``tests/children/run_engine.py``), forked by a server that
 imported vLLM once (:class:`EngineForks`); a test process never holds an engine. An engine runs
 in that one process (vLLM's ``UniProcExecutor``, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: ~2 s to
 start where the engine core and its worker in processes of their own take ~17 s) unless its core
@@ -27,14 +27,16 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-RUN_ENGINE = Path(__file__).parent / "vllm_connector" / "run_engine.py"
-ENGINE_FORKS = Path(__file__).parent / "vllm_connector" / "engine_forks.py"
+RUN_ENGINE = Path(__file__).parent / "children" / "run_engine.py"
+ENGINE_FORKS = Path(__file__).parent / "children" / "engine_forks.py"
+#: the tests' own connector modules (gated_connector, hung_mount), which engine runs import
+CONNECTORS = Path(__file__).parent / "vllm_connector"
 #: the longest one engine run may take
 RUN_TIMEOUT_S = 600
 
 
 class EngineForks:
-    """This test process's client of ``tests/vllm_connector/engine_forks.py``: a process that
+    """This test process's client of ``tests/children/engine_forks.py``: a process that
     imported vLLM once and forks a fresh child per engine run (each run as a new process would see
     it, less ~6 s of imports). Started on first use; it ends when this process does (its input
     closes). ``BSR_TEST_ENGINE_FORKS=0`` starts every run as a new interpreter instead."""
@@ -258,8 +260,8 @@ def run(tmp: Path, name: str, model: str = "model", **spec: Any) -> dict[str, An
     (tmp / f"{name}.json").write_text(json.dumps(spec))
     out = tmp / f"{name}.out.json"
     env = dict(os.environ)
-    # the tests' own connector module (gated_connector) is importable in every engine process
-    env["PYTHONPATH"] = os.pathsep.join([str(RUN_ENGINE.parent), env.get("PYTHONPATH", "")])
+    # the tests' own connector modules (gated_connector) are importable in every engine process
+    env["PYTHONPATH"] = os.pathsep.join([str(CONNECTORS), env.get("PYTHONPATH", "")])
     # one process (vLLM's UniProcExecutor inside the test's engine process: ~2 s to start instead
     # of ~17 s for two more processes, each importing vLLM) unless the run needs the engine core
     # to run on its own: a script waits without stepping, the key-partition client waits for

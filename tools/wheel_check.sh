@@ -20,36 +20,21 @@ say "build the sdist, then the wheel from the sdist (python -m build)"
 "$PY" -m build --outdir "$WORK/dist" "$ROOT" >"$WORK/build.log" 2>&1 || {
     cat "$WORK/build.log"; exit 1; }
 tail -n 1 "$WORK/build.log"
-VERSION=$("$PY" - "$ROOT/pyproject.toml" <<'EOF'
-import sys, tomllib
-print(tomllib.load(open(sys.argv[1], "rb"))["project"]["version"])
+# the distribution's name (bsr-kv; the import name is bsr) as file names spell it, and its version
+read -r DIST VERSION < <("$PY" - "$ROOT/pyproject.toml" <<'EOF'
+import re, sys, tomllib
+project = tomllib.load(open(sys.argv[1], "rb"))["project"]
+print(re.sub(r"[-_.]+", "_", project["name"]).lower(), project["version"])
 EOF
 )
-WHEEL="$WORK/dist/bsr-$VERSION-py3-none-any.whl"
-SDIST="$WORK/dist/bsr-$VERSION.tar.gz"
+WHEEL="$WORK/dist/$DIST-$VERSION-py3-none-any.whl"
+SDIST="$WORK/dist/$DIST-$VERSION.tar.gz"
 test -f "$WHEEL" && test -f "$SDIST" || { ls -l "$WORK/dist"; echo "expected $WHEEL and $SDIST"; exit 1; }
 
-say "the wheel holds the package's data files and no tests"
-"$PY" - "$WHEEL" "$ROOT/src/bsr" <<'EOF'
-import pathlib, sys, zipfile
-wheel, src = sys.argv[1], pathlib.Path(sys.argv[2])
-names = set(zipfile.ZipFile(wheel).namelist())
-# every file of the source package that is not Python source or a cache must be in the wheel
-need = {
-    "bsr/" + p.relative_to(src).as_posix()
-    for p in src.rglob("*")
-    if p.is_file() and "__pycache__" not in p.parts
-}
-missing = sorted(need - names)
-assert not missing, f"files of src/bsr missing from the wheel: {missing}"
-for name in ("bsr/py.typed", "bsr/_spec/request_lifecycle.json"):
-    assert name in names, f"{name} not in the wheel"
-data = zipfile.ZipFile(wheel).read("bsr/_spec/request_lifecycle.json")
-assert data.lstrip().startswith(b"{"), "the spec JSON is not the file itself (a symlink?)"
-stray = sorted(n for n in names if n.startswith(("tests/", "bench/", "bsr_bench/")))
-assert not stray, f"the wheel carries files that are not the library: {stray[:5]}"
-print(f"{len(names)} files; py.typed and {sum(n.startswith('bsr/_spec/') for n in names)} spec file(s) in")
-EOF
+say "the wheel holds the package bsr and only its own files (tools/wheel_contents.py)"
+"$PY" "$ROOT/tools/wheel_contents.py" check "$WHEEL" "$ROOT/src/bsr"
+say "a wheel built from a tree with stray files under src/bsr leaves them out"
+"$PY" "$ROOT/tools/wheel_contents.py" strays "$ROOT"
 
 say "a fresh virtual environment: $TORCH, then the wheel"
 "$PY" -m venv "$WORK/venv"

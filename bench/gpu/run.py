@@ -624,7 +624,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--no-install",
         action="store_true",
-        help="use the running environment as it is (bsr[test] and bsr-bench installed)",
+        help="use the running environment as it is (bsr-kv[test] and bsr-bench installed)",
     )
     p.add_argument("--no-kvikio", action="store_true", help="do not install the kvikio wheels")
     p.add_argument("--commit", help="the commit being validated (default: git rev-parse HEAD)")

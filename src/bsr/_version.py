@@ -8,11 +8,14 @@ be wrong.
 
 from __future__ import annotations
 
+#: the distribution the package ``bsr`` is installed as (``pip install bsr-kv``; the name ``bsr``
+#: on PyPI is an unrelated project)
+DISTRIBUTION = "bsr-kv"
 #: the version of a bsr that was never installed (a PEP 440 local version: sorts below 0.0.1)
 UNKNOWN = "0+unknown"
 
 
-def installed_version(distribution: str = "bsr") -> str:
+def installed_version(distribution: str = DISTRIBUTION) -> str:
     """``distribution``'s version from its installed metadata, or :data:`UNKNOWN`."""
     from importlib.metadata import PackageNotFoundError, version
 

@@ -6,22 +6,29 @@ Heavy imports (torch, rich, transformers) happen inside the subcommand that need
 
 Exit codes: 0 success; 1 the command worked and found a problem (``store verify`` found bad
 objects, ``spec diagram --check`` found a stale diagram); 2 usage or I/O error (bad arguments,
-a path that is not a bsr store).
+a path that is not a bsr store); 141 (128 + SIGPIPE) stdout was closed before all was written
+(``bsr store ls DIR | head -1``): the command ends quietly, with the code a shell reports for
+``ls`` or ``cat`` there.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import io
 import json
+import os
+import select
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 DEFAULT_DIAGRAM = "spec/request_lifecycle.mmd"
+#: exit code when stdout's reader went away (128 + SIGPIPE, as a shell reports for ls or cat)
+EXIT_CLOSED_STDOUT = 141
 
 
 BENCH_MISSING = (
@@ -161,8 +168,6 @@ def _when(ts: float) -> str:
 
 
 def _jsonable(obj: Any) -> Any:
-    import dataclasses
-
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return {f.name: _jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, (list, tuple)):
@@ -360,6 +365,8 @@ def _store_command(func: Any, *, whole: bool = False) -> Any:
         try:
             code: int = func(ns)
         except (BsrError, OSError) as exc:
+            if isinstance(exc, BrokenPipeError) and _stdout_closed():
+                raise  # the reader of the listing went away: main ends quietly
             print(f"bsr store: error: {exc}", file=sys.stderr)
             return 2
         return code
@@ -459,8 +466,87 @@ def _add_store(sub: Any) -> None:
 
 
 # --------------------------------------------------------------------- bsr config
+@dataclasses.dataclass(frozen=True)
+class RootFinding:
+    """A file tier's root in a config, as ``bsr config check`` finds it on this machine.
+
+    ``kind``: ``"create"`` (it does not exist: FileTier makes it, and ``missing``'s other
+    folders, when the engine opens; a note), ``"not_a_directory"`` (it, or ``blocker`` above it,
+    is not a directory: FileTier cannot open it) or ``"not_writable"`` (``blocker`` is not
+    writable by this user: FileTier cannot write there, or cannot create it); the last two are
+    errors. A root that is a writable directory has no finding.
+    """
+
+    #: the config key: ``tiers[1].path``, or ``tiers[0].paths[1]`` of a striped tier
+    key: str
+    #: the root, absolute (a relative one is relative to the directory the check ran in)
+    path: Path
+    kind: str
+    #: the folders that do not exist, outermost first (the root last)
+    missing: tuple[Path, ...] = ()
+    #: the path that stops FileTier (the root itself, or the nearest existing folder above it)
+    blocker: Path | None = None
+
+    @property
+    def error(self) -> bool:
+        return self.kind != "create"
+
+    def message(self) -> str:
+        """One line: the key, what is there and what to do."""
+        head = f"{self.key}: {self.path}"
+        if self.kind == "create":
+            parents = ", ".join(str(m) for m in self.missing[:-1])
+            also = f" and its missing parents {parents}" if parents else ""
+            return f"{head} does not exist; FileTier creates it{also} when the engine opens"
+        if self.kind == "not_a_directory":
+            if self.blocker == self.path:
+                return (
+                    f"{head} is not a directory; give FileTier a directory, or a path not yet there"
+                )
+            return f"{head} cannot be created: {self.blocker} is not a directory; choose another"
+        uid = f" (uid {os.getuid()})" if hasattr(os, "getuid") else ""
+        if self.blocker == self.path:
+            return (
+                f"{head} is not writable by this user{uid}; FileTier writes its objects there: "
+                "fix its permissions or run the engine as its owner"
+            )
+        return (
+            f"{head} does not exist and this user{uid} cannot create it: {self.blocker} is not "
+            f"writable; create {self.missing[0]} for the engine's user, or choose another path"
+        )
+
+
+def root_findings(config: Any) -> list[RootFinding]:
+    """What stands out about each file tier root of ``config`` (an EngineConfig) on this
+    machine: roots that FileTier will create, and roots it cannot use. Nothing is created."""
+    from .tiers.file import FileTierOptions, StripedFileTierOptions
+
+    roots: list[tuple[str, Any]] = []
+    for i, tier in enumerate(config.tiers):
+        if isinstance(tier, StripedFileTierOptions):
+            roots += [(f"tiers[{i}].paths[{j}]", p) for j, p in enumerate(tier.paths)]
+        elif isinstance(tier, FileTierOptions):
+            roots.append((f"tiers[{i}].path", tier.path))
+    found = (_root_finding(key, Path(os.path.abspath(p))) for key, p in roots)
+    return [f for f in found if f is not None]
+
+
+def _root_finding(key: str, path: Path) -> RootFinding | None:
+    missing: list[Path] = []
+    here = path
+    while not os.path.lexists(here) and here != here.parent:
+        missing.insert(0, here)
+        here = here.parent
+    if not here.is_dir():  # a file, or a link to none
+        return RootFinding(key, path, "not_a_directory", tuple(missing), here)
+    if not os.access(here, os.W_OK | os.X_OK):
+        return RootFinding(key, path, "not_writable", tuple(missing), here)
+    return RootFinding(key, path, "create", tuple(missing)) if missing else None
+
+
 def _cmd_config_check(ns: argparse.Namespace) -> int:
-    """Parse a config (TOML file, or the environment) with EngineConfig and print it normalised."""
+    """Parse a config (TOML file, or the environment) with EngineConfig and print it normalised;
+    say which file tier roots FileTier will create, and refuse roots it cannot use."""
     from ._errors import ConfigError
     from .engine._config import EngineConfig
 
@@ -472,6 +558,11 @@ def _cmd_config_check(ns: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"bsr config: error: {exc.message}", file=sys.stderr)
         return 2
+    findings = root_findings(config)
+    for f in findings:
+        print(f"bsr config: {'error' if f.error else 'note'}: {f.message()}", file=sys.stderr)
+    if any(f.error for f in findings):
+        return 2
     print(json.dumps(config.to_dict(), indent=2))
     return 0
 
@@ -482,7 +573,10 @@ def _add_config(sub: Any) -> None:
         help="validate an engine config (TOML file or BSR_* environment)",
         description="Parse an engine config with bsr.EngineConfig (the parser the engine and the "
         "vLLM connector use) and print it normalised as JSON (sizes in bytes, defaults filled "
-        "in). Exit 2 with the offending key if it is invalid.",
+        "in). Exit 2 with the offending key if it is invalid. A file tier's root that does not "
+        "exist gets a note on stderr (FileTier creates it, with its parents, when the engine "
+        "opens); one that is not a directory, or that this user cannot write or create, is "
+        "refused (exit 2).",
     )
     csub = config.add_subparsers(dest="config_command", metavar="CONFIG_COMMAND")
     check = csub.add_parser("check", help="validate and print a config")
@@ -567,14 +661,54 @@ def _missing(parser: argparse.ArgumentParser) -> int:
     return 2
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Console script ``bsr``."""
+def _stdout_closed() -> bool:
+    """Whether stdout is a pipe or socket whose reader has gone (poll says POLLERR or POLLHUP);
+    False where that cannot be told (stdout not a file descriptor, no poll)."""
+    try:
+        fd = sys.stdout.fileno()
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        events = poller.poll(0)
+    except (AttributeError, OSError, ValueError):
+        return False
+    return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in events)
+
+
+def _end_quietly() -> int:
+    """stdout's reader went away: point stdout at /dev/null, so that what is still buffered
+    cannot fail again at exit (the recipe of Python's signal docs), and say nothing."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    finally:
+        os.close(devnull)
+    return EXIT_CLOSED_STDOUT
+
+
+def _run(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
     if getattr(ns, "func", None) is None:
         parser.print_help(sys.stderr)
         return 2
     code: int = ns.func(ns)
+    return code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console script ``bsr``. A closed stdout (``bsr store ls DIR | head -1``, any command)
+    ends it quietly with :data:`EXIT_CLOSED_STDOUT`, not a traceback or an error."""
+    try:
+        try:
+            code = _run(argv)
+        except SystemExit:  # --help, --version, a usage error: flushed here, not at exit
+            sys.stdout.flush()
+            raise
+        sys.stdout.flush()
+    except BrokenPipeError:
+        if not _stdout_closed():
+            raise
+        return _end_quietly()
     return code
 
 

@@ -1,7 +1,7 @@
 """Helpers for serving Hugging Face ``transformers`` models with a bsr paged cache.
 
 Where it runs: the serving process, next to the model. ``transformers`` is an optional extra
-(``pip install bsr[hf]``); it is imported lazily, so ``import bsr.hf`` works without it and only
+(``pip install bsr-kv[hf]``); it is imported lazily, so ``import bsr.hf`` works without it and only
 :func:`read_kv_from_cache` (which builds a ``DynamicCache``) needs it.
 
 How it works: every attention layer of the model is placed in a state group. Layers with full
@@ -51,8 +51,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import NULL_BLOCK, Namespace, PagedKVCache, StateGroup, StateLayout, model_config_digest
-from ._check import int_at_least, int_between, positive_int
+from ._check import int_at_least, int_between
 from ._errors import BlockTableError, ConfigError, LayoutError
+from ._model_config import attention_shape, config_dtype, config_int, sliding_window, text_config
 
 if TYPE_CHECKING:
     from transformers import DynamicCache
@@ -99,28 +100,14 @@ class LayerPlacement:
     window: int | None
 
 
-def _text_config(config: Any) -> Any:
-    get = getattr(config, "get_text_config", None)
-    if callable(get):
-        try:
-            return get(decoder=True)
-        except TypeError:  # older transformers without the keyword
-            return get()
-    return config
-
-
-def _positive_int(value: Any, what: str) -> int:
-    return positive_int(value, f"config.{what}", error=LayoutError)
-
-
 def layer_placements(config: Any) -> tuple[LayerPlacement, ...]:
     """Place every layer of a transformers ``config`` in the ``"kv"`` or ``"swa_kv"`` group.
 
     Raises:
         LayoutError: for a layer type or attention kind this adapter does not support.
     """
-    cfg = _text_config(config)
-    num_layers = _positive_int(getattr(cfg, "num_hidden_layers", None), "num_hidden_layers")
+    cfg = text_config(config)
+    num_layers = config_int(cfg, "num_hidden_layers", LayoutError)
     if getattr(cfg, "kv_lora_rank", None) is not None:
         raise LayoutError(
             "MLA (latent) attention caches are not supported by bsr.hf; describe the latent "
@@ -146,7 +133,7 @@ def layer_placements(config: Any) -> tuple[LayerPlacement, ...]:
             if kind in _FULL_TYPES:
                 window = None
             elif kind in _SLIDING_TYPES:
-                window = _positive_int(getattr(lc, "sliding_window", None), "sliding_window")
+                window = config_int(lc, "sliding_window", LayoutError)
             else:
                 raise LayoutError(
                     f"layer {i} has type {kind!r}; bsr.hf supports only full_attention and "
@@ -156,24 +143,10 @@ def layer_placements(config: Any) -> tuple[LayerPlacement, ...]:
         else:
             if getattr(lc, "attention_chunk_size", None) is not None:
                 raise LayoutError("chunked attention is not supported by bsr.hf", layer=i)
-            sw = getattr(lc, "sliding_window", None)
-            use = getattr(lc, "use_sliding_window", True)
-            window = _positive_int(sw, "sliding_window") if sw is not None and use else None
-        heads = _positive_int(getattr(lc, "num_attention_heads", None), "num_attention_heads")
-        kv_heads = getattr(lc, "num_key_value_heads", None)
-        kv_heads = heads if kv_heads is None else _positive_int(kv_heads, "num_key_value_heads")
-        head_dim = getattr(lc, "head_dim", None)
-        if head_dim is None:
-            hidden = _positive_int(getattr(lc, "hidden_size", None), "hidden_size")
-            if hidden % heads:
-                raise LayoutError(
-                    f"hidden_size={hidden} is not a multiple of num_attention_heads={heads} and "
-                    "the config has no head_dim"
-                )
-            head_dim = hidden // heads
-        head_dim = _positive_int(head_dim, "head_dim")
+            window = sliding_window(lc, LayoutError)
+        shape = attention_shape(lc, LayoutError)
         group = FULL_GROUP if window is None else SLIDING_GROUP
-        out.append(LayerPlacement(i, group, counts[group], kv_heads, head_dim, window))
+        out.append(LayerPlacement(i, group, counts[group], shape.kv_heads, shape.head_dim, window))
         counts[group] += 1
     for group in (FULL_GROUP, SLIDING_GROUP):
         shapes = {(p.num_kv_heads, p.head_dim, p.window) for p in out if p.group == group}
@@ -186,19 +159,6 @@ def layer_placements(config: Any) -> tuple[LayerPlacement, ...]:
     return tuple(out)
 
 
-def _config_dtype(cfg: Any) -> torch.dtype:
-    # transformers >= 4.56 calls it ``dtype`` (reading ``torch_dtype`` there warns)
-    for attr in ("dtype",) if hasattr(cfg, "dtype") else ("torch_dtype",):
-        value = getattr(cfg, attr, None)
-        if isinstance(value, torch.dtype):
-            return value
-        if isinstance(value, str) and value != "auto":
-            resolved = getattr(torch, value, None)
-            if isinstance(resolved, torch.dtype):
-                return resolved
-    return torch.get_default_dtype()
-
-
 def layout_for_config(
     config: Any, *, chunk_tokens: int = 256, dtype: str | torch.dtype | None = None
 ) -> StateLayout:
@@ -207,8 +167,9 @@ def layout_for_config(
     Args:
         config: the model's config (``model.config``); composite configs use their text decoder.
         chunk_tokens: tokens per chunk.
-        dtype: the KV cache dtype; default the config's ``dtype`` (``torch_dtype`` on older
-            versions), else torch's default dtype (what a model built from the config uses).
+        dtype: the KV cache dtype; default the config's ``dtype`` if it names one, else its
+            ``torch_dtype`` (older versions), else torch's default dtype (what a model built
+            from the config uses); bsr.hcache reads the same (``bsr._model_config``).
 
     Returns:
         A layout with the group ``"kv"`` (full-attention layers) and/or ``"swa_kv"``
@@ -216,7 +177,7 @@ def layout_for_config(
         layers are left out.
     """
     placements = layer_placements(config)
-    chosen = dtype if dtype is not None else _config_dtype(_text_config(config))
+    chosen = dtype if dtype is not None else config_dtype(text_config(config))
     name = StateGroup.dtype_name(chosen)
     itemsize = torch.empty((), dtype=getattr(torch, name)).element_size()
     groups: list[StateGroup] = []

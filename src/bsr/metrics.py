@@ -1,4 +1,4 @@
-"""Prometheus metrics for a RestoreEngine (optional extra: ``pip install bsr[metrics]``).
+"""Prometheus metrics for a RestoreEngine (optional extra: ``pip install bsr-kv[metrics]``).
 
 Where it runs: the serving process, beside the engine. ``engine.statistics()`` stays the
 dependency-free source of truth; this module only exports it and the engine's results.
@@ -72,7 +72,7 @@ try:
     from prometheus_client.registry import Collector
 except ModuleNotFoundError as exc:  # pragma: no cover - exercised only without the extra
     raise ModuleNotFoundError(
-        "bsr.metrics needs prometheus_client; install the extra: pip install 'bsr[metrics]'",
+        "bsr.metrics needs prometheus_client; install the extra: pip install 'bsr-kv[metrics]'",
         name=exc.name,
     ) from exc
 

@@ -2,7 +2,7 @@
 
 Where it runs: the serving process, talking to a Redis server (``redis://host:port/db``) or a
 Redis Cluster (``cluster=True``, the URL of any node). Needs the ``redis`` extra
-(``pip install 'bsr[redis]'``: redis-py). Every store call runs in a worker thread through
+(``pip install 'bsr-kv[redis]'``: redis-py). Every store call runs in a worker thread through
 :class:`bsr.AbandonableCalls` under the tier's ``timeout_s``, so a dead, paused or partitioned
 server surfaces as a :class:`~bsr.TierTimeoutError` or :class:`~bsr.TierIOError` within that bound,
 never as a hang of the event loop (redis-py's asyncio client would not run on trio).
@@ -78,7 +78,7 @@ T = TypeVar("T")
 
 #: the redis-py version this tier is tested against (the ``redis`` extra pins it)
 REDIS_PY_VERSION = "8.1.0"
-_INSTALL_HINT = f"pip install 'bsr[redis]' (redis=={REDIS_PY_VERSION})"
+_INSTALL_HINT = f"pip install 'bsr-kv[redis]' (redis=={REDIS_PY_VERSION})"
 _SCHEMES = ("redis://", "rediss://", "unix://")
 #: the most parts one object may have (part_bytes >= 4 KiB: objects up to 64 MiB at the
 #: smallest part size, 512 GiB at the largest); a header claiming more is damaged

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 pytestmark = pytest.mark.distributed
-WORKER = Path(__file__).parents[1] / "dist_worker.py"
+WORKER = Path(__file__).parents[1] / "children" / "dist_worker.py"
 
 
 def run_ranks(tmp_path: Path, fail_rank: int) -> list[dict[str, object]]:

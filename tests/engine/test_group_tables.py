@@ -190,33 +190,54 @@ def freed_blocks(window: int | None, tokens: int, bt: int) -> int:
 
 
 # ------------------------------------------------------------------ the test
-async def run_case(case: dict[str, Any], root: Path) -> None:
-    layout: bsr.StateLayout = case["layout"]
-    ct, bt = layout.chunk_tokens, case["bt"]
-    groups = list(layout.groups)
-    nb = 2 + sum(-(-n // bt) for n, _, _ in case["saves"]) * len(groups)
-    nb += -(-len(case["restore"]) // bt) * len(groups)
-    rng = np.random.default_rng(case["seed"])
-    pool = [int(b) for b in rng.permutation(nb - 1)]  # block nb-1 is never handed out
-    tier = bsr.FileTier(root / "store", 1 << 26)
-    engine = bsr.RestoreEngine(
-        layout, [tier], window=2, io_depth=1, namespace=bsr.Namespace("m"),
-        pin_staging=False, prefault_staging=False,
-    )  # fmt: skip
-    stored: set[tuple[tuple[int, ...], str]] = set()
+class Run:
+    """One case against the engine: its block pool, tier and what the oracle knows is stored."""
 
-    async def save(i: int, tokens: list[int], past: int | None, tail: int) -> None:
-        src = make_cache(layout, nb, bt, case["alias"], case["stacked"], case["seed"] + i)
+    def __init__(self, case: dict[str, Any], root: Path) -> None:
+        self.case = case
+        self.layout: bsr.StateLayout = case["layout"]
+        self.ct, self.bt = self.layout.chunk_tokens, case["bt"]
+        self.groups = list(self.layout.groups)
+        bt, ngroups = self.bt, len(self.groups)
+        nb = 2 + sum(-(-n // bt) for n, _, _ in case["saves"]) * ngroups
+        self.nb = nb + -(-len(case["restore"]) // bt) * ngroups
+        rng = np.random.default_rng(case["seed"])
+        self.pool = [int(b) for b in rng.permutation(self.nb - 1)]  # block nb-1 never handed out
+        self.tier = bsr.FileTier(root / "store", 1 << 26)
+        self.engine = bsr.RestoreEngine(
+            self.layout, [self.tier], window=2, io_depth=1, namespace=bsr.Namespace("m"),
+            pin_staging=False, prefault_staging=False,
+        )  # fmt: skip
+        self.stored: set[tuple[tuple[int, ...], str]] = set()
+
+    # ----------------------------------------------------------------- save
+    async def save(self, i: int, tokens: list[int], past: int | None, tail: int) -> None:
+        case, ct, bt, groups = self.case, self.ct, self.bt, self.groups
+        src = make_cache(self.layout, self.nb, bt, case["alias"], case["stacked"], case["seed"] + i)
         n = len(tokens) // ct
         nulls = {}
         if past is not None and not case["shared_table"]:
             nulls = {g.name: freed_blocks(g.window_tokens, n * ct + past, bt) for g in groups}
-        tables = make_tables(layout, bt, n * ct, nulls, pool)
+        tables = make_tables(self.layout, bt, n * ct, nulls, self.pool)
         if case["shared_table"]:
             tables = dict.fromkeys(tables, tables[groups[0].name])
         full = tables[groups[0].name]
         full[max(0, len(full) - tail) :] = [NULL] * min(tail, len(full))
-        for g in groups:  # the source holds each token's state in its group's real blocks
+        self.fill_source(src, tokens, n, tables)
+        result = await self.engine.save(tokens, src.cache, tables)
+        chosen, fit = self.oracle_save(tables, n)
+        want = max(p for p in range(n + 1) if needed_objects(groups, p, ct) <= chosen)
+        assert want >= fit
+        assert result.saved_tokens == want * ct, (result.saved_tokens, want, nulls)
+        note(f"save: {'whole' if want == n else 'shorter prefix' if want else 'nothing'}")
+        self.stored.update((tuple(tokens[: (c + 1) * ct]), g) for c, g in chosen)
+
+    def fill_source(
+        self, src: Any, tokens: list[int], n: int, tables: dict[str, list[int]]
+    ) -> None:
+        """The source holds each token's state in its group's real blocks."""
+        ct, bt = self.ct, self.bt
+        for g in self.groups:
             for c in range(n):
                 data = content(g.name, g.num_layers, tuple(tokens[: (c + 1) * ct]), ct,
                                g.token_bytes)  # fmt: skip
@@ -224,15 +245,18 @@ async def run_case(case: dict[str, Any], root: Path) -> None:
                     if b != NULL:
                         for layer, v in enumerate(src.views[g.name]):
                             v[b] = torch.from_numpy(data[layer, j * bt : (j + 1) * bt])
-        result = await engine.save(tokens, src.cache, tables)
+
+    def oracle_save(self, tables: dict[str, list[int]], n: int) -> tuple[set[tuple[int, str]], int]:
+        """What a save of ``n`` chunks stores: each full group its longest whole prefix, each
+        windowed group its window at the end and at the longest prefix every group fits, where
+        whole; and that longest prefix every group fits."""
+        ct, bt, groups = self.ct, self.bt, self.groups
 
         def whole(c: int, g: str) -> bool:
             return all(b != NULL for b in tables[g][c * ct // bt : (c + 1) * ct // bt])
 
         fits = [p for p in range(n, 0, -1) if all(whole(*o) for o in needed_objects(groups, p, ct))]
         fit = fits[0] if fits else 0
-        # what the save stores: each full group its longest whole prefix, each windowed group
-        # its window at the end and at the longest prefix every group fits, where whole
         full = [g for g in groups if g.window_tokens is None]
         m = next((p for p in range(n, 0, -1)
                   if all(whole(c, g.name) for g in full for c in range(p))), 0)  # fmt: skip
@@ -243,54 +267,37 @@ async def run_case(case: dict[str, Any], root: Path) -> None:
                     win = needed_chunks(g.window_tokens, end, ct)
                     if all(whole(c, g.name) for c in win):
                         chosen.update((c, g.name) for c in win)
-        want = max(p for p in range(n + 1) if needed_objects(groups, p, ct) <= chosen)
-        assert want >= fit
-        assert result.saved_tokens == want * ct, (result.saved_tokens, want, nulls)
-        note(f"save: {'whole' if want == n else 'shorter prefix' if want else 'nothing'}")
-        stored.update((tuple(tokens[: (c + 1) * ct]), g) for c, g in chosen)
+        return chosen, fit
 
-    async def restore(tokens: list[int]) -> None:
+    # -------------------------------------------------------------- restore
+    async def restore(self, tokens: list[int]) -> None:
+        case, ct, bt, groups = self.case, self.ct, self.bt, self.groups
         n = len(tokens) // ct
-        dst = make_cache(layout, nb, bt, case["alias"], case["stacked"], case["seed"] + 99)
+        dst = make_cache(
+            self.layout, self.nb, bt, case["alias"], case["stacked"], case["seed"] + 99
+        )
         nulls = {g.name: freed_blocks(g.window_tokens, n * ct, bt) for g in groups}
         bad = case["bad_null"] and n > 0
         if bad:  # one placeholder where the whole prefix's window needs a block
             g = next((g for g in groups if g.window_tokens is not None), groups[0])
             nulls[g.name] = n * ct // bt
-        tables = make_tables(layout, bt, n * ct, nulls, pool)
+        tables = make_tables(self.layout, bt, n * ct, nulls, self.pool)
         before = [b.clone() for b in dst.buffers]
         if bad:
             with pytest.raises(bsr.BlockTableError, match="NULL_BLOCK"):
-                await engine.restore(tokens, dst.cache, tables)
+                await self.engine.restore(tokens, dst.cache, tables)
             assert changed_blocks(before, dst.buffers) == set()
             return
         probed = next(
             (p for p in range(n, 0, -1)
-             if all((tuple(tokens[: (c + 1) * ct]), g) in stored
+             if all((tuple(tokens[: (c + 1) * ct]), g) in self.stored
                     for c, g in needed_objects(groups, p, ct))),
             0,
         )  # fmt: skip
-        damaged = None
-        if case["damage"] is not None and probed:
-            objs = sorted(needed_objects(groups, probed, ct))
-            c, g = objs[case["damage"] % len(objs)]
-            key = engine.keys(tokens)[c]
-            path = tier.object_path(key, g)  # one group's object, damaged
-            raw = bytearray(path.read_bytes())
-            raw[4096 + 3 : 4096 + 6] = b"\xff\x00\xff"
-            path.write_bytes(bytes(raw))
-            damaged = (c, g)
-
-        def served(p: int) -> bool:
-            for g in groups:
-                lo, hi = needed_tokens(g.window_tokens, p, ct)
-                if any(b == NULL for b in tables[g.name][lo // bt : -(-hi // bt)]):
-                    return False
-            return True
-
-        res = await engine.restore(tokens, dst.cache, tables)
+        damaged = self.damage_one(tokens, probed)
+        res = await self.engine.restore(tokens, dst.cache, tables)
         assert res.probed_tokens == probed * ct
-        commit = probed > 0 and served(probed) and damaged is None
+        commit = probed > 0 and self.served(tables, probed) and damaged is None
         note(
             "restore: " + ("miss" if not probed else "committed" if commit else
                            "damaged" if damaged else "window outside the tables")
@@ -299,44 +306,86 @@ async def run_case(case: dict[str, Any], root: Path) -> None:
         )  # fmt: skip
         assert res.committed == (commit or probed == 0), (res.state, res.reason, res.errors)
         assert res.committed_tokens == (probed * ct if commit else 0)
+        self.check_written(res, before, dst, tables, probed, commit)
+        if commit:
+            self.check_restored(tokens, dst, tables, probed)
+            want_bytes = sum(
+                self.layout.group_chunk_bytes(g) for _, g in needed_objects(groups, probed, ct)
+            )
+            assert res.bytes_read == want_bytes  # a window group reads its window's chunks only
+
+    def damage_one(self, tokens: list[int], probed: int) -> tuple[int, str] | None:
+        """Damage one needed object of the probed prefix (when the case says so)."""
+        if self.case["damage"] is None or not probed:
+            return None
+        objs = sorted(needed_objects(self.groups, probed, self.ct))
+        c, g = objs[self.case["damage"] % len(objs)]
+        key = self.engine.keys(tokens)[c]
+        path = self.tier.object_path(key, g)  # one group's object, damaged
+        raw = bytearray(path.read_bytes())
+        raw[4096 + 3 : 4096 + 6] = b"\xff\x00\xff"
+        path.write_bytes(bytes(raw))
+        return c, g
+
+    def served(self, tables: dict[str, list[int]], p: int) -> bool:
+        """Whether the tables hold a real block wherever a prefix of ``p`` chunks needs one."""
+        for g in self.groups:
+            lo, hi = needed_tokens(g.window_tokens, p, self.ct)
+            if any(b == NULL for b in tables[g.name][lo // self.bt : -(-hi // self.bt)]):
+                return False
+        return True
+
+    def check_written(
+        self, res: Any, before: list[torch.Tensor], dst: Any, tables: dict[str, list[int]],
+        probed: int, commit: bool,
+    ) -> None:  # fmt: skip
+        """Only the read chunks' real blocks changed, and a failed restore reported each."""
+        ct = self.ct
         written: dict[int, str] = {}
-        for c, g in needed_objects(groups, probed, ct):
-            blocks = tables[g][c * ct // bt : (c + 1) * ct // bt]
+        for c, g in needed_objects(self.groups, probed, ct):
+            blocks = tables[g][c * ct // self.bt : (c + 1) * ct // self.bt]
             if commit and NULL in blocks and any(b != NULL for b in blocks):
                 note(
                     "restore: committed a chunk straddling placeholders"
-                    + (", stacked" if case["stacked"] else "")
+                    + (", stacked" if self.case["stacked"] else "")
                 )
             for b in blocks:
                 if b != NULL:
                     written[b] = g
         changed = changed_blocks(before, dst.buffers)
         assert changed <= set(written), "a block outside the read chunks' real blocks changed"
-        assert nb - 1 not in changed  # what NULL_BLOCK (-1) would index
+        assert self.nb - 1 not in changed  # what NULL_BLOCK (-1) would index
         invalid = {b for bs in res.invalid_block_ids_by_group.values() for b in bs}
         assert set(res.invalid_block_ids) == invalid
         if not commit:
             assert changed <= invalid, "a written block of a failed restore was not reported"
-            return
-        assert not invalid
-        for g in groups:  # every token the committed prefix needs holds the saved bytes
+        else:
+            assert not invalid
+
+    def check_restored(
+        self, tokens: list[int], dst: Any, tables: dict[str, list[int]], probed: int
+    ) -> None:
+        """Every token the committed prefix needs holds the saved bytes."""
+        ct = self.ct
+        for g in self.groups:
             view = dst.views[g.name]
             lo, hi = needed_tokens(g.window_tokens, probed, ct)
             for c in range(lo // ct, -(-hi // ct)):
                 data = content(g.name, g.num_layers, tuple(tokens[: (c + 1) * ct]), ct,
                                g.token_bytes)  # fmt: skip
                 for t in range(max(lo, c * ct), min(hi, (c + 1) * ct)):
-                    b = tables[g.name][t // bt]
+                    b = tables[g.name][t // self.bt]
                     for layer in range(g.num_layers):
-                        got = view[layer][b, t % bt].numpy()
+                        got = view[layer][b, t % self.bt].numpy()
                         assert np.array_equal(got, data[layer, t - c * ct]), (g.name, t, layer)
-        want_bytes = sum(layout.group_chunk_bytes(g) for _, g in needed_objects(groups, probed, ct))
-        assert res.bytes_read == want_bytes  # a window group reads its window's chunks only
 
-    async with engine:
+
+async def run_case(case: dict[str, Any], root: Path) -> None:
+    run = Run(case, root)
+    async with run.engine:
         for i, (n, past, tail) in enumerate(case["saves"]):
-            await save(i, case["base"][:n], past, tail)
-        await restore(case["restore"])
+            await run.save(i, case["base"][:n], past, tail)
+        await run.restore(case["restore"])
 
 
 @pytest.mark.anyio

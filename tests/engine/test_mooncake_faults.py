@@ -61,7 +61,7 @@ __all__ = ["fresh_mooncake_cluster", "mooncake_cluster"]  # fixtures used by nam
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(300)]
 
-WORKER = Path(__file__).parents[1] / "mooncake_dist_worker.py"
+WORKER = Path(__file__).parents[1] / "children" / "mooncake_dist_worker.py"
 #: slack on top of a restore's deadline
 MARGIN_S = 10.0
 #: restore deadline in the ladder tests: generous, a broken remote tier costs one tier

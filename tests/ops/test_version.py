@@ -39,7 +39,7 @@ def test_one_version_for_bsr_bench_and_the_changelog() -> None:
 
 
 def test_version_is_the_installed_metadata() -> None:
-    installed = metadata.version("bsr")
+    installed = metadata.version("bsr-kv")
     assert installed == _version(ROOT / "pyproject.toml"), "reinstall: make setup"
     assert bsr.__version__ == installed
     p = bsr_cli("--version")

@@ -29,9 +29,9 @@ import pytest
 import torch
 
 import bsr
-import crash_writer as cw
 from bsr.core._keys import chunk_keys
 from bsr.core._layout import align_up
+from children import crash_writer as cw
 
 HERE = Path(__file__).parents[1]
 ITERATIONS = 30
@@ -44,7 +44,7 @@ class Zygote:
 
     def __init__(self, stderr: IO[str]) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, str(HERE / "crash_writer.py"), "--serve"],
+            [sys.executable, str(HERE / "children" / "crash_writer.py"), "--serve"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=stderr,

@@ -1,8 +1,9 @@
 """Processes sharing one FileTier root, for the shared-root tests.
 
-:class:`Worker` drives one ``tests/shared_root_worker.py`` process (a FileTier and an engine on
-the root, commands on stdin, optionally paused inside its open); :func:`root_lock` holds the
-root's mutex the way bsr does; :func:`on_disk` and :func:`ledger` read what the root holds.
+:class:`Worker` drives one ``tests/children/shared_root_worker.py`` process (a FileTier and an
+engine on the root, commands on stdin, optionally paused inside its open); :func:`root_lock`
+holds the root's mutex the way bsr does; :func:`on_disk` and :func:`ledger` read what the root
+holds.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from bsr.tiers.file._root import OBJECTS_DIR
 LEDGER_NAME = ".bsr-ledger"  # the root's shared ledger (its flock is the root's mutex)
 
 TESTS = Path(__file__).resolve().parents[1]
+WORKER = TESTS / "children" / "shared_root_worker.py"
 OBJECT = 64 << 10  # one worker object on disk
 CAPACITY = 12 * OBJECT
 #: how long a process stopped by a test is left stopped at most (then continued)
@@ -44,8 +46,7 @@ class Worker:
         self, root: Path, capacity: int = CAPACITY, *, pause: str = "", ready: bool = True
     ) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, str(TESTS / "shared_root_worker.py"), str(root), str(capacity)]
-            + ([pause] if pause else []),
+            [sys.executable, str(WORKER), str(root), str(capacity)] + ([pause] if pause else []),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

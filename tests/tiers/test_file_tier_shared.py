@@ -1,8 +1,8 @@
 """Several processes on one FileTier root: one capacity, coherent objects, and the CLI's lock.
 
-Each process is ``tests/shared_root_worker.py`` (a FileTier and an engine, driven by commands on
-stdin). Before the shared ledger, each process evicted by its own index only, so two writers
-filled the directory to twice ``capacity_bytes``, and one never saw what the other saved.
+Each process is ``tests/children/shared_root_worker.py`` (a FileTier and an engine, driven by
+commands on stdin). Before the shared ledger, each process evicted by its own index only, so two
+writers filled the directory to twice ``capacity_bytes``, and one never saw what the other saved.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import bsr
-import shared_root_worker as srw
 from bsr.tiers.file._root import OBJECTS_DIR
+from children import shared_root_worker as srw
 from support.engines import make_engine
 from support.helpers import open_fds
 from support.shared_root import (
@@ -208,6 +208,60 @@ def _prompt(seed: int, chunks: int) -> tuple[list[int], bsr.PagedKVCache, list[i
     return srw.prompt(seed, n), src, list(range(src.num_blocks))
 
 
+async def _writes_while_stopped(tier: bsr.FileTier, took: dict[str, float]) -> None:
+    """A write under a cancel scope gives up with it; a plain write is skipped, typed."""
+    t0 = time.monotonic()
+    with anyio.move_on_after(0.5) as scope:
+        await tier.write(srw.key(101), "kv", srw.payload(101))
+    took["write under a 0.5 s scope"] = time.monotonic() - t0
+    assert scope.cancelled_caught
+
+    t0 = time.monotonic()
+    with pytest.raises(bsr.TierBusyError) as info:
+        await tier.write(srw.key(100), "kv", srw.payload(100))
+    took["write"] = time.monotonic() - t0
+    assert info.value.fields["reason"] == "root_locked"
+
+
+async def _opens_while_stopped(
+    root: Path, prompt: tuple[list[int], bsr.PagedKVCache, list[int]], took: dict[str, float]
+) -> None:
+    """A new FileTier joins without the lock and restores; an open under a scope gives up."""
+    tokens, src, ids = prompt
+    t0 = time.monotonic()
+    other = bsr.FileTier(root, CAPACITY, reader="posix", fsync=False)
+    async with _engine(other) as engine2:  # joins without the lock
+        took["open"] = time.monotonic() - t0
+        dst = bsr.PagedKVCache(srw.LAYOUT, src.num_blocks, srw.BLOCK)
+        r = await engine2.restore(tokens, dst, ids, deadline_s=3.0)
+        assert r.committed_tokens == len(tokens)
+
+    t0 = time.monotonic()
+    third = bsr.FileTier(root, CAPACITY, reader="posix", fsync=False)
+    with anyio.move_on_after(0.3) as scope:
+        await third.open()
+    took["open under a 0.3 s scope"] = time.monotonic() - t0
+    assert scope.cancelled_caught
+    await third.aclose()
+
+
+async def _after_continue(
+    engine: bsr.RestoreEngine, tier: bsr.FileTier, peer: Worker, root: Path,
+    second: tuple[list[int], bsr.PagedKVCache, list[int]],
+) -> None:  # fmt: skip
+    """Continued: everything works, and the ledger is exact."""
+    again = await engine.save(*second)
+    assert again.skipped == {} and sum(again.objects_written.values()) == 4
+    assert await tier.write(srw.key(100), "kv", srw.payload(100))
+    assert peer.ask("restore 4 2") == "restored Committed 64 True"
+    assert peer.ask("contains 100 101") == "present 1"  # the peer sees it, reads it
+    assert peer.ask("read 100") == "same"
+    ledger = json.loads((root / LEDGER_NAME).read_text())
+    assert ledger["reserved"] == {} and "removing" not in ledger
+    assert ledger["bytes"] == on_disk(root)
+    assert not list((root / "tmp").iterdir())
+
+
 @pytest.mark.anyio
 async def test_a_peer_stopped_inside_the_roots_lock_stalls_no_write_open_or_restore(
     tmp_path: Path,
@@ -231,22 +285,12 @@ async def test_a_peer_stopped_inside_the_roots_lock_stalls_no_write_open_or_rest
             warm = bsr.PagedKVCache(srw.LAYOUT, src.num_blocks, srw.BLOCK)
             assert (await engine.restore(tokens, warm, ids)).committed_tokens == len(tokens)
             fds = open_fds()
+            second = _prompt(2, 4)
             with stopped_in_lock(peer):
-                t0 = time.monotonic()
-                with anyio.move_on_after(0.5) as scope:
-                    await tier.write(srw.key(101), "kv", srw.payload(101))
-                took["write under a 0.5 s scope"] = time.monotonic() - t0
-                assert scope.cancelled_caught
+                await _writes_while_stopped(tier, took)
 
                 t0 = time.monotonic()
-                with pytest.raises(bsr.TierBusyError) as info:
-                    await tier.write(srw.key(100), "kv", srw.payload(100))
-                took["write"] = time.monotonic() - t0
-                assert info.value.fields["reason"] == "root_locked"
-
-                t0 = time.monotonic()
-                tokens2, src2, ids2 = _prompt(2, 4)
-                saved = await engine.save(tokens2, src2, ids2)
+                saved = await engine.save(*second)
                 took["save"] = time.monotonic() - t0
                 assert saved.skipped == {"root_locked": 4} and saved.ok  # skipped, not failed
                 assert sum(saved.objects_written.values()) == 0
@@ -258,22 +302,7 @@ async def test_a_peer_stopped_inside_the_roots_lock_stalls_no_write_open_or_rest
                 assert r.committed_tokens == len(tokens)
                 assert torch.equal(dst.tensor("kv"), src.tensor("kv"))
 
-                t0 = time.monotonic()
-                other = bsr.FileTier(root, CAPACITY, reader="posix", fsync=False)
-                async with _engine(other) as engine2:  # joins without the lock
-                    took["open"] = time.monotonic() - t0
-                    dst = bsr.PagedKVCache(srw.LAYOUT, src.num_blocks, srw.BLOCK)
-                    r = await engine2.restore(tokens, dst, ids, deadline_s=3.0)
-                    assert r.committed_tokens == len(tokens)
-
-                t0 = time.monotonic()
-                third = bsr.FileTier(root, CAPACITY, reader="posix", fsync=False)
-                with anyio.move_on_after(0.3) as scope:
-                    await third.open()
-                took["open under a 0.3 s scope"] = time.monotonic() - t0
-                assert scope.cancelled_caught
-                await third.aclose()
-
+                await _opens_while_stopped(root, (tokens, src, ids), took)
                 assert open_fds() == fds  # the cancelled open and the closed tier left nothing
                 s = engine.statistics()
                 assert s.staging.in_use == 0 and s.saves_skipped == {"root_locked": 1}
@@ -282,29 +311,18 @@ async def test_a_peer_stopped_inside_the_roots_lock_stalls_no_write_open_or_rest
             for what, t in took.items():
                 limit = bound.get(what, 3.0 if what == "restore" else tier.lock_timeout_s)
                 assert t < limit + SLACK_S, took
-
-            # continued: everything works, and the ledger is exact
-            again = await engine.save(tokens2, src2, ids2)
-            assert again.skipped == {} and sum(again.objects_written.values()) == 4
-            assert await tier.write(srw.key(100), "kv", srw.payload(100))
-            assert peer.ask("restore 4 2") == "restored Committed 64 True"
-            assert peer.ask("contains 100 101") == "present 1"  # the peer sees it, reads it
-            assert peer.ask("read 100") == "same"
-            ledger = json.loads((root / LEDGER_NAME).read_text())
-            assert ledger["reserved"] == {} and "removing" not in ledger
-            assert ledger["bytes"] == on_disk(root)
-            assert not list((root / "tmp").iterdir())
+            await _after_continue(engine, tier, peer, root, second)
     print("stopped peer, seconds per call:", {k: round(v, 3) for k, v in took.items()})
 
 
 # ------------------------------------------------------------------ crashes inside the ledger
 class Crasher:
-    """``tests/ledger_crasher.py``: forks processes that SIGKILL themselves at a chosen point
-    of the root's bookkeeping (inside an eviction, a reservation or a commit)."""
+    """``tests/children/ledger_crasher.py``: forks processes that SIGKILL themselves at a chosen
+    point of the root's bookkeeping (inside an eviction, a reservation or a commit)."""
 
     def __init__(self) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, str(HERE / "ledger_crasher.py")],
+            [sys.executable, str(HERE / "children" / "ledger_crasher.py")],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,

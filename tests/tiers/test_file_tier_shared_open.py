@@ -32,7 +32,6 @@ from hypothesis import strategies as st
 
 import bsr
 import bsr.tiers.file._ledger as ledger_module
-import shared_root_worker as srw
 from bsr.core._keys import ObjectKey
 from bsr.core._object import encode_object
 from bsr.tiers.file._ledger import SharedSpace
@@ -43,6 +42,7 @@ from bsr.tiers.file._root import (
     StoreRoot,
     object_relpath,
 )
+from children import shared_root_worker as srw
 from support.helpers import open_fds
 from support.shared_root import (
     LEDGER_NAME,

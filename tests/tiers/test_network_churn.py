@@ -1,9 +1,9 @@
 """Nodes of a FileTier root shared in network mode, killed (-9) and restarted while they churn.
 
-Three nodes, each ``tests/network_node_worker.py`` on its own sshfs mount of one export (its own
-node id, its own share of the root), write, read, delete, save and restore prefixes and now and
-then collect (``gc_store``), while the test kills random nodes at random points (inside their
-open too) and starts them again with the same node id on the same mount: a restarted node must
+Three nodes, each ``tests/children/network_node_worker.py`` on its own sshfs mount of one export
+(its own node id, its own share of the root), write, read, delete, save and restore prefixes and
+now and then collect (``gc_store``), while the test kills random nodes at random points (inside
+their open too) and starts them again with the same node id on the same mount: a restarted node must
 open (a killed process's node lock must not linger). Every read a node makes is checked against
 the key's payload (a pure function of the key). Afterwards, with every node stopped:
 
@@ -43,9 +43,9 @@ import numpy as np
 import torch
 
 import bsr
-import network_node_worker as nnw
 from bsr.tiers.file import gc_store, verify_store
 from bsr.tiers.file._network import read_journal
+from children import network_node_worker as nnw
 from support.sshfs import SshfsExport
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -79,7 +79,7 @@ class Zygote:
         env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
         with open(logs / "zygote.err", "wb") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, str(TESTS / "network_node_worker.py"), "zygote"],
+                [sys.executable, str(TESTS / "children" / "network_node_worker.py"), "zygote"],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env,
             )  # fmt: skip
         self.err = logs / "zygote.err"

@@ -31,9 +31,9 @@ import pytest
 import torch
 
 import bsr
-import network_node_worker as nnw
 from bsr.tiers.file import gc_store
 from bsr.tiers.file._network import read_journal
+from children import network_node_worker as nnw
 from support.sshfs import SshfsExport
 
 RAW = range(8)  # raw objects each test writes

@@ -215,9 +215,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
             print(log.read_text()[-20000:])
 
 
-def test_events_hit_sources_and_removals(server: Server) -> None:
+def _stored_prompt(server: Server) -> None:
+    """A stored prompt: BlockStored with vLLM's own hashes, once durable in each tier."""
     sub = server.sub
-    # --- a stored prompt: BlockStored with vLLM's own hashes, once durable in each tier
     before = server.saves()
     assert server.complete(A) == 0
     server.saved(before)
@@ -236,7 +236,9 @@ def test_events_hit_sources_and_removals(server: Server) -> None:
     eventually(lambda: len(view(sub.snapshot(), "CPU")) == 2, "one chunk in host memory")
     assert view(sub.snapshot(), "CPU") <= set(want)  # the host holds one object: one chunk
 
-    # --- hits by source: C's two chunks, one in host memory, the other on disk only
+
+def _hits_by_source(server: Server) -> None:
+    """Hits by source: C's two chunks, one in host memory, the other on disk only."""
     before = server.saves()
     server.complete(C)
     server.saved(before)
@@ -255,7 +257,11 @@ def test_events_hit_sources_and_removals(server: Server) -> None:
     assert prom(server.port, "vllm:bsr_hit_tokens_by_tier_total", tier="host") >= CHUNK
     assert prom(server.port, "vllm:bsr_hit_tokens_by_tier_total", tier="file") >= CHUNK
 
-    # --- a save whose writes are lost: no BlockStored for it
+
+def _lost_writes_and_evictions(server: Server) -> list[Any]:
+    """A save whose writes are lost: no BlockStored for it; and every eviction from the
+    one-object HostTier was announced. Returns the events seen by then."""
+    sub = server.sub
     (server.gate / "lose-writes").touch()
     before = server.saves()
     server.complete(E)
@@ -274,7 +280,6 @@ def test_events_hit_sources_and_removals(server: Server) -> None:
     assert not any(set(e.block_hashes) & e_hashes for e in stored(events, "CPU"))
     assert not any(set(e.block_hashes) & e_hashes for e in stored(events, "STORAGE"))
 
-    # --- every eviction from the one-object HostTier was announced
     cpu_in, cpu_out = stored(events, "CPU"), removed(events, "CPU")
     assert len(cpu_in) >= 4 and len(cpu_out) >= len(cpu_in) - 1
     assert len(view(events, "CPU")) == 2  # exactly the object the host holds
@@ -282,8 +287,12 @@ def test_events_hit_sources_and_removals(server: Server) -> None:
         lambda: prom(server.port, "vllm:bsr_object_removals_total", cause="evicted") >= 3,
         "evicted removals on /metrics",
     )
+    return events
 
-    # --- a damaged object: the load that finds it quarantines it, and says so
+
+def _damaged_object(server: Server, events: list[Any]) -> None:
+    """A damaged object: the load that finds it quarantines it, and says so."""
+    sub = server.sub
     a0 = vllm_hashes(events, A)[:2]
     assert set(a0) <= view(events, "STORAGE") and not set(a0) & view(events, "CPU")
     objects = sorted(server.store.glob("objects/*/*.bsr"))
@@ -312,7 +321,10 @@ def test_events_hit_sources_and_removals(server: Server) -> None:
         "quarantined removals on /metrics",
     )
 
-    # --- bsr store gc in another process: every object it removed is withdrawn
+
+def _gc_withdraws(server: Server) -> None:
+    """bsr store gc in another process: every object it removed is withdrawn."""
+    sub = server.sub
     done = subprocess.run(
         [sys.executable, "-m", "bsr", "store", "gc", str(server.store), "--max-bytes", "0"],
         capture_output=True, text=True, timeout=120,
@@ -328,7 +340,16 @@ def test_events_hit_sources_and_removals(server: Server) -> None:
         lambda: prom(server.port, "vllm:bsr_object_removals_total", cause="vanished") >= 1,
         "vanished removals on /metrics",
     )
-    events = sub.snapshot()
+
+
+def test_events_hit_sources_and_removals(server: Server) -> None:
+    """The phases of the module docstring, in order, on one server."""
+    _stored_prompt(server)
+    _hits_by_source(server)
+    events = _lost_writes_and_evictions(server)
+    _damaged_object(server, events)
+    _gc_withdraws(server)
+    events = server.sub.snapshot()
     counts = {m: (len(stored(events, m)), len(removed(events, m))) for m in ("GPU", "CPU")}
     counts["STORAGE"] = (len(stored(events, "STORAGE")), len(removed(events, "STORAGE")))
     print("events (stored, removed) by medium:", counts)

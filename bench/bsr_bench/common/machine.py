@@ -54,7 +54,7 @@ def machine_info() -> dict[str, Any]:
         "transformers": _version("transformers"),
         "numpy": _version("numpy"),
         "anyio": _version("anyio"),
-        "bsr": _version("bsr"),
+        "bsr": _version("bsr-kv"),
         "load_average_start": load,
     }
 

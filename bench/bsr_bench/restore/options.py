@@ -189,7 +189,7 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
         help="also restore every layout and size from a remote tier: 'mooncake' saves the state "
         "into a MooncakeTier on a loopback Mooncake Store cluster started for the run "
         "(needs the mooncake package), 'redis' into a RedisTier on a loopback redis-server "
-        "(needs redis-server and the bsr[redis] extra); default none",
+        "(needs redis-server and the bsr-kv[redis] extra); default none",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of tokens, bytes and model weights")
     p.add_argument(

@@ -1,7 +1,7 @@
 """HCache-style restoration: store layers' input hidden states, rebuild K/V with a GEMM.
 
 Where it runs: the serving process, next to a Hugging Face ``transformers`` model (optional extra
-``bsr[hf]``).
+``bsr-kv[hf]``).
 
 How it works (HCache, EuroSys'25): a layer's K/V are a projection of the hidden state entering
 it, so a store may keep that hidden state instead (half the bytes of K+V for MHA models, more

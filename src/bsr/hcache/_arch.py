@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from .._errors import UnsupportedModelError
+from .._model_config import attention_shape, config_dtype, config_int, sliding_window, text_config
 
 __all__ = (
     "SUPPORTED_ARCHITECTURES",
@@ -101,33 +102,9 @@ SUPPORTED_ARCHITECTURES: dict[str, ArchSupport] = {
 _STATIC_ROPE = frozenset({"default", "linear", "llama3", "yarn"})
 
 
-def _text_config(config: Any) -> Any:
-    get = getattr(config, "get_text_config", None)
-    if callable(get):
-        try:
-            return get(decoder=True)
-        except TypeError:
-            return get()
-    return config
-
-
 def dtype_name(dtype: torch.dtype) -> str:
     """The layout's name of a torch dtype (``torch.float32`` -> ``"float32"``)."""
     return str(dtype).removeprefix("torch.")
-
-
-def _config_dtype(cfg: Any) -> torch.dtype:
-    for attr in ("dtype", "torch_dtype"):
-        value = getattr(cfg, attr, None)
-        if isinstance(value, torch.dtype):
-            return value
-        if (
-            isinstance(value, str)
-            and value != "auto"
-            and isinstance(getattr(torch, value, None), torch.dtype)
-        ):
-            return getattr(torch, value)  # type: ignore[no-any-return]
-    return torch.get_default_dtype()
 
 
 @dataclass(frozen=True)
@@ -173,7 +150,7 @@ def check_config(config: Any) -> ModelShape:
         UnsupportedModelError: naming the missing piece (architecture not in the table, sliding
             window layers, MLA, a RoPE variant whose cos/sin depend on the sequence length).
     """
-    cfg = _text_config(config)
+    cfg = text_config(config)
     mt = str(getattr(cfg, "model_type", "") or "")
     arch = SUPPORTED_ARCHITECTURES.get(mt)
     if getattr(cfg, "kv_lora_rank", None):
@@ -186,19 +163,19 @@ def check_config(config: Any) -> ModelShape:
     layer_types = getattr(cfg, "layer_types", None)
     if layer_types and any(t != "full_attention" for t in layer_types):
         raise _refuse(mt, f"non-full-attention layers {sorted(set(layer_types))}")
-    sw = getattr(cfg, "sliding_window", None)
-    if sw and getattr(cfg, "use_sliding_window", True) and not layer_types:
-        raise _refuse(mt, f"sliding_window={sw} (a windowed cache drops tokens)")
+    window = None if layer_types else sliding_window(cfg, UnsupportedModelError)
+    if window is not None:
+        raise _refuse(mt, f"sliding_window={window} (a windowed cache drops tokens)")
     rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
     rope_type = str(rope.get("rope_type", rope.get("type", "default")) or "default")
     if rope_type not in _STATIC_ROPE:
         raise _refuse(mt, f"rope_type={rope_type!r} (cos/sin depend on the sequence length)")
-    layers = int(cfg.num_hidden_layers)
-    heads = int(cfg.num_attention_heads)
-    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
-    hidden = int(cfg.hidden_size)
-    head_dim = int(getattr(cfg, "head_dim", None) or hidden // heads)
-    return ModelShape(mt, layers, hidden, heads, kv_heads, head_dim, _config_dtype(cfg))
+    # read as bsr.hf reads them (bsr._model_config), so the K/V rebuilt here have the shape
+    # and dtype of the K/V bsr.hf stores for the same config
+    layers = config_int(cfg, "num_hidden_layers", UnsupportedModelError)
+    hidden = config_int(cfg, "hidden_size", UnsupportedModelError)
+    a = attention_shape(cfg, UnsupportedModelError)
+    return ModelShape(mt, layers, hidden, a.num_heads, a.kv_heads, a.head_dim, config_dtype(cfg))
 
 
 def model_shape(config: Any) -> ModelShape:

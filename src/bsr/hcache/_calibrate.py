@@ -31,6 +31,7 @@ import torch
 from .. import StateGroup, StateLayout
 from .._errors import ConfigError
 from .._log import logger
+from .._model_config import text_config
 from ._arch import dtype_name
 from ._plan import KV, Rates
 
@@ -84,7 +85,7 @@ def measure_compute(model: Any, *, tokens: int = 512, repeats: int = 3) -> tuple
         rebuild_rows(a, src, "h", range(s.num_layers), dst, ids, tokens, rope)
         _sync(a.device)
         proj.append(time.perf_counter() - t0)
-    vocab = int(getattr(model.config, "vocab_size", 32) or 32)
+    vocab = int(getattr(text_config(model.config), "vocab_size", 32) or 32)
     ids_in = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(0))
     rec: list[float] = []
     with torch.no_grad():

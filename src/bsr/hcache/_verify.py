@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from .._errors import UnsupportedModelError
-from ._arch import ModelAdapter, _text_config
+from .._model_config import text_config
+from ._arch import ModelAdapter
 
 __all__ = ("CheckReport", "check_model", "compare_rows")
 
@@ -101,7 +102,7 @@ def check_model(
         report = _VERDICTS[model]
     else:
         adapter = ModelAdapter(model)
-        vocab = int(getattr(_text_config(model.config), "vocab_size", 32) or 32)
+        vocab = int(getattr(text_config(model.config), "vocab_size", 32) or 32)
         g = torch.Generator().manual_seed(seed)
         ids = torch.randint(0, vocab, (1, tokens), generator=g).to(adapter.device)
         captured: dict[int, torch.Tensor] = {}

@@ -27,7 +27,7 @@
   listens on) and :func:`wait_listening` (wait for it; :class:`PortTaken` when another process
   holds the port, so start again on another).
 
-Importing this module needs pytest (``pip install bsr[test]``). The state machines and the
+Importing this module needs pytest (``pip install bsr-kv[test]``). The state machines and the
 strategies need Hypothesis (also in the ``test`` extra); they are imported lazily, on first use
 of one of their names, so ``import bsr.testing`` works without Hypothesis.
 """

@@ -51,7 +51,7 @@ def redis_problem() -> str | None:
     try:
         import redis  # noqa: F401
     except ImportError:
-        missing.append("redis-py (the bsr[redis] extra)")
+        missing.append("redis-py (the bsr-kv[redis] extra)")
     if missing:
         return (
             f"missing {', '.join(missing)}: run make system-deps (apt-get install {REDIS_PACKAGE})"

@@ -4,7 +4,7 @@ Everything here is sized for property tests and state-machine campaigns: layouts
 groups with a few layers and a few bytes per token, chunks of 16 or 32 tokens, so one object is a
 few KiB and a campaign can save and restore hundreds of prefixes per second.
 
-Importing this module needs Hypothesis (``pip install bsr[test]``); ``import bsr.testing`` does
+Importing this module needs Hypothesis (``pip install bsr-kv[test]``); ``import bsr.testing`` does
 not, it loads this module on first use of one of its names.
 """
 

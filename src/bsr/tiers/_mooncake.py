@@ -105,7 +105,7 @@ MOONCAKE_VERSION = "0.3.13.post1"
 
 _INSTALL_HINT = (
     "install it with: pip install 'mooncake-transfer-engine-non-cuda==0.3.13.post1' "
-    "(or bsr[mooncake]); the wheel needs the system library libibverbs1 "
+    "(or bsr-kv[mooncake]); the wheel needs the system library libibverbs1 "
     "(apt-get install libibverbs1)"
 )
 

@@ -46,6 +46,7 @@ from typing import Any, ClassVar, Concatenate, ParamSpec, TypeVar
 from .._check import Options, short_repr
 from .._errors import ConfigError
 from .._log import logger
+from .._version import DISTRIBUTION
 from ._base import Tier
 
 #: the entry point group third-party tier kinds are declared in
@@ -58,8 +59,8 @@ BUILTIN_TIERS: dict[str, str] = {
     "striped_file": "bsr.tiers.file:StripedFileTierOptions",
     "mooncake": "bsr.tiers._mooncake:MooncakeTierOptions",
 }
-#: the distribution bsr is installed as (its entry points are bsr's own kinds)
-OWN_DISTRIBUTION = "bsr"
+#: the distribution bsr is installed as, ``bsr-kv`` (its entry points are bsr's own kinds)
+OWN_DISTRIBUTION = DISTRIBUTION
 #: kinds only bsr provides: the built-in ones and those bsr declares as entry points itself
 #: (``redis``); an entry point of another package naming one is refused with a warning
 RESERVED_KINDS = frozenset({*BUILTIN_TIERS, "redis"})

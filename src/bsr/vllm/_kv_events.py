@@ -1,9 +1,15 @@
-"""bsr's notices in vLLM's terms: KV events, event payloads of a save, cache hit sources.
+"""KV events, the translating half: bsr's notices in vLLM's terms (KV events, the event payload
+of a save, cache hit sources).
+
+Which is which: :mod:`bsr.vllm._events` is the deciding half (what to announce, and when: the
+journal of each rank and the relay across ranks, with no vLLM import); this module is the only
+one of the two that imports vLLM's types, and only converts: a request's block hashes into that
+module's :class:`~bsr.vllm._events.SaveEvents`, its notices into vLLM's ``BlockStored`` /
+``BlockRemoved``.
 
 Where it runs: the scheduler side (vLLM's EngineCore process: :func:`save_events` when a
 request finishes, :func:`vllm_events` in ``take_events``, :func:`hit_sources` at admission) and
-the worker side (:func:`group_specs` at startup). The journal and the relay that decide what to
-announce are in :mod:`bsr.vllm._events` (no vLLM import there).
+the worker side (:func:`group_specs` at startup).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""One rank of the 2-process torch.distributed restore test (run by test_distributed.py).
+"""One rank of the 2-process torch.distributed restore (run by tests/engine/test_distributed.py).
 
 Usage: python dist_worker.py RANK WORLD RENDEZVOUS_FILE WORKDIR FAIL_RANK OUT_JSON
 

@@ -338,12 +338,11 @@ def reset_prefix_cache(llm: Any) -> None:
         time.sleep(0.1)
 
 
-def main(spec_path: str, out_path: str) -> None:
-    from vllm import LLM, SamplingParams
+def make_llm(spec: dict[str, Any]) -> Any:
+    """The ``vllm.LLM`` the spec describes (its connector, if it names one)."""
+    from vllm import LLM
     from vllm.config import KVTransferConfig
-    from vllm.inputs import TokensPrompt
 
-    spec = json.loads(Path(spec_path).read_text())
     kw: dict[str, Any] = {}
     if spec.get("connector") is not None:
         kw["kv_transfer_config"] = KVTransferConfig(
@@ -353,8 +352,7 @@ def main(spec_path: str, out_path: str) -> None:
             kv_load_failure_policy=spec.get("failure_policy", "recompute"),
             kv_connector_extra_config=spec["connector"],
         )
-    t0 = time.perf_counter()
-    llm = LLM(
+    return LLM(
         model=spec["model"],
         load_format=spec.get("load_format", "dummy"),
         skip_tokenizer_init=True,
@@ -366,11 +364,58 @@ def main(spec_path: str, out_path: str) -> None:
         enable_prefix_caching=spec.get("prefix_caching", True),
         seed=0,
         tensor_parallel_size=spec.get("tensor_parallel_size", 1),
-        disable_hybrid_kv_cache_manager=spec.get("disable_hybrid", None),
+        disable_hybrid_kv_cache_manager=spec.get("disable_hybrid"),
         disable_log_stats=not spec.get("log_stats", False),
         **spec.get("llm_args", {}),
         **kw,
     )
+
+
+def run_batches(llm: Any, spec: dict[str, Any], params: Any, out: dict[str, Any]) -> None:
+    """The spec's batches, in order, each with its actions and resets before it."""
+    from vllm.inputs import TokensPrompt
+
+    prompts: list[list[list[int]]] = []  # each batch's prompts, as run
+    for i, batch in enumerate(spec.get("batches", [])):
+        for action in spec.get("before_batch", {}).get(str(i), []):
+            out["actions"].append(apply(action))
+        if i in spec.get("reset_prefix_cache_before", []):  # vLLM forgets its own cache
+            reset_prefix_cache(llm)
+        batch = [continued(p, prompts, out["batches"]) for p in batch]
+        prompts.append(batch)
+        t1 = time.perf_counter()
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params)
+        done = {"rows": [row(o) for o in outs], "wall_s": time.perf_counter() - t1}
+        settle(llm)
+        if spec.get("log_stats"):
+            done["metrics"] = metrics(llm)
+        out["batches"].append(done)
+
+
+def await_results(llm: Any, spec: dict[str, Any], out: dict[str, Any]) -> None:
+    """Saves run after each request, in the background: a store run waits for its objects (a
+    shutdown right after the last request could come before its save was even dispatched),
+    and for the files the spec names."""
+    if spec.get("await_objects"):
+        path, count = spec["await_objects"]
+        deadline = time.monotonic() + 180
+        while len(store_objects(path)) < count and time.monotonic() < deadline:
+            settle(llm, timeout_s=0.2)
+            time.sleep(0.2)
+    for name, path in spec.get("await_files", {}).items():
+        deadline = time.monotonic() + 180
+        while not Path(path).exists() and time.monotonic() < deadline:
+            settle(llm, timeout_s=0.1)
+            time.sleep(0.1)
+        out.setdefault("files", {})[name] = Path(path).read_text() if Path(path).exists() else None
+
+
+def main(spec_path: str, out_path: str) -> None:
+    from vllm import SamplingParams
+
+    spec = json.loads(Path(spec_path).read_text())
+    t0 = time.perf_counter()
+    llm = make_llm(spec)
     out: dict[str, Any] = {"start_s": time.perf_counter() - t0, "actions": [], "batches": []}
     if spec.get("add_loras"):
         from vllm.lora.request import LoRARequest
@@ -389,37 +434,10 @@ def main(spec_path: str, out_path: str) -> None:
         out["generated"] = generate_each(llm, spec["generate"], params, out["generated_cached"])
     if "key_partition" in spec:
         out["key_partition"] = run_key_partition(llm, spec["key_partition"])
-    prompts: list[list[list[int]]] = []  # each batch's prompts, as run
-    for i, batch in enumerate(spec.get("batches", [])):
-        for action in spec.get("before_batch", {}).get(str(i), []):
-            out["actions"].append(apply(action))
-        if i in spec.get("reset_prefix_cache_before", []):  # vLLM forgets its own cache
-            reset_prefix_cache(llm)
-        batch = [continued(p, prompts, out["batches"]) for p in batch]
-        prompts.append(batch)
-        t1 = time.perf_counter()
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params)
-        done = {"rows": [row(o) for o in outs], "wall_s": time.perf_counter() - t1}
-        settle(llm)
-        if spec.get("log_stats"):
-            done["metrics"] = metrics(llm)
-        out["batches"].append(done)
+    run_batches(llm, spec, params, out)
     if spec.get("reset_connector"):
         out["reset_connector"] = llm.llm_engine.reset_prefix_cache(reset_connector=True)
-    # saves run after each request, in the background: a store run waits for its objects (a
-    # shutdown right after the last request could come before its save was even dispatched)
-    if spec.get("await_objects"):
-        path, count = spec["await_objects"]
-        deadline = time.monotonic() + 180
-        while len(store_objects(path)) < count and time.monotonic() < deadline:
-            settle(llm, timeout_s=0.2)
-            time.sleep(0.2)
-    for name, path in spec.get("await_files", {}).items():
-        deadline = time.monotonic() + 180
-        while not Path(path).exists() and time.monotonic() < deadline:
-            settle(llm, timeout_s=0.1)
-            time.sleep(0.1)
-        out.setdefault("files", {})[name] = Path(path).read_text() if Path(path).exists() else None
+    await_results(llm, spec, out)
     Path(out_path).write_text(json.dumps(out))
     # an orderly shutdown (the connector waits for its saves), then exit even if a thread of a
     # deliberately hung store can never be joined

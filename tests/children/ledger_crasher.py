@@ -1,9 +1,9 @@
 """A process sharing a FileTier root that SIGKILLs itself at a chosen point of the root's
 bookkeeping: inside an eviction, a reservation or a commit.
 
-Used by ``tests/tiers/test_file_tier_shared.py``. ``python tests/ledger_crasher.py`` is a zygote
-(importing bsr takes seconds): for each line ``ROOT CAPACITY FIRST COUNT POINT K`` on stdin it
-forks a child that opens ``FileTier(ROOT, CAPACITY)``, arms the crash, writes objects
+Used by ``tests/tiers/test_file_tier_shared.py``. ``python tests/children/ledger_crasher.py`` is
+a zygote (importing bsr takes seconds): for each line ``ROOT CAPACITY FIRST COUNT POINT K`` on
+stdin it forks a child that opens ``FileTier(ROOT, CAPACITY)``, arms the crash, writes objects
 ``FIRST..FIRST+COUNT-1`` (``shared_root_worker``'s objects: 64 KiB on disk each) and exits 0 if
 the crash point was never reached. It prints ``forked PID`` at once and ``reaped PID STATUS``
 once the child is gone. The zygote starts no thread and no event loop, so forking it is safe.
@@ -28,13 +28,13 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import shared_root_worker as srw
 import structlog
 
 import bsr
 import bsr.tiers.file._ledger as shared_module
 import bsr.tiers.file._root as fileroot_module
 import bsr.tiers.file._tier as file_module
-import shared_root_worker as srw
 
 POINTS = ("unlinked", "ledger", "renamed", "reserved")
 

@@ -1,10 +1,10 @@
 """One node of a FileTier root shared in network mode, churning until told to stop.
 
-Used by ``tests/tiers/test_network_churn.py``. ``python tests/network_node_worker.py ROOT NODE
-SHARE SEED BUDGET`` runs one node: it opens ``FileTier(ROOT, SHARE, shared="network",
+Used by ``tests/tiers/test_network_churn.py``. ``python tests/children/network_node_worker.py
+ROOT NODE SHARE SEED BUDGET`` runs one node: it opens ``FileTier(ROOT, SHARE, shared="network",
 node=NODE)`` and an engine over it, prints ``ready``, then loops on random steps
-(``random.Random(SEED)``) until SIGTERM. ``python tests/network_node_worker.py zygote`` imports
-all that once and starts nodes as forks of itself on command (:func:`zygote`): a node killed
+(``random.Random(SEED)``) until SIGTERM. ``python tests/children/network_node_worker.py zygote``
+imports all that once and starts nodes as forks of itself on command (:func:`zygote`): a node killed
 (-9) and started again opens at once, not after importing torch anew. The steps:
 
 - ``write``: a raw object ``i`` of :data:`OBJECTS` (its payload :func:`payload`, a pure function

@@ -1,14 +1,16 @@
 """A saving process to be killed: saves prompts into a FileTier until SIGKILL stops it.
 
-Used by ``test_crash.py``. Two ways to run it:
+Used by ``tests/proof/test_crash.py``. Two ways to run it:
 
-- ``python tests/crash_writer.py DIR SEED``: save a seeded batch of prompts into ``DIR``, append
-  the index of every prompt whose save returned to ``DIR/acked`` (fsync'ed), then exit.
-- ``python tests/crash_writer.py --serve``: a zygote. Importing torch takes seconds, so the
-  zygote imports once and, for each ``DIR SEED`` line on stdin, forks a child that runs the batch.
-  It prints ``forked PID`` at once and ``reaped PID STATUS`` when the child is gone, so the test
-  can SIGKILL the child at any moment. The zygote never starts a thread or an event loop itself,
-  so forking it is safe.
+- ``python tests/children/crash_writer.py DIR SEED``: save a seeded batch of prompts into
+  ``DIR``, append the index of every prompt whose save returned to ``DIR/acked`` (fsync'ed),
+  then exit.
+- ``python tests/children/crash_writer.py --serve``: a zygote. Importing torch takes seconds, so
+  the zygote imports once and, for each ``DIR SEED`` line on stdin, forks a child that runs the
+  batch.
+  It prints ``forked PID`` at once and ``reaped PID STATUS`` when the child is gone, so the
+  test can SIGKILL the child at any moment. The zygote never starts a thread or an event loop
+  itself, so forking it is safe.
 
 The prompts and their cache contents are pure functions of the prompt index, shared with the
 test (which imports this module) to check what it reads back.

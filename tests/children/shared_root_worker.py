@@ -1,8 +1,9 @@
 """A process holding one FileTier root open beside others, driven line by line on stdin.
 
-Used by ``tests/tiers/test_file_tier_shared*.py``: ``python tests/shared_root_worker.py ROOT
-CAPACITY [POINT:K:ACTION]`` opens ``FileTier(ROOT, CAPACITY)`` and an engine over it, prints
-``ready``, then answers one command per line with one line:
+Used by ``tests/tiers/test_file_tier_shared*.py``: ``python
+tests/children/shared_root_worker.py ROOT CAPACITY [POINT:K:ACTION]`` opens ``FileTier(ROOT,
+CAPACITY)`` and an engine over it, prints ``ready``, then answers one command per line with one
+line:
 
 - ``write A B``: write objects ``A..B-1`` (payload ``i``) -> ``ok``
 - ``contains A B``: which of objects ``A..B-1`` the tier holds -> ``present 0101...``
