@@ -209,6 +209,12 @@ def test_round_robin_ignores_what_is_held() -> None:
     assert [policy.choose(index, INSTANCES, d, {}).instance for _ in range(4)] == list("abca")
 
 
+def test_a_policy_needs_an_instance() -> None:
+    for policy in (PrefixPolicy(), RoundRobinPolicy()):
+        with pytest.raises(ValueError, match="no instances to route to"):
+            policy.choose(FleetIndex(), [], [], {})
+
+
 def test_bad_arguments_are_refused_with_what_to_change() -> None:
     with pytest.raises(ValueError, match="unknown shared media"):
         FleetIndex(shared_media=["NVME"])

@@ -10,7 +10,7 @@ to put a production router (llm-d, Dynamo, vLLM's router) in its place.
 """
 
 from ._index import MEDIA, FleetIndex, Match, block_digests, request_extra_keys
-from ._policy import Choice, PrefixPolicy, RoundRobinPolicy
+from ._policy import Choice, Policy, PrefixPolicy, RoundRobinPolicy
 from ._server import EventSubscriber, PDSplit, Router, RouterServer, decode_batch
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "FleetIndex",
     "Match",
     "PDSplit",
+    "Policy",
     "PrefixPolicy",
     "RoundRobinPolicy",
     "Router",

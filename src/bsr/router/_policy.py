@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from ._index import FleetIndex, Match
 
-__all__ = ["Choice", "PrefixPolicy", "RoundRobinPolicy"]
+__all__ = ["Choice", "Policy", "PrefixPolicy", "RoundRobinPolicy"]
 
 
 @dataclass(frozen=True)
@@ -20,12 +20,11 @@ class Choice:
     reason: str
 
 
-class PrefixPolicy:
-    """The instance that serves the request's prefix at the lowest cost (the longest prefix in
-    its fastest media, :meth:`FleetIndex.match`), ties broken by the fewest requests in flight,
-    then by the order the instances were given."""
+class Policy:
+    """How a router picks an instance: :meth:`choose` checks there is one to pick, :meth:`pick`
+    (a subclass's) picks it."""
 
-    name = "prefix"
+    name = ""
 
     def choose(
         self,
@@ -34,8 +33,35 @@ class PrefixPolicy:
         digests: Sequence[bytes],
         load: Mapping[str, int],
     ) -> Choice:
+        """The instance for a request whose full blocks are named ``digests``."""
         if not instances:
             raise ValueError("no instances to route to")
+        return self.pick(index, instances, digests, load)
+
+    def pick(
+        self,
+        index: FleetIndex,
+        instances: Sequence[str],
+        digests: Sequence[bytes],
+        load: Mapping[str, int],
+    ) -> Choice:
+        raise NotImplementedError
+
+
+class PrefixPolicy(Policy):
+    """The instance that serves the request's prefix at the lowest cost (the longest prefix in
+    its fastest media, :meth:`FleetIndex.match`), ties broken by the fewest requests in flight,
+    then by the order the instances were given."""
+
+    name = "prefix"
+
+    def pick(
+        self,
+        index: FleetIndex,
+        instances: Sequence[str],
+        digests: Sequence[bytes],
+        load: Mapping[str, int],
+    ) -> Choice:
         matches = [index.match(name, digests) for name in instances]
         order = {name: i for i, name in enumerate(instances)}
         best = min(matches, key=lambda m: (m.cost, load.get(m.instance, 0), order[m.instance]))
@@ -49,7 +75,7 @@ class PrefixPolicy:
         return Choice(best.instance, best, reason)
 
 
-class RoundRobinPolicy:
+class RoundRobinPolicy(Policy):
     """Each instance in turn, whatever it holds (the comparison a fleet's bench makes)."""
 
     name = "round_robin"
@@ -57,14 +83,12 @@ class RoundRobinPolicy:
     def __init__(self) -> None:
         self._turn = itertools.count()
 
-    def choose(
+    def pick(
         self,
         index: FleetIndex,
         instances: Sequence[str],
         digests: Sequence[bytes],
         load: Mapping[str, int],
     ) -> Choice:
-        if not instances:
-            raise ValueError("no instances to route to")
         name = instances[next(self._turn) % len(instances)]
         return Choice(name, index.match(name, digests), "round_robin")
