@@ -77,7 +77,6 @@ test:
 	@$(PY) tools/test_phases.py \
 		"setup=$(MAKE) --no-print-directory setup system-deps" \
 		"lint-imports=$(MAKE) --no-print-directory lint-imports" \
-		"+docs=$(MAKE) --no-print-directory docs" \
 		"main suite=$(MAKE) --no-print-directory test-main MAIN_TESTS='-m \"not vllm_env\"'" \
 		"+vLLM setup=$(MAKE) --no-print-directory $(VLLM_VENV)/.bsr-installed" \
 		"+SGLang setup=$(MAKE) --no-print-directory $(SGLANG_VENV)/.bsr-installed" \
@@ -172,8 +171,8 @@ gpu-dry-run: gpu-wheels
 
 # the documentation site (mkdocs.yml; docs/index.md says how it is built) into site/, git-ignored:
 # strict, so a warning (a broken link, a docstring that does not parse) fails it. It reads the
-# source statically, so vLLM need not be installed. tests/docs checks that every public name has
-# its entry.
+# source statically, so vLLM need not be installed. make test builds it in its main suite
+# (tests/docs/test_reference.py: the same strict build, and every public name has its entry).
 docs: setup
 	$(BIN)/mkdocs build --strict -q
 
