@@ -161,6 +161,14 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         events.close()
 
 
+def settled(fn: Any, want: Any, timeout: float = 120) -> Any:
+    """``fn()`` once it equals ``want``, or its last value after ``timeout`` seconds."""
+    end = time.monotonic() + timeout
+    while (got := fn()) != want and time.monotonic() < end:
+        time.sleep(0.2)
+    return got
+
+
 def turn(fleet: Fleet, name: str, tokens: list[int], **extra: Any) -> tuple[list[int], int]:
     """One turn on ``name``, its save awaited: the output tokens and the cached count."""
     before = fleet.saves(name)
@@ -215,11 +223,13 @@ def test_tenants_never_share_across_the_fleet(fleet: Fleet) -> None:
     tokens = prompt(40, 2 * CHUNK + 8)
     turn(fleet, "a", tokens, cache_salt="tenant-1")
     fleet.reset("a")
+    want = {"a": {"CPU": 4}, "b": {"STORAGE": 4}, "c": {"STORAGE": 4}}  # a: its host tier
+    got = settled(lambda: {n: fleet.match(n, tokens, "tenant-1") for n in NAMES}, want)
+    assert got == want  # a's prefix cache reset: no longer on a's GPU
+    for name in NAMES:  # the router names tenant-1's blocks apart from anyone else's
+        assert fleet.match(name, tokens, "tenant-2") == {}
+        assert fleet.match(name, tokens) == {}
     _, cached, _ = fleet.complete("b", tokens, cache_salt="tenant-2")
     assert cached == 0  # another tenant: nothing of tenant-1's in the pool is its
     _, cached, _ = fleet.complete("c", tokens, cache_salt="tenant-1")
     assert cached >= 2 * CHUNK  # the same tenant on another instance: from the pool
-    eventually(lambda: fleet.match("a", tokens, "tenant-1"), "tenant-1's events")
-    for name in NAMES:
-        assert fleet.match(name, tokens, "tenant-2") == {}
-        assert fleet.match(name, tokens) == {}  # nor the unsalted prompt
