@@ -432,9 +432,21 @@ class StoreRoot:
         return Dirs(root_fd, *fds)
 
     def claim(self, root_fd: int) -> None:
-        """Check the marker, or write it when the root is empty (or a bsr 0.1 store)."""
-        if not self.check_marker(root_fd):
+        """Check the marker, or write it when the root is empty (or a bsr 0.1 store).
+
+        Several processes may claim one fresh root at once (a fleet's instances starting on a
+        shared root): each writes the same marker through its own temporary name, and one that
+        fails because another got there first (the marker and the directories appeared between
+        its check and its write) finds the other's marker and uses it.
+        """
+        if self.check_marker(root_fd):
+            return
+        try:
             self._claim_unmarked(root_fd)
+        except TierRootError:
+            if self.check_marker(root_fd):  # claimed by another process meanwhile
+                return
+            raise
 
     def check_marker(self, root_fd: int) -> bool:
         """Whether the root holds a valid marker (False: none at all).
@@ -500,7 +512,13 @@ class StoreRoot:
         return entries, legacy
 
     def _claim_unmarked(self, root_fd: int) -> None:
-        leftovers = [e for e in os.listdir(root_fd) if _MARKER_TMP_RE.match(e)]
+        # a claim that died left its temporary marker: removed, unless its process (on this
+        # host) still runs, where it is a claim in progress
+        leftovers = [
+            e
+            for e in os.listdir(root_fd)
+            if _MARKER_TMP_RE.match(e) and not _pid_alive(int(e.split(".")[2]))
+        ]
         others, legacy = self.unmarked_entries(root_fd)
         if others and not legacy:
             shown = ", ".join(sorted(others)[:JUNK_EXAMPLES])
@@ -672,3 +690,16 @@ class StoreRoot:
             return Moved.FAILED, 0, ""
         self.log.warning("bsr.tier.quarantine", object_id=oid, reason=why)
         return Moved.MOVED, st.st_size, dest
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` runs on this host (one we may not signal runs too)."""
+    if pid == os.getpid():
+        return False  # our own leftover: a claim of ours that failed earlier
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
