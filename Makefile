@@ -121,7 +121,7 @@ $(VLLM_VENV)/.bsr-installed: pyproject.toml
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install -q "$(TORCH_CPU)"
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y bsr 2>/dev/null || true  # now bsr-kv
-	$(VLLM_VENV)/bin/python -m pip install -q "$(TORCH_CPU)" -e ".[vllm,test]"
+	$(VLLM_VENV)/bin/python -m pip install -q "$(TORCH_CPU)" -e ".[vllm,test,redis,mooncake]"
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 

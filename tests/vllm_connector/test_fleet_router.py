@@ -18,170 +18,33 @@ every test here (engine starts are the cost); the tests run in order on it:
 
 from __future__ import annotations
 
-import json
-import os
-import time
-import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import pytest
 
-from vllm_engines import write_llama
-from vllm_servers import eventually, post, prom, serve, stop, wait_healthy
+from vllm_fleet import BLOCK, CHUNK, Fleet, kv_config, prompt, settled, start_fleet
+from vllm_servers import eventually, prom
 
 pytest.importorskip("vllm")
 pytest.importorskip("zmq")
 pytestmark = pytest.mark.timeout(1500)
 
-from bsr.router import EventSubscriber, Router, RouterServer, block_digests  # noqa: E402
-
-BLOCK, CHUNK = 32, 64
-#: one object (2 layers x 64 tokens x 1 KiB of float32 K/V) with its header; the host tier
-#: holds two
-HOST_BYTES = 2 * (4096 + 2 * CHUNK * 1024)
 NAMES = ("a", "b", "c")
-
-
-def prompt(seed: int, n: int) -> list[int]:
-    return [3 + (seed * 7919 + i * 37) % 490 for i in range(n)]
-
-
-@dataclass
-class Fleet:
-    ports: dict[str, int]
-    router: Router
-    http: RouterServer
-    model: Path
-
-    def complete(
-        self, name: str | None, tokens: list[int], **extra: Any
-    ) -> tuple[list[int], int, str]:
-        """Greedy completion on ``name`` (None: through the router): its tokens, the prompt
-        tokens vLLM reports cached, and the instance that served it."""
-        body = {
-            "model": str(self.model), "prompt": tokens, "max_tokens": 6, "temperature": 0.0,
-            "ignore_eos": True, "return_token_ids": True, **extra,
-        }  # fmt: skip
-        if name is not None:
-            out, via = post(self.ports[name], "/v1/completions", body), name
-        else:
-            req = urllib.request.Request(
-                self.http.url + "/v1/completions",
-                data=json.dumps(body).encode(),
-                headers={"Content-Type": "application/json"},
-            )
-            with urllib.request.urlopen(req, timeout=300) as r:
-                out, via = json.loads(r.read()), r.headers["x-bsr-instance"]
-        choice = out["choices"][0]
-        details = (out.get("usage") or {}).get("prompt_tokens_details") or {}
-        return list(choice["token_ids"]), int(details.get("cached_tokens") or 0), via
-
-    def saves(self, name: str) -> float:
-        return prom(self.ports[name], "vllm:bsr_saves_total")
-
-    def reset(self, name: str) -> None:
-        port = self.ports[name]
-        eventually(lambda: post(port, "/reset_prefix_cache", {}).get("success"), "a reset")
-
-    def reference(self, name: str, tokens: list[int], **extra: Any) -> list[int]:
-        """The same prompt recomputed on ``name``: its cache reset, no bsr load or save."""
-        self.reset(name)
-        opts = {"kv_transfer_params": {"bsr": {"load": False, "store": False}}}
-        got, cached, _ = self.complete(name, tokens, **opts, **extra)
-        assert cached == 0
-        return got
-
-    def match(self, name: str, tokens: list[int], salt: str | None = None) -> dict[str, int]:
-        with self.router._lock:
-            m = self.router.index.match(name, block_digests(tokens, BLOCK, cache_salt=salt))
-        return m.by_medium
-
-
-def kv_config(name: str, store: Path) -> dict[str, Any]:
-    return {
-        "kv_connector": "BsrConnector",
-        "kv_connector_module_path": "bsr.vllm",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {
-            "bsr": {
-                "tiers": [
-                    {"kind": "host", "capacity_bytes": HOST_BYTES},
-                    {"kind": "file", "path": str(store), "capacity_bytes": "1GiB"},
-                ],
-                "chunk_tokens": CHUNK,
-                "model_id": "fleet-llama",
-            },
-            "bsr_connector": {"kv_events_audit_s": 1.0},
-        },
-    }
 
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    from bsr.testing._ports import unheld_ports, wait_listening
-
     root = tmp_path_factory.mktemp("fleet-router")
-    model, store = root / "model", root / "pool"
-    write_llama(model)
-    ports = dict(zip(NAMES, unheld_ports(len(NAMES)), strict=True))
-    router = Router(
-        {n: f"http://127.0.0.1:{p}" for n, p in ports.items()}, BLOCK, shared_media=["STORAGE"]
-    )
-    events = EventSubscriber(router, "tcp://127.0.0.1:0").start()
-    http = RouterServer(("127.0.0.1", 0), router)
-    import threading
-
-    threading.Thread(target=http.serve_forever, daemon=True).start()
-    saved_env = dict(os.environ)
-    os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # /reset_prefix_cache
-    procs = {}
-    try:
-        for name, port in ports.items():
-            cfg = {
-                "enable_kv_cache_events": True, "publisher": "zmq",
-                "endpoint": events.endpoint, "topic": name,
-            }  # fmt: skip
-            extra = ["--kv-events-config", json.dumps(cfg), "--dtype", "float32"]
-            procs[name] = serve(model, port, root / f"{name}.log", kv_config(name, store), extra)
-        for name, port in ports.items():
-            wait_listening(procs[name], port, time.monotonic() + 900, "vllm serve", poll_s=0.5)
-            wait_healthy(port, procs[name], root / f"{name}.log", time.monotonic() + 900)
-        yield Fleet(ports, router, http, model)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved_env)
-        for proc in procs.values():
-            stop(proc)
-        http.shutdown()
-        http.server_close()
-        events.close()
-
-
-def settled(fn: Any, want: Any, timeout: float = 120) -> Any:
-    """``fn()`` once it equals ``want``, or its last value after ``timeout`` seconds."""
-    end = time.monotonic() + timeout
-    while (got := fn()) != want and time.monotonic() < end:
-        time.sleep(0.2)
-    return got
-
-
-def turn(fleet: Fleet, name: str, tokens: list[int], **extra: Any) -> tuple[list[int], int]:
-    """One turn on ``name``, its save awaited: the output tokens and the cached count."""
-    before = fleet.saves(name)
-    out, cached, _ = fleet.complete(name, tokens, **extra)
-    eventually(lambda: fleet.saves(name) > before, f"{name}'s save")
-    return out, cached
+    pool = {"kind": "file", "path": str(root / "pool"), "capacity_bytes": "1GiB"}
+    with start_fleet(root, NAMES, lambda _name: kv_config(pool), router=True) as fleet:
+        yield fleet
 
 
 def test_a_conversation_across_three_instances_restores_from_the_pool(fleet: Fleet) -> None:
     history = prompt(1, 3 * CHUNK + 8)
     stored = 0  # the tokens of whole chunks the pool holds of this conversation
     for i, name in enumerate(NAMES):  # turn i on instance i: it never saw the earlier turns
-        out, cached = turn(fleet, name, history)
+        out, cached = fleet.turn(name, history)
         assert cached >= stored and (i == 0 or cached > 0), f"turn {i} on {name}: {cached}"
         assert out == fleet.reference(name, history), f"turn {i} on {name}"
         stored = len(history) // CHUNK * CHUNK
@@ -209,7 +72,7 @@ def test_the_router_sends_a_turn_where_its_prefix_is_until_it_is_gone(fleet: Fle
     # c's copies go: its prefix cache reset (AllBlocksCleared), its host tier filled by others
     fleet.reset("c")
     for seed in range(3):
-        turn(fleet, "c", prompt(30 + seed, 2 * CHUNK + 1))
+        fleet.turn("c", prompt(30 + seed, 2 * CHUNK + 1))
     fleet.reset("c")
     eventually(lambda: set(fleet.match("c", nxt)) == {"STORAGE"}, "c's removals at the router")
     b, a = fleet.match("b", nxt), fleet.match("a", nxt)
@@ -221,8 +84,9 @@ def test_the_router_sends_a_turn_where_its_prefix_is_until_it_is_gone(fleet: Fle
 
 def test_tenants_never_share_across_the_fleet(fleet: Fleet) -> None:
     tokens = prompt(40, 2 * CHUNK + 8)
-    turn(fleet, "a", tokens, cache_salt="tenant-1")
+    fleet.turn("a", tokens, cache_salt="tenant-1")
     fleet.reset("a")
+    fleet.complete("a", prompt(99, 8))  # vLLM publishes the reset's event with its next step
     want = {"a": {"CPU": 4}, "b": {"STORAGE": 4}, "c": {"STORAGE": 4}}  # a: its host tier
     got = settled(lambda: {n: fleet.match(n, tokens, "tenant-1") for n in NAMES}, want)
     assert got == want  # a's prefix cache reset: no longer on a's GPU

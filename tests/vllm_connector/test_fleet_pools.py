@@ -1,0 +1,74 @@
+"""A fleet over each remote store bsr ships as its pool: a Redis Cluster (three nodes) and a
+Mooncake Store (one master).
+
+Two ``vllm serve`` instances, each with its own HostTier above the pool (the FileTier pool runs
+behind the router in test_fleet_router.py): a conversation's turns alternate between them, so
+each returning turn restores the earlier ones from the pool (vLLM reports them cached, bsr
+counts them read from the pool's tier), and its tokens equal a recompute of the same prompt on
+the same instance (float32: exact).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from vllm_fleet import CHUNK, Fleet, kv_config, prompt, start_fleet
+from vllm_servers import prom
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.timeout(1500)
+
+NAMES = ("a", "b")
+
+
+@contextlib.contextmanager
+def pool(kind: str) -> Iterator[dict[str, Any]]:
+    """The pool's tier table, its servers started (and stopped) here."""
+    if kind == "redis":
+        pytest.importorskip("redis")
+        from bsr.testing._redis_server import redis_problem, start_cluster
+
+        if (problem := redis_problem()) is not None:
+            pytest.skip(problem)
+        with start_cluster(3) as cluster:
+            yield {"kind": "redis", "url": cluster.url, "cluster": True, "key_prefix": "fleet:"}
+    else:
+        pytest.importorskip("mooncake")
+        from mooncake_server import require_mooncake, start_cluster
+
+        require_mooncake()
+        with start_cluster() as cluster:
+            yield {"kind": "mooncake", "client_address": cluster.client_address}
+
+
+@pytest.fixture(scope="module", params=["redis", "mooncake"])
+def fleet(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, Fleet]]:
+    kind = request.param
+    root = tmp_path_factory.mktemp(f"fleet-{kind}")
+    with pool(kind) as tier, start_fleet(root, NAMES, lambda _name: kv_config(tier)) as fleet:
+        yield tier["kind"], fleet
+
+
+def test_turns_alternating_between_instances_restore_from_the_pool(
+    fleet: tuple[str, Fleet],
+) -> None:
+    kind, f = fleet
+    history = prompt(3, 2 * CHUNK + 8)
+    stored = 0  # the tokens of whole chunks the pool holds of this conversation
+    for i in range(4):
+        name = NAMES[i % 2]
+        f.reset(name)  # the instance's own cache forgets: what it finds is the pool's
+        before = prom(f.ports[name], "vllm:bsr_hit_tokens_by_tier_total", tier=kind)
+        out, cached = f.turn(name, history)
+        assert cached >= stored and (i == 0 or cached > 0), f"turn {i} on {name}: {cached}"
+        hits = prom(f.ports[name], "vllm:bsr_hit_tokens_by_tier_total", tier=kind) - before
+        assert i == 0 or hits > 0, f"turn {i} on {name}: nothing read from the {kind} pool"
+        assert out == f.reference(name, history), f"turn {i} on {name}"
+        stored = len(history) // CHUNK * CHUNK
+        history = history + out + prompt(10 + i, CHUNK)
