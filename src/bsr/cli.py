@@ -38,6 +38,13 @@ BENCH_MISSING = (
 )
 
 
+def _cmd_router(ns: argparse.Namespace) -> int:
+    """Hand the arguments to :mod:`bsr.router` (``python -m bsr.router`` is the same)."""
+    from .router.__main__ import main as router_main
+
+    return router_main(list(ns.router_args), prog="bsr router")
+
+
 def _cmd_bench(ns: argparse.Namespace) -> int:
     """Hand the arguments to the bench package (``bench/bsr_bench``), or say how to install it."""
     try:
@@ -627,6 +634,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("bench_args", nargs="*", help=argparse.SUPPRESS)
     bench.set_defaults(func=_cmd_bench)
+
+    # the reference router parses its own flags too (`bsr router --help`; bsr.router)
+    router = sub.add_parser(
+        "router",
+        help="a router for a fleet of vLLM instances (KV events) or a prefill/decode split",
+        prefix_chars="\0",
+        add_help=False,
+    )
+    router.add_argument("router_args", nargs="*", help=argparse.SUPPRESS)
+    router.set_defaults(func=_cmd_router)
 
     spec = sub.add_parser("spec", help="the formal request lifecycle")
     spec_sub = spec.add_subparsers(dest="spec_command", metavar="SPEC_COMMAND")

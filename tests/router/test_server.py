@@ -218,3 +218,47 @@ def test_bad_router_arguments_say_what_to_change() -> None:
         Router({"a": "localhost:80"}, 16)
     with pytest.raises(ValueError, match="policy 'lru'"):
         Router({"a": "http://127.0.0.1:1"}, 16, policy="lru")
+
+
+def test_the_command_proxies_and_stops_on_sigterm(tmp_path: Any) -> None:
+    """``bsr router`` as a user runs it: listening where told, proxying to the instances, and
+    ending with 0 on SIGTERM; a bad instance is a usage error (2) naming the flag's form."""
+    import signal
+    import subprocess
+    import sys
+
+    from bsr.testing._ports import unheld_ports
+
+    echo = ThreadingHTTPServer(("127.0.0.1", 0), Echo)
+    echo.name = "only"  # type: ignore[attr-defined]
+    serve(echo)
+    (port,) = unheld_ports(1)
+    cmd = [sys.executable, "-m", "bsr", "router", "--listen", f"127.0.0.1:{port}",
+           "--events", "tcp://127.0.0.1:0", "--block-size", str(B),
+           "--instance", f"only=http://127.0.0.1:{echo.server_address[1]}"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline().decode()
+        assert line.startswith(f"bsr.router: http://127.0.0.1:{port}"), line
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions",
+            data=json.dumps({"prompt": PROMPT}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert r.headers["x-bsr-instance"] == "only"
+            assert json.loads(r.read())["body"] == {"prompt": PROMPT}
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        echo.shutdown()
+        echo.server_close()
+    bad = subprocess.run(
+        [sys.executable, "-m", "bsr", "router", "--block-size", "4", "--instance", "nourl"],
+        capture_output=True,
+    )
+    assert bad.returncode == 2 and b"expected NAME=http://host:port" in bad.stderr

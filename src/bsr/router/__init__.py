@@ -3,7 +3,8 @@
 It reads the KV events every instance publishes (vLLM's own, medium ``GPU``, and bsr's,
 ``CPU``/``STORAGE``), keeps what each holds by content (:class:`FleetIndex`), and sends each
 request to the instance that serves its prefix cheapest (:class:`PrefixPolicy`; ties by load),
-or round-robin for comparison. Run it with ``python -m bsr.router`` (``--help``) or embed
+or round-robin for comparison. Run it with ``bsr router`` (``--help``; the same as ``python -m
+bsr.router``) or embed
 :class:`Router` / :class:`RouterServer`. Needs the ``router`` extra (``pyzmq``, ``msgspec``)
 for the event socket; the index and the policies need nothing. docs/vllm.md "A fleet" says how
 to put a production router (llm-d, Dynamo, vLLM's router) in its place.

@@ -34,9 +34,9 @@ def _address(text: str) -> tuple[str, int]:
     return host or "127.0.0.1", int(port)
 
 
-def parser() -> argparse.ArgumentParser:
+def parser(prog: str = "python -m bsr.router") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m bsr.router",
+        prog=prog,
         description="Route OpenAI requests to the vLLM instance holding the longest prefix "
         "(from the instances' KV events), or round-robin.",
     )
@@ -76,8 +76,9 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = parser()
+def main(argv: list[str] | None = None, prog: str = "python -m bsr.router") -> int:
+    """Run the router until SIGTERM or SIGINT (``bsr router`` and ``python -m bsr.router``)."""
+    p = parser(prog)
     ns = p.parse_args(argv)
     split = None
     if ns.prefill or ns.decode:
