@@ -209,3 +209,15 @@ def test_the_fleet_section_runs_at_tiny_sizes(tmp_path: Path) -> None:
     pd = sec["pd"]
     assert pd["decode_prefilled_tokens"] < pd["prompt_tokens"]
     assert pd["single_prefilled_tokens"] == pd["prompt_tokens"]
+
+
+def test_the_committed_runs_validate_and_report_every_variant() -> None:
+    runs = sorted((Path(__file__).resolve().parents[2] / "bench" / "results").glob("vllm-fleet-*"))
+    assert runs, "no committed fleet run in bench/results"
+    for path in runs:
+        doc = json.loads(path.read_text())
+        validate(doc, "fleet_document")
+        fleet = doc["fleet"]
+        assert fleet["target"]["speedup"] == pytest.approx(
+            1 / fleet["ratios"]["shared_router_vs_private_rr"]
+        )
