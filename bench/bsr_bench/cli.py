@@ -20,7 +20,7 @@ from typing import Any
 
 import structlog
 
-from . import hcache, striped, vllm_cost, vllm_hybrid, vllm_ttft, vllm_warm
+from . import hcache, striped, vllm_cost, vllm_fleet, vllm_hybrid, vllm_ttft, vllm_warm
 from .common.stats import BenchError
 from .paper import options as paper_options
 from .paper import ssd
@@ -39,6 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     vllm_hybrid.add_arguments(p)  # --engine vllm --vllm-model gemma3-tiny
     vllm_cost.add_arguments(p)  # --engine vllm --vllm-cost
     vllm_warm.add_arguments(p)  # --engine vllm --vllm-warm
+    vllm_fleet.add_arguments(p)  # --engine vllm --vllm-fleet
     hcache.add_arguments(p)  # --hcache
 
 
@@ -62,6 +63,8 @@ def program(ns: argparse.Namespace) -> tuple[str, Program]:
         return "--engine vllm --vllm-cost", vllm_cost.run_from_namespace
     if ns.engine == "vllm" and ns.vllm_warm:  # a returning turn: warm hint, promotion
         return "--engine vllm --vllm-warm", vllm_warm.run_from_namespace
+    if ns.engine == "vllm" and ns.vllm_fleet:  # a fleet: private caches, a pool, a router; P/D
+        return "--engine vllm --vllm-fleet", vllm_fleet.run_from_namespace
     if ns.engine == "vllm" and ns.vllm_model == "gemma3-tiny":  # hybrid manager on vs off
         return "--engine vllm --vllm-model gemma3-tiny", vllm_hybrid.run_from_namespace
     if ns.engine == "vllm":  # TTFT inside vLLM's CPU engine

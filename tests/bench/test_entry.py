@@ -75,6 +75,12 @@ FLAGS = {
     "--vllm-sections": None,
     "--vllm-warm": False,
     "--vllm-warm-leads": None,
+    "--vllm-fleet": False,
+    "--vllm-fleet-conversations": None,
+    "--vllm-fleet-turns": None,
+    "--vllm-fleet-prefix": None,
+    "--vllm-fleet-gpu-tokens": None,
+    "--vllm-fleet-pd-prompts": None,
     "--window": None,
     "--windows": None,
 }
