@@ -16,7 +16,7 @@ SGLANG_VENV ?= .venv-sglang
 SGLANG ?= sglang==0.5.23
 
 .PHONY: setup system-deps bench-deps docs test test-main test-bench-vllm test-quick test-vllm wheel-check \
-	test-sglang \
+	test-sglang test-bench-runs \
 	lmcache-venv \
 	lint-imports bench lint typecheck clean gpu-wheels gpu-dry-run
 
@@ -101,7 +101,13 @@ test-main: setup
 # the main suite's tests that need .venv-vllm (marked vllm_env), in the main suite's Python
 test-bench-vllm: setup $(VLLM_VENV)/.bsr-installed
 	$(BIN)/python $(BYTECODE)
-	$(BIN)/python -m pytest -q $(XDIST) -m vllm_env --ignore=tests/vllm_connector
+	$(BIN)/python -m pytest -q $(XDIST) -m "vllm_env and not bench_run" --ignore=tests/vllm_connector
+
+# the bench sections whose test runs the whole section (many engine starts: the fleet's twelve),
+# left out of make test: the bench is where many engine starts belong
+test-bench-runs: setup $(VLLM_VENV)/.bsr-installed
+	$(BIN)/python $(BYTECODE)
+	$(BIN)/python -m pytest -q -m bench_run --ignore=tests/vllm_connector
 
 # the edit-run loop: the library suite without vLLM, the slowest model checks and bench runs
 # (marked slow; make test runs them), the GPU dry run and the wheel check

@@ -183,6 +183,7 @@ def test_the_document_validates_and_the_schema_refuses_a_missing_variant() -> No
 
 @pytest.mark.slow
 @pytest.mark.vllm_env
+@pytest.mark.bench_run  # twelve engine starts: make test-bench-runs, not make test
 @pytest.mark.timeout(900)
 @pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm (make .venv-vllm)")
 def test_the_fleet_section_runs_at_tiny_sizes(tmp_path: Path) -> None:
