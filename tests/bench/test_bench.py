@@ -527,8 +527,9 @@ BENCH_PACKAGE = Path(__file__).parents[2] / "bench" / "bsr_bench"
 #: fails on any new one and on an entry that no longer matches
 KNOWN_PRIVATE: set[str] = set()
 #: public modules beside the facade: the test kit, the Redis tier (an optional extra) and the
-#: vLLM connector (its worker class is the documented seam for wrapping the engine's tiers)
-PUBLIC_MODULES = {"bsr.testing", "bsr.redis", "bsr.vllm"}
+#: vLLM connector (its worker class is the documented seam for wrapping the engine's tiers) and
+#: the fleet router (the fleet bench runs its proxy)
+PUBLIC_MODULES = {"bsr.testing", "bsr.redis", "bsr.vllm", "bsr.router"}
 
 
 def _private_imports(path: Path) -> list[str]:
