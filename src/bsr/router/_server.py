@@ -442,9 +442,10 @@ class _Handler(BaseHTTPRequestHandler):
                     seen += chunk
                 self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
                 self.wfile.flush()
-            self.wfile.write(b"0\r\n\r\n")
             if on_body is not None and resp.status == 200:
-                on_body(bytes(seen))
+                on_body(bytes(seen))  # counted before the answer ends: a client reading the
+                # stats right after its answer sees its request in them
+            self.wfile.write(b"0\r\n\r\n")
         finally:
             conn.close()
 
