@@ -124,6 +124,16 @@ class Router:
             self.index.apply(topic, events)
             self.stats.batches[topic] = self.stats.batches.get(topic, 0) + 1
 
+    def count_bad_batch(self) -> None:
+        """A frame set that is not a batch (the event thread; counted under the lock)."""
+        with self._lock:
+            self.stats.bad_batches += 1
+
+    def count_error(self) -> None:
+        """A request its instance did not answer (request threads; counted under the lock)."""
+        with self._lock:
+            self.stats.errors += 1
+
     def tokens_of(self, path: str, body: dict[str, Any]) -> list[int] | None:
         """The prompt's token ids, when the request gives them or the tokenizer can make them."""
         if path.endswith("/completions") and not path.endswith("/chat/completions"):
@@ -218,7 +228,7 @@ class EventSubscriber:
                     continue
                 frames = self._sock.recv_multipart()
                 if len(frames) != 3:
-                    self.router.stats.bad_batches += 1
+                    self.router.count_bad_batch()
                     continue
                 topic, seq, payload = frames
                 self.router.on_batch(
@@ -358,7 +368,7 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             self._forward(choice.instance, raw)
         except OSError as e:
-            router.stats.errors += 1
+            router.count_error()
             self._json(502, {"error": f"instance {choice.instance}: {e}"})
         finally:
             router.done(choice.instance)
