@@ -69,10 +69,13 @@ def run_child(
     """Run ``python -m <argv...> SPEC OUT`` and return OUT, or ``{"error": ..., ...}``."""
     spec_path, out = work / f"{name}.json", work / f"{name}.out.json"
     spec_path.write_text(json.dumps(spec))
+    # vLLM's CPU build reserves one more core when a KV connector is configured: pinned, an
+    # engine without bsr and one with it compute on the same number of threads
+    env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1", **child_env()}
     try:
         proc = subprocess.run(
             [python, "-m", *argv, str(spec_path), str(out)],
-            env=child_env(),
+            env=env,
             capture_output=True,
             text=True,
             timeout=timeout_s,
