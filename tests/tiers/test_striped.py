@@ -18,6 +18,7 @@ import os
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -171,12 +172,24 @@ async def test_capacity_is_kept_per_root_under_concurrent_writes(tmp_path: Path)
 
 
 # ---------------------------------------------------------------------- bulk reads
+def _prompt_over(
+    eng: bsr.RestoreEngine, tier: bsr.StripedFileTier, n: int, wanted: Callable[[set[int]], bool]
+) -> list[int]:
+    """A prompt of ``n`` chunks whose chunks' roots (a set of indices) are ``wanted``. Placement
+    hashes with the roots' paths, which ``tmp_path`` makes differ from run to run: one fixed
+    prompt of 10 chunks over 3 roots missed root 1 in (2/3)^10 of the runs (seen in CI)."""
+
+    def homes(toks: list[int]) -> set[int]:
+        return {tier.placement(bsr.ObjectKey(k, "kv").object_id) for k in eng.keys(toks)}
+
+    return next(t for t in (tokens_for(n * CT, seed=s) for s in range(200)) if wanted(homes(t)))
+
+
 @pytest.mark.anyio
 async def test_roots_are_read_in_parallel(tmp_path: Path) -> None:
     """Root 0's read waits until a read of root 1 ended: only lanes running side by side
     get past it (in turn, the wait would time out and the test fail)."""
     n = 8
-    toks = tokens_for(n * CT)
     src = filled_cache(LAYOUT, 64, BLOCK)
     ids = torch.arange(n * CT // BLOCK)
     tier = _striped(tmp_path, 64 << 20, n=2)
@@ -197,9 +210,8 @@ async def test_roots_are_read_in_parallel(tmp_path: Path) -> None:
         orig1(begin, ended, ahead, lend=lend)
 
     async with make_engine(LAYOUT, [tier], window=8, io_depth=8) as eng:
+        toks = _prompt_over(eng, tier, n, lambda homes: homes == {0, 1})  # both hold some
         assert (await eng.save(toks, src, ids)).ok
-        homes = {tier.placement(bsr.ObjectKey(k, "kv").object_id) for k in eng.keys(toks)}
-        assert homes == {0, 1}  # both roots hold some of the prefix
         r0.read_many_blocking, r1.read_many_blocking = slow0, fast1  # type: ignore[method-assign]
         dst = bsr.PagedKVCache(LAYOUT, 64, BLOCK)
         r = await eng.restore(toks, dst, ids)
@@ -240,7 +252,6 @@ async def test_engine_restores_prompt_shapes_exactly(tmp_path: Path, reader: str
 @pytest.mark.parametrize("how", ["vanished", "eio"])
 async def test_a_root_failing_mid_restore_fails_only_its_objects(tmp_path: Path, how: str) -> None:
     n = 10
-    toks = tokens_for(n * CT, seed=7)
     src = filled_cache(LAYOUT, 64, BLOCK)
     ids = torch.arange(n * CT // BLOCK)
     tier = _striped(tmp_path, 64 << 20, n=3)
@@ -260,10 +271,9 @@ async def test_a_root_failing_mid_restore_fails_only_its_objects(tmp_path: Path,
             raise OSError(errno.EIO, "Input/output error")  # the rest of its batch too
 
     async with make_engine(LAYOUT, [tier, below], window=4, io_depth=4) as eng:
+        # root 1 holds part of the prefix, another root the rest
+        toks = _prompt_over(eng, tier, n, lambda homes: 1 in homes and len(homes) > 1)
         assert (await eng.save(toks, src, ids)).ok
-        keys = eng.keys(toks)
-        mine = [k for k in keys if tier.placement(bsr.ObjectKey(k, "kv").object_id) == 1]
-        assert mine  # root 1 holds part of the prefix
         bad.read_many_blocking = failing  # type: ignore[method-assign]
         dst = bsr.PagedKVCache(LAYOUT, 64, BLOCK)
         r = await eng.restore(toks, dst, ids)
