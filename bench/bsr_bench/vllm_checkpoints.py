@@ -2,8 +2,8 @@
 sliding-window group's window checkpoints cost in bytes and what they keep in hits.
 
 Where it runs: the bench process only orchestrates; every engine runs in a child process of the
-vLLM interpreter (``python -m bsr_bench.vllm_checkpoints child spec.json out.json``), like the
-other ``--engine vllm`` sections.
+vLLM interpreter (:mod:`.vllm_engine` running :func:`child`), like the other ``--engine vllm``
+sections.
 
 How it works: the hybrid bench model (:data:`.vllm_hybrid_model.MODEL`: five sliding-window layers
 to one full one, window 512; block 128, chunk 256) serves the same workload once per checkpoint
@@ -24,14 +24,24 @@ import argparse
 import hashlib
 import json
 import shutil
-import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 from .common.stats import BenchError, Dist
-from .vllm_common import finish_child, metric_values, run_child, tokens, vllm_python
+from .vllm_common import run_child, tokens, vllm_python
+from .vllm_engine import (
+    EngineSpec,
+    Outcome,
+    bsr_config,
+    bsr_transfer,
+    file_tier,
+    first_token,
+    loaded_bytes,
+    settle,
+    start_llm,
+    timed_generate,
+)
 
 #: checkpoint intervals (chunks) run by default; None: no periodic checkpoints
 DEFAULT_INTERVALS: tuple[int | None, ...] = (1, 2, 4, 8, 16, None)
@@ -114,71 +124,28 @@ def _store(root: str) -> dict[str, dict[str, int]]:
     return out
 
 
-def _settle(root: str, deadline_s: float = 120.0) -> None:
-    """Wait until the saves after a request have landed (the object count stops growing)."""
-    end, last, stable = time.monotonic() + deadline_s, -1, 0
-    while time.monotonic() < end and stable < 5:
-        n = sum(g["objects"] for g in _store(root).values())
-        stable = stable + 1 if n == last else 0
-        last = n
-        time.sleep(0.2)
-
-
-def _loaded_bytes(llm: Any) -> float:
-    return sum(metric_values(llm, "vllm:bsr_loaded_bytes").values())
-
-
-def child(spec_path: str, out_path: str) -> None:
+def child(spec: dict[str, Any]) -> Outcome:
     """One engine, one checkpoint interval: the workload one request at a time."""
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
-    from vllm.inputs import TokensPrompt
-
     from .vllm_hybrid_model import BLOCK_SIZE, CHUNK_TOKENS
 
-    spec = json.loads(Path(spec_path).read_text())
-    bsr_config = {
-        "tiers": [{"kind": "file", "path": spec["store"], "capacity_bytes": 8 << 30}],
-        "chunk_tokens": CHUNK_TOKENS,
-        "window": 8,
-        "io_depth": 4,
-        "window_checkpoint_chunks": spec["every"],
-    }
-    t0 = time.perf_counter()
-    llm = LLM(
-        model=spec["model"],
-        load_format="dummy",
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        dtype="bfloat16",
-        block_size=BLOCK_SIZE,
-        max_model_len=spec["max_model_len"],
-        kv_cache_memory_bytes=1 << 30,
-        enable_prefix_caching=False,
-        disable_log_stats=False,
-        seed=0,
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="BsrConnector",
-            kv_connector_module_path="bsr.vllm",
-            kv_role="kv_both",
-            kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"bsr": bsr_config},
-        ),
+    bsr = bsr_config(
+        [file_tier(spec["store"])], CHUNK_TOKENS, window_checkpoint_chunks=spec["every"]
     )
-    result: dict[str, Any] = {"every": spec["every"], "start_s": time.perf_counter() - t0}
-    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
+    engine = EngineSpec(spec["model"], spec["max_model_len"], BLOCK_SIZE, log_stats=True)
+    llm, start_s = start_llm(engine, bsr_transfer(bsr))
+    result: dict[str, Any] = {"every": spec["every"], "start_s": start_s}
+    params = first_token()
     ttft, cached = [], []
     for prompt in spec["prompts"]:
-        t = time.perf_counter()
-        (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
-        ttft.append(time.perf_counter() - t)
-        cached.append(int(out.num_cached_tokens or 0))
-        _settle(spec["store"])
+        s, c = timed_generate(llm, prompt, params)
+        ttft.append(s)
+        cached.append(c)
+        settle(spec["store"])
     result.update(
-        ttft_s=ttft, cached_tokens=cached, loaded_bytes=_loaded_bytes(llm),
+        ttft_s=ttft, cached_tokens=cached, loaded_bytes=loaded_bytes(llm),
         store=_store(spec["store"]),
     )  # fmt: skip
-    finish_child(llm, out_path, result)
+    return result, llm
 
 
 # --------------------------------------------------------------------------- bench side
@@ -202,7 +169,7 @@ def run_checkpoints(ns: argparse.Namespace, python: str | None = None) -> dict[s
                 "model": str(work / "model"), "store": str(work / f"store-{name}"), "every": k,
                 "prompts": prompts, "max_model_len": max(len(p) for p in prompts) + 64,
             }  # fmt: skip
-            out = run_child(python, ["bsr_bench.vllm_checkpoints", "child"], spec, work, name, 3600)
+            out = run_child(python, "bsr_bench.vllm_checkpoints", spec, work, name, 3600)
             if "error" in out:
                 raise BenchError(f"the checkpoint interval {k} engine failed: {out['error']}")
             runs.append(out)
@@ -308,10 +275,3 @@ def print_section(sec: dict[str, Any]) -> None:
             f"{p['hit_rate_shared']:>8.2f} {p['hit_rate_again']:>8.2f} "
             f"{p['ttft_s_shared']['median']:>11.3f}s"
         )
-
-
-if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "child":
-        child(sys.argv[2], sys.argv[3])
-    else:
-        raise SystemExit("usage: python -m bsr_bench.vllm_checkpoints child SPEC OUT")

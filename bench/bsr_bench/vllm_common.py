@@ -1,16 +1,15 @@
 """What the ``--engine vllm`` sections share: the vLLM interpreter and its child processes.
 
-Every vLLM engine of the bench runs in a child process (``python -m bsr_bench.<module> ...``) of
-an interpreter that has vLLM (``--vllm-python``, default ``.venv-vllm/bin/python`` when it
-exists, else this one), because vLLM spawns workers and pins its own dependency stack. That
-interpreter needs bsr, not the bench: the child finds this package through ``PYTHONPATH``
-(:mod:`.common.workers`).
+Every vLLM engine of the bench runs in a child process of an interpreter that has vLLM
+(``--vllm-python``, default ``.venv-vllm/bin/python`` when it exists, else this one), because
+vLLM spawns workers and pins its own dependency stack. That interpreter needs bsr, not the
+bench: the child finds this package through ``PYTHONPATH`` (:mod:`.common.workers`). The child
+is :mod:`.vllm_engine`'s entry point running a section module's ``child``.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import random
 import subprocess
 import sys
@@ -64,9 +63,11 @@ def root_cause(stderr: str) -> str:
 
 
 def run_child(
-    python: str, argv: list[str], spec: dict[str, Any], work: Path, name: str, timeout_s: float
+    python: str, section: str, spec: dict[str, Any], work: Path, name: str, timeout_s: float
 ) -> dict[str, Any]:
-    """Run ``python -m <argv...> SPEC OUT`` and return OUT, or ``{"error": ..., ...}``."""
+    """Run ``section``'s ``child`` on ``spec`` in a child process (``python -m
+    bsr_bench.vllm_engine SECTION SPEC OUT``) and return OUT, or ``{"error": ..., ...}`` (the
+    most specific line of its stderr) when it wrote none."""
     spec_path, out = work / f"{name}.json", work / f"{name}.out.json"
     spec_path.write_text(json.dumps(spec))
     # vLLM's CPU build reserves one more core when a KV connector is configured: pinned, an
@@ -74,7 +75,7 @@ def run_child(
     env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1", **child_env()}
     try:
         proc = subprocess.run(
-            [python, "-m", *argv, str(spec_path), str(out)],
+            [python, "-m", "bsr_bench.vllm_engine", section, str(spec_path), str(out)],
             env=env,
             capture_output=True,
             text=True,
@@ -85,29 +86,3 @@ def run_child(
     if out.exists():
         return dict(json.loads(out.read_text()))
     return {"error": root_cause(proc.stderr), "returncode": proc.returncode}
-
-
-def metric_values(llm: Any, name: str) -> dict[str, float]:
-    """A vLLM metric of an in-process ``LLM`` (``llm.get_metrics()``), summed per label values
-    other than ``engine`` and ``model_name`` (joined by commas: a ``tier``, a ``choice``)."""
-    out: dict[str, float] = {}
-    for m in llm.get_metrics():
-        if m.name == name and hasattr(m, "value"):
-            key = ",".join(
-                f"{v}" for k, v in sorted(m.labels.items()) if k not in ("engine", "model_name")
-            )
-            out[key] = out.get(key, 0.0) + float(m.value)
-    return out
-
-
-def finish_child(llm: Any, out_path: str, result: dict[str, Any]) -> None:
-    """Write a child's ``result`` to ``out_path``, shut its engine down in order (the connector
-    waits for its saves), then exit at once (a thread of a hung store is never joined)."""
-    from pathlib import Path as _Path
-
-    _Path(out_path).write_text(json.dumps(result))
-    try:
-        llm.llm_engine.engine_core.shutdown()
-    finally:
-        sys.stdout.flush()
-        os._exit(0)

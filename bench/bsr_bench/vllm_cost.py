@@ -2,8 +2,7 @@
 always-recompute on the same shared-prefix workload inside vLLM's CPU engine.
 
 Where it runs: like :mod:`.vllm_ttft`, the bench process only orchestrates; every engine runs in
-a child process (``python -m bsr_bench.vllm_cost child spec.json out.json``) of the vLLM
-interpreter.
+a child process of the vLLM interpreter (:mod:`.vllm_engine` running :func:`child`).
 
 How it works: the TTFT bench's random Llama (:data:`.vllm_ttft.MODEL`, 4 KiB of KV per token)
 serves a shared-prefix workload: ``--vllm-cost-prefixes`` distinct prefixes of
@@ -40,14 +39,19 @@ from pathlib import Path
 from typing import Any
 
 from .common.stats import BenchError, Dist, load_average, ratio
-from .vllm_common import (
-    finish_child,
+from .vllm_common import object_files, run_child, tokens, vllm_python, vllm_version
+from .vllm_engine import (
+    EngineSpec,
+    Outcome,
+    bsr_config,
+    bsr_transfer,
+    file_tier,
+    first_token,
     metric_values,
-    object_files,
-    run_child,
-    tokens,
-    vllm_python,
-    vllm_version,
+    start_llm,
+    suffixed,
+    timed_generate,
+    wait_for_objects,
 )
 from .vllm_ttft import BLOCK_SIZE, CHUNK_TOKENS, MODEL, SUFFIX_TOKENS
 
@@ -87,38 +91,20 @@ def _tiers(spec: dict[str, Any]) -> list[dict[str, Any]]:
     slow = spec["slow_bytes_per_s"] if cond in ("slow", "mixed") else None
     host = (n // CHUNK_TOKENS) // 2 if cond == "mixed" else None
     os.environ["BSR_BENCH_TIERS"] = json.dumps({"slow_bytes_per_s": slow, "host_chunks": host})
-    tiers: list[dict[str, Any]] = [
-        {"kind": "file", "path": spec["store"], "capacity_bytes": 8 << 30}
-    ]
+    tiers = [file_tier(spec["store"])]
     if cond == "mixed":
         tiers.insert(0, {"kind": "host", "capacity_bytes": 1 << 30})
     return tiers
 
 
-def _llm(spec: dict[str, Any], tiers: list[dict[str, Any]]) -> Any:
-    """vLLM's engine with the cost bench's connector over ``tiers`` and the spec's policy."""
-    from vllm import LLM
-    from vllm.config import KVTransferConfig
-
-    n, policy = spec["prefix_tokens"], spec["policy"]
-    return LLM(
-        model=spec["model"], load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
-        dtype="bfloat16", block_size=BLOCK_SIZE, max_model_len=n + 2 * SUFFIX_TOKENS,
-        kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False, disable_log_stats=False,
-        seed=0,
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="CostBenchConnector",
-            kv_connector_module_path="bsr_bench.vllm_cost_connector",
-            kv_role="kv_both",
-            kv_load_failure_policy="recompute",
-            kv_connector_extra_config={
-                "bsr": {
-                    "tiers": tiers, "chunk_tokens": CHUNK_TOKENS, "window": 8, "io_depth": 4,
-                    "policy": "cost" if policy == "cost" else "all_or_nothing",
-                },
-            },
-        ),
-    )  # fmt: skip
+def _transfer(spec: dict[str, Any], tiers: list[dict[str, Any]]) -> dict[str, Any]:
+    """The cost bench's connector over ``tiers`` with the spec's policy."""
+    policy = "cost" if spec["policy"] == "cost" else "all_or_nothing"
+    return bsr_transfer(
+        bsr_config(tiers, CHUNK_TOKENS, policy=policy),
+        connector="CostBenchConnector",
+        module="bsr_bench.vllm_cost_connector",
+    )
 
 
 def _ask(
@@ -126,17 +112,9 @@ def _ask(
 ) -> tuple[float, int]:
     """One request ``prefix`` + a fresh suffix (bsr not asked to load unless ``load``);
     return its wall time and the tokens vLLM found cached."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    prompt = prefix + tokens(SUFFIX_TOKENS, spec["seed"] * 7919 + i, MODEL["vocab_size"])
+    prompt = suffixed(prefix, SUFFIX_TOKENS, spec["seed"], i, MODEL["vocab_size"])
     extra = None if load else {"kv_transfer_params": {"bsr": {"load": False}}}
-    params = SamplingParams(
-        max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False, extra_args=extra
-    )
-    t = time.perf_counter()
-    (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
-    return time.perf_counter() - t, int(out.num_cached_tokens or 0)
+    return timed_generate(llm, prompt, first_token(extra))
 
 
 def _prepare(llm: Any, spec: dict[str, Any], prefixes: list[list[int]]) -> None:
@@ -145,24 +123,19 @@ def _prepare(llm: Any, spec: dict[str, Any], prefixes: list[list[int]]) -> None:
     for i, p in enumerate(prefixes):  # store each prefix (saved after the request ends)
         before = object_files(spec["store"])
         _ask(llm, spec, p, -1 - i)
-        want = before + n // CHUNK_TOKENS
-        deadline = time.monotonic() + 300
-        while object_files(spec["store"]) < want and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_for_objects(spec["store"], before + n // CHUNK_TOKENS, 300, poll_s=0.1)
     for i, p in enumerate(prefixes):  # untimed restores: every tier and the prefill measured
         for j in range(2):
             _ask(llm, spec, p, -100 - 10 * i - j)
 
 
-def child(spec_path: str, out_path: str) -> None:
+def child(spec: dict[str, Any]) -> Outcome:
     """One engine: the workload under one condition and one policy (child process)."""
-    spec = json.loads(Path(spec_path).read_text())
     cond, policy, n = spec["condition"], spec["policy"], spec["prefix_tokens"]
     tiers = _tiers(spec)
     load_start = load_average()
-    t0 = time.perf_counter()
-    llm = _llm(spec, tiers)
-    start_s = time.perf_counter() - t0
+    engine = EngineSpec(spec["model"], n + 2 * SUFFIX_TOKENS, BLOCK_SIZE, log_stats=True)
+    llm, start_s = start_llm(engine, _transfer(spec, tiers))
     vocab = MODEL["vocab_size"]
     prefixes = [tokens(n, spec["seed"] + 1000 * i + n, vocab) for i in range(spec["prefixes"])]
     _prepare(llm, spec, prefixes)
@@ -185,7 +158,7 @@ def child(spec_path: str, out_path: str) -> None:
         "cached_tokens": cached, "decisions": {k: v for k, v in decisions.items() if v},
         "load_average": [load_start, load_average()],
     }  # fmt: skip
-    finish_child(llm, out_path, result)
+    return result, llm
 
 
 # --------------------------------------------------------------------------- bench side
@@ -236,9 +209,7 @@ def run_cost(ns: argparse.Namespace) -> dict[str, Any]:
                     **plan, "model": str(work / "model"), "seed": seed, "condition": cond,
                     "policy": policy, "store": str(work / f"store-{name}"),
                 }  # fmt: skip
-                runs[name] = run_child(
-                    python, ["bsr_bench.vllm_cost", "child"], spec, work, name, 3600
-                )
+                runs[name] = run_child(python, "bsr_bench.vllm_cost", spec, work, name, 3600)
                 if "error" in runs[name]:
                     raise BenchError(f"the {name} engine failed: {runs[name]['error']}")
     finally:
@@ -318,10 +289,3 @@ def print_table(doc: dict[str, Any]) -> None:
             f"{c['cost_decisions']}"
         )
     print(f"JSON: {doc['json_path']}")
-
-
-if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "child":
-        child(sys.argv[2], sys.argv[3])
-    else:
-        raise SystemExit("usage: python -m bsr_bench.vllm_cost child SPEC OUT")

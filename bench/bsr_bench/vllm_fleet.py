@@ -359,7 +359,7 @@ def run_fleet(python: str, p: dict[str, Any]) -> dict[str, Any]:
             "gpu_tokens": p["gpu_tokens"], "max_model_len": work.max_model_len(),
             "pd_prompts": p["pd_prompts"],
         }  # fmt: skip
-        measured = run_child(python, ["bsr_bench.vllm_fleet_child"], spec, root, "fleet", 3600)
+        measured = run_child(python, "bsr_bench.vllm_fleet_child", spec, root, "fleet", 3600)
         if "error" in measured:
             raise BenchError(f"the fleet failed: {measured['error']}")
     finally:

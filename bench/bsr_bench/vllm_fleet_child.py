@@ -4,8 +4,8 @@ threads, sends the workload through it and writes every sample to its output fil
 
 Phases, one after the other: ``private`` (private_rr), ``shared`` (shared_rr, then
 shared_router, salted apart), ``alone`` (vllm_rr), ``pd`` (the prefill/decode split and one
-kv_both instance). Run as ``python -m bsr_bench.vllm_fleet_child SPEC OUT`` by the interpreter
-that has vLLM, bsr's router extra (``pyzmq``, ``msgspec``) and bsr.
+kv_both instance). Run by :mod:`.vllm_engine` (:func:`child`) under the interpreter that has
+vLLM, bsr's router extra (``pyzmq``, ``msgspec``) and bsr.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from typing import Any
 from .common.stats import load_average
 from .common.workers import free_port
 from .vllm_common import root_cause, tokens
+from .vllm_engine import EngineSpec, Outcome, bsr_transfer, file_tier
 from .vllm_fleet import INSTANCES, KV_BYTES_PER_TOKEN, Workload
 from .vllm_ttft import BLOCK_SIZE, CHUNK_TOKENS, MODEL
 
@@ -36,18 +37,12 @@ PD_HOST_BYTES = 512 << 20
 
 
 def _kv(role: str, tiers: list[dict[str, Any]], **conn: Any) -> dict[str, Any]:
-    return {
-        "kv_connector": "BsrConnector", "kv_connector_module_path": "bsr.vllm", "kv_role": role,
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {
-            "bsr": {"tiers": tiers, "chunk_tokens": CHUNK_TOKENS, "model_id": "fleet-bench"},
-            "bsr_connector": conn,
-        },
-    }  # fmt: skip
+    bsr = {"tiers": tiers, "chunk_tokens": CHUNK_TOKENS, "model_id": "fleet-bench"}
+    return bsr_transfer(bsr, role=role, options=conn)
 
 
 def _file(path: Path) -> dict[str, Any]:
-    return {"kind": "file", "path": str(path), "capacity_bytes": "8GiB"}
+    return file_tier(str(path), "8GiB")
 
 
 class Servers:
@@ -70,16 +65,19 @@ class Servers:
         flags), on ``ports`` or free ones; the seconds until all answer ``/health``."""
         t0 = time.perf_counter()
         env = dict(os.environ, VLLM_CPU_NUM_OF_RESERVED_CPU="1")
+        engine = EngineSpec(
+            self.spec["model"],
+            self.spec["max_model_len"],
+            BLOCK_SIZE,
+            kv_cache_bytes=self.spec["gpu_tokens"] * KV_BYTES_PER_TOKEN,
+            prefix_caching=None,  # vLLM's default: on, the prefix router's events need it
+        )
         for name, (kv, extra) in configs.items():
             port = self.ports[name] = (ports or {}).get(name) or free_port()
             cmd = [
-                sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-                "--model", self.spec["model"], "--host", "127.0.0.1", "--port", str(port),
-                "--skip-tokenizer-init", "--enforce-eager", "--dtype", "bfloat16",
-                "--load-format", "dummy", "--block-size", str(BLOCK_SIZE),
-                "--max-model-len", str(self.spec["max_model_len"]),
-                "--kv-cache-memory-bytes", str(self.spec["gpu_tokens"] * KV_BYTES_PER_TOKEN),
-                "--seed", "0", "--enable-prompt-tokens-details", *extra,
+                sys.executable, "-m", "vllm.entrypoints.openai.api_server", *engine.serve_argv(),
+                "--host", "127.0.0.1", "--port", str(port), "--enable-prompt-tokens-details",
+                *extra,
             ]  # fmt: skip
             if kv is not None:
                 cmd += ["--kv-transfer-config", json.dumps(kv)]
@@ -340,22 +338,13 @@ def run_pd(spec: dict[str, Any], work: Path, out: dict[str, Any]) -> None:
         out["pd"] = {"samples": samples, "stats": pd.stats()}
 
 
-def child(spec_path: str, out_path: str) -> None:
-    """Every phase in turn; the samples (or the error) into ``out_path``."""
-    spec = json.loads(Path(spec_path).read_text())
+def child(spec: dict[str, Any]) -> Outcome:
+    """Every phase in turn; the samples (no in-process engine: the instances stop with their
+    phase)."""
     work = Path(spec["work"])
     out: dict[str, Any] = {"variants": {}, "engine_start_s": {}, "pd": None}
     load_start = load_average()
-    try:
-        for run in (run_private, run_shared, run_alone, run_pd):
-            run(spec, work, out)
-    except Exception as e:  # the bench reports it
-        out["error"] = f"{type(e).__name__}: {e}"
+    for run in (run_private, run_shared, run_alone, run_pd):
+        run(spec, work, out)
     out["load_average"] = [load_start, load_average()]
-    Path(out_path).write_text(json.dumps(out))
-
-
-if __name__ == "__main__":
-    if len(sys.argv) != 3:
-        raise SystemExit("usage: python -m bsr_bench.vllm_fleet_child SPEC OUT")
-    child(sys.argv[1], sys.argv[2])
+    return out, None

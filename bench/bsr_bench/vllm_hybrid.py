@@ -5,8 +5,8 @@ checkpoint interval stores and reads against the hits it keeps (``--vllm-section
 default both).
 
 Where it runs: like :mod:`.vllm_ttft`, the bench process only orchestrates; every engine runs in
-a child process (``python -m bsr_bench.vllm_hybrid child spec.json out.json``) of the vLLM
-interpreter, which finds this package through ``PYTHONPATH``.
+a child process of the vLLM interpreter (:mod:`.vllm_engine` running :func:`child`), which finds
+this package through ``PYTHONPATH``.
 
 How it works: a random-weight Gemma3-style text model (``config.json`` only,
 ``load_format="dummy"``; Gemma3's pattern of five sliding-window layers to one full-attention
@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -41,7 +40,21 @@ from typing import Any
 
 from . import vllm_checkpoints
 from .common.stats import BenchError, Dist, ratio
-from .vllm_common import finish_child, metric_values, run_child, tokens, vllm_python, vllm_version
+from .vllm_common import run_child, tokens, vllm_python, vllm_version
+from .vllm_engine import (
+    EngineSpec,
+    Outcome,
+    bsr_config,
+    bsr_transfer,
+    file_tier,
+    first_token,
+    loaded_bytes,
+    restore_until_hit,
+    settle,
+    start_llm,
+    suffixed,
+    timed_generate,
+)
 from .vllm_hybrid_model import BLOCK_SIZE, CHUNK_TOKENS, MODEL, WINDOW
 from .vllm_ttft import SUFFIX_TOKENS
 
@@ -76,95 +89,54 @@ def _store_bytes(root: str) -> tuple[int, int]:
     return len(files), sum(p.stat().st_size for p in files)
 
 
-def _loaded_bytes(llm: Any) -> float:
-    return sum(metric_values(llm, "vllm:bsr_loaded_bytes").values())
+def _measure_prefix(llm: Any, spec: dict[str, Any], params: Any, n: int) -> dict[str, Any]:
+    """One prefix length's point: the prefix stored and hit (with bsr), then ``repeats`` timed
+    requests, with the bytes they read and the bytes the store request wrote."""
+    bsr = spec["mode"] != "recompute"
+    prefix = tokens(n, spec["seed"] + n, MODEL["vocab_size"])
+
+    def ask(i: int) -> tuple[float, int]:
+        prompt = suffixed(prefix, SUFFIX_TOKENS, spec["seed"], i, MODEL["vocab_size"])
+        return timed_generate(llm, prompt, params)
+
+    point: dict[str, Any] = {"prefix_tokens": n}
+    before = _store_bytes(spec["store"]) if bsr else (0, 0)
+    ask(-1)  # warm-up; with bsr also stores the prefix (saved after the request ends)
+    if bsr:
+        settle(spec["store"], nonempty=True)
+        after = _store_bytes(spec["store"])
+        point["stored_objects"] = after[0] - before[0]
+        point["stored_bytes"] = after[1] - before[1]
+        restore_until_hit(ask, n)
+    loaded0 = loaded_bytes(llm) if bsr else 0.0
+    samples, cached = [], []
+    for r in range(spec["repeats"]):
+        s, c = ask(r)
+        samples.append(s)
+        cached.append(c)
+    if bsr:
+        point["loaded_bytes_per_restore"] = (loaded_bytes(llm) - loaded0) / spec["repeats"]
+    point.update(ttft_s=samples, cached_tokens=cached)
+    return point
 
 
-def _settle(root: str, deadline_s: float = 120.0) -> None:
-    """Wait until the saves after a request have landed (the object count stops growing)."""
-    end, last, stable = time.monotonic() + deadline_s, -1, 0
-    while time.monotonic() < end and stable < 5:
-        n = _store_bytes(root)[0]
-        stable = stable + 1 if n == last and n > 0 else 0
-        last = n
-        time.sleep(0.2)
-
-
-def child(spec_path: str, out_path: str) -> None:
+def child(spec: dict[str, Any]) -> Outcome:
     """One engine: time ``prefix + suffix`` requests for every prefix length (child process)."""
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
-    from vllm.inputs import TokensPrompt
-
-    spec = json.loads(Path(spec_path).read_text())
     mode = spec["mode"]
-    kw: dict[str, Any] = {}
+    transfer = None
     if mode != "recompute":
-        kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="BsrConnector",
-            kv_connector_module_path="bsr.vllm",
-            kv_role="kv_both",
-            kv_load_failure_policy="recompute",
-            kv_connector_extra_config={
-                "bsr": {
-                    "tiers": [{"kind": "file", "path": spec["store"], "capacity_bytes": 8 << 30}],
-                    "chunk_tokens": CHUNK_TOKENS,
-                    "window": 8,
-                    "io_depth": 4,
-                }
-            },
-        )
-    result: dict[str, Any] = {"mode": mode, "points": []}
-    t0 = time.perf_counter()
-    llm = LLM(
-        model=spec["model"],
-        load_format="dummy",
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        dtype="bfloat16",
-        block_size=BLOCK_SIZE,
-        max_model_len=max(spec["prefixes"]) + 2 * SUFFIX_TOKENS,
-        kv_cache_memory_bytes=1 << 30,
-        enable_prefix_caching=False,
-        disable_hybrid_kv_cache_manager=(mode == "one_group"),
-        disable_log_stats=False,
-        seed=0,
-        **kw,
+        transfer = bsr_transfer(bsr_config([file_tier(spec["store"])], CHUNK_TOKENS))
+    engine = EngineSpec(
+        spec["model"], max(spec["prefixes"]) + 2 * SUFFIX_TOKENS, BLOCK_SIZE, log_stats=True
     )
-    result["start_s"] = time.perf_counter() - t0
-    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
+    llm, start_s = start_llm(
+        engine, transfer, disable_hybrid_kv_cache_manager=(mode == "one_group")
+    )
+    result: dict[str, Any] = {"mode": mode, "points": [], "start_s": start_s}
+    params = first_token()
     for n in spec["prefixes"]:
-        prefix = tokens(n, spec["seed"] + n, MODEL["vocab_size"])
-
-        def ask(i: int, prefix: list[int] = prefix) -> tuple[float, int]:
-            prompt = prefix + tokens(SUFFIX_TOKENS, spec["seed"] * 7919 + i, MODEL["vocab_size"])
-            t = time.perf_counter()
-            (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
-            return time.perf_counter() - t, int(out.num_cached_tokens or 0)
-
-        point: dict[str, Any] = {"prefix_tokens": n}
-        before = _store_bytes(spec["store"]) if mode != "recompute" else (0, 0)
-        ask(-1)  # warm-up; with bsr also stores the prefix (saved after the request ends)
-        if mode != "recompute":
-            _settle(spec["store"])
-            after = _store_bytes(spec["store"])
-            point["stored_objects"] = after[0] - before[0]
-            point["stored_bytes"] = after[1] - before[1]
-            for i in range(10):  # a file is visible before the tier has indexed it
-                if ask(-2 - i)[1] >= n:
-                    break
-                time.sleep(0.2)
-        loaded0 = _loaded_bytes(llm) if mode != "recompute" else 0.0
-        samples, cached = [], []
-        for r in range(spec["repeats"]):
-            s, c = ask(r)
-            samples.append(s)
-            cached.append(c)
-        if mode != "recompute":
-            point["loaded_bytes_per_restore"] = (_loaded_bytes(llm) - loaded0) / spec["repeats"]
-        point.update(ttft_s=samples, cached_tokens=cached)
-        result["points"].append(point)
-    finish_child(llm, out_path, result)
+        result["points"].append(_measure_prefix(llm, spec, params, n))
+    return result, llm
 
 
 # --------------------------------------------------------------------------- bench side
@@ -225,7 +197,7 @@ def run_hybrid(ns: argparse.Namespace) -> dict[str, Any]:
         base = {"model": str(work / "model"), "prefixes": list(prefixes), "repeats": repeats}
         runs = {
             m: run_child(
-                python, ["bsr_bench.vllm_hybrid", "child"],
+                python, "bsr_bench.vllm_hybrid",
                 {**base, "seed": seed, "mode": m, "store": str(work / f"store-{m}")}, work, m, 1800,
             )
             for m in (MODES if "manager" in sections else ())
@@ -352,10 +324,3 @@ def _print_table(doc: dict[str, Any]) -> None:
             f"{p['bytes_one_group_over_hybrid']:>7.2f}x"
         )
     print(f"JSON: {doc['json_path']}")
-
-
-if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "child":
-        child(sys.argv[2], sys.argv[3])
-    else:
-        raise SystemExit("usage: python -m bsr_bench.vllm_hybrid child SPEC OUT")

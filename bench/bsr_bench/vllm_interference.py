@@ -44,7 +44,7 @@ from .common.stats import BenchError
 from .vllm_common import run_child
 from .vllm_interference_figures import GIB, ratios, summarize, targets
 
-CHILD = ["bsr_bench.vllm_interference_child"]
+CHILD = "bsr_bench.vllm_interference_child"
 
 #: the model: KV 256 KiB per token with 32 layers (layers x 16 heads x 128 x K,V x 2 bytes)
 MODEL: dict[str, Any] = {

@@ -1,8 +1,8 @@
 """One engine of the interference section: decoders running, long-prefix requests arriving.
 
 Where it runs: a child process of the bench under the interpreter that has vLLM
-(``python -m bsr_bench.vllm_interference_child SPEC OUT``); the bench process only plans and
-analyses (:mod:`.vllm_interference`). Three jobs, by the spec's ``job``:
+(:mod:`.vllm_engine` running :func:`child`); the bench process only plans and analyses
+(:mod:`.vllm_interference`). Three jobs, by the spec's ``job``:
 
 * ``model``: write the random Llama with transformers ``save_pretrained`` (vLLM's own
   transformers, so that vLLM reads what it wrote);
@@ -28,18 +28,25 @@ per request, the stamp of every step that gave it a token. The arrival's time is
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from .common.stats import load_average
 from .vllm_common import tokens
+from .vllm_engine import (
+    EngineSpec,
+    Outcome,
+    bsr_config,
+    bsr_transfer,
+    file_tier,
+    start_llm,
+    wait_for_objects,
+)
 
 
-def object_files(store: str) -> list[str]:
+def object_paths(store: str) -> list[str]:
     """The FileTier's object files."""
     return sorted(str(p) for p in Path(store).glob("objects/**/*.bsr") if p.is_file())
 
@@ -55,56 +62,30 @@ def write_model(spec: dict[str, Any]) -> dict[str, Any]:
     return {"params": sum(p.numel() for p in model.parameters())}
 
 
-def _connector(spec: dict[str, Any]) -> Any:
-    from vllm.config import KVTransferConfig
-
+def _engine(spec: dict[str, Any]) -> tuple[Any, float]:
+    """The job's engine: the model's own weights, vLLM's prefix cache on, stats off; bsr's
+    connector in the spec's role and load mode over a FileTier (O_DIRECT reads where the spec's
+    ``connector`` asks), or none."""
     conn = spec.get("connector")
-    if conn is None:
-        return None
-    return KVTransferConfig(
-        kv_connector="BsrConnector",
-        kv_connector_module_path="bsr.vllm",
-        kv_role=conn["role"],
-        kv_load_failure_policy="recompute",
-        kv_connector_extra_config={
-            "bsr": {
-                "tiers": [
-                    {
-                        "kind": "file",
-                        "path": spec["store"],
-                        "capacity_bytes": spec["store_capacity_bytes"],
-                        "direct_io": bool(conn.get("direct_io", False)),
-                    }
-                ],
-                "chunk_tokens": spec["chunk_tokens"],
-                "window": spec["window"],
-                "io_depth": spec["io_depth"],
-            },
-            "bsr_connector": {"load": conn.get("load", "async")},
-        },
+    transfer = None
+    if conn is not None:
+        direct = bool(conn.get("direct_io", False))
+        tier = file_tier(spec["store"], spec["store_capacity_bytes"], direct_io=direct)
+        transfer = bsr_transfer(
+            bsr_config([tier], spec["chunk_tokens"], spec["window"], spec["io_depth"]),
+            role=conn["role"],
+            options={"load": conn.get("load", "async")},
+        )
+    engine = EngineSpec(
+        spec["model"],
+        spec["prefix_tokens"] + spec["new_tokens"] + 64,
+        spec["block_size"],
+        kv_cache_bytes=spec["kv_cache_bytes"],
+        dummy_weights=False,
+        prefix_caching=True,
+        log_stats=False,
     )
-
-
-def _engine(spec: dict[str, Any]) -> Any:
-    from vllm import LLM
-
-    kw: dict[str, Any] = {}
-    transfer = _connector(spec)
-    if transfer is not None:
-        kw["kv_transfer_config"] = transfer
-    return LLM(
-        model=spec["model"],
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        dtype="bfloat16",
-        block_size=spec["block_size"],
-        max_model_len=spec["prefix_tokens"] + spec["new_tokens"] + 64,
-        kv_cache_memory_bytes=spec["kv_cache_bytes"],
-        enable_prefix_caching=True,
-        disable_log_stats=True,
-        seed=0,
-        **kw,
-    )
+    return start_llm(engine, transfer)
 
 
 class _Stepper:
@@ -176,12 +157,12 @@ def _page_state(spec: dict[str, Any]) -> float | None:
     cache = spec.get("cache")
     if cache is None:
         return None
-    return prepare(CacheMode(cache), object_files(spec["store"]))
+    return prepare(CacheMode(cache), object_paths(spec["store"]))
 
 
-def run_store(spec: dict[str, Any]) -> dict[str, Any]:
+def run_store(spec: dict[str, Any]) -> Outcome:
     """Compute ``prefix + new`` once with a saving-only connector; wait for the objects."""
-    llm = _engine(spec)
+    llm, _ = _engine(spec)
     vocab = spec["config"]["vocab_size"]
     prefix = tokens(spec["prefix_tokens"], spec["seed"], vocab)
     stepper = _Stepper(llm)
@@ -189,26 +170,21 @@ def run_store(spec: dict[str, Any]) -> dict[str, Any]:
     stepper.until(lambda: len(stepper.tokens["store"]) >= 1, 3600)
     prefill_s = stepper.tokens["store"][0] - t
     want = spec["prefix_tokens"] // spec["chunk_tokens"]
-    end = time.monotonic() + 600
-    while len(object_files(spec["store"])) < want:
-        if time.monotonic() > end:
-            raise RuntimeError(f"fewer than {want} objects in the store after 600 s")
-        time.sleep(0.1)
-    files = object_files(spec["store"])
-    return {
+    if wait_for_objects(spec["store"], want, 600, poll_s=0.1) < want:
+        raise RuntimeError(f"fewer than {want} objects in the store after 600 s")
+    files = object_paths(spec["store"])
+    result = {
         "prefill_s": prefill_s,
         "objects": len(files),
         "object_bytes": sum(os.path.getsize(p) for p in files),
-        "_llm": llm,
     }
+    return result, llm
 
 
-def run_rounds(spec: dict[str, Any]) -> dict[str, Any]:
+def run_rounds(spec: dict[str, Any]) -> Outcome:
     """One variant's rounds, in the order of ``spec["rounds"]`` (see the module docstring)."""
     load_start = load_average()
-    t0 = time.perf_counter()
-    llm = _engine(spec)
-    start_s = time.perf_counter() - t0
+    llm, start_s = _engine(spec)
     sched = llm.llm_engine.vllm_config.scheduler_config
     vocab = spec["config"]["vocab_size"]
     prefix = tokens(spec["prefix_tokens"], spec["seed"], vocab)
@@ -221,7 +197,7 @@ def run_rounds(spec: dict[str, Any]) -> dict[str, Any]:
         "load_average": [load_start, load_average()],
         "rounds": rounds,
     }
-    return {**out, "_llm": llm}
+    return out, llm
 
 
 def _round(
@@ -258,30 +234,13 @@ def _round(
     }
 
 
-def main(spec_path: str, out_path: str) -> None:
-    spec = json.loads(Path(spec_path).read_text())
+def child(spec: dict[str, Any]) -> Outcome:
+    """The spec's job: ``model`` (no engine), ``store`` or ``rounds``."""
     job = spec["job"]
-    llm = None
     if job == "model":
-        result = write_model(spec)
-    elif job == "store":
-        result = run_store(spec)
-    elif job == "rounds":
-        result = run_rounds(spec)
-    else:
-        raise SystemExit(f"unknown job {job!r}")
-    llm = result.pop("_llm", None)
-    Path(out_path).write_text(json.dumps(result))
-    if llm is None:
-        return
-    try:  # an orderly shutdown (the connector waits for its saves), then exit at once
-        llm.llm_engine.engine_core.shutdown()
-    finally:
-        sys.stdout.flush()
-        os._exit(0)
-
-
-if __name__ == "__main__":
-    if len(sys.argv) != 3:
-        raise SystemExit("usage: python -m bsr_bench.vllm_interference_child SPEC OUT")
-    main(sys.argv[1], sys.argv[2])
+        return write_model(spec), None
+    if job == "store":
+        return run_store(spec)
+    if job == "rounds":
+        return run_rounds(spec)
+    raise ValueError(f"unknown job {job!r}")

@@ -45,7 +45,20 @@ from typing import Any
 
 from . import vllm_interference as interference
 from .common.stats import BenchError, Dist, load_average, ratio
-from .vllm_common import finish_child, object_files, run_child, tokens, vllm_python, vllm_version
+from .vllm_common import object_files, run_child, tokens, vllm_python, vllm_version
+from .vllm_engine import (
+    EngineSpec,
+    Outcome,
+    bsr_config,
+    bsr_transfer,
+    file_tier,
+    first_token,
+    restore_until_hit,
+    start_llm,
+    suffixed,
+    timed_generate,
+    wait_for_objects,
+)
 from .vllm_interference_figures import print_table as print_interference
 
 #: The TTFT model: GQA Llama, head_dim 64 (CPU attention kernels need >= 32).
@@ -110,63 +123,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 # --------------------------------------------------------------------------- child side
-def _transfer_kw(mode: str, store: str) -> dict[str, Any]:
-    """``LLM``'s ``kv_transfer_config`` for ``mode`` (none for recompute)."""
-    from vllm.config import KVTransferConfig
-
-    kw: dict[str, Any] = {}
+def _transfer(mode: str, store: str) -> dict[str, Any] | None:
+    """The engine's KV transfer config for ``mode`` (none for recompute)."""
     if mode in LOADS:
-        kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="BsrConnector",
-            kv_connector_module_path="bsr.vllm",
-            kv_role="kv_both",
-            kv_load_failure_policy="recompute",
-            kv_connector_extra_config={
-                "bsr": {
-                    "tiers": [{"kind": "file", "path": store, "capacity_bytes": 8 << 30}],
-                    "chunk_tokens": CHUNK_TOKENS,
-                    "window": 8,
-                    "io_depth": 4,
-                },
-                "bsr_connector": {"load": LOADS[mode]},
-            },
+        return bsr_transfer(
+            bsr_config([file_tier(store)], CHUNK_TOKENS), options={"load": LOADS[mode]}
         )
-    elif mode == "offloading":
-        kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="OffloadingConnector",
-            kv_role="kv_both",
-            kv_connector_extra_config={"cpu_bytes_to_use": 1 << 30},
-        )
-    return kw
+    if mode == "offloading":
+        return {
+            "kv_connector": "OffloadingConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 30},
+        }
+    return None
 
 
 def _measure_prefix(llm: Any, spec: dict[str, Any], params: Any, n: int) -> dict[str, Any]:
     """One prefix length's point: a warm-up (with bsr: the prefix stored and hit), then
     ``repeats`` timed requests."""
-    from vllm.inputs import TokensPrompt
-
     mode = spec["mode"]
     vocab = MODEL["vocab_size"]
     prefix = tokens(n, spec["seed"] + n, vocab)
 
-    def ask(i: int, prefix: list[int] = prefix) -> tuple[float, int]:
-        prompt = prefix + tokens(SUFFIX_TOKENS, spec["seed"] * 7919 + i, vocab)
-        t = time.perf_counter()
-        (out,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
-        return time.perf_counter() - t, int(out.num_cached_tokens or 0)
+    def ask(i: int) -> tuple[float, int]:
+        return timed_generate(llm, suffixed(prefix, SUFFIX_TOKENS, spec["seed"], i, vocab), params)
 
     before = object_files(spec["store"]) if mode in LOADS else 0
     ask(-1)  # warm-up; with bsr also stores the prefix (saved after the request ends)
     if mode in LOADS:
-        want = before + n // CHUNK_TOKENS
-        deadline = time.monotonic() + 120
-        while object_files(spec["store"]) < want and time.monotonic() < deadline:
-            time.sleep(0.05)
-        # a file is visible before the tier has indexed it: untimed restores until it hits
-        for i in range(10):
-            if ask(-2 - i)[1] >= n:
-                break
-            time.sleep(0.2)
+        wait_for_objects(spec["store"], before + n // CHUNK_TOKENS, 120)
+        restore_until_hit(ask, n)
     samples, cached = [], []
     for r in range(spec["repeats"]):
         s, c = ask(r)
@@ -175,35 +161,17 @@ def _measure_prefix(llm: Any, spec: dict[str, Any], params: Any, n: int) -> dict
     return {"prefix_tokens": n, "ttft_s": samples, "cached_tokens": cached}
 
 
-def child(spec_path: str, out_path: str) -> None:
+def child(spec: dict[str, Any]) -> Outcome:
     """One engine: time ``prefix + suffix`` requests for every prefix length (child process)."""
-    from vllm import LLM, SamplingParams
-
-    spec = json.loads(Path(spec_path).read_text())
-    mode = spec["mode"]
     load_start = load_average()
-    kw = _transfer_kw(mode, spec["store"])
-    result: dict[str, Any] = {"mode": mode, "points": []}
-    t0 = time.perf_counter()
-    llm = LLM(
-        model=spec["model"],
-        load_format="dummy",
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        dtype="bfloat16",
-        block_size=BLOCK_SIZE,
-        max_model_len=max(spec["prefixes"]) + 2 * SUFFIX_TOKENS,
-        kv_cache_memory_bytes=1 << 30,
-        enable_prefix_caching=False,
-        seed=0,
-        **kw,
-    )
-    result["start_s"] = time.perf_counter() - t0
-    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
+    engine = EngineSpec(spec["model"], max(spec["prefixes"]) + 2 * SUFFIX_TOKENS, BLOCK_SIZE)
+    llm, start_s = start_llm(engine, _transfer(spec["mode"], spec["store"]))
+    result: dict[str, Any] = {"mode": spec["mode"], "points": [], "start_s": start_s}
+    params = first_token()
     for n in spec["prefixes"]:
         result["points"].append(_measure_prefix(llm, spec, params, n))
     result["load_average"] = [load_start, load_average()]
-    finish_child(llm, out_path, result)
+    return result, llm
 
 
 # --------------------------------------------------------------------------- bench side
@@ -367,10 +335,14 @@ def run_ttft(python: str, prefixes: tuple[int, ...], repeats: int, seed: int) ->
             "repeats": repeats,
             "seed": seed,
         }
-        argv = ["bsr_bench.vllm_ttft", "child"]
         runs = {
             m: run_child(
-                python, argv, {**base, "mode": m, "store": str(work / f"store-{m}")}, work, m, 1800
+                python,
+                "bsr_bench.vllm_ttft",
+                {**base, "mode": m, "store": str(work / f"store-{m}")},
+                work,
+                m,
+                1800,
             )
             for m in MODES
         }
@@ -463,10 +435,3 @@ def print_tables(doc: dict[str, Any]) -> None:
     if doc["interference"] is not None:
         print_interference(doc["interference"])
     print(f"JSON: {doc['json_path']}")
-
-
-if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "child":
-        child(sys.argv[2], sys.argv[3])
-    else:
-        raise SystemExit("usage: python -m bsr_bench.vllm_ttft child SPEC OUT")

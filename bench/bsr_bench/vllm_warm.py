@@ -44,14 +44,19 @@ from typing import Any
 
 from .common.stats import BenchError, Dist, load_average, ratio
 from .common.workers import free_port
-from .vllm_common import (
-    finish_child,
+from .vllm_common import object_files, run_child, tokens, vllm_python, vllm_version
+from .vllm_engine import (
+    EngineSpec,
+    Outcome,
+    bsr_config,
+    bsr_transfer,
+    file_tier,
+    first_token,
     metric_values,
-    object_files,
-    run_child,
-    tokens,
-    vllm_python,
-    vllm_version,
+    start_llm,
+    suffixed,
+    timed_generate,
+    wait_for_objects,
 )
 from .vllm_ttft import BLOCK_SIZE, CHUNK_TOKENS, MODEL, SUFFIX_TOKENS
 
@@ -63,23 +68,15 @@ HOST_BYTES = 4 << 30
 
 
 # --------------------------------------------------------------------------- child side
-def _connector(spec: dict[str, Any]) -> Any:
-    from vllm.config import KVTransferConfig
-
-    tiers: list[dict[str, Any]] = [
-        {"kind": "file", "path": spec["store"], "capacity_bytes": 16 << 30}
-    ]
+def _transfer(spec: dict[str, Any]) -> dict[str, Any]:
+    tiers = [file_tier(spec["store"], 16 << 30)]
     opts: dict[str, Any] = {"load": "async"}
-    bsr: dict[str, Any] = {"chunk_tokens": CHUNK_TOKENS, "window": 8, "io_depth": 4}
+    more: dict[str, Any] = {}
     if spec["phase"] == "measure":
         tiers.insert(0, {"kind": "host", "capacity_bytes": HOST_BYTES})
         opts.update(save=False, warm_address=f"127.0.0.1:{spec['port']}")
-        bsr["promote"] = "always"
-    return KVTransferConfig(
-        kv_connector="BsrConnector", kv_connector_module_path="bsr.vllm", kv_role="kv_both",
-        kv_load_failure_policy="recompute",
-        kv_connector_extra_config={"bsr": {"tiers": tiers, **bsr}, "bsr_connector": opts},
-    )  # fmt: skip
+        more["promote"] = "always"
+    return bsr_transfer(bsr_config(tiers, CHUNK_TOKENS, **more), options=opts)
 
 
 def conversation(spec: dict[str, Any], n: int, r: int, k: int) -> list[int]:
@@ -112,28 +109,18 @@ class _Asker:
     """Timed requests of one engine, each with the bytes it read per tier."""
 
     def __init__(self, llm: Any, spec: dict[str, Any]) -> None:
-        from vllm import SamplingParams
-
         self.llm, self.spec = llm, spec
-        self.params = SamplingParams(
-            max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False
-        )
+        self.params = first_token()
         self.asked = 0
 
     def ask(self, prefix: list[int]) -> dict[str, Any]:
-        from vllm.inputs import TokensPrompt
-
         self.asked += 1
-        suffix = tokens(SUFFIX_TOKENS, self.spec["seed"] * 7919 + self.asked, MODEL["vocab_size"])
+        prompt = suffixed(prefix, SUFFIX_TOKENS, self.spec["seed"], self.asked, MODEL["vocab_size"])
         before = metric_values(self.llm, LOADED)
-        t = time.perf_counter()
-        (out,) = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=prefix + suffix)], self.params, use_tqdm=False
-        )
-        s = time.perf_counter() - t
+        s, cached = timed_generate(self.llm, prompt, self.params)
         after = metric_values(self.llm, LOADED)
         read = {k: int(v - before.get(k, 0.0)) for k, v in after.items() if v > before.get(k, 0.0)}
-        return {"ttft_s": s, "cached": int(out.num_cached_tokens or 0), "bytes_by_tier": read}
+        return {"ttft_s": s, "cached": cached, "bytes_by_tier": read}
 
 
 def _store(llm: Any, spec: dict[str, Any]) -> dict[str, Any]:
@@ -144,9 +131,7 @@ def _store(llm: Any, spec: dict[str, Any]) -> dict[str, Any]:
             for k in range(1 + len(spec["leads_ms"])):
                 ask.ask(conversation(spec, n, r, k))
                 want += n // CHUNK_TOKENS
-    deadline = time.monotonic() + 300
-    while object_files(spec["store"]) < want and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for_objects(spec["store"], want, 300)
     return {"objects": object_files(spec["store"]), "expected_objects": want}
 
 
@@ -173,24 +158,17 @@ def _measure(llm: Any, spec: dict[str, Any]) -> dict[str, Any]:
     return {"points": points}
 
 
-def child(spec_path: str, out_path: str) -> None:
+def child(spec: dict[str, Any]) -> Outcome:
     """One engine (child process): the store phase or the measure phase."""
-    from vllm import LLM
-
-    spec = json.loads(Path(spec_path).read_text())
     load_start = load_average()
-    t0 = time.perf_counter()
-    llm = LLM(
-        model=spec["model"], load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
-        dtype="bfloat16", block_size=BLOCK_SIZE,
-        max_model_len=max(spec["prefixes"]) + 2 * SUFFIX_TOKENS,
-        kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False, seed=0,
-        disable_log_stats=False, kv_transfer_config=_connector(spec),
-    )  # fmt: skip
-    result: dict[str, Any] = {"phase": spec["phase"], "start_s": time.perf_counter() - t0}
+    engine = EngineSpec(
+        spec["model"], max(spec["prefixes"]) + 2 * SUFFIX_TOKENS, BLOCK_SIZE, log_stats=True
+    )
+    llm, start_s = start_llm(engine, _transfer(spec))
+    result: dict[str, Any] = {"phase": spec["phase"], "start_s": start_s}
     result.update((_store if spec["phase"] == "store" else _measure)(llm, spec))
     result["load_average"] = [load_start, load_average()]
-    finish_child(llm, out_path, result)
+    return result, llm
 
 
 # --------------------------------------------------------------------------- bench side
@@ -213,13 +191,13 @@ def run_warm(
             "prefixes": list(prefixes), "repeats": repeats, "leads_ms": list(leads_ms),
             "seed": seed, "port": port, "settle_s": 0.5,
         }  # fmt: skip
-        argv = ["bsr_bench.vllm_warm", "child"]
-        stored = run_child(python, argv, {**spec, "phase": "store"}, work, "store", 1800)
+        section = "bsr_bench.vllm_warm"
+        stored = run_child(python, section, {**spec, "phase": "store"}, work, "store", 1800)
         if "error" in stored:
             raise BenchError(f"the store engine failed: {stored['error']}")
         if stored["objects"] < stored["expected_objects"]:
             raise BenchError(f"the store engine saved {stored['objects']} of the objects")
-        measured = run_child(python, argv, {**spec, "phase": "measure"}, work, "measure", 1800)
+        measured = run_child(python, section, {**spec, "phase": "measure"}, work, "measure", 1800)
         if "error" in measured:
             raise BenchError(f"the measure engine failed: {measured['error']}")
     finally:
@@ -275,13 +253,6 @@ def warm_section(
         "duration_s": duration_s,
         "page_cache": "the store's files dropped (POSIX_FADV_DONTNEED) before each returning turn",
     }
-
-
-if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "child":
-        child(sys.argv[2], sys.argv[3])
-    else:
-        raise SystemExit("usage: python -m bsr_bench.vllm_warm child SPEC OUT")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
