@@ -238,7 +238,10 @@ def tp_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         return run_spec(tmp, name, batches=[BATCH_A], tensor_parallel_size=2, **spec)
 
     store: Path = tmp / "store"
-    out: dict[str, Any] = {"baseline": run("baseline")}
+    # the store run computes every token itself (its store is empty): it is the reference (a
+    # run without a connector gives the same tokens: test_store_run_outputs_equal_no_connector,
+    # at TP 1; a third TP engine here would cost ~1 min of this suite for nothing more)
+    out: dict[str, Any] = {}
     out["store"] = run(
         "store", connector=connector(store), await_objects=[str(store), 2 * (3 + 2 + 0 + 1)]
     )
@@ -248,8 +251,8 @@ def tp_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def test_tensor_parallel_2_store_and_restore(tp_runs: dict[str, Any]) -> None:
-    assert tokens_of(tp_runs["store"]) == tokens_of(tp_runs["baseline"])
-    assert tokens_of(tp_runs["restore"]) == tokens_of(tp_runs["baseline"])
+    assert cached_of(tp_runs["store"]) == [[0, 0, 0, 0]]  # the store run computed it all
+    assert tokens_of(tp_runs["restore"]) == tokens_of(tp_runs["store"])
     assert cached_of(tp_runs["restore"]) == [EXPECTED_A]
     # each rank stores its own shard under its own namespace, in its own FileTier root
     assert tp_runs["objects"] == {"rank-0-of-2": 6, "rank-1-of-2": 6}
