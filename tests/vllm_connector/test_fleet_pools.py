@@ -1,11 +1,13 @@
 """A fleet over each remote store bsr ships as its pool: a Redis Cluster (three nodes) and a
 Mooncake Store (one master).
 
-Two ``vllm serve`` instances, each with its own HostTier above the pool (the FileTier pool runs
-behind the router in test_fleet_router.py): a conversation's turns alternate between them, so
-each returning turn restores the earlier ones from the pool (vLLM reports them cached, bsr
-counts them read from the pool's tier), and its tokens equal a recompute of the same prompt on
-the same instance (float32: exact).
+Three ``vllm serve`` instances behind bsr's router, each with its own HostTier above the pool
+(the FileTier pool's fleet, with evictions and tenants, is test_fleet_router.py): a
+conversation's turns land on the three instances in turn, so each returning turn restores the
+earlier ones from the pool (vLLM reports them cached, bsr counts them read from the pool's
+tier), and its tokens equal a recompute of the same prompt on the same instance (float32:
+exact); then the conversation, sent through the router, goes to the instance whose GPU holds
+its prefix (the last one, which computed it again as its reference) and finds it cached.
 """
 
 from __future__ import annotations
@@ -16,13 +18,14 @@ from typing import Any
 
 import pytest
 
-from vllm_fleet import CHUNK, Fleet, kv_config, prompt, start_fleet
-from vllm_servers import prom
+from vllm_fleet import BLOCK, CHUNK, Fleet, kv_config, prompt, start_fleet
+from vllm_servers import eventually, prom
 
 pytest.importorskip("vllm")
+pytest.importorskip("zmq")
 pytestmark = pytest.mark.timeout(1500)
 
-NAMES = ("a", "b")
+NAMES = ("a", "b", "c")
 
 
 @contextlib.contextmanager
@@ -51,19 +54,20 @@ def fleet(
 ) -> Iterator[tuple[str, Fleet]]:
     kind = request.param
     root = tmp_path_factory.mktemp(f"fleet-{kind}")
-    with pool(kind) as tier, start_fleet(root, NAMES, lambda _name: kv_config(tier)) as fleet:
+    with (
+        pool(kind) as tier,
+        start_fleet(root, NAMES, lambda _name: kv_config(tier), router=True) as fleet,
+    ):
         yield tier["kind"], fleet
 
 
-def test_turns_alternating_between_instances_restore_from_the_pool(
+def test_turns_across_instances_restore_from_the_pool_and_the_router_finds_them(
     fleet: tuple[str, Fleet],
 ) -> None:
     kind, f = fleet
     history = prompt(3, 2 * CHUNK + 8)
     stored = 0  # the tokens of whole chunks the pool holds of this conversation
-    for i in range(4):
-        name = NAMES[i % 2]
-        f.reset(name)  # the instance's own cache forgets: what it finds is the pool's
+    for i, name in enumerate(NAMES):  # turn i on instance i: it never saw the earlier turns
         before = prom(f.ports[name], "vllm:bsr_hit_tokens_by_tier_total", tier=kind)
         out, cached = f.turn(name, history)
         assert cached >= stored and (i == 0 or cached > 0), f"turn {i} on {name}: {cached}"
@@ -72,3 +76,10 @@ def test_turns_alternating_between_instances_restore_from_the_pool(
         assert out == f.reference(name, history), f"turn {i} on {name}"
         stored = len(history) // CHUNK * CHUNK
         history = history + out + prompt(10 + i, CHUNK)
+    # c computed the last turn's prompt again for its reference (its GPU cache holds it), and
+    # the router knows it from c's events
+    eventually(lambda: f.match("c", history).get("GPU", 0) >= 8, "c's GPU events")
+    held = f.match("c", history)["GPU"]
+    _, cached, via = f.complete(None, history)
+    assert via == "c" and cached >= held * BLOCK
+    assert f.router is not None and f.router.snapshot()["reasons"] == {"prefix": 1}
