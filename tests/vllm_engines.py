@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import fcntl
 import importlib.util
 import json
 import os
@@ -351,19 +352,38 @@ def connector(path: Path, **opts: Any) -> dict[str, Any]:
 
 
 class Engines:
-    """The shared model, its baseline and a written store; ``copy`` gives a test its own store."""
+    """The shared model, its baseline and a written store; ``copy`` gives a test its own store.
 
-    def __init__(self, tmp: Path) -> None:
+    Built once per test session, whatever the number of pytest-xdist workers: the first worker
+    to ask builds it in ``shared`` (under an exclusive lock) and writes ``engines.json`` last;
+    the others wait on the lock and read that. ``tmp`` is this worker's own: the tests' engine
+    runs, logs and store copies go there (``tmp/model`` links to the shared model)."""
+
+    def __init__(self, shared: Path, tmp: Path) -> None:
         self.tmp = tmp
-        write_llama(tmp / "model")
-        self.store = tmp / "store"
-        self.baseline = self.run("baseline", batches=[BATCH_A, BATCH_B])
-        self.stored = self.run(
-            "store",
-            connector=connector(self.store),
-            batches=[BATCH_A, BATCH_B],
-            await_objects=[str(self.store), STORED_OBJECTS],
-        )
+        self.store = shared / "store"
+        done = shared / "engines.json"
+        shared.mkdir(parents=True, exist_ok=True)
+        with open(shared.parent / f"{shared.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            if not done.exists():
+                write_llama(shared / "model")
+                baseline = run(shared, "baseline", "model", batches=[BATCH_A, BATCH_B])
+                stored = run(
+                    shared,
+                    "store",
+                    "model",
+                    connector=connector(self.store),
+                    batches=[BATCH_A, BATCH_B],
+                    await_objects=[str(self.store), STORED_OBJECTS],
+                )
+                tmp_done = done.with_suffix(".tmp")
+                tmp_done.write_text(json.dumps({"baseline": baseline, "stored": stored}))
+                tmp_done.rename(done)
+        runs = json.loads(done.read_text())
+        self.baseline: dict[str, Any] = runs["baseline"]
+        self.stored: dict[str, Any] = runs["stored"]
+        (tmp / "model").symlink_to(shared / "model", target_is_directory=True)
 
     def run(self, name: str, **spec: Any) -> dict[str, Any]:
         spec.setdefault("batches", [])
