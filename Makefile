@@ -55,8 +55,10 @@ bench-deps:
 
 # The main suite on PYTEST_WORKERS pytest-xdist workers (1: one process, no xdist); a module is one
 # unit of work, so a worker owns the servers and models its module's fixtures start
-# (tests/conftest.py)
-PYTEST_WORKERS ?= 2
+# (tests/conftest.py). Three on two cores: its tests wait much of the time (processes killed and
+# restarted, deadlines, servers starting), and a third worker fills the cores (alone: 8:12 on
+# three, 7:43 on four, where two left a third of the cores idle)
+PYTEST_WORKERS ?= 3
 XDIST = $(if $(filter-out 0 1,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS),)
 # the vLLM tests on three: their engines wait much of the time (process start-up, a held lock's
 # timeout, a script's pauses), so a third worker fills the two cores (5:56 against 6:50 on two)
@@ -66,13 +68,11 @@ VLLM_XDIST = $(if $(filter-out 0 1,$(VLLM_WORKERS)),-n $(VLLM_WORKERS),)
 # every phase, timed; the table of phases, times and test counts prints at the end. A "+" phase
 # runs side by side with the one before it (tools/test_phases.py): vLLM's environment is built
 # (downloads and unpacking, mostly) beside the main suite, which leaves out the few tests that
-# need it (marked vllm_env: the bench's vLLM sections, ~2.5 min each); those run beside the vLLM
-# tests, whose engines leave the cores idle part of the time; the wheel check runs beside the
-# GPU dry run, and the docs build (about 10 s of CPU) beside the import contracts. The GPU dry run
-# does not run beside the vLLM tests: its steps have fixed time
-# budgets (300 s in all) and beside them it once ran out (its cuda tests 70 s instead of 5). The
-# two suites run one after the other: side by side on two cores they took longer than in turn
-# (20:31, against 12:48 and then 9:19).
+# need it (marked vllm_env: the bench's vLLM sections, minutes each); those run beside the vLLM
+# tests, whose engines (forked, tests/children/fork_start.py) leave the cores idle much of the
+# time, and so do the GPU dry run (its steps' time budgets, 300 s in all, are ~4x what they take
+# alone) and the wheel check. The two suites run one after the other: side by side on two cores
+# they took longer than in turn (20:31, against 12:48 and then 9:19).
 test:
 	@$(PY) tools/test_phases.py \
 		"setup=$(MAKE) --no-print-directory setup system-deps" \
@@ -83,7 +83,7 @@ test:
 		"vLLM tests=$(MAKE) --no-print-directory test-vllm" \
 		"+SGLang tests=$(MAKE) --no-print-directory test-sglang" \
 		"+bench vLLM tests=$(MAKE) --no-print-directory test-bench-vllm" \
-		"gpu dry run=$(MAKE) --no-print-directory gpu-dry-run" \
+		"+gpu dry run=$(MAKE) --no-print-directory gpu-dry-run" \
 		"+wheel check=$(MAKE) --no-print-directory wheel-check"
 
 # bytecode for bsr, the bench and the tests, written once: every process the suites start reads

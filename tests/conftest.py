@@ -58,33 +58,37 @@ if os.environ.get("CI", "").strip().lower() == "true":
 os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
 
 #: modules whose tests are long, independent and share no module-scoped fixture: under
-#: pytest-xdist each of their tests is a unit of its own, so both workers run them side by side
+#: pytest-xdist each of their tests is a unit of its own, so the workers run them side by side
 SPLIT_MODULES = frozenset({"tests/proof/test_connector_spin.py"})
 
-#: the modules that take longest (``--durations``, on two workers), longest first: handed out
+#: the modules that take longest (``--durations``, on three workers), longest first: handed out
 #: right after :data:`SPLIT_MODULES`, before the modules with the most tests, so that none starts
-#: last and runs alone at the end (the bench's vLLM sections are one test each, ~150 s; the vLLM
-#: suite's engine fixtures run one engine after another)
+#: last and runs alone at the end (the bench's vLLM sections are one test each, minutes long;
+#: the vLLM suite's engine fixtures run one engine after another)
 LONG_MODULES = (
-    "tests/vllm_connector/test_connector.py",
     "tests/bench/test_vllm_ttft.py",
     "tests/bench/test_vllm_interference.py",
-    "tests/vllm_connector/test_stuck_store.py",
-    "tests/vllm_connector/test_async_faults.py",
+    "tests/vllm_connector/test_connector.py",
     "tests/vllm_connector/test_key_partition.py",
+    "tests/vllm_connector/test_adapters.py",
+    "tests/vllm_connector/test_fleet_pools.py",
     "tests/vllm_connector/test_hybrid.py",
-    "tests/vllm_connector/test_fleet_router.py",
-    "tests/vllm_connector/test_pd_split.py",
+    "tests/vllm_connector/test_stuck_store.py",
     "tests/proof/test_campaign.py",
-    "tests/vllm_connector/test_mla.py",
+    "tests/vllm_connector/test_async_faults.py",
+    "tests/vllm_connector/test_fleet_router.py",
+    "tests/vllm_connector/test_fleet.py",
     "tests/vllm_connector/test_serve.py",
+    "tests/vllm_connector/test_pd_split.py",
+    "tests/vllm_connector/test_mla.py",
+    "tests/vllm_connector/test_sliding.py",
     "tests/vllm_connector/test_window_checkpoints.py",
 )
 
 
 @pytest.hookimpl(optionalhook=True)  # an xdist hook: without xdist it is never called
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """``make test`` runs the main suite on pytest-xdist workers (``-n 2``). A module is one unit
+    """``make test`` runs the main suite on pytest-xdist workers (``-n 3``). A module is one unit
     of work, as with ``--dist loadfile``: a worker runs all of it, so a module-scoped fixture (a
     server, a cluster, a model, a bench run, a report) is built once, by that worker, which owns
     it (its ports, its processes, its temp directory). Units are handed out largest first. The
