@@ -68,22 +68,24 @@ VLLM_XDIST = $(if $(filter-out 0 1,$(VLLM_WORKERS)),-n $(VLLM_WORKERS),)
 # every phase, timed; the table of phases, times and test counts prints at the end. A "+" phase
 # runs side by side with the one before it (tools/test_phases.py): vLLM's environment is built
 # (downloads and unpacking, mostly) beside the main suite, which leaves out the few tests that
-# need it (marked vllm_env: the bench's vLLM sections, minutes each); those run beside the vLLM
-# tests, whose engines (forked, tests/children/fork_start.py) leave the cores idle much of the
-# time, and so do the GPU dry run (its steps' time budgets, 300 s in all, are ~4x what they take
-# alone) and the wheel check. The two suites run one after the other: side by side on two cores
-# they took longer than in turn (20:31, against 12:48 and then 9:19).
+# need it (marked vllm_env: the bench's vLLM sections, minutes each); those run once it is built,
+# still beside the main suite, whose tests leave the cores idle part of the time (beside the vLLM
+# tests, with the GPU dry run and the wheel check, that phase took 8:52, against 4:43 alone).
+# The GPU dry run runs alone: its steps have fixed time budgets (300 s in all) and beside the
+# vLLM tests it ran out (its cuda tests 120 s instead of 14). The two suites run one after the
+# other: side by side on two cores they took longer than in turn (20:31, against 12:48 and then
+# 9:19).
 test:
 	@$(PY) tools/test_phases.py \
 		"setup=$(MAKE) --no-print-directory setup system-deps" \
 		"lint-imports=$(MAKE) --no-print-directory lint-imports" \
 		"main suite=$(MAKE) --no-print-directory test-main MAIN_TESTS='-m \"not vllm_env\"'" \
-		"+vLLM setup=$(MAKE) --no-print-directory $(VLLM_VENV)/.bsr-installed" \
+		"+vLLM setup, bench vLLM tests=$(MAKE) --no-print-directory $(VLLM_VENV)/.bsr-installed \
+			&& $(MAKE) --no-print-directory test-bench-vllm" \
 		"+SGLang setup=$(MAKE) --no-print-directory $(SGLANG_VENV)/.bsr-installed" \
 		"vLLM tests=$(MAKE) --no-print-directory test-vllm" \
 		"+SGLang tests=$(MAKE) --no-print-directory test-sglang" \
-		"+bench vLLM tests=$(MAKE) --no-print-directory test-bench-vllm" \
-		"+gpu dry run=$(MAKE) --no-print-directory gpu-dry-run" \
+		"gpu dry run=$(MAKE) --no-print-directory gpu-dry-run" \
 		"+wheel check=$(MAKE) --no-print-directory wheel-check"
 
 # bytecode for bsr, the bench and the tests, written once: every process the suites start reads
