@@ -320,7 +320,11 @@ async def test_concurrent_saves_never_exceed_capacity_also_after_reopen(tmp_path
             stop.wait(0.002)  # let the writers have the lock too
 
     async def main() -> None:
-        async with tier(tmp_path, capacity=capacity, io_threads=16, fsync=False) as t:
+        # 64 writes into room for 6: a write waits for room as long as it takes (the default
+        # lock_timeout_s, 2 s, ran out on a busy machine: a skipped write is not what this checks)
+        async with tier(
+            tmp_path, capacity=capacity, io_threads=16, fsync=False, lock_timeout_s=300.0
+        ) as t:
             w = threading.Thread(target=watch)
             w.start()
             try:
