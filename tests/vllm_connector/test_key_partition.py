@@ -340,6 +340,10 @@ def _stream_times(port: int, body: dict[str, Any], into: list[float]) -> None:
                 into.append(time.monotonic())
 
 
+#: tries of each stall measurement (the shortest counts)
+TRIES = 3
+
+
 def _stall_beside(port: int, model: str, params: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     """The longest wait between two chunks of a running decode around a request with
     ``kv_transfer_params=params``; that request's response."""
@@ -385,15 +389,22 @@ def test_hostile_option_names_neither_stall_a_decode_nor_grow_metrics(
     text0 = _metrics(port)
     rejected = partial_prom(port, "vllm:bsr_rejected_options_total")
     n0 = rejected()
-    base, _ = _stall_beside(port, model, {"other": {huge: 1}})  # not bsr's: ignored by it
-    stall, out = _stall_beside(port, model, {"bsr": {huge: 1}})
-    print(f"decode stall beside a 16 MiB option name: {stall:.3f} s (beside 16 MiB bsr does not "
-          f"read: {base:.3f} s)")  # fmt: skip
-    assert stall < max(3 * base, base + 0.75), (base, stall)
+    # the shortest of three tries each, taken in turn: the stall came with every such request
+    # (difflib on the name), a busy machine's pause with one (one try each failed under the
+    # suite's other workers: 1.28 s beside 0.11 s)
+    bases, stalls, out = [], [], {}
+    for _ in range(TRIES):
+        bases.append(_stall_beside(port, model, {"other": {huge: 1}})[0])  # not bsr's: ignored
+        stall, out = _stall_beside(port, model, {"bsr": {huge: 1}})
+        stalls.append(stall)
+    base, stall = min(bases), min(stalls)
+    print(f"decode stall beside a 16 MiB option name: {stalls} s (beside 16 MiB bsr does not "
+          f"read: {bases} s)")  # fmt: skip
+    assert stall < max(3 * base, base + 0.75), (bases, stalls)
     params = out.get("kv_transfer_params") or {}
     assert params["bsr"]["field"] == "kv_transfer_params.bsr"
     assert len(json.dumps(params)) < 1024
-    eventually(lambda: rejected() >= n0 + 1, "the rejected option")
+    eventually(lambda: rejected() >= n0 + TRIES, "the rejected options")
 
     def bad(i: int) -> None:
         name = f"{i:04d}" + "k" * 1020
@@ -404,8 +415,8 @@ def test_hostile_option_names_neither_stall_a_decode_nor_grow_metrics(
 
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(bad, range(300)))
-    eventually(lambda: rejected() >= n0 + 301, "the 300 rejected options")
-    assert rejected() == n0 + 301
+    eventually(lambda: rejected() >= n0 + TRIES + 300, "the 300 rejected options")
+    assert rejected() == n0 + TRIES + 300
     text = _metrics(port)
     series = [ln for ln in text.splitlines() if ln.startswith("vllm:bsr_rejected_options_total{")]
     print(f"/metrics: {len(text0)} bytes before, {len(text)} after; rejected_options series: "
