@@ -36,6 +36,10 @@ from support.engines import make_engine
 pytest.importorskip("transformers")
 
 CHUNK, BLOCK, NUM_BLOCKS = 32, 8, 64
+#: MHA (a hidden row is half a K/V row: it lands inside the K/V blocks), GQA with a hidden row
+#: as wide as the K/V row (also inside), and MQA, whose hidden rows are twice its K/V rows: they
+#: land in a buffer of their own, sized to the request
+KV_HEADS, KV_HEAD_IDS = [4, 2, 1], ["mha", "gqa", "mqa-landing"]
 PREFIX = 4 * CHUNK
 PROMPT = PREFIX + 7
 
@@ -88,7 +92,7 @@ PLANS = {
 }
 
 
-@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+@pytest.mark.parametrize("kv_heads", KV_HEADS, ids=KV_HEAD_IDS)
 @pytest.mark.parametrize("plan", list(PLANS))
 @pytest.mark.anyio
 async def test_every_plan_decodes_like_the_never_evicted_run(
@@ -135,8 +139,53 @@ def test_hidden_states_land_inside_the_kv_blocks_for_mha() -> None:
 
 
 @pytest.mark.anyio
-async def test_a_failed_hidden_read_invalidates_the_whole_request(tmp_path: Path) -> None:
-    model = build("llama", layers=4, kv_heads=4)
+async def test_a_landing_holds_the_requests_blocks_not_the_caches(tmp_path: Path) -> None:
+    """Hidden rows wider than K/V rows (MQA here, GQA-8 at 7B) land in a buffer of the request's
+    size, filled in token order, so the rebuild reads them where they lie; the caller's blocks
+    stay the K/V layers' and the rebuilt ones."""
+    model = build("llama", layers=4, kv_heads=1)
+    served = Served(model, ["hidden", "hidden", "kv", "kv"])
+    hc = served.hc
+    assert hc.lands_apart
+    kv = bsr.PagedKVCache(hc.kv_layout, NUM_BLOCKS, BLOCK)
+    view = hc.restore_view(kv, 5 * BLOCK - 3)  # 5 blocks, not the cache's 64
+    assert view.group_blocks == {"kv": NUM_BLOCKS, "hidden.0": 5, "hidden.1": 5}
+    assert view.num_blocks == 5  # one table for every group must fit the smallest
+    with pytest.raises(bsr.BlockTableError):
+        view.block_tables(torch.arange(6), 6 * BLOCK)
+    views: list[bsr.PagedKVCache] = []
+    sources: list[Any] = []
+    make, rebuild = hc.restore_view, hc.rebuild
+
+    def spy_view(cache: Any, num_tokens: Any = None) -> Any:
+        views.append(make(cache, num_tokens))
+        return views[-1]
+
+    def spy_rebuild(*a: Any, **kw: Any) -> None:
+        sources.append(kw.get("src_ids"))
+        rebuild(*a, **kw)
+
+    hc.restore_view, hc.rebuild = spy_view, spy_rebuild  # type: ignore[method-assign]
+    dst, res = await served.save_restore(tmp_path)
+    assert res.committed_tokens == PREFIX and res.reason is None
+    # the prompt's whole chunks (4), not the cache's 64 blocks
+    assert views[0].group_blocks["hidden.0"] == PREFIX // BLOCK
+    assert sources and all(torch.equal(s, torch.arange(PREFIX // BLOCK)) for s in sources)
+    n = torch.arange(PREFIX)
+    a = served.kv.typed("kv")[:, served.src_ids[n // BLOCK], n % BLOCK]
+    b = dst.typed("kv")[:, served.dst_ids[n // BLOCK], n % BLOCK]
+    assert torch.allclose(a, b, atol=1e-5, rtol=0), (a - b).abs().max()
+    # blocks outside the request were not written
+    others = sorted(set(range(NUM_BLOCKS)) - set(served.dst_ids[: PREFIX // BLOCK].tolist()))
+    assert not dst.typed("kv")[:, others].any()
+
+
+@pytest.mark.parametrize("kv_heads", [4, 1], ids=["mha", "mqa-landing"])
+@pytest.mark.anyio
+async def test_a_failed_hidden_read_invalidates_the_whole_request(
+    kv_heads: int, tmp_path: Path
+) -> None:
+    model = build("llama", layers=4, kv_heads=kv_heads)
     served = Served(model, ["hidden", "hidden", "kv", "kv"])
     plan = FaultPlan(
         seed=1, faults=(Fault(FaultKind.READ_ERROR, chunks=frozenset({2}), group="hidden.1"),)
@@ -145,8 +194,11 @@ async def test_a_failed_hidden_read_invalidates_the_whole_request(tmp_path: Path
     _, res = await served.save_restore(tmp_path, tier)
     assert res.committed_tokens == 0 and not res.committed
     assert res.engine is not None and res.engine.state is bsr.RequestState.INVALIDATED
-    # what the engine touched, nothing outside the request's prefix
-    assert set(res.engine.invalid_block_ids) <= set(res.invalid_block_ids)
+    # what the engine touched in the caller's cache, nothing outside the request's prefix (a
+    # landing's blocks are the landing's, not the caller's)
+    touched = res.engine.invalid_block_ids_by_group
+    callers = ["kv"] if served.hc.lands_apart else list(touched)
+    assert {b for g in callers for b in touched.get(g, ())} <= set(res.invalid_block_ids)
     assert set(res.invalid_block_ids) <= set(served.dst_ids[: PREFIX // BLOCK].tolist())
 
 
@@ -162,9 +214,12 @@ async def test_a_failed_read_also_reports_the_recomputed_blocks(tmp_path: Path) 
     assert set(res.invalid_block_ids) == set(served.dst_ids[: PREFIX // BLOCK].tolist())
 
 
+@pytest.mark.parametrize("kv_heads", [4, 1], ids=["mha", "mqa-landing"])
 @pytest.mark.anyio
-async def test_a_failed_projection_invalidates_the_whole_request(tmp_path: Path) -> None:
-    model = build("llama", layers=4, kv_heads=4)
+async def test_a_failed_projection_invalidates_the_whole_request(
+    kv_heads: int, tmp_path: Path
+) -> None:
+    model = build("llama", layers=4, kv_heads=kv_heads)
     served = Served(model, ["hidden", "hidden", "kv", "kv"])
     broken = served.hc.adapter._proj[1]
     broken.weight = broken.wkv = torch.zeros(3, 3)  # the GEMM of layer 1 now raises
@@ -255,7 +310,7 @@ async def _restore_with(
         return dst, await hc.restore(engine, served.toks[0, :PROMPT], dst, served.dst_ids, **kw)
 
 
-@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+@pytest.mark.parametrize("kv_heads", KV_HEADS, ids=KV_HEAD_IDS)
 @pytest.mark.anyio
 async def test_chunks_are_projected_while_later_chunks_are_still_being_read(
     kv_heads: int, tmp_path: Path
@@ -412,7 +467,7 @@ async def _restore_layers(
         assert torch.allclose(a, b, atol=1e-5, rtol=0), (layer, (a - b).abs().max())
 
 
-@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+@pytest.mark.parametrize("kv_heads", KV_HEADS, ids=KV_HEAD_IDS)
 @pytest.mark.parametrize("plan", ["hidden", "recompute+hidden+kv"])
 @pytest.mark.anyio
 async def test_restore_into_vllms_per_layer_planes(
@@ -444,7 +499,7 @@ def test_an_unknown_kv_block_layout_is_refused() -> None:
         hcache.HCache(model, hcache.fixed_plan(model.config, ["kv"] * 4), kv_block_layout="heads")
 
 
-@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+@pytest.mark.parametrize("kv_heads", KV_HEADS, ids=KV_HEAD_IDS)
 @pytest.mark.parametrize("layout", ["rows", "planes"])
 @pytest.mark.anyio
 async def test_a_grouped_rebuild_restores_what_was_served(

@@ -154,6 +154,47 @@ async def test_engine_round_trip_between_per_layer_and_stacked(tmp_path: Path) -
         assert not dst_layers[i][[0, 5, 7, 9, 11]].any()  # blocks outside the table untouched
 
 
+@pytest.mark.anyio
+async def test_groups_may_have_blocks_of_their_own_count(tmp_path: Path) -> None:
+    """A group viewing a caller's buffer sized to one request (HCache's landing) beside a
+    group of the whole cache: each table is checked against its own group's blocks, one table
+    for every group against the smallest, and a restore moves each group's bytes to its own
+    blocks (the independent model: raw block bytes)."""
+    two = bsr.StateLayout(
+        chunk_tokens=2 * BLOCK,
+        groups=(
+            bsr.StateGroup("kv", LAYERS, TOKEN_BYTES, dtype="bfloat16"),
+            bsr.StateGroup("side", 1, 8),
+        ),
+    )
+    kv = vllm_layers(3)
+    side = torch.randint(0, 255, (6, BLOCK, 8), dtype=torch.uint8)  # 6 blocks, not 12
+    src = bsr.PagedKVCache.from_layer_tensors(two, {"kv": kv, "side": [side]}, BLOCK)
+    assert src.group_blocks == {"kv": NUM_BLOCKS, "side": 6} and src.num_blocks == 6
+    with pytest.raises(bsr.LayoutError, match="every layer of a group"):
+        uneven = [*kv[:2], kv[2][:6]]
+        bsr.PagedKVCache.from_layer_tensors(two, {"kv": uneven, "side": [side]}, BLOCK)
+    with pytest.raises(bsr.BlockTableError, match=r"\[0, 6\)"):
+        src.block_tables([7, 1, 2, 3], 4 * BLOCK)  # one table: the smallest group's range
+    with pytest.raises(bsr.BlockTableError, match=r"\[0, 6\)"):
+        src.block_tables({"kv": [7, 1, 2, 3], "side": [1, 2, 3, 6]}, 4 * BLOCK)
+    tokens = tokens_for(2 * two.chunk_tokens)
+    kv_ids, side_ids = [11, 2, 9, 4], [5, 0, 3, 1]
+    src.block_tables({"kv": kv_ids, "side": side_ids}, 4 * BLOCK)  # each in its own range
+    dst_kv = [torch.zeros_like(t) for t in kv]
+    dst_side = torch.zeros(4, BLOCK, 8, dtype=torch.uint8)
+    dst = bsr.PagedKVCache.from_layer_tensors(two, {"kv": dst_kv, "side": [dst_side]}, BLOCK)
+    engine = make_engine(two, [bsr.FileTier(tmp_path / "l2", capacity_bytes=1 << 22)])
+    async with engine:
+        assert (await engine.save(tokens, src, {"kv": kv_ids, "side": side_ids})).chunks == 2
+        r = await engine.restore(tokens, dst, {"kv": [1, 3, 5, 7], "side": [0, 1, 2, 3]})
+    assert r.committed_tokens == 2 * two.chunk_tokens
+    for i in range(LAYERS):
+        for s, d in zip(kv_ids, [1, 3, 5, 7]):
+            assert torch.equal(block_bytes(dst_kv[i], d), block_bytes(kv[i], s))
+    assert torch.equal(dst_side, side[side_ids])
+
+
 # ------------------------------------------------------------------ block tables (issue 10 item 3)
 SMALL = bsr.StateLayout(chunk_tokens=8, groups=(bsr.StateGroup("kv", 2, 64),))
 

@@ -41,6 +41,7 @@ from .. import (
     SaveResult,
     StateGroup,
     StateLayout,
+    as_token_array,
     model_config_digest,
 )
 from .._errors import ConfigError, LayoutError, UnsupportedModelError
@@ -59,8 +60,11 @@ class HCacheRestore:
 
     Attributes:
         committed_tokens: tokens whose K/V are valid in the serving cache for every layer.
-        engine: the engine's result for the stored layers.
-        invalid_block_ids: blocks holding nothing valid (free them or prefill into them).
+        engine: the engine's result for the stored layers. Its block ids are those of the
+            view it restored into: where hidden states land apart (:attr:`HCache.lands_apart`)
+            the hidden-state groups' ids are the landing's, not the caller's.
+        invalid_block_ids: blocks of the serving cache holding nothing valid (free them or
+            prefill into them).
         reason: why nothing was committed, or ``None``.
         io_s: the engine restore.
         rebuild_s: projections of the hidden-state layers (most of it beside the reads).
@@ -156,7 +160,6 @@ class HCache:
         #: :func:`bsr.model_config_digest` of the model's config; the engine's namespace must
         #: carry it (:meth:`namespace`)
         self.config_digest = model_config_digest(model.config)
-        self._landing: torch.Tensor | None = None
 
     def namespace(
         self, model_id: str, *, tp_rank: int = 0, tp_size: int = 1, salt: bytes = b""
@@ -248,34 +251,48 @@ class HCache:
             j0 += len(layers)
         return self._view(kv_cache, hidden)
 
-    def restore_view(self, kv_cache: PagedKVCache) -> PagedKVCache:
+    def restore_view(self, kv_cache: PagedKVCache, num_tokens: int | None = None) -> PagedKVCache:
         """The engine-layout cache to restore into; hidden states land inside the K/V blocks.
 
         For MHA (a hidden row is at most a K/V row) the hidden state of block ``b`` of layer
         ``i`` lands in the first ``block_tokens x hidden_bytes`` bytes of that very block of
-        layer ``i``'s K/V: block-contiguous, so the engine installs it with wide copies, and
+        layer ``i``'s K/V: block-contiguous, so the engine installs them with wide copies, and
         only that block's rebuild overwrites it (after reading it).
+
+        For GQA (a hidden row is larger than the K/V row) the hidden states land in a buffer of
+        their own (:attr:`lands_apart`), made for this view: with ``num_tokens`` it holds that
+        many tokens' blocks, to be filled in token order (the engine's table for the hidden
+        groups ``0, 1, 2, ...``, as :meth:`restore` does: memory for the request, not for the
+        whole cache, and rows the rebuild reads where they lie); without, one block per block
+        of ``kv_cache``, at the request's own block ids.
         """
         self._check_kv(kv_cache)
         kv_layers = kv_cache.layers(KV)
         nb, bt = kv_cache.num_blocks, kv_cache.block_tokens
         hb, kb = self.plan.hidden_bytes, self.plan.kv_bytes
         views: dict[str, list[torch.Tensor]] = {KV: [kv_layers[i] for i in self.plan.layers(KV)]}
-        if hb <= kb:
-            for name, layers in self.plan.hidden_groups:
-                views[name] = [kv_layers[i].view(nb, bt * kb)[:, : bt * hb] for i in layers]
-        else:  # GQA: a hidden state is larger than the K/V row; land it beside
+        if self.lands_apart:
             n = len(self.plan.layers(HIDDEN))
-            shape = (n, nb, bt, hb)
-            if self._landing is None or tuple(self._landing.shape) != shape:
-                self._landing = torch.zeros(shape, dtype=torch.uint8, device=kv_layers[0].device)
+            blocks = nb if num_tokens is None else max(1, -(-int(num_tokens) // bt))
+            # uninitialised: only blocks the engine installs are read, after their install
+            dev = kv_layers[0].device
+            landing = torch.empty((n, blocks, bt, hb), dtype=torch.uint8, device=dev)
             j0 = 0
             for name, layers in self.plan.hidden_groups:
-                views[name] = list(self._landing[j0 : j0 + len(layers)].unbind(0))
+                views[name] = list(landing[j0 : j0 + len(layers)].unbind(0))
                 j0 += len(layers)
+        else:
+            for name, layers in self.plan.hidden_groups:
+                views[name] = [kv_layers[i].view(nb, bt * kb)[:, : bt * hb] for i in layers]
         if not views[KV]:
             del views[KV]
         return PagedKVCache.from_layer_tensors(self.layout, views, bt)
+
+    @property
+    def lands_apart(self) -> bool:
+        """Whether restored hidden states need a buffer of their own (GQA: a hidden row is
+        larger than a K/V row) instead of landing inside their layer's K/V blocks (MHA)."""
+        return bool(self.plan.layers(HIDDEN)) and self.plan.hidden_bytes > self.plan.kv_bytes
 
     # ------------------------------------------------------------- capture
     def capture(self, store: PagedKVCache, block_ids: Any, *, verify: bool = True) -> HiddenCapture:
@@ -360,17 +377,20 @@ class HCache:
         *,
         start: int = 0,
         rope: RopeTable | None = None,
+        src_ids: torch.Tensor | None = None,
     ) -> None:
         """Project every hidden-state group of ``view`` for tokens ``[start, n)`` into ``kv_cache``.
 
         Args:
             rope: RoPE of positions ``[0, >= n)``, computed once per restore (default: now).
+            src_ids: the blocks of ``view``'s hidden-state groups holding the rows, when they
+                are not ``ids`` (a :meth:`restore_view` made with ``num_tokens``: ``0, 1, ...``).
         """
         table = rope if rope is not None else self.adapter.rope(0, n)
         for name, layers in self.plan.hidden_groups:
             rebuild_rows(
                 self.adapter, view, name, layers, kv_cache, ids, n, table,
-                start=start, planes=self.planes, grouped=self.grouped,
+                start=start, planes=self.planes, grouped=self.grouped, src_ids=src_ids,
             )  # fmt: skip
 
     async def restore(
@@ -421,7 +441,9 @@ class _RestoreJob:
         self.probe = kw.pop("probe", None)
         self.kw = kw
         self.t0 = time.perf_counter()
-        self.view = hc.restore_view(kv_cache)
+        self.view: PagedKVCache | None = None  # made by run (_make_view)
+        self.tables: Any = block_ids  # the engine's (a GQA landing's hidden groups: in order)
+        self.src_ids: torch.Tensor | None = None
         self.r_layers = hc.plan.layers(RECOMPUTE)
         self.hidden_names = {name for name, _ in hc.plan.hidden_groups}
         self.ct = hc.layout.chunk_tokens
@@ -440,6 +462,7 @@ class _RestoreJob:
         if self.probe is None and (self.r_layers or self.hidden_names):
             self.probe = await self.engine.lookup(self.tokens, extras=self.kw.get("extras"))
         self.prefix = int(self.probe.prefix_tokens) if self.probe is not None else 0
+        self._make_view()
         result = await self._engine_phase()
         n = result.committed_tokens
         reason = await self._finish_phase(result, n)
@@ -456,6 +479,22 @@ class _RestoreJob:
             after_s,
         )
 
+    def _make_view(self) -> None:
+        """The engine's view cache and tables. A GQA landing holds the blocks of the tokens'
+        whole chunks (the engine's tables cover them), filled in token order."""
+        hc = self.hc
+        if not hc.lands_apart:
+            self.view = hc.restore_view(self.kv_cache)
+            return
+        chunks = hc.layout.num_chunks(len(as_token_array(self.tokens)))
+        n = max(1, chunks * self.ct)
+        self.view = hc.restore_view(self.kv_cache, n)
+        order = torch.arange(-(-n // self.kv_cache.block_tokens), dtype=torch.int64)
+        self.src_ids = order
+        self.tables = {name: order for name in self.hidden_names}
+        if hc.plan.layers(KV):
+            self.tables[KV] = self.block_ids
+
     async def _engine_phase(self) -> RestoreResult:
         """The engine restore, with recompute and the projector running beside it."""
         result: RestoreResult | None = None
@@ -466,7 +505,7 @@ class _RestoreJob:
                 tg.start_soon(self._projector)
             try:
                 result = await self.engine.restore(
-                    self.tokens, self.view, self.block_ids, probe=self.probe,
+                    self.tokens, self.view, self.tables, probe=self.probe,
                     on_installed=self._on_installed, **self.kw,
                 )  # fmt: skip
                 self.skip = not result.committed_tokens  # nothing to project for
@@ -502,7 +541,10 @@ class _RestoreJob:
         written = max(n, self.rec_tried, self.proj_tried, whole)
         wids = self.kv_cache.block_table(self.block_ids, written)[: -(-written // bt)].tolist()
         valid = 0 if reason is not None else -(-n // bt)
-        return tuple(sorted(set(result.invalid_block_ids) | set(wids[valid:])))
+        engine = result.invalid_block_ids  # a landing's blocks are not the caller's: K/V only
+        if self.src_ids is not None:
+            engine = result.invalid_block_ids_by_group.get(KV, ())
+        return tuple(sorted(set(engine) | set(wids[valid:])))
 
     async def _recompute(self, n: int) -> None:
         self.rec_tried = max(self.rec_tried, n)
@@ -520,7 +562,10 @@ class _RestoreJob:
         if not self.rope:
             self.rope.append(self.hc.adapter.rope(0, top))
         ids = self.kv_cache.block_table(self.block_ids, hi)
-        self.hc.rebuild(self.view, self.kv_cache, ids, hi, start=lo, rope=self.rope[0])
+        assert self.view is not None
+        self.hc.rebuild(
+            self.view, self.kv_cache, ids, hi, start=lo, rope=self.rope[0], src_ids=self.src_ids
+        )
 
     async def _project_run(self, chunks: range, top: int, end: int | None = None) -> None:
         """Project consecutive ``chunks`` in one call (tokens up to ``end``, default their

@@ -181,6 +181,7 @@ def rebuild_rows(
     start: int = 0,
     planes: bool = False,
     grouped: bool = False,
+    src_ids: torch.Tensor | None = None,
 ) -> None:
     """Project the hidden states of ``group`` (model layers ``layers``) into ``dst``'s K/V rows.
 
@@ -224,10 +225,8 @@ def rebuild_rows(
     per = max(1, piece_tokens // bt)
     m = max(1, min(full - first, per)) * bt
     bufs = _Buffers(adapter, m * together, src.device)
-    pieces = [  # block range, its ids where the hidden rows and the K/V live, its run start
-        (b0, min(full, b0 + per), *_piece_ids(ids[b0 : min(full, b0 + per)], src, dst))
-        for b0 in range(first, full, per)
-    ]
+    sids = ids if src_ids is None else src_ids
+    pieces = _pieces(sids, ids, range(first, full, per), full, src, dst)
     land = KVLanding(adapter, [out[layer] for layer in layers], bt, planes, dst.device)
     with torch.no_grad():
         for b0, b1, sidx, didx, _run in pieces if together > 1 else ():
@@ -242,9 +241,10 @@ def rebuild_rows(
                 rows = adapter.project_into(layer, h, rope[b0 * bt : b1 * bt], bufs.rows, bufs.tmp)
                 land.blocks(j, didx, rows)
             if full * bt < num_tokens:  # full * bt >= start: start is block-aligned
-                blocks, r = token_rows(src, ids, full * bt, num_tokens)
+                blocks, r = token_rows(src, sids, full * bt, num_tokens)
                 h = hid[j][blocks, r].to(adapter.device)
-                land.tokens(j, blocks, r, adapter.project(layer, h, rope[full * bt : num_tokens]))
+                rows = adapter.project(layer, h, rope[full * bt : num_tokens])
+                land.tokens(j, *token_rows(dst, ids, full * bt, num_tokens), rows)
 
 
 class KVLanding:
@@ -285,10 +285,22 @@ class KVLanding:
             self.rows[j][at] = rows
 
 
-def _piece_ids(
-    idx: torch.Tensor, src: PagedKVCache, dst: PagedKVCache
-) -> tuple[torch.Tensor, torch.Tensor, int | None]:
-    return idx.to(src.device), idx.to(dst.device), _run_start(idx)
+def _pieces(
+    sids: torch.Tensor,
+    ids: torch.Tensor,
+    starts: range,
+    full: int,
+    src: PagedKVCache,
+    dst: PagedKVCache,
+) -> list[tuple[int, int, torch.Tensor, torch.Tensor, int | None]]:
+    """Per piece: its block range, its ids where the hidden rows (``sids``) and the K/V
+    (``ids``) live, and the start of its hidden rows' run (None: gathered)."""
+    out = []
+    for b0 in starts:
+        b1 = min(full, b0 + starts.step)
+        sidx = sids[b0:b1]
+        out.append((b0, b1, sidx.to(src.device), ids[b0:b1].to(dst.device), _run_start(sidx)))
+    return out
 
 
 class _Buffers:

@@ -61,6 +61,9 @@ class PagedKVCache:
             )
         self.layout = layout
         self.num_blocks = num_blocks
+        #: blocks of each group: ``num_blocks`` for every group, except in a cache of
+        #: :meth:`from_layer_tensors` whose groups differ (``num_blocks`` is then the fewest)
+        self.group_blocks: dict[str, int] = dict.fromkeys(layout.group_names, num_blocks)
         self.block_tokens = block_tokens
         self.device = torch.device(device)
         self._tensors: dict[str, torch.Tensor] = {}
@@ -102,12 +105,16 @@ class PagedKVCache:
             layers: per group, one tensor per layer. Each is any dtype and shape whose first
                 dimension is the block index and whose bytes per block are contiguous, e.g.
                 vLLM's ``[num_blocks, 2, block_size, kv_heads * head_dim]`` bfloat16; its bytes
-                per block must equal ``block_tokens * token_bytes`` of the group. Every tensor has
-                the same number of blocks and lives on the same device.
+                per block must equal ``block_tokens * token_bytes`` of the group. Every layer of a
+                group has the same number of blocks; groups may differ (a caller's own buffer for
+                one group, sized to a request): a block table then names blocks of each group's
+                own range, and one table for every group must fit the smallest, which is
+                ``num_blocks`` (:attr:`group_blocks` has each). Every tensor lives on one device.
             block_tokens: tokens per block.
 
         Raises:
-            LayoutError: a group is missing, a layer count, block size or device differs, or a
+            LayoutError: a group is missing, a layer count, block size or device differs (or
+                the block count within a group), or a
                 tensor's block bytes are not contiguous (split such a tensor into parts that are,
                 e.g. the K and V halves of a ``[2, num_blocks, ...]`` tensor, and count each part
                 as a layer).
@@ -116,7 +123,7 @@ class PagedKVCache:
         if not isinstance(layout, StateLayout):
             raise ConfigError(f"layout must be a StateLayout, got {type(layout).__name__}")
         views: dict[str, tuple[torch.Tensor, ...]] = {}
-        num_blocks: int | None = None
+        blocks: dict[str, int] = {}
         device: torch.device | None = None
         for g in layout.groups:
             ts = layers.get(g.name)
@@ -132,19 +139,22 @@ class PagedKVCache:
             out = []
             for i, t in enumerate(ts):
                 v = _block_view(t, block_tokens, g.token_bytes, f"{g.name}[{i}]")
-                if num_blocks is None:
-                    num_blocks, device = v.shape[0], v.device
-                elif v.shape[0] != num_blocks or v.device != device:
+                if device is None:
+                    device = v.device
+                first = blocks.setdefault(g.name, v.shape[0])
+                if v.shape[0] != first or v.device != device:
                     raise LayoutError(
-                        f"tensor {g.name}[{i}] has {v.shape[0]} blocks on {v.device}, the first "
-                        f"has {num_blocks} on {device}; every layer must share blocks and device",
+                        f"tensor {g.name}[{i}] has {v.shape[0]} blocks on {v.device}, the group's "
+                        f"first has {first} on {device}; every layer of a group must share "
+                        "blocks, and every tensor the device",
                         group=g.name,
                     )
                 out.append(v)
             views[g.name] = tuple(out)
-        assert num_blocks is not None and device is not None
+        assert device is not None
         cache = cls.__new__(cls)
-        cls.__init__(cache, layout, num_blocks, block_tokens, device, tensors=_NO_TENSORS)
+        cls.__init__(cache, layout, min(blocks.values()), block_tokens, device, tensors=_NO_TENSORS)
+        cache.group_blocks = blocks
         cache._layers = views
         cache.aliased = _aliased_groups(cache)
         return cache
@@ -224,7 +234,7 @@ class PagedKVCache:
                 memory (:attr:`aliased`) share a real block.
         """
         return build_tables(
-            self.layout, block_ids, num_tokens, self.block_tokens, self.num_blocks, self.aliased
+            self.layout, block_ids, num_tokens, self.block_tokens, self.group_blocks, self.aliased
         )
 
     def chunk_blocks(self, ids: torch.Tensor, chunk: int) -> torch.Tensor:

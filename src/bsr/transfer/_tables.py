@@ -263,16 +263,23 @@ def build_tables(
     block_ids: Any,
     num_tokens: int,
     block_tokens: int,
-    num_blocks: int,
+    num_blocks: int | Mapping[str, int],
     aliased: Sequence[tuple[str, ...]],
 ) -> BlockTables:
     """Validate ``block_ids`` (one table, or a mapping group -> table) for ``num_tokens`` tokens.
+
+    ``num_blocks``: the cache's blocks, or each group's (one table for every group must then fit
+    the group with the fewest).
 
     Raises:
         BlockTableError: a table is malformed (see :func:`table_array`), the mapping misses a
             group or names one the layout lacks, or groups that alias memory share a real block.
     """
     arrays: dict[str, np.ndarray[Any, Any]] = {}
+    if isinstance(num_blocks, Mapping):
+        bounds = dict(num_blocks)
+    else:
+        bounds = dict.fromkeys(layout.group_names, num_blocks)
     if isinstance(block_ids, Mapping):
         names = set(layout.group_names)
         unknown = sorted(str(g) for g in block_ids if g not in names)
@@ -284,16 +291,17 @@ def build_tables(
                 unknown=unknown,
                 missing=missing,
             )
-        seen: dict[int, np.ndarray[Any, Any]] = {}
+        seen: dict[tuple[int, int], np.ndarray[Any, Any]] = {}
         for g in layout.group_names:
-            obj = block_ids[g]
-            if id(obj) not in seen:
-                seen[id(obj)] = table_array(
-                    obj, num_tokens, block_tokens, num_blocks, allow_null=True, group=g
+            obj, bound = block_ids[g], bounds[g]
+            if (id(obj), bound) not in seen:
+                seen[id(obj), bound] = table_array(
+                    obj, num_tokens, block_tokens, bound, allow_null=True, group=g
                 )
-            arrays[g] = seen[id(obj)]
+            arrays[g] = seen[id(obj), bound]
     else:
-        arr = table_array(block_ids, num_tokens, block_tokens, num_blocks, allow_null=True)
+        fewest = min(bounds.values())
+        arr = table_array(block_ids, num_tokens, block_tokens, fewest, allow_null=True)
         arrays = dict.fromkeys(layout.group_names, arr)
     needed = -(-num_tokens // block_tokens)
     for groups in aliased:
