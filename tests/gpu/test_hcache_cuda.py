@@ -117,3 +117,53 @@ def test_the_rebuild_lands_in_vllms_per_layer_planes_on_the_device(
     for layer in range(LAYERS):
         want = rows.typed("kv")[layer].view(blocks, BT, 2, kd).transpose(1, 2)
         assert torch.equal(mine[layer], want), layer
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.anyio
+async def test_a_gqa_restore_lands_on_the_device_in_token_order(
+    device: str, dtype: torch.dtype
+) -> None:
+    """Hidden rows wider than K/V rows (MQA here; Llama-3-8B's GQA in the bench) restored from a
+    HostTier into a serving cache on the device: they land in a buffer on the device sized to
+    the request, the engine copies into it, the rebuild reads it in place, and the K/V in the
+    caller's shuffled blocks equal the served ones within the dtype's tolerance."""
+    import bsr
+    from adapters.hcache_kit import forward, next_cache, prompt, shuffled
+    from bsr import hf
+
+    model = build("llama", layers=LAYERS, kv_heads=1).to(device=device, dtype=dtype)
+    hc = hcache.HCache(model, hcache.fixed_plan(model.config, ["hidden"] * LAYERS, dtype=dtype))
+    assert hc.lands_apart
+    chunk, num_blocks = hc.layout.chunk_tokens, 96
+    n = 2 * chunk
+    toks = prompt(n + 5)
+    src_ids, dst_ids = shuffled(num_blocks, -(-(n + 5) // BT), 1), shuffled(num_blocks, n // BT, 2)
+    served = PagedKVCache(hc.kv_layout, num_blocks, BT, device=device)
+    store = hc.hidden_store(num_blocks, BT)
+    with torch.no_grad(), hc.capture(store, src_ids):
+        past = next_cache(forward(model, toks.to(device), None))
+    hf.write_kv_to_cache(past, served, src_ids, n + 5, config=model.config)
+    views: list[PagedKVCache] = []
+    make = hc.restore_view
+
+    def spy(cache: Any, num_tokens: Any = None) -> Any:
+        views.append(make(cache, num_tokens))
+        return views[-1]
+
+    hc.restore_view = spy  # type: ignore[method-assign]
+    dst = PagedKVCache(hc.kv_layout, num_blocks, BT, device=device)
+    engine = bsr.RestoreEngine(
+        hc.layout, [bsr.HostTier(64 << 20)], window=4, io_depth=2, namespace=hc.namespace("gpu")
+    )
+    async with engine:
+        await hc.save(engine, toks[0, :n], served, store, src_ids)
+        res = await hc.restore(engine, toks[0, :n], dst, dst_ids)
+    assert res.committed_tokens == n and res.reason is None, res.reason
+    (landing,) = {t.device.type for g in views[0].layout.group_names for t in views[0].layers(g)}
+    assert landing == torch.device(device).type
+    assert views[0].group_blocks["hidden.0"] == n // BT  # the request's blocks, not 96
+    t = torch.arange(n)
+    want = served.typed("kv")[:, src_ids[t // BT], t % BT].float()
+    got = dst.typed("kv")[:, dst_ids[t // BT], t % BT].float()
+    assert ((got - want).abs().max() / want.abs().max()).item() <= TOLERANCE[dtype]
