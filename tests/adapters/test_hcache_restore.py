@@ -178,6 +178,19 @@ async def test_a_landing_holds_the_requests_blocks_not_the_caches(tmp_path: Path
     # blocks outside the request were not written
     others = sorted(set(range(NUM_BLOCKS)) - set(served.dst_ids[: PREFIX // BLOCK].tolist()))
     assert not dst.typed("kv")[:, others].any()
+    # a hit shorter than the prompt lands the hit only, a miss nearly nothing: the engine
+    # restores the prefix this restore's own lookup found
+    longer = torch.cat((served.toks[0, :PREFIX], prompt(3 * CHUNK, seed=9)[0]))
+    ids = shuffled(NUM_BLOCKS, len(longer) // BLOCK, 4)
+    async with served.engine(tmp_path) as engine:
+        short = await hc.restore(
+            engine, longer, bsr.PagedKVCache(hc.kv_layout, NUM_BLOCKS, BLOCK), ids
+        )
+        miss = await hc.restore(
+            engine, longer[CHUNK:], bsr.PagedKVCache(hc.kv_layout, NUM_BLOCKS, BLOCK), ids
+        )
+    assert short.committed_tokens == PREFIX and views[1].group_blocks["hidden.0"] == PREFIX // BLOCK
+    assert miss.committed_tokens == 0 and views[2].group_blocks["hidden.0"] == 1
 
 
 @pytest.mark.parametrize("kv_heads", [4, 1], ids=["mha", "mqa-landing"])

@@ -262,9 +262,9 @@ class HCache:
         For GQA (a hidden row is larger than the K/V row) the hidden states land in a buffer of
         their own (:attr:`lands_apart`), made for this view: with ``num_tokens`` it holds that
         many tokens' blocks, to be filled in token order (the engine's table for the hidden
-        groups ``0, 1, 2, ...``, as :meth:`restore` does: memory for the request, not for the
-        whole cache, and rows the rebuild reads where they lie); without, one block per block
-        of ``kv_cache``, at the request's own block ids.
+        groups ``0, 1, 2, ...``, as :meth:`restore` does for the stored prefix: memory for the
+        hit, not for the whole cache, and rows the rebuild reads where they lie); without, one
+        block per block of ``kv_cache``, at the request's own block ids.
         """
         self._check_kv(kv_cache)
         kv_layers = kv_cache.layers(KV)
@@ -439,6 +439,8 @@ class _RestoreJob:
         self.kv_cache, self.block_ids = kv_cache, block_ids
         self.user_hook = kw.pop("on_installed", None)
         self.probe = kw.pop("probe", None)
+        self.own_probe = self.probe is None  # else a caller's, made for every token
+        self.engine_tokens: Any = tokens  # what the engine restores (a landing: the prefix)
         self.kw = kw
         self.t0 = time.perf_counter()
         self.view: PagedKVCache | None = None  # made by run (_make_view)
@@ -480,16 +482,23 @@ class _RestoreJob:
         )
 
     def _make_view(self) -> None:
-        """The engine's view cache and tables. A GQA landing holds the blocks of the tokens'
-        whole chunks (the engine's tables cover them), filled in token order."""
+        """The engine's view cache, tokens and tables. A GQA landing holds the blocks of the
+        stored prefix, filled in token order: the engine restores the prefix's tokens and
+        probes them again (the lookup above was this restore's own, for the prefix's length),
+        so a miss or a short hit of a long prompt takes no landing the prompt's size. Given a
+        caller's probe (made for every token) it holds the prompt's whole chunks."""
         hc = self.hc
         if not hc.lands_apart:
             self.view = hc.restore_view(self.kv_cache)
             return
-        chunks = hc.layout.num_chunks(len(as_token_array(self.tokens)))
-        n = max(1, chunks * self.ct)
-        self.view = hc.restore_view(self.kv_cache, n)
-        order = torch.arange(-(-n // self.kv_cache.block_tokens), dtype=torch.int64)
+        if self.own_probe and int(self.kw.get("start_tokens", 0)) <= self.prefix:
+            n = hc.layout.num_chunks(self.prefix) * self.ct
+            self.engine_tokens = as_token_array(self.tokens)[:n]
+            self.probe = None
+        else:
+            n = hc.layout.num_chunks(len(as_token_array(self.tokens))) * self.ct
+        self.view = hc.restore_view(self.kv_cache, max(1, n))
+        order = torch.arange(-(-max(1, n) // self.kv_cache.block_tokens), dtype=torch.int64)
         self.src_ids = order
         self.tables = {name: order for name in self.hidden_names}
         if hc.plan.layers(KV):
@@ -505,7 +514,7 @@ class _RestoreJob:
                 tg.start_soon(self._projector)
             try:
                 result = await self.engine.restore(
-                    self.tokens, self.view, self.tables, probe=self.probe,
+                    self.engine_tokens, self.view, self.tables, probe=self.probe,
                     on_installed=self._on_installed, **self.kw,
                 )  # fmt: skip
                 self.skip = not result.committed_tokens  # nothing to project for
