@@ -113,11 +113,10 @@ class PagedKVCache:
             block_tokens: tokens per block.
 
         Raises:
-            LayoutError: a group is missing, a layer count, block size or device differs (or
-                the block count within a group), or a
-                tensor's block bytes are not contiguous (split such a tensor into parts that are,
-                e.g. the K and V halves of a ``[2, num_blocks, ...]`` tensor, and count each part
-                as a layer).
+            LayoutError: a group is missing, a layer count, block size or device differs, the
+                layers of a group differ in blocks, or a tensor's block bytes are not contiguous
+                (split such a tensor into parts that are, e.g. the K and V halves of a
+                ``[2, num_blocks, ...]`` tensor, and count each part as a layer).
         """
         positive_int(block_tokens, "block_tokens")
         if not isinstance(layout, StateLayout):
