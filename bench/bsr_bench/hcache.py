@@ -398,11 +398,22 @@ def run_hcache(
     device: str = "cpu",
     shape: str = "toy",
 ) -> dict[str, Any]:
-    """Measure every point and write the JSON document; returns it."""
+    """Measure every point and write the JSON document; returns it.
+
+    The document is written again after every point (``"complete": false`` until the end, each
+    write a rename over the last), so a run cut short (a GPU step's time limit, a kill) still
+    leaves what it measured.
+    """
     t_start = time.perf_counter()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a shared machine: parallel regions stall on stolen cores
     doc = _header(sizes, repeats, quick, seed, device, shape)
+    doc["complete"] = False
+    out = (
+        Path(json_path)
+        if json_path
+        else Path("bench/results") / time.strftime("hcache-%Y%m%dT%H%M%SZ.json", time.gmtime())
+    )
     # a fresh directory (in ``path``, else the system's temporary one), removed after the run
     if path:
         Path(path).mkdir(parents=True, exist_ok=True)
@@ -414,6 +425,7 @@ def run_hcache(
             for n in sizes:
                 point = _point(model, name, n, rates, repeats, quick, seed, base)
                 doc["results"].append(point)
+                _write(out, doc)
                 print(_row(point), file=sys.stderr, flush=True)
             del model
             if device.startswith("cuda"):  # pragma: no cover - no GPU in CI
@@ -424,16 +436,19 @@ def run_hcache(
     doc["why_different"] = _why(doc)
     doc["targets"] = _targets(doc)
     doc["duration_s"] = time.perf_counter() - t_start
+    doc["complete"] = True
     torch.set_num_threads(threads)
-    out = (
-        Path(json_path)
-        if json_path
-        else Path("bench/results") / time.strftime("hcache-%Y%m%dT%H%M%SZ.json", time.gmtime())
-    )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=2, default=str))
+    _write(out, doc)
     doc["json"] = str(out)
     return doc
+
+
+def _write(out: Path, doc: dict[str, Any]) -> None:
+    """``doc`` as ``out``, whole or not at all: written beside it, then renamed over it."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=2, default=str))
+    tmp.replace(out)
 
 
 #: what the bench's figures are held to (at 1K tokens and above): the rebuild against its own

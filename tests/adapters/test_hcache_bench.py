@@ -114,3 +114,41 @@ def test_the_state_directory_is_made_fresh_and_removed_after(
         raise AssertionError("the failing point did not raise")
     assert seen and all(b.parent == store and b.name.startswith("bsr-hcache-") for b in seen)
     assert store.is_dir() and list(store.iterdir()) == []
+
+
+def test_a_cut_run_leaves_the_points_it_measured(tmp_path: Any, monkeypatch: Any) -> None:
+    """The document is written again after every point, so a run cut short (a GPU step's time
+    limit) leaves the points it measured, marked incomplete; a whole run is marked complete.
+    The points stand in for the measurement (the bench's job); the file is real."""
+    import json
+
+    cut_at: list[int] = [2]
+    done: list[tuple[str, int]] = []
+
+    def point(model: Any, name: str, n: int, *rest: Any) -> dict[str, Any]:
+        if len(done) == cut_at[0]:
+            raise KeyboardInterrupt  # the step's limit: the process is stopped here
+        done.append((name, n))
+        return {"model": name, "tokens": n, "compute_to_io": 2.0}
+
+    shape = hb.Shape(64, 2, 4, 4, 128)
+    monkeypatch.setitem(hb.SHAPES, "toy", {"mha": shape, "gqa": shape})
+    monkeypatch.setattr(hb, "_model", lambda spec, seed, device, dtype: None)
+    monkeypatch.setattr(hb, "_calibrated", lambda model, spec, quick: (None, {}))
+    monkeypatch.setattr(hb, "_point", point)
+    monkeypatch.setattr(hb, "_row", lambda p: "")
+    out = tmp_path / "out" / "hcache.json"
+    try:
+        hb.run_hcache([256, 512], 1, True, str(out), str(tmp_path / "store"))
+    except KeyboardInterrupt:
+        pass
+    else:
+        raise AssertionError("the cut did not stop the run")
+    doc = json.loads(out.read_text())
+    assert doc["complete"] is False
+    assert [(p["model"], p["tokens"]) for p in doc["results"]] == [("mha", 256), ("mha", 512)]
+    cut_at[0], done[:] = 99, []
+    doc = hb.run_hcache([256, 512], 1, True, str(out), str(tmp_path / "store"))
+    again = json.loads(out.read_text())
+    assert again["complete"] is True and len(again["results"]) == 4 == len(doc["results"])
+    assert [p.name for p in out.parent.iterdir()] == ["hcache.json"]  # no partial file left
