@@ -402,7 +402,10 @@ def run_hcache(
 
     The document is written again after every point (``"complete": false`` until the end, each
     write a rename over the last), so a run cut short (a GPU step's time limit, a kill) still
-    leaves what it measured.
+    leaves what it measured. Points go size by size, every model at one size before the next
+    size, so a cut loses the largest size, not a model: each model is built again for each
+    size (one at a time on the device; the same seed gives the same weights) and calibrated
+    once.
     """
     t_start = time.perf_counter()
     threads = torch.get_num_threads()
@@ -419,17 +422,19 @@ def run_hcache(
         Path(path).mkdir(parents=True, exist_ok=True)
     base = Path(tempfile.mkdtemp(prefix="bsr-hcache-", dir=path))
     try:
-        for name, spec in SHAPES[shape].items():
-            model = _model(spec, seed, device, DTYPES[shape])
-            rates, doc["models"][name] = _calibrated(model, spec, quick)
-            for n in sizes:
-                point = _point(model, name, n, rates, repeats, quick, seed, base)
+        rates: dict[str, Any] = {}
+        for n in sizes:
+            for name, spec in SHAPES[shape].items():
+                model = _model(spec, seed, device, DTYPES[shape])
+                if name not in rates:
+                    rates[name], doc["models"][name] = _calibrated(model, spec, quick)
+                point = _point(model, name, n, rates[name], repeats, quick, seed, base)
                 doc["results"].append(point)
                 _write(out, doc)
                 print(_row(point), file=sys.stderr, flush=True)
-            del model
-            if device.startswith("cuda"):  # pragma: no cover - no GPU in CI
-                torch.cuda.empty_cache()
+                del model
+                if device.startswith("cuda"):  # pragma: no cover - no GPU in CI
+                    torch.cuda.empty_cache()
         doc["filesystem"] = filesystem_info(base)
     finally:
         shutil.rmtree(base, ignore_errors=True)
