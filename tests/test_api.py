@@ -8,13 +8,14 @@ from pathlib import Path
 
 import bsr
 import bsr.testing
+from support.source import parse_file
 
 
 def _declared_names() -> set[str]:
     """What bsr/__init__.py declares public, read from its source (not from ``__all__``): the
     names imported ``as`` themselves, at the top and in the TYPE_CHECKING block, and any name
     assigned there (an alias, ``Old = New``: the 0.2 ones are gone), less modules."""
-    tree = ast.parse(Path(bsr.__file__).read_text())
+    tree = parse_file(Path(bsr.__file__))
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module not in (None, "__future__", "typing"):

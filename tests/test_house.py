@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+from typing import Any
+
+from support.source import parse_file
 
 ROOT = Path(__file__).resolve().parents[1]
 #: the library (its test kit, ``bsr.testing``, included), the benchmark, the GPU validation run
@@ -21,7 +24,7 @@ MAX_FUNCTION_LINES = 80
 def _functions(root: Path) -> list[tuple[int, str]]:
     out = []
     for path in sorted(root.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(parse_file(path)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 lines = (node.end_lineno or node.lineno) - node.lineno + 1
                 where = f"{path.relative_to(ROOT)}:{node.lineno} {node.name}"
@@ -36,3 +39,31 @@ def test_no_function_is_longer_than_80_lines() -> None:
     assert len(found) > 500
     too_long = sorted(f"{where} ({n} lines)" for n, where in found if n > MAX_FUNCTION_LINES)
     assert not too_long, "split these functions: " + "; ".join(too_long)
+
+
+def test_parse_file_parses_once_more_in_a_fresh_thread(monkeypatch: Any, tmp_path: Path) -> None:
+    """CPython 3.11's spurious recursion-depth SystemError (tests/support/source.py) makes
+    parse_file try once more in another thread; any other error is raised."""
+    import threading
+
+    import pytest
+
+    real = ast.parse
+    caller = threading.get_ident()
+
+    def flaky(text: str, name: str = "<unknown>") -> ast.Module:
+        if threading.get_ident() == caller:
+            raise SystemError("AST constructor recursion depth mismatch (before=144, after=200)")
+        return real(text, name)
+
+    f = tmp_path / "m.py"
+    f.write_text("x = 1\n")
+    monkeypatch.setattr(ast, "parse", flaky)
+    assert isinstance(parse_file(f).body[0], ast.Assign)
+
+    def broken(text: str, name: str = "<unknown>") -> ast.Module:
+        raise SystemError("something else")
+
+    monkeypatch.setattr(ast, "parse", broken)
+    with pytest.raises(SystemError, match="something else"):
+        parse_file(f)

@@ -22,6 +22,7 @@ import jsonschema
 import pytest
 
 from bsr_bench.common.document import load_schema
+from support.source import parse_file
 
 RATIOS = ("bsr_vs_raw_bandwidth", "bsr_vs_whole_plan_ttft", "whole_plan_vs_bsr_rws")
 
@@ -537,7 +538,7 @@ def _private_imports(path: Path) -> list[str]:
     import ast
 
     out = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(parse_file(path)):
         if isinstance(node, ast.ImportFrom) and node.level == 0:  # relative: inside the bench
             mod = node.module or ""
             if mod.startswith("bsr.") and mod not in PUBLIC_MODULES:

@@ -24,6 +24,7 @@ from types import ModuleType, SimpleNamespace
 import pytest
 
 import bsr
+from support.source import parse_file
 
 ROOT = Path(__file__).resolve().parents[2]
 #: the public modules whose ``__all__`` the reference must render, beside ``bsr`` itself
@@ -52,7 +53,7 @@ def static_all(path: Path) -> list[str]:
     """A module's ``__all__`` (a literal list of strings), read from its source."""
     import ast
 
-    for node in ast.parse(path.read_text()).body:
+    for node in parse_file(path).body:
         if isinstance(node, ast.Assign) and any(
             isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
         ):

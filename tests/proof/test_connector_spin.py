@@ -34,6 +34,7 @@ from spin_check import (
     run_pan,
     tools,
 )
+from support.source import parse_file
 
 pytestmark = pytest.mark.timeout(PAN_TEST_TIMEOUT_S)  # a hang guard (spin_check)
 
@@ -538,7 +539,7 @@ def _class_members(tree: ast.Module) -> dict[str, set[str]]:
 def _source_members() -> dict[str, set[str]]:
     members: dict[str, set[str]] = {}
     for path in sorted(SRC.glob("*.py")):
-        for cls, names in _class_members(ast.parse(path.read_text())).items():
+        for cls, names in _class_members(parse_file(path)).items():
             members.setdefault(cls, set()).update(names)
     return members
 
@@ -562,7 +563,7 @@ def test_every_protocol_method_is_in_the_model() -> None:
     comments = _model_comments()
     tree_methods: set[str] = set()
     for path in (SRC / "_scheduler.py", SRC / "_worker.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(parse_file(path)):
             if isinstance(node, ast.ClassDef) and node.name in ("BsrScheduler", "BsrWorker"):
                 tree_methods.update(
                     f"{node.name}.{item.name}"
@@ -612,6 +613,6 @@ def test_vllm_names_in_the_model_exist_in_vllm() -> None:
     for cls, module in VLLM_CLASSES.items():
         named = set(re.findall(rf"(?<![\w.]){cls}\.(\w+)", comments))
         assert named, f"the model names no {cls} method"
-        members = _class_members(ast.parse((package / module).read_text())).get(cls, set())
+        members = _class_members(parse_file(package / module)).get(cls, set())
         missing += sorted(f"{cls}.{n}" for n in named if n not in members)
     assert not missing, f"the model names what vLLM does not have: {missing}"
