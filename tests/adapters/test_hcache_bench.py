@@ -82,6 +82,16 @@ def test_table_reports_ratios_next_to_the_paper() -> None:
     assert "5.73x vs recompute" in text and "1.93x vs KV" in text and "+1.0%" in text
 
 
+def _measured_by(monkeypatch: Any, point: Any) -> None:
+    """Two tiny models whose every point is ``point`` (no model built, nothing calibrated)."""
+    shape = hb.Shape(64, 2, 4, 4, 128)
+    monkeypatch.setitem(hb.SHAPES, "toy", {"mha": shape, "gqa": shape})
+    monkeypatch.setattr(hb, "_model", lambda spec, seed, device, dtype: None)
+    monkeypatch.setattr(hb, "_calibrated", lambda model, spec, quick: (None, {}))
+    monkeypatch.setattr(hb, "_point", point)
+    monkeypatch.setattr(hb, "_row", lambda p: "")
+
+
 def test_the_state_directory_is_made_fresh_and_removed_after(
     tmp_path: Any, monkeypatch: Any
 ) -> None:
@@ -99,12 +109,7 @@ def test_the_state_directory_is_made_fresh_and_removed_after(
             raise RuntimeError("a point failed")
         return {"model": name, "tokens": n}
 
-    shape = hb.Shape(64, 2, 4, 4, 128)
-    monkeypatch.setitem(hb.SHAPES, "toy", {"mha": shape, "gqa": shape})
-    monkeypatch.setattr(hb, "_model", lambda spec, seed, device, dtype: None)
-    monkeypatch.setattr(hb, "_calibrated", lambda model, spec, quick: (None, {}))
-    monkeypatch.setattr(hb, "_point", point)
-    monkeypatch.setattr(hb, "_row", lambda p: "")
+    _measured_by(monkeypatch, point)
     store = tmp_path / "store"
     try:
         hb.run_hcache([256], 1, True, str(tmp_path / "out.json"), str(store))
@@ -131,12 +136,7 @@ def test_a_cut_run_leaves_the_points_it_measured(tmp_path: Any, monkeypatch: Any
         done.append((name, n))
         return {"model": name, "tokens": n, "compute_to_io": 2.0}
 
-    shape = hb.Shape(64, 2, 4, 4, 128)
-    monkeypatch.setitem(hb.SHAPES, "toy", {"mha": shape, "gqa": shape})
-    monkeypatch.setattr(hb, "_model", lambda spec, seed, device, dtype: None)
-    monkeypatch.setattr(hb, "_calibrated", lambda model, spec, quick: (None, {}))
-    monkeypatch.setattr(hb, "_point", point)
-    monkeypatch.setattr(hb, "_row", lambda p: "")
+    _measured_by(monkeypatch, point)
     out = tmp_path / "out" / "hcache.json"
     try:
         hb.run_hcache([256, 512], 1, True, str(out), str(tmp_path / "store"))
