@@ -111,6 +111,11 @@ def _dist(xs: Sequence[float]) -> dict[str, float]:
     return {"min": min(xs), "median": _median(xs), "max": max(xs), "n": len(xs)}
 
 
+def _rel_error(want: torch.Tensor, got: torch.Tensor) -> float:
+    """The largest difference of ``got`` from ``want``, relative to ``want``'s largest value."""
+    return float(((want - got).abs().max() / want.abs().max().clamp_min(1e-30)).item())
+
+
 def _model(shape: Shape, seed: int, device: str, dtype: str = "float32") -> Any:
     """A random Llama of ``shape``, built on ``device`` in ``dtype`` (no download)."""
     import transformers
@@ -232,7 +237,7 @@ async def _restore_plans(
     out: dict[str, dict[str, Any]] = {}
     for name, r in runs.items():
         got = r["dst"].typed("kv")[:, dst_ids[t // BLOCK], t % BLOCK]
-        err = ((want - got).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+        err = _rel_error(want, got)
         rs = r["res"]
         out[name] = {
             "methods": list(r["hc"].plan.methods),
@@ -299,8 +304,7 @@ def _rebuild_vs_gemm(model: Any, served: _Served, repeats: int) -> dict[str, Any
             rg += _timed(lambda: rebuild(True), 1)
     finally:
         hc.grouped = False  # the served HCache restores layer by layer after this, as before it
-    want, got = served.kv.typed("kv")[:, ids], dst.typed("kv")[:, ids]
-    err = ((want - got).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+    err = _rel_error(served.kv.typed("kv")[:, ids], dst.typed("kv")[:, ids])
     if err > KV_TOLERANCE[DTYPE_NAMES[a.dtype]]:  # a figure of a rebuild that is wrong says nothing
         raise BenchError(f"hcache: the timed rebuild's K/V differ from the served (rel {err:.2e})")
     return {

@@ -252,7 +252,8 @@ class HCache:
         return self._view(kv_cache, hidden)
 
     def restore_view(self, kv_cache: PagedKVCache, num_tokens: int | None = None) -> PagedKVCache:
-        """The engine-layout cache to restore into; hidden states land inside the K/V blocks.
+        """The engine-layout cache to restore into; hidden states land inside the K/V blocks
+        where they fit.
 
         For MHA (a hidden row is at most a K/V row) the hidden state of block ``b`` of layer
         ``i`` lands in the first ``block_tokens x hidden_bytes`` bytes of that very block of
@@ -491,14 +492,16 @@ class _RestoreJob:
         if not hc.lands_apart:
             self.view = hc.restore_view(self.kv_cache)
             return
+        tokens = as_token_array(self.tokens)  # once: the engine takes the array as it is
         if self.own_probe and int(self.kw.get("start_tokens", 0)) <= self.prefix:
             n = hc.layout.num_chunks(self.prefix) * self.ct
-            self.engine_tokens = as_token_array(self.tokens)[:n]
-            self.probe = None
+            tokens, self.probe = tokens[:n], None
         else:
-            n = hc.layout.num_chunks(len(as_token_array(self.tokens))) * self.ct
-        self.view = hc.restore_view(self.kv_cache, max(1, n))
-        order = torch.arange(-(-max(1, n) // self.kv_cache.block_tokens), dtype=torch.int64)
+            n = hc.layout.num_chunks(len(tokens)) * self.ct
+        self.engine_tokens = tokens
+        n = max(1, n)
+        self.view = hc.restore_view(self.kv_cache, n)
+        order = torch.arange(-(-n // self.kv_cache.block_tokens), dtype=torch.int64)
         self.src_ids = order
         self.tables = {name: order for name in self.hidden_names}
         if hc.plan.layers(KV):
