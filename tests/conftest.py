@@ -141,6 +141,46 @@ def _quiet_logs() -> Iterator[None]:
     structlog.reset_defaults()
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _vllm_temp_files(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Where vLLM's processes leave their files: a directory of this session's, emptied of
+    them at its end. vLLM binds its ZMQ sockets in ``VLLM_RPC_BASE_PATH`` and writes its
+    ``vllm_dist_*`` init files in the temporary directory, and an engine stopped by its PID (as
+    the tests stop theirs) leaves both: thousands of sockets in /tmp after a run of the suite.
+    Only where vLLM is installed; this process's own temporary directory (pytest's
+    ``tmp_path``) is the system's as before: the children's ``TMPDIR`` alone moves."""
+    import importlib.util
+    import shutil
+    import stat
+    import tempfile
+
+    if importlib.util.find_spec("vllm") is None:
+        yield
+        return
+    from bsr.vllm._lookup import remove_stale_dirs
+
+    tmp_path_factory.getbasetemp()  # pytest's directories first, in the system's tempdir
+    tempfile.gettempdir()  # and this process's tempdir fixed before TMPDIR moves
+    own = Path(tempfile.mkdtemp(prefix="bsr-tests-vllm-"))  # not the connector's own prefix
+    saved = {k: os.environ.get(k) for k in ("TMPDIR", "VLLM_RPC_BASE_PATH")}
+    os.environ["TMPDIR"] = os.environ["VLLM_RPC_BASE_PATH"] = str(own)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        for f in own.iterdir():  # a log kept for reading (a fork server that died) stays
+            if f.name.startswith("vllm_dist_") or stat.S_ISSOCK(f.lstat().st_mode):
+                f.unlink(missing_ok=True)
+        # the connector's lookup sockets of engines stopped by their PID (nobody answers now)
+        remove_stale_dirs(str(own), older_than_s=0)
+        if not any(own.iterdir()):
+            shutil.rmtree(own, ignore_errors=True)
+
+
 @pytest.fixture(params=["asyncio", "trio"])
 def anyio_backend(request: pytest.FixtureRequest) -> str:
     """Every ``@pytest.mark.anyio`` test runs once under asyncio and once under trio."""

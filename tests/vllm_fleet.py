@@ -34,8 +34,11 @@ def prompt(seed: int, n: int) -> list[int]:
     return [3 + (seed * 7919 + i * 37) % 490 for i in range(n)]
 
 
-def kv_config(pool: dict[str, Any], model_id: str = "fleet-llama") -> dict[str, Any]:
-    """BsrConnector over a HostTier of :data:`HOST_BYTES` above the pool's tier table."""
+def kv_config(
+    pool: dict[str, Any], model_id: str = "fleet-llama", **connector: Any
+) -> dict[str, Any]:
+    """BsrConnector over a HostTier of :data:`HOST_BYTES` above the pool's tier table;
+    ``connector``: more ``bsr_connector`` options."""
     return {
         "kv_connector": "BsrConnector",
         "kv_connector_module_path": "bsr.vllm",
@@ -47,7 +50,7 @@ def kv_config(pool: dict[str, Any], model_id: str = "fleet-llama") -> dict[str, 
                 "chunk_tokens": CHUNK,
                 "model_id": model_id,
             },
-            "bsr_connector": {"kv_events_audit_s": 1.0},
+            "bsr_connector": {"kv_events_audit_s": 1.0, **connector},
         },
     }
 
@@ -58,6 +61,15 @@ class Fleet:
     model: Path
     router: Router | None = None
     http: RouterServer | None = None
+
+    def log(self, name: str, lines: int = 30) -> str:
+        """The last ``lines`` of ``name``'s log that name bsr, its stores, a warning or an error
+        (for a failing assertion's message: why a probe missed or a load fell back)."""
+        path = self.model.parent / f"{name}.log"
+        text = path.read_text(errors="replace") if path.exists() else ""
+        marks = ("bsr", "kv transfer", "mooncake", "redis", "warning", "error")
+        mine = [ln[:400] for ln in text.splitlines() if any(m in ln.lower() for m in marks)]
+        return f"--- {name}.log (bsr, warnings, errors) ---\n" + "\n".join(mine[-lines:])
 
     def complete(
         self, name: str | None, tokens: list[int], **extra: Any

@@ -73,6 +73,11 @@ def run_child(
     # vLLM's CPU build reserves one more core when a KV connector is configured: pinned, an
     # engine without bsr and one with it compute on the same number of threads
     env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1", **child_env()}
+    # vLLM's ZMQ sockets and init files, and the connector's lookup socket, go in the section's
+    # work directory (removed with it): an engine stopped by its PID leaves them behind
+    tmp = work / "tmp"
+    tmp.mkdir(exist_ok=True)
+    env["TMPDIR"] = env["VLLM_RPC_BASE_PATH"] = str(tmp)
     try:
         proc = subprocess.run(
             [python, "-m", "bsr_bench.vllm_engine", section, str(spec_path), str(out)],
