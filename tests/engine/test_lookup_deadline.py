@@ -57,6 +57,7 @@ async def test_a_cut_off_lookup_counts_against_the_hung_tier_only(tmp_path: Path
             # what the host holds is still found; the hung tier holds nothing
             assert probe.prefix_chunks == CHUNKS
             assert all(h["kv"] == ("host",) for h in probe.holders)
+            assert probe.unanswered == (slow.name,)  # said, so a server can count it
             assert eng.health.state(slow.name).consecutive_failures == i
             assert eng.health.state(host.name).consecutive_failures == 0
         assert eng.health.state(slow.name).open  # threshold 2: tripped
@@ -64,6 +65,7 @@ async def test_a_cut_off_lookup_counts_against_the_hung_tier_only(tmp_path: Path
         probe = await eng.lookup(toks, deadline_s=0.2)
         assert slow.calls == calls  # an open breaker: the hung tier is not asked again
         assert probe.prefix_chunks == CHUNKS
+        assert probe.unanswered == (slow.name,)  # and still did not answer
 
 
 @pytest.mark.anyio
@@ -78,8 +80,38 @@ async def test_a_cut_off_lookup_of_the_only_tier_is_a_miss(tmp_path: Path) -> No
         with anyio.fail_after(30):
             probe = await eng.lookup(toks, deadline_s=0.2, lease_ttl_s=5)
         assert probe.prefix_chunks == 0 and probe.lease is None
+        assert probe.unanswered == (slow.name,)
         assert eng.health.state(slow.name).consecutive_failures == 1
         assert eng.statistics().leases == 0
+
+
+class FailingContains(bsr.TierWrapper[bsr.Tier]):
+    """A tier whose metadata queries fail while ``fail`` is set (a pool refusing connections)."""
+
+    fail = True
+
+    async def contains_many(self, objects: Sequence[bsr.ObjectKey]) -> list[bool]:
+        if self.fail:
+            raise bsr.TierIOError("connection refused", tier=self.name)
+        return await self.inner.contains_many(objects)
+
+
+@pytest.mark.anyio
+async def test_unanswered_names_failed_tiers_and_only_them(tmp_path: Path) -> None:
+    toks = tokens_for(CHUNKS * 16)
+    src = filled_cache(LAYOUT, 8, 16)
+
+    host = bsr.HostTier(1 << 24)
+    down = FailingContains(bsr.FileTier(tmp_path / "down", 1 << 26, name="down"))
+    ok = bsr.FileTier(tmp_path / "ok", 1 << 26)
+    async with engine([host, down, ok]) as eng:
+        await eng.save(toks, src, list(range(CHUNKS)), tiers=[host.name, ok.name])
+        probe = await eng.lookup(toks)
+        assert probe.prefix_chunks == CHUNKS and probe.unanswered == (down.name,)
+        assert all(h["kv"] == (host.name, ok.name) for h in probe.holders)
+        down.fail = False  # control: every tier answers
+        probe = await eng.lookup(toks)
+        assert probe.prefix_chunks == CHUNKS and probe.unanswered == ()
 
 
 @pytest.mark.anyio

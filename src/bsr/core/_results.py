@@ -91,6 +91,9 @@ class Probe:
         prefix_tokens: ``prefix_chunks * chunk_tokens``.
         bytes_by_tier: bytes a restore of the agreed prefix would read per tier (first choice).
         duration_s: wall time of the probe.
+        unanswered: the tiers this rank's probe did not hear from, in tier order: cut off by
+            its deadline, failed, skipped by an open circuit breaker, or not asked before the
+            deadline; they hold nothing in ``holders``. Empty when every tier answered.
     """
 
     num_tokens: int
@@ -113,6 +116,7 @@ class Probe:
     #: policy ``"cost"``: how much of the prefix is worth loading, and from what (a restore
     #: given this probe loads that much)
     decision: LoadDecision | None = None
+    unanswered: tuple[str, ...] = ()
 
     def release(self) -> None:
         """Give back the leases this probe holds (idempotent; a restore does it for you)."""

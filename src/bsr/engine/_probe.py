@@ -147,22 +147,31 @@ class Prober:
     def empty(self, n: int) -> Holders:
         return [{g.name: () for g in self.layout.groups} for _ in range(n)]
 
-    async def holders(self, keys: Sequence[ChunkKey], deadline_at: float = math.inf) -> Holders:
+    async def holders(
+        self,
+        keys: Sequence[ChunkKey],
+        deadline_at: float = math.inf,
+        unanswered: list[str] | None = None,
+    ) -> Holders:
         """Which tiers hold each (chunk, group) of ``keys``, by tier name, fastest first.
 
         A tier still answering at ``deadline_at`` (``time.perf_counter()`` time) is cut off: it
         holds nothing for this probe and the cut-off counts against its breaker, like any other
-        timeout; a tier not yet asked then is skipped without counting.
+        timeout; a tier not yet asked then is skipped without counting. The names of the tiers
+        that did not answer (cut off, failed, not asked, breaker open) go to ``unanswered``.
         """
         groups = [g.name for g in self.layout.groups]
         objs = [ObjectKey(k, g) for k in keys for g in groups]
         answers: list[tuple[str, list[bool]]] = []  # tier name, present per object
+        silent = [] if unanswered is None else unanswered
         for tier in self.tiers:
             if not self.health.admit(tier.name):
-                continue  # circuit breaker open: the tier holds nothing for this probe
+                silent.append(tier.name)  # breaker open: the tier holds nothing for this probe
+                continue
             budget = deadline_at - time.perf_counter()
             if budget <= 0:
                 self.health.release(tier.name)  # never asked: says nothing about the tier
+                silent.append(tier.name)
                 continue
             try:
                 with anyio.move_on_after(budget) as scope:
@@ -170,6 +179,7 @@ class Prober:
             except Exception as exc:  # a tier that cannot answer holds nothing for this probe
                 self.health.failure(tier.name)
                 self.log.warning("bsr.probe.tier_failed", tier=tier.name, error=str(exc))
+                silent.append(tier.name)
                 continue
             except BaseException:
                 self.health.release(tier.name)
@@ -177,6 +187,7 @@ class Prober:
             if scope.cancelled_caught:
                 self.health.failure(tier.name)
                 self.log.warning("bsr.probe.tier_timeout", tier=tier.name, s=round(budget, 6))
+                silent.append(tier.name)
                 continue
             self.health.success(tier.name)
             present = list(present)
@@ -210,11 +221,14 @@ class Prober:
         deadline_at = math.inf if deadline_s is None else t0 + deadline_s
         keyed: KeyedTokens | None = None
         holders: Holders = []
+        unanswered: list[str] = []
         with anyio.move_on_after(math.inf if deadline_s is None else deadline_s):
             keyed = await self.keyed(tokens, extras)
         if keyed is not None:
-            holders = await self.holders(keyed.keys, deadline_at)
+            holders = await self.holders(keyed.keys, deadline_at, unanswered)
             await anyio.lowlevel.checkpoint()
+        else:  # the deadline fired while keying: no tier was asked
+            unanswered = [t.name for t in self.tiers]
         timed_out = keyed is None or time.perf_counter() >= deadline_at
         if keyed is None or (timed_out and not partial):
             n = 0 if keyed is None else len(keyed.keys)
@@ -232,6 +246,8 @@ class Prober:
                 self.coordinator, local, lambda p: p == local or prefix_usable(self.layout, p, have)
             )
         probe = self._record(tokens, keyed, holders, max(local, 0), max(agreed, 0), t0)
+        if unanswered:
+            probe = replace(probe, unanswered=tuple(unanswered))
         return ProbeOutcome(probe, timed_out, other_late=agreed == LATE and not timed_out)
 
     def from_keys(self, keys: Sequence[ChunkKey], holders: Holders, num_tokens: int) -> Probe:

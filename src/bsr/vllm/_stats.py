@@ -31,7 +31,7 @@ from ._request_keys import OPTION_FIELDS
 #: plain counters, summed
 COUNTERS = (
     "lookups",  # lookups the scheduler sent to the worker
-    "lookups_timed_out",  # answers the scheduler gave up on (counted a miss)
+    "lookups_timed_out",  # answers too late: the worker's backstop fired, or the scheduler gave up
     "deferred",  # times a request was asked to wait for another request's load of its chunks
     "hit_tokens",  # tokens promised to vLLM beyond its own prefix-cache hit
     "loads",  # loads that ended
@@ -51,6 +51,7 @@ KEYED = (
     "unkeyable_requests",  # reason -> requests bsr could not key (neither loaded nor saved)
     "rejected_options",  # field -> requests whose kv_transfer_params["bsr"] was bad
     "hit_tokens_by_tier",  # tier -> promised tokens each tier holds (the lookup's probe)
+    "lookup_unanswered",  # tier -> lookups it did not answer in time (cut off, failed, breaker)
     "load_decisions",  # choice -> policy "cost" decisions (load, partial, recompute, ...)
     "cost_tokens",  # load / recompute -> tokens policy "cost" chose to load or to recompute
     "kv_events",  # stored / removed -> KV events published (chunks x tiers)
@@ -152,7 +153,8 @@ METRICS = {
     "lookups": ("vllm:bsr_lookups", "Lookups the scheduler sent to bsr."),
     "lookups_timed_out": (
         "vllm:bsr_lookup_timeouts",
-        "bsr lookups whose answer came too late (counted as misses).",
+        "bsr lookups whose answer came too late, on the worker or to the scheduler "
+        "(counted as misses).",
     ),
     "deferred": (
         "vllm:bsr_deferred_lookups",
@@ -194,6 +196,12 @@ KEYED_METRICS = {
     "hit_tokens_by_tier": (
         "vllm:bsr_hit_tokens_by_tier",
         "Tokens bsr promised beyond vLLM's prefix cache, by the tier that holds them.",
+        "tier",
+    ),
+    "lookup_unanswered": (
+        "vllm:bsr_lookup_unanswered",
+        "bsr lookups a tier did not answer within lookup_timeout_s (cut off, failed, or its "
+        "circuit breaker open): it held nothing for them, by tier.",
         "tier",
     ),
     "load_decisions": (

@@ -103,6 +103,11 @@ UNWIND_S = 30.0
 FINISHED_KEEP_STEPS = 64
 #: what a save cut by ``save_timeout_s`` returns (its ``saves_skipped`` reason)
 SAVE_TIMED_OUT = "timeout"
+#: how much past ``lookup_timeout_s`` a lookup may run before the worker gives up on it: the
+#: engine's own deadline (``lookup_timeout_s``) cuts a slow tier off first and answers with what
+#: the others hold; this is the backstop behind it, within the scheduler's grace
+#: (``_scheduler.LOOKUP_GRACE_S``)
+LOOKUP_BACKSTOP_S = 0.5
 
 
 @dataclass
@@ -324,10 +329,13 @@ class BsrWorker:
             if bound is None:  # its adapter is not loaded here: a miss, at once
                 self.stats.count("adapter_misses")
                 return
-            with anyio.move_on_after(self.opts.lookup_timeout_s):
+            with anyio.move_on_after(self.opts.lookup_timeout_s + LOOKUP_BACKSTOP_S) as scope:
                 hit, probe = await self._lookup(seq, tokens, bound, hints)
                 if probe is not None and self.fleet is not None:
                     by_tier = self.fleet.by_tier(probe, hit, hints.start_tokens)
+            if scope.cancelled_caught:
+                self.stats.count("lookups_timed_out")
+                self._log.warning("bsr.vllm.lookup_cut", s=self.opts.lookup_timeout_s)
         except Exception as exc:  # a failed lookup is a miss
             self._log.warning("bsr.vllm.lookup_failed", error=repr(exc))
         finally:
@@ -355,11 +363,21 @@ class BsrWorker:
         }  # fmt: skip
         if self.settings.tp_size > 1:  # rank 0 alone: no collective, no lease (see restore)
             probe = await engine.lookup(tokens, deadline_s=timeout, local=True, **how)
+            for name in probe.unanswered:
+                self.stats.count_key("lookup_unanswered", name)
             return self._offer(probe, h, seq), probe
         t_end = time.perf_counter() + timeout
         ttl = self.opts.lease_ttl_s
         probe = await engine.lookup(tokens, lease_ttl_s=ttl, deadline_s=timeout, **how)
+        for name in probe.unanswered:
+            self.stats.count_key("lookup_unanswered", name)
         hit = self._offer(probe, h, seq)
+        if 0 < hit < len(tokens) and probe.unanswered:
+            # a tier was cut off at the deadline: no time is left to probe the prefix again
+            # (it would ask the slow tier once more); offer it without a lease, as a
+            # tensor-parallel lookup does, and the load probes it itself
+            probe.release()
+            return hit, probe
         if 0 < hit < len(tokens):  # a restore reuses a probe of exactly its own tokens
             try:
                 left = max(t_end - time.perf_counter(), 1e-3)

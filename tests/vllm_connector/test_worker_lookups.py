@@ -1,0 +1,161 @@
+"""The worker's lookups under ``lookup_timeout_s``: a tier still answering then is cut off by the
+engine's own deadline, so the lookup offers what the other tiers hold, the cut counts against
+the slow tier's breaker and in the ``lookup_unanswered`` metric (by tier).
+
+Found while looking into a fleet test's "0 cached" turn: the worker bounded each lookup by a
+scope of exactly ``lookup_timeout_s`` around the engine's lookup with the same deadline, opened a
+moment earlier, so the outer scope always fired first: a host tier holding the whole prefix was
+offered nothing while a pool below it was slow, the pool's breaker never counted it, and no
+warning or metric said why. A real engine and tiers (a HostTier, a FileTier whose metadata
+queries hang on demand); the worker's answers are taken where it hands them to its lookup
+server.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import anyio
+import numpy as np
+import pytest
+
+import bsr
+
+pytest.importorskip("vllm")
+from bsr.vllm._lookup import LookupHints
+from bsr.vllm._options import ConnectorOptions, ConnectorSettings
+from bsr.vllm._worker import BsrWorker
+
+pytestmark = pytest.mark.anyio
+
+CHUNK, BLOCK, CHUNKS = 32, 8, 3
+LAYOUT = bsr.StateLayout(chunk_tokens=CHUNK, groups=(bsr.StateGroup("kv", 2, 256),))
+TOKENS = np.random.default_rng(5).integers(3, 500, CHUNKS * CHUNK).astype(np.int64)
+#: the lookup bound of these tests: short, so a hung tier costs little; nothing here races it
+#: (the hung tier never answers, the others answer in microseconds)
+TIMEOUT_S = 0.5
+
+
+class HangingContains(bsr.TierWrapper[bsr.Tier]):
+    """A tier whose metadata queries wait forever while ``hang`` is set (a paused pool)."""
+
+    def __init__(self, inner: bsr.Tier) -> None:
+        super().__init__(inner)
+        self.hang = False
+
+    async def contains_many(self, objects: Sequence[bsr.ObjectKey]) -> list[bool]:
+        if self.hang:
+            await anyio.sleep_forever()
+        return await self.inner.contains_many(objects)
+
+
+@dataclass
+class Replies:
+    """Where the worker hands its answers (the lookup server's ``reply``)."""
+
+    got: list[tuple[int, int]] = field(default_factory=list)  # (seq, hit)
+
+    def reply(self, conn_id: int, seq: int, hit: int, by_tier: Sequence[int] = ()) -> None:
+        self.got.append((seq, hit))
+
+
+@asynccontextmanager
+async def worker_over(tiers: list[bsr.Tier], save_to: int) -> AsyncIterator[BsrWorker]:
+    """A worker whose engine has ``tiers`` (breaker threshold 2), the prompt saved into the
+    first ``save_to`` of them."""
+    opts = ConnectorOptions.from_dict({"lookup_timeout_s": TIMEOUT_S})
+    settings = ConnectorSettings(
+        engine=bsr.EngineConfig.from_dict({"tiers": [{"kind": "host", "capacity_bytes": 1}]}),
+        options=opts, block_size=BLOCK, chunk_tokens=CHUNK, tp_size=1, model_id="m",
+        config_digest="", engine_id="e", loads=True, saves=True, failure_policy="recompute",
+        kv_events=False,
+    )  # fmt: skip
+    cache = bsr.PagedKVCache(LAYOUT, 16, BLOCK)
+    cache.tensor("kv").random_(0, 255)
+    engine = bsr.RestoreEngine(
+        LAYOUT, tiers, window=2, io_depth=1, namespace=bsr.Namespace("m"),
+        breaker_threshold=2, breaker_cooldown_s=600,
+    )  # fmt: skip
+    await engine.open()
+    names = [t.name for t in tiers[:save_to]]
+    saved = await engine.save(TOKENS, cache, list(range(CHUNKS * CHUNK // BLOCK)), tiers=names)
+    assert saved.chunks == CHUNKS
+    worker = BsrWorker(settings, None)
+    worker.engine, worker.cache, worker.groups = engine, cache, ("kv",)
+    worker._server = Replies()  # type: ignore[assignment]
+    try:
+        yield worker
+    finally:
+        await engine.aclose()
+
+
+async def lookup(worker: BsrWorker, seq: int, tokens: np.ndarray = TOKENS) -> int:
+    """One lookup of ``tokens``, as the lookup server starts it; the hit it answered."""
+    with anyio.fail_after(60):  # a hang guard, not a timing claim
+        await worker._lookup_job(0, seq, tokens, (), LookupHints())
+    replies = worker._server
+    assert isinstance(replies, Replies)
+    (got,) = [hit for s, hit in replies.got if s == seq]
+    return got
+
+
+async def test_a_slow_pool_below_the_host_tier_leaves_the_host_hit(tmp_path: Path) -> None:
+    host = bsr.HostTier(1 << 24)
+    pool = HangingContains(bsr.FileTier(tmp_path / "pool", 1 << 26))
+    async with worker_over([host, pool], save_to=1) as w:
+        pool.hang = True
+        assert await lookup(w, 1) == CHUNKS * CHUNK  # the host's copy, offered
+        assert w.engine is not None
+        assert w.engine.health.state(pool.name).consecutive_failures == 1
+        assert w.engine.health.state(host.name).consecutive_failures == 0
+        stats = w.take_stats()
+        assert stats is not None and stats.data["lookup_unanswered"] == {pool.name: 1}
+        assert await lookup(w, 2) == CHUNKS * CHUNK
+        assert w.engine.health.state(pool.name).open  # threshold 2: the pool is skipped now
+        assert await lookup(w, 3) == CHUNKS * CHUNK  # at once, and still counted
+        stats = w.take_stats()
+        assert stats is not None and stats.data["lookup_unanswered"] == {pool.name: 2}
+
+
+async def test_a_longer_prompt_is_offered_the_host_hit_without_asking_the_pool_again(
+    tmp_path: Path,
+) -> None:
+    """The usual prompt: longer than what is stored. The prefix found is offered as it is, with
+    no second lookup of exactly that prefix (the deadline is spent: it would ask the slow pool
+    again, a second failure against its breaker for one lookup) and no lease (the load probes
+    it again itself)."""
+    host = bsr.HostTier(1 << 24)
+    pool = HangingContains(bsr.FileTier(tmp_path / "pool", 1 << 26))
+    longer = np.concatenate([TOKENS, TOKENS[:CHUNK] + 1])
+    async with worker_over([host, pool], save_to=1) as w:
+        pool.hang = True
+        assert await lookup(w, 1, longer) == CHUNKS * CHUNK
+        assert w.engine is not None
+        assert w.engine.health.state(pool.name).consecutive_failures == 1
+        assert w._probes == {}  # nothing leased for the load
+        assert w.engine.statistics().leases == 0
+
+
+async def test_a_slow_only_tier_is_a_miss_counted_against_it(tmp_path: Path) -> None:
+    pool = HangingContains(bsr.FileTier(tmp_path / "pool", 1 << 26))
+    async with worker_over([pool], save_to=1) as w:
+        pool.hang = True
+        assert await lookup(w, 1) == 0
+        assert w.engine is not None
+        assert w.engine.health.state(pool.name).consecutive_failures == 1
+        stats = w.take_stats()
+        assert stats is not None and stats.data["lookup_unanswered"] == {pool.name: 1}
+
+
+async def test_control_tiers_that_answer_count_nothing(tmp_path: Path) -> None:
+    host = bsr.HostTier(1 << 24)
+    pool = HangingContains(bsr.FileTier(tmp_path / "pool", 1 << 26))
+    async with worker_over([host, pool], save_to=2) as w:
+        assert await lookup(w, 1) == CHUNKS * CHUNK
+        assert w.engine is not None
+        assert w.engine.health.state(pool.name).consecutive_failures == 0
+        stats = w.take_stats()
+        assert stats is None or not stats.data["lookup_unanswered"]
