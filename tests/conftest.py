@@ -143,22 +143,21 @@ def _quiet_logs() -> Iterator[None]:
 
 @pytest.fixture(autouse=True, scope="session")
 def _vllm_temp_files(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """Where vLLM's processes leave their files: a directory of this session's, emptied of
-    them at its end. vLLM binds its ZMQ sockets in ``VLLM_RPC_BASE_PATH`` and writes its
+    """Where vLLM's processes leave their files: a directory of this session's, removed at its
+    end. vLLM binds its ZMQ sockets in ``VLLM_RPC_BASE_PATH`` and writes its
     ``vllm_dist_*`` init files in the temporary directory, and an engine stopped by its PID (as
     the tests stop theirs) leaves both: thousands of sockets in /tmp after a run of the suite.
     Only where vLLM is installed; this process's own temporary directory (pytest's
     ``tmp_path``) is the system's as before: the children's ``TMPDIR`` alone moves."""
+    import contextlib
     import importlib.util
     import shutil
-    import stat
+    import sys
     import tempfile
 
     if importlib.util.find_spec("vllm") is None:
         yield
         return
-    from bsr.vllm._lookup import remove_stale_dirs
-
     tmp_path_factory.getbasetemp()  # pytest's directories first, in the system's tempdir
     tempfile.gettempdir()  # and this process's tempdir fixed before TMPDIR moves
     own = Path(tempfile.mkdtemp(prefix="bsr-tests-vllm-"))  # not the connector's own prefix
@@ -172,13 +171,21 @@ def _vllm_temp_files(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        for f in own.iterdir():  # a log kept for reading (a fork server that died) stays
-            if f.name.startswith("vllm_dist_") or stat.S_ISSOCK(f.lstat().st_mode):
+        # the session's engines are stopped by now: all of it goes (sockets, init files, the
+        # connector's lookup directories, torch's compile cache) but a log the engine fork
+        # server kept for reading (it died under a run; the failure names the file)
+        engines = sys.modules.get("vllm_engines")
+        forks = getattr(engines, "_FORKS", None)
+        kept = forks._log if forks is not None and forks._keep_log else None
+        for f in own.iterdir():
+            if f == kept:
+                continue
+            if f.is_dir() and not f.is_symlink():
+                shutil.rmtree(f, ignore_errors=True)
+            else:
                 f.unlink(missing_ok=True)
-        # the connector's lookup sockets of engines stopped by their PID (nobody answers now)
-        remove_stale_dirs(str(own), older_than_s=0)
-        if not any(own.iterdir()):
-            shutil.rmtree(own, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            own.rmdir()  # unless that log is there
 
 
 @pytest.fixture(params=["asyncio", "trio"])
