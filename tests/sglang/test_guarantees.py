@@ -6,9 +6,12 @@ Runs in .venv-sglang; skipped where SGLang is not installed. Real files, a real 
 from __future__ import annotations
 
 import tempfile
+import threading
+from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
 
+import anyio
 import pytest
 import torch
 from hypothesis import given, settings
@@ -16,6 +19,7 @@ from hypothesis import strategies as st
 
 hicache = pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
 
+import bsr  # noqa: E402
 from bsr.sglang import BsrHiCacheStorage  # noqa: E402
 
 KEYS = [f"k{i}" for i in range(6)]
@@ -191,3 +195,69 @@ def test_staging_stays_within_the_window(tmp_path, sg, backends) -> None:
     assert (staging.slots, staging.slot_bytes) == (2, b.pages.layout.slot_bytes)
     assert page_bytes <= staging.slot_bytes < page_bytes + 4096  # one page (aligned) per slot
     assert 1 <= staging.peak_in_use <= 2
+
+
+class HangingContains(bsr.TierWrapper[bsr.Tier]):
+    """A tier whose metadata queries wait forever while ``hang`` is set (a hung mount)."""
+
+    def __init__(self, inner: bsr.Tier) -> None:
+        super().__init__(inner)
+        self.hang = False
+
+    async def contains_many(self, objects: Sequence[bsr.ObjectKey]) -> list[bool]:
+        if self.hang:
+            await anyio.sleep_forever()
+        return await self.inner.contains_many(objects)
+
+
+class FileTierMayHang(BsrHiCacheStorage):
+    """The backend with its file tier behind :class:`HangingContains` (``wrap_tiers``)."""
+
+    def wrap_tiers(self, tiers: list[bsr.Tier]) -> list[bsr.Tier]:
+        self.file = HangingContains(next(t for t in tiers if t.name == "file"))
+        return [self.file if t.name == "file" else t for t in tiers]
+
+
+def _exists_within(b: BsrHiCacheStorage, keys: list[str], seconds: float = 60) -> int:
+    """``batch_exists`` from another thread (SGLang's prefetch thread calls it); fails if it has
+    not answered within ``seconds`` (a hang guard: the bound under test is sub-second)."""
+    got: list[int] = []
+    t = threading.Thread(target=lambda: got.append(b.batch_exists(keys)), daemon=True)
+    t.start()
+    t.join(seconds)
+    assert got, f"batch_exists did not answer within {seconds} s"
+    return got[0]
+
+
+@pytest.mark.parametrize("with_host", [True, False])
+def test_a_hung_tier_is_cut_off_at_lookup_timeout_s(tmp_path, sg, with_host) -> None:
+    """A file tier on a hung mount: each page's lookup is bounded by
+    ``bsr_backend.lookup_timeout_s``, the pages a host tier above it holds still count, and
+    the hung tier's circuit breaker (threshold 2) opens, so the next lookups skip it. Before the
+    bound, ``batch_exists`` waited on the hung tier for ever (SGLang's prefetch thread with it)."""
+    tiers = [{"kind": "file", "path": str(tmp_path), "capacity_bytes": "64MiB"}]
+    if with_host:
+        tiers.insert(0, {"kind": "host", "capacity_bytes": "16MiB"})
+    config = sg.storage_config(tmp_path, tiers=tiers)
+    config.extra_config["bsr"].update(breaker_threshold=2, breaker_cooldown_s=600)
+    config.extra_config["bsr_backend"] = {"lookup_timeout_s": 0.3}
+    pool = sg.mha_pool()
+    b = FileTierMayHang(config, {})
+    try:
+        b.register_mem_pool_host(pool)
+        for p in range(4):
+            sg.fill_page(pool, p, p)
+        assert b.batch_set_v1(KEYS[:4], sg.indices(pool, SRC)) == [True] * 4
+        assert _exists_within(b, KEYS[:4]) == 4  # control: nothing hangs
+        b.file.hang = True
+        held = 4 if with_host else 0
+        assert _exists_within(b, KEYS[:4]) == held  # each page's lookup cut off
+        assert _exists_within(b, KEYS[:4]) == held
+        assert b.engine is not None
+        assert b.engine.health.state("file").open  # cut off twice: skipped from now on
+        assert _exists_within(b, KEYS[:4]) == held
+        if with_host:
+            assert b.batch_get_v1(KEYS[:4], sg.indices(pool, DST)) == [True] * 4
+    finally:
+        b.file.hang = False
+        b.close()

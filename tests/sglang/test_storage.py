@@ -118,6 +118,15 @@ def test_config_errors_name_what_to_change(tmp_path, sg):
     pool.layout = "page_unified"
     with pytest.raises(bsr.LayoutError, match="page_unified"):
         BsrHiCacheStorage(sg.storage_config(tmp_path), {}).register_mem_pool_host(pool)
+    for bad, says in (
+        ({"lookup_timeout_s": -1}, "bsr_backend.lookup_timeout_s"),
+        ({"lookup_timeout": 1.0}, "lookup_timeout_s"),  # the closest known key
+        ("fast", "bsr_backend"),
+    ):
+        config = sg.storage_config(tmp_path)
+        config.extra_config["bsr_backend"] = bad
+        with pytest.raises(bsr.ConfigError, match=says):
+            BsrHiCacheStorage(config, {})
 
 
 def test_host_indices_must_cover_whole_pages(tmp_path, sg, backends):

@@ -10,12 +10,21 @@ Load it through SGLang's dynamic loader (docs/sglang.md)::
 from __future__ import annotations
 
 from ._pages import GROUP, PAGE_LAYOUTS, HostPages, PageKeys, host_pages, shard_identity
-from ._storage import CONFIG_KEY, BsrHiCacheStorage, BsrStorageStats, engine_config
+from ._storage import (
+    CONFIG_KEY,
+    OPTIONS_KEY,
+    BackendOptions,
+    BsrHiCacheStorage,
+    BsrStorageStats,
+    engine_config,
+)
 
 __all__ = [
     "CONFIG_KEY",
     "GROUP",
+    "OPTIONS_KEY",
     "PAGE_LAYOUTS",
+    "BackendOptions",
     "BsrHiCacheStorage",
     "BsrStorageStats",
     "HostPages",

@@ -5,14 +5,16 @@ query threads call it. One anyio event loop on a thread of its own (a blocking p
 :class:`bsr.RestoreEngine`; every call waits for its result there.
 
 How it works: a page is one bsr object (:mod:`bsr.sglang._pages`). ``batch_exists`` probes each
-page's object with ``RestoreEngine.lookup`` (metadata only, quarantined objects never count)
-and counts the leading pages found. ``batch_get_v1`` restores page after page into the host
-pool's own pages through bsr's W-slot staging window, each object verified; the first page that
-does not commit ends the run, and no later page is read or reported. ``batch_set_v1`` saves each
-page from the host pool. The generic (non-``interface_v1``) calls ``get`` / ``set`` go through a
-one-page scratch cache. The v2 calls serve the KV pool alone; any other pool (SWA, Mamba,
-indexer) is refused with ``NotImplementedError`` (bsr cannot commit two pools' pages together
-through SGLang's per-pool calls).
+page's object with ``RestoreEngine.lookup`` (metadata only, quarantined objects never count), each
+bounded by ``bsr_backend.lookup_timeout_s`` (a tier still answering then is cut off and counts
+against its circuit breaker: a hung store holds SGLang's prefetch thread a bounded time, then not at
+all while its breaker is open), and counts the leading pages found. ``batch_get_v1`` restores page
+after page into the host pool's own pages through bsr's W-slot staging window, each object verified;
+the first page that does not commit ends the run, and no later page is read or reported.
+``batch_set_v1`` saves each page from the host pool. The generic (non-``interface_v1``) calls
+``get`` / ``set`` go through a one-page scratch cache. The v2 calls serve the KV pool alone; any
+other pool (SWA, Mamba, indexer) is refused with ``NotImplementedError`` (bsr cannot commit two
+pools' pages together through SGLang's per-pool calls).
 """
 
 from __future__ import annotations
@@ -36,17 +38,40 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from bsr import (
     BsrError,
+    Check,
     ConfigError,
     EngineConfig,
     EngineStatistics,
+    Options,
     PagedKVCache,
     RestoreEngine,
+    Tier,
+    option,
 )
 
 from ._pages import HostPages, PageKeys, host_pages, shard_identity
 
 #: the key of bsr's engine config inside SGLang's ``--hicache-storage-backend-extra-config``
 CONFIG_KEY = "bsr"
+#: the key of the backend's own options (:class:`BackendOptions`) beside it
+OPTIONS_KEY = "bsr_backend"
+
+
+@dataclass(frozen=True)
+class BackendOptions(Options):
+    """``extra_config["bsr_backend"]``: how the backend serves SGLang (all optional).
+
+    Attributes:
+        lookup_timeout_s: the most one page's lookup in ``batch_exists`` may take: a tier still
+            answering then is cut off (the page counts as held only if another tier answered
+            that it holds it; the cut counts against the slow tier's circuit breaker, which
+            skips it once open). Seconds > 0.
+    """
+
+    options_prefix = f"{OPTIONS_KEY}."
+    options_name = f"extra_config[{OPTIONS_KEY!r}]"
+
+    lookup_timeout_s: float = option(Check.seconds, 2.0)
 
 
 @dataclass
@@ -101,6 +126,9 @@ class BsrHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Any = None) -> None:
         self.storage_config = storage_config
         self.config = engine_config(storage_config)
+        extra = getattr(storage_config, "extra_config", None) or {}
+        data = extra.get(OPTIONS_KEY)
+        self.options = BackendOptions() if data is None else BackendOptions.from_dict(data)
         self.pages: HostPages | None = None
         self.keys: PageKeys | None = None
         self.engine: RestoreEngine | None = None
@@ -124,7 +152,8 @@ class BsrHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             shard_identity(self.storage_config, pages.pool_layout), pages.page_size
         )
         self._scratch = PagedKVCache(pages.layout, num_blocks=1, block_tokens=pages.page_size)
-        engine = RestoreEngine.from_config(self.config, layout=pages.layout)
+        tiers = self.wrap_tiers(self.config.build_tiers())
+        engine = RestoreEngine.from_config(self.config, layout=pages.layout, tiers=tiers)
         self._portal_cm = anyio.from_thread.start_blocking_portal("asyncio")
         self._portal = self._portal_cm.__enter__()
         try:
@@ -133,6 +162,12 @@ class BsrHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             self._close_portal()
             raise
         self.engine = engine
+
+    def wrap_tiers(self, tiers: list[Tier]) -> list[Tier]:
+        """The tiers the engine uses, given those the config built (not opened yet, fastest
+        first). Override to put wrappers in front of them (a throttle, a fault injector, a
+        metrics probe); every engine setting still comes from the config. Default: as built."""
+        return tiers
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         self.registered_pools[str(host_pool_name)] = host_pool
@@ -159,7 +194,10 @@ class BsrHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     # ------------------------------------------------------------------ pages
     async def _probe(self, key: str) -> bool:
         engine, _, keys = self._bound()
-        probe = await engine.lookup(keys.tokens, extras=keys.extras(key), local=True)
+        probe = await engine.lookup(
+            keys.tokens, extras=keys.extras(key), local=True,
+            deadline_s=self.options.lookup_timeout_s,
+        )  # fmt: skip
         return probe.prefix_chunks >= 1
 
     async def _exists_run(self, page_keys: list[str]) -> int:
