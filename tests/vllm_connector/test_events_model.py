@@ -40,8 +40,8 @@ from bsr.tiers.file import gc_store
 from bsr.vllm._events import EventRelay, SaveEvents
 from bsr.vllm._fleet import WorkerFleet
 from bsr.vllm._metadata import SaveJob
-from bsr.vllm._options import ConnectorOptions, ConnectorSettings
 from bsr.vllm._stats import BsrConnectorStats
+from vllm_settings import connector_settings
 
 CHUNK, BLOCK = 32, 8
 LAYOUT = bsr.StateLayout(chunk_tokens=CHUNK, groups=(bsr.StateGroup("kv", 2, 256),))
@@ -80,13 +80,7 @@ class EventsModel(RuleBasedStateMachine):
         gen = np.random.default_rng(0)
         kv = self.cache.tensor("kv")
         kv.copy_(torch.from_numpy(gen.integers(0, 256, tuple(kv.shape), dtype=np.uint8)))
-        opts = ConnectorOptions.from_dict({"kv_events_max_objects": 8})
-        s = ConnectorSettings(
-            engine=bsr.EngineConfig.from_dict({"tiers": [{"kind": "host", "capacity_bytes": 1}]}),
-            options=opts, block_size=BLOCK, chunk_tokens=CHUNK, tp_size=1, model_id="m",
-            config_digest="", engine_id="e", loads=True, saves=True, failure_policy="recompute",
-            kv_events=True,
-        )  # fmt: skip
+        s = connector_settings(BLOCK, CHUNK, {"kv_events_max_objects": 8}, kv_events=True)
         self.portal.call(self.engine.open)
         self.fleet = WorkerFleet(
             s, self.engine, ("kv",), [("full_attention", None)], 0, BsrConnectorStats()

@@ -35,10 +35,10 @@ pytestmark = pytest.mark.timeout(1500)
 from bsr.vllm._events import SaveEvents  # noqa: E402
 from bsr.vllm._fleet import WorkerFleet  # noqa: E402
 from bsr.vllm._metadata import SaveJob  # noqa: E402
-from bsr.vllm._options import ConnectorOptions, ConnectorSettings  # noqa: E402
 from bsr.vllm._stats import BsrConnectorStats  # noqa: E402
 from vllm_engines import write_llama  # noqa: E402
 from vllm_servers import eventually, post, prom, serve, stop, wait_healthy  # noqa: E402
+from vllm_settings import connector_settings  # noqa: E402
 
 CHUNK, BLOCK = 32, 8
 LAYOUT = bsr.StateLayout(chunk_tokens=CHUNK, groups=(bsr.StateGroup("kv", 2, 256),))
@@ -66,12 +66,7 @@ class Server:
         kv = self.cache.tensor("kv")
         gen = np.random.default_rng(0)
         kv.copy_(torch.from_numpy(gen.integers(0, 256, tuple(kv.shape), dtype=np.uint8)))
-        s = ConnectorSettings(
-            engine=bsr.EngineConfig.from_dict({"tiers": [{"kind": "host", "capacity_bytes": 1}]}),
-            options=ConnectorOptions.from_dict({}), block_size=BLOCK, chunk_tokens=CHUNK,
-            tp_size=1, model_id="m", config_digest="", engine_id="e", loads=True, saves=True,
-            failure_policy="recompute", kv_events=True,
-        )  # fmt: skip
+        s = connector_settings(BLOCK, CHUNK, kv_events=True)
         portal.call(self.engine.open)
         self.fleet = WorkerFleet(
             s, self.engine, ("kv",), [("full_attention", None)], 0, BsrConnectorStats()

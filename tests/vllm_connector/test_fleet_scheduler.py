@@ -29,13 +29,12 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
-import bsr
 from bsr.vllm._events import ChunkInfo, ChunkNotice, TierKind
 from bsr.vllm._kv_events import hit_sources, vllm_events
 from bsr.vllm._lookup import LookupHints, LookupServer, private_socket_path
 from bsr.vllm._metadata import BsrWorkerMetadata
-from bsr.vllm._options import ConnectorOptions, ConnectorSettings
 from bsr.vllm._scheduler import BsrScheduler
+from vllm_settings import connector_settings
 
 CHUNK, BLOCK = 64, 32
 PROMPT = [int(t) for t in np.random.default_rng(0).integers(3, 500, 200)]  # 3 usable chunks
@@ -63,13 +62,7 @@ def worker() -> Iterator[Worker]:
 
 
 def scheduler(worker: Worker, kv_events: bool = False, **opts: Any) -> BsrScheduler:
-    s = ConnectorSettings(
-        engine=bsr.EngineConfig.from_dict({"tiers": [{"kind": "host", "capacity_bytes": "1MiB"}]}),
-        options=ConnectorOptions.from_dict(opts),
-        block_size=BLOCK, chunk_tokens=CHUNK, tp_size=1, model_id="m", config_digest="",
-        engine_id="e", loads=True, saves=True, failure_policy="recompute", kv_events=kv_events,
-    )  # fmt: skip
-    sched = BsrScheduler(s)
+    sched = BsrScheduler(connector_settings(BLOCK, CHUNK, opts, kv_events=kv_events))
     sched.set_lookup_socket(worker.server.path, TIERS)
     return sched
 

@@ -30,8 +30,8 @@ pytest.importorskip("vllm")
 from bsr.vllm._events import SaveEvents
 from bsr.vllm._fleet import WorkerFleet
 from bsr.vllm._metadata import SaveJob
-from bsr.vllm._options import ConnectorOptions, ConnectorSettings
 from bsr.vllm._worker import SAVE_TIMED_OUT, BsrWorker
+from vllm_settings import connector_settings
 
 pytestmark = pytest.mark.anyio
 
@@ -80,12 +80,7 @@ async def rig(allowed: int, *more: bsr.Tier, timeout_s: float = 60.0) -> AsyncIt
     kv = cache.tensor("kv")
     gen = np.random.default_rng(0)
     kv.copy_(torch.from_numpy(gen.integers(0, 256, tuple(kv.shape), dtype=np.uint8)))
-    settings = ConnectorSettings(
-        engine=bsr.EngineConfig.from_dict({"tiers": [{"kind": "host", "capacity_bytes": 1}]}),
-        options=ConnectorOptions.from_dict({"save_timeout_s": timeout_s}),
-        block_size=BLOCK, chunk_tokens=CHUNK, tp_size=1, model_id="m", config_digest="",
-        engine_id="e", loads=True, saves=True, failure_policy="recompute", kv_events=True,
-    )  # fmt: skip
+    settings = connector_settings(BLOCK, CHUNK, {"save_timeout_s": timeout_s}, kv_events=True)
     await engine.open()
     worker = BsrWorker(settings, None)
     worker.engine, worker.cache, worker.groups = engine, cache, ("kv",)
@@ -177,11 +172,7 @@ def test_wrapped_tiers_keep_every_engine_setting_of_the_config() -> None:
     config = bsr.EngineConfig.from_dict(
         {"tiers": [{"kind": "host", "capacity_bytes": 1 << 20}], **knobs}
     )
-    settings = ConnectorSettings(
-        engine=config, options=ConnectorOptions.from_dict({}),
-        block_size=BLOCK, chunk_tokens=CHUNK, tp_size=1, model_id="m", config_digest="d",
-        engine_id="e", loads=True, saves=True, failure_policy="recompute", kv_events=False,
-    )  # fmt: skip
+    settings = connector_settings(BLOCK, CHUNK, engine=config, config_digest="d")
 
     class Wrapping(BsrWorker):
         def wrap_tiers(self, tiers: list[bsr.Tier]) -> list[bsr.Tier]:

@@ -26,7 +26,6 @@ from vllm.v1.request import Request
 import bsr
 from bsr.vllm._bridge import LoopThread
 from bsr.vllm._lookup import LookupServer, private_socket_path
-from bsr.vllm._options import ConnectorOptions, ConnectorSettings
 from bsr.vllm._request_keys import (
     MAX_OPTION_CHARS,
     OPTION_FIELDS,
@@ -36,6 +35,7 @@ from bsr.vllm._request_keys import (
     request_keys,
 )
 from bsr.vllm._scheduler import BsrScheduler
+from vllm_settings import connector_settings
 
 CHUNK, BLOCK = 64, 32
 LAYOUT = bsr.StateLayout(chunk_tokens=CHUNK, groups=(bsr.StateGroup("kv", 1, 64),))
@@ -208,13 +208,8 @@ def test_rejected_options_labels_come_from_a_closed_set() -> None:
     series whatever is counted."""
     from bsr.vllm._stats import MAX_LABELS, OTHER, BsrConnectorStats
 
-    s = ConnectorSettings(
-        engine=bsr.EngineConfig.from_dict({"tiers": [{"kind": "host", "capacity_bytes": "1MiB"}]}),
-        options=ConnectorOptions.from_dict({}),
-        block_size=BLOCK, chunk_tokens=CHUNK, tp_size=1, model_id="seam", config_digest="",
-        engine_id="e", loads=True, saves=True, failure_policy="recompute",
-    )  # fmt: skip
-    sched = BsrScheduler(s)  # no lookup socket: bad options are refused before any lookup
+    # no lookup socket: bad options are refused before any lookup
+    sched = BsrScheduler(connector_settings(BLOCK, CHUNK, model_id="seam"))
     names = [f"{i:04d}" + "k" * 1020 for i in range(300)] + ["x" * (16 << 20)]
     for i, name in enumerate(names):
         req = request(f"r{i}", params={"bsr": {name: True}})
@@ -281,13 +276,7 @@ def worker() -> Iterator[EngineWorker]:
 
 
 def scheduler(worker: EngineWorker) -> BsrScheduler:
-    s = ConnectorSettings(
-        engine=bsr.EngineConfig.from_dict({"tiers": [{"kind": "host", "capacity_bytes": "1MiB"}]}),
-        options=ConnectorOptions.from_dict({}),
-        block_size=BLOCK, chunk_tokens=CHUNK, tp_size=1, model_id="seam", config_digest="",
-        engine_id="e", loads=True, saves=True, failure_policy="recompute",
-    )  # fmt: skip
-    sched = BsrScheduler(s)
+    sched = BsrScheduler(connector_settings(BLOCK, CHUNK, model_id="seam"))
     sched.set_lookup_socket(worker.server.path)
     return sched
 

@@ -25,8 +25,8 @@ from vllm.v1.request import Request
 import bsr
 from bsr.vllm._lookup import LookupHints, LookupServer, private_socket_path
 from bsr.vllm._metadata import BsrConnectorMetadata, BsrWorkerMetadata
-from bsr.vllm._options import ConnectorOptions, ConnectorSettings
 from bsr.vllm._scheduler import BsrScheduler
+from vllm_settings import connector_settings
 
 CHUNK, BLOCK = 64, 32
 PROMPT = [int(t) for t in np.random.default_rng(0).integers(3, 500, 200)]  # 3 usable chunks
@@ -74,18 +74,8 @@ def worker() -> Iterator[Worker]:
 
 
 def scheduler(worker: Worker | None, role: str = "kv_both", **opts: Any) -> BsrScheduler:
-    s = ConnectorSettings(
-        engine=bsr.EngineConfig.from_dict({"tiers": [{"kind": "host", "capacity_bytes": "1MiB"}]}),
-        options=ConnectorOptions.from_dict(opts),
-        block_size=BLOCK,
-        chunk_tokens=CHUNK,
-        tp_size=1,
-        model_id="m",
-        config_digest="",
-        engine_id="e",
-        loads=role != "kv_producer",
-        saves=role != "kv_consumer",
-        failure_policy="recompute",
+    s = connector_settings(
+        BLOCK, CHUNK, opts, loads=role != "kv_producer", saves=role != "kv_consumer"
     )
     sched = BsrScheduler(s)
     sched.set_lookup_socket(None if worker is None else worker.server.path)

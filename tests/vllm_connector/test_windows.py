@@ -29,8 +29,8 @@ from vllm.v1.request import Request
 
 import bsr
 from bsr.vllm._metadata import NULL_BLOCK_ID, BsrWorkerMetadata, WindowJob
-from bsr.vllm._options import ConnectorOptions, ConnectorSettings
 from bsr.vllm._scheduler import BsrScheduler, _Req
+from vllm_settings import connector_settings
 
 CHUNK, BLOCK, EVERY = 64, 32, 4
 PROMPT = [int(t) for t in np.random.default_rng(0).integers(3, 500, 600)]
@@ -40,11 +40,7 @@ def scheduler(tp: int = 1, every: int | None = EVERY, **opts: Any) -> BsrSchedul
     engine = bsr.EngineConfig.from_dict(
         {"tiers": [{"kind": "host", "capacity_bytes": "1MiB"}], "window_checkpoint_chunks": every}
     )
-    s = ConnectorSettings(
-        engine=engine, options=ConnectorOptions.from_dict(opts), block_size=BLOCK,
-        chunk_tokens=CHUNK, tp_size=tp, model_id="m", config_digest="", engine_id="e",
-        loads=True, saves=True, failure_policy="recompute", group_windows=(63, None),
-    )  # fmt: skip
+    s = connector_settings(BLOCK, CHUNK, opts, engine=engine, tp_size=tp, group_windows=(63, None))
     sched = BsrScheduler(s)
     sched.windows.pool = BlockPool(num_gpu_blocks=128, enable_caching=False, hash_block_size=BLOCK)
     return sched

@@ -26,8 +26,8 @@ import bsr
 
 pytest.importorskip("vllm")
 from bsr.vllm._lookup import LookupHints
-from bsr.vllm._options import ConnectorOptions, ConnectorSettings
 from bsr.vllm._worker import BsrWorker
+from vllm_settings import connector_settings
 
 pytestmark = pytest.mark.anyio
 
@@ -66,13 +66,7 @@ class Replies:
 async def worker_over(tiers: list[bsr.Tier], save_to: int) -> AsyncIterator[BsrWorker]:
     """A worker whose engine has ``tiers`` (breaker threshold 2), the prompt saved into the
     first ``save_to`` of them."""
-    opts = ConnectorOptions.from_dict({"lookup_timeout_s": TIMEOUT_S})
-    settings = ConnectorSettings(
-        engine=bsr.EngineConfig.from_dict({"tiers": [{"kind": "host", "capacity_bytes": 1}]}),
-        options=opts, block_size=BLOCK, chunk_tokens=CHUNK, tp_size=1, model_id="m",
-        config_digest="", engine_id="e", loads=True, saves=True, failure_policy="recompute",
-        kv_events=False,
-    )  # fmt: skip
+    settings = connector_settings(BLOCK, CHUNK, {"lookup_timeout_s": TIMEOUT_S})
     cache = bsr.PagedKVCache(LAYOUT, 16, BLOCK)
     cache.tensor("kv").random_(0, 255)
     engine = bsr.RestoreEngine(
