@@ -1,4 +1,4 @@
-"""bsr as SGLang's HiCache storage backend (``pip install bsr[sglang]``).
+"""bsr as SGLang's HiCache storage backend (``pip install 'bsr-kv[sglang]'``).
 
 Load it through SGLang's dynamic loader (docs/sglang.md)::
 
