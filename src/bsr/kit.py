@@ -186,7 +186,10 @@ async def admit(
         allocator: where blocks come from (unless ``block_ids`` are given).
         reserve_tokens: extra token room to allocate (e.g. tokens to be generated).
         block_ids: blocks already allocated for the request (then none are allocated).
-        deadline_s: the restore's deadline.
+        deadline_s: bounds the lookup (a tier still answering then is cut off: it holds
+            nothing for this request, the others' hit is restored, and the cut counts against
+            its circuit breaker) and then the restore (its deadline, from its start); None:
+            the engine's ``deadline_s``.
         extras: what besides the tokens changes the request's KV (:class:`~bsr.KeyExtra`: the
             tenant's salt, the adapter, images), the same as the ``engine.save`` that stored it.
 
@@ -214,7 +217,8 @@ async def admit(
                 f"{len(ids)} blocks cannot hold {n + reserve_tokens} tokens of "
                 f"{cache.block_tokens}; pass at least {need}"
             )
-    probe = await engine.lookup(arr, extras=extras)
+    bound = engine.deadline_s if deadline_s is None else deadline_s
+    probe = await engine.lookup(arr, extras=extras, deadline_s=bound)
     if block_ids is None:
         ids = allocator.allocate(need)
     try:

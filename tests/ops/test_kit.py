@@ -6,8 +6,10 @@ import random
 import re
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
+import anyio
 import pytest
 
 import bsr
@@ -101,6 +103,46 @@ async def test_admit_miss_hit_and_invalidated(tmp_path: Path) -> None:
         bad = await admit(eng, tokens_for(n), cache, BlockAllocator(64, reserved=src_ids))
         assert bad.restore is not None and not bad.restore.committed
         assert (bad.source, bad.cached_tokens, bad.prefill_tokens) == ("none", 0, n)
+
+
+class HangingContains(bsr.TierWrapper[bsr.Tier]):
+    """A tier whose metadata queries wait forever while ``hang`` is set (a hung mount)."""
+
+    hang = False
+
+    async def contains_many(self, objects: Sequence[bsr.ObjectKey]) -> list[bool]:
+        if self.hang:
+            await anyio.sleep_forever()
+        return await self.inner.contains_many(objects)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("engine_default", [True, False])
+async def test_admit_bounds_its_lookup_by_its_deadline(
+    tmp_path: Path, engine_default: bool
+) -> None:
+    """A tier whose lookups hang below the host tier: ``admit`` (its ``deadline_s``, or the
+    engine's) cuts it off and restores the host's copy. Before, the lookup waited on the hung
+    tier for ever whatever the deadline (it bounded the restore only)."""
+    layout = two_group_layout()
+    n = 3 * layout.chunk_tokens
+    src = filled_cache(layout, 64, 8)
+    src_ids = list(range(blocks_for(n, 8)))
+    host = bsr.HostTier(1 << 24)
+    slow = HangingContains(bsr.FileTier(tmp_path / "slow", 1 << 26))
+    on_engine = {"deadline_s": 2.0} if engine_default else {}  # else given to admit
+    on_admit = {} if engine_default else {"deadline_s": 2.0}
+    async with make_engine(layout, [host, slow], **on_engine) as eng:
+        await eng.save(tokens_for(n), src, src_ids, tiers=[host.name])
+        slow.hang = True
+        cache = bsr.PagedKVCache(layout, 64, 8)
+        alloc = BlockAllocator(64, reserved=src_ids)
+        with anyio.fail_after(60):  # a hang guard: the bound under test is 2 s
+            adm = await admit(eng, tokens_for(n), cache, alloc, **on_admit)
+        assert adm.source == "restored" and adm.cached_tokens == n - 1
+        assert adm.probe is not None and adm.probe.unanswered == (slow.name,)
+        assert blocks_equal(layout, src, _t(src_ids), cache, _t(adm.block_ids), 3)
+        assert eng.health.state(slow.name).consecutive_failures == 1
 
 
 def _t(ids: tuple[int, ...] | list[int]) -> object:
