@@ -11,6 +11,7 @@ raises, must both end with nothing reported reusable.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -213,6 +214,41 @@ async def test_a_failed_hidden_read_invalidates_the_whole_request(
     callers = ["kv"] if served.hc.lands_apart else list(touched)
     assert {b for g in callers for b in touched.get(g, ())} <= set(res.invalid_block_ids)
     assert set(res.invalid_block_ids) <= set(served.dst_ids[: PREFIX // BLOCK].tolist())
+
+
+class HangingContains(bsr.TierWrapper[bsr.Tier]):
+    """A tier whose metadata queries wait forever while ``hang`` is set (a hung mount)."""
+
+    hang = False
+
+    async def contains_many(self, objects: Sequence[bsr.ObjectKey]) -> list[bool]:
+        if self.hang:
+            await anyio.sleep_forever()
+        return await self.inner.contains_many(objects)
+
+
+@pytest.mark.anyio
+async def test_a_hung_tier_below_the_host_is_cut_off_by_the_deadline(tmp_path: Path) -> None:
+    """HCache's own lookup (the prefix for recompute and projection) is bounded by the
+    restore's deadline: the hung tier is cut off and the host's copy restored. Before, that
+    lookup waited on the hung tier for ever, whatever the deadline."""
+    model = build("llama", layers=4, kv_heads=4)
+    served = Served(model, ["recompute", "hidden", "kv", "kv"])
+    host, slow = bsr.HostTier(1 << 26), HangingContains(bsr.FileTier(tmp_path, 1 << 26))
+    hc, toks = served.hc, served.toks[0]
+    engine = make_engine(hc.layout, [host, slow], namespace=hc.namespace("hcache-restore"))
+    async with engine:
+        await hc.save(engine, toks[:PREFIX], served.kv, served.store, served.src_ids)
+        slow.hang = True
+        dst = bsr.PagedKVCache(hc.kv_layout, NUM_BLOCKS, BLOCK)
+        with anyio.fail_after(60):  # a hang guard: the bound under test is 2 s
+            res = await hc.restore(engine, toks[:PROMPT], dst, served.dst_ids, deadline_s=2.0)
+        assert res.committed_tokens == PREFIX
+        assert engine.health.state(slow.name).consecutive_failures >= 1
+    n = torch.arange(PREFIX)  # every layer as served: recomputed, projected and read
+    a = served.kv.typed("kv")[:, served.src_ids[n // BLOCK], n % BLOCK]
+    b = dst.typed("kv")[:, served.dst_ids[n // BLOCK], n % BLOCK]
+    assert torch.allclose(a, b, atol=1e-5, rtol=0), (a - b).abs().max()
 
 
 @pytest.mark.anyio

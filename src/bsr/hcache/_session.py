@@ -408,9 +408,10 @@ class HCache:
         hook raise for every later chunk (the engine stops committing) and the whole restore
         is reported invalidated.
 
-        Keyword arguments go to ``engine.restore`` (``extras`` to its lookup too); a caller's
-        own ``on_installed`` is called after this one's, and a caller's ``probe`` is used
-        instead of a fresh lookup.
+        Keyword arguments go to ``engine.restore`` (``extras`` to its lookup too, and
+        ``deadline_s``, else the engine's, bounds that lookup: a tier still answering then is
+        cut off); a caller's own ``on_installed`` is called after this one's, and a caller's
+        ``probe`` is used instead of a fresh lookup.
 
         Raises:
             ConfigError: the engine's namespace is not this model's (:meth:`namespace`).
@@ -463,7 +464,13 @@ class _RestoreJob:
 
     async def run(self) -> HCacheRestore:
         if self.probe is None and (self.r_layers or self.hidden_names):
-            self.probe = await self.engine.lookup(self.tokens, extras=self.kw.get("extras"))
+            # bounded like the restore (its deadline, else the engine's): a tier still
+            # answering then is cut off, the others' hit is restored
+            deadline = self.kw.get("deadline_s")
+            self.probe = await self.engine.lookup(
+                self.tokens, extras=self.kw.get("extras"),
+                deadline_s=self.engine.deadline_s if deadline is None else deadline,
+            )  # fmt: skip
         self.prefix = int(self.probe.prefix_tokens) if self.probe is not None else 0
         self._make_view()
         result = await self._engine_phase()
