@@ -117,20 +117,32 @@ async def test_a_slow_pool_below_the_host_tier_leaves_the_host_hit(tmp_path: Pat
 async def test_a_longer_prompt_is_offered_the_host_hit_without_asking_the_pool_again(
     tmp_path: Path,
 ) -> None:
-    """The usual prompt: longer than what is stored. The prefix found is offered as it is, with
-    no second lookup of exactly that prefix (the deadline is spent: it would ask the slow pool
-    again, a second failure against its breaker for one lookup) and no lease (the load probes
-    it again itself)."""
+    """The usual prompt: longer than what is stored. The load needs a probe of exactly the
+    prefix offered: it is cut from the lookup's probe (``RestoreEngine.narrow``), leased, and
+    the slow pool is not asked a second time (a second lookup of the prefix asked it again: a
+    second failure against its breaker for one lookup, or, with the deadline spent, no leased
+    probe, so the load probed again and waited for the pool until its own deadline)."""
     host = bsr.HostTier(1 << 24)
     pool = HangingContains(bsr.FileTier(tmp_path / "pool", 1 << 26))
     longer = np.concatenate([TOKENS, TOKENS[:CHUNK] + 1])
+    hit = CHUNKS * CHUNK
     async with worker_over([host, pool], save_to=1) as w:
         pool.hang = True
-        assert await lookup(w, 1, longer) == CHUNKS * CHUNK
-        assert w.engine is not None
-        assert w.engine.health.state(pool.name).consecutive_failures == 1
-        assert w._probes == {}  # nothing leased for the load
-        assert w.engine.statistics().leases == 0
+        assert await lookup(w, 1, longer) == hit
+        engine = w.engine
+        assert engine is not None
+        assert engine.health.state(pool.name).consecutive_failures == 1
+        (kept,) = [p for _, p in w._probes.values()]
+        assert kept.prefix_tokens == hit and kept.num_tokens == hit and kept.lease is not None
+        assert engine.statistics().leases == 1  # the lookup's own lease is given back
+        # the load's restore: the kept probe, so no tier is asked (the pool still hangs)
+        dst = bsr.PagedKVCache(LAYOUT, 16, BLOCK)
+        with anyio.fail_after(60):
+            r = await engine.restore(
+                longer[:hit], dst, list(range(hit // BLOCK)), probe=kept, deadline_s=30
+            )
+        assert r.committed_tokens == hit and set(r.bytes_by_tier) == {host.name}
+        assert engine.health.state(pool.name).consecutive_failures == 1
 
 
 async def test_a_slow_only_tier_is_a_miss_counted_against_it(tmp_path: Path) -> None:

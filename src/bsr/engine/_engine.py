@@ -437,6 +437,32 @@ class RestoreEngine(AsyncResource):
             tokens, extras, lease_ttl_s, deadline_s, local, start_tokens, prefill_tokens_per_s
         )
 
+    async def narrow(
+        self,
+        probe: Probe,
+        tokens: TokensLike,
+        *,
+        extras: Extras | None = None,
+        lease_ttl_s: float | None = None,
+    ) -> Probe:
+        """The probe of ``tokens``, a prefix of the tokens ``probe`` was made for (same
+        ``extras``), from what ``probe`` found: no tier is asked again. For a server that looks
+        a prompt up, then restores only part of its prefix (what it offers to load): the
+        restore needs a probe of exactly its own tokens, and a second lookup would ask every
+        tier again, a slow one included.
+
+        The usable prefix is found again within ``tokens`` from ``probe``'s holders (a sliding
+        window's chunks move with the prefix's end); with ``lease_ttl_s`` its objects are
+        leased anew (take it before releasing ``probe``'s lease, which stays ``probe``'s).
+        One rank's probe only: with several ranks each rank's prefix was agreed with the
+        others (look the shorter tokens up again on every rank).
+
+        Raises:
+            ConfigError: ``tokens`` (with ``extras``) are not a prefix of ``probe``'s, the probe
+                is another engine's, or the engine has several ranks.
+        """
+        return await self._restores.narrow(probe, tokens, extras, lease_ttl_s)
+
     # ------------------------------------------------------------------ warm
     async def warm(
         self, tokens: TokensLike, *, extras: Extras | None = None, deadline_s: float | None = None

@@ -250,6 +250,22 @@ class Prober:
             probe = replace(probe, unanswered=tuple(unanswered))
         return ProbeOutcome(probe, timed_out, other_late=agreed == LATE and not timed_out)
 
+    def narrowed(self, probe: Probe, keyed: KeyedTokens) -> Probe:
+        """``probe`` (one rank's, agreed by no other) cut to ``keyed``: a prefix of the tokens
+        it was made for, keyed with the same extras (the caller checked that their keys are
+        ``probe``'s first ones). What the tiers answered is reused, none is asked again; the
+        usable prefix is found again within the shorter tokens (a sliding window's chunks
+        move with the prefix's end). No lease (the caller takes one)."""
+        n = len(keyed.keys)
+        holders = list(probe.holders[:n])
+
+        def have(c: int, g: str) -> bool:
+            return bool(holders[c][g])
+
+        local = min(self._local_prefix(holders, have), probe.local_chunks)
+        out = self._record([], keyed, holders, local, local, time.perf_counter())
+        return replace(out, duration_s=probe.duration_s, unanswered=probe.unanswered)
+
     def from_keys(self, keys: Sequence[ChunkKey], holders: Holders, num_tokens: int) -> Probe:
         """This rank's probe of chunks already keyed (``keys``; :meth:`holders` found
         ``holders``) for ``num_tokens`` tokens: no agreement, no digest (it cannot be handed to

@@ -101,6 +101,31 @@ class Restores:
         self.notify(probe)
         return probe
 
+    async def narrow(
+        self, probe: Probe, tokens: TokensLike, extras: Extras | None, lease_ttl_s: float | None
+    ) -> Probe:
+        """``RestoreEngine.narrow``."""
+        self.parts.staging()  # an open engine
+        self.leases.reclaim()
+        self.check_probe_origin(probe)
+        extras = check_extras(extras)
+        ttl = optional_positive_seconds(lease_ttl_s, "lease_ttl_s", key="lease_ttl_s")
+        if self.parts.coordinator.world_size > 1:
+            raise ConfigError(
+                "narrow cuts one rank's probe; with several ranks each one's prefix was agreed "
+                "with the others: look the shorter tokens up again on every rank"
+            )
+        keyed = await self.parts.prober.keyed(tokens, extras)
+        if keyed.keys != probe.keys[: len(keyed.keys)] or len(keyed.keys) > len(probe.keys):
+            raise ConfigError(
+                "narrow takes a prefix of the tokens the probe was made for, with the same "
+                "extras; look these tokens up instead"
+            )
+        out = self.parts.prober.narrowed(probe, keyed)
+        if ttl is not None and out.prefix_chunks:
+            out = replace(out, lease=await self._lease(out, ttl))
+        return out
+
     async def _lease(self, probe: Probe, ttl_s: float) -> ProbeLease:
         by_tier: dict[str, list[ObjectKey]] = {}
         for c, g in needed_objects(self.layout, probe.prefix_chunks):

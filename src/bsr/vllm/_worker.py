@@ -366,26 +366,21 @@ class BsrWorker:
             for name in probe.unanswered:
                 self.stats.count_key("lookup_unanswered", name)
             return self._offer(probe, h, seq), probe
-        t_end = time.perf_counter() + timeout
         ttl = self.opts.lease_ttl_s
         probe = await engine.lookup(tokens, lease_ttl_s=ttl, deadline_s=timeout, **how)
         for name in probe.unanswered:
             self.stats.count_key("lookup_unanswered", name)
         hit = self._offer(probe, h, seq)
-        if 0 < hit < len(tokens) and probe.unanswered:
-            # a tier was cut off at the deadline: no time is left to probe the prefix again
-            # (it would ask the slow tier once more); offer it without a lease, as a
-            # tensor-parallel lookup does, and the load probes it itself
-            probe.release()
-            return hit, probe
-        if 0 < hit < len(tokens):  # a restore reuses a probe of exactly its own tokens
+        if 0 < hit < len(tokens):
+            # a restore reuses a probe of exactly its own tokens: cut from this one, leased
+            # before this one's lease goes (a second lookup would ask every tier again, one
+            # this lookup cut off for being slow included)
             try:
-                left = max(t_end - time.perf_counter(), 1e-3)
-                exact = await engine.lookup(tokens[:hit], lease_ttl_s=ttl, deadline_s=left, **how)
+                exact = await engine.narrow(probe, tokens[:hit], extras=extras, lease_ttl_s=ttl)
             finally:
                 probe.release()
             probe = exact
-            if exact.prefix_tokens != hit:  # something went meanwhile: answer without a lease
+            if exact.prefix_tokens != hit:  # a window the shorter prefix needs is not held
                 exact.release()
                 return exact.prefix_tokens, exact
         if hit == 0:
