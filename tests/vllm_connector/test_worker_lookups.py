@@ -145,6 +145,24 @@ async def test_a_longer_prompt_is_offered_the_host_hit_without_asking_the_pool_a
         assert engine.health.state(pool.name).consecutive_failures == 1
 
 
+class HangingLease(bsr.TierWrapper[bsr.Tier]):
+    """A tier that answers lookups but whose leases never come back (nothing bounds them but
+    the worker's backstop)."""
+
+    async def lease(self, objects: Sequence[bsr.ObjectKey], ttl_s: float) -> bsr.TierLease:
+        await anyio.sleep_forever()
+        raise AssertionError("unreachable")
+
+
+async def test_a_lookup_past_the_backstop_is_answered_a_miss_and_counted() -> None:
+    host = HangingLease(bsr.HostTier(1 << 24))
+    async with worker_over([host], save_to=1) as w:
+        assert await lookup(w, 1) == 0  # answered, 0.5 s past lookup_timeout_s
+        stats = w.take_stats()
+        assert stats is not None and stats.data["lookups_timed_out"] == 1
+        assert not stats.data["lookup_unanswered"]  # the tier answered: its lease did not
+
+
 async def test_a_slow_only_tier_is_a_miss_counted_against_it(tmp_path: Path) -> None:
     pool = HangingContains(bsr.FileTier(tmp_path / "pool", 1 << 26))
     async with worker_over([pool], save_to=1) as w:
