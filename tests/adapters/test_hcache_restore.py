@@ -227,6 +227,36 @@ class HangingContains(bsr.TierWrapper[bsr.Tier]):
         return await self.inner.contains_many(objects)
 
 
+class CountingContains(bsr.TierWrapper[bsr.Tier]):
+    """Counts the tier's metadata queries."""
+
+    calls = 0
+
+    async def contains_many(self, objects: Sequence[bsr.ObjectKey]) -> list[bool]:
+        self.calls += 1
+        return await self.inner.contains_many(objects)
+
+
+@pytest.mark.parametrize("kv_heads", KV_HEADS, ids=KV_HEAD_IDS)
+@pytest.mark.anyio
+async def test_a_restore_asks_the_tiers_once(kv_heads: int, tmp_path: Path) -> None:
+    """One metadata query per restore, a landing's too: its probe is cut to the prefix it
+    restores (``RestoreEngine.narrow``). A landing restore probed the prefix a second time."""
+    served = Served(build("llama", layers=4, kv_heads=kv_heads), ["hidden", "hidden", "kv", "kv"])
+    tier = CountingContains(bsr.FileTier(tmp_path, 1 << 26))
+    hc, dst = served.hc, bsr.PagedKVCache(served.hc.kv_layout, NUM_BLOCKS, BLOCK)
+    async with served.engine(tmp_path, tier) as engine:
+        await hc.save(engine, served.toks[0, :PREFIX], served.kv, served.store, served.src_ids)
+        tier.calls = 0  # the save's own query (what the tier holds already) is not counted
+        res = await hc.restore(engine, served.toks[0, :PROMPT], dst, served.dst_ids)
+    assert res.committed_tokens == PREFIX and tier.calls == 1
+    rebuilt = hf.read_kv_from_cache(dst, served.dst_ids, PREFIX, served.model.config)
+    toks = served.toks[:, :PROMPT]
+    want = decode_from(served.model, toks, 0, None)
+    got = decode_from(served.model, toks, PREFIX, rebuilt)
+    assert max_diff(got, want) <= 1e-5 and same_tokens(got, want)
+
+
 @pytest.mark.anyio
 async def test_a_hung_tier_below_the_host_is_cut_off_by_the_deadline(tmp_path: Path) -> None:
     """HCache's own lookup (the prefix for recompute and projection) is bounded by the

@@ -472,7 +472,11 @@ class _RestoreJob:
                 deadline_s=self.engine.deadline_s if deadline is None else deadline,
             )  # fmt: skip
         self.prefix = int(self.probe.prefix_tokens) if self.probe is not None else 0
-        self._make_view()
+        if self._make_view():  # the landing's tokens: this restore's probe, cut to them
+            assert self.probe is not None
+            self.probe = await self.engine.narrow(
+                self.probe, self.engine_tokens, extras=self.kw.get("extras")
+            )
         result = await self._engine_phase()
         n = result.committed_tokens
         reason = await self._finish_phase(result, n)
@@ -489,20 +493,26 @@ class _RestoreJob:
             after_s,
         )
 
-    def _make_view(self) -> None:
-        """The engine's view cache, tokens and tables. A GQA landing holds the blocks of the
-        stored prefix, filled in token order: the engine restores the prefix's tokens and
-        probes them again (the lookup above was this restore's own, for the prefix's length),
-        so a miss or a short hit of a long prompt takes no landing the prompt's size. Given a
-        caller's probe (made for every token) it holds the prompt's whole chunks."""
+    def _make_view(self) -> bool:
+        """The engine's view cache, tokens and tables; whether the engine restores a prefix of
+        the tokens (its probe is then cut to them). A GQA landing holds the blocks of the stored
+        prefix, filled in token order: the engine restores the prefix's tokens (the lookup
+        above was this restore's own, for the prefix's length; with one rank its probe is cut
+        to them, else the engine probes them again), so a miss or a short hit of a long prompt
+        takes no landing the prompt's size. Given a caller's probe (made for every token) it
+        holds the prompt's whole chunks."""
         hc = self.hc
         if not hc.lands_apart:
             self.view = hc.restore_view(self.kv_cache)
-            return
+            return False
         tokens = as_token_array(self.tokens)  # once: the engine takes the array as it is
+        cut = False
         if self.own_probe and int(self.kw.get("start_tokens", 0)) <= self.prefix:
             n = hc.layout.num_chunks(self.prefix) * self.ct
-            tokens, self.probe = tokens[:n], None
+            tokens = tokens[:n]
+            cut = n > 0 and self.probe is not None and self.engine.coordinator.world_size == 1
+            if not cut:
+                self.probe = None
         else:
             n = hc.layout.num_chunks(len(tokens)) * self.ct
         self.engine_tokens = tokens
@@ -513,6 +523,7 @@ class _RestoreJob:
         self.tables = {name: order for name in self.hidden_names}
         if hc.plan.layers(KV):
             self.tables[KV] = self.block_ids
+        return cut
 
     async def _engine_phase(self) -> RestoreResult:
         """The engine restore, with recompute and the projector running beside it."""
