@@ -32,7 +32,7 @@ from adapters.hcache_kit import (
 )
 from bsr import hcache, hf
 from bsr.testing import Fault, FaultKind, FaultPlan, FaultyTier
-from support.engines import make_engine
+from support.engines import HangingContains, make_engine
 
 pytest.importorskip("transformers")
 
@@ -214,17 +214,6 @@ async def test_a_failed_hidden_read_invalidates_the_whole_request(
     callers = ["kv"] if served.hc.lands_apart else list(touched)
     assert {b for g in callers for b in touched.get(g, ())} <= set(res.invalid_block_ids)
     assert set(res.invalid_block_ids) <= set(served.dst_ids[: PREFIX // BLOCK].tolist())
-
-
-class HangingContains(bsr.TierWrapper[bsr.Tier]):
-    """A tier whose metadata queries wait forever while ``hang`` is set (a hung mount)."""
-
-    hang = False
-
-    async def contains_many(self, objects: Sequence[bsr.ObjectKey]) -> list[bool]:
-        if self.hang:
-            await anyio.sleep_forever()
-        return await self.inner.contains_many(objects)
 
 
 class CountingContains(bsr.TierWrapper[bsr.Tier]):

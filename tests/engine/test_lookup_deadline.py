@@ -14,26 +14,11 @@ import anyio
 import pytest
 
 import bsr
-from support.engines import make_engine
+from support.engines import HangingContains, make_engine
 from support.helpers import filled_cache, tokens_for
 
 LAYOUT = bsr.StateLayout(chunk_tokens=16, groups=(bsr.StateGroup("kv", 2, 128),))
 CHUNKS = 4
-
-
-class HangingContains(bsr.TierWrapper[bsr.Tier]):
-    """A tier whose metadata queries never answer (a paused remote master), counting the calls."""
-
-    def __init__(self, inner: bsr.Tier) -> None:
-        super().__init__(inner)
-        self.calls = 0
-        self.hang = False
-
-    async def contains_many(self, objects: Sequence[bsr.ObjectKey]) -> list[bool]:
-        self.calls += 1
-        if self.hang:
-            await anyio.sleep_forever()
-        return await self.inner.contains_many(objects)
 
 
 def engine(tiers: list[bsr.Tier], **kw: object) -> bsr.RestoreEngine:

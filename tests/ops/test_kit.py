@@ -6,7 +6,6 @@ import random
 import re
 import subprocess
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 
 import anyio
@@ -15,7 +14,7 @@ import pytest
 import bsr
 from bsr.kit import Admission, BlockAllocator, ConversationCache, admit, blocks_for
 from bsr.testing import Fault, FaultKind, FaultPlan, FaultyTier
-from support.engines import make_engine
+from support.engines import HangingContains, make_engine
 from support.helpers import blocks_equal, filled_cache, tokens_for, two_group_layout
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -103,17 +102,6 @@ async def test_admit_miss_hit_and_invalidated(tmp_path: Path) -> None:
         bad = await admit(eng, tokens_for(n), cache, BlockAllocator(64, reserved=src_ids))
         assert bad.restore is not None and not bad.restore.committed
         assert (bad.source, bad.cached_tokens, bad.prefill_tokens) == ("none", 0, n)
-
-
-class HangingContains(bsr.TierWrapper[bsr.Tier]):
-    """A tier whose metadata queries wait forever while ``hang`` is set (a hung mount)."""
-
-    hang = False
-
-    async def contains_many(self, objects: Sequence[bsr.ObjectKey]) -> list[bool]:
-        if self.hang:
-            await anyio.sleep_forever()
-        return await self.inner.contains_many(objects)
 
 
 @pytest.mark.anyio

@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import tempfile
 import threading
-from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
 
-import anyio
 import pytest
 import torch
 from hypothesis import given, settings
@@ -21,6 +19,7 @@ hicache = pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
 
 import bsr  # noqa: E402
 from bsr.sglang import BsrHiCacheStorage  # noqa: E402
+from support.engines import HangingContains  # noqa: E402
 
 KEYS = [f"k{i}" for i in range(6)]
 SRC, DST = [0, 1, 2, 3], [8, 9, 10, 11]  # host pages written from, and restored into
@@ -195,19 +194,6 @@ def test_staging_stays_within_the_window(tmp_path, sg, backends) -> None:
     assert (staging.slots, staging.slot_bytes) == (2, b.pages.layout.slot_bytes)
     assert page_bytes <= staging.slot_bytes < page_bytes + 4096  # one page (aligned) per slot
     assert 1 <= staging.peak_in_use <= 2
-
-
-class HangingContains(bsr.TierWrapper[bsr.Tier]):
-    """A tier whose metadata queries wait forever while ``hang`` is set (a hung mount)."""
-
-    def __init__(self, inner: bsr.Tier) -> None:
-        super().__init__(inner)
-        self.hang = False
-
-    async def contains_many(self, objects: Sequence[bsr.ObjectKey]) -> list[bool]:
-        if self.hang:
-            await anyio.sleep_forever()
-        return await self.inner.contains_many(objects)
 
 
 class FileTierMayHang(BsrHiCacheStorage):

@@ -52,3 +52,19 @@ async def restore_all_at_once(
         for i in range(len(prompts)):
             tg.start_soon(one, i)
     return results, peak
+
+
+class HangingContains(bsr.TierWrapper[bsr.Tier]):
+    """A tier whose metadata queries never answer while ``hang`` is set (a paused remote
+    master, a hung mount), counting the calls: what bounds a lookup is what these tests check."""
+
+    def __init__(self, inner: bsr.Tier) -> None:
+        super().__init__(inner)
+        self.calls = 0
+        self.hang = False
+
+    async def contains_many(self, objects: Sequence[bsr.ObjectKey]) -> list[bool]:
+        self.calls += 1
+        if self.hang:
+            await anyio.sleep_forever()
+        return await self.inner.contains_many(objects)

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 import bsr
+from support.engines import HangingContains
 
 pytest.importorskip("vllm")
 from bsr.vllm._lookup import LookupHints
@@ -37,19 +38,6 @@ TOKENS = np.random.default_rng(5).integers(3, 500, CHUNKS * CHUNK).astype(np.int
 #: the lookup bound of these tests (the default): the hung tier never answers, the others answer
 #: in microseconds, but on a busy machine this process may wait its turn for a while
 TIMEOUT_S = 2.0
-
-
-class HangingContains(bsr.TierWrapper[bsr.Tier]):
-    """A tier whose metadata queries wait forever while ``hang`` is set (a paused pool)."""
-
-    def __init__(self, inner: bsr.Tier) -> None:
-        super().__init__(inner)
-        self.hang = False
-
-    async def contains_many(self, objects: Sequence[bsr.ObjectKey]) -> list[bool]:
-        if self.hang:
-            await anyio.sleep_forever()
-        return await self.inner.contains_many(objects)
 
 
 @dataclass
