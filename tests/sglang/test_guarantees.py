@@ -206,7 +206,7 @@ class FileTierMayHang(BsrHiCacheStorage):
 
 def _exists_within(b: BsrHiCacheStorage, keys: list[str], seconds: float = 60) -> int:
     """``batch_exists`` from another thread (SGLang's prefetch thread calls it); fails if it has
-    not answered within ``seconds`` (a hang guard: the bound under test is sub-second)."""
+    not answered within ``seconds`` (a hang guard: the bound under test is 2 s a page)."""
     got: list[int] = []
     t = threading.Thread(target=lambda: got.append(b.batch_exists(keys)), daemon=True)
     t.start()
