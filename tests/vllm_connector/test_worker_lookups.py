@@ -51,10 +51,13 @@ class Replies:
 
 
 @asynccontextmanager
-async def worker_over(tiers: list[bsr.Tier], save_to: int) -> AsyncIterator[BsrWorker]:
+async def worker_over(
+    tiers: list[bsr.Tier], save_to: int, tp_size: int = 1
+) -> AsyncIterator[BsrWorker]:
     """A worker whose engine has ``tiers`` (breaker threshold 2), the prompt saved into the
-    first ``save_to`` of them."""
-    settings = connector_settings(BLOCK, CHUNK, {"lookup_timeout_s": TIMEOUT_S})
+    first ``save_to`` of them; ``tp_size``: the ranks the worker's settings say (its lookups
+    are rank 0's alone then, no collective)."""
+    settings = connector_settings(BLOCK, CHUNK, {"lookup_timeout_s": TIMEOUT_S}, tp_size=tp_size)
     cache = bsr.PagedKVCache(LAYOUT, 16, BLOCK)
     cache.tensor("kv").random_(0, 255)
     engine = bsr.RestoreEngine(
@@ -149,6 +152,23 @@ async def test_a_lookup_past_the_backstop_is_answered_a_miss_and_counted() -> No
         stats = w.take_stats()
         assert stats is not None and stats.data["lookups_timed_out"] == 1
         assert not stats.data["lookup_unanswered"]  # the tier answered: its lease did not
+
+
+@pytest.mark.parametrize("hang", [True, False], ids=["hung-pool", "control"])
+async def test_with_several_ranks_a_lookup_a_tier_did_not_answer_offers_nothing(
+    tmp_path: Path, hang: bool
+) -> None:
+    """Rank 0 looks up alone and every rank's load probes again: a pool slow for rank 0 would
+    hold each rank's load probe until the load's deadline (10 s of a request's time, then a
+    recompute), so such a lookup offers nothing, as before the lookups kept the host's hit."""
+    host = bsr.HostTier(1 << 24)
+    pool = HangingContains(bsr.FileTier(tmp_path / "pool", 1 << 26))
+    async with worker_over([host, pool], save_to=1, tp_size=2) as w:
+        pool.hang = hang
+        assert await lookup(w, 1) == (0 if hang else CHUNKS * CHUNK)
+        stats = w.take_stats()  # None: nothing counted
+        unanswered = stats.data["lookup_unanswered"] if stats is not None else {}
+        assert unanswered == ({pool.name: 1} if hang else {})
 
 
 async def test_a_slow_only_tier_is_a_miss_counted_against_it(tmp_path: Path) -> None:

@@ -365,6 +365,10 @@ class BsrWorker:
             probe = await engine.lookup(tokens, deadline_s=timeout, local=True, **how)
             for name in probe.unanswered:
                 self.stats.count_key("lookup_unanswered", name)
+            if probe.unanswered:
+                # every rank's load probes again, and a tier slow for rank 0 would hold each
+                # rank's probe until the load's deadline: offer nothing (as one rank does not)
+                return 0, probe
             return self._offer(probe, h, seq), probe
         ttl = self.opts.lease_ttl_s
         probe = await engine.lookup(tokens, lease_ttl_s=ttl, deadline_s=timeout, **how)
