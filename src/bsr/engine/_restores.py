@@ -116,7 +116,7 @@ class Restores:
                 "with the others: look the shorter tokens up again on every rank"
             )
         keyed = await self.parts.prober.keyed(tokens, extras)
-        if keyed.keys != probe.keys[: len(keyed.keys)] or len(keyed.keys) > len(probe.keys):
+        if keyed.keys != probe.keys[: len(keyed.keys)]:  # longer tokens: a longer tuple
             raise ConfigError(
                 "narrow takes a prefix of the tokens the probe was made for, with the same "
                 "extras; look these tokens up instead"

@@ -331,6 +331,8 @@ class BsrWorker:
                 return
             with anyio.move_on_after(self.opts.lookup_timeout_s + LOOKUP_BACKSTOP_S) as scope:
                 hit, probe = await self._lookup(seq, tokens, bound, hints)
+                for name in probe.unanswered if probe is not None else ():
+                    self.stats.count_key("lookup_unanswered", name)
                 if probe is not None and self.fleet is not None:
                     by_tier = self.fleet.by_tier(probe, hit, hints.start_tokens)
             if scope.cancelled_caught:
@@ -363,8 +365,6 @@ class BsrWorker:
         }  # fmt: skip
         if self.settings.tp_size > 1:  # rank 0 alone: no collective, no lease (see restore)
             probe = await engine.lookup(tokens, deadline_s=timeout, local=True, **how)
-            for name in probe.unanswered:
-                self.stats.count_key("lookup_unanswered", name)
             if probe.unanswered:
                 # every rank's load probes again, and a tier slow for rank 0 would hold each
                 # rank's probe until the load's deadline: offer nothing (as one rank does not)
@@ -372,8 +372,6 @@ class BsrWorker:
             return self._offer(probe, h, seq), probe
         ttl = self.opts.lease_ttl_s
         probe = await engine.lookup(tokens, lease_ttl_s=ttl, deadline_s=timeout, **how)
-        for name in probe.unanswered:
-            self.stats.count_key("lookup_unanswered", name)
         hit = self._offer(probe, h, seq)
         if 0 < hit < len(tokens):
             # a restore reuses a probe of exactly its own tokens: cut from this one, leased
