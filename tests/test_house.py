@@ -67,3 +67,31 @@ def test_parse_file_parses_once_more_in_a_fresh_thread(monkeypatch: Any, tmp_pat
     monkeypatch.setattr(ast, "parse", broken)
     with pytest.raises(SystemError, match="something else"):
         parse_file(f)
+
+
+#: the read path's classes (and the pipeline's module) at most this many lines: the data plane
+#: stays a seam and a few steps (docs/architecture.md), not lanes grown as branches of one class
+MAX_CLASS_LINES = {
+    ("src/bsr/transfer/_pipeline.py", "WindowPipeline"): 350,
+    ("src/bsr/transfer/_ladder.py", "TierLadder"): 220,
+    ("src/bsr/tiers/file/_tier.py", "FileTier"): 600,
+}
+MAX_MODULE_LINES = {"src/bsr/transfer/_pipeline.py": 500}
+
+
+def test_the_read_paths_classes_stay_within_their_sizes() -> None:
+    over = []
+    for (rel, name), most in MAX_CLASS_LINES.items():
+        found = [
+            (n.end_lineno or n.lineno) - n.lineno + 1
+            for n in ast.walk(parse_file(ROOT / rel))
+            if isinstance(n, ast.ClassDef) and n.name == name
+        ]
+        assert len(found) == 1, f"{rel}: class {name} not found (moved? update this table)"
+        if found[0] > most:
+            over.append(f"{rel} {name}: {found[0]} lines (at most {most})")
+    for rel, most in MAX_MODULE_LINES.items():
+        n = len((ROOT / rel).read_text().splitlines())
+        if n > most:
+            over.append(f"{rel}: {n} lines (at most {most})")
+    assert not over, "split these: " + "; ".join(over)

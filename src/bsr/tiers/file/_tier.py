@@ -30,7 +30,7 @@ partial object (invariant 6) and concurrent writers, of this process or others, 
 ``capacity_bytes``. Every failure path removes the temp file and gives the reservation back. No
 step waits for the root's lock past ``lock_timeout_s`` or its caller's cancel (a process sharing
 the root may be stopped while it holds it): a write then raises :class:`~bsr.TierBusyError` and
-``open`` joins without the lock; reads never take it (:meth:`FileTier._locked`). A
+``open`` joins without the lock; reads never take it (:mod:`bsr.tiers.file._steps`). A
 probe asks the directory for objects the index lacks (another process wrote them). On open the
 index is rebuilt by scanning ``objects/`` (each header is checked against the file size; damaged
 files are quarantined), temp files of dead writers are removed, and the root is trimmed to
@@ -48,11 +48,10 @@ import contextlib
 import dataclasses
 import os
 import threading
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import anyio
 
@@ -69,7 +68,7 @@ from ...core._object import decode_object
 from .._abandon import AbandonableCalls
 from .._base import Medium, StorageHooks, Tier, TierStatistics, TierUsage
 from .._codec import ObjectCodec
-from .._lru import IndexedTier, LruIndex, RoomPending
+from .._lru import IndexedTier, LruIndex
 from .._reads import Begin, End, Fetched
 from .._registry import TierOptions, takes_options
 from .._views import as_payload_view
@@ -109,6 +108,7 @@ from ._root import (
     classify_read_error,
     object_relpath,
 )
+from ._steps import LockedSteps
 from ._writes import FileWrites
 
 HEADER_SIZE = ObjectCodec.HEADER_SIZE
@@ -135,9 +135,6 @@ __all__ = (
 )
 
 _THREAD = threading.local()
-T = TypeVar("T")
-#: how often a write waiting for room that writes in progress hold looks again
-ROOM_POLL_S = 0.005
 #: a tier holding at least twice this many bytes calibrates its io_uring read depth on open
 CALIBRATE_MIN_BYTES = 32 << 20
 
@@ -280,7 +277,6 @@ class FileTier(IndexedTier):
             )
         super().__init__(o.name)
         self.lock_timeout_s = o.lock_timeout_s
-        self._root_stuck = False  # a step gave up on the root's lock, none got it since
         self.capacity_bytes = o.capacity_bytes
         self.io_threads = o.io_threads
         self.root = Path(o.path)
@@ -310,6 +306,7 @@ class FileTier(IndexedTier):
         self._index: LruIndex[None] = LruIndex(o.capacity_bytes, name=o.name)
         self._io = FileReads(self)
         self._writes = FileWrites(self)
+        self._steps = LockedSteps(self)  # steps under the root's lock
         self._opened = False
         # guards _dirs and _busy: worker threads touch them
         self._lock = threading.Lock()
@@ -424,7 +421,7 @@ class FileTier(IndexedTier):
             try:
                 locked = True
                 try:
-                    await self._locked(space.attach, report, what="joining the root's ledger")
+                    await self._steps.run(space.attach, report, what="joining the root's ledger")
                 except TierBusyError:
                     locked = False
                     self._log.warning(
@@ -442,7 +439,7 @@ class FileTier(IndexedTier):
                 evicted = 0  # without the lock: the next write makes its room
                 if locked:  # a smaller capacity than the root holds now
                     with contextlib.suppress(TierBusyError):
-                        evicted = await self._locked(space.trim, what="trimming to capacity")
+                        evicted = await self._steps.run(space.trim, what="trimming to capacity")
             except TierBusyError:  # a typed bound, not a broken root (an OSError too)
                 raise
             except OSError as exc:  # flock or the ledger failed
@@ -498,69 +495,13 @@ class FileTier(IndexedTier):
         (each waits for the root's lock like any step). Given up past ``lock_timeout_s``
         without a step: the ledger keeps its count, a later recount settles it."""
         try:
-            while not await self._locked(space.recount, what="recounting the root's ledger"):
+            while not await self._steps.run(space.recount, what="recounting the root's ledger"):
                 pass
         except TierBusyError:
             self._log.warning(
                 "bsr.tier.recount_pending", path=str(self.root), waited_s=self.lock_timeout_s,
                 note="another process held the root's lock; the ledger keeps its count",
             )  # fmt: skip
-
-    # ------------------------------------------------------------------ the root's lock
-    async def _locked(
-        self, fn: Callable[..., T], *args: Any, what: str, abandon: bool = False
-    ) -> T:
-        """``fn(*args)``: a worker-thread step that takes the root's lock without waiting
-        (trying for a moment, then raising :class:`RootBusy` while another process holds it),
-        tried again from the event loop, holding nothing in between, until it runs or
-        ``lock_timeout_s`` passed. Room that writes in progress hold (``RoomPending``) is
-        waited for the same way. A caller's cancel ends the wait at once; a step already
-        running finishes first (``abandon``: unless it has nothing to give back).
-
-        Once a step gave up on the lock, later steps try it once (one step's patience, 50 ms)
-        until one gets it: a peer stopped for long costs one ``lock_timeout_s``, then a short
-        try per call (saves hold staging slots while their writes wait).
-
-        Raises:
-            TierBusyError: the lock (or the room) stayed taken for ``lock_timeout_s`` (counted
-                in ``statistics().busy``).
-        """
-        start = time.monotonic()
-        while True:
-            try:
-                out = await anyio.to_thread.run_sync(
-                    fn, *args, limiter=self._limiter, abandon_on_cancel=abandon
-                )
-            except RootBusy:
-                reason = "root_locked"
-            except RoomPending:  # it had the lock
-                reason, self._root_stuck = "room_pending", False
-            else:
-                self._root_stuck = False
-                return out
-            stuck = self._root_stuck and reason == "root_locked"
-            if time.monotonic() - start >= (0.0 if stuck else self.lock_timeout_s):
-                if reason == "root_locked":
-                    self._root_stuck = True
-                self._count(busy=1)
-                raise self._busy_error(reason, what)
-            # each try waited up to PATIENCE_S in its thread (RootBusy); room held by writes in
-            # progress comes back when they end: look again shortly
-            await anyio.sleep(0 if reason == "root_locked" else ROOM_POLL_S)
-
-    def _busy_error(self, reason: str, what: str) -> TierBusyError:
-        held = (
-            "the root's lock stayed held by another process"
-            if reason == "root_locked"
-            else "the room it needs stayed reserved by writes in progress"
-        )
-        return TierBusyError(
-            f"{what} skipped: {held} (up to {self.lock_timeout_s:g} s; a process sharing "
-            f"{self.root} stopped or frozen?); reads go on, and a later call tries again",
-            tier=self.name,
-            reason=reason,
-            path=str(self.root),
-        )
 
     async def aclose(self) -> None:
         self._index.clear()
@@ -712,7 +653,9 @@ class FileTier(IndexedTier):
             await anyio.to_thread.run_sync(
                 self._writes.write_temp, okey, mv, pending, limiter=self._limiter
             )
-            await self._locked(self._writes.commit, oid, pending, renamed, what=f"writing {where}")
+            await self._steps.run(
+                self._writes.commit, oid, pending, renamed, what=f"writing {where}"
+            )
         except TierBusyError:
             raise
         except OSError as exc:
@@ -741,7 +684,7 @@ class FileTier(IndexedTier):
         blob = bytes(mv)
         where = object_relpath(okey.object_id)
         try:
-            new = await self._reads.run(lambda: self._write_network_sync(okey, blob, size))
+            new = await self._reads.run(lambda: self._writes.write_network(okey, blob, size))
         except (TierBusyError, TierIOError):
             raise
         except OSError as exc:
@@ -753,39 +696,13 @@ class FileTier(IndexedTier):
             self._count(writes=1, bytes_written=len(blob))
         return new
 
-    def _write_network_sync(self, okey: ObjectKey, blob: bytes, size: int) -> bool:
-        oid = okey.object_id
-        give_up = time.monotonic() + self.lock_timeout_s
-        while True:  # room held by this node's writes in progress comes back as they end
-            out: list[Pending] = []
-            try:
-                evicted = self._writes.reserve(oid, size, out)
-                break
-            except RoomPending:
-                if time.monotonic() >= give_up:
-                    self._count(busy=1)
-                    raise self._busy_error(
-                        "room_pending", f"writing {object_relpath(oid)}"
-                    ) from None
-                time.sleep(ROOM_POLL_S)
-        if evicted:
-            self._count(evictions=evicted)
-        renamed: list[bool] = []
-        try:
-            self._writes.write_temp(okey, memoryview(blob), out[0])
-            self._writes.commit(oid, out[0], renamed)
-        finally:
-            if not renamed:
-                self._writes.abort(out[0])
-        return renamed[0]
-
     async def _reserve(self, oid: str, size: int) -> Pending:
         """Reserve ``size`` bytes in the shared ledger (evicting), waiting at most
         ``lock_timeout_s`` for the root's lock or for room that writes in progress hold."""
         out: list[Pending] = []
         where = object_relpath(oid)
         try:
-            evicted = await self._locked(
+            evicted = await self._steps.run(
                 self._writes.reserve, oid, size, out, what=f"reserving room for {where}"
             )
         except TierBusyError:
@@ -819,7 +736,7 @@ class FileTier(IndexedTier):
         if not self._index.discard(oid):
             return False
         # abandonable: the index already forgot it; a hung unlink must not hold the caller
-        await self._locked(
+        await self._steps.run(
             self._unlink_victims, [oid], what=f"deleting {object_relpath(oid)}", abandon=True
         )
         return True
@@ -857,7 +774,7 @@ class FileTier(IndexedTier):
                 self._leave()
 
         # abandonable, so the engine's bound on a shielded quarantine holds on a hung mount
-        await self._locked(_move, what=f"quarantining {object_relpath(oid)}", abandon=True)
+        await self._steps.run(_move, what=f"quarantining {object_relpath(oid)}", abandon=True)
 
 
 class _FileStorage:

@@ -1,7 +1,7 @@
 """FileTier's writes: an object into a temp file, then renamed into ``objects/`` under the lock.
 
 Where it runs: the tier's worker threads (each step a blocking call the tier's event-loop side
-hands over, the locked ones through :meth:`FileTier._locked <bsr.FileTier>`).
+hands over, the locked ones through :class:`~bsr.tiers.file._steps.LockedSteps`).
 
 How it works: a write reserves its bytes in the root's shared ledger (evicting), writes and
 fsyncs the object into its reserved temp file with no lock held, then renames it into
@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 from typing import TYPE_CHECKING, Any
 
 from ..._errors import ClosedError
 from ...core._keys import ObjectKey
 from .._codec import ObjectCodec
+from .._lru import RoomPending
 from ._ledger import Pending
-from ._root import DIR_FLAGS, OBJECTS_DIR, Dirs
+from ._root import DIR_FLAGS, OBJECTS_DIR, Dirs, object_relpath
+from ._steps import ROOM_POLL_S
 
 if TYPE_CHECKING:
     from ._tier import FileTier
@@ -78,6 +81,33 @@ class FileWrites:
                 os.close(sub_fd)
         finally:
             self.tier._leave()
+
+    def write_network(self, okey: ObjectKey, blob: bytes, size: int) -> bool:
+        """A whole write in network mode, in one (abandonable) worker call: reserve (waiting
+        up to ``lock_timeout_s`` for room this node's writes in progress hold), write, commit;
+        the temp file removed on any failure. Whether the object is new to the index."""
+        tier, oid = self.tier, okey.object_id
+        give_up = time.monotonic() + tier.lock_timeout_s
+        while True:  # room held by this node's writes in progress comes back as they end
+            out: list[Pending] = []
+            try:
+                evicted = self.reserve(oid, size, out)
+                break
+            except RoomPending:
+                if time.monotonic() >= give_up:
+                    where = f"writing {object_relpath(oid)}"
+                    raise tier._steps.busy("room_pending", where) from None
+                time.sleep(ROOM_POLL_S)
+        if evicted:
+            tier._count(evictions=evicted)
+        renamed: list[bool] = []
+        try:
+            self.write_temp(okey, memoryview(blob), out[0])
+            self.commit(oid, out[0], renamed)
+        finally:
+            if not renamed:
+                self.abort(out[0])
+        return renamed[0]
 
     def _object_dir(self, dirs: Dirs, sub: str) -> int:
         try:
