@@ -158,8 +158,9 @@ async def test_a_probe_of_another_engine_is_refused_before_anything_moves(tmp_pa
 
 
 # ------------------------------------------------------------------ item 8: the deadline, agreed
-def _two_ranks(root: Any) -> tuple[list[bsr.RestoreEngine], list[LatencyTier]]:
-    """Two ranks of one InProcessGroup, each over its own FileTier behind a LatencyTier."""
+def _two_ranks(root: Any, **kw: Any) -> tuple[list[bsr.RestoreEngine], list[LatencyTier]]:
+    """Two ranks of one InProcessGroup, each over its own FileTier behind a LatencyTier
+    (``kw``: the engines' options)."""
     group = bsr.InProcessGroup(2, timeout_s=30)
     tiers = [
         LatencyTier(bsr.FileTier(root / f"rank{r}", 1 << 26), read_latency_s=0) for r in range(2)
@@ -168,16 +169,17 @@ def _two_ranks(root: Any) -> tuple[list[bsr.RestoreEngine], list[LatencyTier]]:
     for r in range(2):
         ns = bsr.Namespace("m", tp_rank=r, tp_size=2)
         engines.append(
-            make_engine(LAYOUT, [tiers[r]], namespace=ns, coordinator=group.coordinator(r))
+            make_engine(LAYOUT, [tiers[r]], namespace=ns, coordinator=group.coordinator(r), **kw)
         )
     return engines, tiers
 
 
+@pytest.mark.parametrize("share", [1.0, 0.5])
 @pytest.mark.parametrize("with_probe", [False, True])
 @pytest.mark.parametrize("slow", [0, 1])
 @pytest.mark.anyio
 async def test_one_ranks_probe_deadline_ends_every_rank_invalidated(
-    tmp_path: Any, slow: int, with_probe: bool
+    tmp_path: Any, slow: int, with_probe: bool, share: float
 ) -> None:
     """Only one rank runs out of time while probing; the other has no deadline at all. Every
     rank ends Invalidated with nothing read or committed: the late one for `deadline`, the
@@ -185,14 +187,18 @@ async def test_one_ranks_probe_deadline_ends_every_rank_invalidated(
 
     Without a probe, the late rank's tier answers probes after 5 s (deadline 0.3 s). With each
     rank's own lookup probe, the late rank's admission alone outlasts its deadline, so the key
-    derivation (offloaded: the prompt is long) is cancelled at once."""
+    derivation (offloaded: the prompt is long) is cancelled at once.
+
+    With ``probe_share=0.5`` (the default) and no probe, the late rank's tier is cut off at
+    half its deadline instead: it holds nothing there, the ranks agree on an empty prefix, and
+    both end `empty_prefix`, the late one saying which tier did not answer."""
     n_tokens = 6 * 16 if not with_probe else OFFLOAD + 16
     toks = tokens_for(n_tokens)
     blocks = n_tokens // 16
     out: list[bsr.RestoreResult | None] = [None, None]
 
     async def main() -> None:
-        engines, tiers = _two_ranks(tmp_path)
+        engines, tiers = _two_ranks(tmp_path, probe_share=share)
         async with engines[0], engines[1]:
             async with anyio.create_task_group() as tg:
                 for r in range(2):
@@ -232,11 +238,18 @@ async def test_one_ranks_probe_deadline_ends_every_rank_invalidated(
 
     await main()
     results = [r for r in out if r is not None]
-    assert [r.state for r in results] == [bsr.RequestState.INVALIDATED] * 2, results
     assert [r.committed_tokens for r in results] == [0, 0]
+    assert all(r.bytes_by_tier == {} for r in results)  # nothing was read
+    if share < 1 and not with_probe:  # cut off, not late: a miss agreed by both ranks
+        assert [(r.state, r.reason) for r in results] == [
+            (bsr.RequestState.COMMITTED, bsr.Reason.EMPTY_PREFIX)
+        ] * 2, results
+        assert results[slow].unanswered == ("file",)  # the late rank's own tier
+        assert results[1 - slow].unanswered == ()
+        return
+    assert [r.state for r in results] == [bsr.RequestState.INVALIDATED] * 2, results
     assert results[slow].reason is bsr.Reason.DEADLINE
     assert results[1 - slow].reason is bsr.Reason.RANK_FAILED
-    assert all(r.bytes_by_tier == {} for r in results)  # nothing was read
 
 
 # ------------------------------------------------------------------ item 10: a caller's cancel

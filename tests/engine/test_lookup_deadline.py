@@ -12,6 +12,7 @@ from pathlib import Path
 
 import anyio
 import pytest
+import torch
 
 import bsr
 from support.engines import HangingContains, make_engine
@@ -111,8 +112,67 @@ async def test_a_restore_whose_probe_is_cut_off_counts_the_tier_too(tmp_path: Pa
         dst = bsr.PagedKVCache(LAYOUT, 8, 16)
         with anyio.fail_after(30):
             r = await eng.restore(toks, dst, list(range(CHUNKS)), deadline_s=0.2)
-        assert r.reason is bsr.Reason.DEADLINE and r.committed_tokens == 0
+        # cut off at half the deadline: a miss, said early, not the whole deadline
+        assert r.reason is bsr.Reason.EMPTY_PREFIX and r.committed_tokens == 0
+        assert r.unanswered == (slow.name,)
         assert eng.health.state(slow.name).consecutive_failures == 1
+
+
+@pytest.mark.parametrize("share", [0.5, 0.25])
+@pytest.mark.anyio
+async def test_a_hung_tier_below_the_host_leaves_the_restore_the_hosts_hit(
+    tmp_path: Path, share: float
+) -> None:
+    """The host tier holds the prefix, the file tier below it hangs on every metadata query:
+    a restore given a deadline waits for it ``probe_share`` of the deadline, then commits the
+    host's hit in the rest (it used to spend the whole deadline probing and end ``deadline``,
+    a recompute, until the breaker opened). Every byte is the saved state's."""
+    toks = tokens_for(CHUNKS * 16)
+    src = filled_cache(LAYOUT, 8, 16)
+
+    host = bsr.HostTier(1 << 24)
+    slow = HangingContains(bsr.FileTier(tmp_path, 1 << 26))
+    eng = engine([host, slow], probe_share=share, breaker_threshold=2, breaker_cooldown_s=600)
+    deadline = 4.0
+    async with eng:
+        await eng.save(toks, src, list(range(CHUNKS)))
+        slow.hang = True
+        for i in (1, 2):
+            dst = bsr.PagedKVCache(LAYOUT, 8, 16)
+            with anyio.fail_after(30):
+                r = await eng.restore(toks, dst, list(range(CHUNKS)), deadline_s=deadline)
+            assert r.committed and r.committed_tokens == CHUNKS * 16, r
+            assert r.bytes_by_tier.keys() == {host.name}
+            assert r.unanswered == (slow.name,)
+            assert torch.equal(dst.tensor("kv")[:, :CHUNKS], src.tensor("kv")[:, :CHUNKS])
+            # the probe waited its share of the deadline for the hung tier, no more
+            assert share * deadline * 0.9 <= r.timings.probe_s < deadline
+            assert eng.health.state(slow.name).consecutive_failures == i
+        calls = slow.calls  # tripped: the next restore does not wait for it at all
+        r = await eng.restore(toks, bsr.PagedKVCache(LAYOUT, 8, 16), list(range(CHUNKS)))
+        assert r.committed and slow.calls == calls and r.unanswered == (slow.name,)
+
+
+@pytest.mark.anyio
+async def test_a_probe_share_of_one_is_the_whole_deadline(tmp_path: Path) -> None:
+    """``probe_share=1``: the probe may spend the whole deadline (a hung tier then ends the
+    restore ``deadline``); control for the share above, and the option's checks."""
+    toks = tokens_for(CHUNKS * 16)
+    src = filled_cache(LAYOUT, 8, 16)
+
+    host = bsr.HostTier(1 << 24)
+    slow = HangingContains(bsr.FileTier(tmp_path, 1 << 26))
+    async with engine([host, slow], probe_share=1) as eng:
+        await eng.save(toks, src, list(range(CHUNKS)))
+        slow.hang = True
+        with anyio.fail_after(30):
+            r = await eng.restore(
+                toks, bsr.PagedKVCache(LAYOUT, 8, 16), list(range(CHUNKS)), deadline_s=0.3
+            )
+        assert r.reason is bsr.Reason.DEADLINE and r.committed_tokens == 0
+    for bad, match in [(0, "> 0"), (1.5, "at most 1"), ("half", "int or float")]:
+        with pytest.raises(bsr.ConfigError, match=f"probe_share must be .*{match}"):
+            engine([bsr.HostTier(1 << 20)], probe_share=bad)
 
 
 @pytest.mark.anyio

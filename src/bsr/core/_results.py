@@ -232,6 +232,10 @@ class RestoreResult:
     #: seconds each tier had at least one of this restore's reads in flight (its reads'
     #: verified throughput is ``bytes_by_tier[t] / read_s_by_tier[t]``)
     read_s_by_tier: dict[str, float] = field(default_factory=dict)
+    #: the tiers its probe did not hear from (cut off at the engine's ``probe_share`` of the
+    #: deadline, failed, skipped by an open circuit breaker, not asked): they held nothing for
+    #: this restore (``Probe.unanswered`` of the probe it used)
+    unanswered: tuple[str, ...] = ()
 
     @property
     def committed(self) -> bool:

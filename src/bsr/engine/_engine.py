@@ -120,9 +120,10 @@ class RestoreEngine(AsyncResource):
         coordinator: cross-rank agreement (default: single rank).
         options: the knobs as one :class:`~bsr.EngineOptions` (or an ``EngineConfig``); a knob
             also given by name overrides its value there.
-        window, io_depth, memory_workers, policy, deadline_s, pin_staging, prefault_staging,
-            breaker_threshold, breaker_cooldown_s, shield_timeout_s, staging_budget_bytes,
-            window_checkpoint_chunks, promote, warm_budget_bytes, warm_concurrency: the knobs,
+        window, io_depth, memory_workers, policy, deadline_s, probe_share, pin_staging,
+            prefault_staging, breaker_threshold, breaker_cooldown_s, shield_timeout_s,
+            staging_budget_bytes, window_checkpoint_chunks, promote, warm_budget_bytes,
+            warm_concurrency: the knobs,
             each documented (and checked, with the same message as in a config) by
             :class:`~bsr.EngineOptions`, whose fields are exactly these parameters. The window
             must fit in ``staging_budget_bytes`` when one is set.
@@ -185,7 +186,7 @@ class RestoreEngine(AsyncResource):
         self._parts = RestoreParts(
             layout, self._prober, self.coordinator, self.health, self._quarantine, self.cost,
             self._window, self._open_pool, self._upkeep.move_out, o.shield_timeout_s,
-            o.pin_staging, o.staging_budget_bytes,
+            o.pin_staging, o.staging_budget_bytes, o.probe_share,
         )  # fmt: skip
         self._warmer = Warmer(
             layout, self.tiers, self._prober, self.health, self._quarantine, self._open_pool,

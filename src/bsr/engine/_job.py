@@ -84,6 +84,7 @@ class RestoreParts:
         shield_timeout_s: the bound on the calls bsr makes for its own sake.
         pin_staging: a whole-plan buffer is pinned (when CUDA is available).
         staging_budget_bytes: the most host staging one whole-plan restore may take (None: any).
+        probe_share: the share of the time left its probe may wait for the tiers' answers.
     """
 
     layout: StateLayout
@@ -98,6 +99,7 @@ class RestoreParts:
     shield_timeout_s: float
     pin_staging: bool
     staging_budget_bytes: int | None
+    probe_share: float
 
 
 @dataclass(frozen=True)
@@ -200,8 +202,9 @@ class RestoreJob:
         try:
             if given is None:
                 out = await self.parts.prober.probe(
-                    req.tokens, deadline_s=req.remaining(), extras=req.extras
-                )
+                    req.tokens, deadline_s=req.remaining(), extras=req.extras,
+                    share=self.parts.probe_share,
+                )  # fmt: skip
             else:
                 out = await self._reuse_probe(given)
         except CoordinatorError:
@@ -461,6 +464,7 @@ class RestoreJob:
             errors=tuple(run.errors) if run else (),
             decision=restored.probed.decision,
             read_s_by_tier={} if window is None else window.gate.busy_by_tier(),
+            unanswered=probe.unanswered if probe is not None else (),
         )
 
 

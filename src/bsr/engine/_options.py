@@ -21,7 +21,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import KW_ONLY, dataclass
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
-from .._check import Check, Options, option, option_fields, positive_int, short_repr
+from .._check import (
+    Check,
+    Options,
+    finite_float,
+    option,
+    option_fields,
+    positive_int,
+    short_repr,
+)
 from .._errors import ConfigError
 from ..core._options import Policy, Promote
 
@@ -37,6 +45,14 @@ DEFAULT_WINDOW_CHECKPOINT_CHUNKS = 4
 #: the largest window (W) accepted: more slots than a 16M-token request has 256-token chunks
 #: cannot be used; ``RestoreEngine.from_config`` also checks W x slot bytes against the host
 MAX_WINDOW = 1 << 16
+
+
+def check_share(value: Any, key: str) -> float:
+    """A share of a deadline: a finite number in (0, 1]."""
+    return finite_float(
+        value, key, minimum=0.0, strict=True, maximum=1.0,
+        too_large="a share of the deadline (1: the whole of it)", key=key,
+    )  # fmt: skip
 
 
 def check_window(value: Any, key: str) -> int:
@@ -68,6 +84,13 @@ class EngineOptions(Options):
         policy: default commit policy: ``"all_or_nothing"``, ``"truncate"`` or ``"cost"`` (load
             only what is faster to load than to recompute, see :class:`~bsr.CostModel`).
         deadline_s: default per-restore deadline in seconds (``None``: none).
+        probe_share: the share of a restore's deadline its probe may spend waiting for the
+            tiers' answers (of the time left when it asks them): a tier still answering then is
+            cut off, holds nothing for this restore (counted against its circuit breaker, named
+            in ``RestoreResult.unanswered``) and the restore goes on with what the other tiers
+            hold, in the rest of the deadline. A hung pool below a host tier holding the prefix
+            then costs ``probe_share`` of the deadline, not all of it and a recompute. ``1``:
+            the whole deadline (a restore whose probe is cut off then ends ``deadline``).
         pin_staging: pinned staging memory when CUDA is available.
         prefault_staging: touch the staging window at open (no page faults in the first
             restore; the window is resident from the start).
@@ -110,6 +133,7 @@ class EngineOptions(Options):
     memory_workers: int = option(Check.positive_int, 1)
     policy: str = option(Check.one_of(*(p.value for p in Policy)), Policy.ALL_OR_NOTHING.value)
     deadline_s: float | None = option(Check.optional_seconds, None)
+    probe_share: float = option(check_share, 0.5)
     pin_staging: bool = option(Check.flag, True)
     prefault_staging: bool = option(Check.flag, True)
     breaker_threshold: int | None = option(Check.optional_positive_int, 3)

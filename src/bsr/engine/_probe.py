@@ -207,6 +207,7 @@ class Prober:
         partial: bool = False,
         agree: bool = True,
         extras: Extras | None = None,
+        share: float = 1.0,
     ) -> ProbeOutcome:
         """Probe ``tokens``; return the probe and whether a deadline ended it on any rank.
 
@@ -216,6 +217,10 @@ class Prober:
         proposes instead what the tiers that answered in time hold. The agreement always runs
         (every rank must take part in it) unless ``agree`` is False: then the probe is this
         rank's alone, and it runs no collective.
+
+        ``share`` (in (0, 1]): the tiers are waited for at most this share of the time left
+        when they are asked; a tier cut off then holds nothing, and the probe goes on (not
+        late) with what the others hold, leaving the rest of the deadline to the caller.
         """
         t0 = time.perf_counter()
         deadline_at = math.inf if deadline_s is None else t0 + deadline_s
@@ -225,7 +230,9 @@ class Prober:
         with anyio.move_on_after(math.inf if deadline_s is None else deadline_s):
             keyed = await self.keyed(tokens, extras)
         if keyed is not None:
-            holders = await self.holders(keyed.keys, deadline_at, unanswered)
+            now = time.perf_counter()
+            cut_at = deadline_at if share >= 1 else now + share * max(0.0, deadline_at - now)
+            holders = await self.holders(keyed.keys, cut_at, unanswered)
             await anyio.lowlevel.checkpoint()
         else:  # the deadline fired while keying: no tier was asked
             unanswered = [t.name for t in self.tiers]
