@@ -6,7 +6,10 @@ worker threads); every method takes one lock and does no I/O.
 How it works: the buffer is ``capacity`` bytes rounded up to 4 KiB, made on first use: page-locked
 (pinned) where CUDA is present, so a host hit can be copied to the device by DMA straight from
 where the object lies, with no staging copy; ordinary pageable memory otherwise (anonymous
-pages, committed by the OS only as objects are written). Objects take extents of whole 4 KiB
+pages, committed by the OS only as objects are written), for which the kernel is asked for
+transparent huge pages (``madvise(MADV_HUGEPAGE)``, Linux): a restore's hash and copy of a host
+hit then take a TLB miss per 2 MiB instead of per 4 KiB (about a tenth less CPU per restored
+GiB at 512 KiB chunks, the bench's ``cpu`` section). Objects take extents of whole 4 KiB
 pages (an object's header is a page, so its payload starts page-aligned too), handed out first
 fit from a free list kept sorted by offset, coalesced with its neighbours as extents come back.
 An extent comes back only when its object has left the tier's index *and* no read or lend pins
@@ -33,6 +36,20 @@ from ..core._layout import ALIGNMENT, align_up
 #: Linux's MAP_NORESERVE (Python's mmap module does not name it): an arena larger than the
 #: memory the kernel would promise up front is still mapped; pages are committed as written
 _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform == "linux" else 0)
+
+
+def advise_huge_pages(buf: mmap.mmap) -> bool:
+    """Ask the kernel to back ``buf`` with transparent huge pages; whether it took the advice
+    (False where the platform has no ``MADV_HUGEPAGE`` or the kernel refused it: THP
+    disabled, ``never``)."""
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is None:
+        return False
+    try:
+        buf.madvise(advice)
+    except OSError:
+        return False
+    return True
 
 
 class Block:
@@ -73,12 +90,17 @@ class HostArena:
     Args:
         capacity: bytes the arena holds (rounded up to 4 KiB).
         pin: page-lock the buffer (needs CUDA; None: pinned where CUDA is available).
+        huge_pages: ask for transparent huge pages for a pageable buffer (where the kernel
+            offers ``MADV_HUGEPAGE``; a pinned buffer is CUDA's).
     """
 
-    def __init__(self, capacity: int, *, pin: bool | None = None) -> None:
+    def __init__(self, capacity: int, *, pin: bool | None = None, huge_pages: bool = True) -> None:
         self.capacity = align_up(max(capacity, ALIGNMENT))
         self._pin = pin
+        self._huge = huge_pages
         self.pinned = False
+        #: the kernel took the request for huge pages (the buffer is made on first use)
+        self.huge_pages = False
         self._buf: np.ndarray[Any, np.dtype[np.uint8]] | None = None
         self._keep: Any = None  # what owns the memory (a pinned torch tensor)
         self._lock = threading.Lock()
@@ -106,6 +128,7 @@ class HostArena:
             if self._buf is None:  # anonymous pages, committed only as they are written
                 flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
                 self._keep = mmap.mmap(-1, self.capacity, flags=flags)
+                self.huge_pages = self._huge and advise_huge_pages(self._keep)
                 self._buf = np.frombuffer(self._keep, dtype=np.uint8)
             self._add_free(0, self.capacity)
         return self._buf
