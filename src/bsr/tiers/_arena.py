@@ -8,7 +8,7 @@ How it works: the buffer is ``capacity`` bytes rounded up to 4 KiB, made on firs
 where the object lies, with no staging copy; ordinary pageable memory otherwise (anonymous
 pages, committed by the OS only as objects are written), for which the kernel is asked for
 transparent huge pages (``madvise(MADV_HUGEPAGE)``, Linux): a restore's hash and copy of a host
-hit then take a TLB miss per 2 MiB instead of per 4 KiB (about a tenth less CPU per restored
+hit then take a TLB miss per 2 MiB instead of per 4 KiB (about 5% less CPU per restored
 GiB at 512 KiB chunks, the bench's ``cpu`` section). Objects take extents of whole 4 KiB
 pages (an object's header is a page, so its payload starts page-aligned too), handed out first
 fit from a free list kept sorted by offset, coalesced with its neighbours as extents come back.

@@ -68,7 +68,7 @@ class HostTier(IndexedTier):
             when the arena is made.
         huge_pages: ask the kernel to back a pageable arena with transparent huge pages
             (``madvise(MADV_HUGEPAGE)``, Linux; the default): restoring a host hit hashes and
-            copies its bytes with a TLB miss per 2 MiB, not per 4 KiB, about a tenth less CPU
+            copies its bytes with a TLB miss per 2 MiB, not per 4 KiB, about 5% less CPU
             per GiB. Memory is still committed as objects are written, 2 MiB at a time where
             the kernel gives a huge page. A pinned arena is CUDA's memory: not asked.
     """
