@@ -465,7 +465,7 @@ CPU_COLUMNS = (
     "CPU/GiB",
     "usr/sys",
     "floor/GiB",
-    "(read+xxh3+copy)",
+    "(read+check&copy)",
     "CPU/floor",
     "beyond floor/chunk",
     "wall ratio",
@@ -477,7 +477,7 @@ def cpu_row(p: dict[str, Any]) -> list[str]:
     """One row (medians) of the ``cpu`` section's table."""
     gib = p["bytes"] / float(1 << 30)
     f = p["floor"]
-    parts = [f.get("read_cpu_s"), f["xxh3_cpu_s"], f["copy_cpu_s"]]
+    parts = [f.get("read_cpu_s"), f["verify_copy_cpu_s"]]
     split = "+".join("-" if d is None else f"{d['median'] / gib:.3f}" for d in parts)
     usr = p["restore_usr_s"]["median"] / gib
     sys_ = p["restore_sys_s"]["median"] / gib
