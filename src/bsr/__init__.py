@@ -73,6 +73,7 @@ if TYPE_CHECKING:  # what mypy and readers see; at run time __getattr__ imports 
     from .core._results import Timings as Timings
     from .core._sightings import SightingCounter as SightingCounter
     from .core._sightings import SightingStatistics as SightingStatistics
+    from .engine._budget import DeadlineSplit as DeadlineSplit
     from .engine._config import EngineConfig as EngineConfig
     from .engine._coordinator import Coordinator as Coordinator
     from .engine._coordinator import InProcessCoordinator as InProcessCoordinator
@@ -152,6 +153,7 @@ _LAZY: dict[str, tuple[str, ...]] = {
         "Timings",
     ),
     ".core._sightings": ("SightingCounter", "SightingStatistics"),
+    ".engine._budget": ("DeadlineSplit",),
     ".engine._config": ("EngineConfig",),
     ".engine._coordinator": (
         "Coordinator",

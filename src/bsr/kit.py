@@ -186,10 +186,11 @@ async def admit(
         allocator: where blocks come from (unless ``block_ids`` are given).
         reserve_tokens: extra token room to allocate (e.g. tokens to be generated).
         block_ids: blocks already allocated for the request (then none are allocated).
-        deadline_s: bounds the lookup (a tier still answering then is cut off: it holds
-            nothing for this request, the others' hit is restored, and the cut counts against
-            its circuit breaker) and then the restore (its deadline, from its start); None:
-            the engine's ``deadline_s``.
+        deadline_s: bounds the whole admission, from the call: the lookup waits for the
+            tiers at most the engine's ``probe_share`` of it (a tier still answering then is
+            cut off: it holds nothing for this request, the others' hit is restored, and the
+            cut counts against its circuit breaker), the restore gets what is left; None: the
+            engine's ``deadline_s``.
         extras: what besides the tokens changes the request's KV (:class:`~bsr.KeyExtra`: the
             tenant's salt, the adapter, images), the same as the ``engine.save`` that stored it.
 
@@ -217,15 +218,15 @@ async def admit(
                 f"{len(ids)} blocks cannot hold {n + reserve_tokens} tokens of "
                 f"{cache.block_tokens}; pass at least {need}"
             )
-    bound = engine.deadline_s if deadline_s is None else deadline_s
-    probe = await engine.lookup(arr, extras=extras, deadline_s=bound)
+    budget = engine.split_deadline(deadline_s)
+    probe = await engine.lookup(arr, extras=extras, deadline_s=budget.lookup_s)
     if block_ids is None:
         ids = allocator.allocate(need)
     try:
         if not probe.hit:
             return Admission(tuple(ids), n, 0, "none", probe)
         result = await engine.restore(
-            arr, cache, ids, deadline_s=deadline_s, probe=probe, extras=extras
+            arr, cache, ids, deadline_s=budget.restore_s(), probe=probe, extras=extras
         )
     except BaseException:
         if block_ids is None:  # taken here: given back on failure and cancellation

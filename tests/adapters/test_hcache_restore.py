@@ -11,6 +11,7 @@ raises, must both end with nothing reported reusable.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -248,22 +249,30 @@ async def test_a_restore_asks_the_tiers_once(kv_heads: int, tmp_path: Path) -> N
 
 @pytest.mark.anyio
 async def test_a_hung_tier_below_the_host_is_cut_off_by_the_deadline(tmp_path: Path) -> None:
-    """HCache's own lookup (the prefix for recompute and projection) is bounded by the
-    restore's deadline: the hung tier is cut off and the host's copy restored. Before, that
-    lookup waited on the hung tier for ever, whatever the deadline."""
+    """HCache's own lookup (the prefix for recompute and projection) and the engine's restore
+    share the restore's deadline: the lookup cuts the hung tier off at the engine's
+    ``probe_share`` of it, the host's copy is restored in what is left, and the whole ends
+    within the one deadline. Before, that lookup waited on the hung tier for ever, whatever
+    the deadline; then (0.4) it took the whole deadline and the engine's restore another."""
     model = build("llama", layers=4, kv_heads=4)
     served = Served(model, ["recompute", "hidden", "kv", "kv"])
     host, slow = bsr.HostTier(1 << 26), HangingContains(bsr.FileTier(tmp_path, 1 << 26))
     hc, toks = served.hc, served.toks[0]
-    engine = make_engine(hc.layout, [host, slow], namespace=hc.namespace("hcache-restore"))
+    engine = make_engine(
+        hc.layout, [host, slow], namespace=hc.namespace("hcache-restore"), probe_share=0.25
+    )
     async with engine:
         await hc.save(engine, toks[:PREFIX], served.kv, served.store, served.src_ids)
         slow.hang = True
         dst = bsr.PagedKVCache(hc.kv_layout, NUM_BLOCKS, BLOCK)
-        with anyio.fail_after(60):  # a hang guard: the bound under test is 2 s
-            res = await hc.restore(engine, toks[:PROMPT], dst, served.dst_ids, deadline_s=2.0)
+        t0 = time.perf_counter()
+        with anyio.fail_after(60):  # a hang guard: the bound under test is 4 s
+            res = await hc.restore(engine, toks[:PROMPT], dst, served.dst_ids, deadline_s=4.0)
+        elapsed = time.perf_counter() - t0
         assert res.committed_tokens == PREFIX
         assert engine.health.state(slow.name).consecutive_failures >= 1
+        # the lookup waited its quarter (1 s) for the hung tier; the whole, within the 4 s
+        assert 0.9 <= elapsed < 4.0, elapsed
     n = torch.arange(PREFIX)  # every layer as served: recomputed, projected and read
     a = served.kv.typed("kv")[:, served.src_ids[n // BLOCK], n % BLOCK]
     b = dst.typed("kv")[:, served.dst_ids[n // BLOCK], n % BLOCK]

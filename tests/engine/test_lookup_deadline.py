@@ -7,6 +7,7 @@ tier's breaker, so every later lookup waited on the same tier again.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -199,3 +200,52 @@ async def test_local_lookup_runs_no_collective(tmp_path: Path) -> None:
             await eng.lookup(toks, local=True, lease_ttl_s=5)
         with pytest.raises(bsr.ConfigError, match="deadline_s"):
             await eng.lookup(toks, deadline_s=-1)
+
+
+@pytest.mark.anyio
+async def test_split_deadline_keeps_a_servers_lookup_and_restore_within_one_deadline(
+    tmp_path: Path,
+) -> None:
+    """``engine.split_deadline(d)``: the lookup gets ``probe_share`` of ``d``, the restore what
+    is left; a server admitting with it while a tier below the host hangs commits the host's
+    hit within ``d``. Its checks: ``None`` takes the engine's deadline (none: unbounded), a
+    bad value is a ConfigError naming ``deadline_s``, and a split whose time is spent gives
+    the restore a deadline that has passed (it ends ``deadline``, nothing read)."""
+    toks = tokens_for(CHUNKS * 16)
+    src = filled_cache(LAYOUT, 8, 16)
+
+    host = bsr.HostTier(1 << 24)
+    slow = HangingContains(bsr.FileTier(tmp_path, 1 << 26))
+    async with engine([host, slow], probe_share=0.25) as eng:
+        await eng.save(toks, src, list(range(CHUNKS)))
+        slow.hang = True
+        split = eng.split_deadline(2.0)
+        assert isinstance(split, bsr.DeadlineSplit)
+        assert split.total_s == 2.0 and split.lookup_s == 0.5
+        with anyio.fail_after(30):
+            probe = await eng.lookup(toks, deadline_s=split.lookup_s)
+            left = split.restore_s()
+            assert left is not None and 1.0 < left <= 1.5  # the lookup spent its 0.5 s
+            dst = bsr.PagedKVCache(LAYOUT, 8, 16)
+            r = await eng.restore(toks, dst, list(range(CHUNKS)), probe=probe, deadline_s=left)
+        assert r.committed and r.committed_tokens == CHUNKS * 16
+        assert time.perf_counter() - split.started < 2.0
+        assert torch.equal(dst.tensor("kv")[:, :CHUNKS], src.tensor("kv")[:, :CHUNKS])
+
+        spent = bsr.DeadlineSplit(1.0, 0.5, time.perf_counter() - 5)
+        assert spent.restore_s() == pytest.approx(1e-6)  # passed: a restore ends at once
+        r = await eng.restore(
+            toks, bsr.PagedKVCache(LAYOUT, 8, 16), list(range(CHUNKS)),
+            deadline_s=spent.restore_s(),
+        )  # fmt: skip
+        assert r.reason is bsr.Reason.DEADLINE and r.bytes_by_tier == {}
+
+        unbounded = eng.split_deadline()  # the engine has no deadline
+        assert unbounded.total_s is None and unbounded.lookup_s is None
+        assert unbounded.restore_s() is None
+        for bad in (0, -1.0, float("inf"), "2"):
+            with pytest.raises(bsr.ConfigError, match="deadline_s"):
+                eng.split_deadline(bad)  # type: ignore[arg-type]
+    async with engine([bsr.HostTier(1 << 20)], deadline_s=3.0, probe_share=0.5) as eng:
+        split = eng.split_deadline()  # None: the engine's
+        assert split.total_s == 3.0 and split.lookup_s == 1.5

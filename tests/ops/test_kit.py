@@ -6,6 +6,7 @@ import random
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import anyio
@@ -110,8 +111,10 @@ async def test_admit_bounds_its_lookup_by_its_deadline(
     tmp_path: Path, engine_default: bool
 ) -> None:
     """A tier whose lookups hang below the host tier: ``admit`` (its ``deadline_s``, or the
-    engine's) cuts it off and restores the host's copy. Before, the lookup waited on the hung
-    tier for ever whatever the deadline (it bounded the restore only)."""
+    engine's) cuts it off at the engine's ``probe_share`` (half) of the deadline and restores
+    the host's copy in what is left: the admission ends within the one deadline. Before, the
+    lookup waited on the hung tier for ever whatever the deadline (it bounded the restore
+    only); then (0.4) it took the whole deadline and the restore another."""
     layout = two_group_layout()
     n = 3 * layout.chunk_tokens
     src = filled_cache(layout, 64, 8)
@@ -125,8 +128,11 @@ async def test_admit_bounds_its_lookup_by_its_deadline(
         slow.hang = True
         cache = bsr.PagedKVCache(layout, 64, 8)
         alloc = BlockAllocator(64, reserved=src_ids)
+        t0 = time.perf_counter()
         with anyio.fail_after(60):  # a hang guard: the bound under test is 2 s
             adm = await admit(eng, tokens_for(n), cache, alloc, **on_admit)
+        elapsed = time.perf_counter() - t0
+        assert 0.9 <= elapsed < 2.0, elapsed  # the lookup's half, then the restore, within 2 s
         assert adm.source == "restored" and adm.cached_tokens == n - 1
         assert adm.probe is not None and adm.probe.unanswered == (slow.name,)
         assert blocks_equal(layout, src, _t(src_ids), cache, _t(adm.block_ids), 3)

@@ -52,6 +52,7 @@ from ..transfer._cache import PagedKVCache
 from ..transfer._pipeline import WindowPipeline
 from ..transfer._run import OnInstalled
 from ..transfer._staging import StagingPool, StagingStatistics
+from ._budget import DeadlineSplit
 from ._config import EngineConfig
 from ._coordinator import Coordinator
 from ._cost import CostModel
@@ -402,6 +403,21 @@ class RestoreEngine(AsyncResource):
         ]
 
     # ------------------------------------------------------------------ lookup
+    def split_deadline(self, deadline_s: float | None = None) -> DeadlineSplit:
+        """One deadline, from now, for a lookup and the restore after it (a server's
+        admission): ``lookup(tokens, deadline_s=split.lookup_s)``, then ``restore(...,
+        probe=probe, deadline_s=split.restore_s())``. The lookup waits for the tiers at most
+        ``probe_share`` of it (as a restore's own probe does), the restore gets what is left,
+        so the two end within ``deadline_s`` (None: the engine's ``deadline_s``; neither is
+        bounded when that is None too). ``bsr.kit.admit`` and ``HCache.restore`` use it.
+
+        Raises:
+            ConfigError: ``deadline_s`` is not None or a number of seconds > 0.
+        """
+        given = optional_positive_seconds(deadline_s, "deadline_s", key="deadline_s")
+        total = self.deadline_s if given is None else given
+        return DeadlineSplit(total, self.options.probe_share, time.perf_counter())
+
     async def lookup(
         self,
         tokens: TokensLike,

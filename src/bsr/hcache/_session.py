@@ -408,10 +408,12 @@ class HCache:
         hook raise for every later chunk (the engine stops committing) and the whole restore
         is reported invalidated.
 
-        Keyword arguments go to ``engine.restore`` (``extras`` to its lookup too, and
-        ``deadline_s``, else the engine's, bounds that lookup: a tier still answering then is
-        cut off); a caller's own ``on_installed`` is called after this one's, and a caller's
-        ``probe`` is used instead of a fresh lookup.
+        Keyword arguments go to ``engine.restore`` (``extras`` to its lookup too); its
+        ``deadline_s``, else the engine's, bounds the lookup and the restore together, from
+        the call: the lookup waits for the tiers at most the engine's ``probe_share`` of it (a
+        tier still answering then is cut off), the engine's restore gets what is left. A
+        caller's own ``on_installed`` is called after this one's, and a caller's ``probe`` is
+        used instead of a fresh lookup.
 
         Raises:
             ConfigError: the engine's namespace is not this model's (:meth:`namespace`).
@@ -463,20 +465,21 @@ class _RestoreJob:
         self.send, self.recv = anyio.create_memory_object_stream[int](math.inf)
 
     async def run(self) -> HCacheRestore:
+        # one deadline (the restore's, else the engine's) for the lookup and the restore: a
+        # tier still answering at the lookup's share of it is cut off, the others' hit is
+        # restored in what is left
+        budget = self.engine.split_deadline(self.kw.get("deadline_s"))
         if self.probe is None and (self.r_layers or self.hidden_names):
-            # bounded like the restore (its deadline, else the engine's): a tier still
-            # answering then is cut off, the others' hit is restored
-            deadline = self.kw.get("deadline_s")
             self.probe = await self.engine.lookup(
-                self.tokens, extras=self.kw.get("extras"),
-                deadline_s=self.engine.deadline_s if deadline is None else deadline,
-            )  # fmt: skip
+                self.tokens, extras=self.kw.get("extras"), deadline_s=budget.lookup_s
+            )
         self.prefix = int(self.probe.prefix_tokens) if self.probe is not None else 0
         if self._make_view():  # the landing's tokens: this restore's probe, cut to them
             assert self.probe is not None
             self.probe = await self.engine.narrow(
                 self.probe, self.engine_tokens, extras=self.kw.get("extras")
             )
+        self.kw["deadline_s"] = budget.restore_s()
         result = await self._engine_phase()
         n = result.committed_tokens
         reason = await self._finish_phase(result, n)
