@@ -11,8 +11,6 @@ FileTiers, a real cut (``HangingContains``), no timing in the assertions but the
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import anyio
 import pytest
 import torch
