@@ -534,3 +534,41 @@ async def test_cluster_node_killed_mid_restore_never_exposes_a_partial_prefix(
         assert r.reason is bsr.Reason.READ_FAILED and r.committed_tokens == 0, detail
         assert any("ConnectionError" in e or "timed out" in e for e in r.errors), detail
         assert eng.staging.statistics().in_use == 0
+
+
+@pytest.mark.anyio
+async def test_a_paused_redis_below_the_host_leaves_a_restore_the_hosts_hit(
+    fresh_redis: RedisServer,
+) -> None:
+    """A real paused server (SIGSTOP) below a HostTier that holds the prefix: a restore given a
+    deadline waits for the server's lookup the engine's ``probe_share`` of it (the tier's own
+    timeout is longer), then commits the host's copy, every byte, within the deadline; the
+    server's tier is named as not heard from. Resumed, the next restore hears from it again."""
+    layout = two_group_layout()
+    n = 4 * layout.chunk_tokens
+    toks = np.arange(1, n + 1, dtype=np.int64)
+    src = filled_cache(layout, 32, 8, seed=4)
+    ids = torch.arange(n // 8)
+    host = bsr.HostTier(1 << 24)
+    tier = make_tier(fresh_redis.url, timeout_s=60.0)  # the cut, not the tier, ends the wait
+    deadline = 4.0
+    async with make_engine(layout, [host, tier], model_id="paused", probe_share=0.25) as eng:
+        assert (await eng.save(toks, src, ids)).ok
+        fresh_redis.pause()
+        try:
+            dst = bsr.PagedKVCache(layout, 32, 8)
+            t0 = time.monotonic()
+            with anyio.fail_after(30):  # a hang guard: the bound under test is the deadline
+                r = await eng.restore(toks, dst, ids, deadline_s=deadline)
+            elapsed = time.monotonic() - t0
+        finally:
+            fresh_redis.resume()
+        assert r.committed and r.committed_tokens == n, r
+        assert r.bytes_by_tier.keys() == {host.name} and r.unanswered == (tier.name,)
+        assert blocks_equal(layout, src, ids, dst, ids, 4)
+        assert 0.9 <= elapsed < deadline, elapsed  # its quarter (1 s) for the server, no more
+        with anyio.fail_after(BOUND_S + 30):  # the cut call returns once the server runs
+            while tier._calls.stuck:  # noqa: ASYNC110 - the abandoned calls return now
+                await anyio.sleep(0.02)
+        r = await eng.restore(toks, bsr.PagedKVCache(layout, 32, 8), ids, deadline_s=deadline)
+        assert r.committed and r.unanswered == (), r
