@@ -73,3 +73,31 @@ def test_huge_pages_is_a_checked_option() -> None:
     ):
         with pytest.raises(bsr.ConfigError, match="huge_pages"):
             build()
+
+
+@pytest.mark.anyio
+async def test_a_large_cpu_cache_lies_on_huge_pages_and_restores_the_saved_bytes() -> None:
+    """A ``PagedKVCache`` the cache makes on the CPU, 4 MiB and up per group, is anonymous memory
+    with the huge-page advice (installs into it walk the page tables per 2 MiB), zeroed like
+    torch's; a smaller one is torch's own. A restore into the large one gives back the saved
+    bytes, and its tensors behave as torch's (a clone, shared memory)."""
+    big = bsr.PagedKVCache(LAYOUT, 1024, 8)  # the kv group: 2 x 1024 x 8 x 256 B = 4 MiB
+    small = bsr.PagedKVCache(LAYOUT, 64, 8)
+    kv = big.tensor("kv")
+    assert kv.numel() >= 4 << 20 and not kv.any()
+    assert "hg" in _vm_flags(kv.data_ptr())
+    assert "hg" not in _vm_flags(big.tensor("swa").data_ptr())  # 2 MiB: torch's allocator
+    assert "hg" not in _vm_flags(small.tensor("kv").data_ptr())
+
+    n = 8 * LAYOUT.chunk_tokens
+    toks = tokens_for(n)
+    src = filled_cache(LAYOUT, 1024, 8, seed=3)
+    ids = torch.arange(n // 8) * 7 % 1024  # scattered blocks
+    async with make_engine(LAYOUT, [bsr.HostTier(64 << 20)], model_id="huge-cache") as eng:
+        assert (await eng.save(toks, src, ids)).ok
+        r = await eng.restore(toks, big, ids)
+        assert r.committed and r.committed_tokens == n
+        assert blocks_equal(LAYOUT, src, ids, big, ids, 8)
+    copy = kv.clone()
+    kv.share_memory_()
+    assert kv.is_shared() and torch.equal(kv, copy)

@@ -24,32 +24,13 @@ more least-recently-used objects until one does (:meth:`~bsr.HostTier.write`).
 from __future__ import annotations
 
 import bisect
-import mmap
-import sys
 import threading
 from typing import Any
 
 import numpy as np
 
+from .._memory import anonymous_buffer
 from ..core._layout import ALIGNMENT, align_up
-
-#: Linux's MAP_NORESERVE (Python's mmap module does not name it): an arena larger than the
-#: memory the kernel would promise up front is still mapped; pages are committed as written
-_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform == "linux" else 0)
-
-
-def advise_huge_pages(buf: mmap.mmap) -> bool:
-    """Ask the kernel to back ``buf`` with transparent huge pages; whether it took the advice
-    (False where the platform has no ``MADV_HUGEPAGE`` or the kernel refused it: THP
-    disabled, ``never``)."""
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is None:
-        return False
-    try:
-        buf.madvise(advice)
-    except OSError:
-        return False
-    return True
 
 
 class Block:
@@ -126,10 +107,10 @@ class HostArena:
                     t = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=True)
                     self._keep, self._buf, self.pinned = t, t.numpy(), True
             if self._buf is None:  # anonymous pages, committed only as they are written
-                flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
-                self._keep = mmap.mmap(-1, self.capacity, flags=flags)
-                self.huge_pages = self._huge and advise_huge_pages(self._keep)
-                self._buf = np.frombuffer(self._keep, dtype=np.uint8)
+                self._buf, self.huge_pages = anonymous_buffer(
+                    self.capacity, huge_pages=self._huge, noreserve=True
+                )
+                self._keep = self._buf
             self._add_free(0, self.capacity)
         return self._buf
 

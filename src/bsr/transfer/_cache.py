@@ -20,6 +20,7 @@ copy over the stacked tensor, or one per layer over per-layer views.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -27,12 +28,28 @@ import torch
 
 from .._check import int_at_least, positive_int
 from .._errors import ConfigError, LayoutError
+from .._memory import HUGE_PAGE_MIN_BYTES, anonymous_buffer
 from ..core._layout import StateLayout
 from ._tables import BlockTables, build_tables, table_array
 
 
+def _zeros(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """A group's zeroed uint8 tensor: on the CPU, from :data:`~bsr._memory.HUGE_PAGE_MIN_BYTES`
+    up, anonymous memory given the huge-page advice (installs into it walk the page tables per
+    2 MiB); elsewhere torch's."""
+    nbytes = math.prod(shape)
+    if device.type != "cpu" or nbytes < HUGE_PAGE_MIN_BYTES:
+        return torch.zeros(shape, dtype=torch.uint8, device=device)
+    buf, _ = anonymous_buffer(nbytes)
+    return torch.from_numpy(buf).view(shape)
+
+
 class PagedKVCache:
     """Paged per-group cache tensors on ``device`` ("cpu" or "cuda[:n]").
+
+    A tensor the cache makes on the CPU (4 MiB and up) lies in anonymous memory given the
+    transparent huge-page advice (Linux): a restore's installs into it, and a model's reads,
+    walk the page tables once per 2 MiB.
 
     Args:
         layout: the state layout; ``chunk_tokens`` must be a multiple of ``block_tokens``.
@@ -84,7 +101,7 @@ class PagedKVCache:
                     )
                 self._tensors[g.name] = t
             else:
-                self._tensors[g.name] = torch.zeros(shape, dtype=torch.uint8, device=self.device)
+                self._tensors[g.name] = _zeros(shape, self.device)
         #: groups whose tensors share memory block for block (block ``b`` of one is block ``b``
         #: of the others): one request's tables must give them different blocks
         self.aliased: tuple[tuple[str, ...], ...] = ()
