@@ -10,7 +10,6 @@ in use can never exceed ``W x slot_bytes`` (invariant 3). Each request draws thr
 
 from __future__ import annotations
 
-import mmap
 import threading
 from collections import deque
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ import torch
 
 from .._check import positive_int
 from .._errors import StagingError
+from .._memory import anonymous_buffer
 
 
 @dataclass(frozen=True)
@@ -90,8 +90,10 @@ class _Waiter:
 def _allocate(nbytes: int, pin: bool, prefault: bool) -> tuple[torch.Tensor, bool, object]:
     if pin and torch.cuda.is_available():
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), True, None
-    buf = mmap.mmap(-1, max(nbytes, 1))
-    tensor = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes)
+    # anonymous pages with the huge-page advice: O_DIRECT reads pin them, and a chunk's check
+    # and install read them, a 2 MiB page at a time (bsr._memory)
+    buf, _ = anonymous_buffer(nbytes)
+    tensor = torch.from_numpy(buf)
     if prefault:
         tensor.fill_(0)  # fault every page in now, not during the first restore
     return tensor, False, buf
@@ -315,7 +317,13 @@ class WholePlanBuffer:
 
     def __init__(self, n: int, slot_bytes: int, pin: bool) -> None:
         pin = pin and torch.cuda.is_available()
-        self.buffer = torch.empty(max(n, 1) * slot_bytes, dtype=torch.uint8, pin_memory=pin)
+        nbytes = max(n, 1) * slot_bytes
+        # the same memory as the window's slots (a fair baseline): pinned, or huge pages
+        self.buffer = (
+            torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            if pin
+            else torch.from_numpy(anonymous_buffer(nbytes)[0])
+        )
         self.slot_bytes = slot_bytes
         self._next = 0
         self.peak_bytes = n * slot_bytes
