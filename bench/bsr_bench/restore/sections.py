@@ -25,6 +25,7 @@ from typing import Any
 
 from ..common.fio import (
     FIO_GRID,
+    HUGE_PAGE_TUNABLE,
     MISSING_NOTE,
     QUICK_FIO_GRID,
     FioSeries,
@@ -76,7 +77,10 @@ class FioSetup:
         elif self.binary is None:
             self.note = MISSING_NOTE
         else:
-            self.note = f"{self.version}: grid {', '.join(c.name for c in self.grid)}"
+            self.note = (
+                f"{self.version}: grid {', '.join(c.name for c in self.grid)}; I/O buffers on "
+                f"huge pages (GLIBC_TUNABLES={HUGE_PAGE_TUNABLE})"
+            )
 
     def step(
         self, mode: CacheMode, files: Sequence[str], file_bytes: int, *, source: str
