@@ -7,8 +7,9 @@ tier's breaker, so every later lookup waited on the same tier again.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import anyio
@@ -27,17 +28,27 @@ def engine(tiers: list[bsr.Tier], **kw: object) -> bsr.RestoreEngine:
     return make_engine(LAYOUT, tiers, window=2, io_depth=1, model_id="m", **kw)
 
 
+@contextlib.asynccontextmanager
+async def over_a_hung_tier(
+    tmp_path: Path, **kw: object
+) -> AsyncIterator[tuple[bsr.RestoreEngine, bsr.HostTier, HangingContains, bsr.PagedKVCache]]:
+    """An engine (``kw``: its options) over a HostTier and, below it, a FileTier whose metadata
+    queries hang: the prefix of ``tokens_for(CHUNKS * 16)`` saved in both, then the hang on.
+    Yields the engine, the two tiers and the saved cache."""
+    src = filled_cache(LAYOUT, 8, 16)
+    host = bsr.HostTier(1 << 24)
+    slow = HangingContains(bsr.FileTier(tmp_path, 1 << 26))
+    async with engine([host, slow], **kw) as eng:
+        await eng.save(tokens_for(CHUNKS * 16), src, list(range(CHUNKS)))
+        slow.hang = True
+        yield eng, host, slow, src
+
+
 @pytest.mark.anyio
 async def test_a_cut_off_lookup_counts_against_the_hung_tier_only(tmp_path: Path) -> None:
     toks = tokens_for(CHUNKS * 16)
-    src = filled_cache(LAYOUT, 8, 16)
-
-    host = bsr.HostTier(1 << 24)
-    slow = HangingContains(bsr.FileTier(tmp_path, 1 << 26))
-    eng = engine([host, slow], breaker_threshold=2, breaker_cooldown_s=600)
-    async with eng:
-        await eng.save(toks, src, list(range(CHUNKS)))
-        slow.hang = True
+    hung = over_a_hung_tier(tmp_path, breaker_threshold=2, breaker_cooldown_s=600)
+    async with hung as (eng, host, slow, _):
         for i in (1, 2):
             with anyio.fail_after(30):  # a hang fails the test instead of holding it
                 probe = await eng.lookup(toks, deadline_s=0.2)
@@ -129,15 +140,11 @@ async def test_a_hung_tier_below_the_host_leaves_the_restore_the_hosts_hit(
     host's hit in the rest (it used to spend the whole deadline probing and end ``deadline``,
     a recompute, until the breaker opened). Every byte is the saved state's."""
     toks = tokens_for(CHUNKS * 16)
-    src = filled_cache(LAYOUT, 8, 16)
-
-    host = bsr.HostTier(1 << 24)
-    slow = HangingContains(bsr.FileTier(tmp_path, 1 << 26))
-    eng = engine([host, slow], probe_share=share, breaker_threshold=2, breaker_cooldown_s=600)
     deadline = 4.0
-    async with eng:
-        await eng.save(toks, src, list(range(CHUNKS)))
-        slow.hang = True
+    hung = over_a_hung_tier(
+        tmp_path, probe_share=share, breaker_threshold=2, breaker_cooldown_s=600
+    )
+    async with hung as (eng, host, slow, src):
         for i in (1, 2):
             dst = bsr.PagedKVCache(LAYOUT, 8, 16)
             with anyio.fail_after(30):
@@ -159,13 +166,7 @@ async def test_a_probe_share_of_one_is_the_whole_deadline(tmp_path: Path) -> Non
     """``probe_share=1``: the probe may spend the whole deadline (a hung tier then ends the
     restore ``deadline``); control for the share above, and the option's checks."""
     toks = tokens_for(CHUNKS * 16)
-    src = filled_cache(LAYOUT, 8, 16)
-
-    host = bsr.HostTier(1 << 24)
-    slow = HangingContains(bsr.FileTier(tmp_path, 1 << 26))
-    async with engine([host, slow], probe_share=1) as eng:
-        await eng.save(toks, src, list(range(CHUNKS)))
-        slow.hang = True
+    async with over_a_hung_tier(tmp_path, probe_share=1) as (eng, _, _, _):
         with anyio.fail_after(30):
             r = await eng.restore(
                 toks, bsr.PagedKVCache(LAYOUT, 8, 16), list(range(CHUNKS)), deadline_s=0.3
@@ -212,13 +213,7 @@ async def test_split_deadline_keeps_a_servers_lookup_and_restore_within_one_dead
     bad value is a ConfigError naming ``deadline_s``, and a split whose time is spent gives
     the restore a deadline that has passed (it ends ``deadline``, nothing read)."""
     toks = tokens_for(CHUNKS * 16)
-    src = filled_cache(LAYOUT, 8, 16)
-
-    host = bsr.HostTier(1 << 24)
-    slow = HangingContains(bsr.FileTier(tmp_path, 1 << 26))
-    async with engine([host, slow], probe_share=0.25) as eng:
-        await eng.save(toks, src, list(range(CHUNKS)))
-        slow.hang = True
+    async with over_a_hung_tier(tmp_path, probe_share=0.25) as (eng, _, _, src):
         split = eng.split_deadline(2.0)
         assert isinstance(split, bsr.DeadlineSplit)
         assert split.total_s == 2.0 and split.lookup_s == 0.5
