@@ -22,18 +22,26 @@ import numpy as np
 from .stats import BenchError
 
 
-def _buffer(nbytes: int) -> mmap.mmap:
-    """A read buffer in memory like bsr's staging slots (anonymous pages with the huge-page
-    advice where the platform has it: an O_DIRECT read pins a 2 MiB page at a time), faulted
-    in now, not while timed."""
-    size = max(4096, -(-nbytes // 4096) * 4096)
-    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+def huge_page_mapping(nbytes: int) -> tuple[mmap.mmap, bool]:
+    """``nbytes`` (at least 1) of anonymous memory like bsr's own host buffers (its arena, a
+    CPU cache, the staging slots), with the transparent huge-page advice where the platform
+    has it; whether the kernel took it. The bench's own: it reads bsr only through its public
+    API."""
+    buf = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is not None:
-        try:
-            buf.madvise(advice)
-        except OSError:
-            pass
+    if advice is None:
+        return buf, False
+    try:
+        buf.madvise(advice)
+    except OSError:
+        return buf, False
+    return buf, True
+
+
+def _buffer(nbytes: int) -> mmap.mmap:
+    """A read buffer in memory like bsr's staging slots (:func:`huge_page_mapping`: an O_DIRECT
+    read pins a 2 MiB page at a time), faulted in now, not while timed."""
+    buf, _ = huge_page_mapping(max(4096, -(-nbytes // 4096) * 4096))
     np.frombuffer(buf, dtype=np.uint8)[:] = 0
     return buf
 

@@ -53,7 +53,6 @@ load average before and after it. Restored bytes are checked once per point (the
 from __future__ import annotations
 
 import gc
-import mmap
 import os
 import resource
 import shutil
@@ -73,7 +72,7 @@ import bsr
 
 from ..common import fio as fio_mod
 from ..common.pagecache import CacheMode, prepare
-from ..common.raw import RawReader
+from ..common.raw import RawReader, huge_page_mapping
 from ..common.stats import BenchError, Dist, load_average, ratio
 
 BLOCK_TOKENS = 16
@@ -293,18 +292,10 @@ def floor_source(saved: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], str
 
     Returns the copy, ``"huge"`` or ``"base"`` (the advice was not taken) and what keeps the
     memory."""
-    buf = mmap.mmap(-1, max(len(saved), 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    pages = "base"
-    if advice is not None:
-        try:
-            buf.madvise(advice)
-            pages = "huge"
-        except OSError:
-            pass
+    buf, huge = huge_page_mapping(len(saved))
     out = np.frombuffer(buf, dtype=np.uint8)[: len(saved)]
     np.copyto(out, saved)
-    return out, pages, buf
+    return out, "huge" if huge else "base", buf
 
 
 @dataclass(frozen=True)

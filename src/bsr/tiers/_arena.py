@@ -109,8 +109,7 @@ class HostArena:
             if self._buf is None:  # anonymous pages, committed only as they are written
                 self._buf, self.huge_pages = anonymous_buffer(
                     self.capacity, huge_pages=self._huge, noreserve=True
-                )
-                self._keep = self._buf
+                )  # the array keeps its mapping alive
             self._add_free(0, self.capacity)
         return self._buf
 

@@ -87,16 +87,16 @@ class _Waiter:
         self.slot: Slot | None = None
 
 
-def _allocate(nbytes: int, pin: bool, prefault: bool) -> tuple[torch.Tensor, bool, object]:
+def _allocate(nbytes: int, pin: bool, prefault: bool) -> tuple[torch.Tensor, bool]:
     if pin and torch.cuda.is_available():
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), True, None
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), True
     # anonymous pages with the huge-page advice: O_DIRECT reads pin them, and a chunk's check
-    # and install read them, a 2 MiB page at a time (bsr._memory)
-    buf, _ = anonymous_buffer(nbytes)
-    tensor = torch.from_numpy(buf)
+    # and install read them, a 2 MiB page at a time (bsr._memory); the tensor keeps the
+    # mapping alive through its array
+    tensor = torch.from_numpy(anonymous_buffer(nbytes)[0])
     if prefault:
         tensor.fill_(0)  # fault every page in now, not during the first restore
-    return tensor, False, buf
+    return tensor, False
 
 
 class StagingPool:
@@ -116,7 +116,7 @@ class StagingPool:
         positive_int(slots, "window W")
         positive_int(slot_bytes, "slot_bytes")
         self.slot_bytes = slot_bytes
-        self._buffer, self.pinned, self._mmap = _allocate(slots * slot_bytes, pin, prefault)
+        self._buffer, self.pinned = _allocate(slots * slot_bytes, pin, prefault)
         self._slots = [
             Slot(i, self._buffer[i * slot_bytes : (i + 1) * slot_bytes]) for i in range(slots)
         ]
