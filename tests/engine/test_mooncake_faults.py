@@ -44,6 +44,7 @@ try:
     from mooncake_server import (
         MooncakeCluster,
         fresh_mooncake_cluster,
+        frozen_master_cluster,
         mooncake_cluster,
         require_mooncake,
         start_cluster,
@@ -52,12 +53,14 @@ except ImportError:  # tests/ imported as a package
     from tests.mooncake_server import (  # type: ignore[no-redef]
         MooncakeCluster,
         fresh_mooncake_cluster,
+        frozen_master_cluster,
         mooncake_cluster,
         require_mooncake,
         start_cluster,
     )
 
-__all__ = ["fresh_mooncake_cluster", "mooncake_cluster"]  # fixtures used by name
+# fixtures used by name
+__all__ = ["fresh_mooncake_cluster", "frozen_master_cluster", "mooncake_cluster"]
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.timeout(300)]
 
@@ -348,13 +351,13 @@ async def test_memory_killed_before_restore_probe_still_says_yes(
 @pytest.mark.parametrize("with_ssd", [True, False], ids=["ssd", "no_ssd"])
 @pytest.mark.anyio
 async def test_hung_master_mid_restore_ends_by_its_deadline(
-    fresh_mooncake_cluster: MooncakeCluster, tmp_path: Path, with_ssd: bool
+    frozen_master_cluster: MooncakeCluster, tmp_path: Path, with_ssd: bool
 ) -> None:
     """SIGSTOP the master after 2 remote reads: later remote calls hang for the tier's whole
     timeout (5 s), longer than the restore's 1.5 s deadline, so even with the SSD below the
     restore cannot finish: it must end Invalidated (deadline) with 0 tokens by its deadline,
     not hang. Once the master runs again, the next restore commits in full."""
-    c = fresh_mooncake_cluster
+    c = frozen_master_cluster
     case = make_case(6, seed=7)
     deadline_s = 1.5
 
@@ -604,7 +607,7 @@ def test_one_rank_remote_fault(
 # ---------------------------------------------------------------------- deadline vs quarantine
 @pytest.mark.anyio
 async def test_deadline_holds_when_quarantine_hits_a_hung_master(
-    fresh_mooncake_cluster: MooncakeCluster,
+    frozen_master_cluster: MooncakeCluster,
 ) -> None:
     """Deadline 0.5 s, tier timeout 3 s: chunk 0 reads fine, then the master hangs and chunk 1's
     remote read fails (TierIOError, as a killed master's RPC_FAIL does). The restore must still
@@ -612,7 +615,7 @@ async def test_deadline_holds_when_quarantine_hits_a_hung_master(
     to delete the object, shielded from the deadline, and returned ~3 s late. Now an I/O error
     only retires the object in the engine, and any tier-side quarantine is bounded by the
     request's deadline.)"""
-    c = fresh_mooncake_cluster
+    c = frozen_master_cluster
     case = make_case(4, seed=6)
     deadline_s = 0.5
 

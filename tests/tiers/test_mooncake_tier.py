@@ -51,6 +51,7 @@ try:
     from mooncake_server import (
         MooncakeCluster,
         fresh_mooncake_cluster,
+        frozen_master_cluster,
         mooncake_cluster,
         require_mooncake,
     )
@@ -58,11 +59,13 @@ except ImportError:  # tests/ imported as a package
     from tests.mooncake_server import (  # type: ignore[no-redef]
         MooncakeCluster,
         fresh_mooncake_cluster,
+        frozen_master_cluster,
         mooncake_cluster,
         require_mooncake,
     )
 
-__all__ = ["fresh_mooncake_cluster", "mooncake_cluster"]  # fixtures used by name
+# fixtures used by name
+__all__ = ["fresh_mooncake_cluster", "frozen_master_cluster", "mooncake_cluster"]
 
 pytestmark = pytest.mark.timeout(300)
 #: tests that start a real cluster (the fake-store tests at the end run everywhere)
@@ -434,8 +437,8 @@ async def test_dead_master_gives_timeout_not_hang(fresh_mooncake_cluster: Moonca
 
 @needs_mooncake
 @pytest.mark.anyio
-async def test_hung_master_times_out_and_recovers(fresh_mooncake_cluster: MooncakeCluster) -> None:
-    c = fresh_mooncake_cluster
+async def test_hung_master_times_out_and_recovers(frozen_master_cluster: MooncakeCluster) -> None:
+    c = frozen_master_cluster
     k = make_keys(1)[0]
 
     prefix = MooncakeTier.unique_prefix()
