@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import bsr
+from bsr.transfer import _pipeline as pipeline
 from support.engines import make_engine
 from support.helpers import blocks_equal, filled_cache, tokens_for
 
@@ -110,6 +111,36 @@ async def test_a_file_tier_below_the_host_leaves_the_memory_lane_as_it_is(
     tier = PartneredHost(partners=partners, wait_s=wait_s)
     below = bsr.FileTier(tmp_path / "store", 1 << 28)
     assert await _restore_peak(tier, 16, below, memory_workers=workers) == workers
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("announce", [False, True])
+@pytest.mark.anyio
+async def test_a_host_restore_nobody_watches_is_one_batch_per_worker(
+    monkeypatch: pytest.MonkeyPatch, announce: bool, workers: int
+) -> None:
+    """Every worker-thread hop costs CPU on both sides, so a host restore whose chunks nobody
+    awaits one by one is one batch per memory worker, whatever its size; with
+    ``on_installed`` its chunks are announced batch by batch, so batches keep to
+    ``MEMORY_BATCH_BYTES`` (two chunks here). The bytes are the saved ones either way."""
+    monkeypatch.setattr(pipeline, "MEMORY_BATCH_BYTES", 2 * LAYOUT.chunk_bytes)
+    chunks = 8
+    tier = PartneredHost(partners=workers, wait_s=60.0)
+    toks = tokens_for(chunks * CT)
+    ids = torch.arange(chunks * CT // BLOCK)
+    src = filled_cache(LAYOUT, len(ids), BLOCK)
+    announced: list[int] = []
+    hook = (lambda c, groups: announced.append(c)) if announce else None
+    async with make_engine(LAYOUT, [tier], window=8, io_depth=4, memory_workers=workers) as eng:
+        assert (await eng.save(toks, src, ids)).ok
+        dst = bsr.PagedKVCache(LAYOUT, len(ids), BLOCK)
+        r = await eng.restore(toks, dst, ids, on_installed=hook)
+        assert r.committed and r.committed_tokens == chunks * CT
+        assert blocks_equal(LAYOUT, src, ids, dst, ids, chunks)
+    if announce:
+        assert tier.calls == chunks // 2 and sorted(announced) == list(range(chunks))
+    else:
+        assert tier.calls == workers and not announced
 
 
 @pytest.mark.anyio

@@ -67,10 +67,13 @@ BATCH_BYTES = 8 << 20
 #: copying it costs less than the worker-thread hop it would take
 INLINE_BYTES = 256 << 10
 #: a batch of a memory-speed first holder, or of one that moves batches: one per transfer turn,
-#: up to this size (each worker-thread hop costs both sides a wake-up, a GIL hand-over and a
-#: context switch each way: 0.09-0.27 ms of CPU on the bench's 2-vCPU VM, the cost of copying
-#: 1-3 MiB; a 128 MiB restore of 512 KiB chunks: 4.0 ms of CPU besides the bytes in 16 MiB
-#: batches, 2.4 ms in 64 MiB ones)
+#: up to this size when its chunks are announced as they land (``on_installed``), else one per
+#: turn whatever its size. Each worker-thread hop costs both sides a wake-up, a GIL hand-over
+#: and a context switch each way: 0.09-0.27 ms of CPU on the bench's 2-vCPU VM, the cost of
+#: copying 1-3 MiB (a 128 MiB restore of 512 KiB chunks: 4.0 ms of CPU besides the bytes in
+#: 16 MiB batches, 2.4 ms in 64 MiB ones), and up to 0.4 ms after a batch's traffic emptied the
+#: caches (a 256 MiB host restore of 32 MiB chunks: 4.2-4.4 ms of CPU per chunk in four
+#: batches, 4.0-4.2 in one)
 MEMORY_BATCH_BYTES = 64 << 20
 
 
@@ -263,7 +266,7 @@ class WindowPipeline:
             return max(1, INLINE_BYTES // chunk_bytes)
         if job.lane.bulk:
             per_turn = math.ceil(n / turns)
-            if not announcing and not job.lane.inline:
+            if not announcing:
                 return max(1, per_turn)  # nobody waits for chunks announced per batch
             return max(1, min(per_turn, MEMORY_BATCH_BYTES // chunk_bytes))
         # two batches per worker, so chunks move roughly in chunk order across workers
