@@ -71,7 +71,7 @@ INLINE_BYTES = 256 << 10
 #: turn whatever its size. Each worker-thread hop costs both sides a wake-up, a GIL hand-over
 #: and a context switch each way: 0.09-0.27 ms of CPU on the bench's 2-vCPU VM, the cost of
 #: copying 1-3 MiB (a 128 MiB restore of 512 KiB chunks: 4.0 ms of CPU besides the bytes in
-#: 16 MiB batches, 2.4 ms in 64 MiB ones), and more after a batch's traffic emptied the caches
+#: 16 MiB batches, 2.4 ms in 64 MiB ones), and about 0.6 ms after a batch emptied the caches
 #: (a 256 MiB host restore of 32 MiB chunks, three alternated runs of 60: outside the worker
 #: calls 0.48-0.52 ms of CPU per chunk in four batches, 0.26-0.28 in one)
 MEMORY_BATCH_BYTES = 64 << 20
