@@ -244,3 +244,26 @@ async def test_split_deadline_keeps_a_servers_lookup_and_restore_within_one_dead
     async with engine([bsr.HostTier(1 << 20)], deadline_s=3.0, probe_share=0.5) as eng:
         split = eng.split_deadline()  # None: the engine's
         assert split.total_s == 3.0 and split.lookup_s == 1.5
+
+
+@pytest.mark.anyio
+async def test_a_cancelled_lookup_gives_back_a_half_open_tiers_trial(tmp_path: Path) -> None:
+    """The tiers are asked at once. A lookup its caller cancels while a half-open tier's one
+    trial call is out must give the trial back, or no call would ever be let through to that
+    tier again (its breaker waits for the trial's outcome)."""
+    toks = tokens_for(CHUNKS * 16)
+    hung = over_a_hung_tier(tmp_path, breaker_threshold=1, breaker_cooldown_s=0.05)
+    async with hung as (eng, _, slow, _):
+        with anyio.fail_after(30):
+            await eng.lookup(toks, deadline_s=0.2)  # cut off: threshold 1, so tripped
+        assert eng.health.state(slow.name).open
+        await anyio.sleep(0.1)  # past the cooldown: half-open, one trial call
+        calls = slow.calls
+        with anyio.move_on_after(0.2) as scope:  # the caller gives up (no deadline of its own)
+            await eng.lookup(toks)
+        assert scope.cancelled_caught and slow.calls == calls + 1  # the trial was out
+        slow.hang = False
+        with anyio.fail_after(30):
+            probe = await eng.lookup(toks, deadline_s=5)
+        assert slow.calls == calls + 2 and probe.unanswered == ()  # asked again, and answered
+        assert not eng.health.state(slow.name).open

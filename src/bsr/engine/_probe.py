@@ -4,7 +4,9 @@ Where it runs: the engine's event loop; tier calls are metadata only (``contains
 
 How it works: the tokens are converted and keyed once (in a worker thread when the prompt is long,
 so the event loop is never held for long). Every tier whose breaker admits it is asked which
-(chunk, group) objects it holds; quarantined objects count as absent. The plan that comes out is
+(chunk, group) objects it holds, all of them at once (a tier that hangs holds up no other; one
+still answering when the probe's time is up holds nothing); quarantined objects count as
+absent. The plan that comes out is
 ``holders[chunk][group] -> tier names, fastest first``, the one shape that both the public
 :class:`~bsr.Probe` and the transfer pipeline read. This rank's longest usable prefix is then
 handed to the coordinator's agreement (:func:`~bsr.engine._coordinator.agree_prefix`: the MIN
@@ -155,49 +157,76 @@ class Prober:
     ) -> Holders:
         """Which tiers hold each (chunk, group) of ``keys``, by tier name, fastest first.
 
-        A tier still answering at ``deadline_at`` (``time.perf_counter()`` time) is cut off: it
-        holds nothing for this probe and the cut-off counts against its breaker, like any other
-        timeout; a tier not yet asked then is skipped without counting. The names of the tiers
-        that did not answer (cut off, failed, not asked, breaker open) go to ``unanswered``.
+        The tiers are asked at once (a tier whose breaker is open is not asked), so a tier
+        that hangs holds up no other; memory-speed ones (``inline_reads``) answer first, one
+        after another, and a single other tier is awaited alone (a task group per probe costs
+        more CPU than a host tier's answer). A tier still answering at ``deadline_at``
+        (``time.perf_counter()`` time) is cut off: it holds nothing for this probe and the
+        cut-off counts against its breaker, like any other timeout. The names of the tiers
+        that did not answer (cut off, failed, breaker open) go to ``unanswered``, in tier order.
         """
         groups = [g.name for g in self.layout.groups]
         objs = [ObjectKey(k, g) for k in keys for g in groups]
-        answers: list[tuple[str, list[bool]]] = []  # tier name, present per object
-        silent = [] if unanswered is None else unanswered
-        for tier in self.tiers:
-            if not self.health.admit(tier.name):
-                silent.append(tier.name)  # breaker open: the tier holds nothing for this probe
-                continue
-            budget = deadline_at - time.perf_counter()
-            if budget <= 0:
-                self.health.release(tier.name)  # never asked: says nothing about the tier
-                silent.append(tier.name)
-                continue
-            try:
-                with anyio.move_on_after(budget) as scope:
-                    present = await tier.contains_many(objs)
-            except Exception as exc:  # a tier that cannot answer holds nothing for this probe
-                self.health.failure(tier.name)
-                self.log.warning("bsr.probe.tier_failed", tier=tier.name, error=str(exc))
-                silent.append(tier.name)
-                continue
-            except BaseException:
-                self.health.release(tier.name)
-                raise
-            if scope.cancelled_caught:
-                self.health.failure(tier.name)
-                self.log.warning("bsr.probe.tier_timeout", tier=tier.name, s=round(budget, 6))
-                silent.append(tier.name)
-                continue
-            self.health.success(tier.name)
-            present = list(present)
-            name, quarantine = tier.name, self.quarantine
-            if len(quarantine):  # nearly always empty: skip the object ids then
-                for i, o in enumerate(objs):
-                    if present[i] and (name, o.object_id) in quarantine:
-                        present[i] = False
-            answers.append((name, present))
+        asked = [t for t in self.tiers if self.health.admit(t.name)]
+        got: dict[str, list[bool]] = {}  # tier name -> present per object, once it answered
+        settled: set[str] = set()  # the tiers whose breaker was told how the call went
+        rest = [t for t in asked if not t.inline_reads]
+        try:
+            for tier in asked:
+                if tier.inline_reads:
+                    await self._ask(tier, objs, deadline_at, got, settled)
+            if len(rest) == 1:
+                await self._ask(rest[0], objs, deadline_at, got, settled)
+            elif rest:
+                async with anyio.create_task_group() as tg:
+                    for tier in rest:
+                        tg.start_soon(self._ask, tier, objs, deadline_at, got, settled)
+        finally:
+            for tier in asked:  # admitted, but the probe ended before the call did
+                if tier.name not in settled:
+                    self.health.release(tier.name)
+        if unanswered is not None:
+            unanswered.extend(t.name for t in self.tiers if t.name not in got)
+        answers = [(t.name, got[t.name]) for t in self.tiers if t.name in got]
         return _holders(groups, len(keys), answers)
+
+    async def _ask(
+        self,
+        tier: Tier,
+        objs: list[ObjectKey],
+        deadline_at: float,
+        got: dict[str, list[bool]],
+        settled: set[str],
+    ) -> None:
+        """One admitted tier's answer into ``got`` (none when it failed or was cut off); its
+        breaker told once (``settled``), unless the probe itself ends first."""
+        name = tier.name
+        budget = deadline_at - time.perf_counter()
+        if budget <= 0:  # never asked: says nothing about the tier
+            settled.add(name)
+            self.health.release(name)
+            return
+        try:
+            with anyio.move_on_after(budget) as scope:
+                present = await tier.contains_many(objs)
+        except Exception as exc:  # a tier that cannot answer holds nothing for this probe
+            settled.add(name)
+            self.health.failure(name)
+            self.log.warning("bsr.probe.tier_failed", tier=name, error=str(exc))
+            return
+        settled.add(name)
+        if scope.cancelled_caught:
+            self.health.failure(name)
+            self.log.warning("bsr.probe.tier_timeout", tier=name, s=round(budget, 6))
+            return
+        self.health.success(name)
+        answer = list(present)
+        quarantine = self.quarantine
+        if len(quarantine):  # nearly always empty: skip the object ids then
+            for i, o in enumerate(objs):
+                if answer[i] and (name, o.object_id) in quarantine:
+                    answer[i] = False
+        got[name] = answer
 
     async def probe(
         self,
