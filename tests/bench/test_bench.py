@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
+import numpy as np
 import pytest
 
 from bsr_bench.common.document import load_schema
@@ -292,6 +293,9 @@ def test_cpu_section_sets_each_restore_beside_its_floor(
             assert f[k]["n"] == cpu["repeats"] and f[k]["min"] > 0
         # the floor's bytes lie where the host tier keeps its own: huge pages where advised
         assert f["source_pages"] in ("huge", "base")
+        # and whether the kernel met the advice, read from smaps (None only without it)
+        for share in p["huge_page_share"].values():
+            assert share is None or 0 <= share <= 1
         restore = p["restore_cpu_s"]["median"]
         assert p["cpu_per_gib_s"] == pytest.approx(restore / gib)
         assert p["floor_per_gib_s"] == pytest.approx(f["cpu_s"] / gib)
@@ -769,3 +773,39 @@ def test_the_keys_section_times_each_form_after_its_warmup(monkeypatch: pytest.M
     assert out["warmup"] == 2 and out["repeats"] == 3
     for form in ("list", "numpy", "torch"):
         assert out[f"{form}_cpu_s"]["n"] == 3
+
+
+SMAPS = """\
+7f0000000000-7f0000400000 rw-p 00000000 00:00 0
+Size:               4096 kB
+Rss:                4096 kB
+AnonHugePages:         0 kB
+VmFlags: rd wr mr mw me ac sd
+7f0000400000-7f0001400000 rw-p 00000000 00:00 0
+Size:              16384 kB
+Rss:               16384 kB
+AnonHugePages:     12288 kB
+VmFlags: rd wr mr mw me ac sd hg
+"""
+
+
+def test_huge_page_share_reads_the_mapping_that_holds_the_address(tmp_path: Path) -> None:
+    """The cpu section's record of whether the huge-page advice was met: the entry whose range
+    holds the address, AnonHugePages over Size; None outside every mapping or without smaps."""
+    from bsr_bench.common.raw import huge_page_mapping, huge_page_share
+
+    smaps = tmp_path / "smaps"
+    smaps.write_text(SMAPS)
+    assert huge_page_share(0x7F0000400000, str(smaps)) == 0.75  # the second mapping's first byte
+    assert huge_page_share(0x7F00013FFFFF, str(smaps)) == 0.75
+    assert huge_page_share(0x7F00003FFFFF, str(smaps)) == 0.0  # the first's last byte
+    assert huge_page_share(0x7F0001400000, str(smaps)) is None  # just past both
+    assert huge_page_share(0x7F0000400000, str(tmp_path / "absent")) is None
+    # this process's own: a mapping made and touched here is found
+    buf, _ = huge_page_mapping(8 << 20)
+    arr = np.frombuffer(buf, dtype=np.uint8)
+    arr[:] = 1
+    share = huge_page_share(arr.ctypes.data)
+    assert share is not None and 0 <= share <= 1
+    del arr
+    buf.close()

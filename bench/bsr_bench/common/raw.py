@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -36,6 +37,39 @@ def huge_page_mapping(nbytes: int) -> tuple[mmap.mmap, bool]:
     except OSError:
         return buf, False
     return buf, True
+
+
+def huge_page_share(address: int, smaps: str = "/proc/self/smaps") -> float | None:
+    """The share of the mapping holding ``address`` that transparent huge pages back now
+    (``AnonHugePages`` / ``Size`` of its entry in ``smaps``): whether the huge-page advice was
+    not only taken but met, which the kernel decides page by page as memory is touched (a
+    fragmented machine gives 4 KiB pages). None where there is no such file or no mapping
+    holds the address."""
+    try:
+        text = Path(smaps).read_text()
+    except OSError:
+        return None
+    size = huge = -1
+    inside = False
+    for line in text.splitlines():
+        head, _, rest = line.partition(" ")
+        if "-" in head and not head.endswith(":"):  # a mapping's first line: start-end perms ...
+            if inside:
+                break
+            lo, _, hi = head.partition("-")
+            try:
+                inside = int(lo, 16) <= address < int(hi, 16)
+            except ValueError:
+                inside = False
+        elif inside and head in ("Size:", "AnonHugePages:"):
+            kib = int(rest.split()[0])
+            if head == "Size:":
+                size = kib
+            else:
+                huge = kib
+    if not inside or size <= 0 or huge < 0:
+        return None
+    return min(1.0, huge / size)
 
 
 def _buffer(nbytes: int) -> mmap.mmap:

@@ -72,7 +72,7 @@ import bsr
 
 from ..common import fio as fio_mod
 from ..common.pagecache import CacheMode, prepare
-from ..common.raw import RawReader, huge_page_mapping
+from ..common.raw import RawReader, huge_page_mapping, huge_page_share
 from ..common.stats import BenchError, Dist, load_average, ratio
 
 BLOCK_TOKENS = 16
@@ -415,6 +415,12 @@ async def _cpu_point(
             shutil.rmtree(directory, ignore_errors=True)
     out = _point_json(tier_kind, chunk_bytes, chunks, st.nbytes, clocks, floor_read, load_before)
     out["floor"]["source_pages"] = st.src_pages
+    # whether the advice was met, read once the point's pages are touched: the kernel gives a
+    # huge page where it has one, and both sides' CPU per byte move with it
+    out["huge_page_share"] = {
+        "floor_source": huge_page_share(st.src.ctypes.data),
+        "cache": huge_page_share(st.dst.ctypes.data),
+    }
     return out
 
 
