@@ -211,7 +211,9 @@ class Tier(AsyncResource, abc.ABC):
     blocking_reads: ClassVar[bool] = False
     #: fetch_into_blocking() is a bounded memory copy that never waits on a device or a peer,
     #: so the pipeline may run a small batch (a few hundred KiB) on the event loop itself
-    #: instead of paying a worker-thread hop (implies ``blocking_reads``)
+    #: instead of paying a worker-thread hop (implies ``blocking_reads``); its
+    #: ``contains_many`` answers at memory speed too (a probe awaits such tiers first, one
+    #: after another, and asks the others at once)
     inline_reads: ClassVar[bool] = False
     #: read_many_blocking() moves a batch its own way (several reads in flight on one thread,
     #: or objects lent in place), so the pipeline hands it whole batches through several
