@@ -170,11 +170,11 @@ class Prober:
         asked = [t for t in self.tiers if self.health.admit(t.name)]
         got: dict[str, list[bool]] = {}  # tier name -> present per object, once it answered
         settled: set[str] = set()  # the tiers whose breaker was told how the call went
-        rest = [t for t in asked if not t.inline_reads]
+        inline = [t.inline_reads for t in asked]  # a wrapper's is a property: read it once
+        rest = [t for t, fast in zip(asked, inline) if not fast]
         try:
-            for tier in asked:
-                if tier.inline_reads:
-                    await self._ask(tier, objs, deadline_at, got, settled)
+            for tier in (t for t, fast in zip(asked, inline) if fast):
+                await self._ask(tier, objs, deadline_at, got, settled)
             if len(rest) == 1:
                 await self._ask(rest[0], objs, deadline_at, got, settled)
             elif rest:

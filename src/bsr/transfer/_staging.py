@@ -316,14 +316,8 @@ class WholePlanBuffer:
     """Whole-plan baseline: one private host buffer holding every chunk of the plan (RWS = |S|)."""
 
     def __init__(self, n: int, slot_bytes: int, pin: bool) -> None:
-        pin = pin and torch.cuda.is_available()
-        nbytes = max(n, 1) * slot_bytes
         # the same memory as the window's slots (a fair baseline): pinned, or huge pages
-        self.buffer = (
-            torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-            if pin
-            else torch.from_numpy(anonymous_buffer(nbytes)[0])
-        )
+        self.buffer, _ = _allocate(max(n, 1) * slot_bytes, pin, prefault=False)
         self.slot_bytes = slot_bytes
         self._next = 0
         self.peak_bytes = n * slot_bytes
