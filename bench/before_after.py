@@ -432,6 +432,9 @@ def _figures(doc: dict[str, Any]) -> dict[str, float]:
         out[f"{pre}.cpu_vs_floor"] = p["cpu_vs_floor"]
         out[f"{pre}.machinery_per_chunk_s"] = p["machinery_per_chunk_s"]
         out[f"{pre}.wall_vs_reference"] = p["wall_vs_reference"]["value"]
+        if p.get("minimal_loop_vs_floor") is not None:  # a host point (an older revision: none)
+            out[f"{pre}.minimal_loop_vs_floor"] = p["minimal_loop_vs_floor"]
+            out[f"{pre}.cpu_vs_minimal_loop"] = p["cpu_vs_minimal_loop"]
     for layout, fig in doc.get("file", {}).items():
         for k, v in fig.items():
             out[f"file.{layout}.{k}"] = v

@@ -296,6 +296,16 @@ def test_cpu_section_sets_each_restore_beside_its_floor(
         # and whether the kernel met the advice, read from smaps (None only without it)
         for share in p["huge_page_share"].values():
             assert share is None or 0 <= share <= 1
+        # a host point's minimal loop: timed in the same repeats, beside the floor, not in it
+        if tier == "host":
+            loop = f["minimal_loop_cpu_s"]
+            assert loop["n"] == cpu["repeats"] and loop["min"] > 0
+            assert p["minimal_loop_vs_floor"] == pytest.approx(loop["median"] / f["cpu_s"])
+            restore_s = p["restore_cpu_s"]["median"]
+            assert p["cpu_vs_minimal_loop"] == pytest.approx(restore_s / loop["median"])
+        else:
+            assert "minimal_loop_cpu_s" not in f
+            assert p["minimal_loop_vs_floor"] is None and p["cpu_vs_minimal_loop"] is None
         restore = p["restore_cpu_s"]["median"]
         assert p["cpu_per_gib_s"] == pytest.approx(restore / gib)
         assert p["floor_per_gib_s"] == pytest.approx(f["cpu_s"] / gib)
@@ -325,6 +335,41 @@ def test_cpu_section_sets_each_restore_beside_its_floor(
     keys = doc["keys"]
     assert keys["numpy_cpu_s"]["n"] == keys["repeats"]
     assert "cpu: CPU seconds per GiB restored vs the floor" in stdout
+
+
+def test_the_minimal_loop_checks_each_object_before_it_copies_it() -> None:
+    """The cpu section's minimal loop does a restore's checks, not just its copies: its
+    objects are the tier's format, it lands the saved bytes, and a flipped byte of a payload or
+    of a header stops it (a loop that skipped a check would be no reference)."""
+    import bsr
+    from bsr_bench.common.stats import BenchError
+    from bsr_bench.restore.cpu import CHUNK_TOKENS, MinimalLoop, _layout
+
+    chunk, chunks = 4096, 5
+    engine = bsr.RestoreEngine(
+        _layout(chunk), [bsr.HostTier(capacity_bytes=1 << 24)],
+        namespace=bsr.Namespace(model_id="bench-minimal-loop"),
+    )  # fmt: skip
+    tokens = np.arange(chunks * CHUNK_TOKENS, dtype=np.int64)
+    saved = np.random.default_rng(7).integers(0, 256, chunks * chunk, dtype=np.uint8)
+    dst = np.zeros_like(saved)
+    loop = MinimalLoop(engine, tokens, saved, dst, chunk, "kv")
+    loop.run()
+    assert np.array_equal(dst, saved)
+    last = list(loop.objects.values())[-1]  # the last chunk's: every chunk is checked
+    for view, at in ((last[2], 1234), (last[1], 40)):  # a payload byte, then a header byte
+        view[at] ^= 0x10
+        with pytest.raises(BenchError, match="minimal loop"):
+            loop.run()
+        view[at] ^= 0x10
+    loop.run()
+    other = bsr.RestoreEngine(
+        _layout(chunk), [bsr.HostTier(capacity_bytes=1 << 24)],
+        namespace=bsr.Namespace(model_id="bench-minimal-loop-other"),
+    )  # fmt: skip
+    loop.engine = other  # another model's keys: none of its objects is this loop's
+    with pytest.raises(BenchError, match="minimal loop"):
+        loop.run()
 
 
 def test_cpu_targets_follow_the_section() -> None:

@@ -32,6 +32,13 @@ time beside. The **floor** is measured in the same repeat, on the same number of
   its CPU per pass. Without fio the bench's own raw reader (one ``preadv`` per file, one
   thread, timed in CPU seconds) stands in, and the point says so.
 
+A host point has a second reference, beside the floor and not in it: the **minimal loop**
+(:class:`MinimalLoop`, ``minimal_loop_cpu_s``), the least a Python restore from memory does,
+written as one plain loop: the chunks' keys, a look-up per object, and per chunk its header
+checked, its payload's xxh3 compared and its copy. ``minimal_loop_vs_floor`` says what Python
+and the checks cost beyond the floor; ``cpu_vs_minimal_loop`` what bsr's own steps per chunk
+(probe records, window, ladder, installer, commit) cost beyond that.
+
 The floor's passes go chunk by chunk because a restore can do no better: its bytes arrive, and
 are verified and copied, a chunk at a time. One call over a whole restore's bytes is not the
 same work on every machine: glibc's ``memcpy`` switches to non-temporal stores above a size it
@@ -298,6 +305,57 @@ def floor_source(saved: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], str
     return out, "huge" if huge else "base", buf
 
 
+class MinimalLoop:
+    """The least a Python restore from memory must do, as one plain loop (a host point's second
+    reference, beside the floor and not in it: ``minimal_loop_cpu_s``).
+
+    Per restore: the chunks' keys (:meth:`bsr.RestoreEngine.keys`, as a restore's probe makes
+    them) and a dictionary look-up of each object; per chunk, its stored header checked
+    (:meth:`bsr.ObjectCodec.decode_header` and ``check_stored_size``), its payload's xxh3
+    compared with the header's (``verify_payload``) and the payload copied into its place in
+    the cache, right after its check. The objects are the tier's format (``ObjectCodec.encode``
+    of the saved bytes), in memory like a HostTier's arena (:func:`floor_source`). No window,
+    no request, no tier: what a restore's figure has beyond this loop's is the cost of bsr's
+    own steps per chunk (the probe's records, the window's slots and turns, the ladder, the
+    installer, the commit), what is beyond the floor here the cost of Python and the checks.
+    """
+
+    def __init__(
+        self, engine: bsr.RestoreEngine, tokens: np.ndarray[Any, Any], saved: np.ndarray[Any, Any],
+        dst: np.ndarray[Any, Any], chunk_bytes: int, group: str,
+    ) -> None:  # fmt: skip
+        self.engine, self.tokens = engine, tokens
+        keys = engine.keys(tokens)
+        header = bsr.ObjectCodec.HEADER_SIZE
+        stride = -(-(header + chunk_bytes) // 4096) * 4096
+        arena, _, self._keep = floor_source(np.zeros(stride * len(keys), np.uint8))
+        #: key digest -> (object key, header view, payload view, stored length)
+        self.objects: dict[bytes, tuple[bsr.ObjectKey, Any, Any, int]] = {}
+        self.pieces: list[Any] = []
+        for i, key in enumerate(keys):
+            okey = bsr.ObjectKey(key, group)
+            lo = i * chunk_bytes
+            blob = bsr.ObjectCodec.encode(okey, saved[lo : lo + chunk_bytes])
+            at = i * stride
+            arena[at : at + len(blob)] = np.frombuffer(blob, np.uint8)
+            view = arena[at : at + len(blob)]
+            self.objects[key.digest] = (okey, view[:header], view[header:], len(blob))
+            self.pieces.append(dst[lo : lo + chunk_bytes])
+
+    def run(self) -> None:
+        """One restore of every chunk (a ``BenchError`` if an object fails its check)."""
+        codec, objects, pieces = bsr.ObjectCodec, self.objects, self.pieces
+        try:
+            for i, key in enumerate(self.engine.keys(self.tokens)):
+                okey, head, body, stored = objects[key.digest]
+                header = codec.decode_header(head, okey)
+                codec.check_stored_size(header, stored, okey)
+                codec.verify_payload(body, header, okey)
+                np.copyto(pieces[i], body)
+        except (KeyError, bsr.ObjectError) as exc:
+            raise BenchError(f"cpu: the minimal loop's object failed its check: {exc!r}") from exc
+
+
 @dataclass(frozen=True)
 class _PointState:
     """A point's state: its tokens and blocks, the destination cache filled with random bytes,
@@ -354,6 +412,8 @@ class _PointClocks:
     #: the floor's passes as one call over all the bytes (kept beside the floor, not in it)
     xxh3_one_call: CpuClock = field(default_factory=CpuClock)
     copy_one_call: CpuClock = field(default_factory=CpuClock)
+    #: a host point's :class:`MinimalLoop` (kept beside the floor, not in it)
+    minimal_loop: CpuClock = field(default_factory=CpuClock)
 
 
 def _point_tier(
@@ -405,9 +465,15 @@ async def _cpu_point(
                 files = [str(tier.object_path(k, "kv")) for k in engine.keys(st.tokens)]
                 floor_read = ReadFloor(files, mode, fio_binary)
                 floor_read.choose()
+            minimal = None
+            if tier_kind == "host":
+                minimal = MinimalLoop(
+                    engine, st.tokens, st.saved.numpy()[: st.nbytes], st.dst, chunk_bytes, "kv"
+                )
             await _timed_restores(
-                engine, st, clocks, files, floor_read, mode, repeats, tier_kind, chunk_bytes
-            )
+                engine, st, clocks, files, floor_read, mode, repeats, tier_kind, chunk_bytes,
+                minimal,
+            )  # fmt: skip
     finally:
         if floor_read is not None:
             floor_read.close()
@@ -434,9 +500,11 @@ async def _timed_restores(
     repeats: int,
     tier_kind: str,
     chunk_bytes: int,
+    minimal: MinimalLoop | None = None,
 ) -> None:
     """The warm-ups (the first checked byte for byte), then ``repeats`` timed restores, each
-    followed by the floor's timed hash, copy and (for a file point) read of the same bytes."""
+    followed by the floor's timed hash, copy and (for a file point) read of the same bytes, and
+    by the timed :class:`MinimalLoop` of a host point (checked byte for byte once, first)."""
     tokens, cache, blocks, src, dst = st.tokens, st.cache, st.blocks, st.src, st.dst
     restore, xxh3, copy = clocks.restore, clocks.xxh3, clocks.copy
     # each chunk's bytes, as the restore verifies and copies them (views made before the clock)
@@ -448,6 +516,11 @@ async def _timed_restores(
     cache.tensor("kv").zero_()
     np.copyto(dst, src)  # warm both buffers
     cache.tensor("kv").zero_()
+    if minimal is not None:
+        minimal.run()
+        if not torch.equal(st.dest[: st.nbytes], st.saved[: st.nbytes]):
+            raise BenchError(f"cpu: the minimal loop's bytes differ at {chunk_bytes} B chunks")
+        cache.tensor("kv").zero_()
     gc.collect()  # once per point: a full collection walks every object of the
     # process and leaves the CPU caches cold for whatever runs next (about 0.9 ms more
     # for a small restore here); a serving process does not collect before each restore
@@ -483,6 +556,9 @@ async def _timed_restores(
             digest(src)  # type: ignore[arg-type]
         with clocks.copy_one_call.timed():
             np.copyto(dst, src)
+        if minimal is not None:
+            with clocks.minimal_loop.timed():
+                minimal.run()
         if floor_read is not None:
             floor_read.read(clocks.read, clocks.read_bw)
 
@@ -512,6 +588,12 @@ def _point_json(
     floor["xxh3_one_call_cpu_s"] = clocks.xxh3_one_call.total().to_dict()
     floor["copy_one_call_cpu_s"] = clocks.copy_one_call.total().to_dict()
     floor["cpu_s"] = floor_s
+    minimal: dict[str, Any] = {"minimal_loop_vs_floor": None, "cpu_vs_minimal_loop": None}
+    if clocks.minimal_loop.cpu:
+        loop = clocks.minimal_loop.total()
+        floor["minimal_loop_cpu_s"] = loop.to_dict()
+        minimal["minimal_loop_vs_floor"] = ratio(loop.median, floor_s, "minimal loop vs floor")
+        minimal["cpu_vs_minimal_loop"] = ratio(rc.median, loop.median, "cpu vs minimal loop")
     if read is not None and floor_read is not None:
         floor["read"] = floor_read.describe()
         floor["read_usr_s"] = read.user().to_dict()
@@ -542,6 +624,7 @@ def _point_json(
         "floor_per_gib_s": floor_s / gib,
         "cpu_vs_floor": ratio(rc.median, floor_s, f"cpu_vs_floor {tier_kind} {chunk_bytes}"),
         "machinery_per_chunk_s": max(0.0, rc.median - floor_s) / chunks,
+        **minimal,
         "wall_vs_reference": wall_ratio,
         "load_average_before": load_before,
         "load_average_after": load_average(),

@@ -472,6 +472,7 @@ CPU_COLUMNS = (
     "(read+check&copy)",
     "CPU/floor",
     "beyond floor/chunk",
+    "loop/floor",
     "wall ratio",
     "load before/after",
 )
@@ -489,6 +490,7 @@ def cpu_row(p: dict[str, Any]) -> list[str]:
     name = {"memcpy": "/memcpy", "fio": "/fio", "raw": "/raw"}.get(w["reference"], "")
     la, lb = p.get("load_average_before"), p.get("load_average_after")
     load = f"{la[0]:.1f}/{lb[0]:.1f}" if la and lb else "-"
+    loop = p.get("minimal_loop_vs_floor")  # a host point's minimal loop (older runs: none)
     return [
         p["tier"],
         fmt_bytes(p["chunk_bytes"]),
@@ -499,6 +501,7 @@ def cpu_row(p: dict[str, Any]) -> list[str]:
         split,
         f"{p['cpu_vs_floor']:.2f}",
         _t(p["machinery_per_chunk_s"]),
+        "-" if loop is None else f"{loop:.2f}",
         f"{w['value']:.2f} {name}",
         load,
     ]
