@@ -195,3 +195,77 @@ async def test_a_batch_lent_span_by_span_goes_on_object_by_object_where_the_host
         assert r.bytes_by_tier.get("host", 0) == held * chunk_bytes
         assert r.bytes_by_tier.get("file", 0) == (chunks - held) * chunk_bytes
         assert host._index.statistics().pinned == 0
+
+
+class CountingHost(bsr.HostTier):
+    """A HostTier that records, per batch call, the thread it ran on and the items it read."""
+
+    def __init__(self) -> None:
+        super().__init__(capacity_bytes=1 << 28)
+        self.batches: list[tuple[int, int]] = []  # (thread ident, items)
+
+    def read_many_blocking(self, begin: Any, end: Any, ahead: int, *, lend: bool = False) -> None:
+        n = 0
+
+        def counted() -> Any:
+            nonlocal n
+            item = begin()
+            n += item is not None
+            return item
+
+        try:
+            super().read_many_blocking(counted, end, ahead, lend=lend)
+        finally:
+            self.batches.append((threading.get_ident(), n))
+
+
+@pytest.mark.parametrize(
+    ("chunk_bytes", "chunks", "per_batch"),
+    [(4 << 10, 150, 64), (64 << 10, 40, 16), (256 << 10, 9, 4), (16 << 10, 64, 64)],
+)
+@pytest.mark.anyio
+async def test_small_host_chunks_move_in_batches_of_a_mebibyte_on_the_loop(
+    chunk_bytes: int, chunks: int, per_batch: int
+) -> None:
+    """Chunks up to INLINE_BYTES from a HostTier into a host cache are copied on the event loop
+    (no worker-thread hop) in batches of up to INLINE_BATCH_BYTES and INLINE_CHUNKS chunks
+    each (every batch takes slots, a turn and a task switch: fewer batches, fewer of those),
+    and every restored byte is the saved one."""
+    assert pipeline.INLINE_BATCH_BYTES == 1 << 20 and pipeline.INLINE_CHUNKS == 64
+    layout = bsr.StateLayout(256, (bsr.StateGroup("kv", 1, chunk_bytes // 256, dtype="uint8"),))
+    tier = CountingHost()
+    toks = tokens_for(chunks * CT)
+    ids = torch.arange(chunks * CT // BLOCK)
+    src = filled_cache(layout, len(ids), BLOCK)
+    async with make_engine(layout, [tier], window=8, io_depth=4) as eng:
+        assert (await eng.save(toks, src, ids)).ok
+        dst = bsr.PagedKVCache(layout, len(ids), BLOCK)
+        loop_thread = threading.get_ident()
+        r = await eng.restore(toks, dst, ids)
+        assert r.committed and r.committed_tokens == chunks * CT
+        assert blocks_equal(layout, src, ids, dst, ids, chunks)
+        assert tier._index.statistics().pinned == 0
+    assert {t for t, _ in tier.batches} == {loop_thread}  # all on the loop
+    sizes = [n for _, n in tier.batches]
+    assert sum(sizes) == chunks
+    assert sizes == [per_batch] * (chunks // per_batch) + [chunks % per_batch] * bool(
+        chunks % per_batch
+    )
+
+
+@pytest.mark.anyio
+async def test_chunks_over_the_inline_size_go_to_a_worker_thread() -> None:
+    """A HostTier chunk over INLINE_BYTES is not copied on the event loop, however small its
+    batch: the loop is never held for more than an inline batch."""
+    tier = CountingHost()
+    chunks = 2  # 1 MiB in all: an inline batch's size, in chunks over the inline size
+    toks = tokens_for(chunks * CT)
+    ids = torch.arange(chunks * CT // BLOCK)
+    src = filled_cache(LAYOUT, len(ids), BLOCK)
+    async with make_engine(LAYOUT, [tier], window=8, io_depth=4) as eng:
+        assert (await eng.save(toks, src, ids)).ok
+        dst = bsr.PagedKVCache(LAYOUT, len(ids), BLOCK)
+        r = await eng.restore(toks, dst, ids)
+        assert r.committed and blocks_equal(LAYOUT, src, ids, dst, ids, chunks)
+        loop_thread = threading.get_ident()
+    assert tier.batches and all(t != loop_thread for t, _ in tier.batches)

@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
@@ -63,9 +63,14 @@ from ._tables import BlockTables
 
 #: aim for at most this many payload bytes per worker-thread call of per-object reads
 BATCH_BYTES = 8 << 20
-#: a batch from memory-speed tiers (``inline_reads``) up to this size runs on the event loop:
-#: copying it costs less than the worker-thread hop it would take
+#: chunks up to this size from memory-speed tiers (``inline_reads``) move in batches on the
+#: event loop: copying them costs less than the worker-thread hop they would take
 INLINE_BYTES = 256 << 10
+#: ... batches of up to this many bytes and :data:`INLINE_CHUNKS` chunks: each batch takes its
+#: slots, a transfer turn and a task switch (about a dozen steps), so larger ones pay them for
+#: more chunks, while the loop is held for at most about a millisecond of copies and checks
+INLINE_BATCH_BYTES = 1 << 20
+INLINE_CHUNKS = 64
 #: a batch of a memory-speed first holder, or of one that moves batches: one per transfer turn,
 #: up to this size when its chunks are announced as they land (``on_installed``), else one per
 #: turn whatever its size. Each worker-thread hop costs both sides a wake-up, a GIL hand-over
@@ -102,6 +107,8 @@ class _Job:
     lane: _Lane
     turns: anyio.CapacityLimiter
     host: HostInstaller | None
+    #: each slot's read items, made on its first chunk and reused for the run's length
+    items: dict[Slot, tuple[tuple[str, ...], list[ReadItem]]] = field(default_factory=dict)
 
 
 class WindowPipeline:
@@ -263,7 +270,7 @@ class WindowPipeline:
         if job.lane.inline and job.host is not None and chunk_bytes <= INLINE_BYTES:
             # these batches run one after another on the event loop: as large as an inline
             # batch may be, so the per-batch steps (slot, turn, task switch) are rare
-            return max(1, INLINE_BYTES // chunk_bytes)
+            return max(1, min(INLINE_CHUNKS, INLINE_BATCH_BYTES // chunk_bytes))
         if job.lane.bulk:
             per_turn = math.ceil(n / turns)
             if not announcing:
@@ -308,7 +315,8 @@ class WindowPipeline:
         """Move one batch the run's way; the chunks not begun."""
         if not job.lane.blocking:
             return await self._move_async(job, batch, slots[0])
-        small = len(batch) * self.layout.chunk_bytes <= INLINE_BYTES
+        chunk_bytes = self.layout.chunk_bytes
+        small = chunk_bytes <= INLINE_BYTES and len(batch) * chunk_bytes <= INLINE_BATCH_BYTES
         if job.lane.inline and job.host is not None and small:  # a host copy: on the loop
             rest = self._move(job, batch, slots)
             await anyio.lowlevel.checkpoint()
@@ -363,7 +371,8 @@ class WindowPipeline:
         ``slots``; the chunks not begun (the window was wanted elsewhere), in order."""
         region = self._region
         steps = BatchSteps(job.run, job.probe, job.installer.call(), job.slots.waiters, batch,
-                           slots, lambda slot, g: region(job, slot, g), self._expected)  # fmt: skip
+                           slots, lambda slot, g: region(job, slot, g), self._expected,
+                           job.items)  # fmt: skip
         run, holders, keys = job.run, job.probe.holders, job.probe.keys
         objects = [(keys[c], g) for c in batch for g in run.needed[c]]
         first = {holders[c][g][0] for c in batch for g in run.needed[c] if holders[c][g]}
