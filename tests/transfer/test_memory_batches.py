@@ -58,24 +58,35 @@ class PartneredHost(bsr.HostTier):
                 self.inside -= 1
 
 
-async def _restore_peak(
-    tier: PartneredHost, chunks: int, below: bsr.Tier | None = None, **engine: Any
-) -> int:
+async def _save_and_restore(
+    tier: bsr.HostTier,
+    chunks: int,
+    below: bsr.Tier | None = None,
+    layout: bsr.StateLayout = LAYOUT,
+    **engine: Any,
+) -> None:
     """Save ``chunks`` chunks (through to ``below`` too, when given), restore them, check the
-    bytes; the most batches the tier lent at once. The engine has W=8 and io_depth 4 unless
+    bytes and that the tier keeps nothing pinned. The engine has W=8 and io_depth 4 unless
     ``engine`` says otherwise."""
     toks = tokens_for(chunks * CT)
     ids = torch.arange(chunks * CT // BLOCK)
-    src = filled_cache(LAYOUT, len(ids), BLOCK)
+    src = filled_cache(layout, len(ids), BLOCK)
     tiers: list[bsr.Tier] = [tier] if below is None else [tier, below]
     engine = {"window": 8, "io_depth": 4, **engine}
-    async with make_engine(LAYOUT, tiers, **engine) as eng:
+    async with make_engine(layout, tiers, **engine) as eng:
         assert (await eng.save(toks, src, ids)).ok
-        dst = bsr.PagedKVCache(LAYOUT, len(ids), BLOCK)
+        dst = bsr.PagedKVCache(layout, len(ids), BLOCK)
         r = await eng.restore(toks, dst, ids)
         assert r.committed and r.committed_tokens == chunks * CT
-        assert blocks_equal(LAYOUT, src, ids, dst, ids, chunks)
+        assert blocks_equal(layout, src, ids, dst, ids, chunks)
         assert tier._index.statistics().pinned == 0
+
+
+async def _restore_peak(
+    tier: PartneredHost, chunks: int, below: bsr.Tier | None = None, **engine: Any
+) -> int:
+    """:func:`_save_and_restore`; the most batches the tier lent at once."""
+    await _save_and_restore(tier, chunks, below, **engine)
     return tier.peak
 
 
@@ -219,6 +230,16 @@ class CountingHost(bsr.HostTier):
             self.batches.append((threading.get_ident(), n))
 
 
+async def _counted_restore(
+    layout: bsr.StateLayout, chunks: int
+) -> tuple[int, list[tuple[int, int]]]:
+    """:func:`_save_and_restore` through a :class:`CountingHost`; the event loop's thread and
+    the tier's batches."""
+    tier = CountingHost()
+    await _save_and_restore(tier, chunks, layout=layout)
+    return threading.get_ident(), tier.batches
+
+
 @pytest.mark.parametrize(
     ("chunk_bytes", "chunks", "per_batch"),
     [(4 << 10, 150, 64), (64 << 10, 40, 16), (256 << 10, 9, 4), (16 << 10, 64, 64)],
@@ -233,20 +254,9 @@ async def test_small_host_chunks_move_in_batches_of_a_mebibyte_on_the_loop(
     and every restored byte is the saved one."""
     assert pipeline.INLINE_BATCH_BYTES == 1 << 20 and pipeline.INLINE_CHUNKS == 64
     layout = bsr.StateLayout(256, (bsr.StateGroup("kv", 1, chunk_bytes // 256, dtype="uint8"),))
-    tier = CountingHost()
-    toks = tokens_for(chunks * CT)
-    ids = torch.arange(chunks * CT // BLOCK)
-    src = filled_cache(layout, len(ids), BLOCK)
-    async with make_engine(layout, [tier], window=8, io_depth=4) as eng:
-        assert (await eng.save(toks, src, ids)).ok
-        dst = bsr.PagedKVCache(layout, len(ids), BLOCK)
-        loop_thread = threading.get_ident()
-        r = await eng.restore(toks, dst, ids)
-        assert r.committed and r.committed_tokens == chunks * CT
-        assert blocks_equal(layout, src, ids, dst, ids, chunks)
-        assert tier._index.statistics().pinned == 0
-    assert {t for t, _ in tier.batches} == {loop_thread}  # all on the loop
-    sizes = [n for _, n in tier.batches]
+    loop_thread, batches = await _counted_restore(layout, chunks)
+    assert {t for t, _ in batches} == {loop_thread}  # all on the loop
+    sizes = [n for _, n in batches]
     assert sum(sizes) == chunks
     assert sizes == [per_batch] * (chunks // per_batch) + [chunks % per_batch] * bool(
         chunks % per_batch
@@ -256,16 +266,7 @@ async def test_small_host_chunks_move_in_batches_of_a_mebibyte_on_the_loop(
 @pytest.mark.anyio
 async def test_chunks_over_the_inline_size_go_to_a_worker_thread() -> None:
     """A HostTier chunk over INLINE_BYTES is not copied on the event loop, however small its
-    batch: the loop is never held for more than an inline batch."""
-    tier = CountingHost()
-    chunks = 2  # 1 MiB in all: an inline batch's size, in chunks over the inline size
-    toks = tokens_for(chunks * CT)
-    ids = torch.arange(chunks * CT // BLOCK)
-    src = filled_cache(LAYOUT, len(ids), BLOCK)
-    async with make_engine(LAYOUT, [tier], window=8, io_depth=4) as eng:
-        assert (await eng.save(toks, src, ids)).ok
-        dst = bsr.PagedKVCache(LAYOUT, len(ids), BLOCK)
-        r = await eng.restore(toks, dst, ids)
-        assert r.committed and blocks_equal(LAYOUT, src, ids, dst, ids, chunks)
-        loop_thread = threading.get_ident()
-    assert tier.batches and all(t != loop_thread for t, _ in tier.batches)
+    batch: the loop is never held for more than an inline batch. Two 512 KiB chunks: 1 MiB in
+    all, an inline batch's size."""
+    loop_thread, batches = await _counted_restore(LAYOUT, 2)
+    assert batches and all(t != loop_thread for t, _ in batches)
