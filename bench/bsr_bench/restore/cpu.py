@@ -314,7 +314,7 @@ class MinimalLoop:
     (:meth:`bsr.ObjectCodec.decode_header` and ``check_stored_size``), its payload's xxh3
     compared with the header's (``verify_payload``) and the payload copied into its place in
     the cache, right after its check. The objects are the tier's format (``ObjectCodec.encode``
-    of the saved bytes), in memory like a HostTier's arena (:func:`floor_source`). No window,
+    of the saved bytes), in memory like a HostTier's arena (:func:`huge_page_mapping`). No window,
     no request, no tier: what a restore's figure has beyond this loop's is the cost of bsr's
     own steps per chunk (the probe's records, the window's slots and turns, the ladder, the
     installer, the commit), what is beyond the floor here the cost of Python and the checks.
@@ -328,7 +328,8 @@ class MinimalLoop:
         keys = engine.keys(tokens)
         header = bsr.ObjectCodec.HEADER_SIZE
         stride = -(-(header + chunk_bytes) // 4096) * 4096
-        arena, _, self._keep = floor_source(np.zeros(stride * len(keys), np.uint8))
+        self._keep, _ = huge_page_mapping(stride * len(keys))
+        arena = np.frombuffer(self._keep, dtype=np.uint8)
         #: key digest -> (object key, header view, payload view, stored length)
         self.objects: dict[bytes, tuple[bsr.ObjectKey, Any, Any, int]] = {}
         self.pieces: list[Any] = []

@@ -152,7 +152,7 @@ class _HostCall(Installer):
         if not ok:
             release_lent(lent)
             return [slot]
-        if self.batch > 1 and lent is not None and len(lent) == len(run.needed[c]):
+        if lent is not None and len(lent) == len(run.needed[c]):
             self.pending.append((c, lent))
             if len(self.pending) >= self.batch:
                 self._flush(run)

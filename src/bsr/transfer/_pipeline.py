@@ -88,8 +88,9 @@ class _Lane:
 
     #: every holder of every object reads blocking (else: async reads)
     blocking: bool
-    #: every holder of every object reads at memory speed (small batches run on the loop)
-    inline: bool
+    #: every holder of every object reads at memory speed, into a host cache, in chunks of up
+    #: to INLINE_BYTES: the batches run on the event loop
+    on_loop: bool
     #: every first holder reads at memory speed, or is one tier that moves batches its own
     #: way: few large batches, a turn each, several slots per call
     bulk: bool
@@ -261,13 +262,19 @@ class WindowPipeline:
         memory = ladder.all_inline(list(first))
         one_bulk = len(first) == 1 and ladder.bulk(next(iter(first)))
         bulk = blocking and not installer.one_per_slot and (memory or one_bulk)
-        return _Lane(blocking, blocking and ladder.all_inline(list(every)), bulk)
+        on_loop = (
+            blocking
+            and installer.host is not None
+            and self.layout.chunk_bytes <= INLINE_BYTES
+            and ladder.all_inline(list(every))
+        )
+        return _Lane(blocking, on_loop, bulk)
 
     def _batch_size(self, job: _Job, n: int, turns: int, announcing: bool) -> int:
         if job.installer.one_per_slot:
             return 1  # one slot per chunk: each stays staged until the install
         chunk_bytes = max(1, self.layout.chunk_bytes)
-        if job.lane.inline and job.host is not None and chunk_bytes <= INLINE_BYTES:
+        if job.lane.on_loop:
             # these batches run one after another on the event loop: as large as an inline
             # batch may be, so the per-batch steps (slot, turn, task switch) are rare
             return max(1, min(INLINE_CHUNKS, INLINE_BATCH_BYTES // chunk_bytes))
@@ -315,9 +322,7 @@ class WindowPipeline:
         """Move one batch the run's way; the chunks not begun."""
         if not job.lane.blocking:
             return await self._move_async(job, batch, slots[0])
-        chunk_bytes = self.layout.chunk_bytes
-        small = chunk_bytes <= INLINE_BYTES and len(batch) * chunk_bytes <= INLINE_BATCH_BYTES
-        if job.lane.inline and job.host is not None and small:  # a host copy: on the loop
+        if job.lane.on_loop:  # a host copy of at most INLINE_BATCH_BYTES (_batch_size)
             rest = self._move(job, batch, slots)
             await anyio.lowlevel.checkpoint()
             return rest

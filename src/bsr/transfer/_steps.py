@@ -50,7 +50,7 @@ class BatchSteps:
         slots: list[Slot],
         region: Callable[[Slot, str], Any],
         expected: Mapping[str, int],
-        items: dict[Slot, tuple[tuple[str, ...], list[ReadItem]]] | None = None,
+        items: dict[Slot, tuple[tuple[str, ...], list[ReadItem]]],
     ) -> None:
         self.run = run
         self.call = call
@@ -63,10 +63,10 @@ class BatchSteps:
         self.lent: dict[int, dict[str, Borrowed]] = {}
         self.failed: set[int] = set()
         self.begun = 0
-        # per slot, one item per group, reused chunk after chunk (and batch after batch when
-        # the caller keeps ``items`` for the run): an item is the tier's only between its begin
-        # and its end, and its slot holds one chunk at a time
-        self.items = {} if items is None else items
+        # per slot, one item per group, reused chunk after chunk and batch after batch (the
+        # caller keeps ``items`` for the run): an item is the tier's only between its begin and
+        # its end, and its slot holds one chunk at a time
+        self.items = items
         self.keys, self.holders = probe.keys, probe.holders
         self.tier_bytes: dict[str, int] = {}
         self.waiters = waiters  # true while another caller waits for a slot (a hint)
