@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Self
@@ -428,6 +428,7 @@ class RestoreEngine(AsyncResource):
         local: bool = False,
         start_tokens: int = 0,
         prefill_tokens_per_s: float | None = None,
+        skip_tiers: Collection[str] = (),
     ) -> Probe:
         """Find the reusable prefix of ``tokens`` across tiers, groups and ranks; moves no data.
 
@@ -443,6 +444,8 @@ class RestoreEngine(AsyncResource):
         probe to ``restore`` only with one rank. ``extras``: what besides the token ids changes
         the state (:class:`~bsr.KeyExtra`: a tenant's salt, an adapter, an image, prompt
         embeddings); the same extras must be given to ``save`` and ``restore``.
+        ``skip_tiers``: names of tiers not to ask (say, ones another rank's lookup found slow
+        or down): they hold nothing for this probe and are listed in its ``unanswered``.
 
         Under policy ``"cost"`` the probe carries a :class:`~bsr.LoadDecision`
         (``probe.decision``): how much of the prefix is worth loading by the measured rates
@@ -451,8 +454,9 @@ class RestoreEngine(AsyncResource):
         rank's alone: a restore given the probe agrees on it with the other ranks.
         """
         return await self._restores.lookup(
-            tokens, extras, lease_ttl_s, deadline_s, local, start_tokens, prefill_tokens_per_s
-        )
+            tokens, extras, lease_ttl_s, deadline_s, local, start_tokens, prefill_tokens_per_s,
+            skip_tiers,
+        )  # fmt: skip
 
     async def narrow(
         self,
@@ -545,6 +549,7 @@ class RestoreEngine(AsyncResource):
         on_installed: OnInstalled | None = None,
         start_tokens: int = 0,
         extras: Extras | None = None,
+        skip_tiers: Collection[str] = (),
     ) -> RestoreResult:
         """Restore the longest reusable prefix of ``tokens`` into ``cache`` at ``block_ids``.
 
@@ -581,19 +586,31 @@ class RestoreEngine(AsyncResource):
         ``extras``: what besides the token ids changed the state (:class:`~bsr.KeyExtra`), as
         given to the ``save`` that stored it (and to ``lookup``, with a ``probe``).
 
+        ``skip_tiers``: names of tiers the restore's probe does not ask: they hold nothing for
+        it (``unanswered`` lists them), so it reads what the other tiers hold and waits for none
+        of these. For a tier another rank found slow or down: with several ranks, pass every
+        rank the same names (the vLLM connector sends each rank's load those rank 0's lookup
+        had no answer from). Not with a ``probe``, which was made already: pass them to its
+        ``lookup``.
+
         Raises:
             BlockTableError: malformed block tables (see ``PagedKVCache.block_tables``), or a
                 ``NULL_BLOCK`` where the whole prefix's state goes.
             ConfigError: bad arguments, or a ``probe`` that another engine made (refused
                 before anything moves; that probe and its lease are left to their engine) or
-                that was made for other tokens.
+                that was made for other tokens, or a ``probe`` with ``skip_tiers``.
         """
         started = time.perf_counter()  # the deadline counts from here, admission included
         if probe is not None:
             self._restores.check_probe_origin(probe)
+            if skip_tiers:
+                raise ConfigError(
+                    "a restore given a probe asks no tier, so it has none to skip: pass "
+                    "skip_tiers to the lookup that made the probe, or no probe"
+                )
         req = self._restores.admit(
             tokens, cache, block_ids, policy, deadline_s, strategy, request_id, started,
-            start_tokens, extras, on_installed,
+            start_tokens, extras, on_installed, skip_tiers,
         )  # fmt: skip
         return await self._restores.run(req, probe)
 

@@ -203,7 +203,7 @@ class RestoreJob:
             if given is None:
                 out = await self.parts.prober.probe(
                     req.tokens, deadline_s=req.remaining(), extras=req.extras,
-                    share=self.parts.probe_share,
+                    share=self.parts.probe_share, skip=req.skip_tiers,
                 )  # fmt: skip
             else:
                 out = await self._reuse_probe(given)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -154,6 +154,7 @@ class Prober:
         keys: Sequence[ChunkKey],
         deadline_at: float = math.inf,
         unanswered: list[str] | None = None,
+        skip: Collection[str] = (),
     ) -> Holders:
         """Which tiers hold each (chunk, group) of ``keys``, by tier name, fastest first.
 
@@ -164,10 +165,12 @@ class Prober:
         (``time.perf_counter()`` time) is cut off: it holds nothing for this probe and the
         cut-off counts against its breaker, like any other timeout. The names of the tiers
         that did not answer (cut off, failed, breaker open) go to ``unanswered``, in tier order.
+        The tiers named in ``skip`` are not asked (nor their breakers): they hold nothing, and
+        count as not answering.
         """
         groups = [g.name for g in self.layout.groups]
         objs = [ObjectKey(k, g) for k in keys for g in groups]
-        asked = [t for t in self.tiers if self.health.admit(t.name)]
+        asked = [t for t in self.tiers if t.name not in skip and self.health.admit(t.name)]
         got: dict[str, list[bool]] = {}  # tier name -> present per object, once it answered
         settled: set[str] = set()  # the tiers whose breaker was told how the call went
         inline = [t.inline_reads for t in asked]  # a wrapper's is a property: read it once
@@ -237,6 +240,7 @@ class Prober:
         agree: bool = True,
         extras: Extras | None = None,
         share: float = 1.0,
+        skip: Collection[str] = (),
     ) -> ProbeOutcome:
         """Probe ``tokens``; return the probe and whether a deadline ended it on any rank.
 
@@ -250,6 +254,7 @@ class Prober:
         ``share`` (in (0, 1]): the tiers are waited for at most this share of the time left
         when they are asked; a tier cut off then holds nothing, and the probe goes on (not
         late) with what the others hold, leaving the rest of the deadline to the caller.
+        ``skip``: tiers not asked (see :meth:`holders`).
         """
         t0 = time.perf_counter()
         deadline_at = math.inf if deadline_s is None else t0 + deadline_s
@@ -261,7 +266,7 @@ class Prober:
         if keyed is not None:
             now = time.perf_counter()
             cut_at = deadline_at if share >= 1 else now + share * max(0.0, deadline_at - now)
-            holders = await self.holders(keyed.keys, cut_at, unanswered)
+            holders = await self.holders(keyed.keys, cut_at, unanswered, skip)
             await anyio.lowlevel.checkpoint()
         else:  # the deadline fired while keying: no tier was asked
             unanswered = [t.name for t in self.tiers]

@@ -38,6 +38,7 @@ class RestoreRequest:
     first_block: int = 0  # restore(start_tokens=...): blocks before it are never written
     valid_chunks: int = 0  # chunks the caller already holds: neither read nor installed
     cost: bool = False  # policy "cost": decide how much to load (then all-or-nothing)
+    skip_tiers: frozenset[str] = frozenset()  # tiers its probe does not ask
     t0: float = field(default_factory=time.perf_counter)
     phase_s: dict[str, float] = field(default_factory=dict)
 

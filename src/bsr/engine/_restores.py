@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import replace
 from typing import Any
 
@@ -71,11 +71,13 @@ class Restores:
         local: bool,
         start_tokens: int,
         prefill_tokens_per_s: float | None,
+        skip_tiers: Collection[str] = (),
     ) -> Probe:
         """``RestoreEngine.lookup``."""
         self.parts.staging()  # an open engine
         self.leases.reclaim()
         extras = check_extras(extras)
+        skip = self.skip_names(skip_tiers)
         ttl = optional_positive_seconds(lease_ttl_s, "lease_ttl_s", key="lease_ttl_s")
         deadline = optional_positive_seconds(deadline_s, "deadline_s", key="deadline_s")
         if Check.flag(local, "local") and ttl is not None:
@@ -83,11 +85,11 @@ class Restores:
                 "a local lookup takes no lease (its probe is one rank's); drop lease_ttl_s or "
                 "local=True"
             )
-        probe = (
-            await self.parts.prober.probe(
-                tokens, deadline_s=deadline, partial=True, agree=not local, extras=extras
-            )
-        ).probe
+        prober = self.parts.prober
+        out = await prober.probe(
+            tokens, deadline_s=deadline, partial=True, agree=not local, extras=extras, skip=skip
+        )
+        probe = out.probe
         if self.policy is Policy.COST:
             probe = replace(probe, decision=self.parts.cost.decide(
                 self.layout, probe, start_tokens=start_tokens, prefill_rate=prefill_tokens_per_s,
@@ -142,6 +144,22 @@ class Restores:
             raise
         return self.leases.add(leases, ttl_s)
 
+    def skip_names(self, skip_tiers: Collection[str]) -> frozenset[str]:
+        """``skip_tiers`` checked: names of this engine's tiers (else a ConfigError)."""
+        if isinstance(skip_tiers, str | bytes) or not isinstance(skip_tiers, Collection):
+            raise ConfigError(
+                f"skip_tiers must be a collection of tier names, got {skip_tiers!r}; pass "
+                'e.g. ("pool",), not a bare string'
+            )
+        names = [t.name for t in self.tiers]
+        unknown = sorted(repr(n) for n in skip_tiers if n not in names)
+        if unknown:
+            raise ConfigError(
+                f"skip_tiers names {', '.join(unknown)}, not among this engine's tiers {names}",
+                unknown=unknown,
+            )
+        return frozenset(skip_tiers)
+
     # ------------------------------------------------------------------ restore
     def check_probe_origin(self, probe: Probe) -> None:
         if not isinstance(probe, Probe):
@@ -167,6 +185,7 @@ class Restores:
         start_tokens: int = 0,
         extras: Extras | None = None,
         on_installed: OnInstalled | None = None,
+        skip_tiers: Collection[str] = (),
     ) -> RestoreRequest:
         """Check the arguments and open the request's record (no I/O).
 
@@ -178,6 +197,7 @@ class Restores:
         self.leases.reclaim()
         check_cache(cache, self.layout)
         ext = check_extras(extras)
+        skip = self.skip_names(skip_tiers)
         first_block, valid_chunks = self._start(start_tokens, cache)
         n_full = self.layout.num_chunks(token_count(tokens))
         tables = cache.block_tables(block_ids, n_full * self.layout.chunk_tokens)
@@ -198,6 +218,7 @@ class Restores:
             strategy=choice(Strategy, strategy, "strategy"),
             deadline_at=None if deadline is None else started + deadline, t0=started,
             first_block=first_block, valid_chunks=valid_chunks, on_installed=on_installed,
+            skip_tiers=skip,
         )  # fmt: skip
 
     def _start(self, start_tokens: int, cache: PagedKVCache) -> tuple[int, int]:
