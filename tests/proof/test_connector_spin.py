@@ -485,6 +485,7 @@ NOT_MODELLED = {
     "_on_lookup": "the lookup server: answers, no KV",
     "_lookup_job": "the same",
     "_lookup": "the same",
+    "_skip_of": "the same (the tiers a lookup's answer tells the loads not to ask)",
     "_keep_probe": "leases",
     "_forget": "leases",
     "_restore": "RestoreEngine.restore's call: the restore task on the Loop",

@@ -36,6 +36,8 @@ from bsr.vllm._lookup import (
     encode_extras,
     private_socket_path,
     remove_stale_dirs,
+    skip_mask,
+    skipped,
 )
 
 
@@ -141,6 +143,15 @@ def test_lookups_are_pipelined_and_matched_by_sequence_number(path: str) -> None
     finally:
         client.close()
         ref[0].close()
+
+
+def test_an_answer_names_the_tiers_to_skip_by_bit() -> None:
+    assert skip_mask(()) == 0 and skipped(0) == ()
+    assert skip_mask((0, 5, 63)) == 1 | 1 << 5 | 1 << 63
+    assert skipped(skip_mask((63, 0, 5))) == (0, 5, 63)
+    for bad in (-1, 64):
+        with pytest.raises(ValueError, match=f"tier index {bad}"):
+            skip_mask((1, bad))
 
 
 def test_the_client_never_waits_for_an_answer(path: str) -> None:

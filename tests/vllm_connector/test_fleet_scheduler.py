@@ -44,14 +44,16 @@ TIERS = (("host", "host"), ("file", "disk"))
 class Worker:
     """A lookup socket answering ``hit`` tokens held ``by_tier``; it keeps each lookup's hints."""
 
-    def __init__(self, hit: int = 192, by_tier: tuple[int, ...] = ()) -> None:
-        self.hit, self.by_tier = hit, by_tier
+    def __init__(
+        self, hit: int = 192, by_tier: tuple[int, ...] = (), skip: tuple[int, ...] = ()
+    ) -> None:
+        self.hit, self.by_tier, self.skip = hit, by_tier, skip
         self.hints: list[LookupHints] = []
         self.server = LookupServer(private_socket_path(), self._handle)
 
     def _handle(self, cid: int, seq: int, tokens: Any, extras: Any, hints: LookupHints) -> None:
         self.hints.append(hints)
-        self.server.reply(cid, seq, min(self.hit, len(tokens)), self.by_tier)
+        self.server.reply(cid, seq, min(self.hit, len(tokens)), self.by_tier, self.skip)
 
 
 @pytest.fixture
@@ -126,6 +128,23 @@ def test_hits_are_counted_under_the_tier_that_holds_them() -> None:
         data = sched.take_stats()
         assert data is not None and data.data["hit_tokens_by_tier"] == {"host": 128, "file": 64}
         assert sched.hit_sources(request("unknown"), 10) == {}  # no answer: vLLM's default
+    finally:
+        w.server.close()
+
+
+@pytest.mark.parametrize("skip", [(), (1,), (0, 2, 63)])
+def test_the_load_skips_the_tiers_the_lookup_had_no_answer_from(skip: tuple[int, ...]) -> None:
+    """The answer names (by index) the tiers the worker's lookup did not hear from; the load
+    job carries them to every rank, whose load then does not ask them."""
+    w = Worker(192, skip=skip)
+    try:
+        sched = scheduler(w)
+        req = request("r")
+        assert ask_until(sched, req) == (192, True)
+        blocks = KVCacheBlocks(([KVCacheBlock(i) for i in range(6)],))
+        sched.update_state_after_alloc(req, blocks, 192)
+        (job,) = step(sched).loads
+        assert job.req_id == "r" and job.end_tokens == 192 and job.skip_tiers == skip
     finally:
         w.server.close()
 

@@ -21,13 +21,15 @@ from pathlib import Path
 import anyio
 import numpy as np
 import pytest
+import torch
 
 import bsr
 from support.engines import HangingContains
 
 pytest.importorskip("vllm")
 from bsr.vllm._lookup import LookupHints
-from bsr.vllm._worker import BsrWorker
+from bsr.vllm._metadata import LoadJob
+from bsr.vllm._worker import BsrWorker, _Load
 from vllm_settings import connector_settings
 
 pytestmark = pytest.mark.anyio
@@ -45,9 +47,14 @@ class Replies:
     """Where the worker hands its answers (the lookup server's ``reply``)."""
 
     got: list[tuple[int, int]] = field(default_factory=list)  # (seq, hit)
+    skips: dict[int, tuple[int, ...]] = field(default_factory=dict)  # seq -> tiers to skip
 
-    def reply(self, conn_id: int, seq: int, hit: int, by_tier: Sequence[int] = ()) -> None:
+    def reply(
+        self, conn_id: int, seq: int, hit: int, by_tier: Sequence[int] = (),
+        skip: Sequence[int] = (),
+    ) -> None:  # fmt: skip
         self.got.append((seq, hit))
+        self.skips[seq] = tuple(skip)
 
 
 @asynccontextmanager
@@ -155,20 +162,43 @@ async def test_a_lookup_past_the_backstop_is_answered_a_miss_and_counted() -> No
 
 
 @pytest.mark.parametrize("hang", [True, False], ids=["hung-pool", "control"])
-async def test_with_several_ranks_a_lookup_a_tier_did_not_answer_offers_nothing(
+async def test_with_several_ranks_the_hosts_hit_is_offered_and_the_loads_skip_the_pool(
     tmp_path: Path, hang: bool
 ) -> None:
-    """Rank 0 looks up alone and every rank's load probes again: a pool slow for rank 0 would
+    """Rank 0 looks up alone and every rank's load probes again. A pool slow for rank 0 would
     hold each rank's load probe until the load's deadline (10 s of a request's time, then a
-    recompute), so such a lookup offers nothing, as before the lookups kept the host's hit."""
+    recompute), so such a lookup used to offer nothing, not even the host's hit, for as long as
+    the pool was down. Now the answer names the pool (by index) and the load job carries it:
+    each rank's load skips it and restores the host's copy."""
     host = bsr.HostTier(1 << 24)
     pool = HangingContains(bsr.FileTier(tmp_path / "pool", 1 << 26))
     async with worker_over([host, pool], save_to=1, tp_size=2) as w:
         pool.hang = hang
-        assert await lookup(w, 1) == (0 if hang else CHUNKS * CHUNK)
+        assert await lookup(w, 1) == CHUNKS * CHUNK
+        replies = w._server
+        assert isinstance(replies, Replies)
+        assert replies.skips[1] == ((1,) if hang else ())
         stats = w.take_stats()  # None: nothing counted
         unanswered = stats.data["lookup_unanswered"] if stats is not None else {}
         assert unanswered == ({pool.name: 1} if hang else {})
+        # the load of that answer (its job as the scheduler makes it): no lease was kept with
+        # several ranks, so it probes again, without the pool
+        calls = pool.calls
+        n = CHUNKS * CHUNK // BLOCK  # saved from blocks 0..n-1, loaded into 1..n (vLLM's 0 is
+        blocks = tuple(range(1, n + 1))  # its null block)
+        job = LoadJob("r1", tuple(int(t) for t in TOKENS), 0, (blocks,), None, (),
+                      replies.skips[1])  # fmt: skip
+        assert w.cache is not None and w.engine is not None
+        kv = w.cache.tensor("kv")
+        saved = kv[:, :n].clone()
+        kv.zero_()
+        with anyio.fail_after(60):  # a hang guard: an asked pool would hold it to its deadline
+            r = await w._restore(_Load(job))
+        assert r.committed_tokens == CHUNKS * CHUNK and set(r.bytes_by_tier) == {host.name}
+        assert torch.equal(kv[:, 1 : n + 1], saved)
+        assert r.unanswered == ((pool.name,) if hang else ())
+        assert pool.calls == calls + (0 if hang else 1)
+        assert w.engine.health.state(pool.name).consecutive_failures == (1 if hang else 0)
 
 
 async def test_a_slow_only_tier_is_a_miss_counted_against_it(tmp_path: Path) -> None:

@@ -54,7 +54,9 @@ from .._log import logger
 _REQUEST = struct.Struct("<cQII")
 #: tiers whose tokens an answer reports one by one (the last slot sums the rest)
 TIER_SLOTS = 8
-_ANSWER = struct.Struct(f"<Qq{TIER_SLOTS}q")
+#: tiers an answer can name to skip (bits of a uint64: the engine's tier ``i`` is bit ``i``)
+SKIP_TIERS_MAX = 64
+_ANSWER = struct.Struct(f"<Qq{TIER_SLOTS}qQ")
 _EXTRA = struct.Struct("<QQI")
 _HINTS = struct.Struct("<Qd")
 #: Largest prompt a lookup carries (tokens); longer prompts are probed on their first part.
@@ -77,10 +79,28 @@ class LookupHints:
 @dataclass(frozen=True)
 class LookupAnswer:
     """The worker's answer: ``hit`` tokens offered from token 0, and of those past
-    ``start_tokens`` the tokens each tier holds (``by_tier[i]``: the engine's tier ``i``)."""
+    ``start_tokens`` the tokens each tier holds (``by_tier[i]``: the engine's tier ``i``);
+    ``skip``: the engine's tiers (by index) the lookup had no answer from, which the load's
+    probe does not ask (see ``LoadJob.skip_tiers``)."""
 
     hit: int
     by_tier: tuple[int, ...] = ()
+    skip: tuple[int, ...] = ()
+
+
+def skip_mask(skip: Sequence[int]) -> int:
+    """``skip`` (tier indices, each below :data:`SKIP_TIERS_MAX`) as the answer's bit mask."""
+    mask = 0
+    for i in skip:
+        if not 0 <= i < SKIP_TIERS_MAX:
+            raise ValueError(f"tier index {i} cannot be named in a lookup answer")
+        mask |= 1 << i
+    return mask
+
+
+def skipped(mask: int) -> tuple[int, ...]:
+    """The tier indices of an answer's bit mask, in order."""
+    return tuple(i for i in range(SKIP_TIERS_MAX) if mask >> i & 1)
 
 
 #: ``handler(conn_id, seq, tokens, extras, hints)``: start the lookup; answer later with
@@ -232,7 +252,7 @@ class LookupServer:
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
-        self._answers: queue.SimpleQueue[tuple[int, int, int, tuple[int, ...]]] = (
+        self._answers: queue.SimpleQueue[tuple[int, int, int, tuple[int, ...], int]] = (
             queue.SimpleQueue()
         )
         self._conns: dict[int, _Conn] = {}
@@ -265,13 +285,17 @@ class LookupServer:
         os.unlink(path)  # a socket nobody answers on: left over by a process that died
 
     # ------------------------------------------------------------------ public
-    def reply(self, conn_id: int, seq: int, hit: int, by_tier: Sequence[int] = ()) -> None:
+    def reply(
+        self, conn_id: int, seq: int, hit: int, by_tier: Sequence[int] = (),
+        skip: Sequence[int] = (),
+    ) -> None:  # fmt: skip
         """Answer request ``seq`` of connection ``conn_id`` (any thread; dropped if closed):
-        ``hit`` tokens, and the tokens each tier holds of them (see :class:`LookupAnswer`)."""
+        ``hit`` tokens, the tokens each tier holds of them and the tiers the load is not to
+        ask (see :class:`LookupAnswer`)."""
         slots = [0] * TIER_SLOTS
         for i, n in enumerate(by_tier):
             slots[min(i, TIER_SLOTS - 1)] += int(n)
-        self._answers.put((conn_id, seq, int(hit), tuple(slots)))
+        self._answers.put((conn_id, seq, int(hit), tuple(slots), skip_mask(skip)))
         with contextlib.suppress(OSError):
             self._wake_w.send(b"\0")
 
@@ -346,12 +370,12 @@ class LookupServer:
                 pass
         while True:
             try:
-                cid, seq, hit, slots = self._answers.get_nowait()
+                cid, seq, hit, slots, mask = self._answers.get_nowait()
             except queue.Empty:
                 return
             conn = self._conns.get(cid)
             if conn is not None:
-                conn.wbuf += _ANSWER.pack(seq, hit, *slots)
+                conn.wbuf += _ANSWER.pack(seq, hit, *slots, mask)
                 self._sel.modify(conn.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, cid)
 
     def _serve(self, cid: int, mask: int) -> None:
@@ -492,8 +516,9 @@ class LookupClient:
             error = exc
         n = len(self._rbuf) // _ANSWER.size
         for i in range(n):
-            seq, hit, *slots = _ANSWER.unpack_from(self._rbuf, i * _ANSWER.size)
-            out[int(seq)] = LookupAnswer(max(0, int(hit)), tuple(max(0, int(x)) for x in slots))
+            seq, hit, *slots, mask = _ANSWER.unpack_from(self._rbuf, i * _ANSWER.size)
+            by_tier = tuple(max(0, int(x)) for x in slots)
+            out[int(seq)] = LookupAnswer(max(0, int(hit)), by_tier, skipped(int(mask)))
         del self._rbuf[: n * _ANSWER.size]
         if error is not None:
             self._fail(error)

@@ -49,6 +49,8 @@ class LoadJob:
         lookup_id: the worker's leased probe of ``tokens`` to reuse (``None``: probe again).
         extras: what besides the tokens the request's KV depends on (its salt, adapter,
             images, prompt embeddings: :mod:`bsr.vllm._request_keys`).
+        skip_tiers: the worker engine's tiers (by index) its lookup had no answer from (cut
+            off, failed, breaker open): a load that probes again does not ask them.
     """
 
     req_id: str
@@ -57,6 +59,7 @@ class LoadJob:
     block_ids: tuple[tuple[int, ...], ...]
     lookup_id: int | None = None
     extras: tuple[KeyExtra, ...] = ()
+    skip_tiers: tuple[int, ...] = ()
 
     @property
     def end_tokens(self) -> int:

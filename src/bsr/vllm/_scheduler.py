@@ -125,6 +125,7 @@ class _Req:
     digests: tuple[bytes, ...] = ()  # chained digests of the prompt's full chunks
     prompt: list[int] = field(default_factory=list)  # the prompt's token ids
     by_tier: tuple[int, ...] = ()  # the answer: tokens past vLLM's hit each tier holds
+    skip: tuple[int, ...] = ()  # the answer: tiers (by index) the load is not to ask
 
 
 class BsrScheduler:
@@ -273,7 +274,7 @@ class BsrScheduler:
                 self._forget.append(seq)  # nobody will load it: its lease may go
                 continue
             st.hit = min(answer.hit, st.probed) // self.chunk * self.chunk
-            st.by_tier = answer.by_tier
+            st.by_tier, st.skip = answer.by_tier, answer.skip
 
     def _drop_lookup(self, st: _Req) -> None:
         if st.lookup_id is not None:
@@ -326,8 +327,9 @@ class BsrScheduler:
         # the worker leased a probe of exactly prompt[:hit]; any other end probes again
         lookup = st.lookup_id if end == st.hit else None
         job = LoadJob(
-            request.request_id, tuple(prompt[:end]), st.start, tables, lookup, keys.extras
-        )
+            request.request_id, tuple(prompt[:end]), st.start, tables, lookup, keys.extras,
+            st.skip,
+        )  # fmt: skip
         self._loads.append(job)
         st.used, st.loading, st.unverified, st.end = True, True, True, end
         # the blocks bsr writes (vLLM's own hit before them holds its computed KV); a sync

@@ -76,7 +76,7 @@ from ._bridge import LoopThread
 from ._fleet import WorkerFleet
 from ._kv_events import group_specs
 from ._layout import GroupSpec, derive, group_window, layer_order
-from ._lookup import LookupHints, LookupServer, private_socket_path
+from ._lookup import SKIP_TIERS_MAX, LookupHints, LookupServer, private_socket_path
 from ._metadata import (
     NULL_BLOCK_ID,
     BsrConnectorMetadata,
@@ -324,6 +324,7 @@ class BsrWorker:
         hints: LookupHints,
     ) -> None:
         hit, by_tier = 0, [0]
+        skip: tuple[int, ...] = ()
         try:
             bound = self.adapters.resolve(extras)
             if bound is None:  # its adapter is not loaded here: a miss, at once
@@ -333,6 +334,8 @@ class BsrWorker:
                 hit, probe = await self._lookup(seq, tokens, bound, hints)
                 for name in probe.unanswered if probe is not None else ():
                     self.stats.count_key("lookup_unanswered", name)
+                if probe is not None and hit:
+                    skip = self._skip_of(probe)
                 if probe is not None and self.fleet is not None:
                     by_tier = self.fleet.by_tier(probe, hit, hints.start_tokens)
             if scope.cancelled_caught:
@@ -342,7 +345,7 @@ class BsrWorker:
             self._log.warning("bsr.vllm.lookup_failed", error=repr(exc))
         finally:
             if self._server is not None:
-                self._server.reply(conn_id, seq, hit, by_tier)
+                self._server.reply(conn_id, seq, hit, by_tier, skip)
 
     async def _lookup(
         self,
@@ -365,9 +368,9 @@ class BsrWorker:
         }  # fmt: skip
         if self.settings.tp_size > 1:  # rank 0 alone: no collective, no lease (see restore)
             probe = await engine.lookup(tokens, deadline_s=timeout, local=True, **how)
-            if probe.unanswered:
-                # every rank's load probes again, and a tier slow for rank 0 would hold each
-                # rank's probe until the load's deadline: offer nothing (as one rank does not)
+            if len(self._skip_of(probe)) < len(probe.unanswered):
+                # every rank's load probes again, skipping the tiers the answer names: one it
+                # cannot name would hold each rank's probe until the load's deadline
                 return 0, probe
             return self._offer(probe, h, seq), probe
         ttl = self.opts.lease_ttl_s
@@ -390,6 +393,14 @@ class BsrWorker:
             return 0, probe
         self._keep_probe(seq, probe)
         return hit, probe
+
+    def _skip_of(self, probe: Probe) -> tuple[int, ...]:
+        """The engine's tiers (by index) ``probe`` had no answer from, that an answer can name
+        (the load's probe skips them: ``LoadJob.skip_tiers``)."""
+        assert self.engine is not None
+        names = [t.name for t in self.engine.tiers]
+        found = (names.index(n) for n in probe.unanswered if n in names)
+        return tuple(i for i in found if i < SKIP_TIERS_MAX)
 
     def _offer(self, probe: Probe, hints: LookupHints, seq: int) -> int:
         if self.fleet is None:
@@ -513,6 +524,12 @@ class BsrWorker:
             # the restore still runs its agreement with the other ranks
             load.unbound = True
             extras = unbound_extras(job.extras)
+        # probing again (several ranks, or the lookup's probe is gone): not the tiers the
+        # lookup had no answer from, which would hold the probe until the load's deadline
+        tiers = engine.tiers
+        skip = (
+            () if entry is not None else [tiers[i].name for i in job.skip_tiers if i < len(tiers)]
+        )
         return await engine.restore(
             np.asarray(job.tokens, dtype=np.int64),
             cache,
@@ -524,6 +541,7 @@ class BsrWorker:
             request_id=job.req_id,
             start_tokens=job.start_tokens,
             extras=extras,
+            skip_tiers=skip,
         )
 
     def _cancel(self, load: _Load) -> None:
