@@ -248,3 +248,89 @@ def test_a_hung_tier_is_cut_off_at_lookup_timeout_s(tmp_path, sg, with_host) -> 
     finally:
         b.file.hang = False
         b.close()
+
+
+def _get_within(b: BsrHiCacheStorage, keys: list[str], pages: list[int], pool, sg, seconds=60):
+    """``batch_get_v1`` from another thread (SGLang's prefetch thread); None if it has not
+    answered within ``seconds`` (a hang guard, not a timing claim)."""
+    got: list[list[bool]] = []
+    t = threading.Thread(
+        target=lambda: got.append(b.batch_get_v1(keys, sg.indices(pool, pages))), daemon=True
+    )
+    t.start()
+    t.join(seconds)
+    return got[0] if got else None
+
+
+def _hung_below_host(tmp_path, sg, **backend):
+    """A backend over a host tier and a file tier whose lookups hang on demand, with a breaker
+    that stays closed (threshold 10: every call asks the file tier while it is not skipped),
+    two pages saved from SRC; ``backend``: its ``bsr_backend`` options."""
+    tiers = [
+        {"kind": "host", "capacity_bytes": "16MiB"},
+        {"kind": "file", "path": str(tmp_path), "capacity_bytes": "64MiB"},
+    ]
+    config = sg.storage_config(tmp_path, tiers=tiers)
+    config.extra_config["bsr"].update(breaker_threshold=10, breaker_cooldown_s=600)
+    config.extra_config["bsr_backend"] = {"lookup_timeout_s": 2.0, **backend}
+    pool = sg.mha_pool()
+    b = FileTierMayHang(config, {})
+    b.register_mem_pool_host(pool)
+    want = [sg.fill_page(pool, p, p) for p in SRC[:2]]
+    assert b.batch_set_v1(KEYS[:2], sg.indices(pool, SRC[:2])) == [True, True]
+    return b, pool, want
+
+
+def _close_unless_stuck(b: BsrHiCacheStorage, got) -> None:
+    b.file.hang = False
+    if got is not None:  # a get still stuck on the hung tier would hold the close as well
+        b.close()
+
+
+def test_a_get_skips_the_tier_its_pages_lookup_did_not_hear_from(tmp_path, sg) -> None:
+    """SGLang looks pages up (``batch_exists``), then fetches them (``batch_get_v1``). With a
+    file tier hung under a host tier and its breaker still closed, the lookup was cut off at
+    ``lookup_timeout_s`` but each page's restore asked the hung tier again and, with no
+    deadline, waited for it for ever: SGLang's prefetch thread with it. The restore now skips
+    the tiers its page's lookup did not hear from."""
+    b, pool, want = _hung_below_host(tmp_path, sg)
+    got = None
+    try:
+        b.file.hang = True
+        assert _exists_within(b, KEYS[:2]) == 2  # the host's copies, the file tier cut off
+        calls = b.file.calls
+        got = _get_within(b, KEYS[:2], DST[:2], pool, sg)
+        assert got == [True, True]
+        assert b.file.calls == calls  # not asked again
+        for page, data in zip(DST[:2], want):
+            assert torch.equal(pool.get_data_page(page * pool.page_size), data)
+        assert b.engine is not None
+        assert b.engine.health.state("file").consecutive_failures == 2  # the two lookups
+    finally:
+        _close_unless_stuck(b, got)
+
+
+def test_a_get_whose_tier_hangs_after_its_lookup_is_bounded(tmp_path, sg) -> None:
+    """A tier that hangs after the page's lookup heard from it: the restore's probe is cut off
+    at the engine's ``probe_share`` of ``get_deadline_s`` (no ``deadline_s`` in the engine
+    config), counted against the tier's breaker, and the page comes from the host tier."""
+    b, pool, want = _hung_below_host(tmp_path, sg, get_deadline_s=2.0)
+    got = None
+    try:
+        assert _exists_within(b, KEYS[:1]) == 1  # every tier answered
+        b.file.hang = True
+        got = _get_within(b, KEYS[:1], DST[:1], pool, sg)
+        assert got == [True]
+        assert torch.equal(pool.get_data_page(DST[0] * pool.page_size), want[0])
+        assert b.engine is not None
+        assert b.engine.health.state("file").consecutive_failures == 1
+    finally:
+        _close_unless_stuck(b, got)
+
+
+def test_get_deadline_s_is_checked(tmp_path, sg) -> None:
+    config = sg.storage_config(tmp_path)
+    for bad in (0, -1, "soon"):
+        config.extra_config["bsr_backend"] = {"get_deadline_s": bad}
+        with pytest.raises(bsr.ConfigError, match="get_deadline_s"):
+            BsrHiCacheStorage(config, {})

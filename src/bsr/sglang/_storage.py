@@ -10,7 +10,10 @@ bounded by ``bsr_backend.lookup_timeout_s`` (a tier still answering then is cut 
 against its circuit breaker: a hung store holds SGLang's prefetch thread a bounded time, then not at
 all while its breaker is open), and counts the leading pages found. ``batch_get_v1`` restores page
 after page into the host pool's own pages through bsr's W-slot staging window, each object verified;
-the first page that does not commit ends the run, and no later page is read or reported.
+the first page that does not commit ends the run, and no later page is read or reported. A page's
+restore skips the tiers its own lookup did not hear from (they would hold the restore's probe as
+they held the lookup) and is bounded by ``bsr_backend.get_deadline_s`` unless the engine config
+sets ``deadline_s``.
 ``batch_set_v1`` saves each page from the host pool. The generic (non-``interface_v1``) calls
 ``get`` / ``set`` go through a one-page scratch cache. The v2 calls serve the KV pool alone; any
 other pool (SWA, Mamba, indexer) is refused with ``NotImplementedError`` (bsr cannot commit two
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +59,8 @@ from ._pages import HostPages, PageKeys, host_pages, shard_identity
 CONFIG_KEY = "bsr"
 #: the key of the backend's own options (:class:`BackendOptions`) beside it
 OPTIONS_KEY = "bsr_backend"
+#: page keys whose lookup's unanswered tiers are kept for their restore (the oldest go first)
+MAX_REMEMBERED_KEYS = 4096
 
 
 @dataclass(frozen=True)
@@ -66,12 +72,18 @@ class BackendOptions(Options):
             answering then is cut off (the page counts as held only if another tier answered
             that it holds it; the cut counts against the slow tier's circuit breaker, which
             skips it once open). Seconds > 0.
+        get_deadline_s: the most one page's restore (``batch_get_v1``, ``get``) may take when
+            the engine config (``bsr``) sets no ``deadline_s``: its probe waits for the tiers
+            at most the engine's ``probe_share`` of it, a tier still answering then is cut off
+            (counted against its breaker) and the page is restored from the others. Seconds
+            > 0.
     """
 
     options_prefix = f"{OPTIONS_KEY}."
     options_name = f"extra_config[{OPTIONS_KEY!r}]"
 
     lookup_timeout_s: float = option(Check.seconds, 2.0)
+    get_deadline_s: float = option(Check.seconds, 10.0)
 
 
 @dataclass
@@ -139,6 +151,9 @@ class BsrHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self._portal_cm: Any = None
         self._portal: Any = None
         self.registered_pools: dict[str, Any] = {}
+        #: page key -> the tiers its last lookup did not hear from (its restore skips them);
+        #: the engine's loop thread alone reads and writes it
+        self._unanswered: OrderedDict[str, tuple[str, ...]] = OrderedDict()
 
     # ------------------------------------------------------------------ binding
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -198,6 +213,12 @@ class BsrHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             keys.tokens, extras=keys.extras(key), local=True,
             deadline_s=self.options.lookup_timeout_s,
         )  # fmt: skip
+        unanswered = self._unanswered
+        unanswered.pop(key, None)
+        if probe.unanswered:
+            unanswered[key] = probe.unanswered
+            while len(unanswered) > MAX_REMEMBERED_KEYS:  # keys looked up but never fetched
+                unanswered.popitem(last=False)
         return probe.prefix_chunks >= 1
 
     async def _exists_run(self, page_keys: list[str]) -> int:
@@ -208,8 +229,13 @@ class BsrHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
 
     async def _restore(self, key: str, cache: PagedKVCache, block: int) -> bool:
         engine, pages, keys = self._bound()
+        skip = self._unanswered.pop(key, ())
+        deadline = self.options.get_deadline_s if engine.deadline_s is None else None
         try:
-            result = await engine.restore(keys.tokens, cache, [block], extras=keys.extras(key))
+            result = await engine.restore(
+                keys.tokens, cache, [block], extras=keys.extras(key), skip_tiers=skip,
+                deadline_s=deadline,
+            )  # fmt: skip
         except BsrError:
             return False
         return bool(result.committed) and result.committed_tokens == pages.page_size
