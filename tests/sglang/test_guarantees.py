@@ -334,3 +334,40 @@ def test_get_deadline_s_is_checked(tmp_path, sg) -> None:
         config.extra_config["bsr_backend"] = {"get_deadline_s": bad}
         with pytest.raises(bsr.ConfigError, match="get_deadline_s"):
             BsrHiCacheStorage(config, {})
+
+
+def test_a_save_to_a_hung_tier_is_cut_and_ends_its_batch(tmp_path, sg) -> None:
+    """A page's save asks each tier what it holds before writing: a tier that hangs held
+    ``batch_set_v1`` (SGLang's backup thread) for ever. It is cut at ``save_timeout_s``, the page
+    reported not stored, and the batch's later pages are not tried (each would wait as long).
+    Once the tier answers again, pages are stored and restored as before."""
+    b, pool, _ = _hung_below_host(tmp_path, sg, save_timeout_s=1.0)
+    got: list[list[bool]] = []
+    try:
+        fresh = [sg.fill_page(pool, p, 100 + p) for p in SRC[2:4]]
+        b.file.hang = True
+        calls = b.file.calls
+        t = threading.Thread(
+            target=lambda: got.append(b.batch_set_v1(KEYS[2:4], sg.indices(pool, SRC[2:4]))),
+            daemon=True,
+        )
+        t.start()
+        t.join(60)  # a hang guard, not a timing claim
+        assert got == [[False, False]]
+        assert b.file.calls == calls + 1  # the second page was not tried
+        b.file.hang = False
+        assert b.batch_set_v1(KEYS[2:4], sg.indices(pool, SRC[2:4])) == [True, True]
+        assert _exists_within(b, KEYS[2:4]) == 2
+        assert b.batch_get_v1(KEYS[2:4], sg.indices(pool, DST[2:4])) == [True, True]
+        for page, data in zip(DST[2:4], fresh):
+            assert torch.equal(pool.get_data_page(page * pool.page_size), data)
+    finally:
+        _close_unless_stuck(b, got or None)
+
+
+def test_save_timeout_s_is_checked(tmp_path, sg) -> None:
+    config = sg.storage_config(tmp_path)
+    for bad in (0, -2.5, "later"):
+        config.extra_config["bsr_backend"] = {"save_timeout_s": bad}
+        with pytest.raises(bsr.ConfigError, match="save_timeout_s"):
+            BsrHiCacheStorage(config, {})

@@ -13,7 +13,7 @@ after page into the host pool's own pages through bsr's W-slot staging window, e
 the first page that does not commit ends the run, and no later page is read or reported. A page's
 restore skips the tiers its own lookup did not hear from (they would hold the restore's probe as
 they held the lookup) and is bounded by ``bsr_backend.get_deadline_s`` unless the engine config
-sets ``deadline_s``.
+sets ``deadline_s``; a page's save is cut at ``bsr_backend.save_timeout_s``.
 ``batch_set_v1`` saves each page from the host pool. The generic (non-``interface_v1``) calls
 ``get`` / ``set`` go through a one-page scratch cache. The v2 calls serve the KV pool alone; any
 other pool (SWA, Mamba, indexer) is refused with ``NotImplementedError`` (bsr cannot commit two
@@ -53,6 +53,7 @@ from bsr import (
     option,
 )
 
+from .._log import logger
 from ._pages import HostPages, PageKeys, host_pages, shard_identity
 
 #: the key of bsr's engine config inside SGLang's ``--hicache-storage-backend-extra-config``
@@ -77,6 +78,10 @@ class BackendOptions(Options):
             at most the engine's ``probe_share`` of it, a tier still answering then is cut off
             (counted against its breaker) and the page is restored from the others. Seconds
             > 0.
+        save_timeout_s: the most one page's save (``batch_set_v1``, ``set``) may take: a save
+            still running then (a tier that hangs) is cut, the page reported not stored, and
+            the rest of that ``batch_set_v1`` is not tried. What it stored before the cut stays
+            stored (each object is complete or absent). Seconds > 0.
     """
 
     options_prefix = f"{OPTIONS_KEY}."
@@ -84,6 +89,7 @@ class BackendOptions(Options):
 
     lookup_timeout_s: float = option(Check.seconds, 2.0)
     get_deadline_s: float = option(Check.seconds, 10.0)
+    save_timeout_s: float = option(Check.seconds, 10.0)
 
 
 @dataclass
@@ -240,12 +246,18 @@ class BsrHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             return False
         return bool(result.committed) and result.committed_tokens == pages.page_size
 
-    async def _save(self, key: str, cache: PagedKVCache, block: int) -> bool:
+    async def _save(self, key: str, cache: PagedKVCache, block: int) -> bool | None:
+        """Whether the page was stored; None when ``save_timeout_s`` cut its save (ended: no
+        copy out of the page is left running; what it stored stays stored)."""
         engine, pages, keys = self._bound()
         try:
-            result = await engine.save(keys.tokens, cache, [block], extras=keys.extras(key))
+            with anyio.move_on_after(self.options.save_timeout_s) as scope:
+                result = await engine.save(keys.tokens, cache, [block], extras=keys.extras(key))
         except BsrError:
             return False
+        if scope.cancelled_caught:
+            logger.warning("bsr.sglang.save_timed_out", timeout_s=self.options.save_timeout_s)
+            return None
         return result.saved_tokens == pages.page_size and not any(result.errors.values())
 
     async def _get_run(self, page_keys: list[str], blocks: list[int]) -> list[bool]:
@@ -259,7 +271,13 @@ class BsrHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
 
     async def _set_each(self, page_keys: list[str], blocks: list[int]) -> list[bool]:
         _, pages, _ = self._bound()
-        return [await self._save(k, pages.cache, b) for k, b in zip(page_keys, blocks)]
+        out = [False] * len(page_keys)
+        for i, (key, block) in enumerate(zip(page_keys, blocks)):
+            ok = await self._save(key, pages.cache, block)
+            if ok is None:  # cut: a tier hangs, and would hold each later page as long
+                break
+            out[i] = ok
+        return out
 
     def _blocks(self, page_keys: list[str], host_indices: torch.Tensor) -> list[int]:
         """The pool page of each key (``host_indices`` holds ``page_size`` indices per key)."""
@@ -330,7 +348,7 @@ class BsrHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     async def _set_flat(self, key: str, value: torch.Tensor) -> bool:
         assert self._scratch is not None
         self._scratch.tensor("kv").reshape(-1).copy_(value.reshape(-1).view(torch.uint8))
-        return await self._save(key, self._scratch, 0)
+        return bool(await self._save(key, self._scratch, 0))
 
     def _flat_bytes(self, t: Any, what: str) -> torch.Tensor:
         _, pages, _ = self._bound()
