@@ -146,9 +146,10 @@ class SaveResult:
         chunks: ``saved_tokens`` in chunks.
         objects_written, objects_skipped, bytes_written, errors: per tier.
         skipped: objects not written because a tier stayed busy past its bound, by reason
-            (``{"root_locked": 3}``: a FileTier root whose lock another process held); the
-            rest of the save skips that tier. Not an error: nothing failed, a later save of
-            the same tokens writes them.
+            (``{"root_locked": 3}``: a FileTier root whose lock another process held; the
+            rest of the save skips that tier), or because its circuit breaker was open
+            (``"breaker_open"``: every object of the save; the tier was not asked). Not an
+            error: nothing failed, a later save of the same tokens writes them.
     """
 
     saved_tokens: int

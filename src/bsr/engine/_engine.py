@@ -642,9 +642,13 @@ class RestoreEngine(AsyncResource):
         group ``NULL_BLOCK`` where nothing was written). ``saved_tokens``: the longest prefix
         a restore can read from what this save stored. Staging comes from the same W-slot pool
         as restores. A tier's write error is counted in the result and logged; it does not
-        stop the other tiers. ``extras``: what besides the token ids changed the state
-        (:class:`~bsr.KeyExtra`: a tenant's salt, an adapter, an image, prompt embeddings); a
-        later ``restore`` finds it only with the same.
+        stop the other tiers. A tier whose circuit breaker is open (``breaker_threshold``
+        failed or cut-off calls, for ``breaker_cooldown_s``) is neither asked nor written: it
+        holds nothing for probes until the breaker closes, and one that hangs would hold the
+        save; ``SaveResult.skipped["breaker_open"]`` counts the objects it was not given.
+        ``extras``: what besides the token ids changed the state (:class:`~bsr.KeyExtra`: a
+        tenant's salt, an adapter, an image, prompt embeddings); a later ``restore`` finds it
+        only with the same.
         """
         pool = self._open_pool()
         self._leases.reclaim()

@@ -5,9 +5,10 @@ public signature and documentation).
 
 How it works: :class:`Saves` is one per engine. A save keys the tokens, reads the block tables
 and hands the chunks to :func:`~bsr.transfer._save.save_chunks` through the engine's staging
-pool; a fresh copy written to a tier lifts that tier's quarantine of the object. It counts the
-engine's saves and the saves that skipped a busy tier, logs the result and reports it to the
-engine's listeners.
+pool; a fresh copy written to a tier lifts that tier's quarantine of the object. A tier whose
+circuit breaker is open is neither asked nor written (``SaveResult.skipped["breaker_open"]``). It
+counts the engine's saves and the saves that skipped a busy tier, logs the result and reports it
+to the engine's listeners.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ from ..transfer._staging import StagingPool
 from ._decisions import Quarantine
 from ._probe import Prober
 from ._restores import check_cache
+
+#: the ``SaveResult.skipped`` reason of objects not written to a tier whose breaker is open
+BREAKER_OPEN = "breaker_open"
 
 
 class Saves:
@@ -69,6 +73,10 @@ class Saves:
         keyed = await self.prober.keyed(tokens, check_extras(extras))
         tables = cache.block_tables(block_ids, len(keyed.keys) * self.layout.chunk_tokens)
         targets = self.tiers if tiers is None else [self.tier(name) for name in tiers]
+        health = self.prober.health
+        # a tier whose breaker is open holds nothing for probes until it closes, and one that
+        # hangs would hold the save: neither asked nor written (counted in result.skipped)
+        down = {t.name: BREAKER_OPEN for t in targets if not health.available(t.name)}
         quarantine = self.quarantine
         result = await save_chunks(
             layout=self.layout, tiers=targets, account=pool.account(), cache=cache, tables=tables,
@@ -76,7 +84,7 @@ class Saves:
             # a fresh copy replaces a quarantined one: probes may see it again
             on_written=lambda tier, okey: quarantine.lift(tier.name, okey.object_id),
             is_retired=lambda tier, okey: quarantine.retired(tier.name, okey.object_id),
-            checkpoint_chunks=every,
+            checkpoint_chunks=every, down=down,
         )  # fmt: skip
         self.counts["saves"] += 1
         for reason in result.skipped:

@@ -7,13 +7,14 @@ the groups some tier lacks into it, writes them to every tier missing them (at m
 writes in flight), and gives the slot back in ``finally``. A tier failing a write is counted and
 logged; the other tiers still get the object. A tier that says it is busy (``TierBusyError``:
 a FileTier root whose lock another process held past its bound) is skipped for the rest of the
-save, counted by reason (``SaveResult.skipped``), never waited for again.
+save, counted by reason (``SaveResult.skipped``), never waited for again; a tier the caller marks
+down (its circuit breaker is open) is neither asked nor written, its objects counted the same way.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -39,6 +40,7 @@ class _SavePlan:
         tiers: Sequence[Tier],
         keys: Sequence[ChunkKey],
         wanted: Sequence[tuple[int, str]],
+        down: Mapping[str, str],
     ):
         self.layout = layout
         self.tiers = list(tiers)
@@ -48,7 +50,7 @@ class _SavePlan:
         self.skipped = {t.name: 0 for t in tiers}
         self.nbytes = {t.name: 0 for t in tiers}
         self.errors = {t.name: 0 for t in tiers}
-        self.busy: dict[str, str] = {}  # tier -> why it was busy: skipped for the rest
+        self.busy: dict[str, str] = dict(down)  # tier -> why it is busy: skipped for the rest
         self.skipped_by: dict[str, int] = {}  # reason -> objects not written
         self.missing: dict[tuple[int, str], list[Tier]] = {(c, g): [] for c, g in self.wanted}
         self.replace: set[tuple[str, int, str]] = set()
@@ -59,6 +61,10 @@ class _SavePlan:
         """Ask every tier what it holds; return, per chunk, the groups some tier lacks."""
         objs = [ObjectKey(self.keys[c], g) for c, g in self.wanted]
         for t in self.tiers:
+            if t.name in self.busy:  # down: not asked, and none of its objects written
+                reason = self.busy[t.name]
+                self.skipped_by[reason] = self.skipped_by.get(reason, 0) + len(objs)
+                continue
             try:
                 present = await t.contains_many(objs)
             except (BsrError, OSError) as exc:
@@ -134,6 +140,7 @@ async def save_chunks(
     on_written: Callable[[Tier, ObjectKey], None] | None = None,
     is_retired: Callable[[Tier, ObjectKey], bool] | None = None,
     checkpoint_chunks: int | None = None,
+    down: Mapping[str, str] | None = None,
 ) -> SaveResult:
     """Store the objects of ``len(keys)`` chunks that ``tables`` hold into every tier lacking them.
 
@@ -143,11 +150,12 @@ async def save_chunks(
     end, at the longest prefix every group can serve and, with ``checkpoint_chunks``, at every
     window checkpoint. ``on_written(tier, object_key)`` is called after each object a tier newly
     stored. A copy the engine retired (``is_retired``: it failed a read) is replaced: deleted,
-    then written again.
+    then written again. ``down``: tiers neither asked nor written (tier name -> the reason its
+    objects are counted under in ``SaveResult.skipped``).
     """
     t0 = time.perf_counter()
     shape = plan_save(layout, len(keys), tables.whole, checkpoint_chunks)
-    plan = _SavePlan(layout, tiers, keys, shape.objects)
+    plan = _SavePlan(layout, tiers, keys, shape.objects, down or {})
     todo = await plan.find_missing(log, is_retired)
     limiter = anyio.CapacityLimiter(io_depth)
 
