@@ -328,14 +328,6 @@ def test_a_get_whose_tier_hangs_after_its_lookup_is_bounded(tmp_path, sg) -> Non
         _close_unless_stuck(b, got)
 
 
-def test_get_deadline_s_is_checked(tmp_path, sg) -> None:
-    config = sg.storage_config(tmp_path)
-    for bad in (0, -1, "soon"):
-        config.extra_config["bsr_backend"] = {"get_deadline_s": bad}
-        with pytest.raises(bsr.ConfigError, match="get_deadline_s"):
-            BsrHiCacheStorage(config, {})
-
-
 def test_a_save_to_a_hung_tier_is_cut_and_ends_its_batch(tmp_path, sg) -> None:
     """A page's save asks each tier what it holds before writing: a tier that hangs held
     ``batch_set_v1`` (SGLang's backup thread) for ever. It is cut at ``save_timeout_s``, the page
@@ -365,9 +357,10 @@ def test_a_save_to_a_hung_tier_is_cut_and_ends_its_batch(tmp_path, sg) -> None:
         _close_unless_stuck(b, got or None)
 
 
-def test_save_timeout_s_is_checked(tmp_path, sg) -> None:
+@pytest.mark.parametrize("option", ["get_deadline_s", "save_timeout_s"])
+def test_the_backends_bounds_are_checked(tmp_path, sg, option: str) -> None:
     config = sg.storage_config(tmp_path)
     for bad in (0, -2.5, "later"):
-        config.extra_config["bsr_backend"] = {"save_timeout_s": bad}
-        with pytest.raises(bsr.ConfigError, match="save_timeout_s"):
+        config.extra_config["bsr_backend"] = {option: bad}
+        with pytest.raises(bsr.ConfigError, match=option):
             BsrHiCacheStorage(config, {})
